@@ -1,0 +1,134 @@
+"""Checkpoints: atomic to write, exact to resume.
+
+A checkpoint holds the model's state_dict (parameters and the routing bias),
+the optimizer's name-keyed state, the number of steps done, and the run's
+configuration. Nothing else is needed to continue bit for bit: the data a step
+reads and its learning rate are functions of the step number, and training
+draws no random numbers.
+
+Replicated runs (one process, or a fleet whose ranks all hold the same
+parameters) write one file, `<out_dir>/<ckpt_name>.pt`, from the main process
+only, through a temporary file and an atomic rename; it loads with
+`torch.load(weights_only=True)`. Sharded runs (FSDP2) write a
+torch.distributed.checkpoint directory, `<ckpt_name>.dcp`, each rank its own
+shards, into a temporary directory that the main rank renames into place once
+every rank has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from dormouse import atomic
+from dormouse.config import RunConfig
+from dormouse.errors import CheckpointError
+
+FORMAT = 1
+
+
+class Peers(Protocol):
+    """What checkpointing needs to know of the processes around it."""
+
+    is_main: bool  # the one process that writes shared files
+    sharded: bool  # parameters are FSDP2 shards
+
+    def barrier(self) -> None: ...
+
+
+def checkpoint_path(run: RunConfig, sharded: bool) -> Path:
+    suffix = ".dcp" if sharded else ".pt"
+    return Path(run.train.out_dir) / f"{run.train.ckpt_name}{suffix}"
+
+
+def save_checkpoint(path: Path, *, model, opt, step: int, run: RunConfig, peers: Peers) -> Path:
+    meta = {"format": FORMAT, "step": step, "config": run.to_dict()}
+    if not peers.sharded:
+        if peers.is_main:
+            payload = {"meta": json.dumps(meta), "model": model.state_dict(), "optim": opt.state_dict()}
+            atomic.torch_save(payload, path)
+        peers.barrier()
+        return path
+
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    if peers.is_main and tmp.exists():
+        shutil.rmtree(tmp)  # left by a run killed mid-save
+    peers.barrier()
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp))
+    peers.barrier()
+    if peers.is_main:
+        atomic.write_text(tmp / "meta.json", json.dumps(meta))
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        if old.exists():
+            shutil.rmtree(old)
+    peers.barrier()
+    return path
+
+
+def load_checkpoint(path: Path, *, model, opt, run: RunConfig, peers: Peers) -> int:
+    """Restore model and optimizer from `path`; returns the number of steps done."""
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {str(path)!r} to resume from: drop resume, or point out_dir at the run")
+    if not peers.sharded:
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+            meta = json.loads(payload["meta"])
+        except Exception as e:  # a torn or foreign file: say so, not a traceback
+            raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({e.__class__.__name__}: {e})") from e
+        _check_same_network(meta, run, path)
+        _load_model(model, payload["model"], path)
+        _load_optim(opt, payload["optim"], path)
+        return int(meta["step"])
+
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"sharded checkpoint {str(path)!r} has no readable meta.json ({e})") from e
+    _check_same_network(meta, run, path)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    _load_model(model, state["model"], path)
+    return int(meta["step"])
+
+
+def _check_same_network(meta: dict, run: RunConfig, path: Path) -> None:
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')}, expected {FORMAT}")
+    saved = RunConfig.from_dict(meta["config"])
+    ours = run.model
+    diffs = [f"model.{k}: saved {v!r}, now {getattr(ours, k)!r}"
+             for k, v in vars(saved.model).items() if getattr(ours, k) != v]
+    if saved.train.opt != run.train.opt:
+        diffs.append(f"train.opt: saved {saved.train.opt!r}, now {run.train.opt!r}")
+    if saved.train.muon_variant != run.train.muon_variant:
+        diffs.append(f"train.muon_variant: saved {saved.train.muon_variant!r}, now {run.train.muon_variant!r}")
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} belongs to another configuration ({'; '.join(diffs[:3])}): "
+            "resume with the configuration that made it, or use a fresh out_dir/ckpt_name"
+        )
+
+
+def _load_model(model, sd: dict, path: Path) -> None:
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {e}") from e
+
+
+def _load_optim(opt, sd: dict, path: Path) -> None:
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {e}") from e

@@ -1,0 +1,132 @@
+"""The corpus and the one rule for which bytes a step reads.
+
+A corpus is a file of bytes, memory-mapped and never read whole. One optimizer
+step reads one contiguous global *span*; the span is cut into consecutive
+slices, one per `RankShape` in rank order, and each slice into `batch` windows
+of `seq_len + 1` bytes (inputs and next-byte targets). Step k's span starts at
+
+    (k mod n) * span,   n = number of whole spans in the training part
+
+so a single process at the global batch reads exactly the bytes of a fleet, and
+a resumed run reads exactly the bytes the uninterrupted run would have read.
+An optional held-out tail (`eval_frac`) is never trained on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dormouse.errors import DataError
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """The work of one rank (or one micro-batch) in a step: `batch` windows of
+    `seq_len` tokens."""
+
+    batch: int
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this slice reads: each window needs one extra byte of target."""
+        return self.batch * (self.seq_len + 1)
+
+    def line(self) -> str:
+        return f"batch={self.batch} seq_len={self.seq_len} tokens={self.tokens}"
+
+
+def span_bytes(shapes: list[RankShape]) -> int:
+    """Bytes one step reads over all slices."""
+    return sum(s.nbytes for s in shapes)
+
+
+def rank_byte_offset(shapes: list[RankShape], r: int) -> int:
+    """Where slice r starts inside a step's span: after the slices of ranks < r."""
+    return sum(s.nbytes for s in shapes[:r])
+
+
+def step_span_start(step: int, span: int, train_bytes: int) -> int:
+    """Where step `step`'s span starts: (step mod n) * span, n whole spans."""
+    n = train_bytes // span
+    if n == 0:
+        raise DataError(
+            f"the corpus's training part holds {train_bytes} bytes, less than one "
+            f"global batch ({span} bytes): use a longer corpus or a smaller batch/seq_len"
+        )
+    return (step % n) * span
+
+
+def _windows(raw, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut `batch` windows of seq_len + 1 consecutive bytes from `raw` (bytes,
+    a uint8 array or memoryview of exactly batch * (seq_len + 1) bytes) into
+    inputs x and next-byte targets y, each (batch, seq_len) int64."""
+    need = batch * (seq_len + 1)
+    buf = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
+    if buf.size != need:
+        raise DataError(f"_windows needs {need} bytes for {batch} x ({seq_len} + 1), got {buf.size}")
+    w = torch.from_numpy(np.array(buf, dtype=np.int64)).view(batch, seq_len + 1)  # (B, T+1)
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+class ByteCorpus:
+    """A memory-mapped byte file, split into a training head and an eval tail."""
+
+    def __init__(self, path: str | os.PathLike, eval_frac: float = 0.0):
+        p = Path(path)
+        if not p.exists():
+            raise DataError(f"corpus file {str(p)!r} does not exist: pass --data with an existing file")
+        if not p.is_file():
+            raise DataError(f"corpus path {str(p)!r} is not a regular file")
+        size = p.stat().st_size
+        if size == 0:
+            raise DataError(f"corpus file {str(p)!r} is empty: it needs at least one global batch of bytes")
+        self.path = p
+        self.bytes = np.memmap(p, dtype=np.uint8, mode="r")
+        self.eval_bytes = int(size * eval_frac)
+        self.train_bytes = size - self.eval_bytes
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """n bytes from `start` of the training part (copied out of the map)."""
+        if start + n > self.train_bytes:
+            raise DataError(f"read of {n} bytes at {start} runs past the training part ({self.train_bytes})")
+        return np.array(self.bytes[start:start + n])
+
+    def step_batch(self, step: int, shapes: list[RankShape], mine: list[int]):
+        """(x, y) of each slice in `mine` (indices into `shapes`) at step `step`."""
+        start = step_span_start(step, span_bytes(shapes), self.train_bytes)
+        out = []
+        for r in mine:
+            s = shapes[r]
+            out.append(_windows(self.read(start + rank_byte_offset(shapes, r), s.nbytes), s.batch, s.seq_len))
+        return out
+
+    def eval_batches(self, batch: int, seq_len: int, max_windows: int = 64):
+        """Consecutive windows of the held-out tail, in batches of at most `batch`."""
+        n = min(self.eval_bytes // (seq_len + 1), max_windows)
+        if n == 0:
+            raise DataError(
+                f"the held-out tail ({self.eval_bytes} bytes) is shorter than one window "
+                f"({seq_len + 1} bytes): raise eval_frac or use a longer corpus"
+            )
+        tail = np.array(self.bytes[self.train_bytes:self.train_bytes + n * (seq_len + 1)])
+        x, y = _windows(tail, n, seq_len)
+        return list(zip(x.split(batch), y.split(batch)))
+
+
+def builtin_corpus() -> bytes:
+    """The corpus used when none is given: dormouse's own Python source, a few
+    tens of kilobytes of real text that ships with the package (nothing is
+    downloaded). Files are taken in sorted order so it is the same bytes for a
+    given version of the package."""
+    root = Path(__file__).resolve().parents[1]
+    return b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))

@@ -1,0 +1,205 @@
+"""train(): THE training loop, for one process and for every rank of a fleet.
+
+One step, for the slices of the global batch this process computes (one slice
+in a single process or on a rank; see data.py for which bytes they are):
+
+    for each slice i with t_i tokens and mean loss L_i:
+        backward(L_i * t_i / T)                 # T = tokens of the whole step
+    sync.reduce(...)                            # fleet: SUM over ranks; alone: nothing
+    step the optimizer, then move the routing bias by the step's expert loads
+
+so every process ends the step holding g = sum_i t_i g_i / T, the gradient of the
+token-weighted mean loss over the global batch (for one slice, t_i / T = 1 and
+this is plain backward). The gradient synchroniser is the only thing a fleet
+changes; it is passed in, and the loop never asks what it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dormouse import atomic
+from dormouse.config import RunConfig
+from dormouse.errors import CheckpointError, DivergedError
+from dormouse.model import DormouseModel
+from dormouse.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from dormouse.train.data import ByteCorpus, RankShape, builtin_corpus
+from dormouse.train.optim import MixOptimizer
+
+
+class LocalSync:
+    """The synchroniser of a single process: the step's whole batch is its own,
+    so there is nothing to exchange. A fleet's synchroniser (distributed.py)
+    has the same attributes and methods."""
+
+    rank, world_size, is_main, sharded = 0, 1, True, False
+
+    def __init__(self, run: RunConfig):
+        self.shapes = [RankShape(run.train.batch, run.train.seq_len)]  # the step's slices
+        self.mine = [0]  # which of them this process computes
+
+    def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """Gradients are already the global ones; returns (loss, loads)."""
+        return float(loss_share), loads
+
+    def barrier(self) -> None:
+        pass
+
+
+def build_model(run: RunConfig) -> DormouseModel:
+    """The model a run starts from: seeded by train.seed, cast to bfloat16 if
+    the model config asks for it."""
+    torch.manual_seed(run.train.seed)
+    model = DormouseModel(run.model)
+    return model.to(torch.bfloat16) if run.model.bf16 else model
+
+
+def make_optimizer(model, run: RunConfig) -> MixOptimizer:
+    """The one optimizer construction (the loop and the gate's gradref share it)."""
+    t = run.train
+    return MixOptimizer(
+        model, lr=t.lr, wd=t.wd, opt=t.opt, ns_steps=t.ns_steps, ns_kind=t.ns_kind,
+        colrow_3d=t.muon_colrow_3d, muon_state_dtype=t.muon_state_dtype, ns_dtype=t.ns_dtype,
+        muon_variant=t.muon_variant, muon_sf=t.muon_sf, momentum=t.muon_momentum,
+        nesterov=t.muon_nesterov, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+    )
+
+
+def lr_at(step: int, run: RunConfig) -> float:
+    """Learning rate of step `step` (0-based): linear warm-up, then constant or
+    cosine down to lr * min_lr_frac at the last step."""
+    t = run.train
+    if step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    if t.schedule == "constant":
+        return t.lr
+    progress = (step - t.warmup) / max(1, t.steps - 1 - t.warmup)
+    return t.lr * (t.min_lr_frac + (1 - t.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def resolve_corpus(run: RunConfig) -> Path:
+    """The corpus file: train.data, or the built-in corpus written into out_dir."""
+    if run.train.data:
+        return Path(run.train.data)
+    path = Path(run.train.out_dir) / "builtin_corpus.bin"
+    data = builtin_corpus()
+    if not (path.exists() and path.read_bytes() == data):
+        atomic.write_bytes(path, data)
+    return path
+
+
+def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=None,
+          on_step: Callable[[int, object, dict], None] | None = None) -> dict:
+    """Train `model` as `run` says; returns a report with every step's loss.
+
+    sync: the gradient synchroniser (None = a single process). on_step, if
+    given, is called after each optimizer step with (step, model, info) where
+    info holds the step's global loss, loads and this process's top-k choices.
+    """
+    run.validate()
+    cfg = run.train
+    sync = sync or LocalSync(run)
+    try:
+        atomic.check_writable(cfg.out_dir)
+    except OSError as e:
+        raise CheckpointError(
+            f"out_dir {cfg.out_dir!r} is not writable ({e.strerror or e}): choose another out_dir"
+        ) from e
+    if run.model.bf16:
+        model.to(torch.bfloat16)  # the run owns the cast (a fleet refuses a pre-built bf16 model)
+    corpus = ByteCorpus(resolve_corpus(run), cfg.eval_frac)
+    total_tokens = sum(s.tokens for s in sync.shapes)
+    # Fail before any work if the corpus cannot hold one global batch.
+    corpus.step_batch(0, sync.shapes, [])
+    if cfg.steps and cfg.eval_every:
+        corpus.eval_batches(cfg.batch, cfg.seq_len)
+
+    opt = make_optimizer(model, run)
+    ckpt = checkpoint_path(run, sync.sharded) if cfg.ckpt_every else None
+    start = 0
+    if cfg.resume:
+        path = checkpoint_path(run, sync.sharded)
+        if path.exists():
+            start = load_checkpoint(path, model=model, opt=opt, run=run, peers=sync)
+            log(f"resumed from {path} at step {start}")
+    metrics = Path(cfg.out_dir) / f"{cfg.ckpt_name}.metrics.jsonl"
+    if sync.is_main and start == 0 and metrics.exists():
+        metrics.unlink()  # a fresh run starts a fresh log
+
+    losses: list[float] = []
+    t0 = last_t = time.perf_counter()
+    last_step = start
+    for step in range(start, cfg.steps):
+        lr = lr_at(step, run)
+        opt.set_lr(lr)
+        opt.zero_grad()
+        loss_share = torch.zeros((), dtype=torch.float64)
+        loads = None
+        topk = []
+        for r, (x, y) in zip(sync.mine, corpus.step_batch(step, sync.shapes, sync.mine)):
+            share = sync.shapes[r].tokens / total_tokens
+            _, loss, aux = model(x, y)
+            (loss * share).backward()
+            loss_share += loss.detach().double() * share
+            loads = aux["loads"] if loads is None else loads + aux["loads"]
+            topk.append(aux["topk"])
+        loss_value, loads = sync.reduce(model, loss_share, loads)
+        if not math.isfinite(loss_value):
+            kept = f"the last good checkpoint {str(ckpt)!r} is kept" if ckpt and ckpt.exists() else "no checkpoint was written"
+            raise DivergedError(
+                f"loss is {loss_value} at step {step + 1}: training stopped before the bad "
+                f"update; {kept}. Lower train.lr or set train.grad_clip"
+            )
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
+        opt.step()
+        model.balance_experts(loads)
+        losses.append(loss_value)
+        if on_step is not None:
+            on_step(step + 1, model, {"loss": loss_value, "loads": loads, "topk": topk})
+
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            now = time.perf_counter()
+            tps = total_tokens * (done - last_step) / max(now - last_t, 1e-9)
+            last_t, last_step = now, done
+            log(f"step={done}/{cfg.steps} loss={loss_value:.7f} lr={lr:.3e} tok/s={tps:.0f}")
+            if sync.is_main:
+                with open(metrics, "a") as f:
+                    f.write(json.dumps({"step": done, "loss": loss_value, "lr": lr, "tokens_per_s": tps}) + "\n")
+        if cfg.eval_every and done % cfg.eval_every == 0:
+            log(f"eval step={done} loss={evaluate(model, corpus, run):.7f}")
+        if ckpt is not None and (done % cfg.ckpt_every == 0 or done == cfg.steps):
+            save_checkpoint(ckpt, model=model, opt=opt, step=done, run=run, peers=sync)
+
+    wall = time.perf_counter() - t0
+    steps_run = cfg.steps - start
+    return {
+        "rank": sync.rank,
+        "world_size": sync.world_size,
+        "start_step": start,
+        "steps": cfg.steps,
+        "losses": losses,
+        "final_loss": losses[-1] if losses else None,
+        "tokens_per_step": total_tokens,
+        "wall_s": wall,
+        "tokens_per_s": total_tokens * steps_run / wall if wall > 0 else 0.0,
+        "checkpoint": str(ckpt) if ckpt else None,
+    }
+
+
+@torch.no_grad()
+def evaluate(model, corpus: ByteCorpus, run: RunConfig) -> float:
+    """Token-mean loss over the held-out tail (every process computes the same)."""
+    total, count = 0.0, 0
+    for x, y in corpus.eval_batches(run.train.batch, run.train.seq_len):
+        _, loss, _ = model(x, y)
+        total += float(loss) * y.numel()
+        count += y.numel()
+    return total / count
