@@ -132,6 +132,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
     if sync.is_main and start == 0 and metrics.exists():
         metrics.unlink()  # a fresh run starts a fresh log
 
+    device = next(model.parameters()).device
     losses: list[float] = []
     t0 = last_t = time.perf_counter()
     last_step = start
@@ -139,12 +140,12 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         lr = lr_at(step, run)
         opt.set_lr(lr)
         opt.zero_grad()
-        loss_share = torch.zeros((), dtype=torch.float64)
+        loss_share = torch.zeros((), dtype=torch.float64, device=device)
         loads = None
         topk = []
         for r, (x, y) in zip(sync.mine, corpus.step_batch(step, sync.shapes, sync.mine)):
             share = sync.shapes[r].tokens / total_tokens
-            _, loss, aux = model(x, y)
+            _, loss, aux = model(x.to(device), y.to(device))
             (loss * share).backward()
             loss_share += loss.detach().double() * share
             loads = aux["loads"] if loads is None else loads + aux["loads"]
@@ -198,8 +199,9 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
 def evaluate(model, corpus: ByteCorpus, run: RunConfig) -> float:
     """Token-mean loss over the held-out tail (every process computes the same)."""
     total, count = 0.0, 0
+    device = next(model.parameters()).device
     for x, y in corpus.eval_batches(run.train.batch, run.train.seq_len):
-        _, loss, _ = model(x, y)
+        _, loss, _ = model(x.to(device), y.to(device))
         total += float(loss) * y.numel()
         count += y.numel()
     return total / count

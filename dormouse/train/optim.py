@@ -115,7 +115,7 @@ class MixOptimizer:
         for n, p in self.muon_params:
             self.state[n] = {"momentum": torch.zeros_like(p, dtype=self.state_dtype)}
             if muon_variant == "normuon":
-                self.state[n]["row_v"] = torch.zeros(*self._matrix_stack_shape(p.shape)[:-1], 1)
+                self.state[n]["row_v"] = torch.zeros(*self._matrix_stack_shape(p.shape)[:-1], 1, device=p.device)
         for n, p in self.adamw_params:
             self.state[n] = {
                 "step": torch.zeros((), dtype=torch.int64),

@@ -1,0 +1,265 @@
+"""Data-parallel training on torch.distributed: a fleet of ranks that trains the
+network one process would train at the global batch.
+
+Rank r computes the mean loss L_r and gradient g_r over its own t_r tokens (its
+slice of the step's span, see data.py). The fleet applies
+
+    g = (t_0 g_0 + ... + t_{W-1} g_{W-1}) / (t_0 + ... + t_{W-1})
+
+the gradient of the token-weighted mean loss over the global batch, exactly the
+single process's gradient up to the order of summation. Ranks may carry
+different batches ("4,2"): a plain mean of g_r would then over-weight the small
+rank's tokens, which is why the weights are token counts (accelerate's and
+torchtitan's token-weighted losses are the same rule). The loop backpropagates
+L_r * t_r / T, so the fleet only SUMs:
+
+- replicated (dist_shard="none"): after backward, all gradients are flattened
+  into buckets of dist_bucket_mb and all-reduced (SUM) in float32 or, with
+  dist_reduce="bf16", in bfloat16 on the wire. Every parameter takes part on
+  every rank (a missing gradient is a zero), so the collectives never depend on
+  which experts a rank's tokens happened to choose.
+- sharded (dist_shard="fsdp"): FSDP2 `fully_shard` reduce-scatters the same SUM
+  during backward (divide factor 1, sum-only reduction, unused parameters
+  reduced as zeros); MixOptimizer gathers each hidden matrix for Newton-Schulz.
+
+The logged loss sum_r t_r L_r / T and the MoE expert loads (which move the
+routing bias) are summed the same way, so they are identical on every rank and
+equal to the single process's.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dormouse.config import RunConfig, TrainConfig
+from dormouse.errors import FleetError
+from dormouse.train.data import RankShape, rank_byte_offset
+from dormouse.train.loop import build_model, train
+from dormouse.train.tensors import fingerprint, named_state
+
+__all__ = ["RankShape", "parse_capacity", "rank_byte_offset", "refuse_incompatible",
+           "train_dist", "close_fleet", "FleetSync"]
+
+_ENTRY = re.compile(r"^(\d+)(?:x(\d+))?$")
+
+
+def parse_capacity(capacity: str, *, world_size: int, cfg: TrainConfig, max_seq_len: int) -> list[RankShape]:
+    """The per-rank shapes of a fleet.
+
+    "" gives every rank cfg.batch windows of cfg.seq_len. Otherwise one
+    comma-separated entry per rank, in rank order: "B" (B windows of
+    cfg.seq_len) or "BxT" (B windows of T tokens), e.g. "4,2" or "4x32,2x64".
+    """
+    if world_size < 1:
+        raise FleetError(f"world_size = {world_size}: a fleet needs at least one rank")
+    if not capacity.strip():
+        return [RankShape(cfg.batch, cfg.seq_len)] * world_size
+    how = "write one entry per rank, each 'B' or 'BxT' with positive integers, e.g. '4,2' or '4x64,2x32'"
+    entries = [e.strip() for e in capacity.split(",")]
+    if len(entries) != world_size:
+        raise FleetError(
+            f"dist_capacity {capacity!r} has {len(entries)} entries but the fleet has "
+            f"{world_size} ranks: {how}"
+        )
+    shapes = []
+    for r, e in enumerate(entries):
+        m = _ENTRY.match(e)
+        if not m:
+            raise FleetError(f"dist_capacity {capacity!r}: rank {r}'s entry {e!r} is not a batch size; {how}")
+        batch, seq = int(m.group(1)), int(m.group(2) or cfg.seq_len)
+        if batch < 1 or seq < 1:
+            raise FleetError(f"dist_capacity {capacity!r}: rank {r}'s entry {e!r} must be positive; {how}")
+        if seq > max_seq_len:
+            raise FleetError(
+                f"dist_capacity {capacity!r}: rank {r}'s seq_len {seq} exceeds the model's "
+                f"max_seq_len {max_seq_len}"
+            )
+        shapes.append(RankShape(batch, seq))
+    return shapes
+
+
+def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> list[RankShape]:
+    """Refuse, before any collective, every configuration under which the fleet
+    would train a different network than one process; returns the rank shapes."""
+    m, t = run.model, run.train
+    if not t.dist:
+        raise FleetError("train.dist is False: set it to True for a fleet run (train_dist)")
+    if m.moe_on and m.moe_capacity > 0:
+        raise FleetError(
+            f"model.moe_capacity = {m.moe_capacity}: a capacity-dropping MoE drops assignments "
+            "by a rule that depends on which windows share a batch, so a fleet's split batch "
+            "is a different network. Use moe_capacity = 0 (dropless) for data-parallel runs"
+        )
+    if model is not None:
+        if m.bf16:
+            raise FleetError(
+                "model.bf16 is True but a pre-built model was passed: the run must build and "
+                "cast the model itself so every rank (and the reference) holds the same "
+                "bfloat16 weights. Pass model=None"
+            )
+        built = getattr(model, "cfg", None)
+        if built is not None and built != m:
+            diffs = [k for k in vars(m) if getattr(built, k, None) != getattr(m, k)]
+            raise FleetError(
+                f"the pre-built model was made from another ModelConfig (differs in "
+                f"{', '.join(diffs[:4])}): build it from run.model"
+            )
+        if any(hasattr(p, "placements") for p in model.parameters()):
+            raise FleetError("the pre-built model is already sharded: pass the plain model; train_dist shards it")
+    shapes = parse_capacity(t.dist_capacity, world_size=world_size, cfg=t, max_seq_len=m.max_seq_len)
+    return shapes
+
+
+class FleetSync:
+    """The loop's gradient synchroniser for one rank of a fleet (see module doc)."""
+
+    def __init__(self, shapes: list[RankShape], rank: int, world_size: int, *,
+                 reduce: str, sharded: bool, bucket_mb: float, device: torch.device):
+        self.shapes, self.mine = shapes, [rank]
+        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
+        self.sharded, self.device = sharded, device
+        self.wire = torch.bfloat16 if reduce == "bf16" else torch.float32
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self._buckets = None
+
+    def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """SUM gradients (unless FSDP already did), the loss share and the loads."""
+        stats = torch.cat([loss_share.reshape(1).double(), loads.reshape(-1).double().to(loss_share.device)])
+        pending = [dist.all_reduce(stats, async_op=True)]
+        if not self.sharded:
+            params = [p for p in model.parameters() if p.requires_grad]
+            flats = []
+            for bucket in self._bucket(params):
+                flat = torch.cat([p.grad.reshape(-1) if p.grad is not None
+                                  else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                                  for p in bucket]).to(self.wire)
+                pending.append(dist.all_reduce(flat, async_op=True))
+                flats.append((bucket, flat))
+        for work in pending:
+            work.wait()
+        if not self.sharded:
+            for bucket, flat in flats:
+                offset = 0
+                for p in bucket:
+                    g = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+                    offset += p.numel()
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.copy_(g)
+        return float(stats[0]), stats[1:].view_as(loads).to(loads.dtype)
+
+    def _bucket(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Consecutive parameters, about bucket_bytes per bucket: the same on every rank."""
+        if self._buckets is None:
+            buckets, cur, size = [], [], 0
+            for p in params:
+                cur.append(p)
+                size += p.numel() * p.element_size()
+                if size >= self.bucket_bytes:
+                    buckets.append(cur)
+                    cur, size = [], 0
+            if cur:
+                buckets.append(cur)
+            self._buckets = buckets
+        return self._buckets
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def fleet_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's environment."""
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    except KeyError as e:
+        raise FleetError(
+            f"{e.args[0]} is not set: train_dist runs under torchrun, e.g. "
+            "python -m torch.distributed.run --standalone --nproc_per_node=2 -m dormouse.gate --mode rank ..."
+        ) from None
+
+
+def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=None, close: bool = True,
+               on_step=None) -> dict:
+    """Join the fleet described by torchrun's environment and run THE training
+    loop with a gradient synchroniser. Returns the loop's report (which carries
+    rank and world_size). With close=False the process group stays up (for
+    gathering sharded parameters afterwards); call close_fleet() when done."""
+    rank, world_size, local_rank = fleet_env()
+    run.validate()
+    shapes = refuse_incompatible(run, world_size=world_size, model=model)
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise FleetError("device_type='cuda' but CUDA is not available: use device_type='cpu' (gloo)")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    elif device_type == "cpu":
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        raise FleetError(f"device_type = {device_type!r} is not one of 'cpu', 'cuda'")
+
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timedelta(minutes=5), **kwargs)
+    model = build_model(run) if model is None else model
+    model.to(device)
+    _check_identical(model, rank)
+
+    if run.train.dist_shard == "fsdp":
+        model = _shard(model, device_type, world_size, run.train.dist_reduce)
+    sync = FleetSync(shapes, rank, world_size, reduce=run.train.dist_reduce,
+                     sharded=run.train.dist_shard == "fsdp", bucket_mb=run.train.dist_bucket_mb,
+                     device=device)
+    if rank == 0:
+        log(f"fleet: world_size={world_size} backend={backend} shard={run.train.dist_shard} "
+            f"reduce={run.train.dist_reduce} | " + " | ".join(f"rank{r} {s.line()}" for r, s in enumerate(shapes)))
+    report = train(model, run, log, sync=sync, on_step=on_step)
+    report["model"] = model  # the (possibly sharded) model the fleet trained
+    if close:
+        close_fleet()
+    return report
+
+
+def _check_identical(model, rank: int) -> None:
+    """Every rank must start from the same parameters: compare fingerprints."""
+    mine = fingerprint(named_state(model))
+    prints = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, mine)
+    odd = [r for r, f in enumerate(prints) if f != prints[0]]
+    if odd:
+        raise FleetError(
+            f"ranks {odd} start from different parameters than rank 0: seed identically "
+            "(torch.manual_seed) before building the model on every rank, or pass model=None"
+        )
+
+
+def _shard(model, device_type: str, world_size: int, reduce: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device_type, (world_size,))
+    reduce_dtype = torch.bfloat16 if reduce == "bf16" else torch.float32
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.set_gradient_divide_factor(1.0)  # the loss already carries t_r / T: plain SUM
+    model.set_force_sum_reduction_for_comms(True)
+    model.set_reduce_scatter_unused_params(True)  # a missing gradient is a zero, never a skipped collective
+    return model
+
+
+def close_fleet() -> None:
+    """Leave the fleet cleanly: wait for every rank, drop what holds the process
+    group, destroy it. A gloo process that exits without this can abort in
+    C++ teardown ("terminate called without an active exception")."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
