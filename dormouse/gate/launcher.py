@@ -1,0 +1,124 @@
+"""Launch a torchrun fleet of gate ranks as a subprocess and watch it.
+
+`launch_fleet` starts `python -m torch.distributed.run --standalone
+--nproc_per_node=W -m dormouse.gate --mode rank ...` in a process group of its
+own, streams every output line to `stream` as it arrives (into a notebook cell,
+say), and on timeout or interrupt kills the whole group (agent and ranks), so
+no rank outlives the call. On success it returns the ranks' artifact metadata;
+on failure it raises FleetError with the failing rank and the output's tail.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dormouse.errors import FleetError
+from dormouse.gate.artifacts import load_meta
+from dormouse.gate.modes import GateSettings
+
+
+def rank_command(s: GateSettings, *, entry: list[str] | None = None) -> list[str]:
+    """The `dormouse.gate --mode rank` arguments for settings `s`."""
+    return [*(entry or ["-m", "dormouse.gate"]), "--mode", "rank", "--out", str(s.out),
+            "--steps", str(s.steps), "--batch", str(s.batch), "--capacity", s.capacity,
+            "--seed", str(s.seed), "--lr", repr(s.lr), "--shard", s.shard, "--device", s.device,
+            "--opt", s.opt, "--reduce", s.reduce]
+
+
+def torchrun_command(s: GateSettings, *, entry: list[str] | None = None,
+                     torchrun_args: list[str] | None = None) -> list[str]:
+    launch = torchrun_args or ["--standalone", f"--nproc_per_node={s.world}"]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, *rank_command(s, entry=entry)]
+
+
+def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry: list[str] | None = None,
+                 torchrun_args: list[str] | None = None, env: dict | None = None) -> list[dict]:
+    """Run the fleet for settings `s`; returns rank0..rank{W-1}'s artifact metadata.
+
+    entry: what each rank runs instead of `-m dormouse.gate` (tests pass a
+    script that injects a fault, then calls dormouse.gate's main).
+    """
+    Path(s.out).mkdir(parents=True, exist_ok=True)
+    cmd = torchrun_command(s, entry=entry, torchrun_args=torchrun_args)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    stream(f"$ {' '.join(cmd)}")
+    lines = _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
+    return [load_meta(Path(s.out), f"rank{r}") for r in range(s.world)] if lines is not None else []
+
+
+def _run_streaming(cmd: list[str], *, env: dict, timeout_s: float, stream) -> list[str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True, bufsize=1)
+    lines: list[str] = []
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line.rstrip("\n"))
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        done = False
+        while not done:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                _kill_group(proc)
+                raise FleetError(
+                    f"the fleet did not finish within {timeout_s:.0f} s and was killed (all ranks); "
+                    f"last output: {' | '.join(lines[-3:])}"
+                )
+            try:
+                line = q.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                done = True
+            else:
+                lines.append(line)
+                stream(line)
+        rc = proc.wait()
+    except BaseException:  # KeyboardInterrupt (a notebook's stop button) included
+        _kill_group(proc)
+        raise
+    if rc != 0:
+        raise FleetError(f"the fleet failed (exit status {rc}): {failure_summary(lines)}")
+    return lines
+
+
+def failure_summary(lines: list[str]) -> str:
+    """One sentence from a failed fleet's output: our own error lines, and
+    torchrun's account of which rank failed with which exit code."""
+    ours = [l.split("error: ", 1)[1] for l in lines if "error: " in l]
+    failed = []
+    for i, l in enumerate(lines):
+        m = re.search(r"rank\s*:\s*(\d+)", l)
+        if m and any("exitcode" in x for x in lines[i:i + 4]):
+            code = next((re.search(r"exitcode\s*:\s*(-?\d+)", x) for x in lines[i:i + 4]
+                         if re.search(r"exitcode\s*:\s*(-?\d+)", x)), None)
+            failed.append(f"rank {m.group(1)} exited with {code.group(1) if code else '?'}")
+    parts = sorted(set(ours)) + sorted(set(failed))
+    return "; ".join(parts) if parts else " | ".join(lines[-5:])
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the fleet's process group, SIGKILL whatever is left after 5 s."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
