@@ -38,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce", default="fp32", choices=("fp32", "bf16"), help="gradient all-reduce dtype")
     p.add_argument("--world", type=int, default=WORLD, help="ranks in gradref's profile")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
     return p
 
 
@@ -66,7 +67,14 @@ def main(argv: list[str] | None = None) -> int:
 
             prefix = f"[rank{os.environ.get('RANK', '?')}] "
             log = lambda line: print(prefix + line, flush=True)  # noqa: E731
-        MODES[args.mode](settings, log=log)
+        if args.plan:
+            if args.mode != "rank":
+                raise DormouseError("--plan is for --mode rank only")
+            from dormouse.gate.modes import load_plan, run_rank_plan
+
+            run_rank_plan(load_plan(args.plan), log=log)
+        else:
+            MODES[args.mode](settings, log=log)
         return 0
     except DormouseError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """The gate's three modes. Each writes its artifacts into `settings.out`.
 
-single  - one process at the GLOBAL batch: the reference loss curve.
+single  - one process at the GLOBAL batch: the reference loss curve. It also
+          measures the round-off floor of that reference (see `measure_floor`).
 rank    - one process per rank under torchrun: the fleet (rank<r> artifacts).
 gradref - the hand-computed token-weighted gradient of ONE step over the ranks'
           own batches, g = sum_r t_r g_r / sum_r t_r, applied by the same
@@ -8,11 +9,16 @@ gradref - the hand-computed token-weighted gradient of ONE step over the ranks'
           post-step parameters must equal. It reads the bytes by hand (with
           rank_byte_offset) and weights the gradients by hand, so a bug in the
           fleet's data split or reduce cannot hide in a shared code path.
+
+Artifacts (see artifacts.py): `<name>` holds the tensors after the run,
+`<name>_grad` the gradients of its last step, `<name>_trace` per-step routing
+and snapshots (trace.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +27,11 @@ import torch
 from dormouse.errors import DormouseError
 from dormouse.gate.artifacts import load_meta, save_artifact
 from dormouse.gate.fixtures import LR, SEQ, STEPS, WORLD, build, make_run
-from dormouse.train.data import _windows, rank_byte_offset
-from dormouse.train.distributed import close_fleet, parse_capacity, train_dist
-from dormouse.train.loop import make_optimizer, train
-from dormouse.train.tensors import named_state
+from dormouse.gate.trace import Trace, rel_per_step
+from dormouse.train.data import RankShape, _windows, rank_byte_offset
+from dormouse.train.distributed import close_fleet, fleet_env, parse_capacity, train_dist
+from dormouse.train.loop import LocalSync, make_optimizer, train
+from dormouse.train.tensors import named_grads, named_state
 
 
 @dataclass
@@ -52,43 +59,115 @@ class GateSettings:
 def run_single(s: GateSettings, log=print) -> dict:
     """One process at the global batch: s.batch, or the sum of s.capacity's
     batches when a profile is given (then every rank must use seq_len SEQ)."""
-    batch = s.batch
-    if s.capacity:
-        probe = make_run(Path(s.out), steps=s.steps, batch=s.batch)
-        shapes = parse_capacity(s.capacity, world_size=len(s.capacity.split(",")), cfg=probe.train,
-                                max_seq_len=probe.model.max_seq_len)
-        if any(sh.seq_len != SEQ for sh in shapes):
-            raise DormouseError(
-                f"capacity {s.capacity!r} mixes window lengths: one process cannot hold that "
-                "global batch as one batch; compare such a fleet against gradref instead"
-            )
-        batch = sum(sh.batch for sh in shapes)
+    batch = global_batch(s)
     run = make_run(Path(s.out), steps=s.steps, batch=batch, lr=s.lr, opt=s.opt, name="single")
     model = build(s.seed)
-    report = train(model, run, log=log)
+    trace = Trace(snapshots=True)
+    report = train(model, run, log=log, on_step=trace)
+    trace.save(Path(s.out), "single")
+    save_artifact(Path(s.out), "single_grad", named_grads(model), [], settings=s.record(), mode="grad")
+    floor = measure_floor(s, run, trace)
     return _save(s, "single", named_state(model), report["losses"], mode="single",
-                 global_batch=batch, config=run.to_dict(), wall_s=report["wall_s"])
+                 global_batch=batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor)
+
+
+def global_batch(s: GateSettings) -> int:
+    if not s.capacity:
+        return s.batch
+    probe = make_run(Path(s.out), steps=s.steps, batch=s.batch)
+    shapes = parse_capacity(s.capacity, world_size=len(s.capacity.split(",")), cfg=probe.train,
+                            max_seq_len=probe.model.max_seq_len)
+    if any(sh.seq_len != SEQ for sh in shapes):
+        raise DormouseError(
+            f"capacity {s.capacity!r} mixes window lengths: one process cannot hold that "
+            "global batch as one batch; compare such a fleet against gradref instead"
+        )
+    return sum(sh.batch for sh in shapes)
+
+
+def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
+    """The round-off floor of the single-process reference: two runs of the
+    SAME mathematics, each compared step by step with the reference.
+
+    microbatch - the same global batch as one-window micro-batches whose
+                 gradients are accumulated with token weights: a different
+                 summation order every step, as a fleet's reduce is.
+    ulp        - the reference started from parameters nudged by one ulp
+                 (each element moved to its next float32 neighbour, up or
+                 down at random): how round-off-sized differences grow.
+
+    For each: per-step relative loss difference and per-tensor per-step
+    relative difference (max |a - b| / max |b|).
+    """
+    quiet = dataclasses.replace(run.train, ckpt_every=0, log_every=max(1, run.train.steps))
+    runs = {}
+    micro = build(s.seed)
+    t_micro = Trace(snapshots=True)
+    shapes = [RankShape(1, run.train.seq_len)] * run.train.batch
+    r_micro = train(micro, dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name="floor_micro")),
+                    log=lambda _: None, sync=LocalSync(run, shapes), on_step=t_micro)
+    runs["microbatch"] = (r_micro["losses"], t_micro)
+
+    nudged = build(s.seed)
+    gen = torch.Generator().manual_seed(s.seed)
+    with torch.no_grad():
+        for p in nudged.parameters():
+            up = torch.rand(p.shape, generator=gen) < 0.5
+            p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf)))
+    t_ulp = Trace(snapshots=True)
+    r_ulp = train(nudged, dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name="floor_ulp")),
+                  log=lambda _: None, on_step=t_ulp)
+    runs["ulp"] = (r_ulp["losses"], t_ulp)
+
+    ref_params = reference.tensors()
+    out = {}
+    for name, (losses, trace) in runs.items():
+        tensors = trace.tensors()
+        out[name] = {
+            "losses": losses,
+            "param_rel": {k[2:]: rel_per_step(tensors[k], ref_params[k]) for k in ref_params if k.startswith("p/")},
+        }
+    return out
 
 
 def run_rank(s: GateSettings, log=print) -> dict:
     """One rank of the fleet (run it under torchrun)."""
+    return run_rank_plan([s], log=log)[-1]
+
+
+def run_rank_plan(plan: list[GateSettings], log=print) -> list[dict]:
+    """Several fleet runs in one process group, one after another (each into
+    its own out dir): the same code path as one run per launch, without paying
+    interpreter start-up and rendezvous for each."""
+    metas = []
+    try:
+        for s in plan:
+            metas.append(_one_rank_run(s, log))
+    finally:
+        close_fleet()
+    return metas
+
+
+def _one_rank_run(s: GateSettings, log) -> dict:
     run = make_run(Path(s.out), steps=s.steps, batch=s.batch, capacity=s.capacity, dist=True,
                    lr=s.lr, shard=s.shard, opt=s.opt, reduce=s.reduce, name="fleet")
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the single-process reference can build it too); train_dist checks it.
     model = build(s.seed)
-    report = train_dist(run, log=log, device_type=s.device, model=model, close=False)
-    try:
-        # FSDP2 shards the parameters: equality across ranks needs the GATHERED
-        # tensors (a collective every rank runs in the same order).
-        state = named_state(report["model"], gather=s.shard == "fsdp")
-        rank, world = report["rank"], report["world_size"]
-        meta = _save(s, f"rank{rank}", state, report["losses"], mode="rank", rank=rank,
-                     world_size=world, shapes=[sh.line() for sh in _shapes(run, world)],
-                     config=run.to_dict(), wall_s=report["wall_s"])
-    finally:
-        del report, model
-        close_fleet()
+    gather = s.shard == "fsdp"  # FSDP2 shards: compare the GATHERED tensors (a collective)
+    # Ranks end bitwise equal (the verdict checks it), so rank 0's snapshots
+    # stand for the fleet; every rank keeps its own tokens' routing.
+    trace = Trace(snapshots=fleet_env()[0] == 0, gather=gather)
+    report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace)
+    rank, world = report["rank"], report["world_size"]
+    state = named_state(report["model"], gather=gather)
+    grads = named_grads(report["model"], gather=gather)
+    trace.save(Path(s.out), f"rank{rank}")
+    save_artifact(Path(s.out), f"rank{rank}_grad", grads, [], settings=s.record(), mode="grad")
+    meta = _save(s, f"rank{rank}", state, report["losses"], mode="rank", rank=rank, world_size=world,
+                 shapes=[sh.line() for sh in _shapes(run, world)], config=run.to_dict(),
+                 wall_s=report["wall_s"])
+    del report, model
     return meta
 
 
@@ -104,7 +183,9 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     corpus = (out / "corpus.bin").read_bytes()
     total = sum(sh.tokens for sh in shapes)
     acc = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    seen = set()
+    # sum_r |t_r g_r| / T per element: bounds what rounding on the wire can do
+    # to the reduced gradient (see verdict.compare_gradref).
+    abs_acc = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     local, loads = [], None
     for r, sh in enumerate(shapes):
         off = rank_byte_offset(shapes, r)  # step 0's span starts at byte 0
@@ -117,18 +198,20 @@ def run_gradref(s: GateSettings, log=print) -> dict:
         for n, p in model.named_parameters():
             if p.grad is not None:  # a missing gradient is a zero
                 acc[n].add_(p.grad, alpha=sh.tokens / total)
-                seen.add(n)
+                abs_acc[n].add_(p.grad.abs(), alpha=sh.tokens / total)
     for n, p in model.named_parameters():
-        p.grad = acc[n] if n in seen else None
+        p.grad = acc[n]
     make_optimizer(model, run).step()  # the trainer's optimizer construction
     model.balance_experts(loads)
     loss = sum(sh.tokens / total * l for sh, l in zip(shapes, local))
     log(f"gradref: {len(shapes)} ranks, {total} tokens, loss={loss:.7f} local={local}")
+    save_artifact(out, "gradref_grad", acc, [], settings=s.record(), mode="grad")
+    save_artifact(out, "gradref_gradabs", abs_acc, [], settings=s.record(), mode="grad")
     return _save(s, "gradref", named_state(model), [loss], mode="gradref", local_losses=local,
                  shapes=[sh.line() for sh in shapes], tokens=total, config=run.to_dict())
 
 
-def _shapes(run, world: int):
+def _shapes(run, world: int) -> list[RankShape]:
     return parse_capacity(run.train.dist_capacity, world_size=world, cfg=run.train,
                           max_seq_len=run.model.max_seq_len)
 
@@ -136,6 +219,15 @@ def _shapes(run, world: int):
 def _save(s: GateSettings, name: str, state, losses, **extra) -> dict:
     save_artifact(Path(s.out), name, state, losses, settings=s.record(), **extra)
     return load_meta(Path(s.out), name)
+
+
+def load_plan(path: str) -> list[GateSettings]:
+    """A JSON list of GateSettings fields, one fleet run each."""
+    try:
+        items = json.loads(Path(path).read_text())
+        return [GateSettings(**item) for item in items]
+    except (OSError, ValueError, TypeError) as e:
+        raise DormouseError(f"plan {path!r} is not a JSON list of gate settings ({e})") from e
 
 
 MODES = {"single": run_single, "rank": run_rank, "gradref": run_gradref}

@@ -48,7 +48,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _ranks(out: Path) -> list[str]:
-    return sorted((p.stem for p in out.glob("rank*.json")), key=lambda n: int(n[4:]))
+    names = [p.stem for p in out.glob("rank*.json") if p.stem[4:].isdigit()]
+    return sorted(names, key=lambda n: int(n[4:]))
 
 
 def compare_ranks(out: Path) -> dict:

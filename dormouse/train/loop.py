@@ -40,9 +40,11 @@ class LocalSync:
 
     rank, world_size, is_main, sharded = 0, 1, True, False
 
-    def __init__(self, run: RunConfig):
-        self.shapes = [RankShape(run.train.batch, run.train.seq_len)]  # the step's slices
-        self.mine = [0]  # which of them this process computes
+    def __init__(self, run: RunConfig, shapes: list[RankShape] | None = None):
+        # The step's slices: one batch, or micro-batches whose gradients the
+        # loop accumulates with the same token weights a fleet would apply.
+        self.shapes = shapes or [RankShape(run.train.batch, run.train.seq_len)]
+        self.mine = list(range(len(self.shapes)))  # this process computes all of them
 
     def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
         """Gradients are already the global ones; returns (loss, loads)."""

@@ -37,3 +37,13 @@ def fingerprint(state: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(tensor_bytes(t))
     return h.hexdigest()
+
+
+def named_grads(model: torch.nn.Module, *, gather: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient by name (zeros where there is none); after a
+    training step these are the gradients the step applied."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out[name] = plain(g, gather=gather)
+    return out

@@ -1,0 +1,72 @@
+"""Per-step traces of a gate run: every step's expert choices and (optionally)
+a snapshot of every tensor, so the verdict can say WHERE two runs part —
+which step, which tensor, and whether a token's routing flipped first.
+
+Stored as `<name>_trace.safetensors`:
+    "topk"        (steps, B, T, max_iter, k) int16: the experts each of this
+                  process's tokens chose at each iteration of each step
+    "p/<tensor>"  (steps, *shape): the tensor after each step (snapshots on)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from dormouse import atomic
+from dormouse.train.tensors import named_state
+
+
+class Trace:
+    """The loop's on_step callback. Under FSDP every rank must record (the
+    snapshot gathers, a collective), even if only rank 0 keeps the tensors."""
+
+    def __init__(self, *, snapshots: bool, gather: bool = False):
+        self.snapshots, self.gather = snapshots, gather
+        self.topk: list[torch.Tensor] = []
+        self.params: dict[str, list[torch.Tensor]] = {}
+
+    def __call__(self, step: int, model, info: dict) -> None:
+        slices = [torch.stack(per_it, dim=2) for per_it in info["topk"] if per_it]  # each (B, T, I, k)
+        if slices:
+            self.topk.append(torch.cat(slices, dim=0).to(torch.int16))  # this process's tokens in order
+        if self.snapshots or self.gather:
+            state = named_state(model, gather=self.gather)
+            if self.snapshots:
+                for name, t in state.items():
+                    self.params.setdefault(name, []).append(t.clone())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"p/{n}": torch.stack(ts) for n, ts in self.params.items()}
+        if self.topk:
+            out["topk"] = torch.stack(self.topk)
+        return out
+
+    def save(self, out: Path, name: str) -> Path:
+        return atomic.write_bytes(Path(out) / f"{name}_trace.safetensors", st_save(self.tensors()))
+
+
+def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
+    path = Path(out) / f"{name}_trace.safetensors"
+    return st_load(path.read_bytes()) if path.exists() else None
+
+
+def rel_per_step(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+    """max |a_k - b_k| / max |b_k| for each step k of two stacked traces."""
+    a, b = a.double().flatten(1), b.double().flatten(1)
+    diff = (a - b).abs().amax(dim=1)
+    scale = b.abs().amax(dim=1)
+    return torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff).tolist()
+
+
+def routing_flips(single_topk: torch.Tensor, fleet_topk: torch.Tensor) -> torch.Tensor:
+    """Tokens whose set of chosen experts differs, per step and iteration:
+    (steps, max_iter). Both (steps, B, T, I, k); the fleet's ranks concatenated
+    along B in rank order, which is the single process's window order."""
+    a = single_topk.sort(dim=-1).values
+    b = fleet_topk.sort(dim=-1).values
+    differs = (a != b).any(dim=-1)  # (steps, B, T, I)
+    return differs.sum(dim=(1, 2))
