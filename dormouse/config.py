@@ -73,6 +73,10 @@ class ModelConfig:
         for name in ("rank", "d_ffn", "n_experts", "moe_topk", "shared_rank",
                      "engram_rows", "engram_dim", "engram_heads"):
             _non_negative(self, name)
+        if self.vocab < 256:
+            raise ConfigError(
+                f"model.vocab = {self.vocab}: tokens are bytes, so it must be at least 256"
+            )
         if self.n_heads * self.head_dim != self.d_model:
             raise ConfigError(
                 f"model.n_heads * model.head_dim = {self.n_heads} * {self.head_dim} = "
@@ -112,6 +116,8 @@ class ModelConfig:
                 f"model.engram_max_n = {self.engram_max_n} must be >= 2 and "
                 f"model.engram_heads = {self.engram_heads} >= 1 when Engram is on"
             )
+        if not (math.isfinite(self.rope_base) and self.rope_base > 0):
+            raise ConfigError(f"model.rope_base = {self.rope_base} must be a finite number > 0")
         if not self.init_std > 0:
             raise ConfigError(f"model.init_std = {self.init_std} must be > 0")
         return self
@@ -153,6 +159,7 @@ class TrainConfig:
     out_dir: str = "artifacts/run"  # where checkpoints and metrics go
     data: str = ""  # corpus file of bytes ("" = the built-in corpus, written into out_dir)
     resume: bool = False  # continue from out_dir/<ckpt_name> if that checkpoint exists
+    resume_from: str = ""  # continue from this checkpoint (.pt file or .dcp dir), any topology
     dist: bool = False  # this run is one rank of a torch.distributed fleet
     dist_capacity: str = ""  # per-rank shapes, e.g. "4,2" or "4x32,2x64" ("" = batch each)
     dist_reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 (exact) | bf16

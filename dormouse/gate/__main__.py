@@ -38,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce", default="fp32", choices=("fp32", "bf16"), help="gradient all-reduce dtype")
     p.add_argument("--world", type=int, default=WORLD, help="ranks in gradref's profile")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    p.add_argument("--resume-from", default="", help="checkpoint to continue from (relative to --out, or absolute)")
     p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
     return p
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = GateSettings(
             out=args.out, steps=args.steps, batch=args.batch, capacity=args.capacity, seed=args.seed,
             lr=args.lr, shard=args.shard, device=args.device, opt=args.opt, reduce=args.reduce,
-            world=args.world,
+            world=args.world, resume_from=args.resume_from,
         )
         log = print
         if args.mode == "rank":

@@ -30,7 +30,7 @@ def rank_command(s: GateSettings, *, entry: list[str] | None = None) -> list[str
     return [*(entry or ["-m", "dormouse.gate"]), "--mode", "rank", "--out", str(s.out),
             "--steps", str(s.steps), "--batch", str(s.batch), "--capacity", s.capacity,
             "--seed", str(s.seed), "--lr", repr(s.lr), "--shard", s.shard, "--device", s.device,
-            "--opt", s.opt, "--reduce", s.reduce]
+            "--opt", s.opt, "--reduce", s.reduce, "--resume-from", s.resume_from]
 
 
 def torchrun_command(s: GateSettings, *, entry: list[str] | None = None,

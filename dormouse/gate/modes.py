@@ -49,6 +49,7 @@ class GateSettings:
     opt: str = "mix"  # mix | adamw
     reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 | bf16
     world: int = WORLD  # ranks (gradref's profile; a fleet reads torchrun's)
+    resume_from: str = ""  # continue from this checkpoint (relative to out, or absolute)
 
     def record(self) -> dict:
         d = dataclasses.asdict(self)
@@ -60,13 +61,14 @@ def run_single(s: GateSettings, log=print) -> dict:
     """One process at the global batch: s.batch, or the sum of s.capacity's
     batches when a profile is given (then every rank must use seq_len SEQ)."""
     batch = global_batch(s)
-    run = make_run(Path(s.out), steps=s.steps, batch=batch, lr=s.lr, opt=s.opt, name="single")
+    run = make_run(Path(s.out), steps=s.steps, batch=batch, lr=s.lr, opt=s.opt, name="single",
+                   resume_from=_resume_path(s))
     model = build(s.seed)
     trace = Trace(snapshots=True)
     report = train(model, run, log=log, on_step=trace)
     trace.save(Path(s.out), "single")
     save_artifact(Path(s.out), "single_grad", named_grads(model), [], settings=s.record(), mode="grad")
-    floor = measure_floor(s, run, trace)
+    floor = measure_floor(s, run, trace) if not s.resume_from else {}
     return _save(s, "single", named_state(model), report["losses"], mode="single",
                  global_batch=batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor)
 
@@ -150,7 +152,8 @@ def run_rank_plan(plan: list[GateSettings], log=print) -> list[dict]:
 
 def _one_rank_run(s: GateSettings, log) -> dict:
     run = make_run(Path(s.out), steps=s.steps, batch=s.batch, capacity=s.capacity, dist=True,
-                   lr=s.lr, shard=s.shard, opt=s.opt, reduce=s.reduce, name="fleet")
+                   lr=s.lr, shard=s.shard, opt=s.opt, reduce=s.reduce, name="fleet",
+                   resume_from=_resume_path(s))
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the single-process reference can build it too); train_dist checks it.
     model = build(s.seed)
@@ -209,6 +212,13 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     save_artifact(out, "gradref_gradabs", abs_acc, [], settings=s.record(), mode="grad")
     return _save(s, "gradref", named_state(model), [loss], mode="gradref", local_losses=local,
                  shapes=[sh.line() for sh in shapes], tokens=total, config=run.to_dict())
+
+
+def _resume_path(s: GateSettings) -> str:
+    if not s.resume_from:
+        return ""
+    p = Path(s.resume_from)
+    return str(p if p.is_absolute() else Path(s.out) / p)
 
 
 def _shapes(run, world: int) -> list[RankShape]:

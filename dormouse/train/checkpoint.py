@@ -74,21 +74,46 @@ def save_checkpoint(path: Path, *, model, opt, step: int, run: RunConfig, peers:
     return path
 
 
+def find_checkpoint(run: RunConfig, sharded: bool) -> Path | None:
+    """The checkpoint a resuming run starts from: train.resume_from if set
+    (it must exist), else this run's own checkpoint in either format (a fleet
+    may resume what one process wrote, and the other way round), else None."""
+    if run.train.resume_from:
+        path = Path(run.train.resume_from)
+        if not path.exists():
+            raise CheckpointError(f"resume_from {str(path)!r} does not exist: point it at a .pt file or .dcp directory")
+        return path
+    for candidate in (checkpoint_path(run, sharded), checkpoint_path(run, not sharded)):
+        if candidate.exists():
+            return candidate
+    return None
+
+
 def load_checkpoint(path: Path, *, model, opt, run: RunConfig, peers: Peers) -> int:
-    """Restore model and optimizer from `path`; returns the number of steps done."""
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint at {str(path)!r} to resume from: drop resume, or point out_dir at the run")
-    if not peers.sharded:
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-            meta = json.loads(payload["meta"])
-        except Exception as e:  # a torn or foreign file: say so, not a traceback
-            raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({e.__class__.__name__}: {e})") from e
-        _check_same_network(meta, run, path)
+    """Restore model and optimizer from `path`; returns the number of steps done.
+
+    Any checkpoint fits any topology: a .pt file holds whole tensors, which a
+    sharded model takes its own rows of; a .dcp directory is resharded by
+    torch.distributed.checkpoint into whatever tensors it is loaded into
+    (whole ones in a single process, shards under FSDP2)."""
+    if path.is_dir():
+        return _load_dcp(path, model=model, opt=opt, run=run)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        meta = json.loads(payload["meta"])
+    except Exception as e:  # a torn or foreign file: say so, not a traceback
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({e.__class__.__name__}: {e})") from e
+    _check_same_network(meta, run, path)
+    if peers.sharded:
+        _copy_whole_into(model.state_dict(), payload["model"], path)
+        _copy_whole_into(_flat(opt.state_dict()), _flat(payload["optim"]), path)
+    else:
         _load_model(model, payload["model"], path)
         _load_optim(opt, payload["optim"], path)
-        return int(meta["step"])
+    return int(meta["step"])
 
+
+def _load_dcp(path: Path, *, model, opt, run: RunConfig) -> int:
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -97,9 +122,32 @@ def load_checkpoint(path: Path, *, model, opt, run: RunConfig, peers: Peers) -> 
         raise CheckpointError(f"sharded checkpoint {str(path)!r} has no readable meta.json ({e})") from e
     _check_same_network(meta, run, path)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path))  # in place, resharded to our tensors
     _load_model(model, state["model"], path)
     return int(meta["step"])
+
+
+def _flat(optim_sd: dict) -> dict:
+    return {f"{n}.{k}": t for n, s in optim_sd.items() for k, t in s.items()}
+
+
+def _copy_whole_into(targets: dict, whole: dict, path: Path) -> None:
+    """Copy whole tensors into (possibly sharded) targets: a DTensor keeps its
+    own rows (Replicate -> Shard is a local slice, no communication)."""
+    missing = sorted(set(targets) - set(whole))
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} lacks {missing[:3]}: it does not fit this model")
+    with torch.no_grad():
+        for name, t in targets.items():
+            src = whole[name]
+            if hasattr(t, "placements"):
+                from torch.distributed.tensor import DTensor, Replicate
+
+                src = DTensor.from_local(src.to(t.device, t.dtype), t.device_mesh, [Replicate()],
+                                         run_check=False).redistribute(t.device_mesh, t.placements)
+                t.to_local().copy_(src.to_local())
+            else:
+                t.copy_(src)
 
 
 def _check_same_network(meta: dict, run: RunConfig, path: Path) -> None:

@@ -28,7 +28,7 @@ from dormouse import atomic
 from dormouse.config import RunConfig
 from dormouse.errors import CheckpointError, DivergedError
 from dormouse.model import DormouseModel
-from dormouse.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
 from dormouse.train.data import ByteCorpus, RankShape, builtin_corpus
 from dormouse.train.optim import MixOptimizer
 
@@ -125,9 +125,9 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
     opt = make_optimizer(model, run)
     ckpt = checkpoint_path(run, sync.sharded) if cfg.ckpt_every else None
     start = 0
-    if cfg.resume:
-        path = checkpoint_path(run, sync.sharded)
-        if path.exists():
+    if cfg.resume or cfg.resume_from:
+        path = find_checkpoint(run, sync.sharded)
+        if path is not None:
             start = load_checkpoint(path, model=model, opt=opt, run=run, peers=sync)
             log(f"resumed from {path} at step {start}")
     metrics = Path(cfg.out_dir) / f"{cfg.ckpt_name}.metrics.jsonl"
