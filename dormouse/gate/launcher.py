@@ -10,6 +10,8 @@ on failure it raises FleetError with the failing rank and the output's tail.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import queue
 import re
@@ -20,23 +22,26 @@ import threading
 import time
 from pathlib import Path
 
+from dormouse import atomic
 from dormouse.errors import FleetError
 from dormouse.gate.artifacts import load_meta
 from dormouse.gate.modes import GateSettings
 
 
-def rank_command(s: GateSettings, *, entry: list[str] | None = None) -> list[str]:
-    """The `dormouse.gate --mode rank` arguments for settings `s`."""
-    return [*(entry or ["-m", "dormouse.gate"]), "--mode", "rank", "--out", str(s.out),
-            "--steps", str(s.steps), "--batch", str(s.batch), "--capacity", s.capacity,
+def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None) -> list[str]:
+    """The `dormouse.gate --mode rank` arguments for settings `s` (or a plan file)."""
+    cmd = [*(entry or ["-m", "dormouse.gate"]), "--mode", "rank", "--out", str(s.out)]
+    if plan is not None:
+        return [*cmd, "--plan", str(plan)]
+    return [*cmd, "--steps", str(s.steps), "--batch", str(s.batch), "--capacity", s.capacity,
             "--seed", str(s.seed), "--lr", repr(s.lr), "--shard", s.shard, "--device", s.device,
             "--opt", s.opt, "--reduce", s.reduce, "--resume-from", s.resume_from]
 
 
-def torchrun_command(s: GateSettings, *, entry: list[str] | None = None,
+def torchrun_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None,
                      torchrun_args: list[str] | None = None) -> list[str]:
     launch = torchrun_args or ["--standalone", f"--nproc_per_node={s.world}"]
-    return [sys.executable, "-m", "torch.distributed.run", *launch, *rank_command(s, entry=entry)]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, *rank_command(s, entry=entry, plan=plan)]
 
 
 def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry: list[str] | None = None,
@@ -46,12 +51,28 @@ def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry
     entry: what each rank runs instead of `-m dormouse.gate` (tests pass a
     script that injects a fault, then calls dormouse.gate's main).
     """
-    Path(s.out).mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(s, entry=entry, torchrun_args=torchrun_args)
+    return launch_plan([s], timeout_s=timeout_s, stream=stream, entry=entry,
+                       torchrun_args=torchrun_args, env=env)[0]
+
+
+def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=print,
+                entry: list[str] | None = None, torchrun_args: list[str] | None = None,
+                env: dict | None = None) -> list[list[dict]]:
+    """Several fleet runs (same world size) in ONE torchrun launch, one after
+    another in the same process group; returns each run's rank metadata."""
+    if not plan or len({s.world for s in plan}) != 1:
+        raise FleetError("a plan needs at least one run, all of the same world size")
+    for s in plan:
+        Path(s.out).mkdir(parents=True, exist_ok=True)
+    plan_file = None
+    if len(plan) > 1:
+        plan_file = Path(plan[0].out) / "plan.json"
+        atomic.write_text(plan_file, json.dumps([dataclasses.asdict(s) for s in plan], indent=1))
+    cmd = torchrun_command(plan[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     stream(f"$ {' '.join(cmd)}")
-    lines = _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
-    return [load_meta(Path(s.out), f"rank{r}") for r in range(s.world)] if lines is not None else []
+    _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
+    return [[load_meta(Path(s.out), f"rank{r}") for r in range(s.world)] for s in plan]
 
 
 def _run_streaming(cmd: list[str], *, env: dict, timeout_s: float, stream) -> list[str]:

@@ -214,6 +214,30 @@ def run_gradref(s: GateSettings, log=print) -> dict:
                  shapes=[sh.line() for sh in shapes], tokens=total, config=run.to_dict())
 
 
+def replay_fleet_step(out: Path) -> dict[str, torch.Tensor]:
+    """The single-process optimizer step applied to the fleet's OWN reduced
+    gradient, from the common start: what the fleet's tensors must equal
+    bitwise if its optimizer step is the same map (FSDP's gathered Newton-
+    Schulz and sharded AdamW included). Needs init, rank0_grad, rank0_trace."""
+    from dormouse.config import RunConfig
+    from dormouse.gate.artifacts import load_tensors
+    from dormouse.gate.trace import load_trace
+
+    out = Path(out)
+    meta = load_meta(out, "rank0")
+    run = RunConfig.from_dict(meta["config"])
+    model = build(meta["settings"]["seed"])
+    model.load_state_dict(load_tensors(out, "init"))
+    grads = load_tensors(out, "rank0_grad")
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    make_optimizer(model, run).step()
+    trace = load_trace(out, "rank0")
+    if trace is not None and "loads" in trace:
+        model.balance_experts(trace["loads"][0])
+    return named_state(model)
+
+
 def _resume_path(s: GateSettings) -> str:
     if not s.resume_from:
         return ""

@@ -5,6 +5,8 @@ which step, which tensor, and whether a token's routing flipped first.
 Stored as `<name>_trace.safetensors`:
     "topk"        (steps, B, T, max_iter, k) int16: the experts each of this
                   process's tokens chose at each iteration of each step
+    "loads"       (steps, max_iter, E): the step's expert loads, summed over
+                  the fleet (what moved the routing bias)
     "p/<tensor>"  (steps, *shape): the tensor after each step (snapshots on)
 """
 
@@ -27,12 +29,14 @@ class Trace:
     def __init__(self, *, snapshots: bool, gather: bool = False):
         self.snapshots, self.gather = snapshots, gather
         self.topk: list[torch.Tensor] = []
+        self.loads: list[torch.Tensor] = []
         self.params: dict[str, list[torch.Tensor]] = {}
 
     def __call__(self, step: int, model, info: dict) -> None:
         slices = [torch.stack(per_it, dim=2) for per_it in info["topk"] if per_it]  # each (B, T, I, k)
         if slices:
             self.topk.append(torch.cat(slices, dim=0).to(torch.int16))  # this process's tokens in order
+            self.loads.append(info["loads"].detach().float().cpu())  # (I, E), summed over the fleet
         if self.snapshots or self.gather:
             state = named_state(model, gather=self.gather)
             if self.snapshots:
@@ -43,6 +47,7 @@ class Trace:
         out = {f"p/{n}": torch.stack(ts) for n, ts in self.params.items()}
         if self.topk:
             out["topk"] = torch.stack(self.topk)
+            out["loads"] = torch.stack(self.loads)
         return out
 
     def save(self, out: Path, name: str) -> Path:

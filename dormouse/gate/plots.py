@@ -1,0 +1,213 @@
+"""The gate's figures, drawn from a verdict dict (dormouse.gate.pipeline.verdict).
+
+matplotlib is imported inside the functions only, so the core library does not
+need it. Figures are built with matplotlib's object API (matplotlib.figure.Figure,
+rendered by Agg): no pyplot state, no backend to choose, the same PNGs headless
+and in JupyterLab, where `show` displays them inline.
+
+Each function reads only the keys it draws and returns None when its check is
+absent, so a verdict that grows more keys (or lacks a check) never breaks them.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from dormouse import atomic
+
+FLOOR = 1e-12  # where an exact zero difference is drawn on a log axis
+
+FILES = {"loss_curves": "loss_curves.png", "loss_delta": "loss_delta.png",
+         "curve_params": "curve_params.png", "param_divergence": "param_divergence.png",
+         "gradref": "gradref.png"}
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _status(check: dict) -> str:
+    return "ok" if check.get("pass") else "FAIL"
+
+
+def losses(metas: list[dict], title: str = "loss curve"):
+    """The loss curves of some artifacts (their JSON metadata), one line each."""
+    metas = [m for m in metas if m and m.get("losses")]
+    if not metas:
+        return None
+    fig = _figure(6.5, 3.6)
+    ax = fig.add_subplot()
+    for m in metas:
+        ls = m["losses"]
+        ax.plot(range(1, len(ls) + 1), ls, "o-", ms=3, label=m.get("name", "?"))
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def loss_curves(v: dict, name: str = "curve"):
+    """The single process's loss curve and the fleet's, overlaid."""
+    c = v.get("checks", {}).get(name)
+    if not c or "single" not in c or "fleet" not in c:
+        return None
+    fig = _figure(6.5, 3.6)
+    ax = fig.add_subplot()
+    s, f = c["single"], c["fleet"]
+    ax.plot(range(1, len(s) + 1), s, "-", lw=2.5, alpha=0.6, label="single (global batch)")
+    ax.plot(range(1, len(f) + 1), f, "--o", ms=3, lw=1, label="fleet (rank0)")
+    ax.set(xlabel="step", ylabel="loss", title=f"loss curves [{_status(c)}]")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def _tolerance(c: dict) -> list[float] | None:
+    """The per-step tolerance of a curve check: a list ("tolerance") or one number ("rtol")."""
+    n = len(c.get("per_step", []))
+    tol = c.get("tolerance", c.get("rtol"))
+    if isinstance(tol, (int, float)) and not isinstance(tol, bool):
+        return [float(tol)] * n
+    if isinstance(tol, list) and len(tol) == n:
+        return [float(t) for t in tol]
+    return None
+
+
+def loss_delta(v: dict, name: str = "curve"):
+    """|L_fleet - L_single| / |L_single| per step on a log axis, the tolerance
+    drawn in (and the measured round-off floor, when the check has one)."""
+    c = v.get("checks", {}).get(name)
+    if not c or not c.get("per_step"):
+        return None
+    per = c["per_step"]
+    rel = [r if r > 0 else FLOOR for r in per]
+    steps = list(range(1, len(rel) + 1))
+    fig = _figure(6.5, 3.8)
+    ax = fig.add_subplot()
+    ax.semilogy(steps, rel, "o-", ms=4, label="|ΔL| / |L_single|  (zero drawn at 1e-12)")
+    tol = _tolerance(c)
+    if tol:
+        ax.step(steps, tol, where="mid", color="crimson", ls="--", label="tolerance")
+        bad = [k for k, (r, t) in enumerate(zip(per, tol), 1) if not r <= t]
+        if bad:
+            ax.semilogy(bad, [rel[k - 1] for k in bad], "x", color="crimson", ms=10, mew=2, label="over tolerance")
+    floor = c.get("floor_envelope") or c.get("noise_floor")
+    if isinstance(floor, list) and len(floor) == len(per):
+        ax.semilogy(steps, [f if f > 0 else FLOOR for f in floor], ":", color="gray", label="measured floor")
+    ax.set(xlabel="step", ylabel="relative loss difference", title=f"fleet vs single per step [{_status(c)}]")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def _barh(ax, names, values, label, color=None):
+    ys = range(len(names))
+    ax.barh(list(ys), [x if x > 0 else FLOOR for x in values], color=color, label=label)
+    ax.set_yticks(list(ys), names, fontsize=7)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+
+
+def curve_params(v: dict):
+    """Per-parameter relative difference fleet vs single after the curve run."""
+    c = v.get("curve_params")
+    if not c or not c.get("per_tensor"):
+        return None
+    per = c["per_tensor"]
+    names = sorted(per, key=lambda k: -per[k])
+    fig = _figure(7, 1.2 + 0.17 * len(names))
+    ax = fig.add_subplot()
+    _barh(ax, names, [per[k] for k in names], "max|fleet − single| / max|single|")
+    ax.set(xlabel="relative difference (log)", title="parameters after the curve run: fleet vs single")
+    return fig
+
+
+def gradref(v: dict, name: str = "gradref"):
+    """The fleet's one-step parameters against the hand-computed reference,
+    per tensor: relative to the parameter (judged, tolerance drawn), relative
+    to the step itself, and the reduced gradient's difference when recorded."""
+    c = v.get("checks", {}).get(name)
+    if not c or not c.get("per_tensor"):
+        return None
+    per = c["per_tensor"]
+    names = sorted(per, key=lambda k: -per[k].get("param_rel", 0.0))
+    panels = [("param_rel", "max|fleet − ref| / max|ref|", c.get("rtol"), "parameters"),
+              ("step_rel", "max|fleet − ref| / max|ref − init|", None, "the step")]
+    if any("grad_rel" in per[k] for k in names):
+        panels.append(("grad_rel", "max|g_fleet − g_ref| / max|g_ref|", c.get("grad_rtol"), "the gradient"))
+    fig = _figure(4.5 * len(panels), 1.4 + 0.17 * len(names))
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    for ax, (key, xlabel, tol, what), color in zip(axes, panels, ("tab:blue", "tab:orange", "tab:green")):
+        _barh(ax, names, [per[k].get(key, 0.0) for k in names], key, color=color)
+        if isinstance(tol, (int, float)) and tol > 0:
+            ax.axvline(tol, color="crimson", ls="--", label=f"tolerance {tol:.0e}")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set(xlabel=xlabel, title=f"gradref: {what}" + (f" [{_status(c)}]" if ax is axes[0] else ""))
+    return fig
+
+
+def param_divergence(v: dict, name: str = "curve"):
+    """Per tensor and step, fleet vs single relative difference (when the curve
+    check carries its `param_divergence` series)."""
+    c = v.get("checks", {}).get(name) or {}
+    heat = c.get("param_divergence")
+    if not isinstance(heat, dict) or not heat:
+        return None
+    import numpy as np
+
+    names = sorted(heat, key=lambda k: -max(heat[k] or [0.0]))
+    width = max(len(heat[k]) for k in names)
+    grid = np.full((len(names), width), np.nan)
+    for i, k in enumerate(names):
+        grid[i, :len(heat[k])] = np.log10(np.maximum(np.asarray(heat[k], dtype=float), FLOOR))
+    fig = _figure(7.5, 1.4 + 0.17 * len(names))
+    ax = fig.add_subplot()
+    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
+                   extent=(0.5, width + 0.5, len(names) - 0.5, -0.5))
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set(xlabel="step", title="fleet vs single per tensor and step: log10 relative difference")
+    fig.colorbar(im, ax=ax, label="log10 max|fleet − single| / max|single|")
+    return fig
+
+
+FIGURES = {"loss_curves": loss_curves, "loss_delta": loss_delta, "curve_params": curve_params,
+           "param_divergence": param_divergence, "gradref": gradref}
+
+
+def figures(v: dict) -> dict:
+    """Every figure the verdict has data for, by name."""
+    return {k: fig for k, make in FIGURES.items() if (fig := make(v)) is not None}
+
+
+def save(figs: dict, out: Path, dpi: int = 110) -> list[Path]:
+    """Write each figure as `<out>/<name>.png` (atomically); returns the paths."""
+    paths = []
+    for k, fig in figs.items():
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=dpi)
+        paths.append(atomic.write_bytes(Path(out) / FILES.get(k, f"{k}.png"), buf.getvalue()))
+    return paths
+
+
+def render(v: dict, out: Path | None = None) -> list[Path]:
+    """Draw every figure of verdict `v` and write the PNGs into `out` (the
+    verdict's own out dir by default)."""
+    return save(figures(v), Path(out or v["out"]))
+
+
+def show(paths: list[Path]) -> None:
+    """Display PNGs inline in a notebook (prints their paths elsewhere)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import Image, display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        for p in paths:
+            print(p)
+        return
+    for p in paths:
+        display(Image(filename=str(p)))
