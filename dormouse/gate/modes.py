@@ -93,7 +93,8 @@ def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
 
     microbatch - the same global batch as one-window micro-batches whose
                  gradients are accumulated with token weights: a different
-                 summation order every step, as a fleet's reduce is.
+                 summation order every step, as a fleet's reduce is (skipped
+                 for a capacity-dropping MoE, for which it is another network).
     ulp        - the reference started from parameters nudged by one ulp
                  (each element moved to its next float32 neighbour, up or
                  down at random): how round-off-sized differences grow.
@@ -103,12 +104,16 @@ def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
     """
     quiet = dataclasses.replace(run.train, ckpt_every=0, log_every=max(1, run.train.steps))
     runs = {}
-    micro = build(s.seed)
-    t_micro = Trace(snapshots=True)
-    shapes = [RankShape(1, run.train.seq_len)] * run.train.batch
-    r_micro = train(micro, dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name="floor_micro")),
-                    log=lambda _: None, sync=LocalSync(run, shapes), on_step=t_micro)
-    runs["microbatch"] = (r_micro["losses"], t_micro)
+    # Micro-batching is the same mathematics only for a network that does not
+    # depend on which windows share a batch: a capacity-dropping MoE drops by
+    # the batch's composition, so its micro-batched run is another network.
+    if not (run.model.moe_on and run.model.moe_capacity > 0):
+        micro = build(s.seed)
+        t_micro = Trace(snapshots=True)
+        shapes = [RankShape(1, run.train.seq_len)] * run.train.batch
+        r_micro = train(micro, dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name="floor_micro")),
+                        log=lambda _: None, sync=LocalSync(run, shapes), on_step=t_micro)
+        runs["microbatch"] = (r_micro["losses"], t_micro)
 
     nudged = build(s.seed)
     gen = torch.Generator().manual_seed(s.seed)
