@@ -45,9 +45,17 @@ def _overrides(pairs: list[str], cls) -> dict:
     return out
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line starting with "error:" (status 2),
+    like every other input error of this command."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dormouse", description=__doc__.splitlines()[0],
-                                epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _OneLineParser(prog="python -m dormouse", description=__doc__.splitlines()[0],
+                       epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model in one process",
                        description="Train a dormouse model in one process, logging one line per log step.")

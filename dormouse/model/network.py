@@ -52,15 +52,19 @@ class SharedBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.max_seq_len,
                               cfg.rope_base, cfg.rank, cfg.max_iter, std, out_std)
-        self.ffn_norm = RMSNorm(cfg.d_model)
+        # The FFN arms' input norm exists only when one of them does (else it
+        # would be a parameter that never receives a gradient).
+        self.ffn_norm = RMSNorm(cfg.d_model) if (cfg.moe_on or cfg.shared_rank) else None
         self.moe = (MoE(cfg.d_model, cfg.d_ffn, cfg.n_experts, cfg.moe_topk, cfg.moe_capacity,
                         cfg.max_iter, std, out_std) if cfg.moe_on else None)
         self.shared = SharedExpert(cfg.d_model, cfg.shared_rank, std, out_std) if cfg.shared_rank else None
 
     def forward(self, h: torch.Tensor, it: int) -> tuple[torch.Tensor, dict | None]:
         h = h + self.attn(self.attn_norm(h), it)
-        z = self.ffn_norm(h)
         stats = None
+        if self.ffn_norm is None:
+            return h, stats
+        z = self.ffn_norm(h)
         if self.moe is not None:
             y, stats = self.moe(z, it)
             h = h + y

@@ -1,0 +1,141 @@
+"""dormouse.train.data: windows, the span rule, rank offsets, the corpus file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dormouse.errors import DataError
+from dormouse.train.data import (
+    ByteCorpus, RankShape, _windows, builtin_corpus, rank_byte_offset, span_bytes, step_span_start,
+)
+
+
+def _random_corpus(tmp_path, n: int, seed: int = 0):
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    path = tmp_path / "corpus.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def test_windows_cut_inputs_and_targets_shifted_by_one_byte():
+    raw = bytes(range(3 * (5 + 1)))  # 3 windows of 6 bytes: 0..5, 6..11, 12..17
+    x, y = _windows(raw, 3, 5)
+    assert x.shape == y.shape == (3, 5) and x.dtype == y.dtype == torch.int64
+    assert x.tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10], [12, 13, 14, 15, 16]]
+    assert y.tolist() == [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11], [13, 14, 15, 16, 17]]
+
+
+def test_windows_accept_numpy_and_keep_byte_values_above_127():
+    raw = np.array([200, 255, 0, 128], dtype=np.uint8)
+    x, y = _windows(raw, 2, 1)
+    assert x.tolist() == [[200], [0]] and y.tolist() == [[255], [128]]
+
+
+def test_windows_refuse_the_wrong_number_of_bytes():
+    with pytest.raises(DataError, match="12"):
+        _windows(bytes(11), 2, 5)
+
+
+def test_step_span_start_is_step_mod_n_times_span():
+    # 35 bytes hold n = 3 whole spans of 10
+    starts = [step_span_start(k, 10, 35) for k in range(8)]
+    assert starts == [0, 10, 20, 0, 10, 20, 0, 10]
+    assert step_span_start(1000, 7, 7) == 0  # one span: every step reads it
+
+
+def test_step_span_start_refuses_a_corpus_shorter_than_one_span():
+    with pytest.raises(DataError, match="global batch"):
+        step_span_start(0, 11, 10)
+
+
+def test_rank_byte_offset_follows_the_slices_of_lower_ranks():
+    shapes = [RankShape(2, 3), RankShape(1, 5), RankShape(4, 1)]
+    assert [rank_byte_offset(shapes, r) for r in range(3)] == [0, 8, 14]
+    assert span_bytes(shapes) == 8 + 6 + 8
+    assert shapes[1].tokens == 5 and shapes[1].nbytes == 6
+    assert shapes[0].line() == "batch=2 seq_len=3 tokens=6"
+
+
+def test_missing_corpus_file_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        ByteCorpus(tmp_path / "nope.bin")
+
+
+def test_a_directory_is_not_a_corpus(tmp_path):
+    with pytest.raises(DataError, match="not a regular file"):
+        ByteCorpus(tmp_path)
+
+
+def test_empty_corpus_file_is_a_data_error(tmp_path):
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(DataError, match="empty"):
+        ByteCorpus(tmp_path / "empty.bin")
+
+
+def test_corpus_shorter_than_one_global_batch_is_a_data_error_naming_sizes(tmp_path):
+    path, _ = _random_corpus(tmp_path, 100)
+    corpus = ByteCorpus(path)
+    shapes = [RankShape(2, 64)]  # needs 130 bytes
+    with pytest.raises(DataError) as info:
+        corpus.step_batch(0, shapes, [0])
+    msg = str(info.value)
+    assert "100" in msg and "130" in msg and "global batch" in msg
+
+
+def test_corpus_is_memory_mapped_and_step_reads_the_file_bytes(tmp_path):
+    path, data = _random_corpus(tmp_path, 1000)
+    corpus = ByteCorpus(path)
+    assert isinstance(corpus.bytes, np.memmap)
+    shapes = [RankShape(3, 9)]  # span 30, n = 33
+    for step in (0, 1, 32, 33, 34):
+        (x, y), = corpus.step_batch(step, shapes, [0])
+        start = (step % 33) * 30
+        want = torch.tensor(list(data[start:start + 30])).view(3, 10)
+        assert torch.equal(x, want[:, :-1]) and torch.equal(y, want[:, 1:])
+
+
+@pytest.mark.parametrize("split", [[2, 2], [3, 1], [1, 1, 1, 1]])
+def test_single_process_at_batch_4_reads_exactly_the_bytes_of_the_fleet_split(tmp_path, split):
+    path, _ = _random_corpus(tmp_path, 5000)
+    corpus = ByteCorpus(path)
+    T = 16
+    single = [RankShape(4, T)]
+    fleet = [RankShape(b, T) for b in split]
+    assert span_bytes(single) == span_bytes(fleet)
+    for step in range(0, 150, 7):  # wraps around the corpus (n = 73 spans)
+        (xs, ys), = corpus.step_batch(step, single, [0])
+        parts = corpus.step_batch(step, fleet, list(range(len(fleet))))
+        # each rank may ask for its own slice alone and gets the same bytes
+        for r in range(len(fleet)):
+            (xr, yr), = corpus.step_batch(step, fleet, [r])
+            assert torch.equal(xr, parts[r][0]) and torch.equal(yr, parts[r][1])
+        assert torch.equal(xs, torch.cat([p[0] for p in parts]))
+        assert torch.equal(ys, torch.cat([p[1] for p in parts]))
+
+
+def test_eval_tail_is_held_out_of_training(tmp_path):
+    path, data = _random_corpus(tmp_path, 1000)
+    corpus = ByteCorpus(path, eval_frac=0.1)
+    assert corpus.train_bytes == 900 and corpus.eval_bytes == 100
+    with pytest.raises(DataError):
+        corpus.read(850, 60)  # would run into the tail
+    batches = corpus.eval_batches(batch=2, seq_len=9)
+    x = torch.cat([b[0] for b in batches])
+    assert x.shape == (10, 9)  # 100 bytes hold 10 windows of 10
+    assert x[0].tolist() == list(data[900:909])
+    # a training step never reads past byte 900
+    assert {step_span_start(k, 200, corpus.train_bytes) for k in range(20)} == {0, 200, 400, 600}
+
+
+def test_eval_tail_shorter_than_a_window_is_a_data_error(tmp_path):
+    path, _ = _random_corpus(tmp_path, 1000)
+    with pytest.raises(DataError, match="eval_frac"):
+        ByteCorpus(path, eval_frac=0.01).eval_batches(batch=2, seq_len=63)
+
+
+def test_builtin_corpus_is_real_text_and_deterministic():
+    a, b = builtin_corpus(), builtin_corpus()
+    assert a == b and len(a) > 10_000
+    assert b"def " in a and b"import torch" in a

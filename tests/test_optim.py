@@ -1,0 +1,330 @@
+"""dormouse.train.optim and newton_schulz: parity with torch's Muon and AdamW,
+Newton-Schulz, stacked weights, variants, state round trip, parameter groups."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from dormouse.config import preset
+from dormouse.errors import ConfigError
+from dormouse.model import DormouseModel
+from dormouse.train.newton_schulz import orthogonalise
+from dormouse.train.optim import MixOptimizer, shape_factor
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def _mlp(seed: int = 0, bias: bool = False) -> nn.Module:
+    """Two hidden matrices: a tall (48 x 16) and a wide (16 x 48) weight."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 48, bias=bias), nn.Tanh(), nn.Linear(48, 16, bias=bias))
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    x, target = torch.randn(32, 16, generator=g), torch.randn(32, 16, generator=g)
+    return (model(x) - target).pow(2).mean()
+
+
+def _train(model: nn.Module, opt, steps: int) -> None:
+    for k in range(steps):
+        opt.zero_grad()
+        _loss(model, k).backward()
+        opt.step()
+
+
+# ---- parity with torch's optimizers ------------------------------------------------
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_muon_steps_like_torch_optim_muon_on_tall_and_wide_matrices(wd):
+    ours, theirs = _mlp(), _mlp()
+    start = [p.detach().clone() for p in ours.parameters()]
+    assert [tuple(p.shape) for p in ours.parameters()] == [(48, 16), (16, 48)]
+    lr = 0.02
+    mix = MixOptimizer(ours, lr=lr, wd=wd, opt="mix", ns_kind="quintic", ns_dtype="bfloat16",
+                       muon_variant="muon", muon_sf="original", momentum=0.95, nesterov=True)
+    assert [n for n, _ in mix.muon_params] == ["0.weight", "2.weight"] and mix.adamw_params == []
+    peer = torch.optim.Muon(theirs.parameters(), lr=lr, weight_decay=wd, momentum=0.95,
+                            nesterov=True, adjust_lr_fn="original")
+    _train(ours, mix, 6)
+    _train(theirs, peer, 6)
+    for a, b, s in zip(ours.parameters(), theirs.parameters(), start):
+        assert _rel(a, b) < 1e-5
+        assert _rel(a, s) > 1e-2  # it did train: the parity is not vacuous
+
+
+def test_adamw_steps_like_torch_optim_adamw_decaying_only_matrices():
+    ours, theirs = _mlp(bias=True), _mlp(bias=True)
+    start = [p.detach().clone() for p in ours.parameters()]
+    lr, wd, betas, eps = 1e-2, 0.1, (0.9, 0.95), 1e-8
+    mix = MixOptimizer(ours, lr=lr, wd=wd, opt="adamw", betas=betas, eps=eps)
+    assert mix.muon_params == [] and len(mix.adamw_params) == 4
+    matrices = [p for p in theirs.parameters() if p.ndim >= 2]
+    vectors = [p for p in theirs.parameters() if p.ndim < 2]
+    peer = torch.optim.AdamW([{"params": matrices, "weight_decay": wd},
+                              {"params": vectors, "weight_decay": 0.0}],
+                             lr=lr, betas=betas, eps=eps, foreach=False)
+    _train(ours, mix, 6)
+    _train(theirs, peer, 6)
+    for a, b, s in zip(ours.parameters(), theirs.parameters(), start):
+        assert _rel(a, b) < 1e-6
+        assert _rel(a, s) > 1e-3
+
+
+def test_adamw_parity_would_see_decay_of_the_bias():
+    # Guards the test above: decaying the 1D biases too is a visible difference.
+    ours, theirs = _mlp(bias=True), _mlp(bias=True)
+    mix = MixOptimizer(ours, lr=1e-2, wd=0.1, opt="adamw")
+    peer = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+    _train(ours, mix, 6)
+    _train(theirs, peer, 6)
+    assert max(_rel(a, b) for a, b in zip(ours.parameters(), theirs.parameters())) > 1e-5
+
+
+def test_shape_factor_rules():
+    assert shape_factor("original", 64, 16) == 2.0
+    assert shape_factor("original", 16, 64) == 1.0
+    assert shape_factor("match_rms_adamw", 16, 64) == pytest.approx(0.2 * 8)
+    with pytest.raises(ConfigError):
+        shape_factor("bogus", 2, 2)
+
+
+# ---- Newton-Schulz -----------------------------------------------------------------
+
+def _conditioned(shape: tuple[int, int], smallest: float, seed: int = 0) -> torch.Tensor:
+    """A random matrix whose singular values run from 1 down to `smallest`."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    k = min(rows, cols)
+    q1, _ = torch.linalg.qr(torch.randn(rows, k, generator=gen))
+    q2, _ = torch.linalg.qr(torch.randn(cols, k, generator=gen))
+    return 3.0 * q1 @ torch.diag(torch.logspace(0, torch.log10(torch.tensor(smallest)).item(), k)) @ q2.T
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (40, 40)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quintic_newton_schulz_output_is_near_orthogonal(shape, dtype):
+    g = _conditioned(shape, 1e-2)  # singular values spread over a factor of 100
+    o = orthogonalise(g, "quintic", 5, dtype)
+    assert o.shape == g.shape and o.dtype == dtype
+    s = torch.linalg.svdvals(o.float())
+    assert s.min() > 0.5 and s.max() < 1.5, s
+
+
+def test_newton_schulz_keeps_the_singular_vectors_of_its_input():
+    # O is an odd polynomial of G: U^T O V is diagonal (float32, to round-off).
+    g = torch.randn(32, 12, generator=torch.Generator().manual_seed(1))
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    for kind in ("quintic", "polar_express"):
+        d = u.T @ orthogonalise(g, kind, 5, torch.float32) @ vh.T
+        off = d - torch.diag(torch.diagonal(d))
+        assert off.abs().max() < 1e-4 * d.abs().max()
+        assert (torch.diagonal(d) > 0.5).all()
+
+
+def test_polar_express_lifts_small_singular_values_further_than_quintic():
+    g = _conditioned((48, 16), 1e-3)
+    s_q = torch.linalg.svdvals(orthogonalise(g, "quintic", 5, torch.float32))
+    s_p = torch.linalg.svdvals(orthogonalise(g, "polar_express", 5, torch.float32))
+    assert s_q.min() < 0.5 < s_p.min()  # five quintic steps are not enough here
+    assert s_p.max() < 1.5
+
+
+def test_stacked_newton_schulz_is_slice_by_slice():
+    gen = torch.Generator().manual_seed(3)
+    for shape in ((3, 24, 8), (3, 8, 24)):
+        g = torch.randn(*shape, generator=gen) * torch.tensor([1.0, 10.0, 0.1]).view(3, 1, 1)
+        for dtype in (torch.float32, torch.bfloat16):
+            stacked = orthogonalise(g, "quintic", 5, dtype)
+            slices = torch.stack([orthogonalise(g[i], "quintic", 5, dtype) for i in range(3)])
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(stacked.float(), slices.float(), rtol=tol, atol=tol)
+
+
+class _Stack(nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.w = nn.Parameter(w.clone())
+
+
+class _Slices(nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.ws = nn.ParameterList([nn.Parameter(s.clone()) for s in w])
+
+
+@pytest.mark.parametrize("sf", ["original", "match_rms_adamw"])
+def test_muon_on_a_3d_weight_with_colrow_3d_equals_one_2d_muon_per_slice(sf):
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 20, 8, generator=gen)
+    stack, slices = _Stack(w), _Slices(w)
+    kw = dict(lr=0.05, wd=0.1, ns_dtype="float32", muon_sf=sf)
+    o3, o2 = MixOptimizer(stack, colrow_3d=True, **kw), MixOptimizer(slices, **kw)
+    assert len(o3.muon_params) == 1 and len(o2.muon_params) == 3
+    for _ in range(3):
+        grad = torch.randn(3, 20, 8, generator=gen) * torch.tensor([1.0, 5.0, 0.2]).view(3, 1, 1)
+        stack.w.grad = grad.clone()
+        for i, p in enumerate(slices.ws):
+            p.grad = grad[i].clone()
+        o3.step()
+        o2.step()
+    for i in range(3):
+        torch.testing.assert_close(stack.w[i], slices.ws[i], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(stack.w, w)
+
+
+def test_colrow_3d_false_flattens_the_stack_into_one_matrix():
+    gen = torch.Generator().manual_seed(5)
+    w, grad = torch.randn(3, 20, 8, generator=gen), torch.randn(3, 20, 8, generator=gen)
+    per_slice, flat = _Stack(w), _Stack(w)
+    kw = dict(lr=0.05, ns_dtype="float32", muon_sf="original")
+    a, b = MixOptimizer(per_slice, colrow_3d=True, **kw), MixOptimizer(flat, colrow_3d=False, **kw)
+    per_slice.w.grad, flat.w.grad = grad.clone(), grad.clone()
+    a.step()
+    b.step()
+    # flattened: one (60 x 8) matrix, lr * sqrt(60 / 8) times its orthogonal factor
+    # (the first momentum update is a multiple of the gradient, and Newton-Schulz
+    # normalises its input, so the factor is that of the gradient itself)
+    o = orthogonalise(grad.reshape(60, 8), "quintic", 5, torch.float32)
+    expected = w - 0.05 * shape_factor("original", 60, 8) * o.view(3, 20, 8)
+    torch.testing.assert_close(flat.w.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert _rel(per_slice.w.detach(), flat.w.detach()) > 1e-3
+
+
+@pytest.mark.parametrize("changes", [dict(ns_kind="polar_express"), dict(muon_variant="normuon")])
+def test_polar_express_and_normuon_run_and_differ_from_quintic_muon(changes):
+    base, other = _mlp(), _mlp()
+    a = MixOptimizer(base, lr=0.02, ns_dtype="float32")
+    b = MixOptimizer(other, lr=0.02, ns_dtype="float32", **changes)
+    _train(base, a, 3)
+    _train(other, b, 3)
+    for p, q in zip(base.parameters(), other.parameters()):
+        assert torch.isfinite(q).all()
+        assert _rel(q, p) > 1e-4
+    if "muon_variant" in changes:
+        v = b.state["0.weight"]["row_v"]
+        assert v.shape == (48, 1) and (v > 0).all()
+
+
+def test_normuon_update_keeps_the_frobenius_norm_of_the_orthogonal_update():
+    model = _Stack(torch.zeros(24, 8))
+    opt = MixOptimizer(model, lr=1.0, ns_dtype="float32", muon_variant="normuon", muon_sf="original",
+                       momentum=0.0, nesterov=False)
+    g = torch.randn(24, 8, generator=torch.Generator().manual_seed(6))
+    g[:4] *= 20  # rows of very different size
+    model.w.grad = g
+    opt.step()
+    o = orthogonalise(g, "quintic", 5, torch.float32)
+    update = -model.w.detach() / shape_factor("original", 24, 8)
+    assert float(update.norm()) == pytest.approx(float(o.norm()), rel=1e-5)
+    assert _rel(update, o) > 1e-3  # rows were rescaled
+
+
+# ---- state and bookkeeping --------------------------------------------------------------
+
+def _tiny_model(seed: int = 0) -> DormouseModel:
+    torch.manual_seed(seed)
+    return DormouseModel(preset("tiny"))
+
+
+def _model_step(model, opt, k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(0, 256, (2, 17), generator=g)
+    opt.zero_grad()
+    _, loss, aux = model(w[:, :-1], w[:, 1:])
+    loss.backward()
+    opt.step()
+    model.balance_experts(aux["loads"])
+
+
+@pytest.mark.parametrize("variant", ["muon", "normuon"])
+def test_state_dict_round_trip_lets_a_second_optimizer_continue_identically(variant):
+    a = _tiny_model()
+    opt_a = MixOptimizer(a, lr=3e-3, muon_variant=variant)
+    for k in range(2):
+        _model_step(a, opt_a, k)
+    saved_model = copy.deepcopy(a.state_dict())
+    saved_opt = copy.deepcopy(opt_a.state_dict())
+    assert int(saved_opt["embed.weight"]["step"]) == 2
+
+    b = _tiny_model(seed=123)  # different init, overwritten by the load
+    b.load_state_dict(saved_model)
+    opt_b = MixOptimizer(b, lr=3e-3, muon_variant=variant)
+    opt_b.load_state_dict(saved_opt)
+    for k in range(2, 5):
+        _model_step(a, opt_a, k)
+        _model_step(b, opt_b, k)
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), n
+    for n, s in opt_a.state_dict().items():
+        for key, t in s.items():
+            assert torch.equal(t, opt_b.state[n][key]), (n, key)
+
+
+def test_load_state_dict_from_another_model_is_refused():
+    opt = MixOptimizer(_tiny_model(), lr=1e-3)
+    other = MixOptimizer(DormouseModel(dataclasses.replace(preset("tiny"), rank=0)), lr=1e-3)
+    with pytest.raises(ConfigError, match="lora"):
+        opt.load_state_dict(other.state_dict())
+    wrong_opt = MixOptimizer(_tiny_model(), lr=1e-3, opt="adamw")
+    with pytest.raises(ConfigError):
+        opt.load_state_dict(wrong_opt.state_dict())
+
+
+def test_parameters_without_a_gradient_are_skipped():
+    model = nn.ModuleDict({"used": nn.Linear(8, 8), "unused": nn.Linear(8, 8)})
+    opt = MixOptimizer(model, lr=0.1, wd=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        opt.zero_grad()
+        model["used"](x).pow(2).sum().backward()
+        opt.step()
+    for n, p in model.named_parameters():
+        if n.startswith("unused"):
+            assert torch.equal(p, before[n]), n  # not even weight decay touched it
+        else:
+            assert not torch.equal(p, before[n]), n
+    assert torch.count_nonzero(opt.state["unused.weight"]["momentum"]) == 0
+    assert int(opt.state["unused.bias"]["step"]) == 0 and int(opt.state["used.bias"]["step"]) == 2
+    assert torch.count_nonzero(opt.state["unused.bias"]["exp_avg"]) == 0
+
+
+def test_dormouse_model_sends_hidden_matrices_to_muon_and_the_rest_to_adamw():
+    model = _tiny_model()
+    opt = MixOptimizer(model, lr=1e-3)
+    muon = {n for n, _ in opt.muon_params}
+    adamw = {n for n, _ in opt.adamw_params}
+    assert muon | adamw == {n for n, _ in model.named_parameters()} and not muon & adamw
+    for n in ("embed.weight", "head.weight", "block.moe.router.weight", "engram.table"):
+        assert n in adamw, n
+    assert {n for n in adamw if n.endswith("gain")} == {"block.attn_norm.gain", "block.ffn_norm.gain",
+                                                       "final_norm.gain"}
+    assert adamw == {"embed.weight", "head.weight", "block.moe.router.weight", "engram.table",
+                     "block.attn_norm.gain", "block.ffn_norm.gain", "final_norm.gain"}
+    for n in ("block.attn.qkv", "block.attn.out", "block.attn.lora_qkv_a", "block.attn.lora_out_b",
+              "block.moe.expert_w_gate", "block.moe.expert_w_down", "block.shared.w_up",
+              "engram.key", "engram.value"):
+        assert n in muon, n
+    # opt="adamw": everything is AdamW
+    all_adamw = MixOptimizer(model, lr=1e-3, opt="adamw")
+    assert all_adamw.muon_params == [] and len(all_adamw.adamw_params) == len(list(model.parameters()))
+
+
+def test_muon_state_dtype_sets_the_momentum_buffer_dtype():
+    opt = MixOptimizer(_mlp(), lr=1e-3, muon_state_dtype="bfloat16")
+    assert opt.state["0.weight"]["momentum"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("field", ["opt", "ns_kind", "muon_variant", "muon_sf", "ns_dtype"])
+def test_unknown_optimizer_option_is_a_config_error(field):
+    with pytest.raises(ConfigError, match=field):
+        MixOptimizer(_mlp(), **{field: "bogus"})
