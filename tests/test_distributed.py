@@ -46,6 +46,7 @@ WORLD2 = {
     "step_adamw": ({"steps": 1, "capacity": "4,2", "opt": "adamw"}, "gradref"),
     "curve_bf16": ({"reduce": "bf16"}, "single"),
     "step_bf16": ({"steps": 1, "capacity": "4,2", "reduce": "bf16"}, "gradref"),
+    "curve_buckets": ({"bucket_mb": 0.05}, "single"),  # ~13 buckets instead of one
 }
 
 
@@ -114,6 +115,12 @@ def test_fsdp_fleet_ends_bitwise_equal_to_replicated_fleet_at_two_ranks(world2):
     # Two-term sums are commutative, so reduce-scatter and all-reduce agree exactly.
     a, b = load_tensors(world2["curve"], "rank0"), load_tensors(world2["curve_fsdp"], "rank0")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_many_small_buckets_reduce_exactly_like_one_flat_bucket(world2):
+    a, b = load_tensors(world2["curve"], "rank0"), load_tensors(world2["curve_buckets"], "rank0")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert load_meta(world2["curve_buckets"], "rank0")["config"]["train"]["dist_bucket_mb"] == 0.05
 
 
 # 4 --------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=WORLD, help="ranks in gradref's profile")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     p.add_argument("--resume-from", default="", help="checkpoint to continue from (relative to --out, or absolute)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size (MiB)")
     p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
     return p
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = GateSettings(
             out=args.out, steps=args.steps, batch=args.batch, capacity=args.capacity, seed=args.seed,
             lr=args.lr, shard=args.shard, device=args.device, opt=args.opt, reduce=args.reduce,
-            world=args.world, resume_from=args.resume_from,
+            world=args.world, resume_from=args.resume_from, bucket_mb=args.bucket_mb,
         )
         log = print
         if args.mode == "rank":

@@ -46,6 +46,7 @@ def write_corpus(path: Path, n_bytes: int = 4096, cycle: int = 16) -> Path:
 def make_run(
     out: Path, *, steps: int, batch: int, capacity: str = "", dist: bool = False, lr: float = LR,
     shard: str = "none", opt: str = "mix", reduce: str = "fp32", name: str = "gate", resume_from: str = "",
+    bucket_mb: float = 25.0,
 ) -> RunConfig:
     """The gate's run. `name` keeps each mode's checkpoint and metrics apart."""
     out = Path(out)
@@ -55,7 +56,7 @@ def make_run(
         data=str(write_corpus(out / "corpus.bin")),
         dist=dist, dist_capacity=capacity,
         dist_reduce=reduce,  # fp32 is the exact reference; bf16 has its own bound
-        dist_shard=shard, opt=opt, resume_from=resume_from,
+        dist_shard=shard, opt=opt, resume_from=resume_from, dist_bucket_mb=bucket_mb,
         warmup=0, schedule="constant", grad_clip=0.0,  # gradref applies one plain step
         # Newton-Schulz in float32, not torch's bfloat16: the quintic iteration
         # multiplies directions of small singular value by up to 3.4^5 ~ 480,

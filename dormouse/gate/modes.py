@@ -50,6 +50,7 @@ class GateSettings:
     reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 | bf16
     world: int = WORLD  # ranks (gradref's profile; a fleet reads torchrun's)
     resume_from: str = ""  # continue from this checkpoint (relative to out, or absolute)
+    bucket_mb: float = 25.0  # size of one flattened gradient all-reduce bucket
 
     def record(self) -> dict:
         d = dataclasses.asdict(self)
@@ -158,7 +159,7 @@ def run_rank_plan(plan: list[GateSettings], log=print) -> list[dict]:
 def _one_rank_run(s: GateSettings, log) -> dict:
     run = make_run(Path(s.out), steps=s.steps, batch=s.batch, capacity=s.capacity, dist=True,
                    lr=s.lr, shard=s.shard, opt=s.opt, reduce=s.reduce, name="fleet",
-                   resume_from=_resume_path(s))
+                   resume_from=_resume_path(s), bucket_mb=s.bucket_mb)
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the single-process reference can build it too); train_dist checks it.
     model = build(s.seed)
