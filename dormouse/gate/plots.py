@@ -29,6 +29,12 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), layout="constrained")
 
 
+def _integer_steps(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _status(check: dict) -> str:
     return "ok" if check.get("pass") else "FAIL"
 
@@ -44,6 +50,7 @@ def losses(metas: list[dict], title: str = "loss curve"):
         ls = m["losses"]
         ax.plot(range(1, len(ls) + 1), ls, "o-", ms=3, label=m.get("name", "?"))
     ax.set(xlabel="step", ylabel="loss", title=title)
+    _integer_steps(ax)
     ax.legend()
     ax.grid(alpha=0.3)
     return fig
@@ -60,6 +67,7 @@ def loss_curves(v: dict, name: str = "curve"):
     ax.plot(range(1, len(s) + 1), s, "-", lw=2.5, alpha=0.6, label="single (global batch)")
     ax.plot(range(1, len(f) + 1), f, "--o", ms=3, lw=1, label="fleet (rank0)")
     ax.set(xlabel="step", ylabel="loss", title=f"loss curves [{_status(c)}]")
+    _integer_steps(ax)
     ax.legend()
     ax.grid(alpha=0.3)
     return fig
@@ -98,6 +106,7 @@ def loss_delta(v: dict, name: str = "curve"):
     if isinstance(floor, list) and len(floor) == len(per):
         ax.semilogy(steps, [f if f > 0 else FLOOR for f in floor], ":", color="gray", label="measured floor")
     ax.set(xlabel="step", ylabel="relative loss difference", title=f"fleet vs single per step [{_status(c)}]")
+    _integer_steps(ax)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     return fig
@@ -169,6 +178,7 @@ def param_divergence(v: dict, name: str = "curve"):
                    extent=(0.5, width + 0.5, len(names) - 0.5, -0.5))
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set(xlabel="step", title="fleet vs single per tensor and step: log10 relative difference")
+    _integer_steps(ax)
     fig.colorbar(im, ax=ax, label="log10 max|fleet − single| / max|single|")
     return fig
 
