@@ -45,7 +45,7 @@ class GateSettings:
     seed: int = 7  # model initialisation seed, the same in every mode
     lr: float = LR  # learning rate
     shard: str = "none"  # none | fsdp
-    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl); single and gradref run there too
     opt: str = "mix"  # mix | adamw
     reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 | bf16
     world: int = WORLD  # ranks (gradref's profile; a fleet reads torchrun's)
@@ -64,7 +64,7 @@ def run_single(s: GateSettings, log=print) -> dict:
     batch = global_batch(s)
     run = make_run(Path(s.out), steps=s.steps, batch=batch, lr=s.lr, opt=s.opt, name="single",
                    resume_from=_resume_path(s))
-    model = build(s.seed)
+    model = build(s.seed).to(_device(s))
     trace = Trace(snapshots=True)
     report = train(model, run, log=log, on_step=trace)
     trace.save(Path(s.out), "single")
@@ -109,18 +109,18 @@ def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
     # depend on which windows share a batch: a capacity-dropping MoE drops by
     # the batch's composition, so its micro-batched run is another network.
     if not (run.model.moe_on and run.model.moe_capacity > 0):
-        micro = build(s.seed)
+        micro = build(s.seed).to(_device(s))
         t_micro = Trace(snapshots=True)
         shapes = [RankShape(1, run.train.seq_len)] * run.train.batch
         r_micro = train(micro, dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name="floor_micro")),
                         log=lambda _: None, sync=LocalSync(run, shapes), on_step=t_micro)
         runs["microbatch"] = (r_micro["losses"], t_micro)
 
-    nudged = build(s.seed)
+    nudged = build(s.seed).to(_device(s))
     gen = torch.Generator().manual_seed(s.seed)
     with torch.no_grad():
         for p in nudged.parameters():
-            up = torch.rand(p.shape, generator=gen) < 0.5
+            up = (torch.rand(p.shape, generator=gen) < 0.5).to(p.device)
             p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf)))
     t_ulp = Trace(snapshots=True)
     r_ulp = train(nudged, dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name="floor_ulp")),
@@ -184,7 +184,8 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     """One hand-computed token-weighted step over the profile's rank batches."""
     out = Path(s.out)
     run = make_run(out, steps=1, batch=s.batch, capacity=s.capacity, lr=s.lr, opt=s.opt, name="gradref")
-    model = build(s.seed)
+    device = _device(s)
+    model = build(s.seed).to(device)
     # The starting point too, so the verdict can compare the fleet's STEP
     # (after - before) with the reference step, not just the parameters.
     save_artifact(out, "init", named_state(model), [], settings=s.record(), mode="init")
@@ -200,7 +201,7 @@ def run_gradref(s: GateSettings, log=print) -> dict:
         off = rank_byte_offset(shapes, r)  # step 0's span starts at byte 0
         x, y = _windows(corpus[off: off + sh.nbytes], sh.batch, sh.seq_len)
         model.zero_grad(set_to_none=True)
-        _, loss, aux = model(x, y)
+        _, loss, aux = model(x.to(device), y.to(device))
         loss.backward()
         local.append(float(loss.detach()))
         loads = aux["loads"] if loads is None else loads + aux["loads"]
@@ -242,6 +243,13 @@ def replay_fleet_step(out: Path) -> dict[str, torch.Tensor]:
     if trace is not None and "loads" in trace:
         model.balance_experts(trace["loads"][0])
     return named_state(model)
+
+
+def _device(s: GateSettings) -> torch.device:
+    """The settings' device for the in-process modes (a rank's is its local GPU)."""
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise DormouseError("device 'cuda' asked for but CUDA is not available: use --device cpu")
+    return torch.device(s.device)
 
 
 def _resume_path(s: GateSettings) -> str:
