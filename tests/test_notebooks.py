@@ -215,7 +215,10 @@ def gate_run(tmp_path_factory):
     """The whole pipeline from a directory that is not the repository:
     `cd elsewhere && python -m dormouse.gate.pipeline -p out <tmp>`. Run once
     per session even under xdist: the workers share it through a flock."""
-    base = tmp_path_factory.getbasetemp().parent / "notebook-pipeline"
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's directory, shared by its workers
+    base = root / "notebook-pipeline"
     cwd, out, result = base / "elsewhere", base / "out", base / "result.json"
     with pipeline.locked(base, "fixture"):
         if not result.exists():
@@ -255,6 +258,28 @@ def test_fleet_notebook_alone_from_the_repository_root(tmp_path):
     text = all_text(tmp_path / "02.ipynb")
     assert "[rank2] step=3/3" in text  # rank output streamed into the cell
     assert "all 3 ranks bitwise equal" in text
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(cmd)
+    return found
+
+
+def test_fleet_notebook_timeout_kills_every_rank_in_one_sentence(tmp_path):
+    out = tmp_path / "out"
+    e = failing("02_fleet_launcher.ipynb", tmp_path / "02.ipynb", cwd=tmp_path, out=str(out), steps=100000,
+                timeout_s=3)
+    assert e.ename == "FleetError" and "did not finish within 3 s and was killed" in e.evalue
+    assert e.traceback == [f"FleetError: {e.evalue}"]
+    assert _processes_mentioning(str(out)) == []
+    assert not list((out / "curve").glob("rank*.json"))
 
 
 def test_gradref_notebook_alone_from_elsewhere(tmp_path):

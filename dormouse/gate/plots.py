@@ -205,7 +205,12 @@ def save(figs: dict, out: Path, dpi: int = 110) -> list[Path]:
 def render(v: dict, out: Path | None = None) -> list[Path]:
     """Draw every figure of verdict `v` and write the PNGs into `out` (the
     verdict's own out dir by default)."""
-    return save(figures(v), Path(out or v["out"]))
+    out = Path(out or v["out"])
+    figs = figures(v)
+    for k, name in FILES.items():  # a figure this verdict has no data for must not linger from an older one
+        if k not in figs:
+            (out / name).unlink(missing_ok=True)
+    return save(figs, out)
 
 
 def show(paths: list[Path]) -> None:
