@@ -143,6 +143,15 @@ def test_bad_parameters_raise_one_sentence(given, name, allowed):
     assert info.value._render_traceback_() == [f"ParameterError: {msg}"]
 
 
+def test_cuda_without_a_gpu_is_a_parameter_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(pipeline.ParameterError, match=r"^device = 'cuda' is not allowed here: .* must be 'cpu'\.$"):
+        pipeline.check(device="cuda")
+
+
 def test_unwritable_out_is_a_parameter_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(pipeline.ParameterError, match=r"^out = .* cannot be written .*writable directory"):

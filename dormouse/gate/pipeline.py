@@ -185,6 +185,18 @@ def _positive(name: str, value, allowed: str) -> float:
     return float(value)
 
 
+def _cuda(world: int) -> None:
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise ParameterError("device = 'cuda' is not allowed here: no CUDA device is visible, "
+                             "so device must be 'cpu'.")
+    if world > n:
+        raise ParameterError(f"world = {world} is not allowed with device = 'cuda': {n} GPU(s) visible "
+                             f"and one rank per GPU, so world must be at most {n}.")
+
+
 def resolve_out(out) -> Path:
     """None -> <repository>/artifacts/gate; a relative path is taken from the
     repository root (papermill and nbmake run in different working
@@ -254,6 +266,8 @@ def check(**given) -> Params:
         v["reduce"] = _choice("reduce", given["reduce"], REDUCES)
     if "device" in given:
         v["device"] = _choice("device", given["device"], DEVICES)
+        if v["device"] == "cuda":
+            _cuda(world if "world" in given else 1)  # 01 runs one process
     if "timeout_s" in given:
         v["timeout_s"] = _positive("timeout_s", given["timeout_s"], "a positive number of seconds (e.g. 300)")
     if "produce" in given:
@@ -314,7 +328,7 @@ def _rank_names(d: Path) -> list[str]:
 
 def single_status(d: Path, p: Params, global_batch: int) -> str | None:
     m = _meta(d, "single")
-    why = _differs(m, {"steps": p.steps, "seed": p.seed, "lr": p.lr, "opt": p.opt})
+    why = _differs(m, {"steps": p.steps, "seed": p.seed, "lr": p.lr, "opt": p.opt, "device": p.device})
     if why is None and m.get("global_batch") != global_batch:
         why = f"made at global batch {m.get('global_batch')} (want {global_batch})"
     return why
@@ -337,7 +351,8 @@ def fleet_status(d: Path, p: Params, steps: int) -> str | None:
 
 
 def gradref_status(d: Path, p: Params) -> str | None:
-    want = {"batch": p.batch, "capacity": p.capacity, "seed": p.seed, "lr": p.lr, "opt": p.opt, "world": p.world}
+    want = {"batch": p.batch, "capacity": p.capacity, "seed": p.seed, "lr": p.lr, "opt": p.opt, "world": p.world,
+            "device": p.device}
     for n in ("gradref", "init"):
         why = _differs(_meta(d, n), want)
         if why:
