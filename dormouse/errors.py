@@ -2,7 +2,8 @@
 
 Every one of them carries a message meant for the person at the keyboard: what
 is wrong and what to do. Command-line entry points print that message alone
-(no traceback) and exit with status 2; library callers can catch
+(no traceback) and exit with status 2, and a notebook shows it alone too
+(IPython calls `_render_traceback_`); library callers can catch
 `DormouseError` to tell "you asked for something impossible" from a bug.
 """
 
@@ -11,6 +12,10 @@ from __future__ import annotations
 
 class DormouseError(Exception):
     """A problem with the user's input or environment, stated in one message."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows instead of a traceback: the message alone."""
+        return [f"{type(self).__name__}: {self}"]
 
 
 class ConfigError(DormouseError, ValueError):

@@ -24,12 +24,12 @@ import papermill as pm
 import pytest
 
 from dormouse import atomic
-from dormouse.errors import DormouseError
-from dormouse.gate import pipeline
+from dormouse.errors import DormouseError, FleetError
+from dormouse.gate import params, pipeline, plots, produce
 from dormouse.gate.artifacts import load_meta, load_tensors, save_artifact
 
 NB = pipeline.NOTEBOOK_DIR
-REPO = pipeline.REPO_ROOT
+REPO = params.REPO_ROOT
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -88,11 +88,11 @@ def defaults(name: str) -> dict:
 
 def test_notebook_defaults_agree_with_the_library():
     """CI-sized, valid, and one configuration: 01's global batch is the fleet's."""
-    d = pipeline.DEFAULTS
+    d = params.DEFAULTS
     for name in pipeline.NOTEBOOKS:
         given = defaults(name)
         assert given["out"] is None
-        p = pipeline.check(**given)
+        p = params.check(**given)
         for k in given:
             if k not in ("out", "batch") or not name.startswith("01"):
                 assert getattr(p, k) == getattr(d, k), (name, k)
@@ -105,9 +105,9 @@ def test_notebook_defaults_agree_with_the_library():
 
 def test_default_out_is_the_repository_not_the_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert pipeline.check().out == REPO / "artifacts" / "gate"
-    assert pipeline.check(out="x/y").out == REPO / "x" / "y"
-    assert pipeline.check(out=str(tmp_path / "o")).out == tmp_path / "o"
+    assert params.check().out == REPO / "artifacts" / "gate"
+    assert params.check(out="x/y").out == REPO / "x" / "y"
+    assert params.check(out=str(tmp_path / "o")).out == tmp_path / "o"
     assert not (tmp_path / "artifacts").exists()
 
 
@@ -132,10 +132,10 @@ def test_default_out_is_the_repository_not_the_cwd(tmp_path, monkeypatch):
 ])
 def test_bad_parameters_raise_one_sentence(given, name, allowed):
     if name is None:
-        assert pipeline.check(**given).capacity == ""
+        assert params.check(**given).capacity == ""
         return
-    with pytest.raises(pipeline.ParameterError) as info:
-        pipeline.check(**given)
+    with pytest.raises(params.ParameterError) as info:
+        params.check(**given)
     msg = str(info.value)
     assert isinstance(info.value, DormouseError)
     assert name in msg and allowed in msg
@@ -148,27 +148,60 @@ def test_cuda_without_a_gpu_is_a_parameter_error():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(pipeline.ParameterError, match=r"^device = 'cuda' is not allowed here: .* must be 'cpu'\.$"):
-        pipeline.check(device="cuda")
+    with pytest.raises(params.ParameterError, match=r"^device = 'cuda' is not allowed here: .* must be 'cpu'\.$"):
+        params.check(device="cuda")
 
 
 def test_unwritable_out_is_a_parameter_error(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(pipeline.ParameterError, match=r"^out = .* cannot be written .*writable directory"):
-        pipeline.check(out=str(tmp_path / "file" / "sub"))
+    with pytest.raises(params.ParameterError, match=r"^out = .* cannot be written .*writable directory"):
+        params.check(out=str(tmp_path / "file" / "sub"))
 
 
 def test_capacity_from_papermill_int_and_spaces():
-    assert pipeline.check(world=1, capacity=4).capacity == "4"
-    assert pipeline.check(capacity=" 4, 2 ").capacity == "4,2"
-    assert pipeline.check(world=2, capacity="4x32,2").global_batch() is None
-    assert pipeline.check(world=3, batch=2).global_batch() == 6
+    assert params.check(world=1, capacity=4).capacity == "4"
+    assert params.check(capacity=" 4, 2 ").capacity == "4,2"
+    assert params.check(world=2, capacity="4x32,2").global_batch() is None
+    assert params.check(world=3, batch=2).global_batch() == 6
+
+
+def test_every_dormouse_error_renders_as_its_message_in_a_notebook():
+    assert FleetError("the fleet failed")._render_traceback_() == ["FleetError: the fleet failed"]
+    assert produce.MissingArtifactError("m")._render_traceback_() == ["MissingArtifactError: m"]
+
+
+def _curve_verdict(flips, first_flip, param=None, param_step=None) -> dict:
+    per = [1e-8] * 4
+    return {"checks": {"curve": {
+        "pass": True, "per_step": per, "tolerance": [1e-6] * 4, "floor_envelope": per, "routing_flips": flips,
+        "first_flip_step": first_flip, "param_divergence": {"a": [1e-8] * 4, "b": [1e-7] * 4},
+        "first_divergent_param": param, "first_divergent_param_step": param_step}}}
+
+
+def _text(fig) -> str:
+    """Every text a figure shows: in its axes and their titles."""
+    return "\n".join([t.get_text() for ax in fig.axes for t in ax.texts] + [ax.get_title() for ax in fig.axes])
+
+
+def test_loss_delta_draws_routing_flips_under_the_loss_difference():
+    fig = plots.loss_delta(_curve_verdict([[0, 0], [0, 2], [1, 1], [0, 0]], 2))
+    top, flips = fig.axes
+    assert flips.get_shared_x_axes().joined(top, flips)
+    assert len(flips.patches) == 8  # one bar per step and iteration, stacked
+    assert any("first flip: step 2" in t.get_text() for t in flips.get_legend().get_texts())
+    quiet = plots.loss_delta(_curve_verdict([[0, 0]] * 4, None))
+    assert "no routing flips: every token chose the same experts" in _text(quiet)
+
+
+def test_param_divergence_names_and_marks_the_first_divergent_tensor():
+    assert "first to leave its floor: b at step 3" in _text(plots.param_divergence(_curve_verdict([], None, "b", 3)))
+    assert "no tensor leaves its measured floor" in _text(plots.param_divergence(_curve_verdict([], None)))
 
 
 def test_lock_serialises_and_force_reuses_what_was_made_while_waiting(tmp_path):
     """Two producers of one artifact set: the second waits on the flock and,
     when the set was written while it waited, does not make it again."""
-    p = pipeline.check(out=str(tmp_path))
+    p = params.check(out=str(tmp_path))
     made = []
 
     def make(tag):
@@ -179,13 +212,13 @@ def test_lock_serialises_and_force_reuses_what_was_made_while_waiting(tmp_path):
         return _make
 
     def status():
-        return pipeline._differs(pipeline._meta(tmp_path, "a"), {"k": 1})
+        return produce._differs(produce._meta(tmp_path, "a"), {"k": 1})
 
     results = []
 
     def producer(tag, force):
-        results.append(pipeline._ensure(tmp_path, "a", "test", status, lambda: ["a"], make(tag),
-                                        p=p, force=force, log=lambda _: None, hint="-"))
+        results.append(produce._ensure(tmp_path, "a", "test", status, lambda: ["a"], make(tag),
+                                       p=p, force=force, log=lambda _: None, hint="-"))
 
     threads = [threading.Thread(target=producer, args=("first", False))]
     threads[0].start()
@@ -200,10 +233,10 @@ def test_lock_serialises_and_force_reuses_what_was_made_while_waiting(tmp_path):
     assert made == ["first", "third"]
     # Made with other settings and produce=False: refused in one sentence naming `produce`.
     atomic.write_text(tmp_path / "a.json", json.dumps({"settings": {"k": 2}}))
-    with pytest.raises(pipeline.MissingArtifactError, match=r"made with k=2 .*produce = False.*produce = True\.$"):
-        pipeline._ensure(tmp_path, "a", "test", status, lambda: ["a"], make("x"),
-                         p=pipeline.check(out=str(tmp_path), produce=False), force=False,
-                         log=lambda _: None, hint="01")
+    with pytest.raises(produce.MissingArtifactError, match=r"made with k=2 .*produce = False.*produce = True\.$"):
+        produce._ensure(tmp_path, "a", "test", status, lambda: ["a"], make("x"),
+                        p=params.check(out=str(tmp_path), produce=False), force=False,
+                        log=lambda _: None, hint="01")
 
 
 def test_pipeline_cli_bad_input_exits_2_with_one_line(tmp_path):
@@ -229,7 +262,7 @@ def gate_run(tmp_path_factory):
         root = root.parent  # this session's directory, shared by its workers
     base = root / "notebook-pipeline"
     cwd, out, result = base / "elsewhere", base / "out", base / "result.json"
-    with pipeline.locked(base, "fixture"):
+    with produce.locked(base, "fixture"):
         if not result.exists():
             cwd.mkdir(parents=True)
             r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "-p", "out", str(out)],
@@ -251,6 +284,14 @@ def test_pipeline_runs_all_four_in_order_from_elsewhere(gate_run):
     assert sorted(p.name for p in (out / "notebooks").iterdir()) == sorted(pipeline.NOTEBOOKS)
     v = json.loads((out / "verdict.json").read_text())
     assert v["pass"] and {"ranks", "curve", "gradref", "step_ranks"} <= set(v["checks"])
+    explain = v["explain"]  # the curve check's explanation, at the top level
+    assert set(pipeline.EXPLAINED) | {"step_first_divergent_param"} == set(explain)
+    assert all(explain[k] == v["checks"]["curve"][k] for k in pipeline.EXPLAINED)
+    assert len(explain["noise_floor"]) == len(explain["tolerance"]) == len(explain["per_step"]) == 20
+    assert explain["summary"] in all_text(out / "notebooks" / "04_compare_plots.ipynb")
+    # artifacts record what made them: the fleet's real world, gradref's one step
+    assert load_meta(out / "curve", "rank1")["settings"]["world"] == 2
+    assert all(load_meta(out / "step", n)["settings"]["steps"] == 1 for n in ("gradref", "init", "gradref_grad"))
     for png in ("loss_curves.png", "loss_delta.png", "curve_params.png", "gradref.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "curve" / "single.json").exists() and (out / "step" / "gradref.json").exists()
@@ -264,9 +305,11 @@ def test_fleet_notebook_alone_from_the_repository_root(tmp_path):
     run_nb("02_fleet_launcher.ipynb", tmp_path / "02.ipynb", cwd=REPO, out=str(out), world=3, capacity="2,1,1",
            steps=3)
     assert [load_meta(out / "curve", f"rank{r}")["world_size"] for r in range(3)] == [3, 3, 3]
+    assert [load_meta(out / "curve", f"rank{r}")["settings"]["world"] for r in range(3)] == [3, 3, 3]
     text = all_text(tmp_path / "02.ipynb")
     assert "[rank2] step=3/3" in text  # rank output streamed into the cell
     assert "all 3 ranks bitwise equal" in text
+    assert sum(line.rstrip().endswith(" yes") for line in text.splitlines()) == 2  # the table agrees
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -342,7 +385,7 @@ def test_single_notebook_writes_the_default_location_from_any_cwd(tmp_path):
     assert stamps[0] < stamps[1] < stamps[2]
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []
     assert not (NB / "artifacts").exists()
-    assert load_meta(single.parent, "single")["global_batch"] == pipeline.DEFAULTS.global_batch()
+    assert load_meta(single.parent, "single")["global_batch"] == params.DEFAULTS.global_batch()
 
 
 # --------------------------------------------------------------------------- planted faults
@@ -449,4 +492,4 @@ def test_bad_parameter_fails_the_first_cell_in_one_sentence(tmp_path, name, para
         nb = nbformat.read(str(tmp_path / "run.ipynb"), as_version=4)
         before = [c for c in nb.cells[:i] if c.cell_type == "code"]
         assert "injected-parameters" in before[-1].metadata.get("tags", [])
-        assert "pipeline.check(" in cell.source
+        assert "params.check(" in cell.source

@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the rank's device; the gate is cpu (gloo), the owner's check is cuda (nccl)")
     p.add_argument("--opt", default="mix", choices=("mix", "adamw"))
     p.add_argument("--reduce", default="fp32", choices=("fp32", "bf16"), help="gradient all-reduce dtype")
-    p.add_argument("--world", type=int, default=WORLD, help="ranks in gradref's profile")
+    p.add_argument("--world", type=int, default=WORLD,
+                   help="ranks: gradref's profile; recorded by rank mode (torchrun sets the fleet's)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     p.add_argument("--resume-from", default="", help="checkpoint to continue from (relative to --out, or absolute)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size (MiB)")

@@ -13,6 +13,8 @@ import torch
 from dormouse import atomic
 from dormouse.config import ModelConfig, RunConfig, TrainConfig
 from dormouse.model import DormouseModel
+from dormouse.train.data import RankShape
+from dormouse.train.distributed import parse_capacity
 
 TINY = dict(
     d_model=64, n_heads=4, head_dim=16, d_ffn=128, vocab=256, max_seq_len=64,
@@ -41,6 +43,21 @@ def write_corpus(path: Path, n_bytes: int = 4096, cycle: int = 16) -> Path:
     if not (path.exists() and path.read_bytes() == data):
         atomic.write_bytes(path, data)
     return path
+
+
+def rank_shapes(capacity: str, *, world: int, batch: int) -> list[RankShape]:
+    """The fleet's shape per rank for a capacity profile at the fixture's
+    window length and model (parse_capacity: FleetError when malformed)."""
+    return parse_capacity(capacity, world_size=world, cfg=TrainConfig(batch=batch, seq_len=SEQ),
+                          max_seq_len=TINY["max_seq_len"])
+
+
+def single_batch(shapes: list[RankShape]) -> int | None:
+    """The single process's batch that reads exactly these ranks' bytes, or
+    None when they mix window lengths (no one batch of SEQ windows holds them)."""
+    if any(sh.seq_len != SEQ for sh in shapes):
+        return None
+    return sum(sh.batch for sh in shapes)
 
 
 def make_run(

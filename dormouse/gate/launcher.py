@@ -35,7 +35,7 @@ def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path 
         return [*cmd, "--plan", str(plan)]
     return [*cmd, "--steps", str(s.steps), "--batch", str(s.batch), "--capacity", s.capacity,
             "--seed", str(s.seed), "--lr", repr(s.lr), "--shard", s.shard, "--device", s.device,
-            "--opt", s.opt, "--reduce", s.reduce, "--resume-from", s.resume_from,
+            "--opt", s.opt, "--reduce", s.reduce, "--world", str(s.world), "--resume-from", s.resume_from,
             "--bucket-mb", repr(s.bucket_mb)]
 
 

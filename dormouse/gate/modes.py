@@ -26,7 +26,7 @@ import torch
 
 from dormouse.errors import DormouseError
 from dormouse.gate.artifacts import load_meta, save_artifact
-from dormouse.gate.fixtures import LR, SEQ, STEPS, WORLD, build, make_run
+from dormouse.gate.fixtures import LR, STEPS, WORLD, build, make_run, rank_shapes, single_batch
 from dormouse.gate.trace import Trace, rel_per_step
 from dormouse.train.data import RankShape, _windows, rank_byte_offset
 from dormouse.train.distributed import close_fleet, fleet_env, parse_capacity, train_dist
@@ -77,15 +77,13 @@ def run_single(s: GateSettings, log=print) -> dict:
 def global_batch(s: GateSettings) -> int:
     if not s.capacity:
         return s.batch
-    probe = make_run(Path(s.out), steps=s.steps, batch=s.batch)
-    shapes = parse_capacity(s.capacity, world_size=len(s.capacity.split(",")), cfg=probe.train,
-                            max_seq_len=probe.model.max_seq_len)
-    if any(sh.seq_len != SEQ for sh in shapes):
+    batch = single_batch(rank_shapes(s.capacity, world=len(s.capacity.split(",")), batch=s.batch))
+    if batch is None:
         raise DormouseError(
             f"capacity {s.capacity!r} mixes window lengths: one process cannot hold that "
             "global batch as one batch; compare such a fleet against gradref instead"
         )
-    return sum(sh.batch for sh in shapes)
+    return batch
 
 
 def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
@@ -181,7 +179,9 @@ def _one_rank_run(s: GateSettings, log) -> dict:
 
 
 def run_gradref(s: GateSettings, log=print) -> dict:
-    """One hand-computed token-weighted step over the profile's rank batches."""
+    """One hand-computed token-weighted step over the profile's rank batches
+    (its artifacts record steps=1, whatever s.steps asked)."""
+    s = dataclasses.replace(s, steps=1)
     out = Path(s.out)
     run = make_run(out, steps=1, batch=s.batch, capacity=s.capacity, lr=s.lr, opt=s.opt, name="gradref")
     device = _device(s)

@@ -86,15 +86,16 @@ def _tolerance(c: dict) -> list[float] | None:
 
 def loss_delta(v: dict, name: str = "curve"):
     """|L_fleet - L_single| / |L_single| per step on a log axis, the tolerance
-    drawn in (and the measured round-off floor, when the check has one)."""
+    drawn in (and the measured round-off floor, when the check has one); under
+    it, on the same steps, the routing flips (see `_flips_panel`)."""
     c = v.get("checks", {}).get(name)
     if not c or not c.get("per_step"):
         return None
     per = c["per_step"]
     rel = [r if r > 0 else FLOOR for r in per]
     steps = list(range(1, len(rel) + 1))
-    fig = _figure(6.5, 3.8)
-    ax = fig.add_subplot()
+    fig = _figure(6.5, 5.6)
+    ax, flips_ax = fig.subplots(2, 1, sharex=True, height_ratios=(2.2, 1))
     ax.semilogy(steps, rel, "o-", ms=4, label="|ΔL| / |L_single|  (zero drawn at 1e-12)")
     tol = _tolerance(c)
     if tol:
@@ -105,11 +106,42 @@ def loss_delta(v: dict, name: str = "curve"):
     floor = c.get("floor_envelope") or c.get("noise_floor")
     if isinstance(floor, list) and len(floor) == len(per):
         ax.semilogy(steps, [f if f > 0 else FLOOR for f in floor], ":", color="gray", label="measured floor")
-    ax.set(xlabel="step", ylabel="relative loss difference", title=f"fleet vs single per step [{_status(c)}]")
-    _integer_steps(ax)
+    first = c.get("first_flip_step")
+    if first:
+        ax.axvline(first, color="darkorange", lw=1, ls="-.", label=f"first routing flip (step {first})")
+    ax.set(ylabel="relative loss difference", title=f"fleet vs single per step [{_status(c)}]")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
+    _flips_panel(flips_ax, c, steps)
+    flips_ax.set_xlabel("step")
+    _integer_steps(flips_ax)
     return fig
+
+
+def _flips_panel(ax, c: dict, steps: list[int]) -> None:
+    """Per step, the tokens whose top-k experts differ between single and
+    fleet, stacked by iteration of the shared block; the first flip marked,
+    or a line saying why there is nothing to draw."""
+    flips, first = c.get("routing_flips"), c.get("first_flip_step")
+    ax.set(ylabel="routing flips\n(tokens)")
+    ax.grid(alpha=0.3)
+    if not flips or not any(map(any, flips)):
+        why = ("no routing trace recorded" if "routing_flips" not in c else
+               "routing not comparable token by token (ranks of different window lengths)" if flips is None else
+               f"no routing flips: every token chose the same experts in single and fleet at all {len(flips)} steps")
+        ax.text(0.5, 0.5, why, transform=ax.transAxes, ha="center", va="center", fontsize=8, color="dimgray")
+        ax.set_yticks([])
+        return
+    bottom = [0] * len(flips)
+    for i in range(len(flips[0])):
+        counts = [row[i] for row in flips]
+        ax.bar(steps[:len(counts)], counts, bottom=bottom, width=0.8, label=f"iteration {i + 1}")
+        bottom = [b + n for b, n in zip(bottom, counts)]
+    if first:
+        ax.axvline(first, color="darkorange", lw=1, ls="-.", label=f"first flip: step {first}")
+    ax.set_ylim(0, 1.6 * max(bottom))  # room for the legend's one row above the bars
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=7, loc="upper left", ncols=len(flips[0]) + 1)
 
 
 def _barh(ax, names, values, label, color=None):
@@ -152,15 +184,17 @@ def gradref(v: dict, name: str = "gradref"):
     for ax, (key, xlabel, tol, what), color in zip(axes, panels, ("tab:blue", "tab:orange", "tab:green")):
         _barh(ax, names, [per[k].get(key, 0.0) for k in names], key, color=color)
         if isinstance(tol, (int, float)) and tol > 0:
-            ax.axvline(tol, color="crimson", ls="--", label=f"tolerance {tol:.0e}")
-            ax.legend(fontsize=7, loc="lower right")
+            ax.axvline(tol, color="crimson", ls="--")
+            ax.text(tol, 0.99, f"tolerance {tol:.0e} ", transform=ax.get_xaxis_transform(), rotation=90,
+                    ha="right", va="top", fontsize=7, color="crimson")
         ax.set(xlabel=xlabel, title=f"gradref: {what}" + (f" [{_status(c)}]" if ax is axes[0] else ""))
     return fig
 
 
 def param_divergence(v: dict, name: str = "curve"):
     """Per tensor and step, fleet vs single relative difference (when the curve
-    check carries its `param_divergence` series)."""
+    check carries its `param_divergence` series); the first tensor to leave its
+    own measured floor ringed at that step and named in the title."""
     c = v.get("checks", {}).get(name) or {}
     heat = c.get("param_divergence")
     if not isinstance(heat, dict) or not heat:
@@ -172,12 +206,21 @@ def param_divergence(v: dict, name: str = "curve"):
     grid = np.full((len(names), width), np.nan)
     for i, k in enumerate(names):
         grid[i, :len(heat[k])] = np.log10(np.maximum(np.asarray(heat[k], dtype=float), FLOOR))
-    fig = _figure(7.5, 1.4 + 0.17 * len(names))
+    fig = _figure(7.5, 1.6 + 0.17 * len(names))
     ax = fig.add_subplot()
     im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
                    extent=(0.5, width + 0.5, len(names) - 0.5, -0.5))
     ax.set_yticks(range(len(names)), names, fontsize=7)
-    ax.set(xlabel="step", title="fleet vs single per tensor and step: log10 relative difference")
+    first, step = c.get("first_divergent_param"), c.get("first_divergent_param_step")
+    if first in heat and step:
+        row = names.index(first)
+        ax.plot([step], [row], "o", ms=11, mfc="none", mec="crimson", mew=2)
+        ax.axvline(step, color="crimson", lw=0.8, ls="--")
+        ax.get_yticklabels()[row].set_color("crimson")
+        said = f"first to leave its floor: {first} at step {step}"
+    else:
+        said = "no tensor leaves its measured floor"
+    ax.set(xlabel="step", title=f"fleet vs single per tensor and step: log10 relative difference\n{said}")
     _integer_steps(ax)
     fig.colorbar(im, ax=ax, label="log10 max|fleet − single| / max|single|")
     return fig
