@@ -164,7 +164,7 @@ class TrainConfig:
     dist_capacity: str = ""  # per-rank shapes, e.g. "4,2" or "4x32,2x64" ("" = batch each)
     dist_reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 (exact) | bf16
     dist_shard: str = "none"  # none = replicated parameters; fsdp = FSDP2 fully_shard
-    dist_bucket_mb: float = 25.0  # size of one flattened gradient all-reduce bucket
+    dist_bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket (MiB)
 
     def validate(self) -> "TrainConfig":
         _check_types(self)

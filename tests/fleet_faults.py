@@ -50,18 +50,14 @@ def _with_ckpt_every(run, every):
 
 
 def plain_mean() -> None:
-    reduce = distributed.FleetSync.reduce
+    flatten = distributed.FleetSync._flatten
 
-    def mean_reduce(self, model, loss_share, loads):
+    def mean_flatten(self, bucket):
         # The loop scaled this rank's loss by t_r / T; undo that and apply 1 / W.
         total = sum(s.tokens for s in self.shapes)
-        factor = total / (self.world_size * self.shapes[self.rank].tokens)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
-        return reduce(self, model, loss_share, loads)
+        return flatten(self, bucket) * (total / (self.world_size * self.shapes[self.rank].tokens))
 
-    distributed.FleetSync.reduce = mean_reduce
+    distributed.FleetSync._flatten = mean_flatten
 
 
 def skip_param() -> None:

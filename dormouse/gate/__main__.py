@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
                    help="ranks: gradref's profile; recorded by rank mode (torchrun sets the fleet's)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     p.add_argument("--resume-from", default="", help="checkpoint to continue from (relative to --out, or absolute)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size (MiB)")
+    p.add_argument("--bucket-mb", type=float, default=4.0, help="gradient all-reduce bucket size (MiB)")
     p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
     return p
 

@@ -63,7 +63,7 @@ def single_batch(shapes: list[RankShape]) -> int | None:
 def make_run(
     out: Path, *, steps: int, batch: int, capacity: str = "", dist: bool = False, lr: float = LR,
     shard: str = "none", opt: str = "mix", reduce: str = "fp32", name: str = "gate", resume_from: str = "",
-    bucket_mb: float = 25.0,
+    bucket_mb: float = 4.0,
 ) -> RunConfig:
     """The gate's run. `name` keeps each mode's checkpoint and metrics apart."""
     out = Path(out)

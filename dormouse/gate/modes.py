@@ -50,7 +50,7 @@ class GateSettings:
     reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 | bf16
     world: int = WORLD  # ranks (gradref's profile; a fleet reads torchrun's)
     resume_from: str = ""  # continue from this checkpoint (relative to out, or absolute)
-    bucket_mb: float = 25.0  # size of one flattened gradient all-reduce bucket
+    bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket
 
     def record(self) -> dict:
         d = dataclasses.asdict(self)

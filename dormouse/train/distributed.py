@@ -13,9 +13,10 @@ rank's tokens, which is why the weights are token counts (accelerate's and
 torchtitan's token-weighted losses are the same rule). The loop backpropagates
 L_r * t_r / T, so the fleet only SUMs:
 
-- replicated (dist_shard="none"): after backward, all gradients are flattened
-  into buckets of dist_bucket_mb and all-reduced (SUM) in float32 or, with
-  dist_reduce="bf16", in bfloat16 on the wire. Every parameter takes part on
+- replicated (dist_shard="none"): gradients are flattened into buckets of
+  dist_bucket_mb and all-reduced (SUM) in float32 or, with dist_reduce="bf16",
+  in bfloat16 on the wire; each bucket starts as soon as backward has
+  produced its last gradient (overlapping the rest of backward). Every parameter takes part on
   every rank (a missing gradient is a zero), so the collectives never depend on
   which experts a rank's tokens happened to choose.
 - sharded (dist_shard="fsdp"): FSDP2 `fully_shard` reduce-scatters the same SUM
@@ -29,6 +30,7 @@ equal to the single process's.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import re
@@ -117,7 +119,18 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> list[
 
 
 class FleetSync:
-    """The loop's gradient synchroniser for one rank of a fleet (see module doc)."""
+    """The loop's gradient synchroniser for one rank of a fleet (see module doc).
+
+    Replicated: parameters are cut into buckets of about bucket_mb, in REVERSE
+    order (backward produces the output end's gradients first). Once `attach`
+    has hooked the model, a bucket's all-reduce starts during backward as soon
+    as its last gradient has arrived, so communication overlaps the rest of
+    backward (as DDP does). Buckets are always launched in index order, and the
+    loss/loads all-reduce after the last bucket, so every rank issues the same
+    collectives in the same order whatever gradients it happens to have: a
+    bucket holding a parameter without a gradient waits for `reduce`, which
+    sends a zero in its place.
+    """
 
     def __init__(self, shapes: list[RankShape], rank: int, world_size: int, *,
                  reduce: str, sharded: bool, bucket_mb: float, device: torch.device):
@@ -126,49 +139,74 @@ class FleetSync:
         self.sharded, self.device = sharded, device
         self.wire = torch.bfloat16 if reduce == "bf16" else torch.float32
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self._buckets = None
+        self._buckets: list[list[torch.Tensor]] = []
+        self._arrived: list[int] = []
+        self._launched: list[tuple[torch.Tensor, object]] = []
+
+    def attach(self, model) -> None:
+        """Bucket the model's parameters and hook them for overlapped reduces."""
+        if self.sharded:
+            return  # FSDP2 reduce-scatters during backward itself
+        self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
+        self._arrived = [0] * len(self._buckets)
+        for i, bucket in enumerate(self._buckets):
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, i))
+
+    def _grad_arrived(self, i: int, _param) -> None:
+        self._arrived[i] += 1
+        # Launch, in index order, every bucket whose gradients are all in
+        # (each of this process's slices runs one backward).
+        while (len(self._launched) < len(self._buckets)
+               and self._arrived[len(self._launched)] == len(self._buckets[len(self._launched)]) * len(self.mine)):
+            self._launch(len(self._launched))
+
+    def _launch(self, i: int) -> None:
+        flat = self._flatten(self._buckets[i])
+        self._launched.append((flat, dist.all_reduce(flat, async_op=True)))
+
+    def _flatten(self, bucket: list[torch.Tensor]) -> torch.Tensor:
+        """One bucket's gradients as one wire-dtype vector (a missing one is zeros)."""
+        return torch.cat([p.grad.reshape(-1) if p.grad is not None
+                          else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                          for p in bucket]).to(self.wire)
 
     def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
         """SUM gradients (unless FSDP already did), the loss share and the loads."""
+        if not self.sharded:
+            if not self._buckets:  # not attached: no overlap, same collectives
+                self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
+                self._arrived = [0] * len(self._buckets)
+            while len(self._launched) < len(self._buckets):
+                self._launch(len(self._launched))
         stats = torch.cat([loss_share.reshape(1).double(), loads.reshape(-1).double().to(loss_share.device)])
-        pending = [dist.all_reduce(stats, async_op=True)]
-        if not self.sharded:
-            params = [p for p in model.parameters() if p.requires_grad]
-            flats = []
-            for bucket in self._bucket(params):
-                flat = torch.cat([p.grad.reshape(-1) if p.grad is not None
-                                  else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                                  for p in bucket]).to(self.wire)
-                pending.append(dist.all_reduce(flat, async_op=True))
-                flats.append((bucket, flat))
-        for work in pending:
+        stats_work = dist.all_reduce(stats, async_op=True)
+        for bucket, (flat, work) in zip(self._buckets, self._launched):
             work.wait()
-        if not self.sharded:
-            for bucket, flat in flats:
-                offset = 0
-                for p in bucket:
-                    g = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
-                    offset += p.numel()
-                    if p.grad is None:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.copy_(g)
+            offset = 0
+            for p in bucket:
+                g = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+        stats_work.wait()
+        self._launched, self._arrived = [], [0] * len(self._buckets)
         return float(stats[0]), stats[1:].view_as(loads).to(loads.dtype)
 
     def _bucket(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Consecutive parameters, about bucket_bytes per bucket: the same on every rank."""
-        if self._buckets is None:
-            buckets, cur, size = [], [], 0
-            for p in params:
-                cur.append(p)
-                size += p.numel() * p.element_size()
-                if size >= self.bucket_bytes:
-                    buckets.append(cur)
-                    cur, size = [], 0
-            if cur:
+        """Parameters in reverse order, about bucket_bytes per bucket: the same on every rank."""
+        buckets, cur, size = [], [], 0
+        for p in reversed(params):
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= self.bucket_bytes:
                 buckets.append(cur)
-            self._buckets = buckets
-        return self._buckets
+                cur, size = [], 0
+        if cur:
+            buckets.append(cur)
+        return buckets
 
     def barrier(self) -> None:
         dist.barrier()
@@ -217,6 +255,7 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
     sync = FleetSync(shapes, rank, world_size, reduce=run.train.dist_reduce,
                      sharded=run.train.dist_shard == "fsdp", bucket_mb=run.train.dist_bucket_mb,
                      device=device)
+    sync.attach(model)
     if rank == 0:
         log(f"fleet: world_size={world_size} backend={backend} shard={run.train.dist_shard} "
             f"reduce={run.train.dist_reduce} | " + " | ".join(f"rank{r} {s.line()}" for r, s in enumerate(shapes)))
