@@ -122,10 +122,15 @@ def _load_dcp(path: Path, *, model, opt, run: RunConfig) -> int:
         raise CheckpointError(f"sharded checkpoint {str(path)!r} has no readable meta.json ({e})") from e
     _check_same_network(meta, run, path)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    import warnings
+
     import torch.distributed as dist
 
-    # In place, resharded to our tensors (whole ones in a single process).
-    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    # In place, resharded to our tensors (whole ones in a single process,
+    # which DCP announces with a warning even when asked for explicitly).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     _load_model(model, state["model"], path)
     return int(meta["step"])
 
