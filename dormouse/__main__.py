@@ -53,6 +53,14 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (argparse turns the ValueError into a usage error)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="python -m dormouse", description=__doc__.splitlines()[0],
                        epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=int, default=TrainConfig.log_every, help="steps between log lines")
     t.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints (0 = none)")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out-dir")
-    t.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    t.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     t.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other TrainConfig field, e.g. --set opt=adamw --set eval_frac=0.1")
     return p
@@ -98,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dormouse: preset={args.preset} params={n:,} data={run.train.data or 'built-in'} "
               f"steps={run.train.steps} out_dir={run.train.out_dir}", flush=True)
         report = train(model, run, log=lambda line: print(line, flush=True))
+        if report["final_loss"] is None:
+            print(f"done: nothing to train, the checkpoint is already at step {report['start_step']} "
+                  f"(--steps {run.train.steps}); raise --steps to continue")
+            return 0
         print(f"done: final loss {report['final_loss']:.4f}, {report['tokens_per_s']:.0f} tokens/s, "
               f"checkpoint {report['checkpoint']}")
         return 0

@@ -3,20 +3,30 @@
 Each write goes to a temporary file in the same directory (same filesystem),
 is flushed to disk, and is then renamed over the target with os.replace, which
 POSIX makes atomic. A process killed mid-write leaves at most a hidden
-`.<name>.tmp-<pid>` file behind, never a truncated target.
+`.<name>.tmp-*` file behind, never a truncated target.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def _atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # A unique name in the same directory: two writers (two ranks, or two
+    # hosts on a shared filesystem) never share a temporary file.
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
     try:
         write(tmp)
         with open(tmp, "rb") as f:
@@ -25,6 +35,15 @@ def _atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     finally:
         if tmp.exists():
             tmp.unlink()
+    return path
+
+
+def write_if_changed(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` atomically unless the file already holds exactly it (so
+    concurrent writers of the same bytes never disturb a reader)."""
+    path = Path(path)
+    if not (path.exists() and path.read_bytes() == data):
+        write_bytes(path, data)
     return path
 
 

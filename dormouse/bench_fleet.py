@@ -111,7 +111,7 @@ def _compare(args) -> int:
     ours = build_model(run)
     ours_opt = make_optimizer(ours, run)
     sync = FleetSync(shapes, rank, world, reduce=run.train.dist_reduce, sharded=False,
-                     bucket_mb=run.train.dist_bucket_mb, device=torch.device("cpu"))
+                     bucket_mb=run.train.dist_bucket_mb)
     sync.attach(ours)  # as train_dist does: buckets start during backward
     state = {"ours": 0, "ddp": 0, "solo": 0}
     unused_seen: list[str] = []

@@ -13,7 +13,7 @@ import torch
 from dormouse import atomic
 from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.errors import CheckpointError
-from dormouse.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
 from dormouse.train.loop import LocalSync, build_model, make_optimizer, train
 
 
@@ -132,6 +132,15 @@ def test_check_writable_raises_os_error_under_a_file(tmp_path):
     assert (tmp_path / "ok" / "deep").is_dir() and list((tmp_path / "ok" / "deep").iterdir()) == []
     with pytest.raises(OSError):
         atomic.check_writable(tmp_path / "f" / "sub")
+
+
+def test_a_sharded_checkpoint_caught_mid_swap_is_still_found(tmp_path):
+    # A run killed between the two renames leaves only .<name>.dcp.old.
+    run = RunConfig(train=TrainConfig(out_dir=str(tmp_path), ckpt_name="c", resume=True))
+    (tmp_path / ".c.dcp.old").mkdir()
+    assert find_checkpoint(run, sharded=True) == tmp_path / ".c.dcp.old"
+    (tmp_path / "c.dcp").mkdir()
+    assert find_checkpoint(run, sharded=True) == tmp_path / "c.dcp"
 
 
 def test_sharded_checkpoints_are_directories_with_another_suffix():

@@ -109,6 +109,7 @@ def test_other_bad_input_returns_2_with_one_error_line(tmp_path, capsys, args, f
 @pytest.mark.parametrize("argv, fragment", [
     (["train", "--steps", "abc"], "--steps"),
     (["train", "--preset", "huge"], "huge"),
+    (["train", "--threads", "0"], "--threads"),
     ([], "command"),
 ])
 def test_usage_errors_are_one_error_line_and_status_2(capsys, argv, fragment):
@@ -130,3 +131,13 @@ def test_set_parses_typed_values(tmp_path, capsys):
     train = meta["config"]["train"]
     assert train["opt"] == "adamw" and train["muon_nesterov"] is False and train["wd"] == 0.01
     assert meta["config"]["source"] == "cli:tiny"
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
+    args = ["train", "--steps", "2", "--batch", "2", "--seq-len", "16", "--ckpt-every", "1",
+            "--out-dir", str(tmp_path / "o")]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train, the checkpoint is already at step 2" in out and "loss=" not in out

@@ -172,6 +172,20 @@ def test_two_torchrun_agents_with_c10d_rendezvous_form_one_fleet(tmp_path):
     verdict_of(tmp_path)
 
 
+def test_fleetsync_overlaps_backward_and_a_missing_gradient_keeps_collectives_in_order(tmp_path):
+    # Rank 0's backward completes every bucket, so all three reduces start
+    # inside backward; rank 1 never gets b's gradient, so bucket [b] and the
+    # one after it wait for reduce() and go out as zeros, in the same order.
+    script = str(Path(__file__).with_name("fleetsync_rank.py"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, str(tmp_path)]
+    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["launched_in_backward"] for r in ranks] == [3, 1]
+    assert all(r["exact_sum"] for r in ranks)
+
+
 # 7 --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("capacity,problem", [

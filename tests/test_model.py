@@ -105,9 +105,16 @@ def test_aux_holds_per_iteration_topk_ids_and_loads_summing_to_tokens_times_k():
     assert aux["loads"].sum(-1).tolist() == [B * T * cfg.moe_topk] * cfg.max_iter
 
 
-def test_dropless_moe_drops_nothing():
-    _, _, aux = _model(moe_capacity=0.0)(*_bytes(4, 32))
+def test_dropless_moe_drops_nothing_and_equals_a_capacity_too_large_to_bind():
+    x, y = _bytes(4, 32)
+    logits, loss, aux = _model(moe_capacity=0.0)(x, y)
     assert aux["dropped"] == 0
+    # A capacity factor of E / k keeps every assignment an expert could get:
+    # the capacity path then drops nothing and computes the same network.
+    cfg = preset("tiny")
+    roomy_logits, roomy_loss, roomy_aux = _model(moe_capacity=cfg.n_experts / cfg.moe_topk)(x, y)
+    assert roomy_aux["dropped"] == 0
+    assert torch.equal(logits, roomy_logits) and torch.equal(loss, roomy_loss)
 
 
 def test_capacity_factor_drops_the_overflow_of_each_expert():
@@ -122,15 +129,21 @@ def test_capacity_factor_drops_the_overflow_of_each_expert():
     assert aux["dropped"] >= cfg.max_iter * (B * T * cfg.moe_topk - cfg.n_experts * keep) > 0
 
 
-def _naive_moe(moe: MoE, x: torch.Tensor, it: int) -> torch.Tensor:
-    """The MoE formula token by token: sum over chosen e of w_e * SwiGLU_e(x)."""
+def _naive_moe(moe: MoE, x: torch.Tensor, it: int, keep: int | None = None) -> torch.Tensor:
+    """The MoE formula token by token: sum over chosen e of w_e * SwiGLU_e(x).
+    With `keep`, each expert serves only its first `keep` assignments in token
+    order (the capacity rule); later ones contribute nothing."""
     flat = x.reshape(-1, x.shape[-1])
     probs = torch.softmax(moe.router(flat), dim=-1)
     chosen = torch.topk(probs + moe.router_bias[it], moe.topk, dim=-1).indices
     out = torch.zeros_like(flat)
+    served = [0] * moe.n_experts
     for n in range(flat.shape[0]):
         w = probs[n, chosen[n]] / probs[n, chosen[n]].sum()
         for slot, e in enumerate(chosen[n].tolist()):
+            served[e] += 1
+            if keep is not None and served[e] > keep:
+                continue
             h = F.silu(moe.expert_w_gate[e] @ flat[n]) * (moe.expert_w_up[e] @ flat[n])
             out[n] += w[slot] * (moe.expert_w_down[e] @ h)
     return out.view_as(x)
@@ -146,6 +159,18 @@ def test_dropless_moe_equals_the_token_by_token_formula():
         y, stats = moe(x, it)
         assert stats["dropped"] == 0
         torch.testing.assert_close(y, _naive_moe(moe, x, it), rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_moe_drops_the_later_assignments_in_token_order_and_they_output_nothing():
+    torch.manual_seed(0)
+    moe = MoE(d_model=16, d_ffn=24, n_experts=4, topk=2, capacity=0.5, max_iter=1, init_std=0.3, out_std=0.3)
+    x = torch.randn(2, 7, 16)
+    y, stats = moe(x, 0)
+    keep = math.ceil(0.5 * 14 * 2 / 4)  # 7 per expert
+    assert stats["dropped"] > 0
+    torch.testing.assert_close(y, _naive_moe(moe, x, 0, keep=keep), rtol=1e-5, atol=1e-6)
+    # and it is not the dropless network
+    assert (y - _naive_moe(moe, x, 0)).abs().max() > 1e-3
 
 
 def test_moe_balance_moves_the_bias_towards_underloaded_experts():
@@ -207,6 +232,8 @@ def test_bf16_config_trains_with_finite_loss(tmp_path, cyclic_corpus):
     )
     model = build_model(run)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # The routing bias stays float32: it moves by 1e-3 steps that bf16 rounds away past 0.5.
+    assert model.block.moe.router_bias.dtype == torch.float32
     before = [p.detach().clone() for p in model.parameters()]
     report = train(model, run, log=lambda _: None)
     assert len(report["losses"]) == 4 and all(math.isfinite(v) for v in report["losses"])

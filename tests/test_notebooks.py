@@ -208,7 +208,7 @@ def test_lock_serialises_and_force_reuses_what_was_made_while_waiting(tmp_path):
         def _make():
             made.append(tag)
             time.sleep(0.3)
-            atomic.write_text(tmp_path / "a.json", json.dumps({"settings": {"k": 1}}))
+            atomic.write_text(tmp_path / "a.json", json.dumps({"schema": 1, "settings": {"k": 1}}))
         return _make
 
     def status():
@@ -218,7 +218,7 @@ def test_lock_serialises_and_force_reuses_what_was_made_while_waiting(tmp_path):
 
     def producer(tag, force):
         results.append(produce._ensure(tmp_path, "a", "test", status, lambda: ["a"], make(tag),
-                                       p=p, force=force, log=lambda _: None, hint="-"))
+                                       p=p, force=force, log=lambda _: None, hint="-")[0])
 
     threads = [threading.Thread(target=producer, args=("first", False))]
     threads[0].start()

@@ -13,7 +13,7 @@ import torch
 from dormouse.gate.artifacts import load_meta, load_tensors
 from dormouse.gate.launcher import launch_plan
 from dormouse.gate.modes import GateSettings, run_single
-from dormouse.gate.verdict import FLOOR_MULTIPLE, MIN_RTOL, floor_envelope
+from dormouse.gate.verdict import floor_envelope, tolerance_from
 
 QUIET = lambda line: None  # noqa: E731
 
@@ -62,12 +62,12 @@ def within_single_floor(runs, name: str, artifact: str) -> None:
     """Steps 11..20 of a cross-topology resume against the uninterrupted single
     process, each within that step's floor-derived tolerance."""
     single = load_meta(runs["single"], "single")
-    envelope = floor_envelope(single)
+    tolerance = tolerance_from(floor_envelope(single))  # the verdict's own rule
     resumed = load_meta(runs[name], artifact)["losses"]
     assert len(resumed) == 10
     for k, loss in enumerate(resumed, start=10):
         ref = single["losses"][k]
-        tol = max(FLOOR_MULTIPLE * envelope[k], MIN_RTOL)
+        tol = tolerance[k]
         assert abs(loss - ref) / ref <= tol, f"step {k + 1}: {loss} vs {ref} (tolerance {tol:.1e})"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dormouse.__main__ import positive_int
 from dormouse.errors import DormouseError
 
 
@@ -38,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce", default="fp32", choices=("fp32", "bf16"), help="gradient all-reduce dtype")
     p.add_argument("--world", type=int, default=WORLD,
                    help="ranks: gradref's profile; recorded by rank mode (torchrun sets the fleet's)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
     p.add_argument("--resume-from", default="", help="checkpoint to continue from (relative to --out, or absolute)")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="gradient all-reduce bucket size (MiB)")
     p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")

@@ -38,11 +38,7 @@ WORLD = 2
 def write_corpus(path: Path, n_bytes: int = 4096, cycle: int = 16) -> Path:
     """The cyclic corpus 0, 1, ..., cycle-1, 0, 1, ... (written atomically, and
     only when different, so concurrent modes never see a torn file)."""
-    path = Path(path)
-    data = bytes(range(cycle)) * (n_bytes // cycle + 1)
-    if not (path.exists() and path.read_bytes() == data):
-        atomic.write_bytes(path, data)
-    return path
+    return atomic.write_if_changed(path, bytes(range(cycle)) * (n_bytes // cycle + 1))
 
 
 def rank_shapes(capacity: str, *, world: int, batch: int) -> list[RankShape]:

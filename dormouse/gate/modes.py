@@ -29,7 +29,7 @@ from dormouse.gate.artifacts import load_meta, save_artifact
 from dormouse.gate.fixtures import LR, STEPS, WORLD, build, make_run, rank_shapes, single_batch
 from dormouse.gate.trace import Trace, rel_per_step
 from dormouse.train.data import RankShape, _windows, rank_byte_offset
-from dormouse.train.distributed import close_fleet, fleet_env, parse_capacity, train_dist
+from dormouse.train.distributed import close_fleet, fleet_env, train_dist
 from dormouse.train.loop import LocalSync, make_optimizer, train
 from dormouse.train.tensors import named_grads, named_state
 
@@ -71,7 +71,8 @@ def run_single(s: GateSettings, log=print) -> dict:
     save_artifact(Path(s.out), "single_grad", named_grads(model), [], settings=s.record(), mode="grad")
     floor = measure_floor(s, run, trace) if not s.resume_from else {}
     return _save(s, "single", named_state(model), report["losses"], mode="single",
-                 global_batch=batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor)
+                 global_batch=batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor,
+                 start_step=report["start_step"])
 
 
 def global_batch(s: GateSettings) -> int:
@@ -172,7 +173,7 @@ def _one_rank_run(s: GateSettings, log) -> dict:
     trace.save(Path(s.out), f"rank{rank}")
     save_artifact(Path(s.out), f"rank{rank}_grad", grads, [], settings=s.record(), mode="grad")
     meta = _save(s, f"rank{rank}", state, report["losses"], mode="rank", rank=rank, world_size=world,
-                 shapes=[sh.line() for sh in _shapes(run, world)], config=run.to_dict(),
+                 **_shape_record(_shapes(run, world)), config=run.to_dict(), start_step=report["start_step"],
                  wall_s=report["wall_s"])
     del report, model
     return meta
@@ -218,7 +219,7 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     save_artifact(out, "gradref_grad", acc, [], settings=s.record(), mode="grad")
     save_artifact(out, "gradref_gradabs", abs_acc, [], settings=s.record(), mode="grad")
     return _save(s, "gradref", named_state(model), [loss], mode="gradref", local_losses=local,
-                 shapes=[sh.line() for sh in shapes], tokens=total, config=run.to_dict())
+                 **_shape_record(shapes), tokens=total, config=run.to_dict())
 
 
 def replay_fleet_step(out: Path) -> dict[str, torch.Tensor]:
@@ -233,15 +234,18 @@ def replay_fleet_step(out: Path) -> dict[str, torch.Tensor]:
     out = Path(out)
     meta = load_meta(out, "rank0")
     run = RunConfig.from_dict(meta["config"])
+    # On the fleet's device: another device's kernels round differently.
+    device = _device(GateSettings(out=str(out), device=meta["settings"]["device"]))
     model = build(meta["settings"]["seed"])
     model.load_state_dict(load_tensors(out, "init"))
+    model.to(device)
     grads = load_tensors(out, "rank0_grad")
     for n, p in model.named_parameters():
-        p.grad = grads[n].clone()
+        p.grad = grads[n].to(device)
     make_optimizer(model, run).step()
     trace = load_trace(out, "rank0")
     if trace is not None and "loads" in trace:
-        model.balance_experts(trace["loads"][0])
+        model.balance_experts(trace["loads"][0].to(device))
     return named_state(model)
 
 
@@ -260,8 +264,12 @@ def _resume_path(s: GateSettings) -> str:
 
 
 def _shapes(run, world: int) -> list[RankShape]:
-    return parse_capacity(run.train.dist_capacity, world_size=world, cfg=run.train,
-                          max_seq_len=run.model.max_seq_len)
+    return rank_shapes(run.train.dist_capacity, world=world, batch=run.train.batch)
+
+
+def _shape_record(shapes: list[RankShape]) -> dict:
+    """The ranks' shapes for an artifact: lines to read, pairs to compute with."""
+    return {"shapes": [sh.line() for sh in shapes], "rank_shapes": [[sh.batch, sh.seq_len] for sh in shapes]}
 
 
 def _save(s: GateSettings, name: str, state, losses, **extra) -> dict:

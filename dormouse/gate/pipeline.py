@@ -19,8 +19,8 @@ from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate.artifacts import load_tensors
 from dormouse.gate.params import ARTIFACTS, CURVE, DEFAULT_OUT, REPO_ROOT, STEP, Params, ParameterError, check
-from dormouse.gate.produce import Log, ensure_all, locked
-from dormouse.gate.verdict import _rel, compare, format_verdict
+from dormouse.gate.produce import Log, changed_since_ensured, ensure_all, locked
+from dormouse.gate.verdict import compare, format_verdict, relative_difference
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 EXECUTED_DIR = ARTIFACTS / "notebooks"
@@ -48,7 +48,7 @@ def curve_params(d: Path) -> dict | None:
     if not (d / "single.json").exists() or not (d / "rank0.json").exists():
         return None
     single, fleet = load_tensors(d, "single"), load_tensors(d, "rank0")
-    return {"per_tensor": {k: _rel(fleet[k], single[k]) for k in single if k in fleet},
+    return {"per_tensor": {k: relative_difference(fleet[k], single[k]) for k in single if k in fleet},
             "note": "fleet (rank0) vs single after the curve run, max|diff|/max|single| per tensor"}
 
 
@@ -81,10 +81,15 @@ def verdict(p: Params) -> dict:
     `checks` merges their checks (the step run's checks that share a name with
     the curve run's get a `step_` prefix: `step_ranks`); `explain` gathers
     the curve check's explanation at the top level."""
-    with locked(p.curve_dir, "single", "fleet"):
-        parts = {CURVE: compare(p.curve_dir)}
+    with locked(p.curve_dir, "single", "fleet"), locked(p.step_dir, "gradref", "fleet"):
+        # Judge exactly the artifacts `p` asked for: another notebook may have
+        # replaced them between ensure_all and now.
+        changed = changed_since_ensured(p)
+        if changed:
+            raise DormouseError(f"the artifacts changed while the verdict was being taken ({changed}): "
+                                "run 04 again (or give each concurrent run its own out)")
+        parts = {CURVE: compare(p.curve_dir), STEP: compare(p.step_dir)}
         curve = curve_params(p.curve_dir)
-    parts[STEP] = compare_step(p)
     checks = dict(parts[CURVE]["checks"])
     for k, c in parts[STEP]["checks"].items():
         checks[f"step_{k}" if k in checks else k] = c
@@ -148,6 +153,9 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
     the fleet the others describe. Raises ParameterError before running
     anything when an override is bad, GateFailed when the gate fails."""
     p = check(**overrides)  # before anything runs (or papermill is imported)
+    if not NOTEBOOK_DIR.is_dir():
+        raise DormouseError(f"no notebooks at {NOTEBOOK_DIR}: the pipeline runs from a checkout of the "
+                            "repository installed with `pip install -e .` (a plain install has no notebooks)")
     import papermill as pm
 
     # The validated values (capacity normalised, out absolute); a world given

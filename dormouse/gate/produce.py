@@ -26,7 +26,7 @@ from dormouse.gate import modes
 from dormouse.gate.artifacts import load_meta
 from dormouse.gate.launcher import launch_fleet
 from dormouse.gate.params import Params
-from dormouse.gate.verdict import _ranks as rank_names
+from dormouse.gate.verdict import rank_names
 
 Log = Callable[[str], None]
 
@@ -116,18 +116,20 @@ def _fresh(d: Path, names: list[str], since: float) -> bool:
 
 
 def _ensure(d: Path, lock: str, what: str, status: Callable[[], str | None], names: Callable[[], list[str]],
-            make: Callable[[], None], *, p: Params, force: bool, log: Log, hint: str) -> str:
-    """Produce artifact set `lock` in `d` unless it is there and fits.
+            make: Callable[[], None], *, p: Params, force: bool, log: Log, hint: str):
+    """Produce artifact set `lock` in `d` unless it is there and fits. Returns
+    ("produced" or "reused", the set's metadata), the metadata read while the
+    lock is still held (so a concurrent producer cannot swap the set between
+    the check and the read).
 
     force: produce even if it fits, unless it was written while we waited for
-    the lock (two notebooks asked for the same set at once: one run is enough).
-    Returns "produced" or "reused"."""
+    the lock (two notebooks asked for the same set at once: one run is enough)."""
     since = time.time()
     with locked(d, lock):
         why = status()
         if why is None and (not force or _fresh(d, names(), since)):
             log(f"{what}: using {d} (same settings)")
-            return "reused"
+            return "reused", [load_meta(d, n) for n in names()]
         if why is not None and not force and not p.produce:
             raise MissingArtifactError(
                 f"the {what} artifacts in {str(d)!r} are {why if why == 'missing' else 'unusable: ' + why} "
@@ -137,7 +139,7 @@ def _ensure(d: Path, lock: str, what: str, status: Callable[[], str | None], nam
         after = status()
         if after is not None:
             raise DormouseError(f"the {what} run finished but its artifacts in {str(d)!r} are {after}")
-        return "produced"
+        return "produced", [load_meta(d, n) for n in names()]
 
 
 @contextmanager
@@ -174,9 +176,8 @@ def run_single(p: Params, *, global_batch: int | None = None, force: bool = True
         with _threads():
             modes.run_single(p.gate_settings(d, batch=gb, capacity=""), log=log)
 
-    _ensure(d, "single", "single-process", lambda: single_status(d, p, gb), lambda: ["single"], make,
-            p=p, force=force, log=log, hint="01_single.ipynb")
-    return load_meta(d, "single")
+    return _ensure(d, "single", "single-process", lambda: single_status(d, p, gb), lambda: ["single"], make,
+                   p=p, force=force, log=log, hint="01_single.ipynb")[1][0]
 
 
 def _launch(p: Params, d: Path, steps: int, stream: Log) -> None:
@@ -187,9 +188,8 @@ def _launch(p: Params, d: Path, steps: int, stream: Log) -> None:
 
 def _fleet(p: Params, d: Path, steps: int, what: str, hint: str, *, force: bool, stream: Log) -> list[dict]:
     """The fleet for `steps` steps in `d` (rank output streamed); its ranks' metadata."""
-    _ensure(d, "fleet", what, lambda: fleet_status(d, p, steps), lambda: rank_names(d),
-            lambda: _launch(p, d, steps, stream), p=p, force=force, log=stream, hint=hint)
-    return [load_meta(d, f"rank{r}") for r in range(p.world)]
+    return _ensure(d, "fleet", what, lambda: fleet_status(d, p, steps), lambda: rank_names(d),
+                   lambda: _launch(p, d, steps, stream), p=p, force=force, log=stream, hint=hint)[1]
 
 
 def run_fleet(p: Params, *, force: bool = True, stream: Log = print) -> list[dict]:
@@ -205,9 +205,8 @@ def run_gradref(p: Params, *, force: bool = True, log: Log = print) -> dict:
         with _threads():
             modes.run_gradref(p.gate_settings(d), log=log)
 
-    _ensure(d, "gradref", "gradref", lambda: gradref_status(d, p), lambda: ["gradref", "init"], make,
-            p=p, force=force, log=log, hint="03_gradref.ipynb")
-    return load_meta(d, "gradref")
+    return _ensure(d, "gradref", "gradref", lambda: gradref_status(d, p), lambda: ["gradref", "init"], make,
+                   p=p, force=force, log=log, hint="03_gradref.ipynb")[1][0]
 
 
 def run_step_fleet(p: Params, *, force: bool = True, stream: Log = print) -> list[dict]:
@@ -219,6 +218,21 @@ def run_step(p: Params, *, force: bool = True, stream: Log = print) -> dict:
     """03: gradref and the one-step fleet; returns both artifacts' metadata."""
     return {"gradref": run_gradref(p, force=force, log=stream),
             "ranks": run_step_fleet(p, force=force, stream=stream)}
+
+
+def changed_since_ensured(p: Params) -> str | None:
+    """Call with curve/ and step/ locked: None if their artifacts are still
+    those `p` asks for, else what changed (another notebook replaced them)."""
+    gb = p.global_batch()
+    checks = [("curve", lambda: fleet_status(p.curve_dir, p, p.steps)),
+              ("step", lambda: gradref_status(p.step_dir, p) or fleet_status(p.step_dir, p, 1))]
+    if gb is not None:
+        checks.insert(0, ("curve", lambda: single_status(p.curve_dir, p, gb)))
+    for where, status in checks:
+        why = status()
+        if why:
+            return f"{where}: {why}"
+    return None
 
 
 def ensure_all(p: Params, *, log: Log = print) -> dict:

@@ -75,20 +75,21 @@ MIN_RTOL = 1e-6  # a few float32 ulps of the loss: the floor of the floor
 LOSS_RTOL_BF16 = 1e-3
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (max |a - b| where b is all zero)."""
     a, b = a.double(), b.double()
     scale = b.abs().max().item() if b.numel() else 0.0
     diff = (a - b).abs().max().item() if a.numel() else 0.0
     return diff / scale if scale > 0 else diff
 
 
-def _ranks(out: Path) -> list[str]:
+def rank_names(out: Path) -> list[str]:
     names = [p.stem for p in out.glob("rank*.json") if p.stem[4:].isdigit()]
     return sorted(names, key=lambda n: int(n[4:]))
 
 
 def compare_ranks(out: Path) -> dict:
-    names = _ranks(out)
+    names = rank_names(out)
     metas = [load_meta(out, n) for n in names]
     world = metas[0].get("world_size", len(names))
     if len(names) != world:
@@ -100,7 +101,10 @@ def compare_ranks(out: Path) -> dict:
         unequal = [k for k in ref if k not in t or not torch.equal(ref[k], t[k])]
         per_rank[n] = {"unequal_tensors": unequal, "losses_equal": m["losses"] == metas[0]["losses"]}
     ok = all(not r["unequal_tensors"] and r["losses_equal"] for r in per_rank.values())
-    reason = f"all {world} ranks bitwise equal" if ok else "ranks differ: " + "; ".join(
+    sharded = metas[0].get("settings", {}).get("shard") == "fsdp"
+    note = (" (FSDP2: each rank saved the tensors gathered from all shards, equal by construction; "
+            "what this check can catch there is a buffer, such as the routing bias, gone apart)") if sharded else ""
+    reason = f"all {world} ranks bitwise equal{note}" if ok else "ranks differ: " + "; ".join(
         f"{n} vs rank0: {', '.join(r['unequal_tensors'][:3]) or 'losses'}" for n, r in per_rank.items()
         if r["unequal_tensors"] or not r["losses_equal"])
     return {"pass": ok, "reason": reason, "world": world, "per_rank": per_rank}
@@ -130,7 +134,7 @@ def compare_gradref(out: Path, *, judge_reduce: str | None = None) -> dict:
     g_fleet = load_tensors(out, "rank0_grad")
     per_tensor = {}
     for k in ref:
-        row = {"param_rel": _rel(fleet[k], ref[k]), "step_rel": _rel(fleet[k] - init[k], ref[k] - init[k])}
+        row = {"param_rel": relative_difference(fleet[k], ref[k]), "step_rel": relative_difference(fleet[k] - init[k], ref[k] - init[k])}
         if k in g_ref:
             diff = (g_fleet[k].double() - g_ref[k].double()).abs()
             scale = g_ref[k].abs().max().item()
@@ -174,50 +178,74 @@ def compare_gradref(out: Path, *, judge_reduce: str | None = None) -> dict:
             "first_divergent_param": bad[0] if bad else None}
 
 
-def floor_envelope(single: dict) -> list[float]:
-    """Per step, the running maximum over the floor runs of their relative
-    loss difference from the reference: the measured round-off floor."""
+def noise_floor(single: dict) -> list[float]:
+    """Per step, the largest relative loss difference of the floor runs from
+    the reference: the measured round-off floor (see modes.measure_floor)."""
     ref = single["losses"]
-    per_step = [0.0] * len(ref)
+    floor = [0.0] * len(ref)
     for run in single.get("floor", {}).values():
         for k, (a, b) in enumerate(zip(run["losses"], ref)):
-            per_step[k] = max(per_step[k], abs(a - b) / abs(b) if b else abs(a - b))
-    env, top = [], 0.0
-    for v in per_step:
-        top = max(top, v)
-        env.append(top)
-    return env
+            floor[k] = max(floor[k], abs(a - b) / abs(b) if b else abs(a - b))
+    return floor
+
+
+def running_max(xs: list[float]) -> list[float]:
+    out, top = [], 0.0
+    for x in xs:
+        top = max(top, x)
+        out.append(top)
+    return out
+
+
+def floor_envelope(single: dict) -> list[float]:
+    """The floor's running maximum: round-off only grows along a run."""
+    return running_max(noise_floor(single))
+
+
+def tolerance_from(envelope: list[float], multiple: float = FLOOR_MULTIPLE) -> list[float]:
+    """tolerance_k = max(multiple * envelope_k, MIN_RTOL)."""
+    return [max(multiple * e, MIN_RTOL) for e in envelope]
+
+
+def _curve_mismatch(single: dict, fleet: dict) -> list[str]:
+    """Why single and fleet cannot be compared step by step (empty if they can)."""
+    why = _settings_mismatch(single, fleet, ("seed", "lr", "opt", "steps"))
+    shapes = fleet.get("rank_shapes", [])
+    seq = single["config"]["train"]["seq_len"]
+    if any(t != seq for _, t in shapes):
+        why.append(f"the fleet's window lengths {[t for _, t in shapes]} differ from single's {seq}")
+    if sum(b for b, _ in shapes) != single["global_batch"]:
+        why.append(f"single's global batch {single['global_batch']} != the fleet's "
+                   f"{sum(b for b, _ in shapes)}")
+    if fleet.get("start_step", 0) != single.get("start_step", 0):
+        why.append(f"single started at step {single.get('start_step', 0)}, the fleet at "
+                   f"{fleet.get('start_step', 0)} (a resumed run)")
+    if not fleet["losses"] or len(fleet["losses"]) != len(single["losses"]):
+        why.append(f"single has {len(single['losses'])} losses, the fleet {len(fleet['losses'])}")
+    return why
 
 
 def compare_curves(out: Path, *, judge_reduce: str | None = None, multiple: float = FLOOR_MULTIPLE) -> dict:
     single, fleet = load_meta(out, "single"), load_meta(out, "rank0")
-    mismatch = _settings_mismatch(single, fleet, ("seed", "lr", "opt", "steps"))
-    global_batch = sum(int(s.split()[0].split("=")[1]) for s in fleet["shapes"])
-    if single["global_batch"] != global_batch:
-        mismatch.append(f"single's global batch {single['global_batch']} != fleet's {global_batch}")
+    mismatch = _curve_mismatch(single, fleet)
     if mismatch:
         return {"pass": False, "reason": "single and fleet are not comparable: " + "; ".join(mismatch)}
     wire = judge_reduce or fleet["settings"]["reduce"]
     ls, lf = single["losses"], fleet["losses"]
     rel = [abs(f - s) / abs(s) if s else abs(f - s) for s, f in zip(ls, lf)]
-    floor = [0.0] * len(ls)
-    for run in single.get("floor", {}).values():
-        for k, (a, b) in enumerate(zip(run["losses"], ls)):
-            floor[k] = max(floor[k], abs(a - b) / abs(b) if b else abs(a - b))
-    envelope = floor_envelope(single)
+    floor, envelope = noise_floor(single), floor_envelope(single)
     if wire == "bf16":
         tolerance = [LOSS_RTOL_BF16] * len(ls)
         why = (f"bf16 wire: fixed {LOSS_RTOL_BF16:.0e} (each reduced gradient element is off by "
                f"<= W u; measured 4.6e-5 over 20 steps)")
     else:
-        tolerance = [max(multiple * e, MIN_RTOL) for e in envelope]
+        tolerance = tolerance_from(envelope, multiple)
         why = (f"{multiple:g} x the running maximum of the measured floor (two runs of the same "
                f"mathematics: micro-batched, and started one ulp away), at least {MIN_RTOL:.0e}")
     bad = [k for k, (r, t) in enumerate(zip(rel, tolerance)) if not r <= t]
-    finite = all(map(math.isfinite, lf))
-    ok = not bad and finite and len(ls) == len(lf)
+    ok = not bad and all(map(math.isfinite, lf))
     explain = explain_divergence(out, single, fleet, rel, envelope, multiple)
-    worst = max(range(len(rel)), key=lambda k: rel[k] / tolerance[k]) if rel else 0
+    worst = max(range(len(rel)), key=lambda k: rel[k] / tolerance[k])
     reason = (f"max per-step relative loss difference {max(rel):.2e} (step {worst + 1}: tolerance "
               f"{tolerance[worst]:.1e})" + (f"; exceeds tolerance first at step {bad[0] + 1}" if bad else "")
               + (f"; {explain['summary']}" if explain.get("summary") else ""))
@@ -235,7 +263,7 @@ def explain_divergence(out: Path, single: dict, fleet: dict, rel: list[float], e
     if s_trace is None or f_trace is None:
         return {}
     result: dict = {}
-    names = _ranks(out)
+    names = rank_names(out)
     if "topk" in s_trace:
         fleet_topk = [load_trace(out, n)["topk"] for n in names]
         try:
@@ -260,11 +288,8 @@ def explain_divergence(out: Path, single: dict, fleet: dict, rel: list[float], e
             continue
         series = rel_per_step(f_trace[key], s_trace[key])
         heat[name] = series
-        env, top = [], 0.0
-        for v in floors.get(name, [0.0] * len(series)):
-            top = max(top, v)
-            env.append(max(multiple * top, MIN_RTOL))
-        for k, (v, t) in enumerate(zip(series, env)):
+        tolerance = tolerance_from(running_max(floors.get(name, [0.0] * len(series))), multiple)
+        for k, (v, t) in enumerate(zip(series, tolerance)):
             if v > t and (first_param is None or k + 1 < first_param[0]):
                 first_param = (k + 1, name)
     result["param_divergence"] = heat
@@ -298,7 +323,7 @@ def explain_divergence(out: Path, single: dict, fleet: dict, rel: list[float], e
 def compare(out, *, judge_reduce: str | None = None) -> dict:
     """Run every check the out dir has artifacts for; pass only if all pass."""
     out = Path(out)
-    if not _ranks(out):
+    if not rank_names(out):
         raise DormouseError(f"no fleet artifacts (rank*.json) in {str(out)!r}: run the rank mode first")
     checks = {"ranks": compare_ranks(out)}
     if (out / "gradref.json").exists():

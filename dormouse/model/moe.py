@@ -59,6 +59,15 @@ class MoE(nn.Module):
         # One balancing bias per iteration: each iteration routes differently.
         self.register_buffer("router_bias", torch.zeros(max_iter, n_experts))
 
+    def _apply(self, fn, recurse=True):
+        """Casting the model (e.g. to bfloat16) keeps the routing bias in
+        float32: it moves by steps of moe_bias_rate, which bfloat16 rounds
+        away once |bias| >= 0.5 (8 bits of mantissa)."""
+        super()._apply(fn, recurse)
+        if self.router_bias.dtype != torch.float32:
+            self.router_bias = self.router_bias.float()
+        return self
+
     def forward(self, x: torch.Tensor, it: int) -> tuple[torch.Tensor, dict]:
         B, T, D = x.shape
         flat = x.reshape(B * T, D)  # (N, D)
@@ -99,4 +108,4 @@ class MoE(nn.Module):
         """b_e += rate * sign(mean load - load_e), per iteration; loads (max_iter, E)."""
         loads = loads.to(self.router_bias.device, torch.float32)
         err = loads.mean(dim=-1, keepdim=True) - loads
-        self.router_bias.add_(torch.sign(err).to(self.router_bias.dtype), alpha=rate)
+        self.router_bias.add_(torch.sign(err), alpha=rate)

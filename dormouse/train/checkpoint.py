@@ -64,12 +64,15 @@ def save_checkpoint(path: Path, *, model, opt, step: int, run: RunConfig, peers:
     peers.barrier()
     if peers.is_main:
         atomic.write_text(tmp / "meta.json", json.dumps(meta))
-        old = path.with_name(f".{path.name}.old")
+        # Swap in the new directory: the old one is kept as .old until the new
+        # one is in place, and find_checkpoint falls back to .old, so a kill
+        # between the two renames loses nothing.
+        old = _previous(path)
+        shutil.rmtree(old, ignore_errors=True)  # a leftover of a run killed mid-swap
         if path.exists():
             path.rename(old)
         tmp.rename(path)
-        if old.exists():
-            shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
     peers.barrier()
     return path
 
@@ -83,10 +86,16 @@ def find_checkpoint(run: RunConfig, sharded: bool) -> Path | None:
         if not path.exists():
             raise CheckpointError(f"resume_from {str(path)!r} does not exist: point it at a .pt file or .dcp directory")
         return path
-    for candidate in (checkpoint_path(run, sharded), checkpoint_path(run, not sharded)):
+    native, other = checkpoint_path(run, sharded), checkpoint_path(run, not sharded)
+    for candidate in (native, other, _previous(checkpoint_path(run, True))):
         if candidate.exists():
             return candidate
     return None
+
+
+def _previous(path: Path) -> Path:
+    """Where a sharded checkpoint waits while its successor is swapped in."""
+    return path.with_name(f".{path.name}.old")
 
 
 def load_checkpoint(path: Path, *, model, opt, run: RunConfig, peers: Peers) -> int:

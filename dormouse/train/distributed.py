@@ -15,8 +15,9 @@ L_r * t_r / T, so the fleet only SUMs:
 
 - replicated (dist_shard="none"): gradients are flattened into buckets of
   dist_bucket_mb and all-reduced (SUM) in float32 or, with dist_reduce="bf16",
-  in bfloat16 on the wire; each bucket starts as soon as backward has
-  produced its last gradient (overlapping the rest of backward). Every parameter takes part on
+  in bfloat16 on the wire; buckets start during backward, in a fixed order,
+  as soon as they and every bucket before them are complete (overlapping the
+  rest of backward). Every parameter takes part on
   every rank (a missing gradient is a zero), so the collectives never depend on
   which experts a rank's tokens happened to choose.
 - sharded (dist_shard="fsdp"): FSDP2 `fully_shard` reduce-scatters the same SUM
@@ -133,25 +134,44 @@ class FleetSync:
     """
 
     def __init__(self, shapes: list[RankShape], rank: int, world_size: int, *,
-                 reduce: str, sharded: bool, bucket_mb: float, device: torch.device):
+                 reduce: str, sharded: bool, bucket_mb: float):
         self.shapes, self.mine = shapes, [rank]
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
-        self.sharded, self.device = sharded, device
+        self.sharded = sharded
         self.wire = torch.bfloat16 if reduce == "bf16" else torch.float32
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self._buckets: list[list[torch.Tensor]] = []
         self._arrived: list[int] = []
         self._launched: list[tuple[torch.Tensor, object]] = []
+        self._hooks: list = []
 
     def attach(self, model) -> None:
-        """Bucket the model's parameters and hook them for overlapped reduces."""
+        """Bucket the model's parameters and hook them for overlapped reduces
+        (until `detach`: the model must not reach for the fleet afterwards)."""
         if self.sharded:
             return  # FSDP2 reduce-scatters during backward itself
         self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
         self._arrived = [0] * len(self._buckets)
         for i, bucket in enumerate(self._buckets):
             for p in bucket:
-                p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, i))
+                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, i)))
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def agree_on_start(self, start: int) -> None:
+        """Every rank must resume at the same step (each reads the checkpoint
+        from its own filesystem): otherwise they would run different numbers of
+        collectives."""
+        starts = [None] * self.world_size
+        dist.all_gather_object(starts, start)
+        if len(set(starts)) != 1:
+            raise FleetError(
+                f"ranks resumed at different steps {starts}: every rank must see the same "
+                "checkpoint (a shared out_dir, or resume_from pointing at the same file)"
+            )
 
     def _grad_arrived(self, i: int, _param) -> None:
         self._arrived[i] += 1
@@ -253,13 +273,15 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
     if run.train.dist_shard == "fsdp":
         model = _shard(model, device_type, world_size, run.train.dist_reduce)
     sync = FleetSync(shapes, rank, world_size, reduce=run.train.dist_reduce,
-                     sharded=run.train.dist_shard == "fsdp", bucket_mb=run.train.dist_bucket_mb,
-                     device=device)
+                     sharded=run.train.dist_shard == "fsdp", bucket_mb=run.train.dist_bucket_mb)
     sync.attach(model)
     if rank == 0:
         log(f"fleet: world_size={world_size} backend={backend} shard={run.train.dist_shard} "
             f"reduce={run.train.dist_reduce} | " + " | ".join(f"rank{r} {s.line()}" for r, s in enumerate(shapes)))
-    report = train(model, run, log, sync=sync, on_step=on_step)
+    try:
+        report = train(model, run, log, sync=sync, on_step=on_step)
+    finally:
+        sync.detach()
     report["model"] = model  # the (possibly sharded) model the fleet trained
     if close:
         close_fleet()

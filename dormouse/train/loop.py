@@ -53,6 +53,9 @@ class LocalSync:
     def barrier(self) -> None:
         pass
 
+    def agree_on_start(self, start: int) -> None:
+        """A fleet checks every rank resumed at the same step; alone, nothing to check."""
+
 
 def build_model(run: RunConfig) -> DormouseModel:
     """The model a run starts from: seeded by train.seed, cast to bfloat16 if
@@ -89,11 +92,7 @@ def resolve_corpus(run: RunConfig) -> Path:
     """The corpus file: train.data, or the built-in corpus written into out_dir."""
     if run.train.data:
         return Path(run.train.data)
-    path = Path(run.train.out_dir) / "builtin_corpus.bin"
-    data = builtin_corpus()
-    if not (path.exists() and path.read_bytes() == data):
-        atomic.write_bytes(path, data)
-    return path
+    return atomic.write_if_changed(Path(run.train.out_dir) / "builtin_corpus.bin", builtin_corpus())
 
 
 def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=None,
@@ -129,7 +128,9 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         path = find_checkpoint(run, sync.sharded)
         if path is not None:
             start = load_checkpoint(path, model=model, opt=opt, run=run, peers=sync)
-            log(f"resumed from {path} at step {start}")
+            log(f"resumed from {path} at step {start}"
+                + (f": nothing to do, train.steps is {cfg.steps}" if start >= cfg.steps else ""))
+    sync.agree_on_start(start)
     metrics = Path(cfg.out_dir) / f"{cfg.ckpt_name}.metrics.jsonl"
     if sync.is_main and start == 0 and metrics.exists():
         metrics.unlink()  # a fresh run starts a fresh log
