@@ -116,14 +116,19 @@ def _compare(args) -> int:
     state = {"ours": 0, "ddp": 0, "solo": 0}
     unused_seen: list[str] = []
 
+    def forward_backward(model, opt, kind: str, kind_seed: int, scale: float):
+        """The loop's step up to the synchroniser: fresh batch, zero_grad, backward of loss * scale."""
+        x, y = batch(kind_seed, state[kind], rank)
+        state[kind] += 1
+        opt.set_lr(lr)
+        opt.zero_grad()
+        _, loss, aux = model(x, y)
+        (loss * scale).backward()
+        return loss, aux
+
     def ours_step(record=None):
         t0 = clock()
-        x, y = batch(0, state["ours"], rank)
-        state["ours"] += 1
-        ours_opt.set_lr(lr)
-        ours_opt.zero_grad()
-        _, loss, aux = ours(x, y)
-        (loss * share).backward()
+        loss, aux = forward_backward(ours, ours_opt, "ours", 0, share)
         t1 = clock()
         if not unused_seen and state["ours"] == 1:
             unused_seen.extend(n for n, p in ours.named_parameters() if p.grad is None)
@@ -169,12 +174,7 @@ def _compare(args) -> int:
 
     def solo_step(record=None):
         t0 = clock()
-        x, y = batch(1, state["solo"], rank)
-        state["solo"] += 1
-        solo_opt.set_lr(lr)
-        solo_opt.zero_grad()
-        _, loss, aux = solo(x, y)
-        (loss * 1.0).backward()
+        loss, aux = forward_backward(solo, solo_opt, "solo", 1, 1.0)
         t1 = clock()
         solo_opt.step()
         solo.balance_experts(aux["loads"])
