@@ -1,13 +1,21 @@
-"""`python -m dormouse.gate`: the distributed gate's driver, runnable by hand.
+"""`dormouse gate` (also `python -m dormouse.gate`): the distributed gate's
+driver, runnable by hand. Every flag is a GateSettings field.
 
-    python -m dormouse.gate --mode single --out /tmp/g --steps 20 --batch 4
-    python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-        -m dormouse.gate --mode rank --out /tmp/g --steps 20 --batch 2
-    python -m dormouse.gate --mode verdict --out /tmp/g
+    python -m dormouse.gate single --out /tmp/g
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m dormouse.gate rank --out /tmp/g
+    python -m dormouse.gate gradref --out /tmp/g
+    python -m dormouse.gate replay --out /tmp/g
+    python -m dormouse.gate verdict --out /tmp/g [--json]
 
-single: one process at the GLOBAL batch (the reference curve); rank: one
+single: one process at the fleet's GLOBAL batch (the reference curve, its
+one-ulp floor and, under --reduce exact, the exact reference); rank: one
 process per rank under torchrun (the fleet); gradref: the hand-computed
-token-weighted one-step reference; verdict: compare what the out dir holds.
+token-weighted gradient at every step of the fleet's run; replay: the fleet's
+run replayed in one process from its recorded gradients; verdict: judge what
+the out dir holds. (`--mode NAME` is accepted for the mode as well.)
+
+Exit status: 0 the gate passed (or a mode ran), 1 the gate failed, 2 bad
+input, 3 a run crashed.
 """
 
 from __future__ import annotations
@@ -15,74 +23,92 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dormouse.__main__ import positive_int
 from dormouse.errors import DormouseError
+
+MODES = ("single", "rank", "gradref", "replay", "verdict")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def parser() -> argparse.ArgumentParser:
-    from dormouse.gate.fixtures import LR, STEPS, WORLD
+    from dormouse.gate.settings import add_arguments
 
-    p = argparse.ArgumentParser(prog="python -m dormouse.gate", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--mode", required=True, choices=("single", "rank", "gradref", "verdict"))
-    p.add_argument("--out", required=True, help="artifact directory (shared by all modes)")
-    p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (gradref: always 1)")
-    p.add_argument("--batch", type=int, default=2,
-                   help="the config's batch: global for single, per rank for rank/gradref")
-    p.add_argument("--capacity", default="", help="per-rank profile, 'B' or 'BxT' per rank: '4,2'")
-    p.add_argument("--seed", type=int, default=7, help="model initialisation seed")
-    p.add_argument("--lr", type=float, default=LR, help="learning rate")
-    p.add_argument("--shard", default="none", choices=("none", "fsdp"), help="FSDP2 sharding of the fleet")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="the rank's device; the gate is cpu (gloo), the owner's check is cuda (nccl)")
-    p.add_argument("--opt", default="mix", choices=("mix", "adamw"))
-    p.add_argument("--reduce", default="fp32", choices=("fp32", "bf16"), help="gradient all-reduce dtype")
-    p.add_argument("--world", type=int, default=WORLD,
-                   help="ranks: gradref's profile; recorded by rank mode (torchrun sets the fleet's)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
-    p.add_argument("--resume-from", default="", help="checkpoint to continue from (relative to --out, or absolute)")
-    p.add_argument("--bucket-mb", type=float, default=4.0, help="gradient all-reduce bucket size (MiB)")
+    p = _Parser(prog="dormouse gate", description=__doc__.splitlines()[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("mode", nargs="?", choices=MODES, help="what to run")
+    p.add_argument("--mode", dest="mode_flag", choices=MODES, help=argparse.SUPPRESS)
+    add_arguments(p)
     p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
+    p.add_argument("--json", action="store_true", help="verdict: also write <out>/verdict.json")
     return p
 
 
+def _argv(argv: list[str]) -> list[str]:
+    """A value that starts with '-' ('--capacity -1,2') is still that flag's
+    value, so its error names the setting rather than argparse's syntax."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and not argv[i + 1].startswith("--") and len(argv[i + 1]) > 1:
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_args(_argv(list(sys.argv[1:] if argv is None else argv)))
+    mode = args.mode or args.mode_flag
+    if mode is None or (args.mode and args.mode_flag and args.mode != args.mode_flag):
+        print("error: name one mode: single, rank, gradref, replay or verdict (see dormouse gate --help)",
+              file=sys.stderr)
+        return 2
     try:
         import torch
 
-        torch.set_num_threads(args.threads)
-        if args.mode == "verdict":
-            from dormouse.gate.verdict import compare, format_verdict
+        from dormouse.gate.settings import from_args
 
-            verdict = compare(args.out)
-            print(format_verdict(verdict))
-            return 0 if verdict["pass"] else 1
-        from dormouse.gate.modes import MODES, GateSettings
+        s = from_args(args)
+        torch.set_num_threads(s.threads)
+        if mode == "verdict":
+            from dormouse.gate.judge import judge
+            from dormouse.gate.presenting import format_verdict, write_verdict
 
-        settings = GateSettings(
-            out=args.out, steps=args.steps, batch=args.batch, capacity=args.capacity, seed=args.seed,
-            lr=args.lr, shard=args.shard, device=args.device, opt=args.opt, reduce=args.reduce,
-            world=args.world, resume_from=args.resume_from, bucket_mb=args.bucket_mb,
-        )
+            v = judge(s.out_dir)
+            if args.json:
+                write_verdict(v, s.out_dir)
+            print(format_verdict(v))
+            return 0 if v.passed else 1
+        from dormouse.gate import modes
+
         log = print
-        if args.mode == "rank":
+        if mode == "rank":
             import os
 
             prefix = f"[rank{os.environ.get('RANK', '?')}] "
             log = lambda line: print(prefix + line, flush=True)  # noqa: E731
-        if args.plan:
-            if args.mode != "rank":
-                raise DormouseError("--plan is for --mode rank only")
-            from dormouse.gate.modes import load_plan, run_rank_plan
-
-            run_rank_plan(load_plan(args.plan), log=log)
-        else:
-            MODES[args.mode](settings, log=log)
+            if args.plan:
+                modes.run_rank_plan(modes.load_plan(args.plan), log=log)
+                return 0
+        elif args.plan:
+            raise DormouseError("--plan is for the rank mode only")
+        modes.MODES[mode](s, log=log)
         return 0
     except DormouseError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:  # a run crashed (a bug, not bad input): its traceback, then one line
+        import traceback
+
+        traceback.print_exc()
+        print(f"crashed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 3
 
 
 if __name__ == "__main__":

@@ -1,89 +1,130 @@
-"""The gate's fixtures: the tiny model, its corpus and the run every mode shares.
+"""The gate's fixtures: the network, the corpus and the run every mode shares.
 
-The corpus is written into the out dir, so modes run on different machines
-(the single reference here, a fleet on a GPU box) compare the same bytes.
+The default network is the `tiny` preset (config.PRESETS: d_model 64, 4
+experts top-2, adapters of rank 8, shared expert of rank 16, Engram 64 x 8,
+the block applied twice, dropless MoE). `GateSettings.config` swaps in any
+preset or a RunConfig JSON written by `dormouse train`.
+
+The run turns on the code where data-parallel bugs live: linear warm-up, a
+cosine schedule, decoupled weight decay, gradient clipping (its coefficient is
+recorded per step), periodic eval on a held-out tail, and a seeded shuffled
+data order whose epochs wrap around the corpus within one gate run.
+
+The corpus is seeded pseudo-random bytes (no window repeats, so a fleet that
+reads the wrong span reads different bytes) of a length that is no multiple of
+the span (so the run crosses the wrap to the corpus's start), written into the
+out dir so modes run on different machines compare the same bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from dormouse import atomic
-from dormouse.config import ModelConfig, RunConfig, TrainConfig
+from dormouse.config import PRESETS, RunConfig, TrainConfig, preset
+from dormouse.errors import ConfigError
 from dormouse.model import DormouseModel
 from dormouse.train.data import RankShape
 from dormouse.train.distributed import parse_capacity
 
-TINY = dict(
-    d_model=64, n_heads=4, head_dim=16, d_ffn=128, vocab=256, max_seq_len=64,
-    max_iter=2, rank=8, n_experts=4, moe_topk=2, engram_rows=64, engram_dim=8,
-    bf16=False, shared_rank=16,
-    # DROPLESS (0): a capacity-dropping MoE drops assignments by a rule that
-    # depends on the window's composition, so a fleet's split window is a
-    # different network. refuse_incompatible makes this a loud requirement of
-    # every distributed run, not a test-only tweak.
-    moe_capacity=0.0,
-)
-SEQ = 64
-STEPS = 20
-# Low enough that the 20-step trajectory is not chaotic: at this lr the
-# fleet/reference divergence is float round-off, amplified only when a token's
-# expert choice flips; at lr 1e-2 round-off grows to percent level in 20 steps.
+TINY = preset("tiny")  # THE gate fixture's network (config.PRESETS["tiny"])
+SEQ = 64  # window length of the fixture (and of a preset, capped by its max_seq_len)
+# Low enough that a 20-step trajectory is not chaotic: round-off between the
+# fleet and the reference stays at the floor unless a token's expert choice
+# flips; at lr 1e-2 round-off grows to percent level in 20 steps.
 LR = 1e-3
-WORLD = 2
+CORPUS_SEED = 20261130  # the fixture corpus's bytes: torch.Generator seeded with this
+CORPUS_MIN_BYTES = 6007  # prime: never a multiple of a span
+EVAL_FRAC = 0.1  # held-out tail of the fixture corpus (eval every EVAL_EVERY steps)
+EVAL_EVERY = 5
+RECIPE = dict(
+    warmup=3, schedule="cosine", min_lr_frac=0.1, wd=0.01,
+    # Clips at most steps of the tiny fixture at lr 1e-3 (the coefficient is
+    # recorded per step in the trace): the clip code path runs in every gate.
+    grad_clip=0.05,
+    # Newton-Schulz in float32, not torch's bfloat16: the quintic iteration
+    # multiplies directions of small singular value by up to 3.4^5 ~ 480, so a
+    # float32 round-off difference of 3e-7 in a gradient that flips one
+    # bfloat16 rounding moved an expert's update by 9% in one element
+    # (measured). The gate is there to see the fleet's mathematics.
+    ns_dtype="float32",
+)
 
 
-def write_corpus(path: Path, n_bytes: int = 4096, cycle: int = 16) -> Path:
-    """The cyclic corpus 0, 1, ..., cycle-1, 0, 1, ... (written atomically, and
-    only when different, so concurrent modes never see a torn file)."""
-    return atomic.write_if_changed(path, bytes(range(cycle)) * (n_bytes // cycle + 1))
+def base_run(s) -> RunConfig:
+    """The network and recipe the settings name (before the gate's own fields)."""
+    if not s.config:
+        return RunConfig(source="dist-gate", model=dataclasses.replace(TINY),
+                         train=TrainConfig(lr=LR, eval_every=EVAL_EVERY, eval_frac=EVAL_FRAC, **RECIPE))
+    if s.config in PRESETS:
+        return RunConfig(source=f"preset:{s.config}", model=preset(s.config),
+                         train=TrainConfig(lr=LR, eval_every=EVAL_EVERY, eval_frac=EVAL_FRAC, **RECIPE))
+    path = Path(s.config).expanduser()
+    try:
+        return RunConfig.from_json(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config {s.config!r} is not a readable RunConfig JSON ({e})") from None
 
 
-def rank_shapes(capacity: str, *, world: int, batch: int) -> list[RankShape]:
-    """The fleet's shape per rank for a capacity profile at the fixture's
-    window length and model (parse_capacity: FleetError when malformed)."""
-    return parse_capacity(capacity, world_size=world, cfg=TrainConfig(batch=batch, seq_len=SEQ),
-                          max_seq_len=TINY["max_seq_len"])
+def window(s) -> int:
+    """The fixture's window length for settings `s`."""
+    run = base_run(s)
+    return run.train.seq_len if s.config and s.config not in PRESETS else min(SEQ, run.model.max_seq_len)
 
 
-def single_batch(shapes: list[RankShape]) -> int | None:
-    """The single process's batch that reads exactly these ranks' bytes, or
-    None when they mix window lengths (no one batch of SEQ windows holds them)."""
-    if any(sh.seq_len != SEQ for sh in shapes):
-        return None
-    return sum(sh.batch for sh in shapes)
+def rank_shapes(s) -> list[RankShape]:
+    """The fleet's shape per rank (parse_capacity: FleetError when malformed)."""
+    run = base_run(s)
+    cfg = TrainConfig(batch=s.batch, seq_len=window(s))
+    return parse_capacity(s.capacity, world_size=s.world, cfg=cfg, max_seq_len=run.model.max_seq_len)
 
 
-def make_run(
-    out: Path, *, steps: int, batch: int, capacity: str = "", dist: bool = False, lr: float = LR,
-    shard: str = "none", opt: str = "mix", reduce: str = "fp32", name: str = "gate", resume_from: str = "",
-    bucket_mb: float = 4.0,
-) -> RunConfig:
-    """The gate's run. `name` keeps each mode's checkpoint and metrics apart."""
-    out = Path(out)
-    cfg = TrainConfig(
-        steps=steps, batch=batch, seq_len=SEQ, lr=lr, log_every=1,
-        ckpt_every=10_000, ckpt_name=name, out_dir=str(out / "ckpts"),
-        data=str(write_corpus(out / "corpus.bin")),
-        dist=dist, dist_capacity=capacity,
-        dist_reduce=reduce,  # fp32 is the exact reference; bf16 has its own bound
-        dist_shard=shard, opt=opt, resume_from=resume_from, dist_bucket_mb=bucket_mb,
-        warmup=0, schedule="constant", grad_clip=0.0,  # gradref applies one plain step
-        # Newton-Schulz in float32, not torch's bfloat16: the quintic iteration
-        # multiplies directions of small singular value by up to 3.4^5 ~ 480,
-        # so a float32 round-off difference of 3e-7 in a gradient that happens
-        # to flip one bfloat16 rounding moved an expert's update by 9% in one
-        # element (measured: 6.6e-4 relative in the post-step parameters).
-        # In float32 the same gradients give 2e-7. The gate is there to see
-        # the fleet's mathematics, not the bf16 noise of the reference.
-        ns_dtype="float32",
+def corpus_bytes(span: int) -> bytes:
+    """Seeded pseudo-random bytes, at least three spans (plus the eval tail)
+    and never a whole number of spans."""
+    n = max(CORPUS_MIN_BYTES, int(3 * span / (1 - EVAL_FRAC)) + 101)
+    if n % span == 0:
+        n += 1
+    g = torch.Generator().manual_seed(CORPUS_SEED)
+    return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy().tobytes()
+
+
+def corpus_path(s) -> Path:
+    """The corpus of a gate run: the user's file, or the fixture's written into out."""
+    if s.data:
+        return Path(s.data).expanduser().resolve()
+    span = sum(sh.nbytes for sh in rank_shapes(s))
+    return atomic.write_if_changed(s.out_dir / "corpus.bin", corpus_bytes(span))
+
+
+def make_run(s, *, name: str, dist: bool, steps: int | None = None, resume_from: str = "",
+             shapes_override: list[RankShape] | None = None, reduce: str | None = None,
+             micro_batch: int | None = None) -> RunConfig:
+    """The RunConfig of one gate mode. The gate's settings override the base
+    run's seed, steps, batch and fleet fields; `name` keeps each mode's
+    checkpoints and metrics apart. The single process runs at the global batch."""
+    base = base_run(s)
+    shapes = shapes_override or rank_shapes(s)
+    batch = s.batch if dist else sum(sh.batch for sh in shapes)
+    over = dict(
+        seed=s.seed, steps=steps or s.steps, batch=batch, seq_len=shapes[0].seq_len,
+        lr=s.lr or base.train.lr, opt=s.opt, log_every=1, ckpt_every=0, ckpt_name=name,
+        out_dir=str(s.out_dir / "ckpts"), data=str(corpus_path(s)), resume=False, resume_from=resume_from,
+        dist=dist, dist_capacity=s.capacity if dist else "", dist_reduce=reduce or s.reduce,
+        dist_shard=s.shard if dist else "none", dist_bucket_mb=s.bucket_mb,
     )
-    return RunConfig(source="dist-gate", model=ModelConfig(**TINY), train=cfg)
+    for k, v in (("data_order", s.data_order), ("micro_batch", s.micro_batch if micro_batch is None else micro_batch)):
+        if hasattr(base.train, k):
+            over[k] = v
+    if not dist and over["dist_reduce"] != "exact":
+        over["dist_reduce"] = "fp32"
+    return RunConfig(source=base.source, model=base.model, train=dataclasses.replace(base.train, **over))
 
 
-def build(seed: int) -> DormouseModel:
+def build(s) -> DormouseModel:
     """The one init every mode shares: same seed, same model, same order."""
-    torch.manual_seed(seed)
-    return DormouseModel(ModelConfig(**TINY))
+    torch.manual_seed(s.seed)
+    return DormouseModel(base_run(s).model)

@@ -25,18 +25,15 @@ from pathlib import Path
 from dormouse import atomic
 from dormouse.errors import FleetError
 from dormouse.gate.artifacts import load_meta
-from dormouse.gate.modes import GateSettings
+from dormouse.gate.settings import GateSettings
 
 
 def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None) -> list[str]:
-    """The `dormouse.gate --mode rank` arguments for settings `s` (or a plan file)."""
-    cmd = [*(entry or ["-m", "dormouse.gate"]), "--mode", "rank", "--out", str(s.out)]
+    """The `dormouse.gate rank` arguments for settings `s` (or a plan file)."""
+    cmd = [*(entry or ["-m", "dormouse.gate"]), "rank"]
     if plan is not None:
-        return [*cmd, "--plan", str(plan)]
-    return [*cmd, "--steps", str(s.steps), "--batch", str(s.batch), "--capacity", s.capacity,
-            "--seed", str(s.seed), "--lr", repr(s.lr), "--shard", s.shard, "--device", s.device,
-            "--opt", s.opt, "--reduce", s.reduce, "--world", str(s.world), "--resume-from", s.resume_from,
-            "--bucket-mb", repr(s.bucket_mb)]
+        return [*cmd, f"--out={s.out_dir}", "--plan", str(plan)]
+    return [*cmd, *s.to_argv()]
 
 
 def torchrun_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None,
@@ -64,16 +61,16 @@ def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=prin
     if not plan or len({s.world for s in plan}) != 1:
         raise FleetError("a plan needs at least one run, all of the same world size")
     for s in plan:
-        Path(s.out).mkdir(parents=True, exist_ok=True)
+        s.out_dir.mkdir(parents=True, exist_ok=True)
     plan_file = None
     if len(plan) > 1:
-        plan_file = Path(plan[0].out) / "plan.json"
+        plan_file = plan[0].out_dir / "plan.json"
         atomic.write_text(plan_file, json.dumps([dataclasses.asdict(s) for s in plan], indent=1))
     cmd = torchrun_command(plan[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(plan[0].threads), **(env or {})}
     stream(f"$ {' '.join(cmd)}")
     _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
-    return [[load_meta(Path(s.out), f"rank{r}") for r in range(s.world)] for s in plan]
+    return [[load_meta(s.out_dir, f"rank{r}") for r in range(s.world)] for s in plan]
 
 
 def _run_streaming(cmd: list[str], *, env: dict, timeout_s: float, stream) -> list[str]:

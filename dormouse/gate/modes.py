@@ -1,140 +1,153 @@
-"""The gate's three modes. Each writes its artifacts into `settings.out`.
+"""The gate's modes: the running side. Each writes artifacts into the settings'
+out dir and judges nothing (dormouse.gate.judge compares them).
 
-single  - one process at the GLOBAL batch: the reference loss curve. It also
-          measures the round-off floor of that reference (see `measure_floor`).
-rank    - one process per rank under torchrun: the fleet (rank<r> artifacts).
-gradref - the hand-computed token-weighted gradient of ONE step over the ranks'
-          own batches, g = sum_r t_r g_r / sum_r t_r, applied by the same
-          optimizer construction the trainer uses: the reference the fleet's
-          post-step parameters must equal. It reads the bytes by hand (with
-          rank_byte_offset) and weights the gradients by hand, so a bug in the
-          fleet's data split or reduce cannot hide in a shared code path.
+single  - one process at the GLOBAL batch: the reference curve, with every
+          step's parameters and gradients (trace). Beside it, its round-off
+          floor: the same run started from parameters nudged by one ulp, with
+          ULP_RUNS different nudges (never a run that splits the batch: that
+          would share the bugs of a split). Under reduce="exact" also the
+          exact reference: one process computing the fleet's own slices,
+          summed in the fixed order (`exact`).
+rank    - one process per rank under torchrun: the fleet (rank<r>), with the
+          initial parameters (init) and, on rank 0, every step's parameters
+          and reduced gradients.
+gradref - from the fleet's parameters before each step (init, then rank 0's
+          trace) and that step's bytes, read by its OWN arithmetic from the
+          documented data rule: each window's gradient computed alone and
+          weighted by the tokens counted from the targets it built,
+          g = sum_w t_w g_w / sum_w t_w (summed in float64). Beside it, the
+          batch's own gradient and per-token losses at the same parameters
+          (the per-window premise), and the expert loads counted from the
+          ranks' own slices.
+replay  - the fleet's whole run replayed in one process from init: the
+          fleet's recorded reduced gradients, clipped, the optimizer, and
+          gradref's expert loads moving the routing bias, step after step.
 
-Artifacts (see artifacts.py): `<name>` holds the tensors after the run,
-`<name>_grad` the gradients of its last step, `<name>_trace` per-step routing
-and snapshots (trace.py).
+Artifacts (artifacts.py): `<name>` holds tensors after the run, `<name>_trace`
+per-step series (trace.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import math
+import re
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from dormouse.errors import DormouseError
-from dormouse.gate.artifacts import load_meta, save_artifact
-from dormouse.gate.fixtures import LR, STEPS, WORLD, build, make_run, rank_shapes, single_batch
-from dormouse.gate.trace import Trace, rel_per_step
-from dormouse.train.data import RankShape, _windows, rank_byte_offset
+from dormouse.gate.artifacts import load_meta, load_tensors, provenance, save_artifact
+from dormouse.gate.fixtures import build, corpus_path, make_run
+from dormouse.gate.settings import GateSettings
+from dormouse.gate.trace import Trace, load_trace, rel_per_step
 from dormouse.train.distributed import close_fleet, fleet_env, train_dist
-from dormouse.train.loop import LocalSync, make_optimizer, train
-from dormouse.train.tensors import named_grads, named_state
+from dormouse.train.loop import lr_at, make_optimizer, train
+from dormouse.train.tensors import fingerprint, named_state
+
+ULP_RUNS = 3  # one-ulp nudges of the reference whose maximum is the floor
+QUIET = lambda line: None  # noqa: E731
 
 
-@dataclass
-class GateSettings:
-    """What one gate run was asked to do; recorded in every artifact it writes."""
+def _device(s: GateSettings) -> torch.device:
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise DormouseError("device 'cuda' asked for but CUDA is not available: use --device cpu")
+    return torch.device(s.device)
 
-    out: str  # the artifact directory
-    steps: int = STEPS  # optimizer steps
-    batch: int = 2  # the config's batch: global for single, per rank for rank
-    capacity: str = ""  # per-rank profile, e.g. "4,2" ("" = batch on every rank)
-    seed: int = 7  # model initialisation seed, the same in every mode
-    lr: float = LR  # learning rate
-    shard: str = "none"  # none | fsdp
-    device: str = "cpu"  # cpu (gloo) | cuda (nccl); single and gradref run there too
-    opt: str = "mix"  # mix | adamw
-    reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 | bf16
-    world: int = WORLD  # ranks (gradref's profile; a fleet reads torchrun's)
-    resume_from: str = ""  # continue from this checkpoint (relative to out, or absolute)
-    bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket
 
-    def record(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("out")
-        return d
+def _save(s: GateSettings, name: str, state, losses, *, init: str, **extra) -> dict:
+    prov = provenance(device=s.device, corpus=corpus_path(s), init=init)
+    save_artifact(s.out_dir, name, state, losses, settings=s.record(), provenance=prov, **extra)
+    return load_meta(s.out_dir, name)
+
+
+def _traced(s: GateSettings, model, run, name: str, log) -> tuple[dict, Trace]:
+    trace = Trace(snapshots=True)
+    report = train(model, run, log=log, on_step=trace, on_grads=trace.record_grads)
+    return report, trace
+
+
+# --------------------------------------------------------------------------- single
 
 
 def run_single(s: GateSettings, log=print) -> dict:
-    """One process at the global batch: s.batch, or the sum of s.capacity's
-    batches when a profile is given (then every rank must use seq_len SEQ)."""
-    batch = global_batch(s)
-    run = make_run(Path(s.out), steps=s.steps, batch=batch, lr=s.lr, opt=s.opt, name="single",
-                   resume_from=_resume_path(s))
-    model = build(s.seed).to(_device(s))
-    trace = Trace(snapshots=True)
-    report = train(model, run, log=log, on_step=trace)
-    trace.save(Path(s.out), "single")
-    save_artifact(Path(s.out), "single_grad", named_grads(model), [], settings=s.record(), mode="grad")
-    floor = measure_floor(s, run, trace) if not s.resume_from else {}
-    return _save(s, "single", named_state(model), report["losses"], mode="single",
-                 global_batch=batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor,
+    """One process at the fleet's global batch, its ulp floor, and under
+    reduce="exact" the exact reference."""
+    if s.global_batch() is None:
+        raise DormouseError(f"capacity {s.capacity!r} mixes window lengths: one process cannot hold that "
+                            "global batch as one batch; gradref and the replay are this fleet's references")
+    out = s.out_dir
+    run = make_run(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
+    model = build(s).to(_device(s))
+    init = fingerprint(named_state(model))
+    report, trace = _traced(s, model, run, "single", log)
+    trace.save(out, "single")
+    floor = {} if s.resume_from else measure_floor(s, run, trace)
+    meta = _save(s, "single", named_state(model), report["losses"], init=init, mode="single",
+                 global_batch=run.train.batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor,
                  start_step=report["start_step"])
+    if s.reduce == "exact":
+        run_exact(s, log=QUIET)
+    return meta
 
 
-def global_batch(s: GateSettings) -> int:
-    if not s.capacity:
-        return s.batch
-    batch = single_batch(rank_shapes(s.capacity, world=len(s.capacity.split(",")), batch=s.batch))
-    if batch is None:
-        raise DormouseError(
-            f"capacity {s.capacity!r} mixes window lengths: one process cannot hold that "
-            "global batch as one batch; compare such a fleet against gradref instead"
-        )
-    return batch
+def nudge(model, seed: int) -> None:
+    """Move every element to its next float neighbour, up or down at random."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            up = (torch.rand(p.shape, generator=gen) < 0.5).to(p.device)
+            p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf).to(p.dtype)))
 
 
 def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
-    """The round-off floor of the single-process reference: two runs of the
-    SAME mathematics, each compared step by step with the reference.
-
-    microbatch - the same global batch as one-window micro-batches whose
-                 gradients are accumulated with token weights: a different
-                 summation order every step, as a fleet's reduce is (skipped
-                 for a capacity-dropping MoE, for which it is another network).
-    ulp        - the reference started from parameters nudged by one ulp
-                 (each element moved to its next float32 neighbour, up or
-                 down at random): how round-off-sized differences grow.
-
-    For each: per-step relative loss difference and per-tensor per-step
-    relative difference (max |a - b| / max |b|).
-    """
-    quiet = dataclasses.replace(run.train, ckpt_every=0, log_every=max(1, run.train.steps))
-    runs = {}
-    # Micro-batching is the same mathematics only for a network that does not
-    # depend on which windows share a batch: a capacity-dropping MoE drops by
-    # the batch's composition, so its micro-batched run is another network.
-    if not (run.model.moe_on and run.model.moe_capacity > 0):
-        micro = build(s.seed).to(_device(s))
-        t_micro = Trace(snapshots=True)
-        shapes = [RankShape(1, run.train.seq_len)] * run.train.batch
-        r_micro = train(micro, dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name="floor_micro")),
-                        log=lambda _: None, sync=LocalSync(run, shapes), on_step=t_micro)
-        runs["microbatch"] = (r_micro["losses"], t_micro)
-
-    nudged = build(s.seed).to(_device(s))
-    gen = torch.Generator().manual_seed(s.seed)
-    with torch.no_grad():
-        for p in nudged.parameters():
-            up = (torch.rand(p.shape, generator=gen) < 0.5).to(p.device)
-            p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf)))
-    t_ulp = Trace(snapshots=True)
-    r_ulp = train(nudged, dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name="floor_ulp")),
-                  log=lambda _: None, on_step=t_ulp)
-    runs["ulp"] = (r_ulp["losses"], t_ulp)
-
-    ref_params = reference.tensors()
+    """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics
+    from parameters nudged by one ulp (different nudges), each compared step
+    by step with the reference: per-step relative loss difference and, per
+    tensor, per-step relative difference of parameters and gradients."""
+    quiet = dataclasses.replace(run.train, ckpt_every=0, eval_every=0, log_every=max(1, run.train.steps))
+    ref = reference.tensors()
     out = {}
-    for name, (losses, trace) in runs.items():
-        tensors = trace.tensors()
-        out[name] = {
-            "losses": losses,
-            "param_rel": {k[2:]: rel_per_step(tensors[k], ref_params[k]) for k in ref_params if k.startswith("p/")},
+    for i in range(ULP_RUNS):
+        model = build(s).to(_device(s))
+        nudge(model, s.seed * 1000 + i)
+        r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_ulp{i}"))
+        report, trace = _traced(s, model, r, f"floor_ulp{i}", QUIET)
+        t = trace.tensors()
+        out[f"ulp{i}"] = {
+            "losses": report["losses"],
+            "param_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("p/")},
+            "grad_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("g/")},
         }
     return out
+
+
+def run_exact(s: GateSettings, log=print) -> dict:
+    """The exact reference: one process computing the fleet's own slices
+    (micro_batch windows each, in global slice order) summed in the fixed
+    order of reduce="exact": a fleet must equal it bitwise."""
+    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=s.micro_batch or _smallest_batch(s))
+    model = build(s).to(_device(s))
+    init = fingerprint(named_state(model))
+    report, trace = _traced(s, model, run, "exact", log)
+    trace.save(s.out_dir, "exact")
+    return _save(s, "exact", named_state(model), report["losses"], init=init, mode="exact",
+                 config=run.to_dict(), micro_batch=run.train.micro_batch)
+
+
+def _smallest_batch(s: GateSettings) -> int:
+    """micro_batch 0 means a rank's whole batch: the exact reference's slices
+    must then be the ranks' batches, which only an even profile allows."""
+    batches = {sh.batch for sh in s.shapes()}
+    if len(batches) != 1:
+        raise DormouseError(f"reduce='exact' with an uneven profile {s.capacity!r} needs micro_batch > 0 "
+                            "dividing every rank's batch (the exact reference computes the fleet's slices)")
+    return batches.pop()
+
+
+# --------------------------------------------------------------------------- the fleet
 
 
 def run_rank(s: GateSettings, log=print) -> dict:
@@ -144,8 +157,7 @@ def run_rank(s: GateSettings, log=print) -> dict:
 
 def run_rank_plan(plan: list[GateSettings], log=print) -> list[dict]:
     """Several fleet runs in one process group, one after another (each into
-    its own out dir): the same code path as one run per launch, without paying
-    interpreter start-up and rendezvous for each."""
+    its own out dir): the same code path as one run per launch."""
     metas = []
     try:
         for s in plan:
@@ -156,134 +168,214 @@ def run_rank_plan(plan: list[GateSettings], log=print) -> list[dict]:
 
 
 def _one_rank_run(s: GateSettings, log) -> dict:
-    run = make_run(Path(s.out), steps=s.steps, batch=s.batch, capacity=s.capacity, dist=True,
-                   lr=s.lr, shard=s.shard, opt=s.opt, reduce=s.reduce, name="fleet",
-                   resume_from=_resume_path(s), bucket_mb=s.bucket_mb)
+    run = make_run(s, name="fleet", dist=True, resume_from=s.resume_path())
+    rank = fleet_env()[0]
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
-    # the single-process reference can build it too); train_dist checks it.
-    model = build(s.seed)
-    gather = s.shard == "fsdp"  # FSDP2 shards: compare the GATHERED tensors (a collective)
+    # the references build it too); train_dist checks it.
+    model = build(s)
+    start = named_state(model)
+    init = fingerprint(start)
+    if rank == 0 and not s.resume_from:
+        _save(s, "init", start, [], init=init, mode="init")
+    gather = s.shard == "fsdp"  # FSDP2 shards: record the GATHERED tensors (a collective)
     # Ranks end bitwise equal (the verdict checks it), so rank 0's snapshots
     # stand for the fleet; every rank keeps its own tokens' routing.
-    trace = Trace(snapshots=fleet_env()[0] == 0, gather=gather)
-    report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace)
-    rank, world = report["rank"], report["world_size"]
+    trace = Trace(snapshots=rank == 0, gather=gather)
+    report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace,
+                        on_grads=trace.record_grads)
     state = named_state(report["model"], gather=gather)
-    grads = named_grads(report["model"], gather=gather)
-    trace.save(Path(s.out), f"rank{rank}")
-    save_artifact(Path(s.out), f"rank{rank}_grad", grads, [], settings=s.record(), mode="grad")
-    meta = _save(s, f"rank{rank}", state, report["losses"], mode="rank", rank=rank, world_size=world,
-                 **_shape_record(_shapes(run, world)), config=run.to_dict(), start_step=report["start_step"],
-                 wall_s=report["wall_s"])
+    trace.save(s.out_dir, f"rank{rank}")
+    shapes = s.shapes()
+    meta = _save(s, f"rank{rank}", state, report["losses"], init=init, mode="rank", rank=rank,
+                 world_size=report["world_size"], shapes=[sh.line() for sh in shapes],
+                 rank_shapes=[[sh.batch, sh.seq_len] for sh in shapes], config=run.to_dict(),
+                 start_step=report["start_step"], wall_s=report["wall_s"])
     del report, model
     return meta
-
-
-def run_gradref(s: GateSettings, log=print) -> dict:
-    """One hand-computed token-weighted step over the profile's rank batches
-    (its artifacts record steps=1, whatever s.steps asked)."""
-    s = dataclasses.replace(s, steps=1)
-    out = Path(s.out)
-    run = make_run(out, steps=1, batch=s.batch, capacity=s.capacity, lr=s.lr, opt=s.opt, name="gradref")
-    device = _device(s)
-    model = build(s.seed).to(device)
-    # The starting point too, so the verdict can compare the fleet's STEP
-    # (after - before) with the reference step, not just the parameters.
-    save_artifact(out, "init", named_state(model), [], settings=s.record(), mode="init")
-    shapes = _shapes(run, s.world)
-    corpus = (out / "corpus.bin").read_bytes()
-    total = sum(sh.tokens for sh in shapes)
-    acc = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    # sum_r |t_r g_r| / T per element: bounds what rounding on the wire can do
-    # to the reduced gradient (see verdict.compare_gradref).
-    abs_acc = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    local, loads = [], None
-    for r, sh in enumerate(shapes):
-        off = rank_byte_offset(shapes, r)  # step 0's span starts at byte 0
-        x, y = _windows(corpus[off: off + sh.nbytes], sh.batch, sh.seq_len)
-        model.zero_grad(set_to_none=True)
-        _, loss, aux = model(x.to(device), y.to(device))
-        loss.backward()
-        local.append(float(loss.detach()))
-        loads = aux["loads"] if loads is None else loads + aux["loads"]
-        for n, p in model.named_parameters():
-            if p.grad is not None:  # a missing gradient is a zero
-                acc[n].add_(p.grad, alpha=sh.tokens / total)
-                abs_acc[n].add_(p.grad.abs(), alpha=sh.tokens / total)
-    for n, p in model.named_parameters():
-        p.grad = acc[n]
-    make_optimizer(model, run).step()  # the trainer's optimizer construction
-    model.balance_experts(loads)
-    loss = sum(sh.tokens / total * l for sh, l in zip(shapes, local))
-    log(f"gradref: {len(shapes)} ranks, {total} tokens, loss={loss:.7f} local={local}")
-    save_artifact(out, "gradref_grad", acc, [], settings=s.record(), mode="grad")
-    save_artifact(out, "gradref_gradabs", abs_acc, [], settings=s.record(), mode="grad")
-    return _save(s, "gradref", named_state(model), [loss], mode="gradref", local_losses=local,
-                 **_shape_record(shapes), tokens=total, config=run.to_dict())
-
-
-def replay_fleet_step(out: Path) -> dict[str, torch.Tensor]:
-    """The single-process optimizer step applied to the fleet's OWN reduced
-    gradient, from the common start: what the fleet's tensors must equal
-    bitwise if its optimizer step is the same map (FSDP's gathered Newton-
-    Schulz and sharded AdamW included). Needs init, rank0_grad, rank0_trace."""
-    from dormouse.config import RunConfig
-    from dormouse.gate.artifacts import load_tensors
-    from dormouse.gate.trace import load_trace
-
-    out = Path(out)
-    meta = load_meta(out, "rank0")
-    run = RunConfig.from_dict(meta["config"])
-    # On the fleet's device: another device's kernels round differently.
-    device = _device(GateSettings(out=str(out), device=meta["settings"]["device"]))
-    model = build(meta["settings"]["seed"])
-    model.load_state_dict(load_tensors(out, "init"))
-    model.to(device)
-    grads = load_tensors(out, "rank0_grad")
-    for n, p in model.named_parameters():
-        p.grad = grads[n].to(device)
-    make_optimizer(model, run).step()
-    trace = load_trace(out, "rank0")
-    if trace is not None and "loads" in trace:
-        model.balance_experts(trace["loads"][0].to(device))
-    return named_state(model)
-
-
-def _device(s: GateSettings) -> torch.device:
-    """The settings' device for the in-process modes (a rank's is its local GPU)."""
-    if s.device == "cuda" and not torch.cuda.is_available():
-        raise DormouseError("device 'cuda' asked for but CUDA is not available: use --device cpu")
-    return torch.device(s.device)
-
-
-def _resume_path(s: GateSettings) -> str:
-    if not s.resume_from:
-        return ""
-    p = Path(s.resume_from)
-    return str(p if p.is_absolute() else Path(s.out) / p)
-
-
-def _shapes(run, world: int) -> list[RankShape]:
-    return rank_shapes(run.train.dist_capacity, world=world, batch=run.train.batch)
-
-
-def _shape_record(shapes: list[RankShape]) -> dict:
-    """The ranks' shapes for an artifact: lines to read, pairs to compute with."""
-    return {"shapes": [sh.line() for sh in shapes], "rank_shapes": [[sh.batch, sh.seq_len] for sh in shapes]}
-
-
-def _save(s: GateSettings, name: str, state, losses, **extra) -> dict:
-    save_artifact(Path(s.out), name, state, losses, settings=s.record(), **extra)
-    return load_meta(Path(s.out), name)
 
 
 def load_plan(path: str) -> list[GateSettings]:
     """A JSON list of GateSettings fields, one fleet run each."""
     try:
         items = json.loads(Path(path).read_text())
-        return [GateSettings(**item) for item in items]
+        return [GateSettings(**item).validate() for item in items]
     except (OSError, ValueError, TypeError) as e:
         raise DormouseError(f"plan {path!r} is not a JSON list of gate settings ({e})") from e
 
 
-MODES = {"single": run_single, "rank": run_rank, "gradref": run_gradref}
+# --------------------------------------------------------------------------- gradref
+
+
+def profile(capacity: str, world: int, batch: int, seq_len: int) -> list[tuple[int, int]]:
+    """(windows, window length) per rank, read from the profile by gradref's
+    own parsing (not the trainer's parse_capacity)."""
+    if not capacity:
+        return [(batch, seq_len)] * world
+    out = []
+    for entry in capacity.split(","):
+        m = re.fullmatch(r"([0-9]+)(?:x([0-9]+))?", entry.strip())
+        out.append((int(m.group(1)), int(m.group(2) or seq_len)))
+    return out
+
+
+def span_index(step: int, n: int, order: str, seed: int) -> int:
+    """Which whole span step `step` (0-based) reads, from the documented rule:
+    epoch = step // n, j = step % n; sequential: j; shuffle: perm[j] with
+    perm = randperm(n) from a generator seeded with seed * 1_000_003 + epoch."""
+    epoch, j = divmod(step, n)
+    if order == "sequential":
+        return j
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return int(torch.randperm(n, generator=g)[j])
+
+
+def step_windows(corpus: bytes, train_bytes: int, prof: list[tuple[int, int]], step: int, order: str,
+                 seed: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per rank, its windows (x, y) at `step`, each of T+1 consecutive bytes of
+    the step's span; ranks' slices follow one another in rank order."""
+    span = sum(b * (t + 1) for b, t in prof)
+    n = train_bytes // span
+    pos = span_index(step, n, order, seed) * span
+    ranks = []
+    for b, t in prof:
+        wins = []
+        for _ in range(b):
+            w = torch.tensor(list(corpus[pos:pos + t + 1]), dtype=torch.int64)
+            wins.append((w[:-1].unsqueeze(0), w[1:].unsqueeze(0)))  # (1, T) each
+            pos += t + 1
+        ranks.append(wins)
+    return ranks
+
+
+def run_gradref(s: GateSettings, log=print) -> dict:
+    """The hand-computed reference at every step of the fleet's run (needs
+    init and rank0's trace in out)."""
+    out = s.out_dir
+    fleet = load_meta(out, "rank0")
+    run = make_run(s, name="gradref", dist=False)
+    device = _device(s)
+    init = load_tensors(out, "init")
+    trace = load_trace(out, "rank0")
+    if trace is None or not any(k.startswith("p/") for k in trace):
+        raise DormouseError(f"no trace of rank0 in {str(out)!r}: run the fleet (rank mode) first")
+    steps = len(fleet["losses"])
+    model = build(s).to(device)
+    names = [n for n, _ in model.named_parameters()]
+    t = run.train
+    prof = profile(s.capacity, s.world, s.batch, t.seq_len)
+    corpus = Path(t.data).read_bytes()
+    train_bytes = len(corpus) - int(len(corpus) * t.eval_frac)
+    order = getattr(t, "data_order", "sequential")
+    slice_len = s.micro_batch  # the fleet's forward slices, for the loads it counts
+    ref, absref, batch_grad = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}
+    tokens, loads, wl, bl = [], [], [], []
+    for k in range(steps):
+        state = init if k == 0 else {n: trace[f"p/{n}"][k - 1] for n in init}
+        model.load_state_dict(state)
+        windows = step_windows(corpus, train_bytes, prof, k, order, s.seed)
+        flat = [w for r in windows for w in r]
+        total = sum(int(y.numel()) for _, y in flat)  # tokens counted from the targets
+        tokens.append(total)
+        # Each window alone, weighted by its tokens, summed in float64.
+        acc = {n: torch.zeros(p.shape, dtype=torch.float64, device=device) for n, p in model.named_parameters()}
+        absacc = {n: torch.zeros_like(a) for n, a in acc.items()}  # sum_w t_w |g_w| / T: bf16 wire bound
+        w_losses = []
+        for x, y in flat:
+            model.zero_grad(set_to_none=True)
+            logits, loss, _ = model(x.to(device), y.to(device))
+            loss.backward()
+            w_losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(),
+                                            reduction="none").detach().cpu())
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    acc[n] += p.grad.double() * (y.numel() / total)
+                    absacc[n] += p.grad.double().abs() * (y.numel() / total)
+        for n in names:
+            ref[n].append(acc[n].cpu())
+            absref[n].append(absacc[n].float().cpu())
+        wl.append(torch.cat(w_losses))
+        # The batch's own gradient at the same parameters: the global batch as
+        # one batch (equal window lengths), else each rank's batch weighted.
+        groups = [flat] if len({tt for _, tt in prof}) == 1 else windows
+        bacc = {n: torch.zeros(p.shape, dtype=torch.float64, device=device) for n, p in model.named_parameters()}
+        b_losses = []
+        for g in groups:
+            x = torch.cat([w[0] for w in g]).to(device)
+            y = torch.cat([w[1] for w in g]).to(device)
+            model.zero_grad(set_to_none=True)
+            logits, loss, _ = model(x, y)
+            loss.backward()
+            b_losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+                            .detach().cpu())
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    bacc[n] += p.grad.double() * (y.numel() / total)
+        for n in names:
+            batch_grad[n].append(bacc[n].cpu())
+        bl.append(torch.cat(b_losses))
+        # Expert loads as the fleet's slices see them (its routing is per
+        # token; counting over its own slices keeps near-ties as the fleet
+        # broke them), summed over ranks by hand.
+        step_loads = None
+        with torch.no_grad():
+            for r in windows:
+                size = slice_len or len(r)
+                for i in range(0, len(r), size):
+                    x = torch.cat([w[0] for w in r[i:i + size]]).to(device)
+                    y = torch.cat([w[1] for w in r[i:i + size]]).to(device)
+                    aux = model(x, y)[2]
+                    step_loads = aux["loads"].float().cpu() if step_loads is None else step_loads + aux["loads"].float().cpu()
+        if step_loads is not None:
+            loads.append(step_loads)
+    tensors = {f"g/{n}": torch.stack(v) for n, v in ref.items()}
+    tensors.update({f"b/{n}": torch.stack(v) for n, v in batch_grad.items()})
+    tensors.update({f"a/{n}": torch.stack(v) for n, v in absref.items()})
+    tensors["window_losses"] = torch.stack(wl)
+    tensors["batch_losses"] = torch.stack(bl)
+    if loads:
+        tensors["loads"] = torch.stack(loads)
+    log(f"gradref: {steps} steps, {len(prof)} ranks, {tokens[0]} tokens per step")
+    return _save(s, "gradref", tensors, [], init=fingerprint(init), mode="gradref", tokens=tokens,
+                 profile=[list(p) for p in prof], steps=steps, config=run.to_dict())
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def run_replay(s: GateSettings, log=print) -> dict:
+    """The fleet's whole run replayed in one process from init (needs init,
+    rank0's trace and gradref's loads)."""
+    out = s.out_dir
+    fleet = load_meta(out, "rank0")
+    from dormouse.config import RunConfig
+
+    run = RunConfig.from_dict(fleet["config"])
+    device = _device(s)
+    init = load_tensors(out, "init")
+    trace = load_trace(out, "rank0")
+    gradref = load_tensors(out, "gradref")
+    model = build(s)
+    model.load_state_dict(init)
+    model.to(device)
+    opt = make_optimizer(model, run)
+    start = fleet.get("start_step", 0)
+    steps = len(fleet["losses"])
+    snaps: dict[str, list[torch.Tensor]] = {}
+    for k in range(steps):
+        opt.set_lr(lr_at(start + k, run))
+        for n, p in model.named_parameters():
+            p.grad = trace[f"g/{n}"][k].to(device).clone()
+        if run.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters()], run.train.grad_clip)
+        opt.step()
+        if "loads" in gradref:
+            model.balance_experts(gradref["loads"][k].to(device))
+        for n, t in named_state(model).items():
+            snaps.setdefault(n, []).append(t.clone())
+    tensors = {f"p/{n}": torch.stack(v) for n, v in snaps.items()}
+    log(f"replay: {steps} steps of the fleet's recorded gradients")
+    return _save(s, "replay", tensors, [], init=fingerprint(init), mode="replay", steps=steps)
+
+
+MODES = {"single": run_single, "rank": run_rank, "gradref": run_gradref, "replay": run_replay,
+         "exact": run_exact}

@@ -7,7 +7,10 @@ Stored as `<name>_trace.safetensors`:
                   process's tokens chose at each iteration of each step
     "loads"       (steps, max_iter, E): the step's expert loads, summed over
                   the fleet (what moved the routing bias)
+    "clip"        (steps,) float64: the clip coefficient each step applied
     "p/<tensor>"  (steps, *shape): the tensor after each step (snapshots on)
+    "g/<tensor>"  (steps, *shape): the step's reduced gradient, before clipping
+                  and the optimizer (snapshots on)
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dormouse import atomic
-from dormouse.train.tensors import named_state
+from dormouse.train.tensors import named_grads, named_state
 
 
 class Trace:
@@ -31,12 +34,23 @@ class Trace:
         self.topk: list[torch.Tensor] = []
         self.loads: list[torch.Tensor] = []
         self.params: dict[str, list[torch.Tensor]] = {}
+        self.grads: dict[str, list[torch.Tensor]] = {}
+        self.clip: list[float] = []
+
+    def record_grads(self, step: int, model) -> None:
+        """The loop's on_grads callback: the reduced gradient before clipping."""
+        if self.snapshots or self.gather:
+            grads = named_grads(model, gather=self.gather)
+            if self.snapshots:
+                for name, g in grads.items():
+                    self.grads.setdefault(name, []).append(g.clone())
 
     def __call__(self, step: int, model, info: dict) -> None:
         slices = [torch.stack(per_it, dim=2) for per_it in info["topk"] if per_it]  # each (B, T, I, k)
         if slices:
             self.topk.append(torch.cat(slices, dim=0).to(torch.int16))  # this process's tokens in order
             self.loads.append(info["loads"].detach().float().cpu())  # (I, E), summed over the fleet
+        self.clip.append(float(info.get("clip_coef", 1.0)))
         if self.snapshots or self.gather:
             state = named_state(model, gather=self.gather)
             if self.snapshots:
@@ -45,6 +59,9 @@ class Trace:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {f"p/{n}": torch.stack(ts) for n, ts in self.params.items()}
+        out.update({f"g/{n}": torch.stack(ts) for n, ts in self.grads.items()})
+        if self.clip:
+            out["clip"] = torch.tensor(self.clip, dtype=torch.float64)
         if self.topk:
             out["topk"] = torch.stack(self.topk)
             out["loads"] = torch.stack(self.loads)

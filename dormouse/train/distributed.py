@@ -49,7 +49,7 @@ from dormouse.train.tensors import fingerprint, named_state
 __all__ = ["RankShape", "parse_capacity", "rank_byte_offset", "refuse_incompatible",
            "train_dist", "close_fleet", "FleetSync"]
 
-_ENTRY = re.compile(r"^(\d+)(?:x(\d+))?$")
+_ENTRY = re.compile(r"^([0-9]+)(?:x([0-9]+))?$")  # ASCII digits only
 
 
 def parse_capacity(capacity: str, *, world_size: int, cfg: TrainConfig, max_seq_len: int) -> list[RankShape]:
@@ -244,7 +244,7 @@ def fleet_env() -> tuple[int, int, int]:
 
 
 def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=None, close: bool = True,
-               on_step=None) -> dict:
+               on_step=None, on_grads=None) -> dict:
     """Join the fleet described by torchrun's environment and run THE training
     loop with a gradient synchroniser. Returns the loop's report (which carries
     rank and world_size). With close=False the process group stays up (for
@@ -279,7 +279,7 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
         log(f"fleet: world_size={world_size} backend={backend} shard={run.train.dist_shard} "
             f"reduce={run.train.dist_reduce} | " + " | ".join(f"rank{r} {s.line()}" for r, s in enumerate(shapes)))
     try:
-        report = train(model, run, log, sync=sync, on_step=on_step)
+        report = train(model, run, log, sync=sync, on_step=on_step, on_grads=on_grads)
     finally:
         sync.detach()
     report["model"] = model  # the (possibly sharded) model the fleet trained

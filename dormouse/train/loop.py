@@ -96,12 +96,16 @@ def resolve_corpus(run: RunConfig) -> Path:
 
 
 def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=None,
-          on_step: Callable[[int, object, dict], None] | None = None) -> dict:
+          on_step: Callable[[int, object, dict], None] | None = None,
+          on_grads: Callable[[int, object], None] | None = None) -> dict:
     """Train `model` as `run` says; returns a report with every step's loss.
 
     sync: the gradient synchroniser (None = a single process). on_step, if
     given, is called after each optimizer step with (step, model, info) where
-    info holds the step's global loss, loads and this process's top-k choices.
+    info holds the step's global loss, loads, this process's top-k choices and
+    the clip coefficient applied (1.0 when clipping is off or did not bind).
+    on_grads, if given, is called with (step, model) once the step's gradient
+    is reduced, before clipping and the optimizer (the gate records it there).
     """
     run.validate()
     cfg = run.train
@@ -160,13 +164,17 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 f"loss is {loss_value} at step {step + 1}: training stopped before the bad "
                 f"update; {kept}. Lower train.lr or set train.grad_clip"
             )
+        if on_grads is not None:
+            on_grads(step + 1, model)
+        clip_coef = 1.0
         if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
+            clip_coef = min(1.0, cfg.grad_clip / (float(norm) + 1e-6))  # what clip_grad_norm_ multiplied by
         opt.step()
         model.balance_experts(loads)
         losses.append(loss_value)
         if on_step is not None:
-            on_step(step + 1, model, {"loss": loss_value, "loads": loads, "topk": topk})
+            on_step(step + 1, model, {"loss": loss_value, "loads": loads, "topk": topk, "clip_coef": clip_coef})
 
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:

@@ -1,0 +1,38 @@
+"""Presenting a verdict: as text, and as `verdict.json` (schema in
+docs/verdict.schema.json), with the time and versions it was taken with."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from dormouse import atomic
+from dormouse.gate.judge import Verdict
+
+VERDICT_FILE = "verdict.json"
+
+
+def format_verdict(v: Verdict) -> str:
+    lines = [f"gate verdict for {v.out}: {'PASS' if v.passed else 'FAIL'}"]
+    if v.references:
+        lines.append(f"  references compared: {', '.join(v.references)}")
+    for c in v.checks:
+        lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.reason}")
+    return "\n".join(lines)
+
+
+def verdict_json(v: Verdict, **extra) -> dict:
+    import torch
+
+    import dormouse
+
+    d = v.to_dict()
+    d["taken"] = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dormouse": dormouse.__version__,
+                  "torch": torch.__version__}
+    d.update(extra)
+    return d
+
+
+def write_verdict(v: Verdict, out: Path, **extra) -> Path:
+    return atomic.write_text(Path(out) / VERDICT_FILE, json.dumps(verdict_json(v, **extra), indent=1, default=str))

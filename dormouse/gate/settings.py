@@ -1,0 +1,300 @@
+"""The gate's settings: ONE frozen dataclass, `GateSettings`.
+
+Everything else is derived from it: the command line (`add_arguments`,
+`from_args`), the notebooks' parameter check (`check`), a fleet's rank command
+(`to_argv`), and the freshness of artifacts (`record`, which every artifact
+carries). A field added here appears everywhere at once.
+
+Conventions: 0 or "" means "off" or "the default named in the comment".
+`validate()` returns a normalised copy, or raises ParameterError: one sentence
+naming the setting, its value and what it may be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import dormouse
+from dormouse import atomic
+from dormouse.config import DIST_REDUCES, DIST_SHARDS, OPTIMIZERS, PRESETS
+from dormouse.errors import ConfigError
+
+REPO_ROOT = Path(dormouse.__file__).resolve().parents[1]
+ARTIFACTS = REPO_ROOT / "artifacts"
+DEFAULT_OUT = ARTIFACTS / "gate"
+DEVICES = ("cpu", "cuda")
+DATA_ORDERS = ("sequential", "shuffle")
+
+
+class ParameterError(ConfigError):
+    """A gate setting holds a value the gate cannot run with."""
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """What one gate run is asked to do; recorded in every artifact it writes.
+
+    The fleet's profile (`world`, `batch`, `capacity`) defines the global
+    batch; the single process runs at that global batch, gradref reads the
+    same bytes by its own arithmetic.
+    """
+
+    out: str = ""  # artifact directory ("" = <repository>/artifacts/gate; relative = from the repo root)
+    steps: int = 20  # optimizer steps of the fleet's run (and of every reference)
+    batch: int = 2  # windows per rank when capacity is ""
+    world: int = 2  # ranks in the fleet (torchrun's --nproc_per_node)
+    capacity: str = "4,2"  # per-rank profile, one 'B' or 'BxT' per rank ("" = `batch` on every rank)
+    seed: int = 7  # seeds the model's initialisation and the data order, the same in every mode
+    lr: float = 0.0  # peak learning rate (0 = the configuration's; the tiny fixture's is 1e-3)
+    opt: str = "mix"  # mix (Muon + AdamW) | adamw
+    shard: str = "none"  # none (replicated) | fsdp (FSDP2)
+    reduce: str = "fp32"  # the fleet's gradient reduce: fp32 | bf16 (wire) | exact (fixed summation order)
+    micro_batch: int = 0  # windows per forward/backward slice (0 = a rank's whole batch)
+    data_order: str = "shuffle"  # which span each step reads: shuffle (seeded, per epoch) | sequential
+    config: str = ""  # the network and recipe: a preset name or a RunConfig JSON file ("" = the tiny fixture)
+    data: str = ""  # corpus file ("" = the fixture's seeded pseudo-random bytes, written into out)
+    resume_from: str = ""  # continue from this checkpoint (relative to out, or absolute; "" = from the start)
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl, one GPU per rank); single and gradref run there too
+    threads: int = 1  # torch CPU threads per process (bitwise results depend on it: recorded)
+    bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket (MiB)
+    timeout_s: float = 300.0  # a fleet still running after this is killed (all ranks)
+    produce: bool = True  # notebooks: produce missing or stale artifacts (False = only read them)
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def out_dir(self) -> Path:
+        return resolve_out(self.out)
+
+    def shapes(self):
+        """The fleet's (batch, seq_len) per rank, as the trainer parses them."""
+        from dormouse.gate.fixtures import rank_shapes
+
+        return rank_shapes(self)
+
+    def global_batch(self) -> int | None:
+        """The single process's batch (it reads exactly the fleet's bytes), or
+        None when the profile mixes window lengths (no one batch holds them)."""
+        shapes = self.shapes()
+        if len({sh.seq_len for sh in shapes}) != 1:
+            return None
+        return sum(sh.batch for sh in shapes)
+
+    def record(self) -> dict:
+        """What an artifact records (everything that changes the mathematics)."""
+        d = dataclasses.asdict(self)
+        for k in ("out", "timeout_s", "produce"):
+            d.pop(k)
+        return d
+
+    def to_argv(self) -> list[str]:
+        """These settings as `dormouse.gate` command-line arguments (a fleet's ranks)."""
+        argv = []
+        for f in fields(self):
+            if f.name in _NOT_FLAGS:
+                continue
+            v = str(self.out_dir) if f.name == "out" else getattr(self, f.name)
+            argv.append(f"--{f.name.replace('_', '-')}={v!r}" if isinstance(v, float) else
+                        f"--{f.name.replace('_', '-')}={v}")
+        return argv
+
+    # ------------------------------------------------------------------ checking
+
+    def validate(self) -> "GateSettings":
+        """A normalised copy (capacity '4, 2' -> '4,2'), or ParameterError."""
+        v = {}
+        for name, low, eg in (("steps", 1, 20), ("batch", 1, 2), ("world", 1, 2), ("seed", 0, 7),
+                              ("threads", 1, 1), ("micro_batch", 0, 1)):
+            v[name] = _whole(name, getattr(self, name), low, eg)
+        for name, choices in (("opt", OPTIMIZERS), ("shard", DIST_SHARDS), ("reduce", DIST_REDUCES),
+                              ("device", DEVICES), ("data_order", DATA_ORDERS)):
+            v[name] = _choice(name, getattr(self, name), choices)
+        lr = self.lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr >= 0):
+            raise _bad("lr", lr, "a finite learning rate > 0, or 0 for the configuration's own (e.g. 0.001)")
+        v["lr"] = float(lr)
+        for name, eg in (("bucket_mb", 4), ("timeout_s", 300)):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x > 0):
+                raise _bad(name, x, f"a positive finite number (e.g. {eg})")
+            v[name] = float(x)
+        if not isinstance(self.produce, bool):
+            raise _bad("produce", self.produce, "True (produce missing artifacts) or False (only read them)")
+        v["capacity"] = _capacity(self.capacity, v["world"])
+        for name in ("config", "data", "out", "resume_from"):
+            if not isinstance(getattr(self, name), str):
+                raise _bad(name, getattr(self, name), "a path (a string)")
+        s = dataclasses.replace(self, **v)
+        if s.config and s.config not in PRESETS and not Path(s.config).expanduser().is_file():
+            raise ParameterError(f"config = {s.config!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                                 "file: pass a preset name or a RunConfig JSON written by `dormouse train`.")
+        if s.data and not Path(s.data).expanduser().is_file():
+            raise ParameterError(f"data = {s.data!r} is not a file: pass a corpus file of bytes, or '' for "
+                                 "the fixture's corpus.")
+        try:
+            run = s.run_config("single", dist=False)
+            run.validate()
+            shapes = s.shapes()
+        except ParameterError:
+            raise
+        except ConfigError as e:  # the configuration the settings describe
+            raise ParameterError(f"the run these settings describe is not valid: {e}") from None
+        except dormouse.errors.DormouseError as e:
+            raise ParameterError(f"capacity = {s.capacity!r}: {e}") from None
+        if s.micro_batch and any(sh.batch % s.micro_batch for sh in shapes):
+            raise ParameterError(f"micro_batch = {s.micro_batch} does not divide every rank's batch "
+                                 f"({', '.join(str(sh.batch) for sh in shapes)}): choose a divisor, or 0.")
+        if s.device == "cuda":
+            _cuda(s.world)
+        try:
+            atomic.check_writable(s.out_dir)
+        except OSError as e:
+            raise ParameterError(f"out = {s.out!r} cannot be written ({e.strerror or e}): out must be a "
+                                 "writable directory, or '' for the repository's artifacts/gate.") from None
+        return s
+
+    def resume_path(self) -> str:
+        if not self.resume_from:
+            return ""
+        p = Path(self.resume_from).expanduser()
+        return str(p if p.is_absolute() else self.out_dir / p)
+
+    def run_config(self, name: str, *, dist: bool, **over):
+        """The RunConfig of one mode (fixtures.make_run)."""
+        from dormouse.gate.fixtures import make_run
+
+        return make_run(self, name=name, dist=dist, **over)
+
+
+_NOT_FLAGS = ("timeout_s", "produce")
+FIELDS = tuple(f.name for f in fields(GateSettings))
+
+
+def resolve_out(out) -> Path:
+    """'' or None -> <repository>/artifacts/gate; a relative path is taken from
+    the repository root (papermill and nbmake run in different working
+    directories, and both must find the same artifacts)."""
+    if out is None or (isinstance(out, str) and not out.strip()):
+        return DEFAULT_OUT
+    p = Path(out).expanduser()
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field (--micro-batch for micro_batch), typed, with the
+    field's comment as help and its default shown."""
+    comments = _field_comments()
+    for f in fields(GateSettings):
+        if f.name in skip or f.name in _NOT_FLAGS:
+            continue
+        kind = {"int": _int_arg, "float": _float_arg, "str": str, "bool": _bool_arg}[f.type]
+        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=f.default,
+                       help=comments.get(f.name, "") + " (default: %(default)r)")
+
+
+def from_args(args: argparse.Namespace) -> GateSettings:
+    return GateSettings(**{k: getattr(args, k) for k in FIELDS if hasattr(args, k)}).validate()
+
+
+def check(**given) -> GateSettings:
+    """The notebooks' check: the given parameters (papermill's conversions
+    undone where harmless), the rest defaults; validated."""
+    unknown = sorted(set(given) - set(FIELDS))
+    if unknown:
+        raise ParameterError(f"unknown parameter {unknown[0]!r}: use {', '.join(FIELDS)}.")
+    given = dict(given)
+    if given.get("out") is None:
+        given["out"] = ""
+    elif isinstance(given["out"], os.PathLike):
+        given["out"] = str(given["out"])
+    for k in ("capacity", "config", "data", "resume_from"):
+        if given.get(k) is None:
+            given[k] = ""
+        elif isinstance(given[k], int) and not isinstance(given[k], bool):
+            given[k] = str(given[k])  # papermill's -p capacity 4 arrives as an int
+    if "world" in given and "capacity" not in given:
+        given["capacity"] = ""  # the default profile is for the default world: the batch on every rank
+    return GateSettings(**given).validate()
+
+
+def _field_comments() -> dict[str, str]:
+    """Each field's trailing comment in this file: the help text."""
+    import inspect
+
+    src = inspect.getsource(GateSettings)
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+): [^=]+=[^#\n]+#(.*)$", src, re.M)}
+
+
+def _int_arg(text: str) -> int:
+    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(text)
+
+
+def _float_arg(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _bool_arg(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return text.lower() in ("true", "1")
+
+
+def _bad(name: str, value, allowed: str) -> ParameterError:
+    return ParameterError(f"{name} = {value!r} is not allowed: {name} must be {allowed}.")
+
+
+def _whole(name: str, value, low: int, eg) -> int:
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad(name, value, f"a whole number, {low} or more (e.g. {eg})")
+    return value
+
+
+def _choice(name: str, value, choices) -> str:
+    if value not in choices:
+        raise _bad(name, value, "one of " + ", ".join(repr(c) for c in choices))
+    return value
+
+
+def _capacity(value, world: int) -> str:
+    how = ("'' (the batch on every rank) or one comma-separated entry per rank, each 'B' or 'BxT' "
+           "with positive whole numbers (e.g. '4,2' or '4x32,2x64')")
+    if not isinstance(value, str):
+        raise _bad("capacity", value, how)
+    text = ",".join(e.strip() for e in value.split(",")) if value.strip() else ""
+    if not text:
+        return ""
+    entries = text.split(",")
+    if not all(re.fullmatch(r"[0-9]+(x[0-9]+)?", e) and all(int(n) > 0 for n in e.split("x")) for e in entries):
+        raise _bad("capacity", value, how)
+    if len(entries) != world:
+        raise ParameterError(f"capacity = {value!r} has {len(entries)} entries but world = {world}: "
+                             f"capacity must be {how}, one entry per rank.")
+    return text
+
+
+def _cuda(world: int) -> None:
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise ParameterError("device = 'cuda' is not allowed here: no CUDA device is visible, "
+                             "so device must be 'cpu'.")
+    if world > n:
+        raise ParameterError(f"world = {world} is not allowed with device = 'cuda': {n} GPU(s) visible "
+                             f"and one rank per GPU, so world must be at most {n}.")
