@@ -137,7 +137,11 @@ class Verdict:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["checks"] = {c.name: {"kind": type(c).__name__, **asdict(c)} for c in self.checks}
+        d["checks"] = {}
+        for c in self.checks:
+            row = {"kind": type(c).__name__, **asdict(c)}
+            row["pass"] = row.pop("passed")
+            d["checks"][c.name] = row
         d["pass"] = d.pop("passed")
         return d
 
@@ -185,7 +189,7 @@ def required(a: ArtifactSet) -> list[str]:
     need = ["init", "gradref", "replay"]
     if len({t for _, t in shapes}) == 1 and not s.get("resume_from"):
         need.insert(0, "single")
-    if s.get("reduce") == "exact":
+    if s.get("reduce") == "exact" and "single" in need:
         need.append("exact")
     return need
 
@@ -500,3 +504,10 @@ def judge(out) -> Verdict:
             checks.append(check_exact(a))
     ok = all(c.passed for c in checks)
     return Verdict(str(out), ok, checks, present, a.meta("rank0").get("provenance", {}))
+
+
+def judge_references(out) -> Verdict:
+    """The per-step references alone (03): window, gradref and replay."""
+    a = ArtifactSet(Path(out))
+    checks = [check_window(a), check_gradref(a), check_replay(a)]
+    return Verdict(str(out), all(c.passed for c in checks), checks, ["gradref", "replay"])

@@ -336,7 +336,8 @@ def run_gradref(s: GateSettings, log=print) -> dict:
         tensors["loads"] = torch.stack(loads)
     log(f"gradref: {steps} steps, {len(prof)} ranks, {tokens[0]} tokens per step")
     return _save(s, "gradref", tensors, [], init=fingerprint(init), mode="gradref", tokens=tokens,
-                 profile=[list(p) for p in prof], steps=steps, config=run.to_dict())
+                 profile=[list(p) for p in prof], steps=steps, config=run.to_dict(),
+                 fleet=fleet["fingerprint"])
 
 
 # --------------------------------------------------------------------------- replay
@@ -374,7 +375,8 @@ def run_replay(s: GateSettings, log=print) -> dict:
             snaps.setdefault(n, []).append(t.clone())
     tensors = {f"p/{n}": torch.stack(v) for n, v in snaps.items()}
     log(f"replay: {steps} steps of the fleet's recorded gradients")
-    return _save(s, "replay", tensors, [], init=fingerprint(init), mode="replay", steps=steps)
+    return _save(s, "replay", tensors, [], init=fingerprint(init), mode="replay", steps=steps,
+                 fleet=fleet["fingerprint"])
 
 
 MODES = {"single": run_single, "rank": run_rank, "gradref": run_gradref, "replay": run_replay,

@@ -3,8 +3,8 @@
 
 The notebooks in notebooks/ hold parameters, a call or two into the library,
 a table and a plot; every decision lives in dormouse.gate where tests reach
-it: parameters (params), producing artifacts (produce), tables (tables),
-figures (plots), and here the verdict of curve/ and step/ together.
+it: settings (settings), producing artifacts (produce), judging (judge),
+tables (tables), figures (plots), and here the verdict of one out dir.
 """
 
 from __future__ import annotations
@@ -15,20 +15,15 @@ import re
 import sys
 from pathlib import Path
 
-from dormouse import atomic
 from dormouse.errors import DormouseError
-from dormouse.gate.artifacts import load_tensors
-from dormouse.gate.params import ARTIFACTS, CURVE, DEFAULT_OUT, REPO_ROOT, STEP, Params, ParameterError, check
-from dormouse.gate.produce import Log, changed_since_ensured, ensure_all, locked
-from dormouse.gate.verdict import compare, format_verdict, relative_difference
+from dormouse.gate.judge import Verdict, judge
+from dormouse.gate.presenting import VERDICT_FILE, format_verdict, write_verdict
+from dormouse.gate.produce import SETS, Log, ensure_all, locked, status
+from dormouse.gate.settings import ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError, check
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 EXECUTED_DIR = ARTIFACTS / "notebooks"
 NOTEBOOKS = ("01_single.ipynb", "02_fleet_launcher.ipynb", "03_gradref.ipynb", "04_compare_plots.ipynb")
-VERDICT_FILE = "verdict.json"
-# The curve check's keys that say why it judged as it did (see `explain`).
-EXPLAINED = ("noise_floor", "tolerance", "per_step", "multiple", "tolerance_why", "routing_flips",
-             "first_flip_step", "first_divergent_param", "first_divergent_param_step", "summary")
 
 
 class GateFailed(DormouseError):
@@ -42,81 +37,29 @@ class NotebookFailed(DormouseError):
 # --------------------------------------------------------------------------- the verdict
 
 
-def curve_params(d: Path) -> dict | None:
-    """Per tensor, max |fleet - single| / max |single| after the curve run
-    (informational: the curve check judges the losses)."""
-    if not (d / "single.json").exists() or not (d / "rank0.json").exists():
-        return None
-    single, fleet = load_tensors(d, "single"), load_tensors(d, "rank0")
-    return {"per_tensor": {k: relative_difference(fleet[k], single[k]) for k in single if k in fleet},
-            "note": "fleet (rank0) vs single after the curve run, max|diff|/max|single| per tensor"}
-
-
-def compare_step(p: Params) -> dict:
-    """03: dormouse.gate.verdict.compare of step/ (gradref vs the one-step fleet, ranks)."""
-    with locked(p.step_dir, "gradref", "fleet"):
-        return compare(p.step_dir)
-
-
-def explain(checks: dict) -> dict:
-    """Why the curve check judged as it did, in one place: per step the
-    measured noise floor, the tolerance and the observed divergence
-    (`per_step`), the routing flips, the first tensor to leave its floor, and
-    the one-sentence `summary`; with the step check's first divergent tensor."""
-    curve = checks.get("curve", {})
-    out = {k: curve.get(k) for k in EXPLAINED}
-    if out["summary"] is None:
-        out["summary"] = curve.get("reason") or ("no loss-curve check (the capacity profile mixes window "
-                                                 "lengths, so no single process holds the global batch): "
-                                                 "gradref is the reference")
-    if "first_divergent_param" in checks.get("gradref", {}):
-        out["step_first_divergent_param"] = checks["gradref"]["first_divergent_param"]
-    return out
-
-
-def verdict(p: Params) -> dict:
-    """Compare curve/ and step/ (each under its locks) into one verdict.
-
-    `parts` holds dormouse.gate.verdict.compare() of each directory whole;
-    `checks` merges their checks (the step run's checks that share a name with
-    the curve run's get a `step_` prefix: `step_ranks`); `explain` gathers
-    the curve check's explanation at the top level."""
-    with locked(p.curve_dir, "single", "fleet"), locked(p.step_dir, "gradref", "fleet"):
-        # Judge exactly the artifacts `p` asked for: another notebook may have
-        # replaced them between ensure_all and now.
-        changed = changed_since_ensured(p)
+def verdict(s: GateSettings) -> Verdict:
+    """Judge the out dir under every set's lock, after checking that the sets
+    are still those `s` asks for (another notebook may have replaced them)."""
+    with locked(s.out_dir, *SETS):
+        sets = [n for n in SETS if n != "single" or s.global_batch() is not None]
+        changed = next((w for w in (status(n, s) for n in sets) if w), None)
         if changed:
             raise DormouseError(f"the artifacts changed while the verdict was being taken ({changed}): "
                                 "run 04 again (or give each concurrent run its own out)")
-        parts = {CURVE: compare(p.curve_dir), STEP: compare(p.step_dir)}
-        curve = curve_params(p.curve_dir)
-    checks = dict(parts[CURVE]["checks"])
-    for k, c in parts[STEP]["checks"].items():
-        checks[f"step_{k}" if k in checks else k] = c
-    v = {"pass": all(part["pass"] for part in parts.values()), "out": str(p.out), "explain": explain(checks),
-         "checks": checks, "reasons": [f"{k}: {c.get('reason', '')}" for k, c in checks.items()],
-         "parts": {k: {"pass": v_["pass"], "out": v_["out"], "checks": list(v_["checks"])} for k, v_ in parts.items()},
-         "params": p.record()}
-    if curve is not None:
-        v["curve_params"] = curve
+        return judge(s.out_dir)
+
+
+def gate(s: GateSettings, *, log: Log = print) -> Verdict:
+    """04: ensure the artifacts, judge, write verdict.json; returns the verdict."""
+    ensure_all(s, log=log)
+    v = verdict(s)
+    write_verdict(v, s.out_dir, settings=s.record())
     return v
 
 
-def write_verdict(v: dict, out: Path) -> Path:
-    return atomic.write_text(Path(out) / VERDICT_FILE, json.dumps(v, indent=1, default=str))
-
-
-def gate(p: Params, *, log: Log = print) -> dict:
-    """04: ensure the artifacts, compare, write verdict.json; returns the verdict."""
-    ensure_all(p, log=log)
-    v = verdict(p)
-    write_verdict(v, p.out)
-    return v
-
-
-def raise_if_failed(v: dict) -> None:
+def raise_if_failed(v: Verdict) -> None:
     """Raise GateFailed (so papermill and nbmake fail) unless the gate passed."""
-    if not v["pass"]:
+    if not v.passed:
         raise GateFailed(format_verdict(v))
 
 
@@ -164,34 +107,30 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
     if "world" in overrides and "capacity" not in overrides:
         given["capacity"] = p.capacity
     if "out" in given:
-        given["out"] = str(p.out)
+        given["out"] = str(p.out_dir)
     if executed is None:
-        executed = EXECUTED_DIR if p.out == DEFAULT_OUT else p.out / "notebooks"
+        executed = EXECUTED_DIR if p.out_dir == DEFAULT_OUT else p.out_dir / "notebooks"
     executed = Path(executed)
     executed.mkdir(parents=True, exist_ok=True)
     for name in notebooks:
         src = NOTEBOOK_DIR / name
         declared = notebook_parameters(src)
         params = {k: v for k, v in given.items() if k in declared}
-        if name.startswith("01"):
-            gb = p.global_batch()
-            if gb is None:
-                log(f"== {name}: skipped (capacity {p.capacity!r} mixes window lengths: no single-process curve)")
-                continue
-            params["batch"] = gb
+        if name.startswith("01") and p.global_batch() is None:
+            log(f"== {name}: skipped (capacity {p.capacity!r} mixes window lengths: no single-process curve)")
+            continue
         log(f"== {name} {' '.join(f'-p {k} {v}' for k, v in params.items())}".rstrip())
         try:
             pm.execute_notebook(str(src), str(executed / name), parameters=params, kernel_name="python3",
                                 progress_bar=False, log_output=log_output)
         except pm.PapermillExecutionError as e:
             if e.ename == GateFailed.__name__:
-                v = json.loads((p.out / VERDICT_FILE).read_text())
-                raise GateFailed(format_verdict(v)) from None
+                raise GateFailed(format_verdict(json.loads((p.out_dir / VERDICT_FILE).read_text()))) from None
             raise NotebookFailed(f"{name} failed ({e.ename}: {e.evalue}); executed copy: "
                                  f"{executed / name}") from None
     if not any(n.startswith("04") for n in notebooks):
         return None  # no verdict without 04
-    return json.loads((p.out / VERDICT_FILE).read_text())
+    return json.loads((p.out_dir / VERDICT_FILE).read_text())
 
 
 def _cli() -> argparse.ArgumentParser:

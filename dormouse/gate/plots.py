@@ -1,4 +1,4 @@
-"""The gate's figures, drawn from a verdict dict (dormouse.gate.pipeline.verdict).
+"""The gate's figures, drawn from a verdict's JSON form (Verdict.to_dict()).
 
 matplotlib is imported inside the functions only, so the core library does not
 need it. Figures are built with matplotlib's object API (matplotlib.figure.Figure,
@@ -19,8 +19,7 @@ from dormouse import atomic
 FLOOR = 1e-12  # where an exact zero difference is drawn on a log axis
 
 FILES = {"loss_curves": "loss_curves.png", "loss_delta": "loss_delta.png",
-         "curve_params": "curve_params.png", "param_divergence": "param_divergence.png",
-         "gradref": "gradref.png"}
+         "param_divergence": "param_divergence.png", "references": "references.png", "exact": "exact.png"}
 
 
 def _figure(width: float, height: float):
@@ -152,42 +151,48 @@ def _barh(ax, names, values, label, color=None):
     ax.invert_yaxis()
 
 
-def curve_params(v: dict):
-    """Per-parameter relative difference fleet vs single after the curve run."""
-    c = v.get("curve_params")
-    if not c or not c.get("per_tensor"):
+def references(v: dict):
+    """Per step, the worst relative difference of each per-step reference
+    check (the per-window premise, gradref) against its bound, on a log axis."""
+    checks = v.get("checks", {})
+    rows = [(n, c) for n, c in checks.items() if c.get("kind") == "TensorCheck" and c.get("per_step")]
+    if not rows:
         return None
-    per = c["per_tensor"]
-    names = sorted(per, key=lambda k: -per[k])
-    fig = _figure(7, 1.2 + 0.17 * len(names))
+    fig = _figure(6.5, 3.6)
     ax = fig.add_subplot()
-    _barh(ax, names, [per[k] for k in names], "max|fleet − single| / max|single|")
-    ax.set(xlabel="relative difference (log)", title="parameters after the curve run: fleet vs single")
+    for (name, c), color in zip(rows, ("tab:blue", "tab:green", "tab:purple")):
+        per = c["per_step"]
+        steps = list(range(1, len(per) + 1))
+        ax.semilogy(steps, [x if x > 0 else FLOOR for x in per], "o-", ms=3, color=color,
+                    label=f"{name} [{_status(c)}]")
+        if c.get("bound"):
+            ax.axhline(c["bound"], color=color, ls="--", lw=1)
+    ax.set(xlabel="step", ylabel="max relative difference over tensors",
+           title="per-step references (dashed: bounds)")
+    _integer_steps(ax)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
     return fig
 
 
-def gradref(v: dict, name: str = "gradref"):
-    """The fleet's one-step parameters against the hand-computed reference,
-    per tensor: relative to the parameter (judged, tolerance drawn), relative
-    to the step itself, and the reduced gradient's difference when recorded."""
-    c = v.get("checks", {}).get(name)
-    if not c or not c.get("per_tensor"):
+def exact(v: dict, name: str = "exact"):
+    """The exact check (and the replay) as strips: one cell per step, green
+    where every compared tensor and the loss were bitwise equal, red where not."""
+    from matplotlib.colors import ListedColormap
+
+    rows = [(n, c) for n, c in v.get("checks", {}).items() if c.get("kind") == "ExactCheck" and c.get("steps_equal")]
+    if not rows:
         return None
-    per = c["per_tensor"]
-    names = sorted(per, key=lambda k: -per[k].get("param_rel", 0.0))
-    panels = [("param_rel", "max|fleet − ref| / max|ref|", c.get("rtol"), "parameters"),
-              ("step_rel", "max|fleet − ref| / max|ref − init|", None, "the step")]
-    if any("grad_rel" in per[k] for k in names):
-        panels.append(("grad_rel", "max|g_fleet − g_ref| / max|g_ref|", c.get("grad_rtol"), "the gradient"))
-    fig = _figure(4.5 * len(panels), 1.4 + 0.17 * len(names))
-    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
-    for ax, (key, xlabel, tol, what), color in zip(axes, panels, ("tab:blue", "tab:orange", "tab:green")):
-        _barh(ax, names, [per[k].get(key, 0.0) for k in names], key, color=color)
-        if isinstance(tol, (int, float)) and tol > 0:
-            ax.axvline(tol, color="crimson", ls="--")
-            ax.text(tol, 0.99, f"tolerance {tol:.0e} ", transform=ax.get_xaxis_transform(), rotation=90,
-                    ha="right", va="top", fontsize=7, color="crimson")
-        ax.set(xlabel=xlabel, title=f"gradref: {what}" + (f" [{_status(c)}]" if ax is axes[0] else ""))
+    fig = _figure(6.5, 0.9 + 0.5 * len(rows))
+    ax = fig.add_subplot()
+    width = max(len(c["steps_equal"]) for _, c in rows)
+    grid = [[1.0 if x else 0.0 for x in c["steps_equal"]] + [float("nan")] * (width - len(c["steps_equal"]))
+            for _, c in rows]
+    ax.imshow(grid, aspect="auto", cmap=ListedColormap(["crimson", "seagreen"]), vmin=0, vmax=1,
+              extent=(0.5, width + 0.5, len(rows) - 0.5, -0.5))
+    ax.set_yticks(range(len(rows)), [f"{n} [{_status(c)}]" for n, c in rows], fontsize=8)
+    ax.set(xlabel="step", title="bitwise equal per step (green) or not (red)")
+    _integer_steps(ax)
     return fig
 
 
@@ -226,12 +231,13 @@ def param_divergence(v: dict, name: str = "curve"):
     return fig
 
 
-FIGURES = {"loss_curves": loss_curves, "loss_delta": loss_delta, "curve_params": curve_params,
-           "param_divergence": param_divergence, "gradref": gradref}
+FIGURES = {"loss_curves": loss_curves, "loss_delta": loss_delta, "param_divergence": param_divergence,
+           "references": references, "exact": exact}
 
 
-def figures(v: dict) -> dict:
+def figures(v) -> dict:
     """Every figure the verdict has data for, by name."""
+    v = v.to_dict() if hasattr(v, "to_dict") else v
     return {k: fig for k, make in FIGURES.items() if (fig := make(v)) is not None}
 
 
@@ -245,9 +251,10 @@ def save(figs: dict, out: Path, dpi: int = 110) -> list[Path]:
     return paths
 
 
-def render(v: dict, out: Path | None = None) -> list[Path]:
-    """Draw every figure of verdict `v` and write the PNGs into `out` (the
-    verdict's own out dir by default)."""
+def render(v, out: Path | None = None) -> list[Path]:
+    """Draw every figure of verdict `v` (a Verdict or its JSON form) and write
+    the PNGs into `out` (the verdict's own out dir by default)."""
+    v = v.to_dict() if hasattr(v, "to_dict") else v
     out = Path(out or v["out"])
     figs = figures(v)
     for k, name in FILES.items():  # a figure this verdict has no data for must not linger from an older one

@@ -13,12 +13,14 @@ from dormouse.gate.judge import Verdict
 VERDICT_FILE = "verdict.json"
 
 
-def format_verdict(v: Verdict) -> str:
-    lines = [f"gate verdict for {v.out}: {'PASS' if v.passed else 'FAIL'}"]
-    if v.references:
-        lines.append(f"  references compared: {', '.join(v.references)}")
-    for c in v.checks:
-        lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.reason}")
+def format_verdict(v: Verdict | dict) -> str:
+    """The verdict as text; `v` a Verdict or its verdict.json."""
+    d = v.to_dict() if isinstance(v, Verdict) else v
+    lines = [f"gate verdict for {d['out']}: {'PASS' if d['pass'] else 'FAIL'}"]
+    if d.get("references"):
+        lines.append(f"  references compared: {', '.join(d['references'])}")
+    for name, c in d["checks"].items():
+        lines.append(f"  [{'ok' if c['pass'] else 'FAIL'}] {name}: {c['reason']}")
     return "\n".join(lines)
 
 

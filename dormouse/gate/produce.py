@@ -1,12 +1,13 @@
-"""Producing the gate notebooks' artifact sets, once, under a lock.
+"""Producing a gate run's artifact sets, once, under a lock (the running side
+the notebooks and the pipeline call).
 
-Artifacts record the settings that made them; an artifact set that is missing
-or was made by another configuration is produced again through the library.
-Producing a set is serialised by an flock on `.<set>.lock` in its directory, so
-two notebooks running at once never produce (or read) a half-written set.
-
-Sets (see dormouse.gate.params for the layout): `single` and `fleet` in
-curve/ (01, 02), `gradref` and `fleet` in step/ (03); 04 ensures all four.
+One out dir holds every set: `single` (the reference, its floors and, under
+reduce="exact", the exact reference), `fleet` (rank0..rank{W-1} and init),
+`gradref` and `replay` (both computed from the fleet's recorded run). A set
+is produced again when it is missing, was made with other settings, by other
+code (the source hash in its provenance), or from another fleet run. Each set
+is produced under an flock on `.<set>.lock`, so two notebooks running at once
+never produce (or read) a half-written set.
 """
 
 from __future__ import annotations
@@ -23,19 +24,16 @@ import torch
 
 from dormouse.errors import DormouseError
 from dormouse.gate import modes
-from dormouse.gate.artifacts import load_meta
+from dormouse.gate.artifacts import load_meta, source_hash
 from dormouse.gate.launcher import launch_fleet
-from dormouse.gate.params import Params
-from dormouse.gate.verdict import rank_names
+from dormouse.gate.settings import GateSettings
 
 Log = Callable[[str], None]
+SETS = ("single", "fleet", "gradref", "replay")
 
 
 class MissingArtifactError(DormouseError):
     """An artifact the verdict needs is missing and may not be produced here."""
-
-
-# --------------------------------------------------------------------------- locks and freshness
 
 
 @contextmanager
@@ -64,87 +62,78 @@ def _meta(d: Path, name: str) -> dict | None:
         return None
 
 
-def _differs(meta: dict | None, want: dict) -> str | None:
-    """None when `meta` was made with the wanted settings, else why not."""
-    if meta is None:
-        return "missing"
-    have = meta.get("settings", {})
+def stale(d: Path, name: str, s: GateSettings) -> str | None:
+    """None when artifact `name` was made by this code with settings `s`, else why not."""
+    m = _meta(d, name)
+    if m is None:
+        return f"{name} missing"
+    have = m.get("settings", {})
+    want = s.record()
     diff = [f"{k}={have.get(k)!r} (want {v!r})" for k, v in want.items() if have.get(k) != v]
-    return "made with " + ", ".join(diff) if diff else None
+    if diff:
+        return f"{name} made with " + ", ".join(diff)
+    if m.get("provenance", {}).get("source") != source_hash():
+        return f"{name} made by other code"
+    return None
 
 
-def single_status(d: Path, p: Params, global_batch: int) -> str | None:
-    m = _meta(d, "single")
-    why = _differs(m, {"steps": p.steps, "seed": p.seed, "lr": p.lr, "opt": p.opt, "device": p.device})
-    if why is None and m.get("global_batch") != global_batch:
-        why = f"made at global batch {m.get('global_batch')} (want {global_batch})"
+def _ranks(d: Path) -> list[str]:
+    return sorted((p.stem for p in d.glob("rank*.json") if p.stem[4:].isdigit()), key=lambda n: int(n[4:]))
+
+
+def status(set_name: str, s: GateSettings) -> str | None:
+    """Why artifact set `set_name` must be produced again (None: it fits)."""
+    d = s.out_dir
+    if set_name == "single":
+        why = stale(d, "single", s)
+        if why is None and s.reduce == "exact":
+            why = stale(d, "exact", s)
+        return why
+    if set_name == "fleet":
+        names = _ranks(d)
+        if names != [f"rank{r}" for r in range(s.world)]:
+            return f"found {names or 'no ranks'} for a world of {s.world}"
+        return next((w for w in (stale(d, n, s) for n in ["init", *names]) if w), None)
+    # gradref and replay are computed from one fleet run: they must name it.
+    why = stale(d, set_name, s)
+    fleet = _meta(d, "rank0")
+    if why is None and (fleet is None or _meta(d, set_name).get("fleet") != fleet.get("fingerprint")):
+        why = f"{set_name} was computed from another fleet run"
     return why
 
 
-def fleet_status(d: Path, p: Params, steps: int) -> str | None:
-    want = {"steps": steps, "batch": p.batch, "capacity": p.capacity, "seed": p.seed, "lr": p.lr,
-            "shard": p.shard, "device": p.device, "opt": p.opt, "reduce": p.reduce}
-    names = rank_names(d)
-    if names != [f"rank{r}" for r in range(p.world)]:
-        return f"found {names or 'no ranks'} for a world of {p.world}"
-    for n in names:
-        m = _meta(d, n)
-        why = _differs(m, want)
-        if why is None and m.get("world_size") != p.world:
-            why = f"made by a world of {m.get('world_size')}"
-        if why:
-            return f"{n} {why}"
-    return None
-
-
-def gradref_status(d: Path, p: Params) -> str | None:
-    want = {"steps": 1, "batch": p.batch, "capacity": p.capacity, "seed": p.seed, "lr": p.lr, "opt": p.opt,
-            "world": p.world, "device": p.device}
-    for n in ("gradref", "init"):
-        why = _differs(_meta(d, n), want)
-        if why:
-            return f"{n} {why}"
-    return None
-
-
-def _fresh(d: Path, names: list[str], since: float) -> bool:
-    """Every named JSON was written after `since` (by someone we waited for)."""
-    try:
-        return all((d / f"{n}.json").stat().st_mtime >= since for n in names)
-    except OSError:
-        return False
-
-
-def _ensure(d: Path, lock: str, what: str, status: Callable[[], str | None], names: Callable[[], list[str]],
-            make: Callable[[], None], *, p: Params, force: bool, log: Log, hint: str):
-    """Produce artifact set `lock` in `d` unless it is there and fits. Returns
-    ("produced" or "reused", the set's metadata), the metadata read while the
-    lock is still held (so a concurrent producer cannot swap the set between
-    the check and the read).
-
-    force: produce even if it fits, unless it was written while we waited for
-    the lock (two notebooks asked for the same set at once: one run is enough)."""
+def _ensure(s: GateSettings, set_name: str, make: Callable[[], None], *, force: bool, log: Log,
+            hint: str) -> str:
+    """Produce `set_name` unless it is there and fits (or was produced while
+    we waited for its lock). Returns "produced" or "reused"."""
     since = time.time()
-    with locked(d, lock):
-        why = status()
-        if why is None and (not force or _fresh(d, names(), since)):
-            log(f"{what}: using {d} (same settings)")
-            return "reused", [load_meta(d, n) for n in names()]
-        if why is not None and not force and not p.produce:
-            raise MissingArtifactError(
-                f"the {what} artifacts in {str(d)!r} are {why if why == 'missing' else 'unusable: ' + why} "
-                f"and produce = False: run {hint} with these parameters first, or set produce = True.")
-        log(f"{what}: producing in {d} ({'forced' if why is None else why})")
+    d = s.out_dir
+    with locked(d, set_name):
+        why = status(set_name, s)
+        fresh = why is None and all(p.stat().st_mtime >= since for p in d.glob("*.json")
+                                    if p.stem in _members(set_name, s))
+        if why is None and (not force or fresh):
+            log(f"{set_name}: using {d} (same settings, same code)")
+            return "reused"
+        if why is not None and not force and not s.produce:
+            raise MissingArtifactError(f"the {set_name} artifacts in {str(d)!r} are unusable ({why}) and "
+                                       f"produce = False: run {hint} with these parameters first, or set "
+                                       "produce = True.")
+        log(f"{set_name}: producing in {d} ({'forced' if why is None else why})")
         make()
-        after = status()
+        after = status(set_name, s)
         if after is not None:
-            raise DormouseError(f"the {what} run finished but its artifacts in {str(d)!r} are {after}")
-        return "produced", [load_meta(d, n) for n in names()]
+            raise DormouseError(f"the {set_name} run finished but its artifacts in {str(d)!r} are unusable: {after}")
+        return "produced"
+
+
+def _members(set_name: str, s: GateSettings) -> list[str]:
+    return {"single": ["single"] + (["exact"] if s.reduce == "exact" else []),
+            "fleet": ["init"] + [f"rank{r}" for r in range(s.world)]}.get(set_name, [set_name])
 
 
 @contextmanager
-def _threads(n: int = 1):
-    """In-process runs use one thread: the fleet's ranks do, and the machine may be shared."""
+def _threads(n: int):
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -153,101 +142,59 @@ def _threads(n: int = 1):
         torch.set_num_threads(before)
 
 
-_PARTS = ("", "_grad", "_trace")  # an artifact's files: <name>, <name>_grad, <name>_trace
+def _drop(d: Path, pattern: str) -> None:
+    """Remove artifacts whose file names match `pattern` (JSON first: it is what says complete)."""
+    files = [p for p in d.iterdir() if re.fullmatch(pattern, p.name)]
+    for p in sorted(files, key=lambda p: p.suffix != ".json"):
+        p.unlink(missing_ok=True)
 
 
-def _drop(d: Path, names: list[str]) -> None:
-    """Remove named artifacts, their gradients and traces (JSON last-written, so first removed)."""
-    for n in names:
-        for part in _PARTS:
-            for suffix in (".json", ".safetensors"):
-                (d / f"{n}{part}{suffix}").unlink(missing_ok=True)
-
-
-# --------------------------------------------------------------------------- producing artifacts
-
-
-def run_single(p: Params, *, global_batch: int | None = None, force: bool = True, log: Log = print) -> dict:
-    """01: one process at the global batch (`p.batch` unless given) in curve/."""
-    gb = p.batch if global_batch is None else global_batch
-    d = p.curve_dir
-
+def run_single(s: GateSettings, *, force: bool = True, log: Log = print) -> str:
+    """01: the single process at the global batch (and its floors, and the exact reference)."""
     def make():
-        with _threads():
-            modes.run_single(p.gate_settings(d, batch=gb, capacity=""), log=log)
+        with _threads(s.threads):
+            modes.run_single(s, log=log)
 
-    return _ensure(d, "single", "single-process", lambda: single_status(d, p, gb), lambda: ["single"], make,
-                   p=p, force=force, log=log, hint="01_single.ipynb")[1][0]
-
-
-def _launch(p: Params, d: Path, steps: int, stream: Log) -> None:
-    _drop(d, [f.name.split("_")[0].split(".")[0] for f in d.glob("rank*")
-              if re.match(r"rank\d+(_grad|_trace)?\.(json|safetensors)$", f.name)])  # never two launches' ranks
-    launch_fleet(p.gate_settings(d, steps=steps), timeout_s=p.timeout_s, stream=stream)
+    return _ensure(s, "single", make, force=force, log=log, hint="01_single.ipynb")
 
 
-def _fleet(p: Params, d: Path, steps: int, what: str, hint: str, *, force: bool, stream: Log) -> list[dict]:
-    """The fleet for `steps` steps in `d` (rank output streamed); its ranks' metadata."""
-    return _ensure(d, "fleet", what, lambda: fleet_status(d, p, steps), lambda: rank_names(d),
-                   lambda: _launch(p, d, steps, stream), p=p, force=force, log=stream, hint=hint)[1]
-
-
-def run_fleet(p: Params, *, force: bool = True, stream: Log = print) -> list[dict]:
-    """02: the fleet for `p.steps` steps in curve/ (rank output streamed)."""
-    return _fleet(p, p.curve_dir, p.steps, "fleet", "02_fleet_launcher.ipynb", force=force, stream=stream)
-
-
-def run_gradref(p: Params, *, force: bool = True, log: Log = print) -> dict:
-    """03, first half: the hand-computed one-step reference (and init) in step/."""
-    d = p.step_dir
-
+def run_fleet(s: GateSettings, *, force: bool = True, stream: Log = print) -> str:
+    """02: the fleet under torchrun (rank output streamed)."""
     def make():
-        with _threads():
-            modes.run_gradref(p.gate_settings(d), log=log)
+        _drop(s.out_dir, r"(rank\d+(_trace)?|init)\.(json|safetensors)")  # never two launches' ranks
+        launch_fleet(s, timeout_s=s.timeout_s, stream=stream)
 
-    return _ensure(d, "gradref", "gradref", lambda: gradref_status(d, p), lambda: ["gradref", "init"], make,
-                   p=p, force=force, log=log, hint="03_gradref.ipynb")[1][0]
-
-
-def run_step_fleet(p: Params, *, force: bool = True, stream: Log = print) -> list[dict]:
-    """03, second half: the fleet's ONE step under the same profile in step/."""
-    return _fleet(p, p.step_dir, 1, "one-step fleet", "03_gradref.ipynb", force=force, stream=stream)
+    return _ensure(s, "fleet", make, force=force, log=stream, hint="02_fleet_launcher.ipynb")
 
 
-def run_step(p: Params, *, force: bool = True, stream: Log = print) -> dict:
-    """03: gradref and the one-step fleet; returns both artifacts' metadata."""
-    return {"gradref": run_gradref(p, force=force, log=stream),
-            "ranks": run_step_fleet(p, force=force, stream=stream)}
+def run_references(s: GateSettings, *, force: bool = True, log: Log = print) -> dict[str, str]:
+    """03: gradref and the replay, from the fleet's recorded run."""
+    def make(mode):
+        def run():
+            with _threads(s.threads):
+                modes.MODES[mode](s, log=log)
+        return run
+
+    with locked(s.out_dir, "fleet"):
+        if status("fleet", s) is not None:
+            raise MissingArtifactError(f"no fleet run with these settings in {str(s.out_dir)!r} "
+                                       f"({status('fleet', s)}): run 02_fleet_launcher.ipynb first")
+        return {m: _ensure(s, m, make(m), force=force, log=log, hint="03_gradref.ipynb")
+                for m in ("gradref", "replay")}
 
 
-def changed_since_ensured(p: Params) -> str | None:
-    """Call with curve/ and step/ locked: None if their artifacts are still
-    those `p` asks for, else what changed (another notebook replaced them)."""
-    gb = p.global_batch()
-    checks = [("curve", lambda: fleet_status(p.curve_dir, p, p.steps)),
-              ("step", lambda: gradref_status(p.step_dir, p) or fleet_status(p.step_dir, p, 1))]
-    if gb is not None:
-        checks.insert(0, ("curve", lambda: single_status(p.curve_dir, p, gb)))
-    for where, status in checks:
-        why = status()
-        if why:
-            return f"{where}: {why}"
-    return None
-
-
-def ensure_all(p: Params, *, log: Log = print) -> dict:
-    """04: every artifact set the verdict needs, produced only where missing or
-    made by another configuration (or refused when p.produce is False)."""
-    gb = p.global_batch()
-    if gb is None:
-        # A profile mixing window lengths has no single-process equivalent: the
-        # curve check does not apply (gradref still does); drop a stale one.
-        with locked(p.curve_dir, "single"):
-            _drop(p.curve_dir, ["single"])
-        log(f"capacity {p.capacity!r} mixes window lengths: no single-process curve; gradref is the reference")
+def ensure_all(s: GateSettings, *, log: Log = print) -> None:
+    """04: every set the verdict needs, produced only where missing or stale."""
+    if s.global_batch() is None:
+        log(f"capacity {s.capacity!r} mixes window lengths: no single-process curve; gradref and the "
+            "replay are the references")
+        with locked(s.out_dir, "single"):
+            _drop(s.out_dir, r"(single|exact)(_trace)?\.(json|safetensors)")
     else:
-        run_single(p, global_batch=gb, force=False, log=log)
-    run_fleet(p, force=False, stream=log)
-    run_gradref(p, force=False, log=log)
-    run_step_fleet(p, force=False, stream=log)
-    return {"single": gb is not None}
+        run_single(s, force=False, log=log)
+    run_fleet(s, force=False, stream=log)
+    run_references(s, force=False, log=log)
+
+
+def fleet_metas(s: GateSettings) -> list[dict]:
+    return [load_meta(s.out_dir, f"rank{r}") for r in range(s.world)]

@@ -5,7 +5,9 @@ Everything else is derived from it: the command line (`add_arguments`,
 (`to_argv`), and the freshness of artifacts (`record`, which every artifact
 carries). A field added here appears everywhere at once.
 
-Conventions: 0 or "" means "off" or "the default named in the comment".
+Conventions: 0 or "" means "off" or "the default named in the comment". The
+comments are the command line's help and the notebooks' parameter comments,
+so they hold no '=' or quotes (papermill's parameter parser reads them).
 `validate()` returns a normalised copy, or raises ParameterError: one sentence
 naming the setting, its value and what it may be.
 """
@@ -45,26 +47,26 @@ class GateSettings:
     same bytes by its own arithmetic.
     """
 
-    out: str = ""  # artifact directory ("" = <repository>/artifacts/gate; relative = from the repo root)
+    out: str = ""  # artifact directory (empty: <repository>/artifacts/gate; a relative path is from the repo root)
     steps: int = 20  # optimizer steps of the fleet's run (and of every reference)
     batch: int = 2  # windows per rank when capacity is ""
     world: int = 2  # ranks in the fleet (torchrun's --nproc_per_node)
-    capacity: str = "4,2"  # per-rank profile, one 'B' or 'BxT' per rank ("" = `batch` on every rank)
+    capacity: str = "4,2"  # per-rank profile, one B or BxT per rank, e.g. 4,2 (empty: batch on every rank)
     seed: int = 7  # seeds the model's initialisation and the data order, the same in every mode
-    lr: float = 0.0  # peak learning rate (0 = the configuration's; the tiny fixture's is 1e-3)
+    lr: float = 0.0  # peak learning rate (0: the configuration's own; the tiny fixture's is 1e-3)
     opt: str = "mix"  # mix (Muon + AdamW) | adamw
     shard: str = "none"  # none (replicated) | fsdp (FSDP2)
     reduce: str = "fp32"  # the fleet's gradient reduce: fp32 | bf16 (wire) | exact (fixed summation order)
-    micro_batch: int = 0  # windows per forward/backward slice (0 = a rank's whole batch)
+    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch)
     data_order: str = "shuffle"  # which span each step reads: shuffle (seeded, per epoch) | sequential
-    config: str = ""  # the network and recipe: a preset name or a RunConfig JSON file ("" = the tiny fixture)
-    data: str = ""  # corpus file ("" = the fixture's seeded pseudo-random bytes, written into out)
-    resume_from: str = ""  # continue from this checkpoint (relative to out, or absolute; "" = from the start)
-    device: str = "cpu"  # cpu (gloo) | cuda (nccl, one GPU per rank); single and gradref run there too
+    config: str = ""  # the network and recipe: a preset name or a RunConfig JSON file (empty: the tiny fixture)
+    data: str = ""  # corpus file (empty: the fixture's seeded pseudo-random bytes, written into out)
+    resume_from: str = ""  # continue from this checkpoint, relative to out or absolute (empty: from the start)
+    device: str = "cpu"  # cpu (gloo) or cuda (nccl, one GPU per rank); single and gradref run there too
     threads: int = 1  # torch CPU threads per process (bitwise results depend on it: recorded)
     bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket (MiB)
     timeout_s: float = 300.0  # a fleet still running after this is killed (all ranks)
-    produce: bool = True  # notebooks: produce missing or stale artifacts (False = only read them)
+    produce: bool = True  # notebooks: produce missing or stale artifacts (False: only read them)
 
     # ------------------------------------------------------------------ derived
 

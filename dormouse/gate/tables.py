@@ -1,15 +1,16 @@
-"""The gate notebooks' tables: parameters, a loss curve, the ranks, gradref per
-tensor, the verdict. Each is a `Table`: HTML in a notebook, text elsewhere."""
+"""The gate notebooks' tables: parameters, a loss curve, the ranks, the
+per-step references, the verdict. Each is a `Table`: HTML in a notebook, text elsewhere."""
 
 from __future__ import annotations
 
 import html
-from pathlib import Path
 
-from dormouse.gate.artifacts import load_meta
-from dormouse.gate.params import Params
-from dormouse.gate.produce import locked, rank_names
-from dormouse.gate.verdict import compare_ranks
+import torch
+
+from dormouse.gate.artifacts import ArtifactSet
+from dormouse.gate.judge import Verdict, check_ranks
+from dormouse.gate.produce import locked
+from dormouse.gate.settings import GateSettings
 
 
 class Table:
@@ -41,8 +42,8 @@ class Table:
         return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def params_table(p: Params, names: list[str] | None = None) -> Table:
-    rec = p.record()
+def params_table(s: GateSettings, names: list[str] | None = None) -> Table:
+    rec = {"out": str(s.out_dir), **s.record(), "timeout_s": s.timeout_s, "produce": s.produce}
     return Table(["parameter", "value"], [[k, rec[k]] for k in (names or rec)], "parameters")
 
 
@@ -52,41 +53,50 @@ def loss_table(meta: dict, every: int = 5) -> Table:
     return Table(["step", "loss"], rows, f"{meta['name']}: global batch {meta.get('global_batch', '?')}")
 
 
-def ranks_table(d: Path) -> Table:
+def ranks_table(s: GateSettings) -> Table:
     """One row per rank: shape, final loss, fingerprint, and whether it is
-    bitwise equal to rank0 (dormouse.gate.verdict.compare_ranks)."""
+    bitwise equal to rank0 (the judge's ranks check)."""
+    d = s.out_dir
     with locked(d, "fleet"):
-        names = rank_names(d)
-        metas = [load_meta(d, n) for n in names]
-        c = compare_ranks(d)
-    per = c.get("per_rank", {})
+        a = ArtifactSet(d)
+        names = a.ranks()
+        metas = [a.meta(n) for n in names]
+        c = check_ranks(a)
+        ref = a.tensors(names[0]) if names else {}
+        equal = [r == 0 or (metas[r]["losses"] == metas[0]["losses"]
+                            and all(torch.equal(ref[k], a.tensors(n)[k]) for k in ref))
+                 for r, n in enumerate(names)]
     rows = []
     for r, (n, m) in enumerate(zip(names, metas)):
-        q = per.get(n)
-        equal = ("reference" if r == 0 else "?" if q is None else
-                 "yes" if not q["unequal_tensors"] and q["losses_equal"]
-                 and m["fingerprint"] == metas[0]["fingerprint"] else "NO")
         shape = (m.get("shapes") or ["?"] * len(names))[r]
-        rows.append([n, shape, m["losses"][-1] if m["losses"] else None, m["fingerprint"][:16], equal])
-    return Table(["rank", "shape", "final loss", "fingerprint", "bitwise = rank0"], rows,
-                 f"{d}: {c['reason']}")
+        rows.append([n, shape, m["losses"][-1] if m["losses"] else None, m["fingerprint"][:16],
+                     "reference" if r == 0 else "yes" if equal[r] else "NO"])
+    return Table(["rank", "shape", "final loss", "fingerprint", "bitwise = rank0"], rows, f"{d}: {c.reason}")
 
 
-def gradref_table(v: dict, top: int | None = None) -> Table:
-    """Per tensor: the fleet's one-step parameters against gradref, largest
-    difference first. `v`: a verdict (compare's or the pipeline's) or its gradref check."""
-    c = v.get("checks", {}).get("gradref", {}) if "checks" in v else v
-    per = c.get("per_tensor", {})
-    names = sorted(per, key=lambda k: -per[k]["param_rel"])[:top]
-    cols = ["param_rel", "step_rel"] + [c_ for c_ in ("grad_rel",) if any(c_ in per[k] for k in names)]
-    rows = [[k, *(per[k].get(c_, "") for c_ in cols)] for k in names]
-    title = f"gradref [{'ok' if c.get('pass') else 'FAIL'}]: {c.get('reason', 'no gradref check')}"
-    if top is not None and len(per) > top:
-        title += f" (largest {top} of {len(per)} tensors)"
-    return Table(["tensor", *cols], rows, title)
+def references_table(v: Verdict | dict) -> Table:
+    """The per-step checks (window, gradref, replay, exact, curve): worst
+    difference, where, and the bound."""
+    d = v.to_dict() if isinstance(v, Verdict) else v
+    rows = []
+    for name, c in d["checks"].items():
+        if c.get("kind") == "TensorCheck":
+            rows.append([name, "ok" if c["pass"] else "FAIL", c.get("worst"), c.get("worst_tensor"),
+                         c.get("worst_step"), c.get("bound")])
+        elif c.get("kind") == "ExactCheck":
+            eq = c.get("steps_equal", [])
+            rows.append([name, "ok" if c["pass"] else "FAIL", 0.0 if c["pass"] else c.get("ulps"),
+                         c.get("first_tensor") or f"{sum(eq)}/{len(eq)} steps bitwise", c.get("first_step"), 0.0])
+        elif c.get("kind") == "CurveCheck":
+            rows.append([name, "ok" if c["pass"] else "FAIL", max(c.get("per_step") or [0.0]),
+                         c.get("first_divergent_param") or "loss", c.get("first_divergent_param_step"),
+                         min(c.get("tolerance") or [0.0])])
+    return Table(["check", "result", "worst (relative; ulps for bitwise)", "where", "step", "bound"], rows,
+                 "per-step references")
 
 
-def verdict_table(v: dict) -> Table:
+def verdict_table(v: Verdict | dict) -> Table:
+    d = v.to_dict() if isinstance(v, Verdict) else v
     return Table(["check", "result", "reason"],
-                 [[k, "ok" if c.get("pass") else "FAIL", c.get("reason", "")] for k, c in v["checks"].items()],
-                 f"gate verdict for {v['out']}: {'PASS' if v['pass'] else 'FAIL'}")
+                 [[k, "ok" if c["pass"] else "FAIL", c["reason"]] for k, c in d["checks"].items()],
+                 f"gate verdict for {d['out']}: {'PASS' if d['pass'] else 'FAIL'}")
