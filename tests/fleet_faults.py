@@ -1,22 +1,29 @@
-"""A gate rank with a fault injected, for tests only: torchrun runs this file
-instead of `-m dormouse.gate`; it monkeypatches the library inside the rank
-process, then hands over to dormouse.gate's own main. The production path has
-no fault switches.
+"""A gate process with a fault injected, for tests only: a test runs this file
+instead of `-m dormouse.gate` (torchrun for the ranks, plain python for the
+in-process modes when the fault is in the network itself); it monkeypatches
+the library inside the process, then hands over to dormouse.gate's own main.
+The production path has no fault switches.
 
 The fault is named by DORMOUSE_TEST_FAULT:
 
-  kill_rank1    rank 1 SIGKILLs itself after step 3 (checkpoints every 2 steps)
-  plain_mean    the reduce averages gradients (1/W each) instead of weighting
-                them by tokens
-  skip_param    head.weight keeps its local gradient: left out of the reduce
-  seeds         each rank builds its model from seed + rank, and the start-up
-                identity check is switched off
-  seeds_checked each rank builds from seed + rank; the identity check stays
-  capacity_moe  the MoE drops by capacity (factor 0.5) and the refusal of that
-                configuration is bypassed
+  kill_rank1       rank 1 SIGKILLs itself after step 3 (checkpoints every 2 steps)
+  plain_mean       the reduce averages gradients (1/W each) instead of weighting them by tokens
+  window_weights   the fleet weights ranks by windows instead of tokens
+  grad_x2          the fleet's reduced gradient is doubled (a double or missing division)
+  wrong_step       the fleet reads step k+8's bytes at step k
+  skip_param       head.weight keeps its local gradient: left out of the reduce
+  seeds            each rank builds its model from seed + rank, and the start-up
+                   identity check is switched off
+  seeds_checked    each rank builds from seed + rank; the identity check stays
+  capacity_moe     the MoE drops by capacity (factor 0.5) and the refusal of that
+                   configuration is bypassed (run it in every mode: it is the network)
+  batch_stats      the router's logits are centred over the batch: a batch statistic,
+                   so the network depends on which windows share a batch (every mode)
+  one_ulp          at step 3, rank 1 moves every element of head.weight's local
+                   gradient to its float neighbour before the reduce
 
 To add a fault: add a function here that patches what it needs (module
-attributes the rank process looks up at call time) and name it in FAULTS.
+attributes the process looks up at call time) and name it in FAULTS.
 """
 
 from __future__ import annotations
@@ -26,9 +33,13 @@ import os
 import signal
 import sys
 
+import torch
+
 import dormouse.gate.fixtures as fixtures
 import dormouse.gate.modes as modes
 import dormouse.gate.trace as trace
+import dormouse.model.network as network
+import dormouse.train.data as data
 import dormouse.train.distributed as distributed
 
 
@@ -60,6 +71,30 @@ def plain_mean() -> None:
     distributed.FleetSync._flatten = mean_flatten
 
 
+def window_weights() -> None:
+    # A rank's weight becomes its share of the windows: RankShape.tokens is
+    # what the loop weights by, so count windows there.
+    data.RankShape.tokens = property(lambda self: self.batch)
+
+
+def grad_x2() -> None:
+    reduce = distributed.FleetSync.reduce
+
+    def doubled(self, model, loss_share, loads):
+        out = reduce(self, model, loss_share, loads)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(2)
+        return out
+
+    distributed.FleetSync.reduce = doubled
+
+
+def wrong_step() -> None:
+    step_batch = data.ByteCorpus.step_batch
+    data.ByteCorpus.step_batch = lambda self, step, shapes, mine: step_batch(self, step + 8, shapes, mine)
+
+
 def skip_param() -> None:
     reduce = distributed.FleetSync.reduce
 
@@ -75,7 +110,7 @@ def skip_param() -> None:
 
 def seeds_checked() -> None:
     build = modes.build
-    modes.build = lambda seed: build(seed + int(os.environ.get("RANK", "0")))
+    modes.build = lambda s: build(dataclasses.replace(s, seed=s.seed + int(os.environ.get("RANK", "0"))))
 
 
 def seeds() -> None:
@@ -84,7 +119,7 @@ def seeds() -> None:
 
 
 def capacity_moe() -> None:
-    fixtures.TINY["moe_capacity"] = 0.5
+    fixtures.TINY = dataclasses.replace(fixtures.TINY, moe_capacity=0.5)
     refuse = distributed.refuse_incompatible
 
     def lenient(run, *, world_size, model=None):
@@ -95,7 +130,46 @@ def capacity_moe() -> None:
     distributed.refuse_incompatible = lenient
 
 
-FAULTS = {f.__name__: f for f in (kill_rank1, plain_mean, skip_param, seeds, seeds_checked, capacity_moe)}
+def batch_stats() -> None:
+    init = network.DormouseModel.__init__
+
+    def centred(self, *a, **k):
+        init(self, *a, **k)
+        for m in self.modules():
+            if hasattr(m, "router") and isinstance(m.router, torch.nn.Linear):
+                # (N, E) logits of every token in the batch, minus their batch mean
+                m.router.register_forward_hook(lambda mod, inp, out: out - out.mean(dim=0, keepdim=True))
+
+    network.DormouseModel.__init__ = centred
+
+
+def one_ulp() -> None:
+    flatten = distributed.FleetSync._flatten
+    calls = {"n": 0}
+
+    def nudged(self, bucket):
+        names = getattr(self, "_fault_names", None)
+        if names is None:
+            self._fault_names = names = {id(p): n for n, p in self._fault_model.named_parameters()}
+        if any(names.get(id(p)) == "head.weight" for p in bucket):
+            calls["n"] += 1
+            if calls["n"] == 3 and self.rank == 1:
+                p = next(p for p in bucket if names.get(id(p)) == "head.weight")
+                p.grad.copy_(torch.nextafter(p.grad, torch.full_like(p.grad, torch.inf)))
+        return flatten(self, bucket)
+
+    attach = distributed.FleetSync.attach
+
+    def remember(self, model):
+        self._fault_model = model
+        return attach(self, model)
+
+    distributed.FleetSync.attach = remember
+    distributed.FleetSync._flatten = nudged
+
+
+FAULTS = {f.__name__: f for f in (kill_rank1, plain_mean, window_weights, grad_x2, wrong_step, skip_param, seeds,
+                                  seeds_checked, capacity_moe, batch_stats, one_ulp)}
 
 if __name__ == "__main__":
     FAULTS[os.environ["DORMOUSE_TEST_FAULT"]]()

@@ -249,6 +249,8 @@ def check_ranks(a: ArtifactSet) -> Check:
     for n in names[1:]:
         t = a.tensors(n)
         unequal = [k for k in ref if k not in t or not torch.equal(ref[k], t[k])]
+        # Largest difference first: the tensor that went apart, not those it dragged along.
+        unequal.sort(key=lambda k: -relative(t[k], ref[k]) if k in t else -math.inf)
         if unequal or a.meta(n)["losses"] != ref_losses:
             bad.append(f"{n} vs rank0: {', '.join(unequal[:3]) or 'losses'}")
     if bad:
@@ -374,8 +376,19 @@ def check_replay(a: ArtifactSet) -> Check:
     if not all(k in fleet for k in keys):
         return ExactCheck("replay", False, "the fleet's trace lacks per-step tensors")
     steps = min(len(r[keys[0]]), len(fleet[keys[0]]))
-    return _bitwise_steps("replay", fleet, r, keys, steps,
-                          "the fleet's run replayed in one process on its own gradients (parameters and routing bias)")
+    c = _bitwise_steps("replay", fleet, r, keys, steps,
+                       "the fleet's run replayed in one process on its own gradients (parameters and routing bias)")
+    if "grad_norm" in r:
+        if "grad_norm" not in fleet:
+            c.passed, c.reason = False, "the fleet recorded no gradient norms although it clips"
+        else:
+            off = relative(fleet["grad_norm"], r["grad_norm"])
+            if not off <= GRAD_RTOL:
+                c.passed = False
+                c.reason += f"; the fleet's clipping norm is off the replay's own by {off:.2e} > {GRAD_RTOL:.0e}"
+            else:
+                c.reason += f"; the fleet's clipping norms within {off:.1e} of the replay's own"
+    return c
 
 
 def check_exact(a: ArtifactSet) -> Check:

@@ -362,18 +362,30 @@ def run_replay(s: GateSettings, log=print) -> dict:
     start = fleet.get("start_step", 0)
     steps = len(fleet["losses"])
     snaps: dict[str, list[torch.Tensor]] = {}
+    own: list[float] = []
     for k in range(steps):
         opt.set_lr(lr_at(start + k, run))
         for n, p in model.named_parameters():
             p.grad = trace[f"g/{n}"][k].to(device).clone()
         if run.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters()], run.train.grad_clip)
+            # The replay's own norm is compared with the fleet's (round-off:
+            # FSDP sums shard norms in another order); the scale applied is the
+            # one clip_grad_norm_ computes from the fleet's norm, so the replay
+            # checks the optimizer's map bitwise given that scale.
+            grads = [p.grad for p in model.parameters()]
+            own.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+            fleet_norm = trace["grad_norm"][k].to(device)
+            coef = torch.clamp(run.train.grad_clip / (fleet_norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef)
         opt.step()
         if "loads" in gradref:
             model.balance_experts(gradref["loads"][k].to(device))
         for n, t in named_state(model).items():
             snaps.setdefault(n, []).append(t.clone())
     tensors = {f"p/{n}": torch.stack(v) for n, v in snaps.items()}
+    if own:
+        tensors["grad_norm"] = torch.tensor(own, dtype=torch.float32)
     log(f"replay: {steps} steps of the fleet's recorded gradients")
     return _save(s, "replay", tensors, [], init=fingerprint(init), mode="replay", steps=steps,
                  fleet=fleet["fingerprint"])

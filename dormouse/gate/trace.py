@@ -8,6 +8,7 @@ Stored as `<name>_trace.safetensors`:
     "loads"       (steps, max_iter, E): the step's expert loads, summed over
                   the fleet (what moved the routing bias)
     "clip"        (steps,) float64: the clip coefficient each step applied
+    "grad_norm"   (steps,) float32: the global gradient norm clipping computed
     "p/<tensor>"  (steps, *shape): the tensor after each step (snapshots on)
     "g/<tensor>"  (steps, *shape): the step's reduced gradient, before clipping
                   and the optimizer (snapshots on)
@@ -36,6 +37,7 @@ class Trace:
         self.params: dict[str, list[torch.Tensor]] = {}
         self.grads: dict[str, list[torch.Tensor]] = {}
         self.clip: list[float] = []
+        self.norm: list[float] = []
 
     def record_grads(self, step: int, model) -> None:
         """The loop's on_grads callback: the reduced gradient before clipping."""
@@ -51,6 +53,8 @@ class Trace:
             self.topk.append(torch.cat(slices, dim=0).to(torch.int16))  # this process's tokens in order
             self.loads.append(info["loads"].detach().float().cpu())  # (I, E), summed over the fleet
         self.clip.append(float(info.get("clip_coef", 1.0)))
+        if info.get("grad_norm") is not None:
+            self.norm.append(info["grad_norm"])
         if self.snapshots or self.gather:
             state = named_state(model, gather=self.gather)
             if self.snapshots:
@@ -62,6 +66,8 @@ class Trace:
         out.update({f"g/{n}": torch.stack(ts) for n, ts in self.grads.items()})
         if self.clip:
             out["clip"] = torch.tensor(self.clip, dtype=torch.float64)
+        if self.norm:
+            out["grad_norm"] = torch.tensor(self.norm, dtype=torch.float32)  # exactly the float32 norms
         if self.topk:
             out["topk"] = torch.stack(self.topk)
             out["loads"] = torch.stack(self.loads)

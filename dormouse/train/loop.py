@@ -103,7 +103,8 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
     sync: the gradient synchroniser (None = a single process). on_step, if
     given, is called after each optimizer step with (step, model, info) where
     info holds the step's global loss, loads, this process's top-k choices and
-    the clip coefficient applied (1.0 when clipping is off or did not bind).
+    the clip coefficient applied (1.0 when clipping is off or did not bind)
+    and the gradient norm it was computed from (None when clipping is off).
     on_grads, if given, is called with (step, model) once the step's gradient
     is reduced, before clipping and the optimizer (the gate records it there).
     """
@@ -166,15 +167,17 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
             )
         if on_grads is not None:
             on_grads(step + 1, model)
-        clip_coef = 1.0
+        clip_coef, grad_norm = 1.0, None
         if cfg.grad_clip:
             norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
-            clip_coef = min(1.0, cfg.grad_clip / (float(norm) + 1e-6))  # what clip_grad_norm_ multiplied by
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            clip_coef = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))  # what clip_grad_norm_ multiplied by
         opt.step()
         model.balance_experts(loads)
         losses.append(loss_value)
         if on_step is not None:
-            on_step(step + 1, model, {"loss": loss_value, "loads": loads, "topk": topk, "clip_coef": clip_coef})
+            on_step(step + 1, model, {"loss": loss_value, "loads": loads, "topk": topk, "clip_coef": clip_coef,
+                             "grad_norm": grad_norm})
 
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
