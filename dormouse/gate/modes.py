@@ -93,28 +93,45 @@ def run_single(s: GateSettings, log=print) -> dict:
     return meta
 
 
-def nudge(model, seed: int) -> None:
+def nudge(tensors, seed: int) -> None:
     """Move every element to its next float neighbour, up or down at random."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            up = (torch.rand(p.shape, generator=gen) < 0.5).to(p.device)
-            p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf).to(p.dtype)))
+        for t in tensors:
+            up = (torch.rand(t.shape, generator=gen) < 0.5).to(t.device)
+            t.copy_(torch.nextafter(t, torch.where(up, torch.inf, -torch.inf).to(t.dtype)))
 
 
 def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
-    """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics
-    from parameters nudged by one ulp (different nudges), each compared step
-    by step with the reference: per-step relative loss difference and, per
-    tensor, per-step relative difference of parameters and gradients."""
+    """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics,
+    each compared step by step with the reference. ulp0 starts from parameters
+    nudged by one ulp; ulp1, ulp2, ... nudge every step's gradient by one ulp
+    before the optimizer (the size of the round-off a reduce's summation order
+    adds), with different random directions. None splits the batch: a floor
+    from a split run would share the bugs of a split. Per run: per-step
+    relative loss difference and, per tensor, per-step relative differences
+    of parameters and gradients."""
     quiet = dataclasses.replace(run.train, ckpt_every=0, eval_every=0, log_every=max(1, run.train.steps))
     ref = reference.tensors()
     out = {}
     for i in range(ULP_RUNS):
         model = build(s).to(_device(s))
-        nudge(model, s.seed * 1000 + i)
+        seed = s.seed * 1000 + i
+        if i == 0:
+            nudge(list(model.parameters()), seed)
+            on_grads = None
+        else:
+            def on_grads(step, m, seed=seed):
+                nudge([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
         r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_ulp{i}"))
-        report, trace = _traced(s, model, r, f"floor_ulp{i}", QUIET)
+        trace = Trace(snapshots=True)
+
+        def both(step, m, trace=trace, on_grads=on_grads):
+            if on_grads:
+                on_grads(step, m)
+            trace.record_grads(step, m)
+
+        report = train(model, r, log=QUIET, on_step=trace, on_grads=both)
         t = trace.tensors()
         out[f"ulp{i}"] = {
             "losses": report["losses"],

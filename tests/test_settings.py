@@ -1,0 +1,251 @@
+"""GateSettings: validation in one sentence naming the parameter, every field a
+command-line flag and a notebook parameter, to_argv round-tripping through the
+parser, and the bad inputs of issue 8 (finding 8) through the real CLI: exit
+status 2, one line "error: ..." naming the setting, no traceback, nothing
+written. Also: `single` runs at the fleet's global batch (--world/--capacity)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from dormouse.errors import ConfigError, DormouseError
+from dormouse.gate.__main__ import parser
+from dormouse.gate.settings import (_NOT_FLAGS, FIELDS, GateSettings, ParameterError, add_arguments, check,
+                                    from_args)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# --------------------------------------------------------------------------- validation
+
+BAD = [
+    ("steps", 0), ("steps", -3), ("steps", 1.5), ("steps", "x"), ("steps", True),
+    ("batch", 0), ("world", 0), ("seed", -1), ("threads", 0), ("micro_batch", -1),
+    ("opt", "sgd"), ("shard", "zero3"), ("reduce", "fp16"), ("device", "tpu"), ("data_order", "random"),
+    ("lr", math.nan), ("lr", -1.0), ("lr", math.inf), ("lr", "0.1"), ("lr", True),
+    ("bucket_mb", 0.0), ("bucket_mb", math.nan), ("timeout_s", -1.0), ("produce", "yes"),
+    ("capacity", "-1,2"), ("capacity", "\u0664,2"), ("capacity", "4,2,1"), ("capacity", "4x0,2"),
+    ("capacity", "4;2"), ("capacity", 42),
+    ("config", "no-such-preset"), ("data", "/no/such/corpus.bin"), ("resume_from", 3),
+]
+
+
+@pytest.mark.parametrize("name,value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
+def test_a_bad_setting_is_one_sentence_naming_it_and_what_to_do(tmp_path, name, value):
+    out = tmp_path / "out"
+    with pytest.raises(ParameterError) as e:
+        GateSettings(out=str(out), **{name: value}).validate()
+    msg = str(e.value)
+    assert isinstance(e.value, ConfigError) and isinstance(e.value, DormouseError)
+    assert "\n" not in msg and msg.rstrip().endswith(".")
+    assert msg.startswith(f"{name} = "), msg  # names the parameter (and its value) first
+    assert any(w in msg for w in ("must be", "choose", "pass ")), msg  # what to do
+    assert not out.exists()  # validation writes nothing
+
+
+def test_micro_batch_that_does_not_divide_a_rank_batch_is_refused(tmp_path):
+    with pytest.raises(ParameterError, match=r"^micro_batch = 3 does not divide every rank's batch \(4, 2\)"):
+        GateSettings(out=str(tmp_path / "o"), micro_batch=3, capacity="4,2").validate()
+    assert GateSettings(out=str(tmp_path / "o"), micro_batch=2, capacity="4,2").validate().micro_batch == 2
+
+
+def test_capacity_must_match_the_world(tmp_path):
+    with pytest.raises(ParameterError, match=r"capacity = '4,2' has 2 entries but world = 3"):
+        GateSettings(out=str(tmp_path / "o"), world=3).validate()
+
+
+def test_an_unwritable_out_is_refused_naming_out(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ParameterError, match=r"^out = .* cannot be written .*: out must be a writable directory"):
+        GateSettings(out=str(blocker / "sub")).validate()
+    assert blocker.read_text() == "x"
+
+
+def test_cuda_without_a_gpu_names_the_device(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ParameterError, match=r"^device = 'cuda' is not allowed here"):
+        GateSettings(out=str(tmp_path / "o"), device="cuda").validate()
+
+
+def test_validate_normalises(tmp_path):
+    s = GateSettings(out=str(tmp_path / "o"), capacity=" 4 , 2 ", lr=1, steps="3").validate()
+    assert (s.capacity, s.lr, s.steps) == ("4,2", 1.0, 3) and isinstance(s.lr, float)
+    assert s == s.validate()  # idempotent
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.steps = 4
+
+
+def test_the_help_names_exactly_the_reduces_that_validate_accepts(tmp_path):
+    """The --reduce help (the field's comment) promises 'exact'; a value the help
+    names must validate."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    help_text = next(a.help for a in p._actions if a.dest == "reduce")
+    for value in ("fp32", "bf16", "exact"):
+        if value in help_text:
+            GateSettings(out=str(tmp_path / "o"), reduce=value).validate()
+
+
+# --------------------------------------------------------------------------- every field everywhere
+
+
+def test_every_field_is_a_flag_of_the_cli_except_the_notebook_ones():
+    p = parser()
+    by_dest = {a.dest: a for a in p._actions}
+    assert set(_NOT_FLAGS) == {"timeout_s", "produce"}  # a launcher timeout and the notebooks' switch
+    for f in dataclasses.fields(GateSettings):
+        if f.name in _NOT_FLAGS:
+            assert f.name not in by_dest
+            continue
+        a = by_dest[f.name]
+        assert _flag(f.name) in a.option_strings
+        assert a.default == f.default
+        assert a.help and "(default:" in a.help and a.help.split(" (default:")[0].strip(), f.name
+
+
+NON_DEFAULT = {
+    "steps": 3, "batch": 3, "world": 2, "capacity": "3,1", "seed": 8, "lr": 0.01, "opt": "adamw",
+    "shard": "fsdp", "reduce": "bf16", "micro_batch": 1, "data_order": "sequential", "config": "tiny",
+    "resume_from": "ckpt.pt", "device": "cpu", "threads": 2, "bucket_mb": 8.0, "timeout_s": 60.0,
+    "produce": False,
+}
+
+
+def test_every_field_is_a_notebook_parameter(tmp_path):
+    corpus = tmp_path / "corpus.bin"
+    corpus.write_bytes(bytes(range(256)) * 40)
+    values = {**NON_DEFAULT, "data": str(corpus), "out": str(tmp_path / "nb")}
+    assert set(values) == set(FIELDS)
+    for name in FIELDS:
+        s = check(**{"out": str(tmp_path / "nb"), name: values[name]})
+        assert getattr(s, name) == values[name], name
+        assert isinstance(s, GateSettings)
+    # all at once, too
+    s = check(**values)
+    assert {k: getattr(s, k) for k in FIELDS} == values
+    with pytest.raises(ParameterError, match=r"^unknown parameter 'step'"):
+        check(step=3)
+
+
+def test_the_notebook_check_undoes_papermills_conversions(tmp_path):
+    s = check(out=tmp_path / "p", capacity=4, world=1, config=None)
+    assert (s.capacity, s.world, s.config, s.out) == ("4", 1, "", str(tmp_path / "p"))
+    # a world without a capacity runs the batch on every rank, not the default 2-rank profile
+    assert check(out=str(tmp_path / "p"), world=3).capacity == ""
+
+
+@pytest.mark.parametrize("over", [
+    {},
+    NON_DEFAULT,
+    {"capacity": "4x32,2x64", "lr": 1e-7, "bucket_mb": 0.25},
+    {"world": 3, "capacity": "", "batch": 1, "reduce": "bf16"},
+], ids=["defaults", "non-default", "mixed-lengths", "no-capacity"])
+def test_to_argv_round_trips_through_the_parser(tmp_path, over):
+    over = {k: v for k, v in over.items() if k not in _NOT_FLAGS}
+    s = GateSettings(out=str(tmp_path / "rt"), **over).validate()
+    argv = s.to_argv()
+    assert all(a.startswith("--") and "=" in a for a in argv)
+    assert len(argv) == len(FIELDS) - len(_NOT_FLAGS)
+    back = from_args(parser().parse_args(["rank", *argv]))
+    assert back == s
+    assert back.record() == s.record()
+
+
+# --------------------------------------------------------------------------- the real CLI
+
+
+def _popen(*args: str, cwd: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "dormouse.gate", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# name: (mode and flags, the setting the one line must name)
+CLI_BAD = {
+    "gradref_batch_0": (["gradref", "--batch", "0", "--capacity", ""], "batch"),
+    "gradref_lr_nan": (["gradref", "--lr", "nan"], "lr"),
+    "single_lr_minus_1": (["single", "--lr", "-1"], "lr"),
+    "gradref_lr_minus_1": (["gradref", "--lr=-1"], "lr"),
+    "capacity_negative": (["single", "--capacity", "-1,2"], "capacity"),
+    "capacity_arabic_indic_digit": (["single", "--capacity", "\u0664,2"], "capacity"),
+    "world_0": (["single", "--world", "0"], "world"),
+    "world_3_with_a_2_rank_capacity": (["single", "--world", "3"], "capacity"),
+    "micro_batch_3": (["gradref", "--micro-batch", "3", "--capacity", "4,2"], "micro_batch"),
+    "steps_not_a_number": (["single", "--steps", "abc"], "--steps"),
+    "reduce_unknown": (["replay", "--reduce", "fp16"], "reduce"),
+    "rank_outside_torchrun_with_bad_lr": (["rank", "--lr", "inf"], "lr"),
+}
+UNWRITABLE = {"single_unwritable_out": "single", "gradref_unwritable_out": "gradref"}
+
+
+def test_bad_inputs_through_the_cli_exit_2_with_one_line_and_write_nothing(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    procs, outs = {}, {}
+    for case, (args, _) in CLI_BAD.items():
+        out = tmp_path / case / "out"
+        out.mkdir(parents=True)  # exists and empty: nothing may appear in it
+        outs[case] = out
+        procs[case] = _popen(*args, "--out", str(out), cwd=tmp_path / case)
+    fresh = tmp_path / "fresh" / "out"  # does not exist: it must not be created either
+    procs["gradref_batch_0_fresh"] = _popen("gradref", "--batch", "0", "--capacity", "", "--out", str(fresh),
+                                           cwd=tmp_path)
+    for case, mode in UNWRITABLE.items():
+        procs[case] = _popen(mode, "--out", str(blocker / "sub"), cwd=tmp_path)
+    expect = {**{c: s for c, (_, s) in CLI_BAD.items()}, "gradref_batch_0_fresh": "batch",
+              **{c: "out" for c in UNWRITABLE}}
+    failures = []
+    for case, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        lines = stderr.strip().splitlines()
+        problems = []
+        if proc.returncode != 2:
+            problems.append(f"exit {proc.returncode}")
+        if "Traceback" in stderr:
+            problems.append("traceback")
+        if len(lines) != 1 or not lines[0].startswith("error:"):
+            problems.append(f"stderr is not one 'error:' line: {stderr[-600:]!r}")
+        elif expect[case] not in lines[0]:
+            problems.append(f"does not name {expect[case]!r}: {lines[0]!r}")
+        if case in outs and list(outs[case].iterdir()):
+            problems.append(f"wrote {sorted(p.name for p in outs[case].iterdir())}")
+        if problems:
+            failures.append(f"{case}: {'; '.join(problems)}")
+    assert not fresh.exists(), "gradref --batch 0 created its out dir"
+    assert blocker.read_text() == "not a directory"
+    assert not failures, "\n".join(failures)
+
+
+def test_single_runs_at_the_fleets_global_batch(tmp_path):
+    """single honours --world/--capacity: its batch is the fleet's global batch."""
+    runs = {"4,2": (["--capacity", "4,2"], 6), "world3": (["--world", "3", "--capacity", "", "--batch", "1"], 3)}
+    procs = {k: _popen("single", "--steps", "1", "--out", str(tmp_path / k), *args, cwd=tmp_path)
+             for k, (args, _) in runs.items()}
+    for k, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-2000:]
+        meta = json.loads((tmp_path / k / "single.json").read_text())
+        assert meta["global_batch"] == runs[k][1], (k, meta["global_batch"])
+        assert meta["settings"]["capacity"] == ("4,2" if k == "4,2" else "")
+        assert len(meta["losses"]) == 1 and math.isfinite(meta["losses"][0])
+        # the single process's tokens: one row per window of the global batch
+        trace = load_file(str(tmp_path / k / "single_trace.safetensors"))
+        assert trace["topk"].shape[1] == runs[k][1]
+        # its floor: one-ulp nudges of the same run only, never a run that splits the batch
+        assert meta["floor"] and all(name.startswith("ulp") for name in meta["floor"]), list(meta["floor"])
