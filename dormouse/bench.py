@@ -26,8 +26,12 @@ fleet_vs_ddp, scaling_efficiency
     round; each headline is the median over rounds of the round's ratio (the
     ratio of the overall medians is reported beside it).
 gate_wall_s
-    wall time of `pytest tests/test_distributed.py` (full run only; null with a
+    wall time of `pytest tests/test_gate.py` (full run only; null with a
     note when the file does not exist).
+gate_smallest_caught_eps
+    the gate's sensitivity (dormouse.bench_gate): the smallest eps for which
+    rank 1's local gradient times (1 + eps N(0,1)) at one step of a 2-rank
+    "4,2" fleet fails the verdict, over a ladder of eps.
 fleet_launch_fixed_s
     the fixed costs of a fleet launch: `python -c "import torch"` and a 2-rank
     torchrun --standalone launch that only joins the fleet (init_process_group,
@@ -375,7 +379,7 @@ def bench_launch(quick: bool, tmp: Path) -> dict:
 
 
 def bench_gate(log) -> tuple[float | None, dict]:
-    test = repo_root() / "tests" / "test_distributed.py"
+    test = repo_root() / "tests" / "test_gate.py"
     if not test.exists():
         return None, {"note": f"{test.relative_to(repo_root())} does not exist: nothing to time"}
     wall, proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], 1800,
@@ -431,6 +435,10 @@ def format_table(res: dict) -> str:
         row("scaling_efficiency", "null", "")
     g = d.get("gate", {})
     row("gate_wall_s", _fmt(res["gate_wall_s"], ".1f"), g.get("note") or g.get("summary", ""))
+    sens = d.get("sensitivity", {})
+    row("gate_smallest_caught_eps", _fmt(res.get("gate_smallest_caught_eps")),
+        f"rank {sens.get('rank')} x (1 + eps N(0,1)) at step {sens.get('step')}; largest passed "
+        f"{_fmt(sens.get('largest_passed'))}" if sens else "")
     if lf:
         row("fleet_launch_fixed_s", "", "")
         row("  import_torch_s", _fmt(lf["import_torch_s"], ".2f"),
@@ -503,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         "scaling_efficiency": None,
         "gate_wall_s": None,
         "fleet_launch_fixed_s": None,
+        "gate_smallest_caught_eps": None,
     }
     with tempfile.TemporaryDirectory(prefix="dormouse-bench-") as tmp:
         log("fleet: one torchrun launch of 2 ranks (ours / DDP / both / solo, alternating) ...")
@@ -519,15 +528,23 @@ def main(argv: list[str] | None = None) -> int:
             res["fleet_launch_fixed_s"] = bench_launch(args.quick, Path(tmp))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             notes.append(f"launch timing failed: {str(e)[:300]}")
+    log("gate sensitivity: the smallest one-rank, one-step gradient perturbation the verdict catches ...")
+    try:
+        from dormouse.bench_gate import sensitivity
+
+        details["sensitivity"] = sensitivity(log, steps=4 if args.quick else 6)
+        res["gate_smallest_caught_eps"] = details["sensitivity"]["smallest_caught"]
+    except Exception as e:  # a measurement that failed is a note, not a crash of the bench
+        notes.append(f"gate sensitivity failed: {str(e)[:300]}")
     if args.quick:
         details["gate"] = {"note": "not timed in --quick"}
     else:
-        log("gate: pytest tests/test_distributed.py ...")
+        log("gate: pytest tests/test_gate.py ...")
         res["gate_wall_s"], details["gate"] = bench_gate(log)
         if res["gate_wall_s"] is None:
             notes.append(details["gate"]["note"])
         elif details["gate"]["returncode"] != 0:
-            notes.append(f"pytest tests/test_distributed.py FAILED (exit {details['gate']['returncode']}): "
+            notes.append(f"pytest tests/test_gate.py FAILED (exit {details['gate']['returncode']}): "
                          f"{details['gate']['summary']}")
     notes.append("FLOPs count matrix products only (see dormouse.bench.step_flops); Newton-Schulz runs in "
                  f"{TrainConfig.ns_dtype} (TrainConfig's default) while the matmul rate is float32")

@@ -66,7 +66,8 @@ def synthetic(*, reduce: str = "fp32", shapes=None, exact: bool | None = None) -
         return t
 
     common = {"settings": settings, "provenance": prov}
-    rank = {**common, "mode": "rank", "world_size": len(shapes), "rank_shapes": shapes, "start_step": 0}
+    config = {"train": {"ns_dtype": "float32"}, "model": {"bf16": False}}  # the RunConfig's fields the judge reads
+    rank = {**common, "mode": "rank", "config": config, "world_size": len(shapes), "rank_shapes": shapes, "start_step": 0}
     arts = {
         "rank0": {"state": final, "losses": list(LOSSES), "meta": {**rank, "rank": 0}, "trace": trace(shapes[0][0])},
         "rank1": {"state": copy.deepcopy(final), "losses": list(LOSSES), "meta": {**rank, "rank": 1},
@@ -555,6 +556,16 @@ def test_the_routing_bias_is_not_judged_by_a_floor(tmp_path):
     # the same move on an ordinary tensor fails
     w = check_curve(clean_set(tmp_path / "w", lambda a: edit(a, W)))
     assert not w.passed and w.first_divergent_param == W and w.first_divergent_param_step == 1
+
+
+def test_tensors_are_not_judged_by_a_floor_where_the_optimizers_map_rounds_to_bf16(tmp_path):
+    def edit(a):
+        a["rank0"]["trace"][f"p/{W}"][0].mul_(1.01)
+        for n in ("rank0", "rank1"):
+            a[n]["meta"]["config"] = {"train": {"ns_dtype": "bfloat16"}, "model": {"bf16": False}}
+
+    c = check_curve(clean_set(tmp_path, edit))
+    assert c.passed and c.first_divergent_param is None and c.param_divergence[W][0] == pytest.approx(0.01)
 
 
 def _flip(a, step: int, it: int = 0):
