@@ -565,7 +565,7 @@ def test_tensors_are_not_judged_by_a_floor_where_the_optimizers_map_rounds_to_bf
             a[n]["meta"]["config"] = {"train": {"ns_dtype": "bfloat16"}, "model": {"bf16": False}}
 
     c = check_curve(clean_set(tmp_path, edit))
-    assert c.passed and c.first_divergent_param is None and c.param_divergence[W][0] == pytest.approx(0.01)
+    assert c.passed and c.first_divergent_param is None and c.param_divergence[W][0] == pytest.approx(0.01, rel=1e-4)
 
 
 def _flip(a, step: int, it: int = 0):

@@ -122,21 +122,30 @@ def test_every_field_is_a_flag_of_the_cli_except_the_notebook_ones():
 NON_DEFAULT = {
     "steps": 3, "batch": 3, "world": 2, "capacity": "3,1", "seed": 8, "lr": 0.01, "opt": "adamw",
     "shard": "fsdp", "reduce": "bf16", "micro_batch": 1, "data_order": "sequential", "config": "tiny",
-    "resume_from": "ckpt.pt", "device": "cpu", "threads": 2, "bucket_mb": 8.0, "timeout_s": 60.0,
-    "produce": False,
+    "resume_world": 2, "resume_from": "ckpt.pt", "device": "cpu", "threads": 2, "bucket_mb": 8.0,
+    "timeout_s": 60.0, "produce": False,
 }
+NO_STOP = {"resume_world": 0}  # a fleet that starts from resume_from, or mixes window lengths, never stops
+
+
+def _values(tmp_path: Path) -> dict:
+    corpus = tmp_path / "corpus.bin"
+    corpus.write_bytes(bytes(range(256)) * 40)
+    # a field added later still has to be accepted (at its default) by the notebooks' check
+    defaults = {f.name: f.default for f in dataclasses.fields(GateSettings)}
+    return {**defaults, **NON_DEFAULT, "data": str(corpus), "out": str(tmp_path / "nb")}
 
 
 def test_every_field_is_a_notebook_parameter(tmp_path):
-    corpus = tmp_path / "corpus.bin"
-    corpus.write_bytes(bytes(range(256)) * 40)
-    values = {**NON_DEFAULT, "data": str(corpus), "out": str(tmp_path / "nb")}
+    values = _values(tmp_path)
     assert set(values) == set(FIELDS)
     for name in FIELDS:
-        s = check(**{"out": str(tmp_path / "nb"), name: values[name]})
+        given = {"out": str(tmp_path / "nb"), **(NO_STOP if name == "resume_from" else {}), name: values[name]}
+        s = check(**given)
         assert getattr(s, name) == values[name], name
         assert isinstance(s, GateSettings)
     # all at once, too
+    values.update(NO_STOP)
     s = check(**values)
     assert {k: getattr(s, k) for k in FIELDS} == values
     with pytest.raises(ParameterError, match=r"^unknown parameter 'step'"):
@@ -152,10 +161,11 @@ def test_the_notebook_check_undoes_papermills_conversions(tmp_path):
 
 @pytest.mark.parametrize("over", [
     {},
-    NON_DEFAULT,
-    {"capacity": "4x32,2x64", "lr": 1e-7, "bucket_mb": 0.25},
+    {**NON_DEFAULT, **NO_STOP},
+    {**NON_DEFAULT, "resume_from": ""},
+    {"capacity": "4x32,2x64", "lr": 1e-7, "bucket_mb": 0.25, **NO_STOP},
     {"world": 3, "capacity": "", "batch": 1, "reduce": "bf16"},
-], ids=["defaults", "non-default", "mixed-lengths", "no-capacity"])
+], ids=["defaults", "non-default-resumed", "non-default-stopping", "mixed-lengths", "no-capacity"])
 def test_to_argv_round_trips_through_the_parser(tmp_path, over):
     over = {k: v for k, v in over.items() if k not in _NOT_FLAGS}
     s = GateSettings(out=str(tmp_path / "rt"), **over).validate()
