@@ -254,7 +254,9 @@ def test_lock_serialises_producers_and_force_reuses_what_was_made_while_waiting(
 
     first = threading.Thread(target=producer, args=("first", False))
     first.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while not logs["first"] and time.monotonic() < deadline:  # the first holds the lock and is producing
+        time.sleep(0.005)
     second = threading.Thread(target=producer, args=("second", True))
     second.start()
     first.join()
@@ -280,6 +282,18 @@ def test_pipeline_cli_bad_input_exits_2_with_one_line(tmp_path):
                            cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=120)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: "), r.stderr
+    assert not (tmp_path / "notebooks").exists()  # nothing ran
+
+
+def test_pipeline_checks_its_overrides_against_the_profile_the_notebooks_run(tmp_path):
+    """-p micro_batch 4 does not divide the default profile's rank 1 batch (2):
+    bad input, refused before any notebook runs (exit 2), as the notebooks
+    themselves would refuse it."""
+    r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "-p", "out", str(tmp_path),
+                        "-p", "micro_batch", "4"], cwd=tmp_path, capture_output=True, text=True, env=ENV,
+                       timeout=300)
+    assert r.returncode == 2, (r.stdout + r.stderr)[-2000:]
+    assert r.stderr.startswith("error: micro_batch = 4 does not divide every rank's batch (4, 2)"), r.stderr
     assert not (tmp_path / "notebooks").exists()  # nothing ran
 
 
