@@ -160,6 +160,7 @@ class TrainConfig:
     data: str = ""  # corpus file of bytes ("" = the built-in corpus, written into out_dir)
     resume: bool = False  # continue from out_dir/<ckpt_name> if that checkpoint exists
     resume_from: str = ""  # continue from this checkpoint (.pt file or .dcp dir), any topology
+    stop_at: int = 0  # end this launch after step stop_at, checkpointing there (0 = run to steps); the schedule still spans steps
     dist: bool = False  # this run is one rank of a torch.distributed fleet
     dist_capacity: str = ""  # per-rank shapes, e.g. "4,2" or "4x32,2x64" ("" = batch each)
     dist_reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 (exact) | bf16
@@ -170,7 +171,7 @@ class TrainConfig:
         _check_types(self)
         for name in ("steps", "batch", "seq_len", "ns_steps", "log_every"):
             _positive(self, name)
-        for name in ("warmup", "eval_every", "ckpt_every", "seed"):
+        for name in ("warmup", "eval_every", "ckpt_every", "seed", "stop_at"):
             _non_negative(self, name)
         for name, allowed in (
             ("opt", OPTIMIZERS), ("ns_kind", NS_KINDS), ("ns_dtype", NS_DTYPES),

@@ -18,9 +18,14 @@ QUIET = lambda line: None  # noqa: E731
 
 
 def fleets(plan: list[GateSettings], fault: str | None = None) -> None:
-    """The fleet runs of `plan` in ONE torchrun launch (the fault in every rank)."""
+    """The fleet runs of `plan`, one torchrun launch per leg for all runs with
+    the same world sizes (the fault in every rank)."""
     extra = {"entry": [FAULTS], "env": {"DORMOUSE_TEST_FAULT": fault}} if fault else {}
-    launch_plan(plan, timeout_s=400, stream=QUIET, **extra)
+    groups: dict[tuple, list[GateSettings]] = {}
+    for s in plan:
+        groups.setdefault(tuple(x.world for x in s.legs()), []).append(s)
+    for group in groups.values():
+        launch_plan(group, timeout_s=400, stream=QUIET, **extra)
 
 
 def references(s: GateSettings, fault: str | None = None, *, single: bool = True) -> None:

@@ -23,12 +23,15 @@ from dormouse.gate.settings import GateSettings
 from gatekit import fleets, gate, references
 
 CLEAN = {
-    "default": {},  # capacity "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval
+    # capacity "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval;
+    # the fleet stops at step 10 and resumes in one process (resume_world 1)
+    "default": {},
+    "resume3": {"resume_world": 3},  # ... or at three ranks of 2 windows
     "fsdp": {"shard": "fsdp"},
     "adamw": {"opt": "adamw"},
     "bf16": {"reduce": "bf16"},
     "buckets": {"bucket_mb": 0.05},  # ~13 buckets instead of one
-    "mixed": {"capacity": "4x32,2x64"},  # no single process holds this global batch
+    "mixed": {"capacity": "4x32,2x64", "resume_world": 0},  # no single process holds this global batch
     "sequential": {"data_order": "sequential", "capacity": ""},
 }
 
@@ -68,6 +71,14 @@ def test_the_default_gate_exercises_clipping_the_schedule_and_a_data_wrap(clean)
     corpus = (clean["default"] / "corpus.bin").stat().st_size
     span = sum(b * (t + 1) for b, t in g["profile"])
     assert corpus % span and g["steps"] > (corpus - int(corpus * train["eval_frac"])) // span  # wraps
+
+
+def test_the_fleet_stops_midway_and_resumes_at_another_world_size(clean):
+    for name, worlds in (("default", [2, 1]), ("resume3", [2, 3])):
+        meta = load_meta(clean[name], "rank0")
+        assert meta["resumed_at"] == 10 and [w for w, _ in meta["legs"]] == worlds
+        assert meta["world_size"] == worlds[1] and len(meta["losses"]) == 20
+        assert load_meta(clean[name], "leg1_rank1")["world_size"] == 2
 
 
 def test_per_step_references_agree_to_round_off_and_the_replay_is_bitwise(clean):
@@ -149,7 +160,7 @@ def test_gradient_times_two_fails_gradref_and_the_curve_at_step_one(tmp_path):
 
 
 def test_window_weighting_under_mixed_window_lengths_fails_gradref(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), capacity="4x32,2x64").validate(), "window_weights")
+    v = gate(GateSettings(out=str(tmp_path), capacity="4x32,2x64", resume_world=0).validate(), "window_weights")
     g = v.check("gradref")
     assert not v.passed and not g.passed and "at step 1" in g.reason and g.worst > 1e-2
     assert v.check("window").passed  # the network is fine; the fleet's weights are not
@@ -176,7 +187,7 @@ def test_a_batch_dependent_layer_fails_the_window_check_naming_the_reason(tmp_pa
 def test_a_parameter_left_out_of_the_reduce_is_named(tmp_path):
     v = gate(GateSettings(out=str(tmp_path), steps=3).validate(), "skip_param")
     assert not v.passed
-    assert not v.check("ranks").passed and "rank1 vs rank0: head.weight," in v.check("ranks").reason
+    assert not v.check("ranks").passed and "rank0: head.weight," in v.check("ranks").reason  # named first
 
 
 def test_ranks_from_different_seeds_are_refused_as_not_comparable_when_the_start_check_is_off(tmp_path):

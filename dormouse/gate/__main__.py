@@ -2,14 +2,17 @@
 driver, runnable by hand. Every flag is a GateSettings field.
 
     python -m dormouse.gate single --out /tmp/g
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m dormouse.gate rank --out /tmp/g
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m dormouse.gate rank --out /tmp/g --leg 1
+    python -m torch.distributed.run --standalone --nproc_per_node=1 -m dormouse.gate rank --out /tmp/g --leg 2
     python -m dormouse.gate gradref --out /tmp/g
     python -m dormouse.gate replay --out /tmp/g
     python -m dormouse.gate verdict --out /tmp/g [--json]
 
 single: one process at the fleet's GLOBAL batch (the reference curve, its
 one-ulp floor and, under --reduce exact, the exact reference); rank: one
-process per rank under torchrun (the fleet); gradref: the hand-computed
+process per rank under torchrun (the fleet; by default it stops at half its
+steps and resumes at --resume-world ranks, so it is launched twice, --leg 1
+and --leg 2; with --resume-world 0 once); gradref: the hand-computed
 token-weighted gradient at every step of the fleet's run; replay: the fleet's
 run replayed in one process from its recorded gradients; verdict: judge what
 the out dir holds. (`--mode NAME` is accepted for the mode as well.)
@@ -42,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", dest="mode_flag", choices=MODES, help=argparse.SUPPRESS)
     add_arguments(p)
     p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
+    p.add_argument("--leg", type=int, choices=(0, 1, 2), default=0,
+                   help="rank mode, a fleet that stops and resumes (resume_world): which launch this is")
     p.add_argument("--json", action="store_true", help="verdict: also write <out>/verdict.json")
     return p
 
@@ -94,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             prefix = f"[rank{os.environ.get('RANK', '?')}] "
             log = lambda line: print(prefix + line, flush=True)  # noqa: E731
             if args.plan:
-                modes.run_rank_plan(modes.load_plan(args.plan), log=log)
-                return 0
+                modes.run_rank_plan(modes.load_plan(args.plan), log=log, leg=args.leg)
+            else:
+                modes.run_rank(s, log=log, leg=args.leg)
+            return 0
         elif args.plan:
             raise DormouseError("--plan is for the rank mode only")
         modes.MODES[mode](s, log=log)

@@ -108,9 +108,11 @@ class ArtifactSet:
     def has(self, name: str) -> bool:
         return (self.out / f"{name}.json").exists()
 
-    def ranks(self) -> list[str]:
-        names = [p.stem for p in self.out.glob("rank*.json") if p.stem[4:].isdigit()]
-        return sorted(names, key=lambda n: int(n[4:]))
+    def ranks(self, prefix: str = "") -> list[str]:
+        """rank0, rank1, ... (prefix "leg1_": the first leg of a fleet that stopped and resumed)."""
+        n = len(prefix) + 4
+        names = [p.stem for p in self.out.glob(f"{prefix}rank*.json") if p.stem[n:].isdigit()]
+        return sorted(names, key=lambda x: int(x[n:]))
 
     def meta(self, name: str) -> dict:
         return self._get(("meta", name), lambda: load_meta(self.out, name))

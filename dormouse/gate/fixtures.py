@@ -92,17 +92,20 @@ def corpus_bytes(span: int) -> bytes:
     return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy().tobytes()
 
 
-def corpus_path(s) -> Path:
-    """The corpus of a gate run: the user's file, or the fixture's written into out."""
+def corpus_path(s, *, write: bool = True) -> Path:
+    """The corpus of a gate run: the user's file, or the fixture's written into
+    out (`write=False`: only its path, for checking settings)."""
     if s.data:
         return Path(s.data).expanduser().resolve()
+    if not write:
+        return s.out_dir / "corpus.bin"
     span = sum(sh.nbytes for sh in rank_shapes(s))
     return atomic.write_if_changed(s.out_dir / "corpus.bin", corpus_bytes(span))
 
 
 def make_run(s, *, name: str, dist: bool, steps: int | None = None, resume_from: str = "",
              shapes_override: list[RankShape] | None = None, reduce: str | None = None,
-             micro_batch: int | None = None) -> RunConfig:
+             micro_batch: int | None = None, write_corpus: bool = True) -> RunConfig:
     """The RunConfig of one gate mode. The gate's settings override the base
     run's seed, steps, batch and fleet fields; `name` keeps each mode's
     checkpoints and metrics apart. The single process runs at the global batch."""
@@ -112,7 +115,7 @@ def make_run(s, *, name: str, dist: bool, steps: int | None = None, resume_from:
     over = dict(
         seed=s.seed, steps=steps or s.steps, batch=batch, seq_len=shapes[0].seq_len,
         lr=s.lr or base.train.lr, opt=s.opt, log_every=1, ckpt_every=0, ckpt_name=name,
-        out_dir=str(s.out_dir / "ckpts"), data=str(corpus_path(s)), resume=False, resume_from=resume_from,
+        out_dir=str(s.out_dir / "ckpts"), data=str(corpus_path(s, write=write_corpus)), resume=False, resume_from=resume_from,
         dist=dist, dist_capacity=s.capacity if dist else "", dist_reduce=reduce or s.reduce,
         dist_shard=s.shard if dist else "none", dist_bucket_mb=s.bucket_mb,
     )

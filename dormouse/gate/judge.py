@@ -137,10 +137,11 @@ class Verdict:
         return next((c for c in self.checks if c.name == name), None)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """JSON-ready: non-finite numbers become null (strict JSON has no NaN)."""
+        d = _finite(asdict(self))
         d["checks"] = {}
         for c in self.checks:
-            row = {"kind": type(c).__name__, **asdict(c)}
+            row = {"kind": type(c).__name__, **_finite(asdict(c))}
             row["pass"] = row.pop("passed")
             d["checks"][c.name] = row
         d["pass"] = d.pop("passed")
@@ -148,6 +149,16 @@ class Verdict:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -161,10 +172,17 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """|a - b| in units of b's last place (float32 spacing at b)."""
-    a, b = a.float(), b.float()
-    spacing = (torch.nextafter(b.abs(), torch.tensor(math.inf)) - b.abs()).clamp_min(1e-45)
-    return float(((a - b).abs() / spacing).max())
+    """The largest number of representable floats between a and b, element by
+    element (float32; float64 for float64 inputs): 1 for float neighbours."""
+    dtype, itype = (torch.float64, torch.int64) if torch.float64 in (a.dtype, b.dtype) else (torch.float32, torch.int32)
+
+    def ordered(x):  # the bit patterns, made monotone in the value
+        i = x.to(dtype).contiguous().view(itype).to(torch.int64)
+        if itype == torch.int32:
+            return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+        return torch.where(i < 0, -(i & 0x7FFFFFFFFFFFFFFF), i)
+
+    return float((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0.0
 
 
 def _series_names(trace: dict, prefix: str) -> list[str]:
@@ -241,11 +259,25 @@ def check_finite(a: ArtifactSet, names: list[str]) -> Check:
 
 
 def check_ranks(a: ArtifactSet) -> Check:
-    names = a.ranks()
-    world = a.meta("rank0").get("world_size", len(names))
-    if len(names) != world:
-        return Check("ranks", False, f"found {len(names)} rank artifacts for a world of {world}")
-    ref, ref_losses = a.tensors("rank0"), a.meta("rank0")["losses"]
+    legs = a.meta("rank0").get("legs") or [[a.meta("rank0").get("world_size"), None]]
+    bad, worlds = [], []
+    for prefix, (world, _) in zip(["leg1_", ""] if len(legs) == 2 else [""], legs):
+        names = a.ranks(prefix)
+        worlds.append(len(names))
+        if len(names) != world:
+            return Check("ranks", False, f"found {len(names)} {prefix}rank artifacts for a world of {world}")
+        bad += _unequal_ranks(a, names)
+    if bad:
+        return Check("ranks", False, "ranks differ: " + "; ".join(bad))
+    sharded = a.meta("rank0")["settings"].get("shard") == "fsdp"
+    note = (" (FSDP2: gathered tensors are equal by construction; this catches buffers gone apart)"
+            if sharded else "")
+    legs_note = f" in each leg (worlds {worlds[0]} then {worlds[1]})" if len(worlds) == 2 else ""
+    return Check("ranks", True, f"all ranks bitwise equal{legs_note}{note}")
+
+
+def _unequal_ranks(a: ArtifactSet, names: list[str]) -> list[str]:
+    ref, ref_losses = a.tensors(names[0]), a.meta(names[0])["losses"]
     bad = []
     for n in names[1:]:
         t = a.tensors(n)
@@ -253,13 +285,8 @@ def check_ranks(a: ArtifactSet) -> Check:
         # Largest difference first: the tensor that went apart, not those it dragged along.
         unequal.sort(key=lambda k: -relative(t[k], ref[k]) if k in t else -math.inf)
         if unequal or a.meta(n)["losses"] != ref_losses:
-            bad.append(f"{n} vs rank0: {', '.join(unequal[:3]) or 'losses'}")
-    if bad:
-        return Check("ranks", False, "ranks differ: " + "; ".join(bad))
-    sharded = a.meta("rank0")["settings"].get("shard") == "fsdp"
-    note = (" (FSDP2: gathered tensors are equal by construction; this catches buffers gone apart)"
-            if sharded else "")
-    return Check("ranks", True, f"all {world} ranks bitwise equal{note}")
+            bad.append(f"{n} vs {names[0]}: {', '.join(unequal[:3]) or 'losses'}")
+    return bad
 
 
 def _per_step_tensor(name: str, series_a: dict, series_b: dict, names: list[str], bound, *,
@@ -322,11 +349,10 @@ def check_gradref(a: ArtifactSet) -> Check:
     fg = {n: fleet[f"g/{n}"] for n in names}
     gg = {n: g[f"g/{n}"] for n in names}
     wire = meta["settings"].get("reduce", "fp32")
-    world = meta.get("world_size", 1)
     if wire == "bf16":
         def bound(n, k):  # elementwise W u sum|t g|/T, as a ratio of the scale max|g|
             scale = gg[n][k].abs().max().item() or 1.0
-            return (world * BF16_UNIT_ROUNDOFF * g[f"a/{n}"][k].abs().max().item()) / scale + GRAD_RTOL
+            return (world_at(meta, k) * BF16_UNIT_ROUNDOFF * g[f"a/{n}"][k].abs().max().item()) / scale + GRAD_RTOL
     else:
         def bound(n, k):
             return GRAD_RTOL
@@ -342,6 +368,13 @@ def check_gradref(a: ArtifactSet) -> Check:
         else:
             c.reason += "; expert loads equal at every step"
     return c
+
+
+def world_at(meta: dict, k: int) -> int:
+    """The fleet's world size at step k (0-based): a fleet that stopped and
+    resumed ran its first leg at another world size."""
+    legs = meta.get("legs") or [[meta.get("world_size", 1), None]]
+    return legs[0][0] if meta.get("resumed_at") and k < meta["resumed_at"] else legs[-1][0]
 
 
 def first_difference(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple[str, int, float] | None:
@@ -360,7 +393,8 @@ def _bitwise_steps(name: str, ours: dict, theirs: dict, keys: list[str], steps: 
     for k in range(steps):
         d = first_difference([(key, ours[key][k], theirs[key][k]) for key in keys])
         if d is None and losses is not None and losses[0][k] != losses[1][k]:
-            d = ("loss", 0, ulps(torch.tensor([losses[0][k]]), torch.tensor([losses[1][k]])))
+            d = ("loss", 0, ulps(torch.tensor([losses[0][k]], dtype=torch.float64),
+                                 torch.tensor([losses[1][k]], dtype=torch.float64)))
         equal.append(d is None)
         if d is not None and first is None:
             first = (k + 1, *d)
@@ -434,7 +468,7 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE) -> CurveChe
     st, ft = a.trace("single"), a.trace("rank0")
     gnames = _series_names(st, "g/")
     c.grad_step1 = max((relative(ft[f"g/{n}"][0], st[f"g/{n}"][0]) for n in gnames), default=0.0)
-    grad_lim = GRAD_RTOL if wire != "bf16" else 2 * fleet.get("world_size", 1) * BF16_UNIT_ROUNDOFF
+    grad_lim = GRAD_RTOL if wire != "bf16" else 2 * world_at(fleet, 0) * BF16_UNIT_ROUNDOFF
     # Every tensor against its own floor (the routing bias through flips).
     first_param = None
     train, model = fleet["config"]["train"], fleet["config"]["model"]
@@ -456,13 +490,13 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE) -> CurveChe
                 break
     if first_param:
         c.first_divergent_param_step, c.first_divergent_param = first_param[0], first_param[1]
-    if "topk" in st and all("topk" in (a.trace(n) or {}) for n in a.ranks()):
-        try:
-            flips = routing_flips(st["topk"], torch.cat([a.trace(n)["topk"] for n in a.ranks()], dim=1))
+    try:
+        flips = _flips(a, st)
+        if flips is not None:
             c.routing_flips = flips.tolist()
             c.first_flip_step = next((k + 1 for k, n in enumerate(flips.sum(dim=1).tolist()) if n), None)
-        except RuntimeError:
-            pass
+    except RuntimeError:  # ranks of different window lengths: not comparable token by token
+        pass
     c.summary = _summary(c, bad)
     worst = max(range(len(rel)), key=lambda k: rel[k] / tolerance[k])
     reasons = [f"max per-step relative loss difference {max(rel):.2e} (step {worst + 1}: tolerance "
@@ -483,6 +517,21 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE) -> CurveChe
     c.passed = not bad and c.grad_step1 <= grad_lim and first_param is None and all(map(math.isfinite, lf))
     c.reason = "; ".join(reasons) + f"; {c.summary}"
     return c
+
+
+def _flips(a: ArtifactSet, st: dict):
+    """Routing flips per step and iteration, single vs the fleet's ranks
+    joined in rank order (leg by leg for a fleet that stopped and resumed)."""
+    legs = ["leg1_", ""] if a.ranks("leg1_") else [""]
+    parts, start = [], 0
+    for prefix in legs:
+        traces = [a.trace(n) for n in a.ranks(prefix)]
+        if "topk" not in st or not traces or not all(t and "topk" in t for t in traces):
+            return None
+        fleet = torch.cat([t["topk"] for t in traces], dim=1)
+        parts.append(routing_flips(st["topk"][start:start + len(fleet)], fleet))
+        start += len(fleet)
+    return torch.cat(parts) if start == len(st["topk"]) else None
 
 
 def _summary(c: CurveCheck, bad: list[int]) -> str:
@@ -512,7 +561,7 @@ def judge(out) -> Verdict:
         return Verdict(str(out), False, [c], [])
     checks = [check_complete(a)]
     present = [n for n in required(a) if a.has(n)]
-    names = a.ranks() + present
+    names = a.ranks("leg1_") + a.ranks() + present
     checks.append(check_provenance(a, names))
     if checks[-1].passed:
         checks.append(check_finite(a, names))

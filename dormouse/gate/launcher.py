@@ -28,18 +28,21 @@ from dormouse.gate.artifacts import load_meta
 from dormouse.gate.settings import GateSettings
 
 
-def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None) -> list[str]:
+def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None,
+                 leg: int = 0) -> list[str]:
     """The `dormouse.gate rank` arguments for settings `s` (or a plan file)."""
-    cmd = [*(entry or ["-m", "dormouse.gate"]), "rank"]
+    cmd = [*(entry or ["-m", "dormouse.gate"]), "rank", f"--leg={leg}"]
     if plan is not None:
         return [*cmd, f"--out={s.out_dir}", "--plan", str(plan)]
     return [*cmd, *s.to_argv()]
 
 
 def torchrun_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None,
-                     torchrun_args: list[str] | None = None) -> list[str]:
-    launch = torchrun_args or ["--standalone", f"--nproc_per_node={s.world}"]
-    return [sys.executable, "-m", "torch.distributed.run", *launch, *rank_command(s, entry=entry, plan=plan)]
+                     torchrun_args: list[str] | None = None, leg: int = 0) -> list[str]:
+    world = s.legs()[leg - 1].world if leg else s.world
+    launch = torchrun_args or ["--standalone", f"--nproc_per_node={world}"]
+    return [sys.executable, "-m", "torch.distributed.run", *launch,
+            *rank_command(s, entry=entry, plan=plan, leg=leg)]
 
 
 def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry: list[str] | None = None,
@@ -56,21 +59,27 @@ def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry
 def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=print,
                 entry: list[str] | None = None, torchrun_args: list[str] | None = None,
                 env: dict | None = None) -> list[list[dict]]:
-    """Several fleet runs (same world size) in ONE torchrun launch, one after
-    another in the same process group; returns each run's rank metadata."""
-    if not plan or len({s.world for s in plan}) != 1:
-        raise FleetError("a plan needs at least one run, all of the same world size")
+    """Several fleet runs (same world sizes) in ONE torchrun launch per leg,
+    one after another in the same process group; returns each run's rank
+    metadata. A fleet that stops and resumes at another world size
+    (resume_world) is two launches, --leg 1 and --leg 2."""
+    if not plan or len({tuple(x.world for x in s.legs()) for s in plan}) != 1:
+        raise FleetError("a plan needs at least one run, all with the same world sizes (and legs)")
     for s in plan:
         s.out_dir.mkdir(parents=True, exist_ok=True)
     plan_file = None
     if len(plan) > 1:
         plan_file = plan[0].out_dir / "plan.json"
         atomic.write_text(plan_file, json.dumps([dataclasses.asdict(s) for s in plan], indent=1))
-    cmd = torchrun_command(plan[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(plan[0].threads), **(env or {})}
-    stream(f"$ {' '.join(cmd)}")
-    _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
-    return [[load_meta(s.out_dir, f"rank{r}") for r in range(s.world)] for s in plan]
+    legs = len(plan[0].legs())
+    for leg in ([1, 2] if legs == 2 else [0]):
+        if torchrun_args and legs == 2:
+            raise FleetError("custom torchrun arguments launch one leg: set resume_world = 0")
+        cmd = torchrun_command(plan[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args, leg=leg)
+        stream(f"$ {' '.join(cmd)}")
+        _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
+    return [[load_meta(s.out_dir, f"rank{r}") for r in range(s.legs()[-1].world)] for s in plan]
 
 
 def _run_streaming(cmd: list[str], *, env: dict, timeout_s: float, stream) -> list[str]:

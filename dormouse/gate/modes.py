@@ -167,46 +167,73 @@ def _smallest_batch(s: GateSettings) -> int:
 # --------------------------------------------------------------------------- the fleet
 
 
-def run_rank(s: GateSettings, log=print) -> dict:
-    """One rank of the fleet (run it under torchrun)."""
-    return run_rank_plan([s], log=log)[-1]
+def run_rank(s: GateSettings, log=print, leg: int = 0) -> dict:
+    """One rank of the fleet (run it under torchrun); `leg` 1 or 2 when the
+    settings stop and resume the fleet at another world size."""
+    return run_rank_plan([s], log=log, leg=leg)[-1]
 
 
-def run_rank_plan(plan: list[GateSettings], log=print) -> list[dict]:
+def run_rank_plan(plan: list[GateSettings], log=print, leg: int = 0) -> list[dict]:
     """Several fleet runs in one process group, one after another (each into
     its own out dir): the same code path as one run per launch."""
     metas = []
     try:
         for s in plan:
-            metas.append(_one_rank_run(s, log))
+            metas.append(_one_rank_run(s, log, leg))
     finally:
         close_fleet()
     return metas
 
 
-def _one_rank_run(s: GateSettings, log) -> dict:
-    run = make_run(s, name="fleet", dist=True, resume_from=s.resume_path())
+LEG1 = "leg1_"  # prefix of the first leg's artifacts (a fleet that stops and resumes)
+
+
+def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
+    legs = s.legs()
+    if (len(legs) == 2) != (leg in (1, 2)):
+        raise DormouseError(f"resume_world = {s.resume_world}: this fleet runs in {len(legs)} launch(es); "
+                            + ("launch it with --leg 1, then --leg 2 at resume_world ranks (the gate's launcher "
+                               "does both)" if len(legs) == 2 else "drop --leg"))
+    me = legs[leg - 1] if leg else s  # this launch's world and profile
     rank = fleet_env()[0]
+    k = s.stop_step()
+    ckpt = str(s.out_dir / "ckpts" / ("fleet.dcp" if s.shard == "fsdp" else "fleet.pt"))
+    if leg == 1:
+        run = make_run(me, name="fleet", dist=True)
+        run.train.stop_at, run.train.ckpt_every = k, k
+    elif leg == 2:
+        run = make_run(me, name="fleet", dist=True, resume_from=ckpt)
+    else:
+        run = make_run(me, name="fleet", dist=True, resume_from=s.resume_path())
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the references build it too); train_dist checks it.
     model = build(s)
     start = named_state(model)
     init = fingerprint(start)
-    if rank == 0 and not s.resume_from:
+    if rank == 0 and not s.resume_from and leg != 2:
         _save(s, "init", start, [], init=init, mode="init")
     gather = s.shard == "fsdp"  # FSDP2 shards: record the GATHERED tensors (a collective)
     # Ranks end bitwise equal (the verdict checks it), so rank 0's snapshots
-    # stand for the fleet; every rank keeps its own tokens' routing.
+    # stand for the fleet; every rank keeps its own tokens' routing (per leg:
+    # the judge joins the legs' ranks step by step).
     trace = Trace(snapshots=rank == 0, gather=gather)
+    earlier: list[float] = []
+    if leg == 2:
+        first = load_trace(s.out_dir, f"{LEG1}rank0")
+        if rank == 0:
+            trace.extend(first)
+        earlier = load_meta(s.out_dir, f"{LEG1}rank{rank if rank < s.world else 0}")["losses"]
     report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace,
                         on_grads=trace.record_grads)
     state = named_state(report["model"], gather=gather)
-    trace.save(s.out_dir, f"rank{rank}")
-    shapes = s.shapes()
-    meta = _save(s, f"rank{rank}", state, report["losses"], init=init, mode="rank", rank=rank,
+    shapes = me.shapes()
+    name = f"{LEG1 if leg == 1 else ''}rank{rank}"
+    trace.save(s.out_dir, name)
+    meta = _save(s, name, state, earlier + report["losses"], init=init, mode="rank", rank=rank,
                  world_size=report["world_size"], shapes=[sh.line() for sh in shapes],
                  rank_shapes=[[sh.batch, sh.seq_len] for sh in shapes], config=run.to_dict(),
-                 start_step=report["start_step"], wall_s=report["wall_s"])
+                 start_step=0 if leg == 2 else report["start_step"], wall_s=report["wall_s"],
+                 resumed_at=k if leg == 2 else None, legs=[[x.world, x.capacity] for x in legs])
     del report, model
     return meta
 
@@ -284,6 +311,8 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     train_bytes = len(corpus) - int(len(corpus) * t.eval_frac)
     order = getattr(t, "data_order", "sequential")
     slice_len = s.micro_batch  # the fleet's forward slices, for the loads it counts
+    legs = s.legs()
+    prof2 = profile(legs[-1].capacity, legs[-1].world, s.batch, t.seq_len)  # the second leg's ranks
     ref, absref, batch_grad = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}
     tokens, loads, wl, bl = [], [], [], []
     for k in range(steps):
@@ -334,8 +363,13 @@ def run_gradref(s: GateSettings, log=print) -> dict:
         # token; counting over its own slices keeps near-ties as the fleet
         # broke them), summed over ranks by hand.
         step_loads = None
+        if len(legs) == 2 and k >= s.stop_step():
+            flat_it = iter(flat)  # the same windows, cut into the second leg's ranks
+            slices = [[next(flat_it) for _ in range(b)] for b, _ in prof2]
+        else:
+            slices = windows
         with torch.no_grad():
-            for r in windows:
+            for r in slices:
                 size = slice_len or len(r)
                 for i in range(0, len(r), size):
                     x = torch.cat([w[0] for w in r[i:i + size]]).to(device)

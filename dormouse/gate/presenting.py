@@ -37,4 +37,5 @@ def verdict_json(v: Verdict, **extra) -> dict:
 
 
 def write_verdict(v: Verdict, out: Path, **extra) -> Path:
-    return atomic.write_text(Path(out) / VERDICT_FILE, json.dumps(verdict_json(v, **extra), indent=1, default=str))
+    return atomic.write_text(Path(out) / VERDICT_FILE, json.dumps(verdict_json(v, **extra), indent=1, default=str,
+                                                                  allow_nan=False))

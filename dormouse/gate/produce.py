@@ -90,9 +90,9 @@ def status(set_name: str, s: GateSettings) -> str | None:
             why = stale(d, "exact", s)
         return why
     if set_name == "fleet":
-        names = _ranks(d)
-        if names != [f"rank{r}" for r in range(s.world)]:
-            return f"found {names or 'no ranks'} for a world of {s.world}"
+        names, world = _ranks(d), s.legs()[-1].world
+        if names != [f"rank{r}" for r in range(world)]:
+            return f"found {names or 'no ranks'} for a world of {world}"
         return next((w for w in (stale(d, n, s) for n in ["init", *names]) if w), None)
     # gradref and replay are computed from one fleet run: they must name it.
     why = stale(d, set_name, s)
@@ -129,7 +129,7 @@ def _ensure(s: GateSettings, set_name: str, make: Callable[[], None], *, force: 
 
 def _members(set_name: str, s: GateSettings) -> list[str]:
     return {"single": ["single"] + (["exact"] if s.reduce == "exact" else []),
-            "fleet": ["init"] + [f"rank{r}" for r in range(s.world)]}.get(set_name, [set_name])
+            "fleet": ["init"] + [f"rank{r}" for r in range(s.legs()[-1].world)]}.get(set_name, [set_name])
 
 
 @contextmanager
@@ -161,7 +161,7 @@ def run_single(s: GateSettings, *, force: bool = True, log: Log = print) -> str:
 def run_fleet(s: GateSettings, *, force: bool = True, stream: Log = print) -> str:
     """02: the fleet under torchrun (rank output streamed)."""
     def make():
-        _drop(s.out_dir, r"(rank\d+(_trace)?|init)\.(json|safetensors)")  # never two launches' ranks
+        _drop(s.out_dir, r"((leg1_)?rank\d+(_trace)?|init)\.(json|safetensors)")  # never two launches' ranks
         launch_fleet(s, timeout_s=s.timeout_s, stream=stream)
 
     return _ensure(s, "fleet", make, force=force, log=stream, hint="02_fleet_launcher.ipynb")
@@ -197,4 +197,4 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
 
 
 def fleet_metas(s: GateSettings) -> list[dict]:
-    return [load_meta(s.out_dir, f"rank{r}") for r in range(s.world)]
+    return [load_meta(s.out_dir, f"rank{r}") for r in range(s.legs()[-1].world)]

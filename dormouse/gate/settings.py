@@ -23,7 +23,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import dormouse
-from dormouse import atomic
 from dormouse.config import DIST_REDUCES, DIST_SHARDS, OPTIMIZERS, PRESETS
 from dormouse.errors import ConfigError
 
@@ -61,6 +60,7 @@ class GateSettings:
     data_order: str = "shuffle"  # which span each step reads: shuffle (seeded, per epoch) | sequential
     config: str = ""  # the network and recipe: a preset name or a RunConfig JSON file (empty: the tiny fixture)
     data: str = ""  # corpus file (empty: the fixture's seeded pseudo-random bytes, written into out)
+    resume_world: int = 1  # the fleet stops at half its steps and resumes at this many ranks (0: no stop; 1-step runs never stop)
     resume_from: str = ""  # continue from this checkpoint, relative to out or absolute (empty: from the start)
     device: str = "cpu"  # cpu (gloo) or cuda (nccl, one GPU per rank); single and gradref run there too
     threads: int = 1  # torch CPU threads per process (bitwise results depend on it: recorded)
@@ -88,6 +88,20 @@ class GateSettings:
             return None
         return sum(sh.batch for sh in shapes)
 
+    def legs(self) -> list["GateSettings"]:
+        """The fleet's launches: itself, or with resume_world the first half at
+        `world` and the second at `resume_world` ranks over the same global
+        batch, split evenly (each leg's settings say its own world and profile)."""
+        if not self.resume_world or self.steps < 2:
+            return [self]
+        gb, seq = self.global_batch(), self.shapes()[0].seq_len
+        even = ",".join([f"{gb // self.resume_world}x{seq}"] * self.resume_world)
+        return [self, dataclasses.replace(self, world=self.resume_world, capacity=even)]
+
+    def stop_step(self) -> int:
+        """The step the first leg ends at (resume_world)."""
+        return max(1, self.steps // 2)
+
     def record(self) -> dict:
         """What an artifact records (everything that changes the mathematics)."""
         d = dataclasses.asdict(self)
@@ -112,7 +126,7 @@ class GateSettings:
         """A normalised copy (capacity '4, 2' -> '4,2'), or ParameterError."""
         v = {}
         for name, low, eg in (("steps", 1, 20), ("batch", 1, 2), ("world", 1, 2), ("seed", 0, 7),
-                              ("threads", 1, 1), ("micro_batch", 0, 1)):
+                              ("threads", 1, 1), ("micro_batch", 0, 1), ("resume_world", 0, 1)):
             v[name] = _whole(name, getattr(self, name), low, eg)
         for name, choices in (("opt", OPTIMIZERS), ("shard", DIST_SHARDS), ("reduce", DIST_REDUCES),
                               ("device", DEVICES), ("data_order", DATA_ORDERS)):
@@ -140,7 +154,7 @@ class GateSettings:
             raise ParameterError(f"data = {s.data!r} is not a file: pass a corpus file of bytes, or '' for "
                                  "the fixture's corpus.")
         try:
-            run = s.run_config("single", dist=False)
+            run = s.run_config("single", dist=False, write_corpus=False)
             run.validate()
             shapes = s.shapes()
         except ParameterError:
@@ -152,13 +166,22 @@ class GateSettings:
         if s.micro_batch and any(sh.batch % s.micro_batch for sh in shapes):
             raise ParameterError(f"micro_batch = {s.micro_batch} does not divide every rank's batch "
                                  f"({', '.join(str(sh.batch) for sh in shapes)}): choose a divisor, or 0.")
+        if s.resume_world and s.steps >= 2:
+            gb = s.global_batch()
+            if gb is None or gb % s.resume_world or s.resume_from:
+                why = ("the profile mixes window lengths" if gb is None else "it starts from resume_from"
+                       if s.resume_from else f"the global batch of {gb} windows does not split evenly")
+                raise ParameterError(f"resume_world = {s.resume_world} is not allowed: {why}; resume_world must "
+                                     "split the global batch evenly, or be 0 (no stop and resume).")
+            if s.micro_batch and (gb // s.resume_world) % s.micro_batch:
+                raise ParameterError(f"resume_world = {s.resume_world} gives ranks {gb // s.resume_world} windows, "
+                                     f"which micro_batch = {s.micro_batch} does not divide: choose another.")
         if s.device == "cuda":
-            _cuda(s.world)
-        try:
-            atomic.check_writable(s.out_dir)
-        except OSError as e:
-            raise ParameterError(f"out = {s.out!r} cannot be written ({e.strerror or e}): out must be a "
-                                 "writable directory, or '' for the repository's artifacts/gate.") from None
+            _cuda(max(s.world, s.resume_world))
+        why = _unwritable(s.out_dir)
+        if why:
+            raise ParameterError(f"out = {s.out!r} cannot be written ({why}): out must be a writable "
+                                 "directory, or '' for the repository's artifacts/gate.")
         return s
 
     def resume_path(self) -> str:
@@ -176,6 +199,18 @@ class GateSettings:
 
 _NOT_FLAGS = ("timeout_s", "produce")
 FIELDS = tuple(f.name for f in fields(GateSettings))
+
+
+def _unwritable(d: Path) -> str | None:
+    """Why directory `d` could not be made or written, without creating anything."""
+    p = d
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a directory"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable"
+    return None
 
 
 def resolve_out(out) -> Path:

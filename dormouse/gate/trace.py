@@ -30,8 +30,8 @@ class Trace:
     """The loop's on_step callback. Under FSDP every rank must record (the
     snapshot gathers, a collective), even if only rank 0 keeps the tensors."""
 
-    def __init__(self, *, snapshots: bool, gather: bool = False):
-        self.snapshots, self.gather = snapshots, gather
+    def __init__(self, *, snapshots: bool, gather: bool = False, topk: bool = True):
+        self.snapshots, self.gather, self.keep_topk = snapshots, gather, topk
         self.topk: list[torch.Tensor] = []
         self.loads: list[torch.Tensor] = []
         self.params: dict[str, list[torch.Tensor]] = {}
@@ -50,7 +50,8 @@ class Trace:
     def __call__(self, step: int, model, info: dict) -> None:
         slices = [torch.stack(per_it, dim=2) for per_it in info["topk"] if per_it]  # each (B, T, I, k)
         if slices:
-            self.topk.append(torch.cat(slices, dim=0).to(torch.int16))  # this process's tokens in order
+            if self.keep_topk:
+                self.topk.append(torch.cat(slices, dim=0).to(torch.int16))  # this process's tokens in order
             self.loads.append(info["loads"].detach().float().cpu())  # (I, E), summed over the fleet
         self.clip.append(float(info.get("clip_coef", 1.0)))
         if info.get("grad_norm") is not None:
@@ -61,6 +62,18 @@ class Trace:
                 for name, t in state.items():
                     self.params.setdefault(name, []).append(t.clone())
 
+    def extend(self, earlier: dict[str, torch.Tensor]) -> None:
+        """Start from an earlier leg's saved trace (a run stopped and resumed):
+        its per-step series come first."""
+        for k, v in earlier.items():
+            if k.startswith("p/"):
+                self.params.setdefault(k[2:], []).extend(v.unbind(0))
+            elif k.startswith("g/"):
+                self.grads.setdefault(k[2:], []).extend(v.unbind(0))
+        self.loads.extend(earlier["loads"].unbind(0) if "loads" in earlier else [])
+        self.clip.extend(earlier["clip"].tolist() if "clip" in earlier else [])
+        self.norm.extend(earlier["grad_norm"].tolist() if "grad_norm" in earlier else [])
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {f"p/{n}": torch.stack(ts) for n, ts in self.params.items()}
         out.update({f"g/{n}": torch.stack(ts) for n, ts in self.grads.items()})
@@ -70,6 +83,7 @@ class Trace:
             out["grad_norm"] = torch.tensor(self.norm, dtype=torch.float32)  # exactly the float32 norms
         if self.topk:
             out["topk"] = torch.stack(self.topk)
+        if self.loads:
             out["loads"] = torch.stack(self.loads)
         return out
 

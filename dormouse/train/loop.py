@@ -144,7 +144,8 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
     losses: list[float] = []
     t0 = last_t = time.perf_counter()
     last_step = start
-    for step in range(start, cfg.steps):
+    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps  # this launch's last step
+    for step in range(start, end):
         lr = lr_at(step, run)
         opt.set_lr(lr)
         opt.zero_grad()
@@ -180,7 +181,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                              "grad_norm": grad_norm})
 
         done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps:
+        if done % cfg.log_every == 0 or done == end:
             now = time.perf_counter()
             tps = total_tokens * (done - last_step) / max(now - last_t, 1e-9)
             last_t, last_step = now, done
@@ -190,11 +191,11 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                     f.write(json.dumps({"step": done, "loss": loss_value, "lr": lr, "tokens_per_s": tps}) + "\n")
         if cfg.eval_every and done % cfg.eval_every == 0:
             log(f"eval step={done} loss={evaluate(model, corpus, run):.7f}")
-        if ckpt is not None and (done % cfg.ckpt_every == 0 or done == cfg.steps):
+        if ckpt is not None and (done % cfg.ckpt_every == 0 or done == end):
             save_checkpoint(ckpt, model=model, opt=opt, step=done, run=run, peers=sync)
 
     wall = time.perf_counter() - t0
-    steps_run = cfg.steps - start
+    steps_run = end - start
     return {
         "rank": sync.rank,
         "world_size": sync.world_size,
