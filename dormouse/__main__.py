@@ -23,6 +23,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from unittest import mock
 
 from dormouse import __version__
 from dormouse.config import DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, PRESETS, ModelConfig, RunConfig, TrainConfig, preset
@@ -302,8 +303,7 @@ def _train(args) -> int:
             log.file.write(traceback.format_exc())
         _abandon_fleet()
         where = f"rank {rank}: " if run.train.dist else ""
-        first = (str(e).strip().splitlines() or [""])[0]
-        print(f"error: {where}the run crashed: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
+        print(f"error: {where}the run crashed: {type(e).__name__}: {_first_line(e)}", file=sys.stderr, flush=True)
         return EXIT_CRASHED
     finally:
         if tracker is not None:
@@ -446,6 +446,16 @@ def _eval(args) -> int:
 
 # ---------------------------------------------------------------- the command
 
+def _first_line(e: BaseException) -> str:
+    """An unexpected exception's message, cut to its first line."""
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _one_line(e: BaseException) -> str:
+    """A DormouseError's message on one line (its parts joined, nothing dropped)."""
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+
+
 COMMANDS = {"train": _train, "sample": _sample, "eval": _eval}
 
 
@@ -453,7 +463,7 @@ def parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="dormouse", description=__doc__.splitlines()[0], epilog=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"dormouse {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+    sub = p.add_subparsers(dest="command", required=True, metavar="command",
                            parser_class=_OneLineParser)
     _add_train_parser(sub)
     _add_sample_parser(sub)
@@ -467,19 +477,22 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in FORWARDED:
-        return importlib.import_module(FORWARDED[argv[0]][0]).main(argv[1:])
+        forwarded = importlib.import_module(FORWARDED[argv[0]][0]).main
+        # Their usage errors read like ours: one "error:" line, status 2.
+        with mock.patch.object(argparse.ArgumentParser, "error", _OneLineParser.error):
+            return forwarded(argv[1:])
     args = parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except DormouseError as e:
         # In a fleet every rank meets the same bad input: rank 0 alone says so.
         if os.environ.get("RANK", "0") == "0" or not in_torchrun():
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
         _abandon_fleet()
         return EXIT_BAD_INPUT
     except Exception as e:  # a bug or a broken environment: one line, and a status of its own
-        first = (str(e).strip().splitlines() or [""])[0]
-        print(f"error: dormouse {args.command} crashed: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
+        print(f"error: dormouse {args.command} crashed: {type(e).__name__}: {_first_line(e)}",
+              file=sys.stderr, flush=True)
         return EXIT_CRASHED
 
 

@@ -32,7 +32,8 @@ from dormouse.train.data import ByteCorpus, _windows
 def load_trained(path: str | Path) -> tuple[DormouseModel, RunConfig, int]:
     """The model a checkpoint holds (a .pt file of any run, or a sharded .dcp
     directory), in eval mode on the CPU; with its RunConfig and step count."""
-    return load_model_weights(Path(path), build=_build)
+    model, run, step = load_model_weights(Path(path), build=_build)
+    return model.eval(), run, step
 
 
 def _build(run: RunConfig) -> DormouseModel:

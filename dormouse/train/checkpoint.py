@@ -145,7 +145,8 @@ def _read_pt(path: Path) -> tuple[dict, dict]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
         meta = json.loads(payload["meta"])
     except Exception as e:  # a torn or foreign file: say so, not a traceback
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({e.__class__.__name__}: {e})") from e
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({e.__class__.__name__}: {first})") from e
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')}, expected {FORMAT}")
     return payload, meta
