@@ -5,6 +5,7 @@ subcommand reported in one line with exit status 2 and no traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from dormouse.__main__ import main
-from dormouse.config import RunConfig
+from dormouse.config import RunConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -363,3 +364,33 @@ def _flatten(tree, prefix: str = "") -> dict:
     if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
     return {prefix: tree if isinstance(tree, torch.Tensor) else torch.tensor(tree)}
+
+
+def test_a_sharded_fleets_dcp_checkpoint_samples_evaluates_and_resumes_alone(tmp_path):
+    proc = _finish(_torchrun("-m", "dormouse", "train", "--dist", "--shard", "fsdp", "--seq-len", "16",
+                             "--batch", "2", "--steps", "2", "--ckpt-every", "2", "--out", str(tmp_path / "run"),
+                             cwd=tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    dcp = tmp_path / "run" / "dormouse.dcp"
+    assert dcp.is_dir()
+    a = _cli("sample", "--ckpt", str(dcp), "--prompt", "x", "--tokens", "10", "--temperature", "0", cwd=tmp_path)
+    assert a.returncode == 0 and a.stderr == "", a.stderr
+    ev = _cli("eval", "--ckpt", str(dcp), "--data", str(tmp_path / "run" / "builtin_corpus.bin"), cwd=tmp_path)
+    assert ev.returncode == 0 and "bits/byte" in ev.stdout and "whole file" in ev.stdout, ev.stderr
+    # --resume CKPT: a different out dir continues from the fleet's checkpoint, in one process
+    res = _cli("train", "--config", str(tmp_path / "run" / "run.json"), "--set", "train.dist=false",
+               "--steps", "3", "--resume", str(dcp), "--out", str(tmp_path / "alone"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert f"resumed from {dcp} at step 2" in res.stdout and "step=3/3" in res.stdout
+
+
+def test_micro_batch_sets_train_micro_batch_or_says_this_version_lacks_it(tmp_path, capsys):
+    code = main(["train", "--steps", "1", "--batch", "2", "--seq-len", "16", "--micro-batch", "1",
+                 "--out", str(tmp_path / "o")])
+    if "micro_batch" in {f.name for f in dataclasses.fields(TrainConfig)}:
+        assert code == 0
+        assert RunConfig.from_json((tmp_path / "o" / "run.json").read_text()).train.micro_batch == 1
+    else:
+        assert code == 2
+        _one_error_line(capsys.readouterr().err, "--micro-batch", "train.micro_batch")
+        assert not (tmp_path / "o").exists()
