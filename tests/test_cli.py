@@ -394,3 +394,14 @@ def test_micro_batch_sets_train_micro_batch_or_says_this_version_lacks_it(tmp_pa
         assert code == 2
         _one_error_line(capsys.readouterr().err, "--micro-batch", "train.micro_batch")
         assert not (tmp_path / "o").exists()
+
+
+def test_a_run_that_crashes_is_one_line_naming_the_exception_and_status_3(tmp_path, capsys, monkeypatch):
+    import dormouse.train.loop as loop
+
+    def broken(step, run):
+        raise RuntimeError("boom at the start of a step\nsecond line of detail")
+
+    monkeypatch.setattr(loop, "lr_at", broken)
+    assert main(["train", "--steps", "2", "--batch", "2", "--seq-len", "16", "--out", str(tmp_path / "o")]) == 3
+    _one_error_line(capsys.readouterr().err, "the run crashed", "RuntimeError", "boom at the start of a step")
