@@ -143,7 +143,8 @@ def _add_train_parser(sub) -> None:
                    help="cpu (a fleet uses gloo) or cuda (one GPU per rank, nccl)")
     t.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
     t.add_argument("--log-dir", default="", metavar="DIR",
-                   help="also write every rank's log lines to DIR/rank<r>.log (default: none; rank 0 prints to stdout)")
+                   help="also write every rank's log lines, errors and crash tracebacks to DIR/rank<r>.log "
+                        "(default: none; rank 0 prints to stdout and stderr)")
     t.add_argument("--tensorboard", default="", metavar="DIR",
                    help="write loss, lr, tokens/s and eval loss per step as TensorBoard events to DIR "
                         "(rank 0; needs the tracking extra; default: none)")
@@ -283,6 +284,10 @@ def _train(args) -> int:
     torch.set_num_threads(args.threads)
     run = run_from_args(args)
     check_fleet_request(run)
+    if run.train.data:  # a missing or empty corpus is said before any rank joins a fleet
+        from dormouse.train.data import ByteCorpus
+
+        ByteCorpus(run.train.data, run.train.eval_frac)
     if args.tensorboard:
         from dormouse.train.tracking import require_tensorboard
 
@@ -296,7 +301,9 @@ def _train(args) -> int:
 
             tracker = TensorBoardTracker(args.tensorboard, tokens_per_step=_tokens_per_step(run), run=run)
         return _run_training(run, args, log, tracker)
-    except DormouseError:
+    except DormouseError as e:
+        if log.file is not None:  # a rank other than 0 says it here (rank 0 on stderr too)
+            log.file.write(f"error: {_one_line(e)}\n")
         raise
     except Exception as e:
         if log.file is not None:
@@ -343,9 +350,11 @@ def _run_training(run: RunConfig, args, log: RankLog, tracker) -> int:
 
     line_log = tracker.wrap_log(log) if tracker is not None else log
     if run.train.dist:
-        from dormouse.train.distributed import train_dist
+        from dormouse.train.distributed import close_fleet, train_dist
 
-        report = train_dist(run, log=line_log, device_type=args.device, on_step=on_step)
+        report = train_dist(run, log=line_log, device_type=args.device, on_step=on_step, close=False)
+        del report["model"]  # the last holder of a sharded model: gone before the group is destroyed
+        close_fleet()
     else:
         from dormouse.train.loop import build_model, train
 
