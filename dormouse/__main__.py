@@ -288,6 +288,7 @@ def _train(args) -> int:
         from dormouse.train.data import ByteCorpus
 
         ByteCorpus(run.train.data, run.train.eval_frac)
+    tokens_per_step = _tokens_per_step(run)  # checks a fleet's --capacity on every rank
     if args.tensorboard:
         from dormouse.train.tracking import require_tensorboard
 
@@ -299,7 +300,7 @@ def _train(args) -> int:
         if args.tensorboard and rank == 0:
             from dormouse.train.tracking import TensorBoardTracker
 
-            tracker = TensorBoardTracker(args.tensorboard, tokens_per_step=_tokens_per_step(run), run=run)
+            tracker = TensorBoardTracker(args.tensorboard, tokens_per_step=tokens_per_step, run=run)
         return _run_training(run, args, log, tracker)
     except DormouseError as e:
         if log.file is not None:  # a rank other than 0 says it here (rank 0 on stderr too)
@@ -319,6 +320,7 @@ def _train(args) -> int:
 
 
 def _tokens_per_step(run: RunConfig) -> int:
+    """Tokens of one global step (a fleet's from its capacity profile)."""
     if not run.train.dist:
         return run.train.batch * run.train.seq_len
     from dormouse.train.distributed import parse_capacity
