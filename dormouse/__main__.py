@@ -135,7 +135,9 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--out-dir", dest="out_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="CKPT",
                    help="continue from <out>'s checkpoint if there is one (any world size or sharding); "
-                        "--resume CKPT continues from that .pt file or .dcp directory instead")
+                        "--resume CKPT continues from that .pt file or .dcp directory instead, on every "
+                        "launch (under torchrun --max-restarts use plain --resume: a restart then continues "
+                        "from the newest checkpoint)")
     t.add_argument("--dist", action="store_true", default=argparse.SUPPRESS,
                    help="train as one rank of a fleet: only under torchrun, which it requires "
                         "(default: off, or the config's train.dist)")
