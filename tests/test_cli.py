@@ -261,9 +261,9 @@ def test_set_reaches_model_and_train_fields_and_run_json_replays_the_run(tmp_pat
     first = tmp_path / "a"
     assert main(["train", "--steps", "3", "--batch", "2", "--seq-len", "16", "--out", str(first),
                  "--set", "model.max_iter=3", "--set", "model.engram_rows=0", "--set", "model.engram_dim=0",
-                 "--set", "train.opt=adamw", "--set", "wd=0.01"]) == 0
+                 "--set", "train.opt=adamw", "--set", "wd=0.01", "--data-order", "sequential"]) == 0
     run = RunConfig.from_json((first / "run.json").read_text())
-    assert run.model.max_iter == 3 and not run.model.engram_on
+    assert run.model.max_iter == 3 and not run.model.engram_on and run.train.data_order == "sequential"
     assert run.train.opt == "adamw" and run.train.wd == 0.01 and run.train.seq_len == 16
     # the same run again from its run.json, elsewhere: the same parameters, bit for bit
     again = tmp_path / "b"
