@@ -118,7 +118,8 @@ def _add_train_parser(sub) -> None:
         "train", formatter_class=_Help, help="train a model: one process, or a fleet under torchrun",
         description="Train a dormouse model. Alone: `dormouse train ...`. A fleet (data-parallel, "
                     "the same loop): `torchrun --nproc_per_node=N -m dormouse train --dist ...`. "
-                    "Writes <out>/run.json (the resolved RunConfig, usable as --config), "
+                    "Writes <out>/run.json (the resolved RunConfig, usable as --config; without "
+                    "--resume, which belongs to one launch), "
                     "<out>/<ckpt_name>.pt (.dcp sharded) and <out>/<ckpt_name>.metrics.jsonl.")
     t.add_argument("--config", default="", metavar="FILE",
                    help="a RunConfig JSON (e.g. a run's run.json); flags and --set override it")
@@ -343,11 +344,13 @@ def _run_training(run: RunConfig, args, log: RankLog, tracker) -> int:
     log(f"dormouse: {fleet}{source} params={n_params:,} data={run.train.data or 'built-in'} "
         f"steps={run.train.steps} out={run.train.out_dir}")
     written = []
+    # The run as --config should replay it: resuming is a property of one launch, not of the run.
+    replay = dataclasses.replace(run, train=dataclasses.replace(run.train, resume=False, resume_from=""))
 
     def on_step(step, model, info):
         # run.json once a step has trained (bad input never leaves one behind)
         if not written and log.rank == 0:
-            atomic.write_text(Path(run.train.out_dir) / "run.json", run.to_json() + "\n")
+            atomic.write_text(Path(run.train.out_dir) / "run.json", replay.to_json() + "\n")
             written.append(True)
         if tracker is not None:
             tracker.on_step(step, model, info)

@@ -382,6 +382,13 @@ def test_a_sharded_fleets_dcp_checkpoint_samples_evaluates_and_resumes_alone(tmp
                "--steps", "3", "--resume", str(dcp), "--out", str(tmp_path / "alone"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert f"resumed from {dcp} at step 2" in res.stdout and "step=3/3" in res.stdout
+    # ... and a replicated fleet of 2 continues what that one process wrote
+    alone = tmp_path / "alone"
+    assert not RunConfig.from_json((alone / "run.json").read_text()).train.resume_from  # one launch's, not the run's
+    fleet = _finish(_torchrun("-m", "dormouse", "train", "--config", str(alone / "run.json"), "--dist",
+                              "--steps", "4", "--resume", cwd=tmp_path))
+    assert fleet.returncode == 0, fleet.stderr
+    assert f"resumed from {alone / 'dormouse.pt'} at step 3" in fleet.stdout and "step=4/4" in fleet.stdout
 
 
 def test_micro_batch_sets_train_micro_batch_or_says_this_version_lacks_it(tmp_path, capsys):
