@@ -30,6 +30,7 @@ MUON_SHAPE_RULES = ("original", "match_rms_adamw")
 SCHEDULES = ("constant", "cosine")
 DIST_REDUCES = ("fp32", "bf16")
 DIST_SHARDS = ("none", "fsdp")
+DATA_ORDERS = ("sequential", "shuffle")
 
 
 @dataclass
@@ -158,6 +159,7 @@ class TrainConfig:
     ckpt_name: str = "dormouse"  # checkpoint and metrics file stem inside out_dir
     out_dir: str = "artifacts/run"  # where checkpoints and metrics go
     data: str = ""  # corpus file of bytes ("" = the built-in corpus, written into out_dir)
+    data_order: str = "shuffle"  # span order per epoch: sequential | shuffle (seeded by seed and epoch; see data.py)
     resume: bool = False  # continue from out_dir/<ckpt_name> if that checkpoint exists
     resume_from: str = ""  # continue from this checkpoint (.pt file or .dcp dir), any topology
     stop_at: int = 0  # end this launch after step stop_at, checkpointing there (0 = run to steps); the schedule still spans steps
@@ -178,6 +180,7 @@ class TrainConfig:
             ("muon_variant", MUON_VARIANTS), ("muon_sf", MUON_SHAPE_RULES),
             ("muon_state_dtype", STATE_DTYPES), ("schedule", SCHEDULES),
             ("dist_reduce", DIST_REDUCES), ("dist_shard", DIST_SHARDS),
+            ("data_order", DATA_ORDERS),
         ):
             value = getattr(self, name)
             if value not in allowed:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dormouse.config import (
-    DIST_REDUCES, DIST_SHARDS, MUON_VARIANTS, NS_KINDS, OPTIMIZERS, PRESETS,
+    DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, MUON_VARIANTS, NS_KINDS, OPTIMIZERS, PRESETS,
     ModelConfig, RunConfig, TrainConfig, preset,
 )
 from dormouse.errors import ConfigError, DormouseError
@@ -51,7 +51,7 @@ def _non_default_run() -> RunConfig:
         muon_variant="normuon", muon_sf="original", muon_colrow_3d=False,
         muon_state_dtype="bfloat16", adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-7,
         log_every=3, eval_every=5, eval_frac=0.2, ckpt_every=4, ckpt_name="x1",
-        out_dir="/tmp/somewhere", data="corpus.txt", resume=True, resume_from="/tmp/ck.pt", dist=True,
+        out_dir="/tmp/somewhere", data="corpus.txt", data_order="sequential", resume=True, resume_from="/tmp/ck.pt", dist=True,
         dist_capacity="4,2", dist_reduce="bf16", dist_shard="fsdp", dist_bucket_mb=12.5,
     )
     return RunConfig(source="unit-test", model=model, train=train)
@@ -116,7 +116,7 @@ def test_seq_len_above_max_seq_len_is_refused_by_run_config():
 @pytest.mark.parametrize(
     "field, allowed",
     [("opt", OPTIMIZERS), ("ns_kind", NS_KINDS), ("muon_variant", MUON_VARIANTS),
-     ("dist_reduce", DIST_REDUCES), ("dist_shard", DIST_SHARDS)],
+     ("dist_reduce", DIST_REDUCES), ("dist_shard", DIST_SHARDS), ("data_order", DATA_ORDERS)],
 )
 def test_unknown_choice_is_refused_naming_the_field_and_the_allowed_values(field, allowed):
     cfg = TrainConfig(**{field: "bogus"})

@@ -40,9 +40,9 @@ def test_windows_refuse_the_wrong_number_of_bytes():
 
 def test_step_span_start_is_step_mod_n_times_span():
     # 35 bytes hold n = 3 whole spans of 10
-    starts = [step_span_start(k, 10, 35) for k in range(8)]
+    starts = [step_span_start(k, 10, 35, "sequential") for k in range(8)]
     assert starts == [0, 10, 20, 0, 10, 20, 0, 10]
-    assert step_span_start(1000, 7, 7) == 0  # one span: every step reads it
+    assert step_span_start(1000, 7, 7, "sequential") == 0  # one span: every step reads it
 
 
 def test_step_span_start_refuses_a_corpus_shorter_than_one_span():
@@ -86,7 +86,7 @@ def test_corpus_shorter_than_one_global_batch_is_a_data_error_naming_sizes(tmp_p
 
 def test_corpus_is_memory_mapped_and_step_reads_the_file_bytes(tmp_path):
     path, data = _random_corpus(tmp_path, 1000)
-    corpus = ByteCorpus(path)
+    corpus = ByteCorpus(path, order="sequential")
     assert isinstance(corpus.bytes, np.memmap)
     shapes = [RankShape(3, 9)]  # span 30, n = 33
     for step in (0, 1, 32, 33, 34):
@@ -97,9 +97,10 @@ def test_corpus_is_memory_mapped_and_step_reads_the_file_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("split", [[2, 2], [3, 1], [1, 1, 1, 1]])
-def test_single_process_at_batch_4_reads_exactly_the_bytes_of_the_fleet_split(tmp_path, split):
+@pytest.mark.parametrize("order", ["sequential", "shuffle"])
+def test_single_process_at_batch_4_reads_exactly_the_bytes_of_the_fleet_split(tmp_path, split, order):
     path, _ = _random_corpus(tmp_path, 5000)
-    corpus = ByteCorpus(path)
+    corpus = ByteCorpus(path, order=order, seed=3)
     T = 16
     single = [RankShape(4, T)]
     fleet = [RankShape(b, T) for b in split]
@@ -107,9 +108,9 @@ def test_single_process_at_batch_4_reads_exactly_the_bytes_of_the_fleet_split(tm
     for step in range(0, 150, 7):  # wraps around the corpus (n = 73 spans)
         (xs, ys), = corpus.step_batch(step, single, [0])
         parts = corpus.step_batch(step, fleet, list(range(len(fleet))))
-        # each rank may ask for its own slice alone and gets the same bytes
+        # each rank may ask for its own slice alone (in its own process) and gets the same bytes
         for r in range(len(fleet)):
-            (xr, yr), = corpus.step_batch(step, fleet, [r])
+            (xr, yr), = ByteCorpus(path, order=order, seed=3).step_batch(step, fleet, [r])
             assert torch.equal(xr, parts[r][0]) and torch.equal(yr, parts[r][1])
         assert torch.equal(xs, torch.cat([p[0] for p in parts]))
         assert torch.equal(ys, torch.cat([p[1] for p in parts]))
@@ -126,7 +127,8 @@ def test_eval_tail_is_held_out_of_training(tmp_path):
     assert x.shape == (10, 9)  # 100 bytes hold 10 windows of 10
     assert x[0].tolist() == list(data[900:909])
     # a training step never reads past byte 900
-    assert {step_span_start(k, 200, corpus.train_bytes) for k in range(20)} == {0, 200, 400, 600}
+    for order in ("sequential", "shuffle"):
+        assert {step_span_start(k, 200, corpus.train_bytes, order) for k in range(20)} == {0, 200, 400, 600}
 
 
 def test_eval_tail_shorter_than_a_window_is_a_data_error(tmp_path):
@@ -139,3 +141,50 @@ def test_builtin_corpus_is_real_text_and_deterministic():
     a, b = builtin_corpus(), builtin_corpus()
     assert a == b and len(a) > 10_000
     assert b"def " in a and b"import torch" in a
+
+
+def _span_order(order: str, seed: int, steps: int, n: int = 7, span: int = 10) -> list[int]:
+    return [step_span_start(k, span, n * span + 3, order, seed) // span for k in range(steps)]
+
+
+def test_sequential_order_reads_span_k_mod_n():
+    assert _span_order("sequential", 5, 15) == [k % 7 for k in range(15)]
+
+
+def test_shuffle_visits_every_span_once_per_epoch_in_a_fresh_order():
+    order = _span_order("shuffle", 1, 7 * 4)
+    epochs = [order[i * 7:(i + 1) * 7] for i in range(4)]
+    for e in epochs:
+        assert sorted(e) == list(range(7))
+    assert len({tuple(e) for e in epochs}) > 1  # not the same order every epoch
+    assert epochs != [list(range(7))] * 4
+
+
+def test_shuffle_is_the_documented_rule_and_a_function_of_seed_epoch_and_step_only():
+    n, span, seed = 7, 10, 4
+    for k in range(30):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + k // n))
+        assert step_span_start(k, span, n * span, "shuffle", seed) == int(perm[k % n]) * span
+    # asked in any order, from fresh or cached corpora: the same answer
+    assert _span_order("shuffle", seed, 30) == _span_order("shuffle", seed, 30)
+    assert _span_order("shuffle", seed, 30) != _span_order("shuffle", seed + 1, 30)
+
+
+def test_a_corpus_reads_the_same_bytes_whatever_steps_it_read_before(tmp_path):
+    # the cached permutation must not leak: step k after a jump (a resume) is step k
+    path, _ = _random_corpus(tmp_path, 2000)
+    shapes = [RankShape(2, 9)]  # span 20, n = 100
+    walked = ByteCorpus(path, seed=9)
+    seen = {k: walked.step_batch(k, shapes, [0])[0][0] for k in range(0, 260, 3)}
+    for k in (250, 3, 120, 99, 100, 0):
+        (x, _), = ByteCorpus(path, seed=9).step_batch(k, shapes, [0])
+        if k in seen:
+            assert torch.equal(x, seen[k])
+        (x2, _), = walked.step_batch(k, shapes, [0])
+        assert torch.equal(x, x2)
+
+
+def test_an_unknown_data_order_is_a_data_error(tmp_path):
+    path, _ = _random_corpus(tmp_path, 100)
+    with pytest.raises(DataError, match="'sequential', 'shuffle'"):
+        ByteCorpus(path, order="random")

@@ -117,11 +117,10 @@ def make_run(s, *, name: str, dist: bool, steps: int | None = None, resume_from:
         lr=s.lr or base.train.lr, opt=s.opt, log_every=1, ckpt_every=0, ckpt_name=name,
         out_dir=str(s.out_dir / "ckpts"), data=str(corpus_path(s, write=write_corpus)), resume=False, resume_from=resume_from,
         dist=dist, dist_capacity=s.capacity if dist else "", dist_reduce=reduce or s.reduce,
-        dist_shard=s.shard if dist else "none", dist_bucket_mb=s.bucket_mb,
+        dist_shard=s.shard if dist else "none", dist_bucket_mb=s.bucket_mb, data_order=s.data_order,
     )
-    for k, v in (("data_order", s.data_order), ("micro_batch", s.micro_batch if micro_batch is None else micro_batch)):
-        if hasattr(base.train, k):
-            over[k] = v
+    if hasattr(base.train, "micro_batch"):
+        over["micro_batch"] = s.micro_batch if micro_batch is None else micro_batch
     if not dist and over["dist_reduce"] != "exact":
         over["dist_reduce"] = "fp32"
     return RunConfig(source=base.source, model=base.model, train=dataclasses.replace(base.train, **over))

@@ -23,14 +23,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import dormouse
-from dormouse.config import DIST_REDUCES, DIST_SHARDS, OPTIMIZERS, PRESETS
+from dormouse.config import DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, OPTIMIZERS, PRESETS
 from dormouse.errors import ConfigError
 
 REPO_ROOT = Path(dormouse.__file__).resolve().parents[1]
 ARTIFACTS = REPO_ROOT / "artifacts"
 DEFAULT_OUT = ARTIFACTS / "gate"
 DEVICES = ("cpu", "cuda")
-DATA_ORDERS = ("sequential", "shuffle")
 
 
 class ParameterError(ConfigError):

@@ -53,18 +53,47 @@ class Attention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, it: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, it: int, cache: "KVCache | None" = None) -> torch.Tensor:
+        """x (B, T, d_model) -> (B, T, d_model). With a cache, x holds the
+        positions after the cache.length already seen: their keys and values
+        are appended to iteration `it`'s entry and they attend to all of them."""
         B, T, _ = x.shape
+        pos = 0 if cache is None else cache.length
         qkv = x @ self.qkv.T
         if self.rank > 0:
             qkv = qkv + (x @ self.lora_qkv_a[it].T) @ self.lora_qkv_b[it].T
         qkv = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
         q, k, v = qkv.unbind(0)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        z = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        if cache is not None:
+            k, v = cache.extend(it, k, v)  # (B, H, pos + T, hd)
+        if pos == 0:
+            z = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        else:  # query i sits at position pos + i: it sees keys 0..pos + i
+            mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(pos)
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         z = z.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*hd)
         y = z @ self.out.T
         if self.rank > 0:
             y = y + (z @ self.lora_out_a[it].T) @ self.lora_out_b[it].T
         return y
+
+
+class KVCache:
+    """Keys and values of the positions a model has already seen, one entry per
+    iteration of the shared block (each iteration attends with its own), for
+    generating one token at a time without recomputing the window. Positions
+    count from the window's start (RoPE), so a cache holds at most max_seq_len."""
+
+    def __init__(self, max_iter: int):
+        self.length = 0  # positions seen so far (advanced by the model after each forward)
+        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_iter
+        self.tail: torch.Tensor | None = None  # the last input bytes (Engram's n-gram context)
+
+    def extend(self, it: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append iteration `it`'s new keys and values (B, H, T, hd); return all of them."""
+        if self.kv[it] is not None:
+            k, v = torch.cat([self.kv[it][0], k], dim=2), torch.cat([self.kv[it][1], v], dim=2)
+        self.kv[it] = (k, v)
+        return k, v

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dormouse.config import ModelConfig
-from dormouse.model.attention import Attention
+from dormouse.model.attention import Attention, KVCache
 from dormouse.model.engram import Engram
 from dormouse.model.moe import MoE, SharedExpert
 
@@ -59,8 +59,8 @@ class SharedBlock(nn.Module):
                         cfg.max_iter, std, out_std) if cfg.moe_on else None)
         self.shared = SharedExpert(cfg.d_model, cfg.shared_rank, std, out_std) if cfg.shared_rank else None
 
-    def forward(self, h: torch.Tensor, it: int) -> tuple[torch.Tensor, dict | None]:
-        h = h + self.attn(self.attn_norm(h), it)
+    def forward(self, h: torch.Tensor, it: int, cache: KVCache | None = None) -> tuple[torch.Tensor, dict | None]:
+        h = h + self.attn(self.attn_norm(h), it, cache)
         stats = None
         if self.ffn_norm is None:
             return h, stats
@@ -88,28 +88,41 @@ class DormouseModel(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         nn.init.normal_(self.head.weight, std=std)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, cache: KVCache | None = None):
         """x, y: (B, T) byte ids. Returns (logits (B, T, vocab), loss or None, aux).
+
+        cache (generation, see `new_cache`): x continues the window the cache
+        has seen; the result equals the last T positions of a forward over the
+        whole window. Only for a dropless MoE (a capacity limit drops by
+        batch composition, so the whole window must be recomputed).
 
         aux["topk"][it]: (B, T, k) expert ids each token chose at iteration it;
         aux["loads"]: (max_iter, E) assignments per expert (before any drop);
         aux["dropped"]: assignments dropped by a capacity limit (0 if dropless).
         """
         cfg = self.cfg
-        if x.shape[1] > cfg.max_seq_len:
-            raise ValueError(f"window of {x.shape[1]} tokens exceeds max_seq_len={cfg.max_seq_len}")
+        seen = 0 if cache is None else cache.length
+        if seen + x.shape[1] > cfg.max_seq_len:
+            raise ValueError(f"window of {seen + x.shape[1]} tokens exceeds max_seq_len={cfg.max_seq_len}")
         h = self.embed(x)
         if self.engram is not None:
-            mem_key, mem_value = self.engram.lookup(x)
+            if cache is None:
+                mem_key, mem_value = self.engram.lookup(x)
+            else:  # the n-grams reach back into bytes already seen
+                ctx = x if cache.tail is None else torch.cat([cache.tail, x], dim=1)
+                mem_key, mem_value = (t[:, -x.shape[1]:] for t in self.engram.lookup(ctx))
+                cache.tail = ctx[:, -(cfg.engram_max_n - 1):]
         topk, loads, dropped = [], [], 0
         for it in range(cfg.max_iter):
             if self.engram is not None:
                 h = h + self.engram.gate(h, mem_key) * mem_value
-            h, stats = self.block(h, it)
+            h, stats = self.block(h, it, cache)
             if stats is not None:
                 topk.append(stats["topk"])
                 loads.append(stats["load"])
                 dropped += stats["dropped"]
+        if cache is not None:
+            cache.length += x.shape[1]
         logits = self.head(self.final_norm(h))
         loss = None
         if y is not None:
@@ -120,6 +133,12 @@ class DormouseModel(nn.Module):
             "dropped": dropped,
         }
         return logits, loss, aux
+
+    def new_cache(self) -> KVCache:
+        """An empty cache for generating with `forward(x, cache=...)`."""
+        if self.block.moe is not None and self.cfg.moe_capacity > 0:
+            raise ValueError("a capacity-dropping MoE depends on the whole window: generate without a cache")
+        return KVCache(self.cfg.max_iter)
 
     def hidden_matrices(self) -> list[str]:
         """Names of the hidden-layer weights Muon orthogonalises: attention and

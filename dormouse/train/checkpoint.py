@@ -107,11 +107,7 @@ def load_checkpoint(path: Path, *, model, opt, run: RunConfig, peers: Peers) -> 
     (whole ones in a single process, shards under FSDP2)."""
     if path.is_dir():
         return _load_dcp(path, model=model, opt=opt, run=run)
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        meta = json.loads(payload["meta"])
-    except Exception as e:  # a torn or foreign file: say so, not a traceback
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({e.__class__.__name__}: {e})") from e
+    payload, meta = _read_pt(path)
     _check_same_network(meta, run, path)
     if peers.sharded:
         _copy_whole_into(model.state_dict(), payload["model"], path)
@@ -122,24 +118,69 @@ def load_checkpoint(path: Path, *, model, opt, run: RunConfig, peers: Peers) -> 
     return int(meta["step"])
 
 
-def _load_dcp(path: Path, *, model, opt, run: RunConfig) -> int:
-    import torch.distributed.checkpoint as dcp
+def load_model_weights(path: Path, *, build) -> tuple[object, RunConfig, int]:
+    """The trained model alone (for sampling and evaluation): the RunConfig is
+    read from the checkpoint, `build(run)` makes the model, whose weights are
+    then loaded (whole tensors, whichever topology wrote them). Returns
+    (model, run, steps done)."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist: point at a .pt file or a .dcp directory")
+    if path.is_dir():
+        meta = _read_dcp_meta(path)
+        run = RunConfig.from_dict(meta["config"])
+        model = build(run)
+        state = {"model": model.state_dict()}
+        _dcp_load(state, path)
+        _load_model(model, state["model"], path)
+        return model, run, int(meta["step"])
+    payload, meta = _read_pt(path)
+    run = RunConfig.from_dict(meta["config"])
+    model = build(run)
+    _load_model(model, payload["model"], path)
+    return model, run, int(meta["step"])
 
+
+def _read_pt(path: Path) -> tuple[dict, dict]:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        meta = json.loads(payload["meta"])
+    except Exception as e:  # a torn or foreign file: say so, not a traceback
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({e.__class__.__name__}: {first})") from e
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')}, expected {FORMAT}")
+    return payload, meta
+
+
+def _read_dcp_meta(path: Path) -> dict:
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"sharded checkpoint {str(path)!r} has no readable meta.json ({e})") from e
-    _check_same_network(meta, run, path)
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')}, expected {FORMAT}")
+    return meta
+
+
+def _dcp_load(state: dict, path: Path) -> None:
+    """Load `state` in place from a DCP directory, resharded to its tensors
+    (whole ones in a single process, which DCP announces with a warning even
+    when asked for explicitly)."""
     import warnings
 
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
-    # In place, resharded to our tensors (whole ones in a single process,
-    # which DCP announces with a warning even when asked for explicitly).
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def _load_dcp(path: Path, *, model, opt, run: RunConfig) -> int:
+    meta = _read_dcp_meta(path)
+    _check_same_network(meta, run, path)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    _dcp_load(state, path)
     _load_model(model, state["model"], path)
     return int(meta["step"])
 
@@ -168,8 +209,6 @@ def _copy_whole_into(targets: dict, whole: dict, path: Path) -> None:
 
 
 def _check_same_network(meta: dict, run: RunConfig, path: Path) -> None:
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')}, expected {FORMAT}")
     saved = RunConfig.from_dict(meta["config"])
     ours = run.model
     diffs = [f"model.{k}: saved {v!r}, now {getattr(ours, k)!r}"
@@ -178,6 +217,10 @@ def _check_same_network(meta: dict, run: RunConfig, path: Path) -> None:
         diffs.append(f"train.opt: saved {saved.train.opt!r}, now {run.train.opt!r}")
     if saved.train.muon_variant != run.train.muon_variant:
         diffs.append(f"train.muon_variant: saved {saved.train.muon_variant!r}, now {run.train.muon_variant!r}")
+    # Checkpoints from before data_order existed were written by sequential runs.
+    order = meta["config"].get("train", {}).get("data_order", "sequential")
+    if order != run.train.data_order:
+        diffs.append(f"train.data_order: saved {order!r}, now {run.train.data_order!r} (the run would read other bytes)")
     if diffs:
         raise CheckpointError(
             f"checkpoint {str(path)!r} belongs to another configuration ({'; '.join(diffs[:3])}): "

@@ -3,12 +3,21 @@
 A corpus is a file of bytes, memory-mapped and never read whole. One optimizer
 step reads one contiguous global *span*; the span is cut into consecutive
 slices, one per `RankShape` in rank order, and each slice into `batch` windows
-of `seq_len + 1` bytes (inputs and next-byte targets). Step k's span starts at
+of `seq_len + 1` bytes (inputs and next-byte targets). Which span step k reads
+(TrainConfig.data_order, seed = TrainConfig.seed):
 
-    (k mod n) * span,   n = number of whole spans in the training part
+    n     = train_bytes // span          # whole spans in the training part
+    epoch = k // n,  j = k % n
+    sequential: index = j
+    shuffle:    index = perm[j],  perm = torch.randperm(n, generator=
+                    torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    step k's span starts at index * span
 
-so a single process at the global batch reads exactly the bytes of a fleet, and
-a resumed run reads exactly the bytes the uninterrupted run would have read.
+so each epoch visits every span exactly once (in a fresh seeded order when
+shuffled), the order is a function of (seed, epoch, step) alone, a single
+process at the global batch reads exactly the bytes of a fleet, and a resumed
+run reads exactly the bytes the uninterrupted run would have read. The gate
+re-implements this rule independently: change it in both places or neither.
 An optional held-out tail (`eval_frac`) is never trained on.
 """
 
@@ -21,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dormouse.config import DATA_ORDERS, TrainConfig
 from dormouse.errors import DataError
 
 
@@ -55,15 +65,52 @@ def rank_byte_offset(shapes: list[RankShape], r: int) -> int:
     return sum(s.nbytes for s in shapes[:r])
 
 
-def step_span_start(step: int, span: int, train_bytes: int) -> int:
-    """Where step `step`'s span starts: (step mod n) * span, n whole spans."""
+def whole_spans(span: int, train_bytes: int) -> int:
+    """n, the number of whole spans in the training part (at least one)."""
     n = train_bytes // span
     if n == 0:
         raise DataError(
             f"the corpus's training part holds {train_bytes} bytes, less than one "
             f"global batch ({span} bytes): use a longer corpus or a smaller batch/seq_len"
         )
-    return (step % n) * span
+    return n
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The shuffled order of an epoch's n spans (see the module doc)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def step_span_start(step: int, span: int, train_bytes: int, order: str = TrainConfig.data_order,
+                    seed: int = 0, *, cache: "EpochCache | None" = None) -> int:
+    """Where step `step`'s span of `span` bytes starts (the module doc's rule).
+    `cache` keeps the current epoch's permutation between calls."""
+    n = whole_spans(span, train_bytes)
+    if order == "sequential":
+        return (step % n) * span
+    _check_order(order)
+    epoch = step // n
+    perm = cache.get(n, seed, epoch) if cache is not None else epoch_permutation(n, seed, epoch)
+    return int(perm[step % n]) * span
+
+
+class EpochCache:
+    """The permutation of the most recent epoch asked for: a step then costs
+    no randperm, and an epoch boundary computes the next one once."""
+
+    def __init__(self):
+        self._key: tuple[int, int, int] | None = None
+        self._perm: torch.Tensor | None = None
+
+    def get(self, n: int, seed: int, epoch: int) -> torch.Tensor:
+        if self._key != (n, seed, epoch):
+            self._key, self._perm = (n, seed, epoch), epoch_permutation(n, seed, epoch)
+        return self._perm
+
+
+def _check_order(order: str) -> None:
+    if order not in DATA_ORDERS:
+        raise DataError(f"data order {order!r} is not one of {', '.join(map(repr, DATA_ORDERS))}")
 
 
 def _windows(raw, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,9 +126,16 @@ def _windows(raw, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class ByteCorpus:
-    """A memory-mapped byte file, split into a training head and an eval tail."""
+    """A memory-mapped byte file, split into a training head and an eval tail.
 
-    def __init__(self, path: str | os.PathLike, eval_frac: float = 0.0):
+    order and seed choose which span each step reads (module doc); the
+    permutation of the current epoch is kept, so a step costs no randperm."""
+
+    def __init__(self, path: str | os.PathLike, eval_frac: float = 0.0, *,
+                 order: str = TrainConfig.data_order, seed: int = 0):
+        _check_order(order)
+        self.order, self.seed = order, seed
+        self._epochs = EpochCache()
         p = Path(path)
         if not p.exists():
             raise DataError(f"corpus file {str(p)!r} does not exist: pass --data with an existing file")
@@ -101,9 +155,13 @@ class ByteCorpus:
             raise DataError(f"read of {n} bytes at {start} runs past the training part ({self.train_bytes})")
         return np.array(self.bytes[start:start + n])
 
+    def span_start(self, step: int, span: int) -> int:
+        """Where step `step`'s span of `span` bytes starts (the module doc's rule)."""
+        return step_span_start(step, span, self.train_bytes, self.order, self.seed, cache=self._epochs)
+
     def step_batch(self, step: int, shapes: list[RankShape], mine: list[int]):
         """(x, y) of each slice in `mine` (indices into `shapes`) at step `step`."""
-        start = step_span_start(step, span_bytes(shapes), self.train_bytes)
+        start = self.span_start(step, span_bytes(shapes))
         out = []
         for r in mine:
             s = shapes[r]

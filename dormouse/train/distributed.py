@@ -265,7 +265,7 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
 
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timedelta(minutes=5), **kwargs)
+        dist.init_process_group(backend, timeout=timedelta(minutes=5), **_attempt_store(rank, world_size), **kwargs)
     model = build_model(run) if model is None else model
     model.to(device)
     _check_identical(model, rank)
@@ -286,6 +286,23 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
     if close:
         close_fleet()
     return report
+
+
+def _attempt_store(rank: int, world_size: int) -> dict:
+    """init_process_group's store under torchrun: the agent's store, with this
+    attempt's keys apart from a killed attempt's. torchrun (--max-restarts)
+    restarts the workers on the SAME store, where the dead attempt's addresses
+    still stand: a restarted rank could read its peer's stale address before
+    the peer rewrites it and fail to connect (pytorch/pytorch#135712). Keys are
+    therefore prefixed by TORCHELASTIC_RESTART_COUNT, which one agent keeps
+    for all its workers. Outside torchrun: {} (init_process_group's own env://)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return {}
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timedelta(minutes=5)))
+    return {"store": dist.PrefixStore(f"dormouse/attempt{attempt}/", store), "rank": rank, "world_size": world_size}
 
 
 def _check_identical(model, rank: int) -> None:

@@ -119,7 +119,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         ) from e
     if run.model.bf16:
         model.to(torch.bfloat16)  # the run owns the cast (a fleet refuses a pre-built bf16 model)
-    corpus = ByteCorpus(resolve_corpus(run), cfg.eval_frac)
+    corpus = ByteCorpus(resolve_corpus(run), cfg.eval_frac, order=cfg.data_order, seed=cfg.seed)
     total_tokens = sum(s.tokens for s in sync.shapes)
     # Fail before any work if the corpus cannot hold one global batch.
     corpus.step_batch(0, sync.shapes, [])

@@ -1,0 +1,122 @@
+"""Using a trained model: load it from any checkpoint, sample text, measure its
+loss on a file.
+
+    model, run, step = load_trained("artifacts/run/dormouse.pt")
+    text = generate(model, b"def ", tokens=200, temperature=0.8, top_k=40, seed=0)
+    nats, count = file_loss(model, "held_out.txt", seq_len=run.train.seq_len)
+
+Generation keeps a KV cache (one per iteration of the shared block) while the
+text fits the model's window: each new byte then costs one position's forward.
+Once the text is longer than model.max_seq_len the window slides by one byte a
+step, and since RoPE positions count from the window's start, the whole window
+is recomputed (exactly what an uncached forward would compute). A
+capacity-dropping MoE, whose output depends on the whole batch, is always
+recomputed too.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dormouse.config import RunConfig
+from dormouse.errors import ConfigError
+from dormouse.model import DormouseModel
+from dormouse.train.checkpoint import load_model_weights
+from dormouse.train.data import ByteCorpus, _windows
+
+
+def load_trained(path: str | Path) -> tuple[DormouseModel, RunConfig, int]:
+    """The model a checkpoint holds (a .pt file of any run, or a sharded .dcp
+    directory), in eval mode on the CPU; with its RunConfig and step count."""
+    model, run, step = load_model_weights(Path(path), build=_build)
+    return model.eval(), run, step
+
+
+def _build(run: RunConfig) -> DormouseModel:
+    model = DormouseModel(run.model)
+    return model.to(torch.bfloat16) if run.model.bf16 else model
+
+
+def cached_generation_ok(model: DormouseModel) -> bool:
+    """Whether a KV cache gives the uncached result (not under a capacity-dropping MoE)."""
+    return not (model.cfg.n_experts > 0 and model.cfg.moe_capacity > 0)
+
+
+@torch.no_grad()
+def generate(model: DormouseModel, prompt: bytes, *, tokens: int, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0, use_cache: bool = True) -> bytes:
+    """`tokens` bytes continuing `prompt` (the prompt is not included).
+
+    temperature 0 is greedy (argmax); otherwise each byte is drawn from
+    softmax(logits / temperature), restricted to the top_k most likely (0 = all),
+    by a generator seeded with `seed`: the same arguments give the same bytes."""
+    if not prompt:
+        raise ConfigError("the prompt is empty: give at least one byte of text to continue")
+    if temperature < 0 or not math.isfinite(temperature):
+        raise ConfigError(f"temperature = {temperature} must be a finite number >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise ConfigError(f"top_k = {top_k} must be >= 0 (0 = no limit)")
+    model.eval()
+    window = model.cfg.max_seq_len
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seq = list(prompt)
+    out: list[int] = []
+    cache, fresh = None, list(seq[-window:])  # fresh: the positions the cache has not seen
+    use_cache = use_cache and cached_generation_ok(model)
+    for _ in range(tokens):
+        if use_cache and cache is not None and len(seq) <= window:
+            logits = model(torch.tensor([fresh], device=device), cache=cache)[0]
+        else:  # first step, no cache, or the window slid: the whole window afresh
+            cache = model.new_cache() if use_cache and len(seq) <= window else None
+            logits = model(torch.tensor([seq[-window:]], device=device), cache=cache)[0]
+        nxt = _pick(logits[0, -1].float(), temperature, top_k, gen)
+        seq.append(nxt)
+        out.append(nxt)
+        fresh = [nxt]
+    return bytes(out)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        cut = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < cut, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
+
+
+@torch.no_grad()
+def file_loss(model: DormouseModel, path: str | Path, *, seq_len: int, batch: int = 16,
+              tail_frac: float = 0.0) -> tuple[float, int]:
+    """Mean next-byte loss in nats over a file, and the number of bytes predicted.
+
+    The file (or, with tail_frac > 0, its last tail_frac, the held-out tail a
+    run with eval_frac = tail_frac never trains on) is cut into consecutive
+    windows of seq_len + 1 bytes; every window predicts its last seq_len bytes
+    from the ones before them. A remainder shorter than one window is not scored."""
+    model.eval()
+    corpus = ByteCorpus(path, tail_frac)
+    start = corpus.train_bytes if tail_frac else 0
+    size = corpus.eval_bytes if tail_frac else corpus.train_bytes
+    n = size // (seq_len + 1)
+    if n == 0:
+        part = "its held-out tail" if tail_frac else "it"
+        raise ConfigError(
+            f"{str(path)!r}: {part} holds {size} bytes, fewer than one window of {seq_len + 1}: "
+            "use a longer file or a shorter window"
+        )
+    device = next(model.parameters()).device
+    total = 0.0
+    for first in range(0, n, batch):
+        count = min(batch, n - first)
+        raw = np.asarray(corpus.bytes[start + first * (seq_len + 1): start + (first + count) * (seq_len + 1)])
+        x, y = _windows(raw, count, seq_len)
+        _, loss, _ = model(x.to(device), y.to(device))
+        total += float(loss) * y.numel()
+    return total / (n * seq_len), n * seq_len

@@ -1,0 +1,123 @@
+"""dormouse.infer: the KV cache computes what the whole window computes,
+generation is deterministic for a seed and slides the window, file_loss is the
+mean next-byte loss, and checkpoints of every kind load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dormouse.config import RunConfig, TrainConfig, preset
+from dormouse.errors import CheckpointError, ConfigError
+from dormouse.infer import file_loss, generate, load_trained
+from dormouse.model import DormouseModel
+from dormouse.train.data import _windows
+from dormouse.train.loop import build_model, train
+
+
+def _model(**over) -> DormouseModel:
+    # A larger init_std than training uses makes the logits peaked, so a greedy
+    # comparison is not decided by rounding between near-equal bytes.
+    cfg = preset("tiny")
+    for k, v in dict(max_seq_len=16, init_std=0.2, **over).items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return DormouseModel(cfg).eval()
+
+
+@pytest.mark.parametrize("chunks", [[7, 1, 1, 1, 1, 1], [1] * 12, [5, 3, 4]])
+def test_cached_forward_equals_the_whole_window(chunks):
+    model = _model()
+    x = torch.randint(0, 256, (2, sum(chunks)), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = model(x)[0]
+        cache, parts, at = model.new_cache(), [], 0
+        for n in chunks:
+            parts.append(model(x[:, at:at + n], cache=cache)[0])
+            at += n
+    assert cache.length == x.shape[1]
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=0, atol=2e-5)
+
+
+def test_cached_forward_refuses_to_run_past_the_window():
+    model = _model()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.zeros(1, 16, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="max_seq_len"):
+            model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+
+
+@pytest.mark.parametrize("prompt", [b"a", b"hello there", bytes(range(40, 70))])  # the last is longer than the window
+def test_greedy_generation_with_the_cache_equals_without_and_slides_the_window(prompt):
+    model = _model()
+    cached = generate(model, prompt, tokens=40, temperature=0)  # 40 > max_seq_len 16: the window slides
+    uncached = generate(model, prompt, tokens=40, temperature=0, use_cache=False)
+    assert cached == uncached and len(cached) == 40
+
+
+def test_sampling_is_deterministic_for_a_seed_and_top_k_1_is_greedy():
+    model = _model()
+    a = generate(model, b"xy", tokens=30, temperature=1.0, seed=3)
+    assert a == generate(model, b"xy", tokens=30, temperature=1.0, seed=3)
+    assert a == generate(model, b"xy", tokens=30, temperature=1.0, seed=3, use_cache=False)
+    assert a != generate(model, b"xy", tokens=30, temperature=1.0, seed=4)
+    assert generate(model, b"xy", tokens=20, top_k=1, seed=5) == generate(model, b"xy", tokens=20, temperature=0)
+
+
+def test_a_capacity_dropping_moe_generates_without_a_cache():
+    model = _model(moe_capacity=1.0)
+    with pytest.raises(ValueError, match="capacity"):
+        model.new_cache()
+    assert generate(model, b"ab", tokens=5, temperature=0) == generate(model, b"ab", tokens=5, temperature=0,
+                                                                       use_cache=False)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(prompt=b""), "prompt is empty"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_k=-2), "top_k"),
+])
+def test_bad_generation_arguments_are_config_errors(kw, fragment):
+    args = dict(prompt=b"a", tokens=3, temperature=1.0, top_k=0)
+    args.update(kw)
+    with pytest.raises(ConfigError, match=fragment):
+        generate(_model(), args.pop("prompt"), **args)
+
+
+def test_file_loss_is_the_token_mean_over_consecutive_windows(tmp_path):
+    model = _model()
+    data = bytes(torch.randint(0, 256, (16 * 17 + 5,), generator=torch.Generator().manual_seed(2)).tolist())
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    nats, count = file_loss(model, path, seq_len=16, batch=5)
+    assert count == 16 * 16  # 16 windows of 17 bytes; the 5 left over are not scored
+    x, y = _windows(data[:16 * 17], 16, 16)
+    with torch.no_grad():
+        want = float(model(x, y)[1])
+    assert nats == pytest.approx(want, rel=1e-6)
+    tail_nats, tail_count = file_loss(model, path, seq_len=16, tail_frac=0.5)
+    assert tail_count == (len(data) - int(len(data) * 0.5)) // 17 * 16
+    assert math.isfinite(tail_nats)
+    with pytest.raises(ConfigError, match="fewer than one window"):
+        file_loss(model, path, seq_len=16, tail_frac=0.01)
+
+
+def test_load_trained_reads_a_run_checkpoint_and_refuses_others(tmp_path):
+    data = tmp_path / "c.bin"
+    data.write_bytes(bytes(range(16)) * 100)
+    run = RunConfig(model=preset("tiny"), train=TrainConfig(steps=2, batch=2, seq_len=16, ckpt_every=2,
+                                                            out_dir=str(tmp_path / "o"), data=str(data)))
+    trained = build_model(run)
+    train(trained, run, log=lambda _: None)
+    model, loaded_run, step = load_trained(tmp_path / "o" / "dormouse.pt")
+    assert step == 2 and loaded_run.model == run.model and not model.training
+    for (name, a), b in zip(trained.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_trained(tmp_path / "nope.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_trained(tmp_path / "junk.pt")
