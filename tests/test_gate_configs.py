@@ -5,6 +5,7 @@ the user's own corpus, and clean fixture runs over seeds 1-10 (no false alarm)."
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -65,3 +66,24 @@ def test_the_users_corpus_is_read_in_place(runs):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_clean_fixture_runs_pass_for_every_seed(runs, seed):
     verdict(runs, f"seed{seed}")
+
+
+def test_dormouse_pipeline_gates_the_config_a_training_run_wrote(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    train = subprocess.run([sys.executable, "-m", "dormouse", "train", "--preset", "tiny", "--steps", "2",
+                            "--out", str(tmp_path / "run"), "--set", "model.max_iter=3"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-2000:]
+    config = tmp_path / "run" / "run.json"
+    gate = subprocess.run([sys.executable, "-m", "dormouse", "pipeline", "--config", str(config), "--steps", "4",
+                           "--out", str(tmp_path / "gate"), "--quiet"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert gate.returncode == 0, gate.stdout[-3000:] + gate.stderr[-2000:]
+    assert "gate verdict" in gate.stdout and ": PASS" in gate.stdout
+    verdict = json.loads((tmp_path / "gate" / "verdict.json").read_text())
+    assert verdict["pass"] and verdict["settings"]["config"] == str(config)
+    assert load_meta(tmp_path / "gate", "rank0")["config"]["model"]["max_iter"] == 3

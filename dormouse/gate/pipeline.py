@@ -19,7 +19,8 @@ from dormouse.errors import DormouseError
 from dormouse.gate.judge import Verdict, judge
 from dormouse.gate.presenting import VERDICT_FILE, format_verdict, write_verdict
 from dormouse.gate.produce import SETS, Log, ensure_all, locked, status
-from dormouse.gate.settings import ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError, check
+from dormouse.gate.settings import (ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
+                                    add_arguments, check)
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 EXECUTED_DIR = ARTIFACTS / "notebooks"
@@ -135,9 +136,13 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
 
 def _cli() -> argparse.ArgumentParser:
     a = argparse.ArgumentParser(
-        prog="python -m dormouse.gate.pipeline",
-        description="Run notebooks 01-04 under papermill; executed copies, figures and verdict.json "
-                    "go to artifacts/. Exit 0 when the gate passes, 1 when it fails, 2 on bad input.")
+        prog="dormouse pipeline",
+        description="Run notebooks 01-04 under papermill with the gate's settings (every `dormouse gate` "
+                    "flag, or -p NAME VALUE); executed copies, figures and verdict.json go to the out dir. "
+                    "Exit 0 when the gate passes, 1 when it fails, 2 on bad input, 3 when a notebook crashed.")
+    add_arguments(a, skip=("out",), given_only=True)
+    a.add_argument("--out", dest="out", default=argparse.SUPPRESS,
+                   help="artifact directory (default: <repository>/artifacts/gate)")
     a.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                    help="a notebook parameter (papermill's conversion), e.g. -p world 3 -p capacity 4,2,1")
     a.add_argument("-r", "--raw", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _cli().parse_args(argv)
     overrides = {k: parse_value(v) for k, v in args.parameter}
     overrides.update({k: v for k, v in args.raw})
+    overrides.update({k: getattr(args, k) for k in FIELDS if hasattr(args, k)})
     if not args.quiet:
         import logging
 
@@ -179,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     except GateFailed as e:
         print(e)
         return 1
+    except NotebookFailed as e:  # a notebook (a fleet, a reference) crashed: not the verdict, not the input
+        print(f"crashed: {e}", file=sys.stderr)
+        return 3
     except DormouseError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         print("interrupted: the running notebook's kernel (and any fleet it launched) was stopped",
               file=sys.stderr)

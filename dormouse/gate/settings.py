@@ -47,7 +47,7 @@ class GateSettings:
 
     out: str = ""  # artifact directory (empty: <repository>/artifacts/gate; a relative path is from the repo root)
     steps: int = 20  # optimizer steps of the fleet's run (and of every reference)
-    batch: int = 2  # windows per rank when capacity is ""
+    batch: int = 2  # windows per rank when capacity is empty
     world: int = 2  # ranks in the fleet (torchrun's --nproc_per_node)
     capacity: str = "4,2"  # per-rank profile, one B or BxT per rank, e.g. 4,2 (empty: batch on every rank)
     seed: int = 7  # seeds the model's initialisation and the data order, the same in every mode
@@ -225,16 +225,18 @@ def resolve_out(out) -> Path:
 # --------------------------------------------------------------------------- the command line
 
 
-def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), given_only: bool = False) -> None:
     """One flag per field (--micro-batch for micro_batch), typed, with the
-    field's comment as help and its default shown."""
+    field's comment as help and its default shown. given_only: flags not
+    given are absent from the namespace (to pass on only what was said)."""
     comments = _field_comments()
     for f in fields(GateSettings):
-        if f.name in skip or f.name in _NOT_FLAGS:
+        if f.name in skip or (f.name in _NOT_FLAGS and not given_only):
             continue
         kind = {"int": _int_arg, "float": _float_arg, "str": str, "bool": _bool_arg}[f.type]
-        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=f.default,
-                       help=comments.get(f.name, "") + " (default: %(default)r)")
+        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind,
+                       default=argparse.SUPPRESS if given_only else f.default,
+                       help=comments.get(f.name, "") + f" (default: {f.default!r})")
 
 
 def from_args(args: argparse.Namespace) -> GateSettings:
