@@ -200,3 +200,19 @@ def test_capacity_dropping_moe_forced_past_the_refusal_fails(tmp_path):
     v = gate(GateSettings(out=str(tmp_path), steps=3).validate(), "capacity_moe", everywhere=True)
     assert not v.passed
     assert not v.check("window").passed and "depends on which windows share a batch" in v.check("window").reason
+
+
+def test_verdict_json_follows_its_published_schema_and_the_schema_rejects_a_broken_one(clean, tmp_path):
+    import jsonschema
+
+    from dormouse.gate.presenting import write_verdict
+    from dormouse.gate.settings import REPO_ROOT
+
+    schema = json.loads((REPO_ROOT / "docs" / "verdict.schema.json").read_text())
+    path = write_verdict(judge(clean["default"]), tmp_path)
+    verdict = json.loads(path.read_text())
+    jsonschema.validate(verdict, schema)
+    assert verdict["schema"] == 1 and len(verdict["provenance"]["source"]) == 64
+    verdict["checks"]["gradref"]["pass"] = "yes"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(verdict, schema)

@@ -197,6 +197,7 @@ class GateSettings:
 
 
 _NOT_FLAGS = ("timeout_s", "produce")
+DEFAULTS = GateSettings()
 FIELDS = tuple(f.name for f in fields(GateSettings))
 
 
@@ -240,7 +241,10 @@ def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), giv
 
 
 def from_args(args: argparse.Namespace) -> GateSettings:
-    return GateSettings(**{k: getattr(args, k) for k in FIELDS if hasattr(args, k)}).validate()
+    given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
+    if given.get("world", DEFAULTS.world) != DEFAULTS.world and given.get("capacity") == DEFAULTS.capacity:
+        given["capacity"] = ""  # the default profile is for the default world: the batch on every rank
+    return GateSettings(**given).validate()
 
 
 def check(**given) -> GateSettings:

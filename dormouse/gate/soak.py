@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dormouse.errors import FleetError
 from dormouse.gate.launcher import launch_fleet
-from dormouse.gate.modes import GateSettings
+from dormouse.gate.settings import GateSettings
 
 ABORT = "terminate called"
 
@@ -34,7 +34,8 @@ def soak(launches: int, root: Path, *, world: int = 2, steps: int = 3, log=print
         shard = "fsdp" if i % 2 else "none"
         lines: list[str] = []
         try:
-            launch_fleet(GateSettings(out=str(root / f"launch{i}"), steps=steps, world=world, shard=shard),
+            launch_fleet(GateSettings(out=str(root / f"launch{i}"), steps=steps, world=world, capacity="", shard=shard,
+                                      resume_world=0),
                          timeout_s=120, stream=lines.append)
             error = next((l for l in lines if ABORT in l), None)
         except FleetError as e:
