@@ -28,7 +28,7 @@ STATE_DTYPES = ("float32", "bfloat16")
 MUON_VARIANTS = ("muon", "normuon")
 MUON_SHAPE_RULES = ("original", "match_rms_adamw")
 SCHEDULES = ("constant", "cosine")
-DIST_REDUCES = ("fp32", "bf16")
+DIST_REDUCES = ("fp32", "bf16", "exact")
 DIST_SHARDS = ("none", "fsdp")
 
 
@@ -131,6 +131,7 @@ class TrainConfig:
     seed: int = 0  # seeds model initialisation when the run builds the model
     steps: int = 200  # optimizer steps
     batch: int = 4  # windows per step (per rank in a fleet without dist_capacity)
+    micro_batch: int = 0  # windows per forward/backward slice, dividing each rank's batch (0 = all)
     seq_len: int = 64  # tokens per window; at most model.max_seq_len
     lr: float = 3e-3  # peak learning rate, shared by the Muon and AdamW groups
     schedule: str = "constant"  # learning-rate shape after warm-up: constant | cosine
@@ -162,7 +163,7 @@ class TrainConfig:
     resume_from: str = ""  # continue from this checkpoint (.pt file or .dcp dir), any topology
     dist: bool = False  # this run is one rank of a torch.distributed fleet
     dist_capacity: str = ""  # per-rank shapes, e.g. "4,2" or "4x32,2x64" ("" = batch each)
-    dist_reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 (exact) | bf16
+    dist_reduce: str = "fp32"  # fp32 | bf16 ring all-reduce | exact: a fixed tree over slices
     dist_shard: str = "none"  # none = replicated parameters; fsdp = FSDP2 fully_shard
     dist_bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket (MiB)
 
@@ -170,7 +171,7 @@ class TrainConfig:
         _check_types(self)
         for name in ("steps", "batch", "seq_len", "ns_steps", "log_every"):
             _positive(self, name)
-        for name in ("warmup", "eval_every", "ckpt_every", "seed"):
+        for name in ("warmup", "eval_every", "ckpt_every", "seed", "micro_batch"):
             _non_negative(self, name)
         for name, allowed in (
             ("opt", OPTIMIZERS), ("ns_kind", NS_KINDS), ("ns_dtype", NS_DTYPES),
@@ -187,6 +188,11 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"train.{name} = {value} must be a finite number >= 0")
+        if self.micro_batch and not self.dist_capacity and self.batch % self.micro_batch:
+            raise ConfigError(
+                f"train.micro_batch = {self.micro_batch} does not divide train.batch = {self.batch}: "
+                "choose a divisor of the batch, or 0 for one slice"
+            )
         if not self.lr > 0:
             raise ConfigError(f"train.lr = {self.lr} must be > 0")
         for name in ("adam_beta1", "adam_beta2", "muon_momentum", "min_lr_frac"):

@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from dormouse.config import RunConfig, TrainConfig
 from dormouse.errors import FleetError
-from dormouse.train.data import RankShape, rank_byte_offset
+from dormouse.train.data import RankShape, rank_byte_offset, slice_counts
+from dormouse.train.exact import flat_grads, put_grads, split_stats, stats_row, take_grads, tree_sum
 from dormouse.train.loop import build_model, train
 from dormouse.train.tensors import fingerprint, named_state
 
@@ -116,6 +117,17 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> list[
         if any(hasattr(p, "placements") for p in model.parameters()):
             raise FleetError("the pre-built model is already sharded: pass the plain model; train_dist shards it")
     shapes = parse_capacity(t.dist_capacity, world_size=world_size, cfg=t, max_seq_len=m.max_seq_len)
+    if t.micro_batch and any(s.batch % t.micro_batch for s in shapes):
+        raise FleetError(
+            f"train.micro_batch = {t.micro_batch} does not divide every rank's batch "
+            f"{[s.batch for s in shapes]}: choose a micro_batch that divides each (or 0 for one slice per rank)"
+        )
+    if t.dist_reduce == "exact" and t.dist_shard == "fsdp":
+        raise FleetError(
+            "train.dist_reduce = 'exact' with dist_shard = 'fsdp': FSDP2 adds a rank's micro-batch "
+            "gradients with += before its reduce-scatter, so the sum cannot follow the fixed slice tree; "
+            "use dist_shard = 'none' for exact runs, or dist_reduce = 'fp32' with fsdp"
+        )
     return shapes
 
 
@@ -124,25 +136,47 @@ class FleetSync:
 
     Replicated: parameters are cut into buckets of about bucket_mb, in REVERSE
     order (backward produces the output end's gradients first). Once `attach`
-    has hooked the model, a bucket's all-reduce starts during backward as soon
-    as its last gradient has arrived, so communication overlaps the rest of
-    backward (as DDP does). Buckets are always launched in index order, and the
-    loss/loads all-reduce after the last bucket, so every rank issues the same
+    has hooked the model, a bucket's collective starts during the backward of
+    the rank's LAST slice as soon as that backward has delivered the bucket's
+    last gradient, so communication overlaps the rest of backward (as DDP
+    does). Buckets are always launched in index order, and the loss/loads
+    collective after the last bucket, so every rank issues the same
     collectives in the same order whatever gradients it happens to have: a
     bucket holding a parameter without a gradient waits for `reduce`, which
     sends a zero in its place.
+
+    The buckets and hooks are shared by both ways of combining:
+
+    - fp32 / bf16: autograd accumulates the rank's slices in p.grad; each
+      bucket is all-reduced (SUM) in the wire dtype, in the backend's order.
+    - exact: after each slice but the last, `slice_done` takes every bucket's
+      gradient into a float32 buffer of that slice (the last slice's is read
+      from p.grad by the hook). A bucket of P values (padded to W*C) goes out
+      by one all_to_all_single: rank c receives chunk c (C values) of every
+      global slice, in global slice order, sums the N rows by `tree_sum`, and
+      an all_gather returns the summed chunks to every rank. Per step a rank
+      sends n_r * P (W-1)/W and receives N * P / W + P (W-1)/W values (n_r its
+      slices, N the fleet's): the ring's bandwidth when every rank has one
+      slice. The stats rows ([t_i L_i / T, loads_i]) are all-gathered and
+      tree-summed the same way.
     """
 
     def __init__(self, shapes: list[RankShape], rank: int, world_size: int, *,
-                 reduce: str, sharded: bool, bucket_mb: float):
+                 reduce: str, sharded: bool, bucket_mb: float, micro_batch: int = 0):
         self.shapes, self.mine = shapes, [rank]
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
         self.sharded = sharded
+        self.exact = reduce == "exact"
         self.wire = torch.bfloat16 if reduce == "bf16" else torch.float32
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.counts = slice_counts(shapes, micro_batch)  # every rank's number of slices
+        self.n_local = self.counts[rank]
         self._buckets: list[list[torch.Tensor]] = []
-        self._arrived: list[int] = []
+        self._arrived: list[int] = []  # gradients each bucket received in the current backward
         self._launched: list[tuple[torch.Tensor, object]] = []
+        self._done = 0  # this step's slices whose backward has finished
+        self._slices: list[list[torch.Tensor]] = []  # exact: per bucket, the finished slices' vectors
+        self._stats: list[torch.Tensor] = []  # exact: the rank's slices' stats rows
         self._hooks: list = []
 
     def attach(self, model) -> None:
@@ -150,11 +184,16 @@ class FleetSync:
         (until `detach`: the model must not reach for the fleet afterwards)."""
         if self.sharded:
             return  # FSDP2 reduce-scatters during backward itself
-        self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
-        self._arrived = [0] * len(self._buckets)
+        self._ensure_buckets(model)
         for i, bucket in enumerate(self._buckets):
             for p in bucket:
                 self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, i)))
+
+    def _ensure_buckets(self, model) -> None:
+        if not self._buckets:
+            self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
+            self._arrived = [0] * len(self._buckets)
+            self._slices = [[] for _ in self._buckets]
 
     def detach(self) -> None:
         for handle in self._hooks:
@@ -173,47 +212,93 @@ class FleetSync:
                 "checkpoint (a shared out_dir, or resume_from pointing at the same file)"
             )
 
+    def slice_done(self, model, index: int, loss_part: torch.Tensor, loads: torch.Tensor) -> None:
+        """One of this rank's slices has run its backward (exact: keep its
+        gradient apart unless it is the last, whose buckets the hooks send)."""
+        if self.exact:
+            self._stats.append(stats_row(loss_part, loads))
+            if not self.sharded and self._done < self.n_local - 1:
+                self._ensure_buckets(model)
+                for i, bucket in enumerate(self._buckets):
+                    self._slices[i].append(take_grads(bucket))
+        self._done += 1
+        self._arrived = [0] * len(self._arrived)
+
     def _grad_arrived(self, i: int, _param) -> None:
         self._arrived[i] += 1
-        # Launch, in index order, every bucket whose gradients are all in
-        # (each of this process's slices runs one backward).
+        if self._done != self.n_local - 1:
+            return  # only the last slice's backward completes the rank's sum
+        # Launch, in index order, every bucket whose gradients are all in.
         while (len(self._launched) < len(self._buckets)
-               and self._arrived[len(self._launched)] == len(self._buckets[len(self._launched)]) * len(self.mine)):
+               and self._arrived[len(self._launched)] == len(self._buckets[len(self._launched)])):
             self._launch(len(self._launched))
 
     def _launch(self, i: int) -> None:
-        flat = self._flatten(self._buckets[i])
-        self._launched.append((flat, dist.all_reduce(flat, async_op=True)))
-
-    def _flatten(self, bucket: list[torch.Tensor]) -> torch.Tensor:
-        """One bucket's gradients as one wire-dtype vector (a missing one is zeros)."""
-        return torch.cat([p.grad.reshape(-1) if p.grad is not None
-                          else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                          for p in bucket]).to(self.wire)
+        bucket = self._buckets[i]
+        if not self.exact:
+            flat = flat_grads(bucket, self.wire)
+            self._launched.append((flat, dist.all_reduce(flat, async_op=True)))
+            return
+        rows = torch.stack([*self._slices[i], flat_grads(bucket)])  # (n_local, P), global slice order
+        self._slices[i] = []
+        chunk = -(-rows.shape[1] // self.world_size)  # C: pad P to W * C
+        rows = torch.nn.functional.pad(rows, (0, chunk * self.world_size - rows.shape[1]))
+        send = rows.view(self.n_local, self.world_size, chunk).transpose(0, 1).reshape(-1)
+        recv = torch.empty(sum(self.counts) * chunk, dtype=rows.dtype, device=rows.device)
+        work = dist.all_to_all_single(recv, send, output_split_sizes=[n * chunk for n in self.counts],
+                                      input_split_sizes=[self.n_local * chunk] * self.world_size, async_op=True)
+        self._launched.append((recv, work))
 
     def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """SUM gradients (unless FSDP already did), the loss share and the loads."""
+        """Combine gradients (unless FSDP already did), the loss share and the loads."""
         if not self.sharded:
-            if not self._buckets:  # not attached: no overlap, same collectives
-                self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
-                self._arrived = [0] * len(self._buckets)
+            self._ensure_buckets(model)  # not attached: no overlap, same collectives
             while len(self._launched) < len(self._buckets):
                 self._launch(len(self._launched))
-        stats = torch.cat([loss_share.reshape(1).double(), loads.reshape(-1).double().to(loss_share.device)])
-        stats_work = dist.all_reduce(stats, async_op=True)
-        for bucket, (flat, work) in zip(self._buckets, self._launched):
-            work.wait()
-            offset = 0
-            for p in bucket:
-                g = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
-                offset += p.numel()
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+        if self.exact:
+            stats_work, stats = self._gather_stats()
+            grads = self._exact_gradients()
+        else:
+            stats = stats_row(loss_share, loads)
+            stats_work = dist.all_reduce(stats, async_op=True)
+            grads = []
+            for flat, work in self._launched:
+                work.wait()
+                grads.append(flat)
+        for bucket, flat in zip(self._buckets, grads):
+            put_grads(bucket, flat)
         stats_work.wait()
-        self._launched, self._arrived = [], [0] * len(self._buckets)
-        return float(stats[0]), stats[1:].view_as(loads).to(loads.dtype)
+        if self.exact:
+            stats = tree_sum(self._own_rows(stats))
+        self._launched, self._arrived, self._done, self._stats = [], [0] * len(self._buckets), 0, []
+        return split_stats(stats, loads)
+
+    def _exact_gradients(self) -> list[torch.Tensor]:
+        """Each bucket: tree-sum the received chunk of every slice, all-gather the sums."""
+        gathers = []
+        for bucket, (recv, work) in zip(self._buckets, self._launched):
+            work.wait()
+            mine = tree_sum(recv.view(sum(self.counts), -1))
+            whole = torch.empty(mine.numel() * self.world_size, dtype=mine.dtype, device=mine.device)
+            gathers.append((whole, dist.all_gather_into_tensor(whole, mine, async_op=True)))
+        out = []
+        for bucket, (whole, work) in zip(self._buckets, gathers):
+            work.wait()
+            out.append(whole[:sum(p.numel() for p in bucket)])
+        return out
+
+    def _gather_stats(self):
+        """All-gather every rank's stats rows, padded to the most slices any rank has."""
+        most = max(self.counts)
+        rows = torch.stack(self._stats)
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, most - rows.shape[0]))
+        out = torch.empty(self.world_size * most, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        return dist.all_gather_into_tensor(out, rows, async_op=True), out
+
+    def _own_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The gathered stats rows without padding: (N, 1 + loads), in global slice order."""
+        most = max(self.counts)
+        return torch.cat([gathered[r * most:r * most + n] for r, n in enumerate(self.counts)])
 
     def _bucket(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Parameters in reverse order, about bucket_bytes per bucket: the same on every rank."""
@@ -272,7 +357,7 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
 
     if run.train.dist_shard == "fsdp":
         model = _shard(model, device_type, world_size, run.train.dist_reduce)
-    sync = FleetSync(shapes, rank, world_size, reduce=run.train.dist_reduce,
+    sync = FleetSync(shapes, rank, world_size, reduce=run.train.dist_reduce, micro_batch=run.train.micro_batch,
                      sharded=run.train.dist_shard == "fsdp", bucket_mb=run.train.dist_bucket_mb)
     sync.attach(model)
     if rank == 0:
