@@ -158,3 +158,19 @@ def test_one_ulp_in_one_slice_is_seen_by_the_exact_reference(tmp_path, monkeypat
 
     monkeypatch.setattr(loop, "take_grads", nudged)
     assert differing(single(tmp_path / "nudged", ns="float32"), ref)
+
+
+def test_a_micro_batch_that_does_not_divide_a_rank_and_exact_under_fsdp_are_refused(tmp_path):
+    from dormouse.errors import ConfigError, FleetError
+    from dormouse.train.distributed import refuse_incompatible
+
+    run = make_run(tmp_path, steps=1, batch=2, capacity="3,2", dist=True, reduce="exact")
+    run.train = dataclasses.replace(run.train, micro_batch=2)
+    with pytest.raises(FleetError, match=r"micro_batch = 2 does not divide every rank's batch \[3, 2\]"):
+        refuse_incompatible(run, world_size=2)
+    run.train = dataclasses.replace(run.train, micro_batch=1, dist_shard="fsdp")
+    with pytest.raises(FleetError, match="use dist_shard = 'none' for exact runs"):
+        refuse_incompatible(run, world_size=2)
+    run.train = dataclasses.replace(run.train, micro_batch=2)
+    with pytest.raises(ConfigError, match=r"does not divide the batch of slice\(s\) \[0\]"):
+        LocalSync(run, [RankShape(3, 64), RankShape(2, 64)])
