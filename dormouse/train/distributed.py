@@ -236,10 +236,10 @@ class FleetSync:
     def _launch(self, i: int) -> None:
         bucket = self._buckets[i]
         if not self.exact:
-            flat = flat_grads(bucket, self.wire)
+            flat = self._flatten(bucket)
             self._launched.append((flat, dist.all_reduce(flat, async_op=True)))
             return
-        rows = torch.stack([*self._slices[i], flat_grads(bucket)])  # (n_local, P), global slice order
+        rows = torch.stack([*self._slices[i], self._flatten(bucket)])  # (n_local, P), global slice order
         self._slices[i] = []
         chunk = -(-rows.shape[1] // self.world_size)  # C: pad P to W * C
         rows = torch.nn.functional.pad(rows, (0, chunk * self.world_size - rows.shape[1]))
@@ -248,6 +248,10 @@ class FleetSync:
         work = dist.all_to_all_single(recv, send, output_split_sizes=[n * chunk for n in self.counts],
                                       input_split_sizes=[self.n_local * chunk] * self.world_size, async_op=True)
         self._launched.append((recv, work))
+
+    def _flatten(self, bucket: list[torch.Tensor]) -> torch.Tensor:
+        """One bucket's gradients as one wire-dtype vector (a missing one is zeros)."""
+        return flat_grads(bucket, self.wire)
 
     def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
         """Combine gradients (unless FSDP already did), the loss share and the loads."""
@@ -280,7 +284,7 @@ class FleetSync:
             work.wait()
             mine = tree_sum(recv.view(sum(self.counts), -1))
             whole = torch.empty(mine.numel() * self.world_size, dtype=mine.dtype, device=mine.device)
-            gathers.append((whole, dist.all_gather_into_tensor(whole, mine, async_op=True)))
+            gathers.append((whole, dist.all_gather_single(whole, mine, async_op=True)))
         out = []
         for bucket, (whole, work) in zip(self._buckets, gathers):
             work.wait()
@@ -293,7 +297,7 @@ class FleetSync:
         rows = torch.stack(self._stats)
         rows = torch.nn.functional.pad(rows, (0, 0, 0, most - rows.shape[0]))
         out = torch.empty(self.world_size * most, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        return dist.all_gather_into_tensor(out, rows, async_op=True), out
+        return dist.all_gather_single(out, rows, async_op=True), out
 
     def _own_rows(self, gathered: torch.Tensor) -> torch.Tensor:
         """The gathered stats rows without padding: (N, 1 + loads), in global slice order."""
