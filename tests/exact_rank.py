@@ -30,9 +30,11 @@ def fleet_run(entry: dict):
 
 def main(plan_file: str) -> None:
     for entry in json.loads(Path(plan_file).read_text()):
-        report = train_dist(fleet_run(entry), log=lambda _: None, close=False)
+        run = fleet_run(entry)
+        report = train_dist(run, log=lambda _: None, close=False)
         out, r = Path(entry["out"]), report["rank"]
-        save_file(named_state(report["model"]), str(out / f"rank{r}.safetensors"))
+        state = named_state(report["model"], gather=run.train.dist_shard == "fsdp")  # FSDP2: whole tensors
+        save_file(state, str(out / f"rank{r}.safetensors"))
         (out / f"rank{r}.json").write_text(json.dumps({"losses": report["losses"], "world": report["world_size"],
                                                        "start_step": report["start_step"]}))
     close_fleet()

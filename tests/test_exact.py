@@ -58,10 +58,10 @@ def launch(world: int, plan: list[dict], base: Path) -> None:
 
 
 def entry(out: Path, *, batch: int, ns: str, capacity: str = "", reduce: str = "exact", steps: int = STEPS,
-          resume_from: str = "", micro: int = 1) -> dict:
+          resume_from: str = "", micro: int = 1, shard: str = "none") -> dict:
     Path(out).mkdir(parents=True, exist_ok=True)
     return {"out": str(out), "steps": steps, "batch": batch, "capacity": capacity, "lr": LR, "reduce": reduce,
-            "resume_from": resume_from, "train": {"micro_batch": micro, "ns_dtype": ns}}
+            "resume_from": resume_from, "train": {"micro_batch": micro, "ns_dtype": ns, "dist_shard": shard}}
 
 
 def differing(a: dict, b: dict) -> list[str]:
@@ -85,6 +85,8 @@ def fleets(tmp_path_factory) -> Path:
     two.append(entry(base / "w2_resumed", batch=2, ns="float32",
                      resume_from=str(base / "w4_ckpt10" / "ckpts" / "gate.pt")))
     two.append(entry(base / "w2_micro2", batch=2, ns="float32", micro=2))
+    four.append(entry(base / "w4_fsdp", batch=1, ns="float32", micro=0, shard="fsdp"))
+    two.append(entry(base / "w2_fsdp_uneven", batch=2, capacity="3,1", ns="float32", micro=0, shard="fsdp"))
     launch(4, four, base)
     launch(2, two, base)
     return base
@@ -124,6 +126,14 @@ def test_the_fp32_ring_at_four_ranks_is_close_but_not_bitwise_equal(fleets):
     assert 0 < dev < 1e-2  # the same training otherwise
 
 
+def test_fsdp_with_one_slice_per_rank_is_exact_too(fleets, tmp_path):
+    # Four ranks of one window: the same 4 slices as the replicated exact fleets and one process.
+    assert differing(fleet_result(fleets / "w4_fsdp", 3), fleet_result(fleets / "w4_float32", 0)) == []
+    # Uneven "3,1", one slice per rank: one process computing slices of 3 and 1 windows.
+    ref = single(tmp_path, ns="float32", micro=0, shapes=[RankShape(3, 64), RankShape(1, 64)])
+    assert differing(fleet_result(fleets / "w2_fsdp_uneven", 1), ref) == []
+
+
 # In-process -----------------------------------------------------------------------------------
 
 def test_tree_sum_is_the_fixed_pairwise_tree_of_the_slice_count():
@@ -160,7 +170,7 @@ def test_one_ulp_in_one_slice_is_seen_by_the_exact_reference(tmp_path, monkeypat
     assert differing(single(tmp_path / "nudged", ns="float32"), ref)
 
 
-def test_a_micro_batch_that_does_not_divide_a_rank_and_exact_under_fsdp_are_refused(tmp_path):
+def test_a_micro_batch_that_does_not_divide_a_rank_and_several_slices_under_fsdp_are_refused(tmp_path):
     from dormouse.errors import ConfigError, FleetError
     from dormouse.train.distributed import refuse_incompatible
 
@@ -169,8 +179,10 @@ def test_a_micro_batch_that_does_not_divide_a_rank_and_exact_under_fsdp_are_refu
     with pytest.raises(FleetError, match=r"micro_batch = 2 does not divide every rank's batch \[3, 2\]"):
         refuse_incompatible(run, world_size=2)
     run.train = dataclasses.replace(run.train, micro_batch=1, dist_shard="fsdp")
-    with pytest.raises(FleetError, match="use dist_shard = 'none' for exact runs"):
+    with pytest.raises(FleetError, match="micro_batch = 1 gives a rank several slices, which FSDP2 adds"):
         refuse_incompatible(run, world_size=2)
+    run.train = dataclasses.replace(run.train, micro_batch=0)
+    refuse_incompatible(run, world_size=2)  # one slice per rank: exact under FSDP2
     run.train = dataclasses.replace(run.train, micro_batch=2)
     with pytest.raises(ConfigError, match=r"does not divide the batch of slice\(s\) \[0\]"):
         LocalSync(run, [RankShape(3, 64), RankShape(2, 64)])

@@ -20,12 +20,24 @@ L_r * t_r / T, so the fleet only SUMs:
   rest of backward). Every parameter takes part on
   every rank (a missing gradient is a zero), so the collectives never depend on
   which experts a rank's tokens happened to choose.
+- exact (dist_reduce="exact", replicated only): every slice of the global
+  batch (micro-batches of train.micro_batch windows, numbered in rank order)
+  keeps its own float32 gradient, and the fleet sums the N slices by the
+  fixed pairwise tree of exact.py, the same function of N alone that LocalSync
+  applies in one process: all_to_all_single gives rank c chunk c of every
+  slice, rank c tree-sums it, all_gather returns the sums. So the result is
+  bitwise the single process's over the same slices, at any world size and
+  any profile with the same slices ("3,1" and "2,2" and one process at batch 4).
 - sharded (dist_shard="fsdp"): FSDP2 `fully_shard` reduce-scatters the same SUM
   during backward (divide factor 1, sum-only reduction, unused parameters
   reduced as zeros); MixOptimizer gathers each hidden matrix for Newton-Schulz.
+  With exact, one slice per rank: a custom reduce-scatter (all_to_all_single,
+  then tree_sum over the W ranks' chunks) sums the ranks' slices by the tree;
+  several slices per rank are refused, because FSDP2 adds a rank's
+  micro-batches into its gradient with += before reduce-scattering.
 
-The logged loss sum_r t_r L_r / T and the MoE expert loads (which move the
-routing bias) are summed the same way, so they are identical on every rank and
+The logged loss sum_i t_i L_i / T and the MoE expert loads (which move the
+routing bias) are summed the same way (exact: by the same tree over slices), so they are identical on every rank and
 equal to the single process's.
 """
 
@@ -122,11 +134,11 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> list[
             f"train.micro_batch = {t.micro_batch} does not divide every rank's batch "
             f"{[s.batch for s in shapes]}: choose a micro_batch that divides each (or 0 for one slice per rank)"
         )
-    if t.dist_reduce == "exact" and t.dist_shard == "fsdp":
+    if t.dist_reduce == "exact" and t.dist_shard == "fsdp" and max(slice_counts(shapes, t.micro_batch)) > 1:
         raise FleetError(
-            "train.dist_reduce = 'exact' with dist_shard = 'fsdp': FSDP2 adds a rank's micro-batch "
-            "gradients with += before its reduce-scatter, so the sum cannot follow the fixed slice tree; "
-            "use dist_shard = 'none' for exact runs, or dist_reduce = 'fp32' with fsdp"
+            f"train.dist_reduce = 'exact' with dist_shard = 'fsdp' and micro_batch = {t.micro_batch} gives a "
+            "rank several slices, which FSDP2 adds with += before its reduce-scatter, off the fixed slice "
+            "tree: use micro_batch = 0 (one slice per rank), or dist_shard = 'none' for micro-batches"
         )
     return shapes
 
@@ -154,10 +166,10 @@ class FleetSync:
       from p.grad by the hook). A bucket of P values (padded to W*C) goes out
       by one all_to_all_single: rank c receives chunk c (C values) of every
       global slice, in global slice order, sums the N rows by `tree_sum`, and
-      an all_gather returns the summed chunks to every rank. Per step a rank
-      sends n_r * P (W-1)/W and receives N * P / W + P (W-1)/W values (n_r its
-      slices, N the fleet's): the ring's bandwidth when every rank has one
-      slice. The stats rows ([t_i L_i / T, loads_i]) are all-gathered and
+      an all_gather returns the summed chunks to every rank. Per step and
+      bucket a rank sends (n_r + 1) P (W-1)/W values and receives
+      (N - n_r) P/W + P (W-1)/W (n_r its slices, N the fleet's): with one
+      slice per rank, 2 P (W-1)/W each way, a ring all-reduce's bandwidth. The stats rows ([t_i L_i / T, loads_i]) are all-gathered and
       tree-summed the same way.
     """
 
@@ -401,7 +413,29 @@ def _shard(model, device_type: str, world_size: int, reduce: str):
     model.set_gradient_divide_factor(1.0)  # the loss already carries t_r / T: plain SUM
     model.set_force_sum_reduction_for_comms(True)
     model.set_reduce_scatter_unused_params(True)  # a missing gradient is a zero, never a skipped collective
+    if reduce == "exact":
+        model.set_custom_reduce_scatter(_tree_reduce_scatter())
     return model
+
+
+def _tree_reduce_scatter():
+    """FSDP2's reduce-scatter as the exact reduce over one slice per rank: an
+    all_to_all_single gives rank c chunk c of every rank's gradient, in rank
+    order, and rank c keeps their `tree_sum` (the tree over W slices that
+    LocalSync applies to W micro-batches). Same bandwidth as a reduce-scatter."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class TreeReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            recv = torch.empty_like(input_tensor)
+            dist.all_to_all_single(recv, input_tensor, group=group)
+            output_tensor.copy_(tree_sum(recv.view(group.size(), -1)))
+            return None
+
+    return TreeReduceScatter()
 
 
 def close_fleet() -> None:
