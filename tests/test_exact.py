@@ -186,3 +186,19 @@ def test_a_micro_batch_that_does_not_divide_a_rank_and_several_slices_under_fsdp
     run.train = dataclasses.replace(run.train, micro_batch=2)
     with pytest.raises(ConfigError, match=r"does not divide the batch of slice\(s\) \[0\]"):
         LocalSync(run, [RankShape(3, 64), RankShape(2, 64)])
+
+
+def test_fleetsync_exact_sums_five_uneven_slices_by_the_tree_with_missing_gradients(tmp_path):
+    # Ranks hold 2, 1, 2 slices; b's gradient exists only in slices 1 and 3.
+    # Buckets go out during a rank's LAST slice's backward: rank 0's (slice 1)
+    # completes all three; on ranks 1 and 2 the last slice lacks b, so [b] and
+    # [a] after it wait for reduce() (b as zeros), in the same order everywhere.
+    script = str(Path(__file__).with_name("exact_sync_rank.py"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", script, str(tmp_path)]
+    done = subprocess.run(cmd, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert all(r["slices"] == [0, 1, 2, 3, 4] for r in ranks)
+    assert [r["launched_in_last_backward"] for r in ranks] == [3, 1, 1]
+    assert all(r["exact"] for r in ranks)
