@@ -4,16 +4,18 @@ With dist_reduce="exact" and micro_batch=1 a run depends only on the global
 batch (4 windows) and the micro-batch: one process (LocalSync, 4 slices),
 2 ranks x 2 and 4 ranks x 1 end bitwise equal, every parameter, buffer and
 logged loss, at lr 1e-2 over 20 steps (where the fp32 ring's round-off has
-grown far beyond one ulp). An uneven profile "3,1" equals "2,2", and a
+grown far beyond one ulp), and 3 ranks "2,1,1" over 50 steps equal one
+process too. An uneven profile "3,1" equals "2,2", and a
 checkpoint written by 4 ranks at step 10 resumes on 2 ranks to the same bits.
-The fp32 ring at 4 ranks over the same slices is NOT bitwise equal: the check
-can fail. One torchrun launch per world size carries all its runs (a plan).
+FSDP2 with one slice per rank is exact too. The fp32 ring at 4 ranks over the
+same slices is NOT bitwise equal: the check can fail. One torchrun launch per world size carries all its runs (a plan).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +35,9 @@ LR, STEPS = 1e-2, 20
 NS = ("float32", "bfloat16")  # Newton-Schulz dtype: the gate's and torch's
 
 
-def single(out: Path, *, ns: str, micro: int = 1, reduce: str = "exact", shapes=None) -> dict:
+def single(out: Path, *, ns: str, micro: int = 1, reduce: str = "exact", shapes=None, steps: int = STEPS) -> dict:
     """The exact reference: one process, global batch 4, in slices of `micro` windows."""
-    run = make_run(out, steps=STEPS, batch=4, lr=LR, reduce=reduce)
+    run = make_run(out, steps=steps, batch=4, lr=LR, reduce=reduce)
     run.train = dataclasses.replace(run.train, micro_batch=micro, ns_dtype=ns)
     model = build_model(run)
     report = train(model, run, log=lambda _: None, sync=LocalSync(run, shapes))
@@ -53,7 +55,7 @@ def launch(world: int, plan: list[dict], base: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", RANK,
            str(plan_file)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
@@ -73,7 +75,7 @@ def differing(a: dict, b: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fleets(tmp_path_factory) -> Path:
-    """Every fleet of this module: one world-4 launch, then one world-2 launch."""
+    """Every fleet of this module: one launch per world size (4, 3, then 2)."""
     base = tmp_path_factory.mktemp("exact")
     four, two = [], []
     for ns in NS:
@@ -87,7 +89,9 @@ def fleets(tmp_path_factory) -> Path:
     two.append(entry(base / "w2_micro2", batch=2, ns="float32", micro=2))
     four.append(entry(base / "w4_fsdp", batch=1, ns="float32", micro=0, shard="fsdp"))
     two.append(entry(base / "w2_fsdp_uneven", batch=2, capacity="3,1", ns="float32", micro=0, shard="fsdp"))
+    three = [entry(base / "w3_uneven50", batch=1, capacity="2,1,1", ns="float32", steps=50)]
     launch(4, four, base)
+    launch(3, three, base)
     launch(2, two, base)
     return base
 
@@ -101,6 +105,11 @@ def test_one_process_two_ranks_and_four_ranks_end_bitwise_equal(fleets, tmp_path
             assert got["world"] == world
             assert differing(got, ref) == [], f"world {world} rank {r}"
     assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0] - 0.5  # it trained
+
+
+def test_three_uneven_ranks_over_fifty_steps_equal_one_process(fleets, tmp_path):
+    ref = single(tmp_path, ns="float32", steps=50)
+    assert differing(fleet_result(fleets / "w3_uneven50", 2), ref) == []
 
 
 def test_uneven_profile_trains_bitwise_like_the_even_one(fleets):
@@ -195,7 +204,7 @@ def test_fleetsync_exact_sums_five_uneven_slices_by_the_tree_with_missing_gradie
     # [a] after it wait for reduce() (b as zeros), in the same order everywhere.
     script = str(Path(__file__).with_name("exact_sync_rank.py"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", script, str(tmp_path)]
-    done = subprocess.run(cmd, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
