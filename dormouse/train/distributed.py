@@ -55,7 +55,7 @@ import torch.distributed as dist
 from dormouse.config import RunConfig, TrainConfig
 from dormouse.errors import FleetError
 from dormouse.train.data import RankShape, rank_byte_offset, slice_counts
-from dormouse.train.exact import flat_grads, put_grads, split_stats, stats_row, take_grads, tree_sum
+from dormouse.train.exact import flat_grads, put_grads, split_stats, stats_row, tree_sum
 from dormouse.train.loop import build_model, train
 from dormouse.train.tensors import fingerprint, named_state
 
@@ -232,7 +232,9 @@ class FleetSync:
             if not self.sharded and self._done < self.n_local - 1:
                 self._ensure_buckets(model)
                 for i, bucket in enumerate(self._buckets):
-                    self._slices[i].append(take_grads(bucket))
+                    self._slices[i].append(self._flatten(bucket))
+                    for p in bucket:
+                        p.grad = None  # the next slice's backward starts from nothing
         self._done += 1
         self._arrived = [0] * len(self._arrived)
 
@@ -262,7 +264,8 @@ class FleetSync:
         self._launched.append((recv, work))
 
     def _flatten(self, bucket: list[torch.Tensor]) -> torch.Tensor:
-        """One bucket's gradients as one wire-dtype vector (a missing one is zeros)."""
+        """One bucket's gradients as one wire-dtype vector (a missing one is zeros):
+        every gradient this rank contributes, each slice's under exact, passes here."""
         return flat_grads(bucket, self.wire)
 
     def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
