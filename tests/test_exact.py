@@ -87,6 +87,8 @@ def fleets(tmp_path_factory) -> Path:
     two.append(entry(base / "w2_resumed", batch=2, ns="float32",
                      resume_from=str(base / "w4_ckpt10" / "ckpts" / "gate.pt")))
     two.append(entry(base / "w2_micro2", batch=2, ns="float32", micro=2))
+    two.append(entry(base / "w2_buckets", batch=2, ns="float32"))
+    two[-1]["train"]["dist_bucket_mb"] = 0.05  # ~13 buckets, each its own all_to_all and all_gather
     four.append(entry(base / "w4_fsdp", batch=1, ns="float32", micro=0, shard="fsdp"))
     two.append(entry(base / "w2_fsdp_uneven", batch=2, capacity="3,1", ns="float32", micro=0, shard="fsdp"))
     three = [entry(base / "w3_uneven50", batch=1, capacity="2,1,1", ns="float32", steps=50)]
@@ -112,8 +114,10 @@ def test_three_uneven_ranks_over_fifty_steps_equal_one_process(fleets, tmp_path)
     assert differing(fleet_result(fleets / "w3_uneven50", 2), ref) == []
 
 
-def test_uneven_profile_trains_bitwise_like_the_even_one(fleets):
-    assert differing(fleet_result(fleets / "w2_uneven", 1), fleet_result(fleets / "w2_float32", 0)) == []
+def test_uneven_profile_and_many_small_buckets_train_bitwise_like_the_even_one_bucket_fleet(fleets):
+    even = fleet_result(fleets / "w2_float32", 0)
+    assert differing(fleet_result(fleets / "w2_uneven", 1), even) == []
+    assert differing(fleet_result(fleets / "w2_buckets", 1), even) == []
 
 
 def test_checkpoint_of_four_ranks_resumes_on_two_bitwise(fleets):
