@@ -90,6 +90,7 @@ def fleets(tmp_path_factory) -> Path:
     two.append(entry(base / "w2_buckets", batch=2, ns="float32"))
     two[-1]["train"]["dist_bucket_mb"] = 0.05  # ~13 buckets, each its own all_to_all and all_gather
     four.append(entry(base / "w4_fsdp", batch=1, ns="float32", micro=0, shard="fsdp"))
+    two.append(entry(base / "w2_fsdp_micro_ring", batch=2, ns="float32", reduce="fp32", shard="fsdp"))
     two.append(entry(base / "w2_fsdp_uneven", batch=2, capacity="3,1", ns="float32", micro=0, shard="fsdp"))
     three = [entry(base / "w3_uneven50", batch=1, capacity="2,1,1", ns="float32", steps=50)]
     launch(4, four, base)
@@ -145,6 +146,13 @@ def test_fsdp_with_one_slice_per_rank_is_exact_too(fleets, tmp_path):
     # Uneven "3,1", one slice per rank: one process computing slices of 3 and 1 windows.
     ref = single(tmp_path, ns="float32", micro=0, shapes=[RankShape(3, 64), RankShape(1, 64)])
     assert differing(fleet_result(fleets / "w2_fsdp_uneven", 1), ref) == []
+
+
+def test_fsdp_fp32_with_micro_batches_trains_the_same_network_up_to_summation_order(fleets):
+    # FSDP2 reduce-scatters each slice's backward and adds: (g0 + g2) + (g1 + g3), not the tree.
+    fsdp, exact = fleet_result(fleets / "w2_fsdp_micro_ring"), fleet_result(fleets / "w2_float32")
+    dev = max(abs(a - b) / abs(b) for a, b in zip(fsdp["losses"], exact["losses"]))
+    assert dev < 1e-2 and fsdp["losses"][-1] < fsdp["losses"][0] - 0.5
 
 
 # In-process -----------------------------------------------------------------------------------
