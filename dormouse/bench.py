@@ -19,12 +19,19 @@ profile_small_top
     share; the printed table adds a "where the time goes" breakdown.
 fleet_vs_ddp, scaling_efficiency
     from one torchrun launch of 2 ranks (gloo, one thread each) running
-    dormouse.bench_fleet: our FleetSync step against torch's
-    DistributedDataParallel on the same model, batches and optimizer (ours / DDP
-    step time), and the fleet's tokens/s over twice one process's (rank 0 alone,
-    same per-process batch, in the same launch). The kinds alternate round by
-    round; each headline is the median over rounds of the round's ratio (the
-    ratio of the overall medians is reported beside it).
+    dormouse.bench_fleet, which times THE loop, train(), through its on_step
+    hook: our FleetSync fleet (train_dist) against torch's
+    DistributedDataParallel driving the same train() through DDPSync, on the
+    same model, corpus and optimizer (ours / DDP step time), and the fleet's
+    tokens/s over twice one process's (rank 0 alone, same per-process batch, in
+    the same launch). The kinds alternate round by round; each headline is the
+    median over rounds of the round's ratio, with its spread (min..max over
+    rounds) and the ratio of the overall medians beside it.
+exact_vs_ring
+    from a torchrun launch of 4 ranks: the step time of dist_reduce="exact"
+    over the fp32 ring all-reduce, small preset, batch 8 per rank in
+    micro-batches of 4 (two slices per rank, where the ring is not exact),
+    alternating round by round (goal <= 1.1).
 gate_wall_s
     wall time of `pytest tests/test_gate.py` (full run only; null with a
     note when the file does not exist).
@@ -329,8 +336,8 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _torchrun(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def _torchrun(args: list[str], world: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
             "-m", "dormouse.bench_fleet", *args]
 
 
@@ -341,16 +348,20 @@ def _run(cmd: list[str], timeout: float, cwd: Path | None = None) -> tuple[float
     return time.perf_counter() - t0, proc
 
 
-def bench_fleet(quick: bool, tmp: Path, log) -> dict:
-    rounds, steps, warmup = (3, 1, 1) if quick else (10, 1, 2)
-    out = tmp / "fleet.json"
+def bench_fleet(quick: bool, tmp: Path, log, *, world: int = 2, kinds: str = "ours,ddp,both,solo",
+                micro_batch: int = 0, name: str = "fleet") -> dict:
+    """One torchrun launch of bench_fleet: `kinds` alternating for some rounds."""
+    rounds, steps = (3, 1) if quick else (10, 2)
+    if world > 2:
+        rounds = 2 if quick else 6
+    out = tmp / f"{name}.json"
     b, t = SHAPES["small"]
     cmd = _torchrun(["--mode", "compare", "--out", str(out), "--preset", "small", "--batch", str(b),
-                     "--seq-len", str(t), "--rounds", str(rounds), "--steps", str(steps),
-                     "--warmup", str(warmup)])
-    wall, proc = _run(cmd, timeout=600)
+                     "--seq-len", str(t), "--rounds", str(rounds), "--steps", str(steps), "--warmup", "1",
+                     "--kinds", kinds, "--micro-batch", str(micro_batch)], world)
+    wall, proc = _run(cmd, timeout=1200)
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"fleet bench failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+        raise RuntimeError(f"{name} bench failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
     res = json.loads(out.read_text())
     res["launch_wall_s"] = wall
     res["command"] = " ".join(cmd[1:]).replace(str(out), "<out>")
@@ -395,6 +406,10 @@ def _fmt(v, spec=".3g") -> str:
     return "null" if v is None else format(v, spec)
 
 
+def _spread(ratio: dict) -> str:
+    return f"{ratio['min']:.3f}..{ratio['max']:.3f}"
+
+
 def format_table(res: dict) -> str:
     d = res["details"]
     s = d["single"]
@@ -419,13 +434,15 @@ def format_table(res: dict) -> str:
     row("matmul_fraction_small", _fmt(res["matmul_fraction_small"], ".3f"),
         f"{s['small_flops']['total'] / 1e9:.1f} GFLOP/step at {s['small_achieved_gflops']:.1f} GFLOP/s (goal >= 0.5)")
     if res.get("fleet_vs_ddp") is not None:
-        med = fl["step_s_median"]
+        med, r = fl["step_s_median"], fl["ratios"]
         row("fleet_vs_ddp", _fmt(res["fleet_vs_ddp"], ".3f"),
-            f"median of per-round ratios; ours {med['ours'] * 1e3:.0f} ms / DDP {med['ddp'] * 1e3:.0f} ms per step (goal <= 1.0); "
-            f"params equal: {fl['ours_vs_ddp_max_abs_param_diff'] == 0}; ratio of overall medians {fl['fleet_vs_ddp_ratio_of_medians']:.3f}")
+            f"median of {fl['rounds']} rounds, spread {_spread(r['fleet_vs_ddp'])}; ours {med['ours'] * 1e3:.0f} ms / "
+            f"DDP {med['ddp'] * 1e3:.0f} ms per train() step (goal <= 1.0); "
+            f"params equal: {fl['ours_vs_ddp_max_abs_param_diff'] == 0}")
         row("scaling_efficiency", _fmt(res["scaling_efficiency"], ".3f"),
-            f"median of per-round ratios; fleet {fl['fleet_tokens_per_s']:.0f} tok/s vs 2 x solo {fl['solo_tokens_per_s']:.0f} "
-            f"(DDP: {fl['ddp_scaling_efficiency']:.3f}; ratio of overall medians {fl['scaling_efficiency_ratio_of_medians']:.3f}; goal >= 0.9)")
+            f"spread {_spread(r['scaling_efficiency'])}; fleet {fl['fleet_tokens_per_s']:.0f} tok/s vs 2 x solo "
+            f"{fl['solo_tokens_per_s']:.0f} (DDP: {fl['ddp_scaling_efficiency']:.3f}, spread "
+            f"{_spread(r['ddp_scaling_efficiency'])}; goal >= 0.9)")
         row("  contention", _fmt(fl["contention_efficiency"], ".3f"),
             f"solo {med['solo'] * 1e3:.0f} ms / both ranks busy, no communication {med['both'] * 1e3:.0f} ms")
         row("  communication", _fmt(fl["communication_efficiency"], ".3f"),
@@ -433,6 +450,15 @@ def format_table(res: dict) -> str:
     else:
         row("fleet_vs_ddp", "null", d.get("fleet_error", ""))
         row("scaling_efficiency", "null", "")
+    ex = d.get("exact", {})
+    if res.get("exact_vs_ring") is not None:
+        med = ex["step_s_median"]
+        row("exact_vs_ring", _fmt(res["exact_vs_ring"], ".3f"),
+            f"{ex['world_size']} ranks x batch {ex['batch_per_rank']} in micro-batches of {ex['micro_batch']}: "
+            f"exact {med['exact'] * 1e3:.0f} ms / ring {med['ring'] * 1e3:.0f} ms, median of {ex['rounds']} rounds, "
+            f"spread {_spread(ex['ratios']['exact_vs_ring'])} (goal <= 1.1)")
+    else:
+        row("exact_vs_ring", "null", d.get("exact_error", ""))
     g = d.get("gate", {})
     row("gate_wall_s", _fmt(res["gate_wall_s"], ".1f"), g.get("note") or g.get("summary", ""))
     sens = d.get("sensitivity", {})
@@ -462,13 +488,10 @@ def format_table(res: dict) -> str:
     for t in res["profile_small_top"]:
         L.append(f"  {t['op'][:52]:<52} {t['share']:6.1%}  {t['ms_per_step']:7.1f} ms/step  "
                  f"{t['calls_per_step']:6.0f} calls/step")
-    if fl.get("phase_s_median"):
-        L.append("fleet step phases (median seconds, every rank):")
-        for kind, ph in fl["phase_s_median"].items():
-            L.append(f"  {kind:<5} " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ph.items()))
-        la = fl.get("loadavg_before_after")
+    for key, what in (("fleet", "2-rank"), ("exact", "4-rank")):
+        la = d.get(key, {}).get("loadavg_before_after")
         if la:
-            L.append(f"  load average (1 min) before/after the rounds: {la[0][0]:.2f} / {la[1][0]:.2f} "
+            L.append(f"load average (1 min) before/after the {what} rounds: {la[0][0]:.2f} / {la[1][0]:.2f} "
                      f"on {res['meta']['cpus']} CPUs")
     for n in res.get("notes", []):
         L.append(f"note: {n}")
@@ -479,7 +502,7 @@ def format_table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dormouse.bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer rounds, no gate timing (under a minute)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds, no gate timing (about two minutes)")
     p.add_argument("--out", default=None, help="result JSON (default: <repo>/artifacts/bench.json)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -509,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile_small_top": single["profile"]["top"],
         "fleet_vs_ddp": None,
         "scaling_efficiency": None,
+        "exact_vs_ring": None,
         "gate_wall_s": None,
         "fleet_launch_fixed_s": None,
         "gate_smallest_caught_eps": None,
@@ -523,6 +547,14 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             details["fleet_error"] = str(e)
             notes.append(f"fleet bench failed: {str(e)[:300]}")
+        log("exact reduce: one torchrun launch of 4 ranks (ring / exact, alternating) ...")
+        try:
+            exact = bench_fleet(args.quick, Path(tmp), log, world=4, kinds="ring,exact", micro_batch=4, name="exact")
+            details["exact"] = exact
+            res["exact_vs_ring"] = exact["exact_vs_ring"]
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            details["exact_error"] = str(e)
+            notes.append(f"exact bench failed: {str(e)[:300]}")
         log("launch fixed costs ...")
         try:
             res["fleet_launch_fixed_s"] = bench_launch(args.quick, Path(tmp))

@@ -28,7 +28,7 @@ STATE_DTYPES = ("float32", "bfloat16")
 MUON_VARIANTS = ("muon", "normuon")
 MUON_SHAPE_RULES = ("original", "match_rms_adamw")
 SCHEDULES = ("constant", "cosine")
-DIST_REDUCES = ("fp32", "bf16")
+DIST_REDUCES = ("fp32", "bf16", "exact")
 DIST_SHARDS = ("none", "fsdp")
 DATA_ORDERS = ("sequential", "shuffle")
 
@@ -132,6 +132,7 @@ class TrainConfig:
     seed: int = 0  # seeds model initialisation when the run builds the model
     steps: int = 200  # optimizer steps
     batch: int = 4  # windows per step (per rank in a fleet without dist_capacity)
+    micro_batch: int = 0  # windows per forward/backward slice, dividing each rank's batch (0 = all)
     seq_len: int = 64  # tokens per window; at most model.max_seq_len
     lr: float = 3e-3  # peak learning rate, shared by the Muon and AdamW groups
     schedule: str = "constant"  # learning-rate shape after warm-up: constant | cosine
@@ -165,7 +166,7 @@ class TrainConfig:
     stop_at: int = 0  # end this launch after step stop_at, checkpointing there (0 = run to steps); the schedule still spans steps
     dist: bool = False  # this run is one rank of a torch.distributed fleet
     dist_capacity: str = ""  # per-rank shapes, e.g. "4,2" or "4x32,2x64" ("" = batch each)
-    dist_reduce: str = "fp32"  # gradient all-reduce dtype on the wire: fp32 (exact) | bf16
+    dist_reduce: str = "fp32"  # fp32 | bf16 ring all-reduce | exact: a fixed tree over slices
     dist_shard: str = "none"  # none = replicated parameters; fsdp = FSDP2 fully_shard
     dist_bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket (MiB)
 
@@ -173,7 +174,7 @@ class TrainConfig:
         _check_types(self)
         for name in ("steps", "batch", "seq_len", "ns_steps", "log_every"):
             _positive(self, name)
-        for name in ("warmup", "eval_every", "ckpt_every", "seed", "stop_at"):
+        for name in ("warmup", "eval_every", "ckpt_every", "seed", "stop_at", "micro_batch"):
             _non_negative(self, name)
         for name, allowed in (
             ("opt", OPTIMIZERS), ("ns_kind", NS_KINDS), ("ns_dtype", NS_DTYPES),
@@ -191,6 +192,11 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"train.{name} = {value} must be a finite number >= 0")
+        if self.micro_batch and not self.dist_capacity and self.batch % self.micro_batch:
+            raise ConfigError(
+                f"train.micro_batch = {self.micro_batch} does not divide train.batch = {self.batch}: "
+                "choose a divisor of the batch, or 0 for one slice"
+            )
         if not self.lr > 0:
             raise ConfigError(f"train.lr = {self.lr} must be > 0")
         for name in ("adam_beta1", "adam_beta2", "muon_momentum", "min_lr_frac"):

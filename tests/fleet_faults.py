@@ -20,7 +20,7 @@ The fault is named by DORMOUSE_TEST_FAULT:
   batch_stats      the router's logits are centred over the batch: a batch statistic,
                    so the network depends on which windows share a batch (every mode)
   one_ulp          at step 3, rank 1 moves every element of head.weight's local
-                   gradient to its float neighbour before the reduce
+                   gradient (one slice's) to its float neighbour before the reduce
 
 To add a fault: add a function here that patches what it needs (module
 attributes the process looks up at call time) and name it in FAULTS.
@@ -72,9 +72,16 @@ def plain_mean() -> None:
 
 
 def window_weights() -> None:
-    # A rank's weight becomes its share of the windows: RankShape.tokens is
-    # what the loop weights by, so count windows there.
-    data.RankShape.tokens = property(lambda self: self.batch)
+    flatten = distributed.FleetSync._flatten
+
+    def by_windows(self, bucket):
+        # The loop scaled this rank's loss by t_r / T; apply b_r / B (its share of the windows) instead.
+        me = self.shapes[self.rank]
+        share_tokens = me.tokens / sum(s.tokens for s in self.shapes)
+        share_windows = me.batch / sum(s.batch for s in self.shapes)
+        return flatten(self, bucket) * (share_windows / share_tokens)
+
+    distributed.FleetSync._flatten = by_windows
 
 
 def grad_x2() -> None:
@@ -144,27 +151,31 @@ def batch_stats() -> None:
 
 
 def one_ulp() -> None:
-    flatten = distributed.FleetSync._flatten
-    calls = {"n": 0}
-
-    def nudged(self, bucket):
-        names = getattr(self, "_fault_names", None)
-        if names is None:
-            self._fault_names = names = {id(p): n for n, p in self._fault_model.named_parameters()}
-        if any(names.get(id(p)) == "head.weight" for p in bucket):
-            calls["n"] += 1
-            if calls["n"] == 3 and self.rank == 1:
-                p = next(p for p in bucket if names.get(id(p)) == "head.weight")
-                p.grad.copy_(torch.nextafter(p.grad, torch.full_like(p.grad, torch.inf)))
-        return flatten(self, bucket)
-
-    attach = distributed.FleetSync.attach
+    flatten, reduce, attach = distributed.FleetSync._flatten, distributed.FleetSync.reduce, distributed.FleetSync.attach
 
     def remember(self, model):
-        self._fault_model = model
+        self._fault_names, self._fault_steps, self._fault_done = (
+            {id(p): n for n, p in model.named_parameters()}, 0, False)
         return attach(self, model)
 
-    distributed.FleetSync.attach = remember
+    def counted(self, *a, **k):
+        out = reduce(self, *a, **k)
+        self._fault_steps += 1
+        return out
+
+    def nudged(self, bucket):
+        flat = flatten(self, bucket)
+        if self.rank == 1 and self._fault_steps == 2 and not self._fault_done:  # during step 3
+            offset = 0
+            for p in bucket:
+                if self._fault_names.get(id(p)) == "head.weight":
+                    seg = flat[offset:offset + p.numel()]
+                    seg.copy_(torch.nextafter(seg, torch.full_like(seg, torch.inf)))
+                    self._fault_done = True  # one slice's copy of one tensor, once
+                offset += p.numel()
+        return flat
+
+    distributed.FleetSync.attach, distributed.FleetSync.reduce = remember, counted
     distributed.FleetSync._flatten = nudged
 
 

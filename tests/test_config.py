@@ -45,7 +45,7 @@ def _non_default_run() -> RunConfig:
         rope_base=500.5, init_std=0.015, bf16=True,
     )
     train = TrainConfig(
-        seed=7, steps=123, batch=3, seq_len=33, lr=1.1e-3, schedule="cosine", warmup=9,
+        seed=7, steps=123, batch=3, micro_batch=1, seq_len=33, lr=1.1e-3, schedule="cosine", warmup=9,
         min_lr_frac=0.3, wd=0.01, grad_clip=0.7, opt="adamw", ns_steps=6,
         ns_kind="polar_express", ns_dtype="float32", muon_momentum=0.9, muon_nesterov=False,
         muon_variant="normuon", muon_sf="original", muon_colrow_3d=False,
@@ -166,6 +166,16 @@ def test_vocab_below_256_is_refused_because_tokens_are_bytes():
 
 def test_rope_base_must_be_positive():
     _raises(ModelConfig(rope_base=0.0), "model.rope_base")
+
+
+def test_micro_batch_must_divide_the_batch_and_not_be_negative():
+    with pytest.raises(ConfigError, match=r"train.micro_batch = 3 does not divide train.batch = 4: choose a divisor"):
+        TrainConfig(batch=4, micro_batch=3).validate()
+    with pytest.raises(ConfigError, match=r"train.micro_batch = -1 must be >= 0"):
+        TrainConfig(micro_batch=-1).validate()
+    TrainConfig(batch=4, micro_batch=2).validate()
+    TrainConfig(batch=4, micro_batch=3, dist_capacity="3,6").validate()  # the fleet judges its ranks' batches
+    assert "exact" in DIST_REDUCES
 
 
 def test_eval_every_without_a_held_out_tail_is_refused():

@@ -165,6 +165,16 @@ class GateSettings:
         if s.micro_batch and any(sh.batch % s.micro_batch for sh in shapes):
             raise ParameterError(f"micro_batch = {s.micro_batch} does not divide every rank's batch "
                                  f"({', '.join(str(sh.batch) for sh in shapes)}): choose a divisor, or 0.")
+        if s.reduce == "exact":
+            if not s.micro_batch and len({sh.batch for sh in shapes}) != 1:
+                raise ParameterError(f"reduce = 'exact' with the uneven profile {s.capacity!r} needs micro_batch: "
+                                     "the exact reference computes the fleet's slices, so give micro_batch a "
+                                     "divisor of every rank's batch (e.g. 1).")
+            per_rank = max(sh.batch // (s.micro_batch or sh.batch) for sh in shapes)
+            if s.shard == "fsdp" and per_rank > 1:
+                raise ParameterError(f"reduce = 'exact' with shard = 'fsdp' takes one slice per rank (FSDP2 adds a "
+                                     f"rank's slices before its reduce-scatter), but micro_batch = {s.micro_batch} "
+                                     "gives several: set micro_batch to the ranks' batch, or shard = 'none'.")
         if s.resume_world and s.steps >= 2:
             gb = s.global_batch()
             if gb is None or gb % s.resume_world or s.resume_from:

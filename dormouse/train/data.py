@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from dormouse.config import DATA_ORDERS, TrainConfig
-from dormouse.errors import DataError
+from dormouse.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,22 @@ class RankShape:
 
     def line(self) -> str:
         return f"batch={self.batch} seq_len={self.seq_len} tokens={self.tokens}"
+
+
+def slice_counts(shapes: list[RankShape], micro_batch: int) -> list[int]:
+    """How many micro-batch slices each shape's windows make: batch / micro_batch
+    (one slice when micro_batch is 0). Slice j of shape r holds its windows
+    j*m .. (j+1)*m - 1, so the slices read the same bytes as the whole shape."""
+    if micro_batch == 0:
+        return [1] * len(shapes)
+    odd = [r for r, s in enumerate(shapes) if s.batch % micro_batch]
+    if odd:
+        raise ConfigError(
+            f"train.micro_batch = {micro_batch} does not divide the batch of slice(s) {odd} "
+            f"(batches {[s.batch for s in shapes]}): choose a micro_batch that divides every "
+            "rank's batch, or 0 for one slice per rank"
+        )
+    return [s.batch // micro_batch for s in shapes]
 
 
 def span_bytes(shapes: list[RankShape]) -> int:

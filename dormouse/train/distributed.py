@@ -20,12 +20,24 @@ L_r * t_r / T, so the fleet only SUMs:
   rest of backward). Every parameter takes part on
   every rank (a missing gradient is a zero), so the collectives never depend on
   which experts a rank's tokens happened to choose.
+- exact (dist_reduce="exact", replicated only): every slice of the global
+  batch (micro-batches of train.micro_batch windows, numbered in rank order)
+  keeps its own float32 gradient, and the fleet sums the N slices by the
+  fixed pairwise tree of exact.py, the same function of N alone that LocalSync
+  applies in one process: all_to_all_single gives rank c chunk c of every
+  slice, rank c tree-sums it, all_gather returns the sums. So the result is
+  bitwise the single process's over the same slices, at any world size and
+  any profile with the same slices ("3,1" and "2,2" and one process at batch 4).
 - sharded (dist_shard="fsdp"): FSDP2 `fully_shard` reduce-scatters the same SUM
   during backward (divide factor 1, sum-only reduction, unused parameters
   reduced as zeros); MixOptimizer gathers each hidden matrix for Newton-Schulz.
+  With exact, one slice per rank: a custom reduce-scatter (all_to_all_single,
+  then tree_sum over the W ranks' chunks) sums the ranks' slices by the tree;
+  several slices per rank are refused, because FSDP2 adds a rank's
+  micro-batches into its gradient with += before reduce-scattering.
 
-The logged loss sum_r t_r L_r / T and the MoE expert loads (which move the
-routing bias) are summed the same way, so they are identical on every rank and
+The logged loss sum_i t_i L_i / T and the MoE expert loads (which move the
+routing bias) are summed the same way (exact: by the same tree over slices), so they are identical on every rank and
 equal to the single process's.
 """
 
@@ -42,7 +54,8 @@ import torch.distributed as dist
 
 from dormouse.config import RunConfig, TrainConfig
 from dormouse.errors import FleetError
-from dormouse.train.data import RankShape, rank_byte_offset
+from dormouse.train.data import RankShape, rank_byte_offset, slice_counts
+from dormouse.train.exact import flat_grads, put_grads, split_stats, stats_row, tree_sum
 from dormouse.train.loop import build_model, train
 from dormouse.train.tensors import fingerprint, named_state
 
@@ -116,6 +129,17 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> list[
         if any(hasattr(p, "placements") for p in model.parameters()):
             raise FleetError("the pre-built model is already sharded: pass the plain model; train_dist shards it")
     shapes = parse_capacity(t.dist_capacity, world_size=world_size, cfg=t, max_seq_len=m.max_seq_len)
+    if t.micro_batch and any(s.batch % t.micro_batch for s in shapes):
+        raise FleetError(
+            f"train.micro_batch = {t.micro_batch} does not divide every rank's batch "
+            f"{[s.batch for s in shapes]}: choose a micro_batch that divides each (or 0 for one slice per rank)"
+        )
+    if t.dist_reduce == "exact" and t.dist_shard == "fsdp" and max(slice_counts(shapes, t.micro_batch)) > 1:
+        raise FleetError(
+            f"train.dist_reduce = 'exact' with dist_shard = 'fsdp' and micro_batch = {t.micro_batch} gives a "
+            "rank several slices, which FSDP2 adds with += before its reduce-scatter, off the fixed slice "
+            "tree: use micro_batch = 0 (one slice per rank), or dist_shard = 'none' for micro-batches"
+        )
     return shapes
 
 
@@ -124,25 +148,47 @@ class FleetSync:
 
     Replicated: parameters are cut into buckets of about bucket_mb, in REVERSE
     order (backward produces the output end's gradients first). Once `attach`
-    has hooked the model, a bucket's all-reduce starts during backward as soon
-    as its last gradient has arrived, so communication overlaps the rest of
-    backward (as DDP does). Buckets are always launched in index order, and the
-    loss/loads all-reduce after the last bucket, so every rank issues the same
+    has hooked the model, a bucket's collective starts during the backward of
+    the rank's LAST slice as soon as that backward has delivered the bucket's
+    last gradient, so communication overlaps the rest of backward (as DDP
+    does). Buckets are always launched in index order, and the loss/loads
+    collective after the last bucket, so every rank issues the same
     collectives in the same order whatever gradients it happens to have: a
     bucket holding a parameter without a gradient waits for `reduce`, which
     sends a zero in its place.
+
+    The buckets and hooks are shared by both ways of combining:
+
+    - fp32 / bf16: autograd accumulates the rank's slices in p.grad; each
+      bucket is all-reduced (SUM) in the wire dtype, in the backend's order.
+    - exact: after each slice but the last, `slice_done` takes every bucket's
+      gradient into a float32 buffer of that slice (the last slice's is read
+      from p.grad by the hook). A bucket of P values (padded to W*C) goes out
+      by one all_to_all_single: rank c receives chunk c (C values) of every
+      global slice, in global slice order, sums the N rows by `tree_sum`, and
+      an all_gather returns the summed chunks to every rank. Per step and
+      bucket a rank sends (n_r + 1) P (W-1)/W values and receives
+      (N - n_r) P/W + P (W-1)/W (n_r its slices, N the fleet's): with one
+      slice per rank, 2 P (W-1)/W each way, a ring all-reduce's bandwidth. The stats rows ([t_i L_i / T, loads_i]) are all-gathered and
+      tree-summed the same way.
     """
 
     def __init__(self, shapes: list[RankShape], rank: int, world_size: int, *,
-                 reduce: str, sharded: bool, bucket_mb: float):
+                 reduce: str, sharded: bool, bucket_mb: float, micro_batch: int = 0):
         self.shapes, self.mine = shapes, [rank]
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
         self.sharded = sharded
+        self.exact = reduce == "exact"
         self.wire = torch.bfloat16 if reduce == "bf16" else torch.float32
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.counts = slice_counts(shapes, micro_batch)  # every rank's number of slices
+        self.n_local = self.counts[rank]
         self._buckets: list[list[torch.Tensor]] = []
-        self._arrived: list[int] = []
+        self._arrived: list[int] = []  # gradients each bucket received in the current backward
         self._launched: list[tuple[torch.Tensor, object]] = []
+        self._done = 0  # this step's slices whose backward has finished
+        self._slices: list[list[torch.Tensor]] = []  # exact: per bucket, the finished slices' vectors
+        self._stats: list[torch.Tensor] = []  # exact: the rank's slices' stats rows
         self._hooks: list = []
 
     def attach(self, model) -> None:
@@ -150,11 +196,16 @@ class FleetSync:
         (until `detach`: the model must not reach for the fleet afterwards)."""
         if self.sharded:
             return  # FSDP2 reduce-scatters during backward itself
-        self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
-        self._arrived = [0] * len(self._buckets)
+        self._ensure_buckets(model)
         for i, bucket in enumerate(self._buckets):
             for p in bucket:
                 self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, i)))
+
+    def _ensure_buckets(self, model) -> None:
+        if not self._buckets:
+            self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
+            self._arrived = [0] * len(self._buckets)
+            self._slices = [[] for _ in self._buckets]
 
     def detach(self) -> None:
         for handle in self._hooks:
@@ -173,47 +224,100 @@ class FleetSync:
                 "checkpoint (a shared out_dir, or resume_from pointing at the same file)"
             )
 
+    def slice_done(self, model, index: int, loss_part: torch.Tensor, loads: torch.Tensor) -> None:
+        """One of this rank's slices has run its backward (exact: keep its
+        gradient apart unless it is the last, whose buckets the hooks send)."""
+        if self.exact:
+            self._stats.append(stats_row(loss_part, loads))
+            if not self.sharded and self._done < self.n_local - 1:
+                self._ensure_buckets(model)
+                for i, bucket in enumerate(self._buckets):
+                    self._slices[i].append(self._flatten(bucket))
+                    for p in bucket:
+                        p.grad = None  # the next slice's backward starts from nothing
+        self._done += 1
+        self._arrived = [0] * len(self._arrived)
+
     def _grad_arrived(self, i: int, _param) -> None:
         self._arrived[i] += 1
-        # Launch, in index order, every bucket whose gradients are all in
-        # (each of this process's slices runs one backward).
+        if self._done != self.n_local - 1:
+            return  # only the last slice's backward completes the rank's sum
+        # Launch, in index order, every bucket whose gradients are all in.
         while (len(self._launched) < len(self._buckets)
-               and self._arrived[len(self._launched)] == len(self._buckets[len(self._launched)]) * len(self.mine)):
+               and self._arrived[len(self._launched)] == len(self._buckets[len(self._launched)])):
             self._launch(len(self._launched))
 
     def _launch(self, i: int) -> None:
-        flat = self._flatten(self._buckets[i])
-        self._launched.append((flat, dist.all_reduce(flat, async_op=True)))
+        bucket = self._buckets[i]
+        if not self.exact:
+            flat = self._flatten(bucket)
+            self._launched.append((flat, dist.all_reduce(flat, async_op=True)))
+            return
+        rows = torch.stack([*self._slices[i], self._flatten(bucket)])  # (n_local, P), global slice order
+        self._slices[i] = []
+        chunk = -(-rows.shape[1] // self.world_size)  # C: pad P to W * C
+        rows = torch.nn.functional.pad(rows, (0, chunk * self.world_size - rows.shape[1]))
+        send = rows.view(self.n_local, self.world_size, chunk).transpose(0, 1).reshape(-1)
+        recv = torch.empty(sum(self.counts) * chunk, dtype=rows.dtype, device=rows.device)
+        work = dist.all_to_all_single(recv, send, output_split_sizes=[n * chunk for n in self.counts],
+                                      input_split_sizes=[self.n_local * chunk] * self.world_size, async_op=True)
+        self._launched.append((recv, work))
 
     def _flatten(self, bucket: list[torch.Tensor]) -> torch.Tensor:
-        """One bucket's gradients as one wire-dtype vector (a missing one is zeros)."""
-        return torch.cat([p.grad.reshape(-1) if p.grad is not None
-                          else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                          for p in bucket]).to(self.wire)
+        """One bucket's gradients as one wire-dtype vector (a missing one is zeros):
+        every gradient this rank contributes, each slice's under exact, passes here."""
+        return flat_grads(bucket, self.wire)
 
     def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """SUM gradients (unless FSDP already did), the loss share and the loads."""
+        """Combine gradients (unless FSDP already did), the loss share and the loads."""
         if not self.sharded:
-            if not self._buckets:  # not attached: no overlap, same collectives
-                self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
-                self._arrived = [0] * len(self._buckets)
+            self._ensure_buckets(model)  # not attached: no overlap, same collectives
             while len(self._launched) < len(self._buckets):
                 self._launch(len(self._launched))
-        stats = torch.cat([loss_share.reshape(1).double(), loads.reshape(-1).double().to(loss_share.device)])
-        stats_work = dist.all_reduce(stats, async_op=True)
-        for bucket, (flat, work) in zip(self._buckets, self._launched):
-            work.wait()
-            offset = 0
-            for p in bucket:
-                g = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
-                offset += p.numel()
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+        if self.exact:
+            stats_work, stats = self._gather_stats()
+            grads = self._exact_gradients()
+        else:
+            stats = stats_row(loss_share, loads)
+            stats_work = dist.all_reduce(stats, async_op=True)
+            grads = []
+            for flat, work in self._launched:
+                work.wait()
+                grads.append(flat)
+        for bucket, flat in zip(self._buckets, grads):
+            put_grads(bucket, flat)
         stats_work.wait()
-        self._launched, self._arrived = [], [0] * len(self._buckets)
-        return float(stats[0]), stats[1:].view_as(loads).to(loads.dtype)
+        if self.exact:
+            stats = tree_sum(self._own_rows(stats))
+        self._launched, self._arrived, self._done, self._stats = [], [0] * len(self._buckets), 0, []
+        return split_stats(stats, loads)
+
+    def _exact_gradients(self) -> list[torch.Tensor]:
+        """Each bucket: tree-sum the received chunk of every slice, all-gather the sums."""
+        gathers = []
+        for bucket, (recv, work) in zip(self._buckets, self._launched):
+            work.wait()
+            mine = tree_sum(recv.view(sum(self.counts), -1))
+            whole = torch.empty(mine.numel() * self.world_size, dtype=mine.dtype, device=mine.device)
+            gathers.append((whole, dist.all_gather_single(whole, mine, async_op=True)))
+        out = []
+        for bucket, (whole, work) in zip(self._buckets, gathers):
+            work.wait()
+            out.append(whole[:sum(p.numel() for p in bucket)])
+        return out
+
+    def _gather_stats(self):
+        """All-gather every rank's stats rows, padded to the most slices any rank has."""
+        most = max(self.counts)
+        rows = torch.stack(self._stats)
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, most - rows.shape[0]))
+        out = torch.empty(self.world_size * most, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        return dist.all_gather_single(out, rows, async_op=True), out
+
+    def _own_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The gathered stats rows without padding: (N, 1 + loads), in global slice order."""
+        most = max(self.counts)
+        return torch.cat([gathered[r * most:r * most + n] for r, n in enumerate(self.counts)])
 
     def _bucket(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Parameters in reverse order, about bucket_bytes per bucket: the same on every rank."""
@@ -272,7 +376,7 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
 
     if run.train.dist_shard == "fsdp":
         model = _shard(model, device_type, world_size, run.train.dist_reduce)
-    sync = FleetSync(shapes, rank, world_size, reduce=run.train.dist_reduce,
+    sync = FleetSync(shapes, rank, world_size, reduce=run.train.dist_reduce, micro_batch=run.train.micro_batch,
                      sharded=run.train.dist_shard == "fsdp", bucket_mb=run.train.dist_bucket_mb)
     sync.attach(model)
     if rank == 0:
@@ -329,7 +433,29 @@ def _shard(model, device_type: str, world_size: int, reduce: str):
     model.set_gradient_divide_factor(1.0)  # the loss already carries t_r / T: plain SUM
     model.set_force_sum_reduction_for_comms(True)
     model.set_reduce_scatter_unused_params(True)  # a missing gradient is a zero, never a skipped collective
+    if reduce == "exact":
+        model.set_custom_reduce_scatter(_tree_reduce_scatter())
     return model
+
+
+def _tree_reduce_scatter():
+    """FSDP2's reduce-scatter as the exact reduce over one slice per rank: an
+    all_to_all_single gives rank c chunk c of every rank's gradient, in rank
+    order, and rank c keeps their `tree_sum` (the tree over W slices that
+    LocalSync applies to W micro-batches). Same bandwidth as a reduce-scatter."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class TreeReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            recv = torch.empty_like(input_tensor)
+            dist.all_to_all_single(recv, input_tensor, group=group)
+            output_tensor.copy_(tree_sum(recv.view(group.size(), -1)))
+            return None
+
+    return TreeReduceScatter()
 
 
 def close_fleet() -> None:

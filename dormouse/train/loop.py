@@ -1,17 +1,26 @@
 """train(): THE training loop, for one process and for every rank of a fleet.
 
-One step, for the slices of the global batch this process computes (one slice
-in a single process or on a rank; see data.py for which bytes they are):
+The global batch of a step is cut into slices (see data.py for which bytes
+they are): each process's windows in micro-batches of train.micro_batch
+windows (0 = all of them in one slice), numbered in rank order, so rank r's
+slices follow every slice of the ranks before it. One step, for the slices
+this process computes (all of them alone, its own on a rank of a fleet):
 
-    for each slice i with t_i tokens and mean loss L_i:
+    for each own slice i with t_i tokens and mean loss L_i:
         backward(L_i * t_i / T)                 # T = tokens of the whole step
-    sync.reduce(...)                            # fleet: SUM over ranks; alone: nothing
+        sync.slice_done(model, i, ...)          # exact: take g_i into a buffer of its own
+    sync.reduce(...)                            # combine the slices' gradients
     step the optimizer, then move the routing bias by the step's expert loads
 
 so every process ends the step holding g = sum_i t_i g_i / T, the gradient of the
 token-weighted mean loss over the global batch (for one slice, t_i / T = 1 and
-this is plain backward). The gradient synchroniser is the only thing a fleet
-changes; it is passed in, and the loop never asks what it is.
+this is plain backward). The synchroniser decides the order of that sum:
+fp32/bf16 let autograd accumulate a process's slices as a left chain and a
+fleet all-reduce the result; "exact" sums the N slices' gradients, losses and
+loads by one fixed pairwise tree over the slice index (exact.py), so the
+result depends only on the global batch and micro_batch, never on the ranks.
+The synchroniser is the only thing a fleet changes; it is passed in, and the
+loop never asks what it is.
 """
 
 from __future__ import annotations
@@ -29,14 +38,19 @@ from dormouse.config import RunConfig
 from dormouse.errors import CheckpointError, DivergedError
 from dormouse.model import DormouseModel
 from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
-from dormouse.train.data import ByteCorpus, RankShape, builtin_corpus
+from dormouse.train.data import ByteCorpus, RankShape, builtin_corpus, slice_counts
+from dormouse.train.exact import put_grads, split_stats, stats_row, take_grads, tree_sum
 from dormouse.train.optim import MixOptimizer
 
 
 class LocalSync:
     """The synchroniser of a single process: the step's whole batch is its own,
     so there is nothing to exchange. A fleet's synchroniser (distributed.py)
-    has the same attributes and methods."""
+    has the same attributes and methods.
+
+    With run.train.dist_reduce == "exact" this is the exact reference: each
+    slice's gradient is taken into a buffer of its own and the slices are
+    summed by the fixed tree (exact.py), as an exact fleet sums them."""
 
     rank, world_size, is_main, sharded = 0, 1, True, False
 
@@ -45,16 +59,35 @@ class LocalSync:
         # loop accumulates with the same token weights a fleet would apply.
         self.shapes = shapes or [RankShape(run.train.batch, run.train.seq_len)]
         self.mine = list(range(len(self.shapes)))  # this process computes all of them
+        self.counts = slice_counts(self.shapes, run.train.micro_batch)  # fails early if micro_batch is odd
+        self.exact = run.train.dist_reduce == "exact"
+        self._grads: list[torch.Tensor] = []
+        self._stats: list[torch.Tensor] = []
+
+    def slice_done(self, model, index: int, loss_part: torch.Tensor, loads: torch.Tensor) -> None:
+        """Slice `index` has run its backward (exact: keep its gradient apart)."""
+        if self.exact:
+            self._grads.append(take_grads(_trainable(model)))
+            self._stats.append(stats_row(loss_part, loads))
 
     def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """Gradients are already the global ones; returns (loss, loads)."""
-        return float(loss_share), loads
+        """Gradients are already the global ones (exact: the tree of the slices'); returns (loss, loads)."""
+        if not self.exact:
+            return float(loss_share), loads
+        put_grads(_trainable(model), tree_sum(torch.stack(self._grads)))
+        stats = tree_sum(torch.stack(self._stats))
+        self._grads, self._stats = [], []
+        return split_stats(stats, loads)
 
     def barrier(self) -> None:
         pass
 
     def agree_on_start(self, start: int) -> None:
         """A fleet checks every rank resumed at the same step; alone, nothing to check."""
+
+
+def _trainable(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def build_model(run: RunConfig) -> DormouseModel:
@@ -121,6 +154,8 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         model.to(torch.bfloat16)  # the run owns the cast (a fleet refuses a pre-built bf16 model)
     corpus = ByteCorpus(resolve_corpus(run), cfg.eval_frac, order=cfg.data_order, seed=cfg.seed)
     total_tokens = sum(s.tokens for s in sync.shapes)
+    counts = slice_counts(sync.shapes, cfg.micro_batch)  # slices per shape
+    first = [sum(counts[:r]) for r in range(len(counts))]  # global index of each shape's first slice
     # Fail before any work if the corpus cannot hold one global batch.
     corpus.step_batch(0, sync.shapes, [])
     if cfg.steps and cfg.eval_every:
@@ -153,12 +188,16 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         loads = None
         topk = []
         for r, (x, y) in zip(sync.mine, corpus.step_batch(step, sync.shapes, sync.mine)):
-            share = sync.shapes[r].tokens / total_tokens
-            _, loss, aux = model(x.to(device), y.to(device))
-            (loss * share).backward()
-            loss_share += loss.detach().double() * share
-            loads = aux["loads"] if loads is None else loads + aux["loads"]
-            topk.append(aux["topk"])
+            m = sync.shapes[r].batch // counts[r]
+            for j, (xs, ys) in enumerate(zip(x.split(m), y.split(m))):
+                share = ys.numel() / total_tokens  # t_i / T
+                _, loss, aux = model(xs.to(device), ys.to(device))
+                (loss * share).backward()
+                part = loss.detach().double() * share
+                loss_share += part
+                loads = aux["loads"] if loads is None else loads + aux["loads"]
+                topk.append(aux["topk"])
+                sync.slice_done(model, first[r] + j, part, aux["loads"])
         loss_value, loads = sync.reduce(model, loss_share, loads)
         if not math.isfinite(loss_value):
             kept = f"the last good checkpoint {str(ckpt)!r} is kept" if ckpt and ckpt.exists() else "no checkpoint was written"
