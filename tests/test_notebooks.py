@@ -29,8 +29,8 @@ import pytest
 from dormouse import atomic
 from dormouse.errors import DormouseError, FleetError
 from dormouse.gate import pipeline, plots, produce, settings
-from dormouse.gate.artifacts import load_meta, load_tensors, save_artifact
-from dormouse.gate.judge import CurveCheck, Verdict
+from dormouse.gate.artifacts import ArtifactSet, load_meta, load_tensors, save_artifact
+from dormouse.gate.judge import CurveCheck, Verdict, check_ranks
 from dormouse.gate.settings import GateSettings, ParameterError
 from dormouse.gate.trace import load_trace
 
@@ -39,6 +39,7 @@ REPO = settings.REPO_ROOT
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DEFAULTS = {f.name: f.default for f in fields(GateSettings)}
 SETS = ("single", "fleet", "gradref", "replay")
+NOT_IN = {"01": {"shard", "bucket_mb", "timeout_s", "produce"}, "02": {"produce"}}  # parameters a notebook lacks
 
 
 def run_nb(name: str, out_nb: Path, *, cwd: Path, **params) -> nbformat.NotebookNode:
@@ -109,8 +110,8 @@ def test_notebook_parameters_are_gate_settings_fields_with_their_defaults_and_co
         assert ast.literal_eval(v["default"]) == DEFAULTS[k], (name, k, v["default"])
         assert type(ast.literal_eval(v["default"])) is type(DEFAULTS[k]), (name, k)
         assert v["help"] == comments[k], (name, k)
-    # every notebook describes the fleet (01 needs no fleet-only knobs)
-    assert {"out", "steps", "batch", "world", "capacity", "seed", "lr", "opt", "reduce", "device"} <= set(found)
+    # every field, in every notebook (01: all but the knobs of the fleet's launch and of producing)
+    assert set(settings.FIELDS) - set(found) == NOT_IN.get(name[:2], set()), name
     given = {k: ast.literal_eval(v["default"]) for k, v in found.items()}
     assert settings.check(**given) == GateSettings().validate()
 
@@ -137,7 +138,7 @@ def test_default_out_is_the_repository_not_the_cwd(tmp_path, monkeypatch):
     assert GateSettings(out="x/y").out_dir == REPO / "x" / "y"  # relative: from the repository root
     assert settings.check(out=str(tmp_path / "o")).out_dir == tmp_path / "o"
     assert settings.check(out=None).out_dir == settings.DEFAULT_OUT
-    assert list(tmp_path.iterdir()) == [tmp_path / "o"]  # nothing else written in the cwd
+    assert list(tmp_path.iterdir()) == []  # checking writes nothing, in the cwd or in out
 
 
 @pytest.mark.parametrize("given, name, allowed", [
@@ -165,6 +166,9 @@ def test_default_out_is_the_repository_not_the_cwd(tmp_path, monkeypatch):
     ({"bucket_mb": 0}, "bucket_mb", "positive"),
     ({"produce": "yes"}, "produce", "True"),
     ({"bogus": 1}, "bogus", "use out, steps"),
+    ({"resume_world": 5}, "resume_world", "does not split evenly"),
+    ({"resume_world": -1}, "resume_world", "0 or more"),
+    ({"resume_from": "ckpts/fleet.pt"}, "resume_world", "it starts from resume_from"),
 ])
 def test_bad_parameters_raise_one_sentence(given, name, allowed):
     if name is None:
@@ -197,7 +201,7 @@ def test_unwritable_out_is_a_parameter_error(tmp_path):
 def test_capacity_from_papermill_int_and_spaces():
     assert settings.check(world=1, capacity=4).capacity == "4"
     assert settings.check(capacity=" 4, 2 ").capacity == "4,2"
-    assert settings.check(world=2, capacity="4x32,2").global_batch() is None
+    assert settings.check(world=2, capacity="4x32,2", resume_world=0).global_batch() is None
     assert settings.check(world=3, batch=2).global_batch() == 6
     assert settings.check(world=3).capacity == ""  # the profile follows the world
 
@@ -343,7 +347,8 @@ def test_pipeline_runs_all_four_in_order_from_elsewhere(gate_run):
     # each set made by its own notebook, in order
     t = mtimes(out)
     assert t["single.json"] < t["rank0.json"] < t["gradref.json"] < t["replay.json"] < t["verdict.json"]
-    assert not (out / "rank2.json").exists()
+    # the default fleet: two ranks for steps 1-10 (leg1_rank*), then one rank resumes (rank0)
+    assert sorted(p.stem for p in out.glob("*rank*.json")) == ["leg1_rank0", "leg1_rank1", "rank0"]
     v = json.loads((out / "verdict.json").read_text())
     assert v["pass"] and v["references"] == ["single", "init", "gradref", "replay"]
     assert list(v["checks"]) == ["complete", "provenance", "finite", "ranks", "window", "gradref", "replay", "curve"]
@@ -352,8 +357,11 @@ def test_pipeline_runs_all_four_in_order_from_elsewhere(gate_run):
     assert curve["kind"] == "CurveCheck" and len(curve["tolerance"]) == len(curve["per_step"]) == 20
     assert v["checks"]["replay"]["steps_equal"] == [True] * 20
     assert v["settings"] == GateSettings(out=str(out)).validate().record()
-    # artifacts record what made them: the fleet's real world, every reference all 20 steps
-    assert load_meta(out, "rank1")["world_size"] == 2 and load_meta(out, "rank1")["settings"]["world"] == 2
+    # artifacts record what made them: each leg's real world, every reference all 20 steps
+    assert load_meta(out, "leg1_rank1")["world_size"] == 2 and len(load_meta(out, "leg1_rank1")["losses"]) == 10
+    rank0 = load_meta(out, "rank0")
+    assert rank0["world_size"] == 1 and rank0["settings"]["world"] == 2 and rank0["resumed_at"] == 10
+    assert len(rank0["losses"]) == 20
     assert load_meta(out, "gradref")["steps"] == load_meta(out, "replay")["steps"] == 20
     for png in ("single_loss", "fleet_loss", "loss_curves", "loss_delta", "param_divergence", "references"):
         assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
@@ -376,14 +384,19 @@ def test_fleet_notebook_alone_from_the_repository_root(tmp_path):
     out = tmp_path / "out"
     run_nb("02_fleet_launcher.ipynb", tmp_path / "02.ipynb", cwd=REPO, out=str(out), world=3, capacity="2,1,1",
            steps=3)
-    metas = [load_meta(out, f"rank{r}") for r in range(3)]
-    assert [m["world_size"] for m in metas] == [3, 3, 3]
-    assert [m["settings"]["capacity"] for m in metas] == ["2,1,1"] * 3
+    first = fleet_ranks(out, "leg1_") or fleet_ranks(out)  # the launch at world 3
+    assert [m["world_size"] for m in first] == [3, 3, 3]
+    assert [m["settings"]["capacity"] for m in first] == ["2,1,1"] * 3
     text = all_text(tmp_path / "02.ipynb")
-    assert "[rank2] step=3/3" in text  # rank output streamed into the cell
-    assert "all 3 ranks bitwise equal" in text
-    assert sum(line.rstrip().endswith(" yes") for line in text.splitlines()) == 2  # the table agrees
+    assert "[rank2] step=" in text  # rank output streamed into the cell
+    assert check_ranks(ArtifactSet(out)).reason in text  # the ranks table says the judge's word
+    assert check_ranks(ArtifactSet(out)).passed
     assert not (out / "single.json").exists() and not (out / "gradref.json").exists()
+
+
+def fleet_ranks(out: Path, prefix: str = "") -> list[dict]:
+    """The metadata of one launch's ranks (prefix "leg1_": the first leg of a fleet that stopped and resumed)."""
+    return [load_meta(out, n) for n in ArtifactSet(out).ranks(prefix)]
 
 
 def test_papermill_fleet_notebook_with_only_a_world_runs_the_batch_on_every_rank(tmp_path):
@@ -394,7 +407,7 @@ def test_papermill_fleet_notebook_with_only_a_world_runs_the_batch_on_every_rank
                         "-p", "world", "3", "-p", "steps", "2", "-p", "out", str(out)],
                        cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    metas = [load_meta(out, f"rank{r}") for r in range(3)]
+    metas = fleet_ranks(out, "leg1_") or fleet_ranks(out)  # the launch at world 3
     assert [m["world_size"] for m in metas] == [3, 3, 3]
     assert [m["settings"]["capacity"] for m in metas] == ["", "", ""]
     assert metas[0]["rank_shapes"] == [[2, 64]] * 3
@@ -419,7 +432,7 @@ def test_fleet_notebook_timeout_kills_every_rank_in_one_sentence(tmp_path):
     assert e.ename == "FleetError" and "did not finish within 3 s and was killed" in e.evalue
     assert e.traceback == [f"FleetError: {e.evalue}"]
     assert _processes_mentioning(str(out)) == []
-    assert not list(out.glob("rank*.json"))
+    assert not list(out.glob("*rank*.json"))
 
 
 def test_single_notebook_alone_from_elsewhere_writes_under_the_repository(tmp_path):
@@ -441,7 +454,7 @@ def test_gradref_notebook_alone_from_elsewhere_launches_the_fleet_first(tmp_path
     out, cwd = tmp_path / "out", tmp_path / "cwd"
     cwd.mkdir()
     run_nb("03_gradref.ipynb", tmp_path / "03.ipynb", cwd=cwd, out=str(out), steps=3)
-    assert {"init.json", "rank0.json", "rank1.json", "gradref.json", "replay.json"} <= set(mtimes(out))
+    assert {"init.json", "rank0.json", "gradref.json", "replay.json"} <= set(mtimes(out))
     assert not (out / "single.json").exists()
     text = all_text(tmp_path / "03.ipynb")
     assert "fleet: producing" in text and "gradref: producing" in text and "replay: producing" in text
@@ -506,8 +519,11 @@ def _nudged(t, key: str, rel: float, step: int | None = None):
 
 
 def plant_rank_params(out: Path) -> None:
-    """rank1's final head.weight off by 1e-6: the ranks went apart."""
-    _resave(out, "rank1", _nudged(load_tensors(out, "rank1"), "head.weight", 1e-6))
+    """One rank's final head.weight off by 1e-6 (of the first leg, when the
+    fleet stopped and resumed at one rank): the ranks went apart."""
+    a = ArtifactSet(out)
+    name = (a.ranks("leg1_") if len(a.ranks()) < 2 else a.ranks())[1]
+    _resave(out, name, _nudged(load_tensors(out, name), "head.weight", 1e-6))
 
 
 def plant_fleet_gradient(out: Path) -> None:
@@ -524,15 +540,15 @@ def plant_replay_step(out: Path) -> None:
 
 
 def plant_curve_step(out: Path) -> None:
-    """Both ranks' loss at step 10 off by 1e-4 (so they still agree): only the curve is off."""
-    for r in (0, 1):
-        meta = load_meta(out, f"rank{r}")
+    """Every final rank's loss at step 10 off by 1e-4 (so they still agree): only the curve is off."""
+    for name in ArtifactSet(out).ranks():
+        meta = load_meta(out, name)
         meta["losses"][9] *= 1 + 1e-4
-        atomic.write_text(out / f"rank{r}.json", json.dumps(meta))
+        atomic.write_text(out / f"{name}.json", json.dumps(meta))
 
 
 @pytest.mark.parametrize("plant, failed, words", [
-    (plant_rank_params, "ranks", "ranks differ: rank1 vs rank0: head.weight"),
+    (plant_rank_params, "ranks", "rank1 vs "),
     (plant_fleet_gradient, "gradref", "at step 5: head.weight"),
     (plant_replay_step, "replay", "first differs at step 5, p/head.weight"),
     (plant_curve_step, "curve", "the loss exceeds its tolerance first at step 10"),
