@@ -38,11 +38,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("resume")
     d = {name: base / name for name in (
         "single", "single_ckpt", "single_resumed", "fleet", "fleet_ckpt", "fleet_resumed", "fsdp", "fsdp_ckpt",
-        "fsdp_resumed", "fleet_from_single", "fsdp_from_single", "single_from_fleet", "single_from_fsdp")}
+        "fsdp_resumed", "fleet_from_single", "fsdp_from_single", "single_from_fleet", "single_from_fsdp",
+        "even", "even_legs", "fsdp_even", "fsdp_even_legs")}
 
     def gs(name, **kw):
-        # resume_world=0: these runs stop and resume by the test's own checkpoints
-        return GateSettings(out=str(d[name]), steps=STEPS, resume_world=0, **kw).validate()
+        # resume_world=0 unless given: these runs stop and resume by the test's own checkpoints
+        return GateSettings(out=str(d[name]), steps=STEPS, **{"resume_world": 0, **kw}).validate()
 
     def ckpt(name, suffix):
         stem = "single" if name.startswith("single") else "fleet"  # the gate's ckpt_name of the mode
@@ -51,7 +52,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     # The runs that leave a step-10 checkpoint: one launch for the fleets, the
     # single process in this process (patched here, undone by the monkeypatch).
     ckpt_outs = [str(d[n]) for n in ("fleet_ckpt", "fsdp_ckpt", "single_ckpt")]
-    launch_plan([gs("fleet"), gs("fleet_ckpt"), gs("fsdp", shard="fsdp"), gs("fsdp_ckpt", shard="fsdp")],
+    launch_plan([gs("fleet"), gs("fleet_ckpt"), gs("fsdp", shard="fsdp"), gs("fsdp_ckpt", shard="fsdp"),
+                 gs("even", capacity=""), gs("fsdp_even", capacity="", shard="fsdp")],
                 timeout_s=400, stream=QUIET, entry=[ENTRY],
                 env={"DORMOUSE_TEST_CKPT_AT": str(AT), "DORMOUSE_TEST_CKPT_OUTS": os.pathsep.join(ckpt_outs)})
     modes.run_single(gs("single"), log=QUIET)  # the uninterrupted reference, with its ulp floor
@@ -68,6 +70,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         gs("fleet_from_single", resume_from=ckpt("single_ckpt", ".pt")),
         gs("fsdp_from_single", shard="fsdp", resume_from=ckpt("single_ckpt", ".pt")),
     ], timeout_s=400, stream=QUIET)
+    # The gate's own stop and resume (resume_world) at the same world and shapes: two launches.
+    launch_plan([gs("even_legs", capacity="", resume_world=2),
+                 gs("fsdp_even_legs", capacity="", resume_world=2, shard="fsdp")], timeout_s=400, stream=QUIET)
     # resume_from relative to out
     modes.run_single(gs("single_resumed", resume_from="../single_ckpt/ckpts/single.step10.pt"), log=QUIET)
     modes.run_single(gs("single_from_fleet", resume_from=ckpt("fleet_ckpt", ".pt")), log=QUIET)
@@ -102,6 +107,21 @@ def test_a_run_stopped_at_step_ten_and_resumed_equals_the_uninterrupted_run_bitw
     assert meta["start_step"] == AT
     # the same bytes, the same learning rates, the same optimizer state: the same losses
     assert meta["losses"] == load_meta(full, artifact)["losses"][AT:]
+
+
+@pytest.mark.parametrize("kind", ["even", "fsdp_even"])
+def test_the_gates_own_stop_and_resume_at_the_same_world_equals_the_uninterrupted_fleet_bitwise(runs, kind):
+    """resume_world = world over an even profile: leg 1 stops after step 10,
+    leg 2 resumes its checkpoint at the same shapes; the run is the
+    uninterrupted fleet's, bit for bit, on every rank."""
+    full, legs = runs[kind], runs[f"{kind}_legs"]
+    meta = load_meta(legs, "rank0")
+    assert meta["resumed_at"] == AT and meta["legs"] == [[2, ""], [2, "2x64,2x64"]]
+    assert meta["rank_shapes"] == load_meta(full, "rank0")["rank_shapes"] == [[2, 64], [2, 64]]
+    for artifact in ("rank0", "rank1"):
+        assert equal_tensors(full, artifact, legs, artifact) == []
+        assert load_meta(legs, artifact)["losses"] == load_meta(full, artifact)["losses"]
+    assert len(load_meta(legs, "leg1_rank0")["losses"]) == AT
 
 
 def within_the_curve_tolerance(runs, name: str, artifact: str) -> None:
