@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dormouse.config import ModelConfig
-from dormouse.errors import FleetError
+from dormouse.errors import DormouseError, FleetError
 from dormouse.gate.fixtures import make_run
 from dormouse.gate.launcher import failure_summary, launch_fleet, torchrun_command
 from dormouse.gate.settings import GateSettings
@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 
 def test_two_torchrun_agents_with_c10d_rendezvous_form_one_fleet(tmp_path):
-    s = GateSettings(out=str(tmp_path), steps=10, capacity="")
+    s = GateSettings(out=str(tmp_path), steps=10, capacity="", resume_world=0)  # one launch: two agents
     port = _free_port()
     args = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=dormouse-gate-test", "--max-restarts=0"]
@@ -116,10 +116,10 @@ def test_incompatible_configurations_are_refused_before_joining_the_fleet(tmp_pa
 
 
 def test_a_refused_fleet_launch_fails_fast_and_trains_nothing(tmp_path):
-    s = GateSettings(out=str(tmp_path), steps=5, capacity="4,x")  # never validated: the ranks refuse it
+    s = GateSettings(out=str(tmp_path), steps=5, capacity="4,x")  # refused before any process starts
     lines: list[str] = []
     t0 = time.monotonic()
-    with pytest.raises(FleetError, match="capacity = '4,x' is not allowed"):
+    with pytest.raises(DormouseError, match="capacity = '4,x' is not allowed"):
         launch_fleet(s, timeout_s=120, stream=lines.append)
     assert time.monotonic() - t0 < 60
     assert not any("loss=" in line for line in lines)
@@ -129,7 +129,7 @@ def test_a_refused_fleet_launch_fails_fast_and_trains_nothing(tmp_path):
 # 8 --------------------------------------------------------------------------------------------
 
 def test_a_killed_rank_fails_the_fleet_fast_naming_it_and_leaves_no_torn_files(tmp_path):
-    s = GateSettings(out=str(tmp_path), steps=20, capacity="")
+    s = GateSettings(out=str(tmp_path), steps=20, capacity="", resume_world=0)
     t0 = time.monotonic()
     lines: list[str] = []
     with pytest.raises(FleetError) as info:

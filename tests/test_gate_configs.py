@@ -28,7 +28,7 @@ def runs(tmp_path_factory):
     text.write_bytes(b"".join(p.read_bytes() for p in sorted((base.parents[2]).glob("*.txt")))
                      or bytes(range(256)) * 40)
     plan = {
-        "small": GateSettings(out=str(base / "small"), config="small", steps=3),
+        "small": GateSettings(out=str(base / "small"), preset="small", steps=3),
         "file": GateSettings(out=str(base / "file"), config=str(base / "run.json"), steps=6, capacity="3,1"),
         "data": GateSettings(out=str(base / "data"), data=str(text), steps=4, capacity=""),
         **{f"seed{k}": GateSettings(out=str(base / f"seed{k}"), seed=k, steps=10) for k in SEEDS},

@@ -463,7 +463,8 @@ def test_exact_names_the_first_differing_step_tensor_element_and_ulps(tmp_path):
 
 def test_exact_judges_the_loss_bitwise(tmp_path):
     def edit(a):
-        a["exact"]["losses"][0] = float(torch.nextafter(torch.tensor(LOSSES[0]), torch.tensor(math.inf)))
+        a["exact"]["losses"][0] = float(torch.nextafter(torch.tensor(LOSSES[0], dtype=torch.float64),
+                                                        torch.tensor(math.inf, dtype=torch.float64)))
 
     c = check_exact(clean_set(tmp_path, edit, reduce="exact"))
     assert not c.passed and (c.first_step, c.first_tensor) == (1, "loss") and c.ulps == 1.0

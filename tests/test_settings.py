@@ -99,7 +99,7 @@ def test_the_help_names_exactly_the_reduces_that_validate_accepts(tmp_path):
     help_text = next(a.help for a in p._actions if a.dest == "reduce")
     for value in ("fp32", "bf16", "exact"):
         if value in help_text:
-            GateSettings(out=str(tmp_path / "o"), reduce=value).validate()
+            GateSettings(out=str(tmp_path / "o"), reduce=value, micro_batch=1).validate()
 
 
 # --------------------------------------------------------------------------- every field everywhere
@@ -121,7 +121,7 @@ def test_every_field_is_a_flag_of_the_cli_except_the_notebook_ones():
 
 NON_DEFAULT = {
     "steps": 3, "batch": 3, "world": 2, "capacity": "3,1", "seed": 8, "lr": 0.01, "opt": "adamw",
-    "shard": "fsdp", "reduce": "bf16", "micro_batch": 1, "data_order": "sequential", "config": "tiny",
+    "shard": "fsdp", "reduce": "bf16", "micro_batch": 1, "data_order": "sequential", "preset": "tiny",
     "resume_world": 2, "resume_from": "ckpt.pt", "device": "cpu", "threads": 2, "bucket_mb": 8.0,
     "timeout_s": 60.0, "produce": False,
 }
@@ -195,7 +195,7 @@ CLI_BAD = {
     "capacity_negative": (["single", "--capacity", "-1,2"], "capacity"),
     "capacity_arabic_indic_digit": (["single", "--capacity", "\u0664,2"], "capacity"),
     "world_0": (["single", "--world", "0"], "world"),
-    "world_3_with_a_2_rank_capacity": (["single", "--world", "3"], "capacity"),
+    "world_3_with_a_2_rank_capacity": (["single", "--world", "3", "--capacity", "4,2"], "capacity"),
     "micro_batch_3": (["gradref", "--micro-batch", "3", "--capacity", "4,2"], "micro_batch"),
     "steps_not_a_number": (["single", "--steps", "abc"], "--steps"),
     "reduce_unknown": (["replay", "--reduce", "fp16"], "reduce"),

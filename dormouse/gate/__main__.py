@@ -68,7 +68,8 @@ def _argv(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(_argv(list(sys.argv[1:] if argv is None else argv)))
+    argv = _argv(list(sys.argv[1:] if argv is None else argv))
+    args = parser().parse_args(argv)
     mode = args.mode or args.mode_flag
     if mode is None or (args.mode and args.mode_flag and args.mode != args.mode_flag):
         print("error: name one mode: single, rank, gradref, replay or verdict (see dormouse gate --help)",
@@ -77,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from dormouse.gate.settings import from_args
+        from dormouse.gate.settings import explicit_fields, from_args
 
-        s = from_args(args)
+        s = from_args(args, explicit_fields(argv))
         torch.set_num_threads(s.threads)
         if mode == "verdict":
             from dormouse.gate.judge import judge

@@ -2,8 +2,8 @@
 
 The default network is the `tiny` preset (config.PRESETS: d_model 64, 4
 experts top-2, adapters of rank 8, shared expert of rank 16, Engram 64 x 8,
-the block applied twice, dropless MoE). `GateSettings.config` swaps in any
-preset or a RunConfig JSON written by `dormouse train`.
+the block applied twice, dropless MoE). `GateSettings.preset` swaps in any
+preset, `GateSettings.config` a RunConfig JSON written by `dormouse train`.
 
 The run turns on the code where data-parallel bugs live: linear warm-up, a
 cosine schedule, decoupled weight decay, gradient clipping (its coefficient is
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dormouse import atomic
-from dormouse.config import PRESETS, RunConfig, TrainConfig, preset
+from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.errors import ConfigError
 from dormouse.model import DormouseModel
 from dormouse.train.data import RankShape
@@ -57,10 +57,8 @@ RECIPE = dict(
 def base_run(s) -> RunConfig:
     """The network and recipe the settings name (before the gate's own fields)."""
     if not s.config:
-        return RunConfig(source="dist-gate", model=dataclasses.replace(TINY),
-                         train=TrainConfig(lr=LR, eval_every=EVAL_EVERY, eval_frac=EVAL_FRAC, **RECIPE))
-    if s.config in PRESETS:
-        return RunConfig(source=f"preset:{s.config}", model=preset(s.config),
+        model = preset(s.preset) if s.preset else dataclasses.replace(TINY)
+        return RunConfig(source=f"preset:{s.preset}" if s.preset else "dist-gate", model=model,
                          train=TrainConfig(lr=LR, eval_every=EVAL_EVERY, eval_frac=EVAL_FRAC, **RECIPE))
     path = Path(s.config).expanduser()
     try:
@@ -72,7 +70,7 @@ def base_run(s) -> RunConfig:
 def window(s) -> int:
     """The fixture's window length for settings `s`."""
     run = base_run(s)
-    return run.train.seq_len if s.config and s.config not in PRESETS else min(SEQ, run.model.max_seq_len)
+    return run.train.seq_len if s.config else min(SEQ, run.model.max_seq_len)
 
 
 def rank_shapes(s) -> list[RankShape]:

@@ -63,6 +63,7 @@ def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=prin
     one after another in the same process group; returns each run's rank
     metadata. A fleet that stops and resumes at another world size
     (resume_world) is two launches, --leg 1 and --leg 2."""
+    plan = [s.validate() for s in plan]  # bad settings are refused before any process starts
     if not plan or len({tuple(x.world for x in s.legs()) for s in plan}) != 1:
         raise FleetError("a plan needs at least one run, all with the same world sizes (and legs)")
     for s in plan:

@@ -57,7 +57,8 @@ class GateSettings:
     reduce: str = "fp32"  # the fleet's gradient reduce: fp32 | bf16 (wire) | exact (fixed summation order)
     micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch)
     data_order: str = "shuffle"  # which span each step reads: shuffle (seeded, per epoch) | sequential
-    config: str = ""  # the network and recipe: a preset name or a RunConfig JSON file (empty: the tiny fixture)
+    preset: str = ""  # the network by preset name, tiny or small, with the fixture recipe (empty: tiny)
+    config: str = ""  # the network and recipe from a RunConfig JSON file, as dormouse train writes (empty: off)
     data: str = ""  # corpus file (empty: the fixture's seeded pseudo-random bytes, written into out)
     resume_world: int = 1  # the fleet stops at half its steps and resumes at this many ranks (0: no stop; 1-step runs never stop)
     resume_from: str = ""  # continue from this checkpoint, relative to out or absolute (empty: from the start)
@@ -142,13 +143,18 @@ class GateSettings:
         if not isinstance(self.produce, bool):
             raise _bad("produce", self.produce, "True (produce missing artifacts) or False (only read them)")
         v["capacity"] = _capacity(self.capacity, v["world"])
-        for name in ("config", "data", "out", "resume_from"):
+        for name in ("preset", "config", "data", "out", "resume_from"):
             if not isinstance(getattr(self, name), str):
                 raise _bad(name, getattr(self, name), "a path (a string)")
         s = dataclasses.replace(self, **v)
-        if s.config and s.config not in PRESETS and not Path(s.config).expanduser().is_file():
-            raise ParameterError(f"config = {s.config!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                                 "file: pass a preset name or a RunConfig JSON written by `dormouse train`.")
+        if s.preset and s.preset not in PRESETS:
+            raise _bad("preset", s.preset, "one of " + ", ".join(repr(p) for p in PRESETS) + ", or empty")
+        if s.config and not Path(s.config).expanduser().is_file():
+            raise ParameterError(f"config = {s.config!r} is not a file: pass a RunConfig JSON (the run.json "
+                                 "that `dormouse train` writes), or use preset for a preset.")
+        if s.config and s.preset:
+            raise ParameterError(f"config = {s.config!r} and preset = {s.preset!r} both name the network: "
+                                 "give one of them.")
         if s.data and not Path(s.data).expanduser().is_file():
             raise ParameterError(f"data = {s.data!r} is not a file: pass a corpus file of bytes, or '' for "
                                  "the fixture's corpus.")
@@ -161,7 +167,9 @@ class GateSettings:
         except ConfigError as e:  # the configuration the settings describe
             raise ParameterError(f"the run these settings describe is not valid: {e}") from None
         except dormouse.errors.DormouseError as e:
-            raise ParameterError(f"capacity = {s.capacity!r}: {e}") from None
+            why = str(e).split(": ", 1)[-1].split("; ")[0]  # the trainer's reason, without its own prefix
+            raise ParameterError(f"capacity = {s.capacity!r} is not allowed ({why}): capacity must be one "
+                                 "entry per rank, each B or BxT, with T at most the model's max_seq_len.") from None
         if s.micro_batch and any(sh.batch % s.micro_batch for sh in shapes):
             raise ParameterError(f"micro_batch = {s.micro_batch} does not divide every rank's batch "
                                  f"({', '.join(str(sh.batch) for sh in shapes)}): choose a divisor, or 0.")
@@ -250,11 +258,15 @@ def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), giv
                        help=comments.get(f.name, "") + f" (default: {f.default!r})")
 
 
-def from_args(args: argparse.Namespace) -> GateSettings:
+def from_args(args: argparse.Namespace, explicit: set[str] | None = None) -> GateSettings:
+    """Settings from parsed flags; `explicit`: the fields the command line named."""
     given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
-    if given.get("world", DEFAULTS.world) != DEFAULTS.world and given.get("capacity") == DEFAULTS.capacity:
-        given["capacity"] = ""  # the default profile is for the default world: the batch on every rank
-    return GateSettings(**given).validate()
+    return GateSettings(**_default_profile_follows_world(given, explicit if explicit is not None else set())).validate()
+
+
+def explicit_fields(argv: list[str]) -> set[str]:
+    """The GateSettings fields a command line names (--micro-batch=1 and --micro-batch 1 alike)."""
+    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")} & set(FIELDS)
 
 
 def check(**given) -> GateSettings:
@@ -268,14 +280,24 @@ def check(**given) -> GateSettings:
         given["out"] = ""
     elif isinstance(given["out"], os.PathLike):
         given["out"] = str(given["out"])
-    for k in ("capacity", "config", "data", "resume_from"):
-        if given.get(k) is None:
+    for k in ("capacity", "preset", "config", "data", "resume_from"):
+        if k in given and given[k] is None:
             given[k] = ""
-        elif isinstance(given[k], int) and not isinstance(given[k], bool):
+        elif isinstance(given.get(k), int) and not isinstance(given[k], bool):
             given[k] = str(given[k])  # papermill's -p capacity 4 arrives as an int
-    if "world" in given and "capacity" not in given:
-        given["capacity"] = ""  # the default profile is for the default world: the batch on every rank
-    return GateSettings(**given).validate()
+    return GateSettings(**_default_profile_follows_world(given)).validate()
+
+
+def _default_profile_follows_world(given: dict, explicit: set[str] | None = None) -> dict:
+    """The default capacity is the default world's profile: with another world
+    and the capacity left at its default (or not given), every rank runs
+    `batch` windows. A notebook passes every parameter, so there a capacity
+    equal to the default counts as not given."""
+    world = given.get("world", DEFAULTS.world)
+    capacity_given = "capacity" in (explicit if explicit is not None else given)
+    if world != DEFAULTS.world and (not capacity_given or (explicit is None and given["capacity"] == DEFAULTS.capacity)):
+        given = {**given, "capacity": ""}
+    return given
 
 
 def _field_comments() -> dict[str, str]:
