@@ -158,21 +158,11 @@ class GateSettings:
         if s.data and not Path(s.data).expanduser().is_file():
             raise ParameterError(f"data = {s.data!r} is not a file: pass a corpus file of bytes, or '' for "
                                  "the fixture's corpus.")
-        try:
-            run = s.run_config("single", dist=False, write_corpus=False)
-            run.validate()
-            shapes = s.shapes()
-        except ParameterError:
-            raise
-        except ConfigError as e:  # the configuration the settings describe
-            raise ParameterError(f"the run these settings describe is not valid: {e}") from None
-        except dormouse.errors.DormouseError as e:
-            why = str(e).split(": ", 1)[-1].split("; ")[0]  # the trainer's reason, without its own prefix
-            raise ParameterError(f"capacity = {s.capacity!r} is not allowed ({why}): capacity must be one "
-                                 "entry per rank, each B or BxT, with T at most the model's max_seq_len.") from None
+        shapes = _derived(s, s.shapes)
         if s.micro_batch and any(sh.batch % s.micro_batch for sh in shapes):
             raise ParameterError(f"micro_batch = {s.micro_batch} does not divide every rank's batch "
                                  f"({', '.join(str(sh.batch) for sh in shapes)}): choose a divisor, or 0.")
+        _derived(s, lambda: s.run_config("single", dist=False, write_corpus=False).validate())
         if s.reduce == "exact":
             if not s.micro_batch and len({sh.batch for sh in shapes}) != 1:
                 raise ParameterError(f"reduce = 'exact' with the uneven profile {s.capacity!r} needs micro_batch: "
@@ -212,6 +202,21 @@ class GateSettings:
         from dormouse.gate.fixtures import make_run
 
         return make_run(self, name=name, dist=dist, **over)
+
+
+def _derived(s: GateSettings, make):
+    """make() — the shapes or the run the settings describe — with the
+    trainer's errors restated as one sentence about the setting."""
+    try:
+        return make()
+    except ParameterError:
+        raise
+    except ConfigError as e:
+        raise ParameterError(f"the run these settings describe is not valid: {e}") from None
+    except dormouse.errors.DormouseError as e:
+        why = str(e).split(": ", 1)[-1].split("; ")[0]  # the trainer's reason, without its own prefix
+        raise ParameterError(f"capacity = {s.capacity!r} is not allowed ({why}): capacity must be one "
+                             "entry per rank, each B or BxT, with T at most the model's max_seq_len.") from None
 
 
 _NOT_FLAGS = ("timeout_s", "produce")
