@@ -216,3 +216,17 @@ def test_verdict_json_follows_its_published_schema_and_the_schema_rejects_a_brok
     verdict["checks"]["gradref"]["pass"] = "yes"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(verdict, schema)
+
+
+def test_the_verdict_writes_its_per_step_divergence_and_bounds_to_tensorboard(clean, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dormouse.gate.presenting import write_tensorboard
+
+    write_tensorboard(judge(clean["default"]), tmp_path / "tb")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"gate/gradref/worst", "gate/gradref/bound", "gate/curve/tolerance", "gate/replay/equal"} <= tags
+    worst = [e.value for e in events.Scalars("gate/gradref/worst")]
+    assert len(worst) == 20 and 0 < max(worst) <= GRAD_RTOL

@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--leg", type=int, choices=(0, 1, 2), default=0,
                    help="rank mode, a fleet that stops and resumes (resume_world): which launch this is")
     p.add_argument("--json", action="store_true", help="verdict: also write <out>/verdict.json")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="verdict: also write the per-step divergences and bounds as TensorBoard scalars")
     return p
 
 
@@ -89,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             v = judge(s.out_dir)
             if args.json:
                 write_verdict(v, s.out_dir)
+            if args.tensorboard:
+                from dormouse.gate.presenting import write_tensorboard
+
+                write_tensorboard(v, args.tensorboard)
             print(format_verdict(v))
             return 0 if v.passed else 1
         from dormouse.gate import modes

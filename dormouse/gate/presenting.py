@@ -39,3 +39,34 @@ def verdict_json(v: Verdict, **extra) -> dict:
 def write_verdict(v: Verdict, out: Path, **extra) -> Path:
     return atomic.write_text(Path(out) / VERDICT_FILE, json.dumps(verdict_json(v, **extra), indent=1, default=str,
                                                                   allow_nan=False))
+
+
+def write_tensorboard(v: Verdict, log_dir) -> None:
+    """The verdict's per-step series as TensorBoard scalars: for each per-step
+    check its worst relative difference and bound (gate/<check>/worst,
+    gate/<check>/bound), the curve's loss difference, floor and tolerance,
+    and 1/0 per step for the bitwise checks (gate/<check>/equal)."""
+    from dormouse.train.tracking import require_tensorboard
+
+    require_tensorboard()
+    from torch.utils.tensorboard import SummaryWriter
+
+    from dormouse.gate.judge import CurveCheck, ExactCheck, TensorCheck
+
+    w = SummaryWriter(log_dir=str(log_dir))
+    try:
+        for c in v.checks:
+            if isinstance(c, TensorCheck):
+                for k, x in enumerate(c.per_step, 1):
+                    w.add_scalar(f"gate/{c.name}/worst", x, k)
+                    w.add_scalar(f"gate/{c.name}/bound", c.bound, k)
+            elif isinstance(c, ExactCheck):
+                for k, eq in enumerate(c.steps_equal, 1):
+                    w.add_scalar(f"gate/{c.name}/equal", float(eq), k)
+            elif isinstance(c, CurveCheck):
+                for k, (x, f, t) in enumerate(zip(c.per_step, c.noise_floor, c.tolerance), 1):
+                    w.add_scalar("gate/curve/loss_difference", x, k)
+                    w.add_scalar("gate/curve/floor", f, k)
+                    w.add_scalar("gate/curve/tolerance", t, k)
+    finally:
+        w.close()
