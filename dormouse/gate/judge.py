@@ -413,6 +413,14 @@ def check_replay(a: ArtifactSet) -> Check:
     steps = min(len(r[keys[0]]), len(fleet[keys[0]]))
     c = _bitwise_steps("replay", fleet, r, keys, steps,
                        "the fleet's run replayed in one process on its own gradients (parameters and routing bias)")
+    state = a.meta("replay").get("optimizer_state")
+    if state:
+        if state["unequal"] or state["checkpoint_step"] != state["step"]:
+            c.passed = False
+            c.reason += (f"; the optimizer state the fleet checkpointed at step {state['checkpoint_step']} is not the "
+                         f"replay's at step {state['step']}: {', '.join(state['unequal'][:3])}")
+        else:
+            c.reason += f"; its optimizer state at the step-{state['step']} checkpoint bitwise ({state['tensors']} tensors)"
     if "grad_norm" in r:
         if "grad_norm" not in fleet:
             c.passed, c.reason = False, "the fleet recorded no gradient norms although it clips"

@@ -414,7 +414,10 @@ def run_replay(s: GateSettings, log=print) -> dict:
     steps = len(fleet["losses"])
     snaps: dict[str, list[torch.Tensor]] = {}
     own: list[float] = []
+    opt_state = None
     for k in range(steps):
+        if fleet.get("resumed_at") and k == fleet["resumed_at"]:
+            opt_state = _compare_optimizer_state(s, run, opt, k)
         opt.set_lr(lr_at(start + k, run))
         for n, p in model.named_parameters():
             p.grad = trace[f"g/{n}"][k].to(device).clone()
@@ -439,7 +442,24 @@ def run_replay(s: GateSettings, log=print) -> dict:
         tensors["grad_norm"] = torch.tensor(own, dtype=torch.float32)
     log(f"replay: {steps} steps of the fleet's recorded gradients")
     return _save(s, "replay", tensors, [], init=fingerprint(init), mode="replay", steps=steps,
-                 fleet=fleet["fingerprint"])
+                 fleet=fleet["fingerprint"], optimizer_state=opt_state)
+
+
+def _compare_optimizer_state(s: GateSettings, run, opt, step: int) -> dict:
+    """The replay's optimizer state after `step` steps against the one the
+    fleet checkpointed there (its first leg; a .dcp of shards under FSDP,
+    read whole): every moment and momentum buffer bitwise."""
+    from dormouse.train.checkpoint import load_checkpoint
+    from dormouse.train.loop import LocalSync
+
+    path = s.out_dir / "ckpts" / ("fleet.dcp" if s.shard == "fsdp" else "fleet.pt")
+    model = build(s).to(_device(s))
+    theirs = make_optimizer(model, run)
+    at = load_checkpoint(path, model=model, opt=theirs, run=run, peers=LocalSync(run))
+    mine, other = opt.state_dict(), theirs.state_dict()
+    unequal = [f"{n}.{k}" for n in mine for k, t in mine[n].items()
+               if not torch.is_tensor(t) or not torch.equal(t.cpu(), other[n][k].cpu())]
+    return {"step": step, "checkpoint_step": at, "tensors": sum(len(v) for v in mine.values()), "unequal": unequal}
 
 
 MODES = {"single": run_single, "rank": run_rank, "gradref": run_gradref, "replay": run_replay,
