@@ -56,7 +56,7 @@ def passed(out: Path):
 def test_a_clean_fleet_passes_every_check_that_applies(clean, name):
     v = passed(clean[name])
     names = [c.name for c in v.checks]
-    assert names[:4] == ["complete", "provenance", "finite", "ranks"]
+    assert names[:5] == ["complete", "provenance", "config", "finite", "ranks"]
     assert {"window", "gradref", "replay"} <= set(names)
     assert ("curve" in names) == (name != "mixed")
 

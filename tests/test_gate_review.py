@@ -1,12 +1,12 @@
-"""Review: wrong fleets the gate PASSES (false passes), found by planting the
-faults of fleet_faults.py's "review attacks" section in real gloo fleets.
+"""A skeptical review's attacks, kept as tests: wrong fleets that once PASSED
+the gate (false passes) and clean fleets that once FAILED it (false alarms),
+found by planting fleet_faults.py's "review attacks" in real gloo fleets.
+Each now fails (or passes) for its reason; the one the gate still cannot see
+is marked xfail(strict) with the limit it shows.
 
-Each test asserts what the gate SHOULD say (a FAIL) and is marked
-xfail(strict=True): today the gate passes these fleets, so the tests xfail;
-once the gate is fixed they XPASS, which strict turns into a failure that
-asks for the marker to be removed.
-
-Root causes:
+Root causes (fixed: the judge's `config` check, the replay from the settings'
+recipe, final tensors against the trace, a floor run nudging gradients by an
+ulp of their tensor's magnitude):
 - the replay builds its run from the config the FLEET recorded
   (RunConfig.from_dict(rank0.json["config"])), and nothing compares that
   config with the one the settings give (make_run(s)): a fleet at the wrong
@@ -36,9 +36,6 @@ FALSE_PASSES = {
     # fleet runs Newton-Schulz in bfloat16 (recipe: float32) and records it: the judge then
     # stops judging tensors (judge_tensors reads the FLEET's config); loss within 1e-6
     "ns_bf16": ("ns_bf16", {}),
-    # bf16 wire: g += 0.2 W u |g| sign(p) every step -- a systematic (not rounding-like) bias,
-    # an extra weight decay, inside gradref's elementwise bound W u sum t|g|/T
-    "bf16_decay_small": ("bf16_decay_small", {"reduce": "bf16"}),
     # fleet does not clip (recorded in its config); mixed lengths: no curve
     "no_clip_mixed": ("no_clip_mixed", {"capacity": "4x32,2x64", "resume_world": 0}),
     # head.weight += 1e-3 in every rank's final model, after the trace recorded the last step
@@ -47,7 +44,6 @@ FALSE_PASSES = {
 
 
 @pytest.mark.parametrize("name", list(FALSE_PASSES))
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review: the gate passes this wrong fleet (false pass)")
 def test_review_wrong_fleet_fails(tmp_path, name):
     fault, extra = FALSE_PASSES[name]
     s = GateSettings(out=str(tmp_path / name), steps=10, **extra).validate()
@@ -71,8 +67,17 @@ FALSE_ALARMS = {
 
 
 @pytest.mark.parametrize("name", list(FALSE_ALARMS))
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review: the gate fails this clean fleet (false alarm)")
 def test_review_clean_fleet_passes(tmp_path, name):
     s = GateSettings(out=str(tmp_path / name), **FALSE_ALARMS[name]).validate()
     v = gate(s)
     assert v.passed, "false alarm: " + "; ".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known limit: under the bf16 wire, a systematic bias smaller than the wire's rounding "
+                          "bound W u sum t|g|/T passes gradref, and the curve judges the loss only (tolerance 1e-3)")
+def test_a_bias_below_the_bf16_rounding_bound_is_not_seen(tmp_path):
+    # g += 0.2 W u |g| sign(p) every step: an extra weight decay, not rounding-like (0.4 is caught)
+    s = GateSettings(out=str(tmp_path), steps=10, reduce="bf16").validate()
+    v = gate(s, "bf16_decay_small")
+    assert not v.passed

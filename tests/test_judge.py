@@ -17,7 +17,7 @@ from safetensors.torch import save as st_save
 from dormouse.gate.artifacts import PROVENANCE, ArtifactSet, save_artifact
 from dormouse.gate.judge import (BF16_UNIT_ROUNDOFF, GRAD_RTOL, MIN_RTOL, VERDICT_SCHEMA, WINDOW_RTOL, Check,
                                  CurveCheck, ExactCheck, TensorCheck, Verdict, check_complete, check_curve,
-                                 check_exact, check_finite, check_gradref, check_provenance, check_ranks,
+                                 check_config, check_exact, check_finite, check_gradref, check_provenance, check_ranks,
                                  check_replay, check_window, first_difference, judge, relative, required, ulps)
 from dormouse.gate.settings import GateSettings
 
@@ -65,9 +65,9 @@ def synthetic(*, reduce: str = "fp32", shapes=None, exact: bool | None = None) -
             t[f"g/{W}"] = g.clone()
         return t
 
-    common = {"settings": settings, "provenance": prov}
     config = {"train": {"ns_dtype": "float32"}, "model": {"bf16": False}}  # the RunConfig's fields the judge reads
-    rank = {**common, "mode": "rank", "config": config, "world_size": len(shapes), "rank_shapes": shapes, "start_step": 0}
+    common = {"settings": settings, "provenance": prov, "config": config}
+    rank = {**common, "mode": "rank", "world_size": len(shapes), "rank_shapes": shapes, "start_step": 0}
     arts = {
         "rank0": {"state": final, "losses": list(LOSSES), "meta": {**rank, "rank": 0}, "trace": trace(shapes[0][0])},
         "rank1": {"state": copy.deepcopy(final), "losses": list(LOSSES), "meta": {**rank, "rank": 1},
@@ -126,7 +126,7 @@ def _floor_losses(arts, rels_per_run: list[list[float]]) -> None:
 def test_the_clean_synthetic_set_passes_every_check(tmp_path):
     v = judge(clean_set(tmp_path).out)
     assert v.passed, [(c.name, c.reason) for c in v.checks if not c.passed]
-    assert [c.name for c in v.checks] == ["complete", "provenance", "finite", "ranks", "window", "gradref",
+    assert [c.name for c in v.checks] == ["complete", "provenance", "config", "finite", "ranks", "window", "gradref",
                                          "replay", "curve"]
     assert v.references == ["single", "init", "gradref", "replay"]
     assert isinstance(v.check("curve"), CurveCheck) and isinstance(v.check("replay"), ExactCheck)
@@ -562,7 +562,7 @@ def test_the_routing_bias_is_not_judged_by_a_floor(tmp_path):
 def test_tensors_are_not_judged_by_a_floor_where_the_optimizers_map_rounds_to_bf16(tmp_path):
     def edit(a):
         a["rank0"]["trace"][f"p/{W}"][0].mul_(1.01)
-        for n in ("rank0", "rank1"):
+        for n in a:  # the settings' recipe runs Newton-Schulz in bfloat16
             a[n]["meta"]["config"] = {"train": {"ns_dtype": "bfloat16"}, "model": {"bf16": False}}
 
     c = check_curve(clean_set(tmp_path, edit))
@@ -650,3 +650,13 @@ def test_check_types_are_dataclasses_with_a_reason():
     v = Verdict("/d", False, [c], [])
     assert v.check("x") is c and v.check("y") is None
     assert v.to_dict()["checks"]["x"] == {"kind": "Check", "name": "x", "pass": False, "reason": "why"}
+
+
+def test_a_fleet_that_trained_another_recipe_fails_the_config_check(tmp_path):
+    def edit(a):
+        a["rank0"]["meta"]["config"] = {"train": {"ns_dtype": "bfloat16"}, "model": {"bf16": False}}
+
+    a = clean_set(tmp_path, edit)
+    c = check_config(a, "gradref")
+    assert not c.passed and "rank0's train.ns_dtype = 'bfloat16', gradref's 'float32'" in c.reason
+    assert not judge(tmp_path).passed

@@ -12,6 +12,9 @@ complete   every reference that applies is present: gradref, replay, init;
 provenance every artifact was made by the same code (source hash), torch,
            device, threads, CPU capability, corpus and initial parameters,
            with the same settings.
+config     the fleet trained the network and recipe the settings give (its
+           recorded configuration, every leg, against the reference's; the
+           replay too runs the settings' recipe, never the fleet's record).
 finite     no NaN or inf in any compared series.
 ranks      every rank's tensors and losses bitwise equal to rank 0's.
 window     fact 1, the premise: at every step the batch's gradient equals
@@ -24,7 +27,8 @@ gradref    fact 3: at every step the fleet's reduced gradient equals the
            the expert loads the fleet applied equal the ones gradref counted.
 replay     fact 4: the fleet's whole run replayed in one process from init,
            on the fleet's own recorded gradients and gradref's loads, equals
-           the fleet's parameters and routing bias BITWISE at every step.
+           the fleet's parameters and routing bias BITWISE at every step, its
+           final tensors, and its optimizer state at the mid-run checkpoint.
 curve      fact 2 at the global batch: per-step loss within a tolerance from
            the reference's floor runs, nudged by one ulp at the start or at
            every step's gradient (10 x their running maximum, at least
@@ -245,6 +249,29 @@ def check_provenance(a: ArtifactSet, names: list[str]) -> Check:
                  "corpus and initial parameters, with the same settings")
 
 
+# Fields of a run that say where and how it ran, not what it computes.
+RUN_IDENTITY = ("batch", "ckpt_name", "ckpt_every", "out_dir", "resume", "resume_from", "stop_at", "dist",
+                "dist_capacity", "dist_shard", "dist_reduce", "dist_bucket_mb", "micro_batch", "log_every")
+
+
+def check_config(a: ArtifactSet, reference: str) -> Check:
+    """The fleet trained the network and recipe the settings give: its
+    recorded configuration (every leg) against the reference's, field by field."""
+    want = a.meta(reference)["config"]
+    diffs = []
+    for n in ["rank0"] + a.ranks("leg1_")[:1]:
+        have = a.meta(n)["config"]
+        for section in ("model", "train"):
+            for k, v in want[section].items():
+                if not (section == "train" and k in RUN_IDENTITY) and have[section].get(k) != v:
+                    diffs.append(f"{n}'s {section}.{k} = {have[section].get(k)!r}, {reference}'s {v!r}")
+    if diffs:
+        return Check("config", False, "the fleet trained another configuration than the settings give: "
+                     + "; ".join(diffs[:4]))
+    return Check("config", True, f"the fleet trained the settings' network and recipe (every model and training "
+                 f"field equal to {reference}'s)")
+
+
 def check_finite(a: ArtifactSet, names: list[str]) -> Check:
     for n in names:
         m = a.meta(n)
@@ -413,6 +440,11 @@ def check_replay(a: ArtifactSet) -> Check:
     steps = min(len(r[keys[0]]), len(fleet[keys[0]]))
     c = _bitwise_steps("replay", fleet, r, keys, steps,
                        "the fleet's run replayed in one process on its own gradients (parameters and routing bias)")
+    final = a.tensors("rank0")
+    off = [k for k in final if f"p/{k}" in r and not torch.equal(final[k], r[f"p/{k}"][steps - 1])]
+    if off:
+        c.passed = False
+        c.reason += f"; the fleet's final tensors are not its traced last step: {', '.join(off[:3])}"
     state = a.meta("replay").get("optimizer_state")
     if state:
         if state["unequal"] or state["checkpoint_step"] != state["step"]:
@@ -479,7 +511,7 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE) -> CurveChe
     grad_lim = GRAD_RTOL if wire != "bf16" else 2 * world_at(fleet, 0) * BF16_UNIT_ROUNDOFF
     # Every tensor against its own floor (the routing bias through flips).
     first_param = None
-    train, model = fleet["config"]["train"], fleet["config"]["model"]
+    train, model = single["config"]["train"], single["config"]["model"]  # the settings', not the fleet's
     # Tensors are judged against their own floor where the optimizer's map is
     # float32: bfloat16 Newton-Schulz (or a bf16 model, or the bf16 wire)
     # rounds updates to 8 bits, so a few ulps of gradient round-off move a
@@ -571,7 +603,9 @@ def judge(out) -> Verdict:
     present = [n for n in required(a) if a.has(n)]
     names = a.ranks("leg1_") + a.ranks() + present
     checks.append(check_provenance(a, names))
-    if checks[-1].passed:
+    if checks[-1].passed and present and (a.has("gradref") or a.has("single")):
+        checks.append(check_config(a, "gradref" if a.has("gradref") else "single"))
+    if checks[1].passed:
         checks.append(check_finite(a, names))
         checks.append(check_ranks(a))
         if a.has("gradref"):

@@ -102,12 +102,26 @@ def nudge(tensors, seed: int) -> None:
             t.copy_(torch.nextafter(t, torch.where(up, torch.inf, -torch.inf).to(t.dtype)))
 
 
+def nudge_absolute(tensors, seed: int) -> None:
+    """Move every element by one ulp of its tensor's mean magnitude, up or down
+    at random: a sum's round-off is an ulp of its summands, not of the sum, so
+    a near-cancelled element moves by far more than its own ulp (AdamW's
+    first step, ~lr * sign(g), shows it)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in tensors:
+            size = torch.finfo(t.dtype).eps * t.abs().mean()
+            sign = (torch.rand(t.shape, generator=gen) < 0.5).to(t.device) * 2.0 - 1.0
+            t.add_(sign.to(t.dtype) * size)
+
+
 def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
     """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics,
     each compared step by step with the reference. ulp0 starts from parameters
-    nudged by one ulp; ulp1, ulp2, ... nudge every step's gradient by one ulp
-    before the optimizer (the size of the round-off a reduce's summation order
-    adds), with different random directions. None splits the batch: a floor
+    nudged by one ulp; ulp1 nudges every step's gradient by one ulp of each
+    element, ulp2 by one ulp of its tensor's mean magnitude (the round-off a
+    reduce's summation order adds is an ulp of the summands), before the
+    optimizer, in random directions. None splits the batch: a floor
     from a split run would share the bugs of a split. Per run: per-step
     relative loss difference and, per tensor, per-step relative differences
     of parameters and gradients."""
@@ -120,9 +134,12 @@ def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
         if i == 0:
             nudge(list(model.parameters()), seed)
             on_grads = None
-        else:
+        elif i == 1:
             def on_grads(step, m, seed=seed):
                 nudge([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
+        else:
+            def on_grads(step, m, seed=seed):
+                nudge_absolute([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
         r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_ulp{i}"))
         trace = Trace(snapshots=True)
 
@@ -399,9 +416,9 @@ def run_replay(s: GateSettings, log=print) -> dict:
     rank0's trace and gradref's loads)."""
     out = s.out_dir
     fleet = load_meta(out, "rank0")
-    from dormouse.config import RunConfig
-
-    run = RunConfig.from_dict(fleet["config"])
+    # The recipe the SETTINGS give (not the one the fleet recorded): a fleet
+    # at another lr, schedule or clip must not be replayed at its own.
+    run = make_run(s, name="replay", dist=False)
     device = _device(s)
     init = load_tensors(out, "init")
     trace = load_trace(out, "rank0")
@@ -428,7 +445,8 @@ def run_replay(s: GateSettings, log=print) -> dict:
             # checks the optimizer's map bitwise given that scale.
             grads = [p.grad for p in model.parameters()]
             own.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
-            fleet_norm = trace["grad_norm"][k].to(device)
+            # (a fleet that did not clip recorded no norm: the replay's own, and the steps part)
+            fleet_norm = trace["grad_norm"][k].to(device) if "grad_norm" in trace else torch.tensor(own[-1])
             coef = torch.clamp(run.train.grad_clip / (fleet_norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef)
