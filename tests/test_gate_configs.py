@@ -31,7 +31,7 @@ def runs(tmp_path_factory):
         "small": GateSettings(out=str(base / "small"), preset="small", steps=3),
         "file": GateSettings(out=str(base / "file"), config=str(base / "run.json"), steps=6, capacity="3,1"),
         "data": GateSettings(out=str(base / "data"), data=str(text), steps=4, capacity=""),
-        **{f"seed{k}": GateSettings(out=str(base / f"seed{k}"), seed=k, steps=10) for k in SEEDS},
+        **{f"seed{k}": GateSettings(out=str(base / f"seed{k}"), seed=k, steps=6) for k in SEEDS},
     }
     plan = {k: s.validate() for k, s in plan.items()}
     fleets(list(plan.values()))

@@ -46,7 +46,7 @@ FALSE_PASSES = {
 @pytest.mark.parametrize("name", list(FALSE_PASSES))
 def test_review_wrong_fleet_fails(tmp_path, name):
     fault, extra = FALSE_PASSES[name]
-    s = GateSettings(out=str(tmp_path / name), steps=10, **extra).validate()
+    s = GateSettings(out=str(tmp_path / name), steps=6, **extra).validate()
     v = gate(s, fault)
     assert not v.passed, "false pass: " + "; ".join(f"{c.name}: {c.reason}" for c in v.checks)
 

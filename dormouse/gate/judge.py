@@ -249,8 +249,9 @@ def check_provenance(a: ArtifactSet, names: list[str]) -> Check:
                  "corpus and initial parameters, with the same settings")
 
 
-# Fields of a run that say where and how it ran, not what it computes.
-RUN_IDENTITY = ("batch", "ckpt_name", "ckpt_every", "out_dir", "resume", "resume_from", "stop_at", "dist",
+# Fields of a run that say where and how it ran, not what it computes (the
+# corpus is compared by its hash in the provenance, not by its path).
+RUN_IDENTITY = ("data", "batch", "ckpt_name", "ckpt_every", "out_dir", "resume", "resume_from", "stop_at", "dist",
                 "dist_capacity", "dist_shard", "dist_reduce", "dist_bucket_mb", "micro_batch", "log_every")
 
 
