@@ -54,9 +54,9 @@ def _patch() -> None:
 
     one = modes._one_rank_run
 
-    def run(s, log):
+    def run(s, log, leg=0):
         state["eps"] = table.get(str(s.out_dir))
-        return one(s, log)
+        return one(s, log, leg)
 
     modes._one_rank_run = run
 

@@ -308,17 +308,21 @@ def step_windows(corpus: bytes, train_bytes: int, prof: list[tuple[int, int]], s
     return ranks
 
 
+def _fleet_record(s: GateSettings) -> tuple[dict, dict, dict]:
+    """What the references start from: the fleet's metadata, its initial
+    tensors and rank 0's per-step trace."""
+    trace = load_trace(s.out_dir, "rank0")
+    if trace is None or not any(k.startswith("p/") for k in trace):
+        raise DormouseError(f"no trace of rank0 in {str(s.out_dir)!r}: run the fleet (rank mode) first")
+    return load_meta(s.out_dir, "rank0"), load_tensors(s.out_dir, "init"), trace
+
+
 def run_gradref(s: GateSettings, log=print) -> dict:
     """The hand-computed reference at every step of the fleet's run (needs
     init and rank0's trace in out)."""
-    out = s.out_dir
-    fleet = load_meta(out, "rank0")
+    fleet, init, trace = _fleet_record(s)
     run = make_run(s, name="gradref", dist=False)
     device = _device(s)
-    init = load_tensors(out, "init")
-    trace = load_trace(out, "rank0")
-    if trace is None or not any(k.startswith("p/") for k in trace):
-        raise DormouseError(f"no trace of rank0 in {str(out)!r}: run the fleet (rank mode) first")
     steps = len(fleet["losses"])
     model = build(s).to(device)
     names = [n for n, _ in model.named_parameters()]
@@ -414,15 +418,12 @@ def run_gradref(s: GateSettings, log=print) -> dict:
 def run_replay(s: GateSettings, log=print) -> dict:
     """The fleet's whole run replayed in one process from init (needs init,
     rank0's trace and gradref's loads)."""
-    out = s.out_dir
-    fleet = load_meta(out, "rank0")
+    fleet, init, trace = _fleet_record(s)
     # The recipe the SETTINGS give (not the one the fleet recorded): a fleet
     # at another lr, schedule or clip must not be replayed at its own.
     run = make_run(s, name="replay", dist=False)
     device = _device(s)
-    init = load_tensors(out, "init")
-    trace = load_trace(out, "rank0")
-    gradref = load_tensors(out, "gradref")
+    gradref = load_tensors(s.out_dir, "gradref")
     model = build(s)
     model.load_state_dict(init)
     model.to(device)
