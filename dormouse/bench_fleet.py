@@ -184,7 +184,8 @@ def _compare(args) -> int:
     shapes = [RankShape(args.batch, args.seq_len)] * world
 
     def run_of(kind: str):
-        t = dict(out_dir=str(work / kind), ckpt_name=kind)
+        # Each rank its own out dir: processes that run alone ("both", "solo") each write metrics.
+        t = dict(out_dir=str(work / f"{kind}_rank{rank}"), ckpt_name=kind)
         if kind in ("ours", "ring", "exact"):
             t.update(dist=True, dist_reduce="exact" if kind == "exact" else "fp32")
         if kind in ("ring", "exact"):

@@ -27,12 +27,12 @@ CLEAN = {
     # the fleet stops at step 10 and resumes in one process (resume_world 1)
     "default": {},
     "resume3": {"resume_world": 3},  # ... or at three ranks of 2 windows
-    "fsdp": {"shard": "fsdp"},
-    "adamw": {"opt": "adamw"},
-    "bf16": {"reduce": "bf16"},
+    "fsdp": {"shard": "fsdp", "steps": 10},
+    "adamw": {"opt": "adamw", "steps": 10},
+    "bf16": {"reduce": "bf16", "steps": 10},
     "buckets": {"bucket_mb": 0.05},  # ~13 buckets instead of one
-    "mixed": {"capacity": "4x32,2x64", "resume_world": 0},  # no single process holds this global batch
-    "sequential": {"data_order": "sequential", "capacity": ""},
+    "mixed": {"capacity": "4x32,2x64", "resume_world": 0, "steps": 10},  # no single process holds this batch
+    "sequential": {"data_order": "sequential", "capacity": "", "steps": 10},
 }
 
 

@@ -173,7 +173,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
     sync.agree_on_start(start)
     metrics = Path(cfg.out_dir) / f"{cfg.ckpt_name}.metrics.jsonl"
     if sync.is_main and start == 0 and metrics.exists():
-        metrics.unlink()  # a fresh run starts a fresh log
+        metrics.unlink(missing_ok=True)  # a fresh run starts a fresh log
 
     device = next(model.parameters()).device
     losses: list[float] = []
