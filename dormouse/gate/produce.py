@@ -24,7 +24,7 @@ import torch
 
 from dormouse.errors import DormouseError
 from dormouse.gate import modes
-from dormouse.gate.artifacts import load_meta, source_hash
+from dormouse.gate.artifacts import ArtifactSet, load_meta, source_hash
 from dormouse.gate.launcher import launch_fleet
 from dormouse.gate.settings import GateSettings
 
@@ -77,10 +77,6 @@ def stale(d: Path, name: str, s: GateSettings) -> str | None:
     return None
 
 
-def _ranks(d: Path) -> list[str]:
-    return sorted((p.stem for p in d.glob("rank*.json") if p.stem[4:].isdigit()), key=lambda n: int(n[4:]))
-
-
 def status(set_name: str, s: GateSettings) -> str | None:
     """Why artifact set `set_name` must be produced again (None: it fits)."""
     d = s.out_dir
@@ -90,7 +86,7 @@ def status(set_name: str, s: GateSettings) -> str | None:
             why = stale(d, "exact", s)
         return why
     if set_name == "fleet":
-        names, world = _ranks(d), s.legs()[-1].world
+        names, world = ArtifactSet(d).ranks(), s.legs()[-1].world
         if names != [f"rank{r}" for r in range(world)]:
             return f"found {names or 'no ranks'} for a world of {world}"
         return next((w for w in (stale(d, n, s) for n in ["init", *names]) if w), None)
