@@ -253,7 +253,7 @@ def check_provenance(a: ArtifactSet, names: list[str]) -> Check:
 # Fields of a run that say where and how it ran, not what it computes (the
 # corpus is compared by its hash in the provenance, not by its path).
 RUN_IDENTITY = ("data", "batch", "ckpt_name", "ckpt_every", "out_dir", "resume", "resume_from", "stop_at", "dist",
-                "dist_capacity", "dist_shard", "dist_reduce", "dist_bucket_mb", "micro_batch", "log_every")
+                "dist_profile", "dist_shard", "dist_reduce", "dist_bucket_mb", "micro_batch", "log_every")
 
 
 def check_config(a: ArtifactSet, reference: str) -> Check:

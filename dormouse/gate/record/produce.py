@@ -181,8 +181,8 @@ def run_references(s: GateSettings, *, force: bool = True, log: Log = print) -> 
 
 def ensure_all(s: GateSettings, *, log: Log = print) -> None:
     """04: every set the verdict needs, produced only where missing or stale."""
-    if s.global_batch() is None:
-        log(f"capacity {s.capacity!r} mixes window lengths: no single-process curve; gradref and the "
+    if s.plan.global_batch is None:
+        log(f"profile {s.profile!r} mixes window lengths: no single-process curve; gradref and the "
             "replay are the references")
         with locked(s.out_dir, "single"):
             _drop(s.out_dir, r"(single|exact)(_trace)?\.(json|safetensors)")
