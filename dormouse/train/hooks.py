@@ -56,6 +56,7 @@ class Reduced:
     model: torch.nn.Module  # its .grad hold the combined gradient
     loss: float  # the step's global token-weighted loss
     loads: torch.Tensor | None  # the step's global expert loads (a hook may replace them)
+    local_loads: torch.Tensor | None  # this process's own slices' loads, before the reduce
     plan: object  # the step's FleetPlan
 
 

@@ -218,6 +218,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 loads = aux["loads"] if loads is None else loads + aux["loads"]
                 topk.append(aux["topk"])
                 sync.slice_done(model, plan.first_slice(r) + j, part, aux["loads"])
+        local_loads = loads
         loss_value, loads = sync.reduce(model, loss_share, loads)
         if not math.isfinite(loss_value):
             kept = f"the last good checkpoint {str(ckpt)!r} is kept" if ckpt and ckpt.exists() else "no checkpoint was written"
@@ -225,7 +226,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 f"loss is {loss_value} at step {step + 1}: training stopped before the bad "
                 f"update; {kept}. Lower train.lr or set train.grad_clip"
             )
-        reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, plan)
+        reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, local_loads, plan)
         hooks.reduced(reduced)
         loads = reduced.loads
         if on_grads is not None:

@@ -128,7 +128,7 @@ def test_check_without_parameters_is_the_default_settings():
 def test_the_defaults_are_ci_sized_and_one_configuration():
     s = GateSettings().validate()
     assert s.steps <= 20 and s.world == 2 and s.device == "cpu"
-    assert s.global_batch() == 6  # "4,2": the single process reads both ranks' bytes
+    assert s.plan.global_batch == 6  # "4,2": the single process reads both ranks' bytes
 
 
 # --------------------------------------------------------------------------- the library, without kernels
@@ -204,8 +204,8 @@ def test_unwritable_out_is_a_parameter_error(tmp_path):
 def test_profile_from_papermill_int_and_spaces():
     assert settings.check(world=1, profile=4).profile == "4"
     assert settings.check(profile=" 4, 2 ").profile == "4,2"
-    assert settings.check(world=2, profile="4x32,2", resume_world=0).global_batch() is None
-    assert settings.check(world=3, batch=2).global_batch() == 6
+    assert settings.check(world=2, profile="4x32,2", resume_world=0).plan.global_batch is None
+    assert settings.check(world=3, batch=2).plan.global_batch == 6
     assert settings.check(world=3).profile == ""  # the profile follows the world
 
 
@@ -300,7 +300,7 @@ def test_pipeline_checks_its_overrides_against_the_profile_the_notebooks_run(tmp
                         "-p", "micro_batch", "4"], cwd=tmp_path, capture_output=True, text=True, env=ENV,
                        timeout=300)
     assert r.returncode == 2, (r.stdout + r.stderr)[-2000:]
-    assert r.stderr.startswith("error: micro_batch = 4 does not divide every rank's batch (4, 2)"), r.stderr
+    assert r.stderr.startswith("error: micro_batch = 4 is not allowed: it does not divide every rank's batch (4, 2)"), r.stderr
     assert not (tmp_path / "notebooks").exists()  # nothing ran
 
 

@@ -56,7 +56,7 @@ def test_a_bad_setting_is_one_sentence_naming_it_and_what_to_do(tmp_path, name, 
 
 
 def test_micro_batch_that_does_not_divide_a_rank_batch_is_refused(tmp_path):
-    with pytest.raises(ParameterError, match=r"^micro_batch = 3 does not divide every rank's batch \(4, 2\)"):
+    with pytest.raises(ParameterError, match=r"^micro_batch = 3 is not allowed: it does not divide every rank's batch \(4, 2\)"):
         GateSettings(out=str(tmp_path / "o"), micro_batch=3, profile="4,2").validate()
     assert GateSettings(out=str(tmp_path / "o"), micro_batch=2, profile="4,2").validate().micro_batch == 2
 

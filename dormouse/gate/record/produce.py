@@ -192,5 +192,15 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
     run_references(s, force=False, log=log)
 
 
+def fleet_set(s: GateSettings) -> ArtifactSet:
+    """The fleet's artifacts (every leg's ranks), read whole under the fleet's
+    lock, so no producer replaces them while they are shown."""
+    with locked(s.out_dir, "fleet"):
+        a = ArtifactSet(s.out_dir)
+        for n in a.ranks("leg1_") + a.ranks():
+            a.meta(n), a.tensors(n)
+    return a
+
+
 def fleet_metas(s: GateSettings) -> list[dict]:
     return [load_meta(s.out_dir, f"rank{r}") for r in range(s.legs()[-1].world)]
