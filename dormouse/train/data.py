@@ -1,9 +1,12 @@
-"""The corpus and the one rule for which bytes a step reads.
+"""The corpus, the one rule for which bytes a step reads, and the fleet's plan.
 
 A corpus is a file of bytes, memory-mapped and never read whole. One optimizer
 step reads one contiguous global *span*; the span is cut into consecutive
 slices, one per `RankShape` in rank order, and each slice into `batch` windows
-of `seq_len + 1` bytes (inputs and next-byte targets). Which span step k reads
+of `seq_len + 1` bytes (inputs and next-byte targets). The shapes, the
+micro-batch slices and the token counts of a step are one `FleetPlan`, made
+and validated once (the profile's syntax and the rule "micro_batch divides
+every rank's batch" live there and nowhere else). Which span step k reads
 (TrainConfig.data_order, seed = TrainConfig.seed):
 
     n     = train_bytes // span          # whole spans in the training part

@@ -2,7 +2,8 @@
 network one process would train at the global batch.
 
 Rank r computes the mean loss L_r and gradient g_r over its own t_r tokens (its
-slice of the step's span, see data.py). The fleet applies
+slice of the step's span, as the fleet's FleetPlan in data.py says; made once
+by refuse_incompatible and held by the synchroniser). The fleet applies
 
     g = (t_0 g_0 + ... + t_{W-1} g_{W-1}) / (t_0 + ... + t_{W-1})
 

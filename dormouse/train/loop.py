@@ -1,16 +1,20 @@
 """train(): THE training loop, for one process and for every rank of a fleet.
 
-The global batch of a step is cut into slices (see data.py for which bytes
-they are): each process's windows in micro-batches of train.micro_batch
-windows (0 = all of them in one slice), numbered in rank order, so rank r's
-slices follow every slice of the ranks before it. One step, for the slices
-this process computes (all of them alone, its own on a rank of a fleet):
+The global batch of a step is cut into slices, as the synchroniser's
+FleetPlan (`sync.plan`, data.py) says: each process's windows in
+micro-batches of train.micro_batch windows (0 = all of them in one slice),
+numbered in rank order, so rank r's slices follow every slice of the ranks
+before it. One step, for the slices this process computes (all of them
+alone, its own on a rank of a fleet):
 
+    sync.begin_step(k, hooks)                   # the step's number and hooks (hooks.py)
     for each own slice i with t_i tokens and mean loss L_i:
-        backward(L_i * t_i / T)                 # T = tokens of the whole step
+        backward(L_i * t_i / T)                 # T = plan.tokens, the whole step's
         sync.slice_done(model, i, ...)          # exact: take g_i into a buffer of its own
-    sync.reduce(...)                            # combine the slices' gradients
-    step the optimizer, then move the routing bias by the step's expert loads
+    sync.reduce(...)                            # combine the slices' gradients (on_local_grads
+                                                #   sees each contribution before it is read)
+    hooks.on_reduced, on_grads                  # the combined gradient, before clipping
+    clip, step the optimizer, then move the routing bias by the step's expert loads
 
 so every process ends the step holding g = sum_i t_i g_i / T, the gradient of the
 token-weighted mean loss over the global batch (for one slice, t_i / T = 1 and
