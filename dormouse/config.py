@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dormouse.errors import ConfigError
@@ -169,14 +169,6 @@ class TrainConfig:
     dist_reduce: str = "fp32"  # fp32 | bf16 ring all-reduce | exact: a fixed tree over slices
     dist_shard: str = "none"  # none = replicated parameters; fsdp = FSDP2 fully_shard
     dist_bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket (MiB)
-    # The old name of dist_profile (before "capacity" meant only the MoE's
-    # capacity factor): TrainConfig(dist_capacity=...) and a JSON key
-    # "dist_capacity" still set dist_profile. Not a field: never written.
-    dist_capacity: InitVar[str | None] = None
-
-    def __post_init__(self, dist_capacity: str | None) -> None:
-        if dist_capacity is not None:
-            self.dist_profile = dist_capacity
 
     def validate(self) -> "TrainConfig":
         _check_types(self)
@@ -220,11 +212,27 @@ class TrainConfig:
         return self
 
 
-# Read and set under the old name too (the InitVar's class default would
-# otherwise answer None).
-TrainConfig.dist_capacity = property(lambda self: self.dist_profile,
-                                     lambda self, v: setattr(self, "dist_profile", v),
-                                     doc="The old name of dist_profile.")
+def _accept_old_names(cls, aliases: dict[str, str]):
+    """`cls(old=...)`, `dataclasses.replace(x, old=...)` and `x.old` read and
+    set the field's new name (a name is never written under its old one). The
+    old name, when given, wins: replace() passes every field's current value."""
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        for old, new in aliases.items():
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
+    cls.__init__ = __init__
+    for old, new in aliases.items():
+        setattr(cls, old, property(lambda self, n=new: getattr(self, n),
+                                   lambda self, v, n=new: setattr(self, n, v), doc=f"The old name of {new}."))
+
+
+# The old name of dist_profile (before "capacity" meant only the MoE's capacity factor).
+_accept_old_names(TrainConfig, {"dist_capacity": "dist_profile"})
 
 
 @dataclass

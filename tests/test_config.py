@@ -180,6 +180,8 @@ def test_dist_capacity_is_the_old_name_of_dist_profile_in_python_and_in_json():
     assert TrainConfig(dist_capacity="4,2").dist_profile == "4,2"
     t = TrainConfig(dist_profile="3,1")
     assert t.dist_capacity == "3,1" and dataclasses.replace(t, dist_capacity="2,2").dist_profile == "2,2"
+    assert dataclasses.replace(t, dist_profile="2,1").dist_profile == "2,1"  # the new name is not undone
+    assert dataclasses.replace(t, batch=9).dist_profile == "3,1"
     old = RunConfig.from_json('{"train": {"dist_capacity": "2,1"}}')
     assert old.train.dist_profile == "2,1" and "dist_capacity" not in old.to_json()
     assert "exact" in DIST_REDUCES
