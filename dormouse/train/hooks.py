@@ -20,7 +20,10 @@ with backward; under the exact reduce one contribution per slice), so
 that piece, each parameter exactly once per contribution, and `slice` says
 which of the step's slices it belongs to (None: the sum of all this
 process's slices). A single process calls it once per step (or once per
-slice under the exact reduce) with every parameter.
+slice under the exact reduce) with every parameter that has a gradient (a
+fleet's piece holds a parameter without one as the zeros it sends). Under
+FSDP2 sharding the reduce-scatter runs inside backward and on_local_grads is
+not called.
 
 Hooks come from `train(..., hooks=)` and from `install(...)`, which adds
 hooks to every train() of this process (instrumentation that cannot reach
