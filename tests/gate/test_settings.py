@@ -259,3 +259,14 @@ def test_single_runs_at_the_fleets_global_batch(tmp_path):
         assert trace["topk"].shape[1] == runs[k][1]
         # its floor: one-ulp nudges of the same run only, never a run that splits the batch
         assert meta["floor"] and all(name.startswith("ulp") for name in meta["floor"]), list(meta["floor"])
+
+
+def test_capacity_is_the_old_name_of_profile_for_notebooks_and_plan_files(tmp_path):
+    out = str(tmp_path / "o")
+    # a notebook passes its profile cell (the default) and papermill's injected old name
+    assert check(out=out, world=3, profile=GateSettings().profile, capacity="2,1,1").profile == "2,1,1"
+    assert check(out=out, world=3, profile="2,1,1", capacity=None).profile == "2,1,1"
+    with pytest.raises(ParameterError, match="both set the fleet's profile"):
+        check(out=out, world=3, profile="1,1,1", capacity="2,1,1")
+    from dormouse.gate.settings import from_dict
+    assert from_dict({"out": out, "world": 2, "capacity": "3,1"}).profile == "3,1"
