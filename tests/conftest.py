@@ -3,10 +3,16 @@ cores and runs two pytest workers), and the small corpora the loop tests train o
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# tests/support/ (the gate kit, fault plants, rank scripts) is importable from every test folder.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 
 @pytest.fixture(autouse=True, scope="session")

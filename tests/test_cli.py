@@ -341,7 +341,7 @@ def test_a_fleet_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_bitwise
     args = ["train", "--dist", "--resume", "--seq-len", "16", "--batch", "2", "--steps", "8",
             "--ckpt-every", "3", "--log-every", "1"]
     plain = _torchrun("-m", "dormouse", *args, "--out", str(tmp_path / "plain"), cwd=tmp_path)
-    killed = _torchrun("--max-restarts", "1", str(ROOT / "tests" / "kill_rank_train.py"), *args,
+    killed = _torchrun("--max-restarts", "1", str(ROOT / "tests" / "support" / "kill_rank_train.py"), *args,
                        "--out", str(tmp_path / "killed"), cwd=tmp_path,
                        env=_env(DORMOUSE_TEST_KILL_RANK="1", DORMOUSE_TEST_KILL_AT_STEP="5"))
     plain, killed = _finish(plain), _finish(killed)

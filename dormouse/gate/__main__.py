@@ -85,19 +85,19 @@ def main(argv: list[str] | None = None) -> int:
         s = from_args(args, explicit_fields(argv))
         torch.set_num_threads(s.threads)
         if mode == "verdict":
-            from dormouse.gate.judge import judge
-            from dormouse.gate.presenting import format_verdict, write_verdict
+            from dormouse.gate.judge.checks import judge
+            from dormouse.gate.show.text import format_verdict, write_verdict
 
             v = judge(s.out_dir)
             if args.json:
                 write_verdict(v, s.out_dir)
             if args.tensorboard:
-                from dormouse.gate.presenting import write_tensorboard
+                from dormouse.gate.show.text import write_tensorboard
 
                 write_tensorboard(v, args.tensorboard)
             print(format_verdict(v))
             return 0 if v.passed else 1
-        from dormouse.gate import modes
+        from dormouse.gate.record import modes
 
         log = print
         if mode == "rank":

@@ -124,7 +124,7 @@ class ArtifactSet:
 
     def trace(self, name: str) -> dict[str, torch.Tensor] | None:
         def read():
-            path = self.out / f"{name}_trace.safetensors"
+            path = trace_path(self.out, name)
             try:
                 return st_load(path.read_bytes()) if path.exists() else None
             except Exception as e:
@@ -135,3 +135,13 @@ class ArtifactSet:
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
+
+
+def trace_path(out: Path, name: str) -> Path:
+    """Where the per-step trace of artifact `name` lives."""
+    return Path(out) / f"{name}_trace.safetensors"
+
+
+def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
+    path = trace_path(out, name)
+    return st_load(path.read_bytes()) if path.exists() else None

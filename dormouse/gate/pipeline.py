@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from dormouse.errors import DormouseError
-from dormouse.gate.judge import Verdict, judge
-from dormouse.gate.presenting import VERDICT_FILE, format_verdict, write_verdict
-from dormouse.gate.produce import SETS, Log, ensure_all, locked, status
+from dormouse.gate.judge.checks import Verdict, judge
+from dormouse.gate.show.text import VERDICT_FILE, format_verdict, write_verdict
+from dormouse.gate.record.produce import SETS, Log, ensure_all, locked, status
 from dormouse.gate.settings import (ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
                                     add_arguments, check)
 

@@ -76,7 +76,7 @@ class GateSettings:
 
     def shapes(self):
         """The fleet's (batch, seq_len) per rank, as the trainer parses them."""
-        from dormouse.gate.fixtures import rank_shapes
+        from dormouse.gate.record.fixtures import rank_shapes
 
         return rank_shapes(self)
 
@@ -199,7 +199,7 @@ class GateSettings:
 
     def run_config(self, name: str, *, dist: bool, **over):
         """The RunConfig of one mode (fixtures.make_run)."""
-        from dormouse.gate.fixtures import make_run
+        from dormouse.gate.record.fixtures import make_run
 
         return make_run(self, name=name, dist=dist, **over)
 

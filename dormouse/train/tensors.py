@@ -47,3 +47,11 @@ def named_grads(model: torch.nn.Module, *, gather: bool = False) -> dict[str, to
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         out[name] = plain(g, gather=gather)
     return out
+
+
+def rel_per_step(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+    """max |a_k - b_k| / max |b_k| for each step k of two stacked traces."""
+    a, b = a.double().flatten(1), b.double().flatten(1)
+    diff = (a - b).abs().amax(dim=1)
+    scale = b.abs().amax(dim=1)
+    return torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff).tolist()

@@ -1,0 +1,629 @@
+"""`python -m dormouse.bench [--quick]`: how fast dormouse trains on this machine.
+
+Every ratio is taken side by side in ONE run (the machine is shared and noisy:
+a figure measured an hour ago says little about now). Prints a table and
+writes `artifacts/bench.json` (at the repository root, found from the
+package's location) atomically, one key per figure:
+
+tokens_per_s_tiny, tokens_per_s_small
+    forward + backward + optimizer step of the tiny and small presets, one
+    thread: THE loop's step (dormouse.train.loop: a fresh batch, backward of
+    loss * t / T, MixOptimizer from make_optimizer with TrainConfig's defaults,
+    then balance_experts) on random byte batches; tiny 4 x 64, small 8 x 256.
+matmul_rate_gflops, matmul_fraction_small
+    the one-thread float32 matmul rate (square n = 512, 768, 1024), measured in
+    rounds interleaved with the small preset's steps, and the small step's
+    achieved FLOP rate (`step_flops`) divided by it.
+profile_small_top
+    the top ops of the small step by self CPU time (torch.profiler) and their
+    share; the printed table adds a "where the time goes" breakdown.
+fleet_vs_ddp, scaling_efficiency
+    from one torchrun launch of 2 ranks (gloo, one thread each) running
+    dormouse.bench.fleet, which times THE loop, train(), through its on_step
+    hook: our FleetSync fleet (train_dist) against torch's
+    DistributedDataParallel driving the same train() through DDPSync, on the
+    same model, corpus and optimizer (ours / DDP step time), and the fleet's
+    tokens/s over twice one process's (rank 0 alone, same per-process batch, in
+    the same launch). The kinds alternate round by round; each headline is the
+    median over rounds of the round's ratio, with its spread (min..max over
+    rounds) and the ratio of the overall medians beside it.
+exact_vs_ring
+    from a torchrun launch of 4 ranks: the step time of dist_reduce="exact"
+    over the fp32 ring all-reduce, small preset, batch 8 per rank in
+    micro-batches of 4 (two slices per rank, where the ring is not exact),
+    alternating round by round (goal <= 1.1).
+gate_wall_s
+    wall time of `pytest tests/gate/test_gate.py` (full run only; null with a
+    note when the file does not exist).
+gate_smallest_caught_eps
+    the gate's sensitivity (dormouse.bench.gate): the smallest eps for which
+    rank 1's local gradient times (1 + eps N(0,1)) at one step of a 2-rank
+    "4,2" fleet fails the verdict, over a ladder of eps.
+fleet_launch_fixed_s
+    the fixed costs of a fleet launch: `python -c "import torch"` and a 2-rank
+    torchrun --standalone launch that only joins the fleet (init_process_group,
+    barrier, destroy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import dormouse
+from dormouse import atomic
+from dormouse.config import ModelConfig, RunConfig, TrainConfig, preset
+
+SHAPES = {"tiny": (4, 64), "small": (8, 256)}  # (batch, seq_len) of each preset's bench step
+MATMUL_SIZES = (512, 768, 1024)
+
+
+def repo_root() -> Path:
+    return Path(dormouse.__file__).resolve().parents[1]
+
+
+def artifacts_dir() -> Path:
+    return repo_root() / "artifacts"
+
+
+# ---- FLOPs -------------------------------------------------------------------------
+
+
+def step_flops(m: ModelConfig, t: TrainConfig, batch: int, seq_len: int) -> dict[str, float]:
+    """FLOPs of one training step (forward, backward, optimizer) at `batch`
+    windows of `seq_len` tokens; a multiply-add is 2 FLOPs. Only matrix
+    products are counted (elementwise work, norms, softmax and the optimizer's
+    elementwise updates are not), and only the work the model actually does.
+
+    Per token and per iteration of the shared block (d = d_model, i = n_heads *
+    head_dim, r = rank, F = d_ffn, E = n_experts, k = moe_topk, s = shared_rank):
+
+        qkv + out projections     2*d*3i + 2*i*d
+        adapters (r > 0)          2*(d*r + r*3i) + 2*(i*r + r*d)
+        attention (causal)        2*i*(T+1)       QK^T and AV over the (T+1)/2
+                                                   keys a token sees on average
+        router                    2*d*E
+        routed experts (top-k)    k * 3 * 2*d*F   SwiGLU gate, up, down; only the
+                                                   k chosen experts (dropless: every
+                                                   token has exactly k assignments)
+        shared expert             3 * 2*d*s
+
+    once per token: Engram key and value projections 2 * 2*(K*e)*d (K =
+    (engram_max_n - 1) * engram_heads tables of width e = engram_dim) and the
+    head 2*d*vocab. Forward = N * (max_iter * per-iteration + once), N =
+    batch * seq_len; backward = 2 x forward (input and weight gradients of
+    every product; attention's backward likewise 2 x its forward: recomputation
+    inside the fused kernel is not counted).
+
+    Newton-Schulz, per Muon matrix slice of shape rows x cols (m = min, n =
+    max; a 3D stack is its slices with muon_colrow_3d, else one flattened
+    matrix): ns_steps * (4*m*m*n + 2*m**3) (X X^T, A A, B X).
+
+    total = 3 * forward + newton_schulz.
+    """
+    N, T = batch * seq_len, seq_len
+    d, inner = m.d_model, m.n_heads * m.head_dim
+    per_iter = {
+        "attn_proj": 2 * d * 3 * inner + 2 * inner * d,
+        "adapters": (2 * (d * m.rank + m.rank * 3 * inner) + 2 * (inner * m.rank + m.rank * d)) if m.rank else 0,
+        "attention": 2 * inner * (T + 1),
+        "router": 2 * d * m.n_experts if m.moe_on else 0,
+        "experts": m.moe_topk * 3 * 2 * d * m.d_ffn if m.moe_on else 0,
+        "shared_expert": 3 * 2 * d * m.shared_rank,
+    }
+    k_tables = (m.engram_max_n - 1) * m.engram_heads
+    once = {
+        "engram_proj": 2 * 2 * k_tables * m.engram_dim * d if m.engram_on else 0,
+        "head": 2 * d * m.vocab,
+    }
+    fwd = {name: N * m.max_iter * f for name, f in per_iter.items()}
+    fwd.update({name: N * f for name, f in once.items()})
+    out = {f"train_{name}": 3.0 * f for name, f in fwd.items()}
+    out["newton_schulz"] = float(newton_schulz_flops(m, t))
+    out["forward"] = float(sum(fwd.values()))
+    out["total"] = 3.0 * out["forward"] + out["newton_schulz"]
+    return out
+
+
+def newton_schulz_flops(m: ModelConfig, t: TrainConfig) -> int:
+    """Newton-Schulz FLOPs of one optimizer step over the model's Muon matrices."""
+    if t.opt != "mix":
+        return 0
+    from dormouse.model import DormouseModel
+
+    with torch.device("meta"):
+        model = DormouseModel(m)
+    shapes = dict((n, p.shape) for n, p in model.named_parameters())
+    total = 0
+    for name in model.hidden_matrices():
+        shape = shapes[name]
+        if len(shape) == 2:
+            slices, rows, cols = 1, shape[0], shape[1]
+        elif t.muon_colrow_3d:
+            slices, rows, cols = math.prod(shape[:-2]), shape[-2], shape[-1]
+        else:
+            slices, rows, cols = 1, math.prod(shape[:-1]), shape[-1]
+        a, b = min(rows, cols), max(rows, cols)
+        total += slices * t.ns_steps * (4 * a * a * b + 2 * a ** 3)
+    return total
+
+
+# ---- one process -------------------------------------------------------------------
+
+
+class Stepper:
+    """THE loop's step for one process (dormouse.train.loop.train, LocalSync),
+    on random byte batches made before timing starts."""
+
+    def __init__(self, name: str, batch: int, seq_len: int, seed: int = 0, n_batches: int = 4):
+        from dormouse.train.loop import build_model, make_optimizer
+
+        self.name, self.batch, self.seq_len = name, batch, seq_len
+        self.run = RunConfig(source="bench", model=preset(name),
+                             train=TrainConfig(seed=seed, batch=batch, seq_len=seq_len)).validate()
+        self.model = build_model(self.run)
+        self.opt = make_optimizer(self.model, self.run)
+        g = torch.Generator().manual_seed(seed)
+        self.batches = []
+        for _ in range(n_batches):
+            xy = torch.randint(0, 256, (batch, seq_len + 1), generator=g)
+            self.batches.append((xy[:, :-1].contiguous(), xy[:, 1:].contiguous()))
+        self.k = 0
+        self.losses: list[float] = []
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    def step(self) -> float:
+        x, y = self.batches[self.k % len(self.batches)]
+        self.k += 1
+        self.opt.set_lr(self.run.train.lr)
+        self.opt.zero_grad()
+        share = 1.0  # t / T: the whole step's batch is this process's
+        _, loss, aux = self.model(x, y)
+        (loss * share).backward()
+        loss_value = float(loss.detach().double() * share)
+        self.opt.step()
+        self.model.balance_experts(aux["loads"])
+        self.losses.append(loss_value)
+        return loss_value
+
+    def timed(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.step()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def matmul_rate(sizes=MATMUL_SIZES, min_s: float = 0.12) -> dict[int, float]:
+    """GFLOP/s of float32 C = A @ B (square n x n), current thread setting."""
+    rates = {}
+    for n in sizes:
+        g = torch.Generator().manual_seed(n)
+        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+        c = torch.empty(n, n)
+        torch.mm(a, b, out=c)
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b, out=c)
+            reps += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_s and reps >= 2:
+                break
+        rates[n] = 2 * n ** 3 * reps / dt / 1e9
+    return rates
+
+
+_CATEGORIES = (
+    ("matmul kernels", ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm",
+                        "aten::matmul", "aten::linear", "aten::_addmm_activation")),
+    ("attention kernel", ("scaled_dot_product", "flash_attention")),
+    ("copies/indexing/fills", ("aten::copy_", "aten::cat", "aten::index", "aten::_index_put_impl_",
+                               "aten::index_put_", "aten::index_select", "aten::gather", "aten::scatter",
+                               "aten::fill_", "aten::zero_", "aten::clone", "aten::contiguous",
+                               "aten::_to_copy", "aten::embedding", "aten::sort", "aten::argsort",
+                               "aten::bincount", "aten::topk", "aten::stack", "aten::constant_pad_nd",
+                               "aten::empty", "aten::zeros", "aten::new_zeros", "aten::scatter_add_",
+                               "aten::index_add_", "aten::embedding_dense_backward")),
+)
+
+
+def _category(name: str) -> str:
+    for cat, keys in _CATEGORIES:
+        if any(name == k or (k.startswith(("scaled", "flash")) and k in name) for k in keys):
+            return cat
+    if name.startswith("aten::"):
+        return "elementwise/reductions"
+    return "autograd/other"
+
+
+def profile_steps(stepper: Stepper, steps: int, flops_per_step: float, rate_gflops: float) -> dict:
+    """torch.profiler over `steps` steps: top ops by self CPU time, and a
+    breakdown by kind of work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stepper.step()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            stepper.step()
+    wall = time.perf_counter() - t0
+    rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()]
+    total = sum(s for _, s, _ in rows) or 1e-12
+    rows.sort(key=lambda r: -r[1])
+    top = [{"op": k, "share": s / total, "ms_per_step": 1e3 * s / steps, "calls_per_step": c / steps}
+           for k, s, c in rows[:8]]
+    cats: dict[str, float] = {}
+    for k, s, _ in rows:
+        cats[_category(k)] = cats.get(_category(k), 0.0) + s
+    matmul_s = cats.get("matmul kernels", 0.0) / steps
+    attn_s = cats.get("attention kernel", 0.0) / steps
+    return {
+        "top": top,
+        "breakdown": {k: v / total for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "profiled_step_s": wall / steps,
+        "ops_self_s_per_step": total / steps,
+        "matmul_kernel_s_per_step": matmul_s,
+        "attention_kernel_s_per_step": attn_s,
+        "flops_per_step": flops_per_step,
+        "rate_gflops": rate_gflops,
+    }
+
+
+def bench_single(quick: bool, log) -> dict:
+    """tiny and small steps, interleaved round by round with the matmul rate."""
+    rounds, n_small, n_tiny = (2, 2, 8) if quick else (4, 3, 12)
+    tiny = Stepper("tiny", *SHAPES["tiny"])
+    small = Stepper("small", *SHAPES["small"])
+    for _ in range(3):
+        tiny.step()
+    for _ in range(1 if quick else 2):
+        small.step()
+    rates, small_t, tiny_t, per_round = [], [], [], []
+    for r in range(rounds):
+        rr = matmul_rate()
+        st = small.timed(n_small)
+        tt = tiny.timed(n_tiny)
+        rates.append(statistics.median(rr.values()))
+        small_t += st
+        tiny_t += tt
+        per_round.append({"matmul_gflops": rr, "small_step_s": st})
+        log(f"  round {r + 1}/{rounds}: matmul {rates[-1]:.1f} GFLOP/s, small step "
+            f"{statistics.median(st) * 1e3:.0f} ms, tiny step {statistics.median(tt) * 1e3:.1f} ms")
+    flops = step_flops(small.run.model, small.run.train, small.batch, small.seq_len)
+    rate = statistics.median(rates)
+    small_s, tiny_s = statistics.median(small_t), statistics.median(tiny_t)
+    achieved = flops["total"] / small_s / 1e9
+    log("  profiling the small step ...")
+    prof = profile_steps(small, 1 if quick else 3, flops["total"], rate)
+    mm_flops = flops["total"] - flops["train_attention"]
+    prof["matmul_kernel_gflops"] = mm_flops / prof["matmul_kernel_s_per_step"] / 1e9 if prof["matmul_kernel_s_per_step"] else None
+    return {
+        "tokens_per_s_tiny": tiny.tokens / tiny_s,
+        "tokens_per_s_small": small.tokens / small_s,
+        "matmul_rate_gflops": rate,
+        "matmul_fraction_small": achieved / rate,
+        "profile": prof,
+        "small_flops": flops,
+        "small_achieved_gflops": achieved,
+        "small_step_s": small_s,
+        "tiny_step_s": tiny_s,
+        "tiny_flops": step_flops(tiny.run.model, tiny.run.train, tiny.batch, tiny.seq_len)["total"],
+        "rounds": per_round,
+        "shapes": {"tiny": SHAPES["tiny"], "small": SHAPES["small"]},
+        "losses_finite": all(math.isfinite(v) for v in small.losses + tiny.losses),
+    }
+
+
+# ---- subprocesses ------------------------------------------------------------------
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _torchrun(args: list[str], world: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+            "-m", "dormouse.bench.fleet", *args]
+
+
+def _run(cmd: list[str], timeout: float, cwd: Path | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
+                          cwd=str(cwd) if cwd else None)
+    return time.perf_counter() - t0, proc
+
+
+def bench_fleet(quick: bool, tmp: Path, log, *, world: int = 2, kinds: str = "ours,ddp,both,solo",
+                micro_batch: int = 0, name: str = "fleet") -> dict:
+    """One torchrun launch of bench_fleet: `kinds` alternating for some rounds."""
+    rounds, steps = (3, 1) if quick else (10, 2)
+    if world > 2:
+        rounds = 2 if quick else 6
+    out = tmp / f"{name}.json"
+    b, t = SHAPES["small"]
+    cmd = _torchrun(["--mode", "compare", "--out", str(out), "--preset", "small", "--batch", str(b),
+                     "--seq-len", str(t), "--rounds", str(rounds), "--steps", str(steps), "--warmup", "1",
+                     "--kinds", kinds, "--micro-batch", str(micro_batch)], world)
+    wall, proc = _run(cmd, timeout=1200)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"{name} bench failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+    res = json.loads(out.read_text())
+    res["launch_wall_s"] = wall
+    res["command"] = " ".join(cmd[1:]).replace(str(out), "<out>")
+    return res
+
+
+def bench_launch(quick: bool, tmp: Path) -> dict:
+    reps = 1 if quick else 3
+    bare = [_run([sys.executable, "-c", "pass"], 60)[0] for _ in range(reps)]
+    imp = [_run([sys.executable, "-c", "import torch"], 120)[0] for _ in range(reps)]
+    rdzv, inner = [], []
+    for i in range(1 if quick else 2):
+        out = tmp / f"rdzv{i}.json"
+        wall, proc = _run(_torchrun(["--mode", "rendezvous", "--out", str(out)]), 120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"rendezvous launch failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+        rdzv.append(wall)
+        inner.append(json.loads(out.read_text()))
+    return {
+        "python_bare_s": statistics.median(bare),
+        "import_torch_s": statistics.median(imp),
+        "torchrun_rendezvous_s": statistics.median(rdzv),
+        "rank_init_and_barrier_s": statistics.median(x["init_and_barrier_s"] for x in inner),
+        "reps": {"import_torch": len(imp), "torchrun_rendezvous": len(rdzv)},
+    }
+
+
+def bench_gate(log) -> tuple[float | None, dict]:
+    test = repo_root() / "tests" / "gate" / "test_gate.py"
+    if not test.exists():
+        return None, {"note": f"{test.relative_to(repo_root())} does not exist: nothing to time"}
+    wall, proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], 1800,
+                      cwd=repo_root())
+    lines = [l for l in proc.stdout.splitlines() if l.strip()]
+    return wall, {"returncode": proc.returncode, "summary": lines[-1] if lines else ""}
+
+
+# ---- report ------------------------------------------------------------------------
+
+
+def _fmt(v, spec=".3g") -> str:
+    return "null" if v is None else format(v, spec)
+
+
+def _spread(ratio: dict) -> str:
+    return f"{ratio['min']:.3f}..{ratio['max']:.3f}"
+
+
+def format_table(res: dict) -> str:
+    d = res["details"]
+    s = d["single"]
+    prof = s["profile"]
+    fl = d.get("fleet", {})
+    lf = res.get("fleet_launch_fixed_s") or {}
+    L = []
+    L.append(f"dormouse bench ({res['mode']}) - {res['meta']['cpus']} CPUs, torch {res['meta']['torch']}, "
+             f"1 thread per process")
+    L.append(f"{'figure':<24} {'value':>12}  note")
+    L.append("-" * 96)
+
+    def row(key, value, note=""):
+        L.append(f"{key:<24} {value:>12}  {note}")
+
+    row("tokens_per_s_tiny", _fmt(res["tokens_per_s_tiny"], ".0f"),
+        f"batch {s['shapes']['tiny'][0]} x {s['shapes']['tiny'][1]}, step {s['tiny_step_s'] * 1e3:.1f} ms")
+    row("tokens_per_s_small", _fmt(res["tokens_per_s_small"], ".0f"),
+        f"batch {s['shapes']['small'][0]} x {s['shapes']['small'][1]}, step {s['small_step_s'] * 1e3:.0f} ms")
+    row("matmul_rate_gflops", _fmt(res["matmul_rate_gflops"], ".1f"),
+        f"fp32 square n={','.join(map(str, MATMUL_SIZES))}, median of rounds")
+    row("matmul_fraction_small", _fmt(res["matmul_fraction_small"], ".3f"),
+        f"{s['small_flops']['total'] / 1e9:.1f} GFLOP/step at {s['small_achieved_gflops']:.1f} GFLOP/s (goal >= 0.5)")
+    if res.get("fleet_vs_ddp") is not None:
+        med, r = fl["step_s_median"], fl["ratios"]
+        row("fleet_vs_ddp", _fmt(res["fleet_vs_ddp"], ".3f"),
+            f"median of {fl['rounds']} rounds, spread {_spread(r['fleet_vs_ddp'])}; ours {med['ours'] * 1e3:.0f} ms / "
+            f"DDP {med['ddp'] * 1e3:.0f} ms per train() step (goal <= 1.0); "
+            f"params equal: {fl['ours_vs_ddp_max_abs_param_diff'] == 0}")
+        row("scaling_efficiency", _fmt(res["scaling_efficiency"], ".3f"),
+            f"spread {_spread(r['scaling_efficiency'])}; fleet {fl['fleet_tokens_per_s']:.0f} tok/s vs 2 x solo "
+            f"{fl['solo_tokens_per_s']:.0f} (DDP: {fl['ddp_scaling_efficiency']:.3f}, spread "
+            f"{_spread(r['ddp_scaling_efficiency'])}; goal >= 0.9)")
+        row("  contention", _fmt(fl["contention_efficiency"], ".3f"),
+            f"solo {med['solo'] * 1e3:.0f} ms / both ranks busy, no communication {med['both'] * 1e3:.0f} ms")
+        row("  communication", _fmt(fl["communication_efficiency"], ".3f"),
+            f"both-busy {med['both'] * 1e3:.0f} ms / fleet {med['ours'] * 1e3:.0f} ms")
+    else:
+        row("fleet_vs_ddp", "null", d.get("fleet_error", ""))
+        row("scaling_efficiency", "null", "")
+    ex = d.get("exact", {})
+    if res.get("exact_vs_ring") is not None:
+        med = ex["step_s_median"]
+        row("exact_vs_ring", _fmt(res["exact_vs_ring"], ".3f"),
+            f"{ex['world_size']} ranks x batch {ex['batch_per_rank']} in micro-batches of {ex['micro_batch']}: "
+            f"exact {med['exact'] * 1e3:.0f} ms / ring {med['ring'] * 1e3:.0f} ms, median of {ex['rounds']} rounds, "
+            f"spread {_spread(ex['ratios']['exact_vs_ring'])} (goal <= 1.1)")
+    else:
+        row("exact_vs_ring", "null", d.get("exact_error", ""))
+    g = d.get("gate", {})
+    row("gate_wall_s", _fmt(res["gate_wall_s"], ".1f"), g.get("note") or g.get("summary", ""))
+    sens = d.get("sensitivity", {})
+    row("gate_smallest_caught_eps", _fmt(res.get("gate_smallest_caught_eps")),
+        f"rank {sens.get('rank')} x (1 + eps N(0,1)) at step {sens.get('step')}; largest passed "
+        f"{_fmt(sens.get('largest_passed'))}" if sens else "")
+    if lf:
+        row("fleet_launch_fixed_s", "", "")
+        row("  import_torch_s", _fmt(lf["import_torch_s"], ".2f"),
+            f"python -c 'import torch' (bare interpreter {lf['python_bare_s']:.2f} s)")
+        row("  torchrun_rendezvous_s", _fmt(lf["torchrun_rendezvous_s"], ".2f"),
+            f"2 ranks: init_process_group + barrier + destroy (in-rank {lf['rank_init_and_barrier_s']:.2f} s)")
+    L.append("")
+    L.append(f"where the time goes (small step, torch.profiler, {prof['profiled_step_s'] * 1e3:.0f} ms/step "
+             f"profiled, ops' self time {prof['ops_self_s_per_step'] * 1e3:.0f} ms):")
+    for k, v in prof["breakdown"].items():
+        extra = ""
+        if k == "matmul kernels" and prof.get("matmul_kernel_gflops"):
+            extra = (f"  non-attention matmul FLOPs ran at {prof['matmul_kernel_gflops']:.1f} GFLOP/s in "
+                     f"these kernels (median square-matmul rate: {prof['rate_gflops']:.1f})")
+        L.append(f"  {k:<26} {v:6.1%}{extra}")
+    fl_s = s["small_flops"]
+    parts = {k[6:] if k.startswith("train_") else k: v for k, v in fl_s.items() if k not in ("forward", "total")}
+    L.append("  FLOPs/step by part: " + ", ".join(f"{k} {v / fl_s['total']:.0%}" for k, v in
+                                                  sorted(parts.items(), key=lambda kv: -kv[1]) if v))
+    L.append("top ops (self CPU time):")
+    for t in res["profile_small_top"]:
+        L.append(f"  {t['op'][:52]:<52} {t['share']:6.1%}  {t['ms_per_step']:7.1f} ms/step  "
+                 f"{t['calls_per_step']:6.0f} calls/step")
+    for key, what in (("fleet", "2-rank"), ("exact", "4-rank")):
+        la = d.get(key, {}).get("loadavg_before_after")
+        if la:
+            L.append(f"load average (1 min) before/after the {what} rounds: {la[0][0]:.2f} / {la[1][0]:.2f} "
+                     f"on {res['meta']['cpus']} CPUs")
+    for n in res.get("notes", []):
+        L.append(f"note: {n}")
+    L.append(f"written: {res['meta']['json']}")
+    return "\n".join(L)
+
+
+def docs_page(res: dict) -> str:
+    """docs/benchmarks.md, generated from one bench.json: never typed by hand."""
+    m = res["meta"]
+    when = time.strftime("%Y-%m-%d", time.gmtime(m["unix_time"]))
+    return "\n".join([
+        "# Benchmarks",
+        "",
+        f"Generated by `dormouse bench --docs docs/benchmarks.md` from one `{res['mode']}` run "
+        f"({when}; {m['cpus']} CPUs, torch {m['torch']}, Python {m['python']}, one thread per process; "
+        f"1-minute load average {m['loadavg_start'][0]:.1f} at the start and {m['loadavg_end'][0]:.1f} at the end). "
+        "Ratios are taken side by side in the same run, each the median of per-round ratios with its spread "
+        "(min..max); absolute figures move with the machine's load. The keys are described in "
+        "`python -m dormouse.bench --help`.",
+        "",
+        "```",
+        format_table(res),
+        "```",
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dormouse.bench", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer rounds, no gate timing (about two minutes)")
+    p.add_argument("--out", default=None, help="result JSON (default: <repo>/artifacts/bench.json)")
+    p.add_argument("--docs", default=None, help="also write this Markdown page from the results (docs/benchmarks.md)")
+    p.add_argument("--render", default=None, metavar="JSON",
+                   help="measure nothing: write --docs (or print) from an existing bench.json")
+    args = p.parse_args(argv)
+    if args.render:
+        res = json.loads(Path(args.render).read_text())
+        if args.docs:
+            atomic.write_text(Path(args.docs), docs_page(res))
+        print(format_table(res))
+        return 0
+    torch.set_num_threads(1)
+    out = Path(args.out) if args.out else artifacts_dir() / "bench.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mode = "quick" if args.quick else "full"
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()
+    notes: list[str] = []
+    if load_start[0] >= 0.5:
+        notes.append(f"the machine was already busy when the bench started (1-min load average "
+                     f"{load_start[0]:.2f} on {os.cpu_count()} CPUs): absolute figures are noisy; "
+                     "the ratios were taken side by side")
+    log(f"dormouse bench ({mode}): single process, one thread ...")
+    single = bench_single(args.quick, log)
+    details: dict = {"single": single}
+    res: dict = {
+        "mode": mode,
+        "tokens_per_s_tiny": single["tokens_per_s_tiny"],
+        "tokens_per_s_small": single["tokens_per_s_small"],
+        "matmul_rate_gflops": single["matmul_rate_gflops"],
+        "matmul_fraction_small": single["matmul_fraction_small"],
+        "profile_small_top": single["profile"]["top"],
+        "fleet_vs_ddp": None,
+        "scaling_efficiency": None,
+        "exact_vs_ring": None,
+        "gate_wall_s": None,
+        "fleet_launch_fixed_s": None,
+        "gate_smallest_caught_eps": None,
+    }
+    with tempfile.TemporaryDirectory(prefix="dormouse-bench-") as tmp:
+        log("fleet: one torchrun launch of 2 ranks (ours / DDP / both / solo, alternating) ...")
+        try:
+            fleet = bench_fleet(args.quick, Path(tmp), log)
+            details["fleet"] = fleet
+            res["fleet_vs_ddp"] = fleet["fleet_vs_ddp"]
+            res["scaling_efficiency"] = fleet["scaling_efficiency"]
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            details["fleet_error"] = str(e)
+            notes.append(f"fleet bench failed: {str(e)[:300]}")
+        log("exact reduce: one torchrun launch of 4 ranks (ring / exact, alternating) ...")
+        try:
+            exact = bench_fleet(args.quick, Path(tmp), log, world=4, kinds="ring,exact", micro_batch=4, name="exact")
+            details["exact"] = exact
+            res["exact_vs_ring"] = exact["exact_vs_ring"]
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            details["exact_error"] = str(e)
+            notes.append(f"exact bench failed: {str(e)[:300]}")
+        log("launch fixed costs ...")
+        try:
+            res["fleet_launch_fixed_s"] = bench_launch(args.quick, Path(tmp))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            notes.append(f"launch timing failed: {str(e)[:300]}")
+    log("gate sensitivity: the smallest one-rank, one-step gradient perturbation the verdict catches ...")
+    try:
+        from dormouse.bench.gate import sensitivity
+
+        details["sensitivity"] = sensitivity(log, steps=4 if args.quick else 6)
+        res["gate_smallest_caught_eps"] = details["sensitivity"]["smallest_caught"]
+    except Exception as e:  # a measurement that failed is a note, not a crash of the bench
+        notes.append(f"gate sensitivity failed: {str(e)[:300]}")
+    if args.quick:
+        details["gate"] = {"note": "not timed in --quick"}
+    else:
+        log("gate: pytest tests/gate/test_gate.py ...")
+        res["gate_wall_s"], details["gate"] = bench_gate(log)
+        if res["gate_wall_s"] is None:
+            notes.append(details["gate"]["note"])
+        elif details["gate"]["returncode"] != 0:
+            notes.append(f"pytest tests/gate/test_gate.py FAILED (exit {details['gate']['returncode']}): "
+                         f"{details['gate']['summary']}")
+    notes.append("FLOPs count matrix products only (see dormouse.bench.step_flops); Newton-Schulz runs in "
+                 f"{TrainConfig.ns_dtype} (TrainConfig's default) while the matmul rate is float32")
+    res["notes"] = notes
+    res["details"] = details
+    res["meta"] = {
+        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start,
+        "unix_time": time.time(), "json": str(out),
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+    }
+    atomic.write_text(out, json.dumps(res, indent=1, default=str) + "\n")
+    if args.docs:
+        atomic.write_text(Path(args.docs), docs_page(res))
+    print(format_table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

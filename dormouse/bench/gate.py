@@ -1,0 +1,106 @@
+"""The gate's sensitivity, measured: the smallest gradient perturbation on ONE
+rank at ONE step that the verdict catches.
+
+A ladder of fleets (one torchrun launch, a plan) each multiplies rank 1's local
+gradient at step `STEP` by (1 + eps * xi), xi ~ N(0, 1) per element (seeded),
+before the reduce; every other step and rank is clean. Each fleet is judged
+with the full set of references (single, gradref, replay); the figure is the
+smallest eps whose verdict fails, with the check that failed.
+
+    python -m dormouse.bench.gate            # prints the ladder, writes nothing
+    (python -m dormouse.bench runs it and records it in bench.json)
+
+The perturbation lives here, in the benchmark's own rank entry point, not in
+the library's training path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+EPS = (1e-2, 1e-3, 1e-4, 3e-5, 1e-5, 3e-6, 1e-6, 1e-7)
+STEP = 3  # the perturbed step (1-based)
+ENV = "DORMOUSE_BENCH_PERTURB"  # JSON {out dir: eps} for the rank entry point
+
+
+def _patch() -> None:
+    """Inside a rank: perturb rank 1's flattened local gradient at STEP."""
+    import dormouse.train.distributed as distributed
+
+    table = json.loads(os.environ[ENV])
+    flatten = distributed.FleetSync._flatten
+    seen: dict[int, int] = {}
+    state = {"eps": None}
+
+    def perturbed(self, bucket):
+        flat = flatten(self, bucket)
+        if bucket is self._buckets[0]:
+            seen[id(self)] = seen.get(id(self), 0) + 1
+        eps = state["eps"]
+        if eps and self.rank == 1 and seen.get(id(self)) == STEP:
+            g = torch.Generator().manual_seed(STEP)
+            flat = flat * (1 + eps * torch.randn(flat.shape, generator=g).to(flat))
+        return flat
+
+    distributed.FleetSync._flatten = perturbed
+    import dormouse.gate.record.modes as modes
+
+    one = modes._one_rank_run
+
+    def run(s, log, leg=0):
+        state["eps"] = table.get(str(s.out_dir))
+        return one(s, log, leg)
+
+    modes._one_rank_run = run
+
+
+def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
+    """The ladder: per eps, pass or fail and the first failing check."""
+    from dormouse.gate.record import modes
+    from dormouse.gate.judge.checks import judge
+    from dormouse.gate.record.launcher import launch_plan
+    from dormouse.gate.settings import GateSettings
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dormouse-sensitivity-") as tmp:
+        plan = [GateSettings(out=str(Path(tmp) / f"e{i}"), steps=steps).validate() for i in range(len(eps))]
+        table = {str(s.out_dir): e for s, e in zip(plan, eps)}
+        log(f"sensitivity: {len(plan)} fleets of capacity {plan[0].capacity!r}, eps {eps[0]:g} .. {eps[-1]:g}")
+        launch_plan(plan, timeout_s=900, stream=lambda line: None, entry=["-m", "dormouse.bench.gate"],
+                    env={ENV: json.dumps(table)})
+        modes.run_single(plan[0], log=lambda line: None)
+        for s, e in zip(plan, eps):
+            if s is not plan[0]:
+                for f in plan[0].out_dir.glob("single*"):
+                    shutil.copy(f, s.out_dir / f.name)
+            modes.run_gradref(s, log=lambda line: None)
+            modes.run_replay(s, log=lambda line: None)
+            v = judge(s.out_dir)
+            failed = [c.name for c in v.checks if not c.passed]
+            gradref = v.check("gradref")
+            rows.append({"eps": e, "caught": not v.passed, "failed": failed,
+                         "gradref_worst": getattr(gradref, "worst", None)})
+            log(f"  eps {e:8.1e}: {'CAUGHT by ' + ', '.join(failed) if failed else 'passed'}"
+                f" (gradref worst {rows[-1]['gradref_worst']:.2e})")
+    caught = [r["eps"] for r in rows if r["caught"]]
+    return {"step": STEP, "rank": 1, "capacity": plan[0].capacity, "ladder": rows,
+            "smallest_caught": min(caught) if caught else None,
+            "largest_passed": max((r["eps"] for r in rows if not r["caught"]), default=None)}
+
+
+if __name__ == "__main__":
+    if os.environ.get(ENV) and "RANK" in os.environ:
+        _patch()
+        from dormouse.gate.__main__ import main
+
+        sys.exit(main())
+    torch.set_num_threads(1)
+    res = sensitivity()
+    print(json.dumps({k: v for k, v in res.items() if k != "ladder"}))

@@ -1,0 +1,7 @@
+"""The gate's judge: pure functions from artifacts to typed checks and a
+Verdict. It reads artifacts only (through `dormouse.gate.artifacts`), trains
+nothing and imports neither the running side nor the trainer."""
+
+from dormouse.gate.judge.checks import (  # noqa: F401
+    Check, CurveCheck, ExactCheck, TensorCheck, Verdict, check_ranks, judge, judge_references,
+)

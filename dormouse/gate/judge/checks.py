@@ -1,0 +1,630 @@
+"""The judge: pure functions from a gate run's artifacts to typed results. It
+trains nothing (the references, the replay included, are artifacts the
+running side produced) and writes nothing.
+
+What a PASS claims: this fleet trains the network one process would train at
+the global batch. The checks, each against a reference that shares as little
+code as possible with the fleet:
+
+complete   every reference that applies is present: gradref, replay, init;
+           single when the profile has one global batch; exact under
+           reduce="exact". A missing one is a FAIL ("incomplete: no gradref").
+provenance every artifact was made by the same code (source hash), torch,
+           device, threads, CPU capability, corpus and initial parameters,
+           with the same settings.
+config     the fleet trained the network and recipe the settings give (its
+           recorded configuration, every leg, against the reference's; the
+           replay too runs the settings' recipe, never the fleet's record).
+finite     no NaN or inf in any compared series.
+ranks      every rank's tensors and losses bitwise equal to rank 0's.
+window     fact 1, the premise: at every step the batch's gradient equals
+           sum_w t_w g(window w alone) / T and its per-token losses equal
+           each window's alone, within WINDOW_RTOL (else the network depends
+           on which windows share a batch).
+gradref    fact 3: at every step the fleet's reduced gradient equals the
+           hand-computed token-weighted gradient over bytes gradref read
+           itself (GRAD_RTOL; bf16 wire: the elementwise rounding bound), and
+           the expert loads the fleet applied equal the ones gradref counted.
+replay     fact 4: the fleet's whole run replayed in one process from init,
+           on the fleet's own recorded gradients and gradref's loads, equals
+           the fleet's parameters and routing bias BITWISE at every step, its
+           final tensors, and its optimizer state at the mid-run checkpoint.
+curve      fact 2 at the global batch: per-step loss within a tolerance from
+           the reference's floor runs, nudged by one ulp at the start or at
+           every step's gradient (10 x their running maximum, at least
+           MIN_RTOL; never from a run that splits the batch), the first
+           step's gradients within GRAD_RTOL (both start from the same
+           parameters), and every tensor within its own floor at every step
+           (the routing bias excepted: discrete, judged by routing flips).
+exact      fact 2 exactly: under reduce="exact" every step's parameters,
+           gradients and loss bitwise equal to the exact reference, else the
+           first step, tensor and element, with the difference in ulps.
+
+What no reference can see: code shared by the fleet and every reference (the
+optimizer's internals, the lr schedule, the data rule's own helpers are used
+by the fleet, but gradref re-derives the bytes). Unit tests and bitwise parity
+with torch's optimizers cover those.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dormouse.gate.artifacts import PROVENANCE, ArtifactSet
+from dormouse.gate.judge.steps import routing_flips
+from dormouse.train.tensors import rel_per_step
+
+VERDICT_SCHEMA = 1
+BF16_UNIT_ROUNDOFF = 2.0**-8
+# Fleet vs gradref gradient, fp32 or exact reduce: measured <= 9.1e-7 relative
+# (tiny fixture, "4,2", 20 steps, seeds 1-10) against a float64 sum of
+# per-window float32 gradients. 1e-5 is ~10x above; a weighting fault is 1e-2.
+GRAD_RTOL = 1e-5
+# Batch gradient vs the per-window sum at the same parameters: measured
+# <= 1.4e-6 on clean runs (batched kernels sum in other orders).
+WINDOW_RTOL = 1e-5
+FLOOR_MULTIPLE = 10.0
+MIN_RTOL = 1e-6  # a few float32 ulps of the loss: the floor of the floor
+# bf16 wire: each reduced gradient element is off by up to W u relative; over
+# 20 steps that moved the loss by 4.6e-5 (measured). Judged by this instead.
+LOSS_RTOL_BF16 = 1e-3
+BIAS = "router_bias"  # tensors whose name ends so are discrete: judged by routing flips
+
+
+@dataclass
+class Check:
+    """One check's outcome: its name, pass or fail, and one sentence why."""
+
+    name: str
+    passed: bool
+    reason: str
+
+
+@dataclass
+class TensorCheck(Check):
+    """A per-step, per-tensor comparison: the worst relative difference and where."""
+
+    worst: float = 0.0
+    worst_tensor: str | None = None
+    worst_step: int | None = None
+    bound: float = 0.0
+    per_step: list[float] = field(default_factory=list)  # max over tensors, per step
+
+
+@dataclass
+class ExactCheck(Check):
+    """Bitwise equality per step (True where every compared series was equal)."""
+
+    steps_equal: list[bool] = field(default_factory=list)
+    first_step: int | None = None
+    first_tensor: str | None = None
+    element: int | None = None
+    ulps: float | None = None
+
+
+@dataclass
+class CurveCheck(Check):
+    """The global-batch curve: losses, their floor and tolerance, the first
+    step's gradients, every tensor against its own floor, routing flips."""
+
+    wire: str = "fp32"
+    single: list[float] = field(default_factory=list)
+    fleet: list[float] = field(default_factory=list)
+    per_step: list[float] = field(default_factory=list)
+    noise_floor: list[float] = field(default_factory=list)
+    tolerance: list[float] = field(default_factory=list)
+    tolerance_why: str = ""
+    grad_step1: float = 0.0
+    param_divergence: dict[str, list[float]] = field(default_factory=dict)
+    first_divergent_param: str | None = None
+    first_divergent_param_step: int | None = None
+    routing_flips: list[list[int]] | None = None
+    first_flip_step: int | None = None
+    summary: str = ""
+
+
+@dataclass
+class Verdict:
+    """The gate's answer for one out dir."""
+
+    out: str
+    passed: bool
+    checks: list[Check]
+    references: list[str]  # the artifacts compared with the fleet
+    provenance: dict = field(default_factory=dict)
+    schema: int = VERDICT_SCHEMA
+
+    def check(self, name: str) -> Check | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: non-finite numbers become null (strict JSON has no NaN)."""
+        d = _finite(asdict(self))
+        d["checks"] = {}
+        for c in self.checks:
+            row = {"kind": type(c).__name__, **_finite(asdict(c))}
+            row["pass"] = row.pop("passed")
+            d["checks"][c.name] = row
+        d["pass"] = d.pop("passed")
+        return d
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (max |a - b| where b is all zero)."""
+    a, b = a.double(), b.double()
+    if not b.numel():
+        return 0.0
+    scale = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest number of representable floats between a and b, element by
+    element (float32; float64 for float64 inputs): 1 for float neighbours."""
+    dtype, itype = (torch.float64, torch.int64) if torch.float64 in (a.dtype, b.dtype) else (torch.float32, torch.int32)
+
+    def ordered(x):  # the bit patterns, made monotone in the value
+        i = x.to(dtype).contiguous().view(itype).to(torch.int64)
+        if itype == torch.int32:
+            return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+        return torch.where(i < 0, -(i & 0x7FFFFFFFFFFFFFFF), i)
+
+    return float((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0.0
+
+
+def _series_names(trace: dict, prefix: str) -> list[str]:
+    return sorted(k[len(prefix):] for k in trace if k.startswith(prefix))
+
+
+def _running_max(xs: list[float]) -> list[float]:
+    out, top = [], 0.0
+    for x in xs:
+        top = max(top, x)
+        out.append(top)
+    return out
+
+
+def _tolerance(envelope: list[float], multiple: float = FLOOR_MULTIPLE) -> list[float]:
+    return [max(multiple * e, MIN_RTOL) for e in envelope]
+
+
+def required(a: ArtifactSet) -> list[str]:
+    """The references a fleet's verdict needs, from what the fleet recorded."""
+    s = a.meta("rank0")["settings"]
+    shapes = a.meta("rank0").get("rank_shapes", [])
+    need = ["init", "gradref", "replay"]
+    if len({t for _, t in shapes}) == 1 and not s.get("resume_from"):
+        need.insert(0, "single")
+    if s.get("reduce") == "exact" and "single" in need:
+        need.append("exact")
+    return need
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_complete(a: ArtifactSet) -> Check:
+    missing = [n for n in required(a) if not a.has(n)]
+    if missing:
+        return Check("complete", False, "incomplete: no " + ", no ".join(missing)
+                     + " (run those modes: a missing reference is never a pass)")
+    return Check("complete", True, "every reference that applies is present: " + ", ".join(required(a)))
+
+
+def check_provenance(a: ArtifactSet, names: list[str]) -> Check:
+    ref = a.meta("rank0")
+    diffs = []
+    for n in names:
+        m = a.meta(n)
+        for k in PROVENANCE:
+            if m.get("provenance", {}).get(k) != ref.get("provenance", {}).get(k):
+                diffs.append(f"{n}'s {k} {m.get('provenance', {}).get(k)!r} differs from rank0's "
+                             f"{ref.get('provenance', {}).get(k)!r}")
+        if m.get("settings") != ref.get("settings"):
+            keys = sorted(k for k in set(m.get("settings", {})) | set(ref.get("settings", {}))
+                          if m.get("settings", {}).get(k) != ref.get("settings", {}).get(k))
+            diffs.append(f"{n} was made with other settings ({', '.join(keys)})")
+    if diffs:
+        return Check("provenance", False, "not comparable: " + "; ".join(diffs[:4])
+                     + (" (artifacts from other code: re-run every mode)" if any("source" in d for d in diffs)
+                        else ""))
+    return Check("provenance", True, f"{len(names)} artifacts made by the same code, torch, device, threads, "
+                 "corpus and initial parameters, with the same settings")
+
+
+# Fields of a run that say where and how it ran, not what it computes (the
+# corpus is compared by its hash in the provenance, not by its path).
+RUN_IDENTITY = ("data", "batch", "ckpt_name", "ckpt_every", "out_dir", "resume", "resume_from", "stop_at", "dist",
+                "dist_capacity", "dist_shard", "dist_reduce", "dist_bucket_mb", "micro_batch", "log_every")
+
+
+def check_config(a: ArtifactSet, reference: str) -> Check:
+    """The fleet trained the network and recipe the settings give: its
+    recorded configuration (every leg) against the reference's, field by field."""
+    want = a.meta(reference)["config"]
+    diffs = []
+    for n in ["rank0"] + a.ranks("leg1_")[:1]:
+        have = a.meta(n)["config"]
+        for section in ("model", "train"):
+            for k, v in want[section].items():
+                if not (section == "train" and k in RUN_IDENTITY) and have[section].get(k) != v:
+                    diffs.append(f"{n}'s {section}.{k} = {have[section].get(k)!r}, {reference}'s {v!r}")
+    if diffs:
+        return Check("config", False, "the fleet trained another configuration than the settings give: "
+                     + "; ".join(diffs[:4]))
+    return Check("config", True, f"the fleet trained the settings' network and recipe (every model and training "
+                 f"field equal to {reference}'s)")
+
+
+def check_finite(a: ArtifactSet, names: list[str]) -> Check:
+    for n in names:
+        m = a.meta(n)
+        bad = [i + 1 for i, x in enumerate(m.get("losses", [])) if not math.isfinite(x)]
+        if bad:
+            return Check("finite", False, f"{n}'s loss is not finite at step {bad[0]}")
+        for source in (a.trace(n) if n != "gradref" else None, a.tensors(n)):
+            for k, t in (source or {}).items():
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    return Check("finite", False, f"{n}'s {k} holds NaN or inf")
+    return Check("finite", True, "every compared series is finite")
+
+
+def check_ranks(a: ArtifactSet) -> Check:
+    legs = a.meta("rank0").get("legs") or [[a.meta("rank0").get("world_size"), None]]
+    bad, worlds = [], []
+    for prefix, (world, _) in zip(["leg1_", ""] if len(legs) == 2 else [""], legs):
+        names = a.ranks(prefix)
+        worlds.append(len(names))
+        if len(names) != world:
+            return Check("ranks", False, f"found {len(names)} {prefix}rank artifacts for a world of {world}")
+        bad += _unequal_ranks(a, names)
+    if bad:
+        return Check("ranks", False, "ranks differ: " + "; ".join(bad))
+    sharded = a.meta("rank0")["settings"].get("shard") == "fsdp"
+    note = (" (FSDP2: gathered tensors are equal by construction; this catches buffers gone apart)"
+            if sharded else "")
+    legs_note = f" in each leg (worlds {worlds[0]} then {worlds[1]})" if len(worlds) == 2 else ""
+    return Check("ranks", True, f"all ranks bitwise equal{legs_note}{note}")
+
+
+def _unequal_ranks(a: ArtifactSet, names: list[str]) -> list[str]:
+    ref, ref_losses = a.tensors(names[0]), a.meta(names[0])["losses"]
+    bad = []
+    for n in names[1:]:
+        t = a.tensors(n)
+        unequal = [k for k in ref if k not in t or not torch.equal(ref[k], t[k])]
+        # Largest difference first: the tensor that went apart, not those it dragged along.
+        unequal.sort(key=lambda k: -relative(t[k], ref[k]) if k in t else -math.inf)
+        if unequal or a.meta(n)["losses"] != ref_losses:
+            bad.append(f"{n} vs {names[0]}: {', '.join(unequal[:3]) or 'losses'}")
+    return bad
+
+
+def _per_step_tensor(name: str, series_a: dict, series_b: dict, names: list[str], bound, *,
+                     what: str) -> TensorCheck:
+    """Compare two per-step tensor series (name -> (steps, ...)) under a
+    per-(tensor, step) bound function; the first violation fails."""
+    steps = min(len(series_a[names[0]]), len(series_b[names[0]])) if names else 0
+    per_step, worst, where, first_bad = [], -1.0, (None, None), None
+    for k in range(steps):
+        top = 0.0
+        for n in names:
+            r = relative(series_a[n][k], series_b[n][k])
+            lim = bound(n, k)
+            if not r <= lim and first_bad is None:
+                first_bad = (k + 1, n, r, lim)
+            top = max(top, r)
+            if r > worst:
+                worst, where = r, (n, k + 1)
+        per_step.append(top)
+    if first_bad:
+        k, n, r, lim = first_bad
+        return TensorCheck(name, False, f"{what} at step {k}: {n} off by {r:.2e} > {lim:.1e}",
+                           worst, where[0], where[1], lim, per_step)
+    lim = bound(where[0], 0) if where[0] else 0.0
+    return TensorCheck(name, True, f"{what}: max relative difference {max(worst, 0):.2e} ({where[0]}, step "
+                       f"{where[1]}) within {lim:.0e} at every step", max(worst, 0), where[0], where[1], lim, per_step)
+
+
+def check_window(a: ArtifactSet) -> Check:
+    g = a.tensors("gradref")
+    names = _series_names(g, "g/")
+    batch = {n: g[f"b/{n}"] for n in names}
+    window = {n: g[f"g/{n}"] for n in names}
+    c = _per_step_tensor("window", batch, window, names, lambda n, k: WINDOW_RTOL,
+                         what="the batch's gradient against the sum of each window's alone")
+    losses = relative(g["batch_losses"], g["window_losses"])
+    if not c.passed:
+        c.reason = ("the network depends on which windows share a batch (a fleet that splits the batch "
+                    "trains another network): " + c.reason)
+    elif losses > WINDOW_RTOL:
+        steps = [k + 1 for k in range(len(g["batch_losses"]))
+                 if relative(g["batch_losses"][k], g["window_losses"][k]) > WINDOW_RTOL]
+        c.passed = False
+        c.reason = (f"the network depends on which windows share a batch: per-token losses of the batch "
+                    f"differ from each window's alone by {losses:.2e} (first at step {steps[0]})")
+    else:
+        c.reason += f"; per-token losses within {losses:.1e}"
+    return c
+
+
+def check_gradref(a: ArtifactSet) -> Check:
+    fleet, g = a.trace("rank0"), a.tensors("gradref")
+    meta = a.meta("rank0")
+    names = _series_names(g, "g/")
+    if fleet is None or not all(f"g/{n}" in fleet for n in names):
+        return TensorCheck("gradref", False, "the fleet recorded no per-step gradients (rank0 trace)")
+    steps_f, steps_g = len(fleet[f"g/{names[0]}"]), len(g[f"g/{names[0]}"])
+    if steps_f != steps_g:
+        return TensorCheck("gradref", False, f"gradref covers {steps_g} steps, the fleet ran {steps_f}: re-run gradref")
+    fg = {n: fleet[f"g/{n}"] for n in names}
+    gg = {n: g[f"g/{n}"] for n in names}
+    wire = meta["settings"].get("reduce", "fp32")
+    if wire == "bf16":
+        def bound(n, k):  # elementwise W u sum|t g|/T, as a ratio of the scale max|g|
+            scale = gg[n][k].abs().max().item() or 1.0
+            return (world_at(meta, k) * BF16_UNIT_ROUNDOFF * g[f"a/{n}"][k].abs().max().item()) / scale + GRAD_RTOL
+    else:
+        def bound(n, k):
+            return GRAD_RTOL
+    c = _per_step_tensor("gradref", fg, gg, names, bound,
+                         what="the fleet's reduced gradient against the hand-computed token-weighted gradient")
+    if c.passed and "loads" in g and "loads" in fleet:
+        diff = [k + 1 for k in range(min(len(g["loads"]), len(fleet["loads"])))
+                if not torch.equal(g["loads"][k], fleet["loads"][k])]
+        if diff:
+            c.passed = False
+            c.reason = (f"the expert loads the fleet applied differ from those counted over every rank's "
+                        f"tokens at step {diff[0]} (the routing bias moved by other loads)")
+        else:
+            c.reason += "; expert loads equal at every step"
+    return c
+
+
+def world_at(meta: dict, k: int) -> int:
+    """The fleet's world size at step k (0-based): a fleet that stopped and
+    resumed ran its first leg at another world size."""
+    legs = meta.get("legs") or [[meta.get("world_size", 1), None]]
+    return legs[0][0] if meta.get("resumed_at") and k < meta["resumed_at"] else legs[-1][0]
+
+
+def first_difference(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple[str, int, float] | None:
+    """The first (tensor, flat element, ulps) that differs, or None."""
+    for name, x, y in pairs:
+        if not torch.equal(x, y):
+            flat = (x.reshape(-1) != y.reshape(-1)).nonzero()
+            i = int(flat[0]) if len(flat) else 0
+            return name, i, ulps(x.reshape(-1)[i:i + 1], y.reshape(-1)[i:i + 1])
+    return None
+
+
+def _bitwise_steps(name: str, ours: dict, theirs: dict, keys: list[str], steps: int, what: str,
+                   losses: tuple[list[float], list[float]] | None = None) -> ExactCheck:
+    equal, first = [], None
+    for k in range(steps):
+        d = first_difference([(key, ours[key][k], theirs[key][k]) for key in keys])
+        if d is None and losses is not None and losses[0][k] != losses[1][k]:
+            d = ("loss", 0, ulps(torch.tensor([losses[0][k]], dtype=torch.float64),
+                                 torch.tensor([losses[1][k]], dtype=torch.float64)))
+        equal.append(d is None)
+        if d is not None and first is None:
+            first = (k + 1, *d)
+    if first:
+        k, tensor, el, u = first
+        return ExactCheck(name, False, f"{what}: first differs at step {k}, {tensor} element {el} "
+                          f"({u:.0f} ulps); {sum(equal)} of {steps} steps bitwise equal", equal, k, tensor, el, u)
+    return ExactCheck(name, True, f"{what}: bitwise equal at all {steps} steps", equal)
+
+
+def check_replay(a: ArtifactSet) -> Check:
+    fleet, r = a.trace("rank0"), a.tensors("replay")
+    keys = sorted(k for k in r if k.startswith("p/"))
+    if not all(k in fleet for k in keys):
+        return ExactCheck("replay", False, "the fleet's trace lacks per-step tensors")
+    steps = min(len(r[keys[0]]), len(fleet[keys[0]]))
+    c = _bitwise_steps("replay", fleet, r, keys, steps,
+                       "the fleet's run replayed in one process on its own gradients (parameters and routing bias)")
+    final = a.tensors("rank0")
+    off = [k for k in final if f"p/{k}" in r and not torch.equal(final[k], r[f"p/{k}"][steps - 1])]
+    if off:
+        c.passed = False
+        c.reason += f"; the fleet's final tensors are not its traced last step: {', '.join(off[:3])}"
+    state = a.meta("replay").get("optimizer_state")
+    if state:
+        if state["unequal"] or state["checkpoint_step"] != state["step"]:
+            c.passed = False
+            c.reason += (f"; the optimizer state the fleet checkpointed at step {state['checkpoint_step']} is not the "
+                         f"replay's at step {state['step']}: {', '.join(state['unequal'][:3])}")
+        else:
+            c.reason += f"; its optimizer state at the step-{state['step']} checkpoint bitwise ({state['tensors']} tensors)"
+    if "grad_norm" in r:
+        if "grad_norm" not in fleet:
+            c.passed, c.reason = False, "the fleet recorded no gradient norms although it clips"
+        else:
+            off = relative(fleet["grad_norm"], r["grad_norm"])
+            if not off <= GRAD_RTOL:
+                c.passed = False
+                c.reason += f"; the fleet's clipping norm is off the replay's own by {off:.2e} > {GRAD_RTOL:.0e}"
+            else:
+                c.reason += f"; the fleet's clipping norms within {off:.1e} of the replay's own"
+    return c
+
+
+def check_exact(a: ArtifactSet) -> Check:
+    fleet, e = a.trace("rank0"), a.trace("exact")
+    keys = sorted(k for k in e if k.startswith(("p/", "g/")))
+    steps = min(len(e[keys[0]]), len(fleet[keys[0]]))
+    c = _bitwise_steps("exact", fleet, e, keys, steps,
+                       "every step's parameters, gradients and loss against the exact reference",
+                       losses=(a.meta("rank0")["losses"], a.meta("exact")["losses"]))
+    if len(a.meta("rank0")["losses"]) != len(a.meta("exact")["losses"]):
+        c.passed, c.reason = False, "the exact reference ran another number of steps than the fleet"
+    return c
+
+
+def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE) -> CurveCheck:
+    single, fleet = a.meta("single"), a.meta("rank0")
+    ls, lf = single["losses"], fleet["losses"]
+    if len(ls) != len(lf) or not lf or single.get("start_step", 0) != fleet.get("start_step", 0):
+        return CurveCheck("curve", False, f"single and fleet are not comparable: single ran {len(ls)} steps from "
+                          f"step {single.get('start_step', 0)}, the fleet {len(lf)} from {fleet.get('start_step', 0)}")
+    wire = fleet["settings"].get("reduce", "fp32")
+    rel = [abs(f - s) / abs(s) if s else abs(f - s) for s, f in zip(ls, lf)]
+    floor = [0.0] * len(ls)
+    floors: dict[str, list[float]] = {}
+    for run in single.get("floor", {}).values():
+        for k, (x, y) in enumerate(zip(run["losses"], ls)):
+            floor[k] = max(floor[k], abs(x - y) / abs(y) if y else abs(x - y))
+        for name, series in run["param_rel"].items():
+            floors[name] = [max(p, q) for p, q in zip(floors.get(name, [0.0] * len(series)), series)]
+    envelope = _running_max(floor)
+    if wire == "bf16":
+        tolerance = [LOSS_RTOL_BF16] * len(ls)
+        why = f"bf16 wire: fixed {LOSS_RTOL_BF16:.0e} (each reduced element is off by <= W u; measured 4.6e-5)"
+    else:
+        tolerance = _tolerance(envelope, multiple)
+        why = (f"{multiple:g} x the running maximum of {len(single.get('floor', {}))} one-ulp nudges of the "
+               f"reference (its start; every step's gradient), at least {MIN_RTOL:.0e}")
+    c = CurveCheck("curve", True, "", wire=wire, single=ls, fleet=lf, per_step=rel, noise_floor=floor,
+                   tolerance=tolerance, tolerance_why=why)
+    bad = [k for k, (r, t) in enumerate(zip(rel, tolerance)) if not r <= t]
+    # Gradients at the first step: both start from the same parameters.
+    st, ft = a.trace("single"), a.trace("rank0")
+    gnames = _series_names(st, "g/")
+    c.grad_step1 = max((relative(ft[f"g/{n}"][0], st[f"g/{n}"][0]) for n in gnames), default=0.0)
+    grad_lim = GRAD_RTOL if wire != "bf16" else 2 * world_at(fleet, 0) * BF16_UNIT_ROUNDOFF
+    # Every tensor against its own floor (the routing bias through flips).
+    first_param = None
+    train, model = single["config"]["train"], single["config"]["model"]  # the settings', not the fleet's
+    # Tensors are judged against their own floor where the optimizer's map is
+    # float32: bfloat16 Newton-Schulz (or a bf16 model, or the bf16 wire)
+    # rounds updates to 8 bits, so a few ulps of gradient round-off move a
+    # parameter by ~2^-8 of its update; there gradref (every step's gradient)
+    # and the bitwise replay (every step's update) carry the proof.
+    judge_tensors = wire != "bf16" and train.get("ns_dtype") != "bfloat16" and not model.get("bf16")
+    for name in _series_names(st, "p/"):
+        series = rel_per_step(ft[f"p/{name}"], st[f"p/{name}"])
+        c.param_divergence[name] = series
+        if name.endswith(BIAS) or not judge_tensors:
+            continue
+        tol = _tolerance(_running_max(floors.get(name, [0.0] * len(series))), multiple)
+        for k, (v, t) in enumerate(zip(series, tol)):
+            if not v <= t and (first_param is None or k + 1 < first_param[0]):
+                first_param = (k + 1, name, v, t)
+                break
+    if first_param:
+        c.first_divergent_param_step, c.first_divergent_param = first_param[0], first_param[1]
+    try:
+        flips = _flips(a, st)
+        if flips is not None:
+            c.routing_flips = flips.tolist()
+            c.first_flip_step = next((k + 1 for k, n in enumerate(flips.sum(dim=1).tolist()) if n), None)
+    except RuntimeError:  # ranks of different window lengths: not comparable token by token
+        pass
+    c.summary = _summary(c, bad)
+    worst = max(range(len(rel)), key=lambda k: rel[k] / tolerance[k])
+    reasons = [f"max per-step relative loss difference {max(rel):.2e} (step {worst + 1}: tolerance "
+               f"{tolerance[worst]:.1e})"]
+    if bad:
+        reasons.append(f"the loss exceeds its tolerance first at step {bad[0] + 1}")
+    if not c.grad_step1 <= grad_lim:
+        reasons.append(f"step-1 gradients differ by {c.grad_step1:.2e} > {grad_lim:.0e} (same parameters, "
+                       "same bytes: a scale, weighting or split bug)")
+    else:
+        reasons.append(f"step-1 gradients within {c.grad_step1:.1e}")
+    if not judge_tensors:
+        reasons.append("tensors reported, not judged (8-bit rounding in the optimizer's map: gradref and the "
+                       "replay prove each step)")
+    if first_param:
+        reasons.append(f"{first_param[1]} leaves its floor at step {first_param[0]} ({first_param[2]:.1e} > "
+                       f"{first_param[3]:.1e})")
+    c.passed = not bad and c.grad_step1 <= grad_lim and first_param is None and all(map(math.isfinite, lf))
+    c.reason = "; ".join(reasons) + f"; {c.summary}"
+    return c
+
+
+def _flips(a: ArtifactSet, st: dict):
+    """Routing flips per step and iteration, single vs the fleet's ranks
+    joined in rank order (leg by leg for a fleet that stopped and resumed)."""
+    legs = ["leg1_", ""] if a.ranks("leg1_") else [""]
+    parts, start = [], 0
+    for prefix in legs:
+        traces = [a.trace(n) for n in a.ranks(prefix)]
+        if "topk" not in st or not traces or not all(t and "topk" in t for t in traces):
+            return None
+        fleet = torch.cat([t["topk"] for t in traces], dim=1)
+        parts.append(routing_flips(st["topk"][start:start + len(fleet)], fleet))
+        start += len(fleet)
+    return torch.cat(parts) if start == len(st["topk"]) else None
+
+
+def _summary(c: CurveCheck, bad: list[int]) -> str:
+    above = bad[0] + 1 if bad else None
+    if c.wire == "bf16":
+        return "bf16 wire: every step's gradient is rounded to 8 bits on the wire; judged by the bf16 bound"
+    if above is None:
+        return "the fleet stays within the measured floor at every step"
+    flips = c.routing_flips
+    explained = c.first_flip_step is not None and (c.first_flip_step < above or (
+        c.first_flip_step == above and flips and flips[above - 1][0] > 0))
+    if explained:
+        return (f"the loss leaves the floor at step {above}, after a routing flip (first at step "
+                f"{c.first_flip_step}): round-off amplified by a discrete expert choice")
+    return f"the loss leaves the floor at step {above} before any routing flip could explain it: suspect the fleet"
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def judge(out) -> Verdict:
+    """Every check that applies, over what `out` holds. A missing fleet or
+    reference fails; a PASS needs every check to pass."""
+    a = ArtifactSet(Path(out))
+    if not a.has("rank0"):
+        c = Check("complete", False, f"incomplete: no fleet artifacts (rank0.json) in {str(out)!r}: run the rank mode")
+        return Verdict(str(out), False, [c], [])
+    checks = [check_complete(a)]
+    present = [n for n in required(a) if a.has(n)]
+    names = a.ranks("leg1_") + a.ranks() + present
+    checks.append(check_provenance(a, names))
+    if checks[-1].passed and present and (a.has("gradref") or a.has("single")):
+        checks.append(check_config(a, "gradref" if a.has("gradref") else "single"))
+    if checks[1].passed:
+        checks.append(check_finite(a, names))
+        checks.append(check_ranks(a))
+        if a.has("gradref"):
+            checks.append(check_window(a))
+            checks.append(check_gradref(a))
+        if a.has("replay"):
+            checks.append(check_replay(a))
+        if a.has("single") and "single" in required(a):
+            checks.append(check_curve(a))
+        if a.has("exact"):
+            checks.append(check_exact(a))
+    ok = all(c.passed for c in checks)
+    return Verdict(str(out), ok, checks, present, a.meta("rank0").get("provenance", {}))
+
+
+def judge_references(out) -> Verdict:
+    """The per-step references alone (03): window, gradref and replay."""
+    a = ArtifactSet(Path(out))
+    checks = [check_window(a), check_gradref(a), check_replay(a)]
+    return Verdict(str(out), all(c.passed for c in checks), checks, ["gradref", "replay"])

@@ -1,0 +1,484 @@
+"""The gate's modes: the running side. Each writes artifacts into the settings'
+out dir and judges nothing (dormouse.gate.judge compares them).
+
+single  - one process at the GLOBAL batch: the reference curve, with every
+          step's parameters and gradients (trace). Beside it, its round-off
+          floor: the same run started from parameters nudged by one ulp, with
+          ULP_RUNS different nudges (never a run that splits the batch: that
+          would share the bugs of a split). Under reduce="exact" also the
+          exact reference: one process computing the fleet's own slices,
+          summed in the fixed order (`exact`).
+rank    - one process per rank under torchrun: the fleet (rank<r>), with the
+          initial parameters (init) and, on rank 0, every step's parameters
+          and reduced gradients.
+gradref - from the fleet's parameters before each step (init, then rank 0's
+          trace) and that step's bytes, read by its OWN arithmetic from the
+          documented data rule: each window's gradient computed alone and
+          weighted by the tokens counted from the targets it built,
+          g = sum_w t_w g_w / sum_w t_w (summed in float64). Beside it, the
+          batch's own gradient and per-token losses at the same parameters
+          (the per-window premise), and the expert loads counted from the
+          ranks' own slices.
+replay  - the fleet's whole run replayed in one process from init: the
+          fleet's recorded reduced gradients, clipped, the optimizer, and
+          gradref's expert loads moving the routing bias, step after step.
+
+Artifacts (artifacts.py): `<name>` holds tensors after the run, `<name>_trace`
+per-step series (trace.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dormouse.errors import DormouseError
+from dormouse.gate.artifacts import load_meta, load_tensors, load_trace, provenance, save_artifact
+from dormouse.gate.record.fixtures import build, corpus_path, make_run
+from dormouse.gate.settings import GateSettings
+from dormouse.gate.record.trace import Trace
+from dormouse.train.distributed import close_fleet, fleet_env, train_dist
+from dormouse.train.loop import lr_at, make_optimizer, train
+from dormouse.train.tensors import fingerprint, named_state, rel_per_step
+
+ULP_RUNS = 3  # one-ulp nudges of the reference whose maximum is the floor
+QUIET = lambda line: None  # noqa: E731
+
+
+def _device(s: GateSettings) -> torch.device:
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise DormouseError("device 'cuda' asked for but CUDA is not available: use --device cpu")
+    return torch.device(s.device)
+
+
+def _save(s: GateSettings, name: str, state, losses, *, init: str, **extra) -> dict:
+    prov = provenance(device=s.device, corpus=corpus_path(s), init=init)
+    save_artifact(s.out_dir, name, state, losses, settings=s.record(), provenance=prov, **extra)
+    return load_meta(s.out_dir, name)
+
+
+def _traced(s: GateSettings, model, run, name: str, log) -> tuple[dict, Trace]:
+    trace = Trace(snapshots=True)
+    report = train(model, run, log=log, on_step=trace, on_grads=trace.record_grads)
+    return report, trace
+
+
+# --------------------------------------------------------------------------- single
+
+
+def run_single(s: GateSettings, log=print) -> dict:
+    """One process at the fleet's global batch, its ulp floor, and under
+    reduce="exact" the exact reference."""
+    if s.global_batch() is None:
+        raise DormouseError(f"capacity {s.capacity!r} mixes window lengths: one process cannot hold that "
+                            "global batch as one batch; gradref and the replay are this fleet's references")
+    out = s.out_dir
+    run = make_run(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
+    model = build(s).to(_device(s))
+    init = fingerprint(named_state(model))
+    report, trace = _traced(s, model, run, "single", log)
+    trace.save(out, "single")
+    floor = {} if s.resume_from else measure_floor(s, run, trace)
+    meta = _save(s, "single", named_state(model), report["losses"], init=init, mode="single",
+                 global_batch=run.train.batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor,
+                 start_step=report["start_step"])
+    if s.reduce == "exact":
+        run_exact(s, log=QUIET)
+    return meta
+
+
+def nudge(tensors, seed: int) -> None:
+    """Move every element to its next float neighbour, up or down at random."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in tensors:
+            up = (torch.rand(t.shape, generator=gen) < 0.5).to(t.device)
+            t.copy_(torch.nextafter(t, torch.where(up, torch.inf, -torch.inf).to(t.dtype)))
+
+
+def nudge_absolute(tensors, seed: int) -> None:
+    """Move every element by one ulp of its tensor's mean magnitude, up or down
+    at random: a sum's round-off is an ulp of its summands, not of the sum, so
+    a near-cancelled element moves by far more than its own ulp (AdamW's
+    first step, ~lr * sign(g), shows it)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in tensors:
+            size = torch.finfo(t.dtype).eps * t.abs().mean()
+            sign = (torch.rand(t.shape, generator=gen) < 0.5).to(t.device) * 2.0 - 1.0
+            t.add_(sign.to(t.dtype) * size)
+
+
+def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
+    """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics,
+    each compared step by step with the reference. ulp0 starts from parameters
+    nudged by one ulp; ulp1 nudges every step's gradient by one ulp of each
+    element, ulp2 by one ulp of its tensor's mean magnitude (the round-off a
+    reduce's summation order adds is an ulp of the summands), before the
+    optimizer, in random directions. None splits the batch: a floor
+    from a split run would share the bugs of a split. Per run: per-step
+    relative loss difference and, per tensor, per-step relative differences
+    of parameters and gradients."""
+    quiet = dataclasses.replace(run.train, ckpt_every=0, eval_every=0, log_every=max(1, run.train.steps))
+    ref = reference.tensors()
+    out = {}
+    for i in range(ULP_RUNS):
+        model = build(s).to(_device(s))
+        seed = s.seed * 1000 + i
+        if i == 0:
+            nudge(list(model.parameters()), seed)
+            on_grads = None
+        elif i == 1:
+            def on_grads(step, m, seed=seed):
+                nudge([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
+        else:
+            def on_grads(step, m, seed=seed):
+                nudge_absolute([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
+        r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_ulp{i}"))
+        trace = Trace(snapshots=True)
+
+        def both(step, m, trace=trace, on_grads=on_grads):
+            if on_grads:
+                on_grads(step, m)
+            trace.record_grads(step, m)
+
+        report = train(model, r, log=QUIET, on_step=trace, on_grads=both)
+        t = trace.tensors()
+        out[f"ulp{i}"] = {
+            "losses": report["losses"],
+            "param_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("p/")},
+            "grad_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("g/")},
+        }
+    return out
+
+
+def run_exact(s: GateSettings, log=print) -> dict:
+    """The exact reference: one process computing the fleet's own slices
+    (micro_batch windows each, in global slice order) summed in the fixed
+    order of reduce="exact": a fleet must equal it bitwise."""
+    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=s.micro_batch or _smallest_batch(s))
+    model = build(s).to(_device(s))
+    init = fingerprint(named_state(model))
+    report, trace = _traced(s, model, run, "exact", log)
+    trace.save(s.out_dir, "exact")
+    return _save(s, "exact", named_state(model), report["losses"], init=init, mode="exact",
+                 config=run.to_dict(), micro_batch=run.train.micro_batch)
+
+
+def _smallest_batch(s: GateSettings) -> int:
+    """micro_batch 0 means a rank's whole batch: the exact reference's slices
+    must then be the ranks' batches, which only an even profile allows."""
+    batches = {sh.batch for sh in s.shapes()}
+    if len(batches) != 1:
+        raise DormouseError(f"reduce='exact' with an uneven profile {s.capacity!r} needs micro_batch > 0 "
+                            "dividing every rank's batch (the exact reference computes the fleet's slices)")
+    return batches.pop()
+
+
+# --------------------------------------------------------------------------- the fleet
+
+
+def run_rank(s: GateSettings, log=print, leg: int = 0) -> dict:
+    """One rank of the fleet (run it under torchrun); `leg` 1 or 2 when the
+    settings stop and resume the fleet at another world size."""
+    return run_rank_plan([s], log=log, leg=leg)[-1]
+
+
+def run_rank_plan(plan: list[GateSettings], log=print, leg: int = 0) -> list[dict]:
+    """Several fleet runs in one process group, one after another (each into
+    its own out dir): the same code path as one run per launch."""
+    metas = []
+    try:
+        for s in plan:
+            metas.append(_one_rank_run(s, log, leg))
+    finally:
+        close_fleet()
+    return metas
+
+
+LEG1 = "leg1_"  # prefix of the first leg's artifacts (a fleet that stops and resumes)
+
+
+def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
+    legs = s.legs()
+    if (len(legs) == 2) != (leg in (1, 2)):
+        raise DormouseError(f"resume_world = {s.resume_world}: this fleet runs in {len(legs)} launch(es); "
+                            + ("launch it with --leg 1, then --leg 2 at resume_world ranks (the gate's launcher "
+                               "does both)" if len(legs) == 2 else "drop --leg"))
+    me = legs[leg - 1] if leg else s  # this launch's world and profile
+    rank = fleet_env()[0]
+    k = s.stop_step()
+    ckpt = str(s.out_dir / "ckpts" / ("fleet.dcp" if s.shard == "fsdp" else "fleet.pt"))
+    if leg == 1:
+        run = make_run(me, name="fleet", dist=True)
+        run.train.stop_at, run.train.ckpt_every = k, k
+    elif leg == 2:
+        run = make_run(me, name="fleet", dist=True, resume_from=ckpt)
+    else:
+        run = make_run(me, name="fleet", dist=True, resume_from=s.resume_path())
+    # Seeded BEFORE joining the fleet, so every rank builds the same model (and
+    # the references build it too); train_dist checks it.
+    model = build(s)
+    start = named_state(model)
+    init = fingerprint(start)
+    if rank == 0 and not s.resume_from and leg != 2:
+        _save(s, "init", start, [], init=init, mode="init")
+    gather = s.shard == "fsdp"  # FSDP2 shards: record the GATHERED tensors (a collective)
+    # Ranks end bitwise equal (the verdict checks it), so rank 0's snapshots
+    # stand for the fleet; every rank keeps its own tokens' routing (per leg:
+    # the judge joins the legs' ranks step by step).
+    trace = Trace(snapshots=rank == 0, gather=gather)
+    earlier: list[float] = []
+    if leg == 2:
+        first = load_trace(s.out_dir, f"{LEG1}rank0")
+        if rank == 0:
+            trace.extend(first)
+        earlier = load_meta(s.out_dir, f"{LEG1}rank{rank if rank < s.world else 0}")["losses"]
+    report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace,
+                        on_grads=trace.record_grads)
+    state = named_state(report["model"], gather=gather)
+    shapes = me.shapes()
+    name = f"{LEG1 if leg == 1 else ''}rank{rank}"
+    trace.save(s.out_dir, name)
+    meta = _save(s, name, state, earlier + report["losses"], init=init, mode="rank", rank=rank,
+                 world_size=report["world_size"], shapes=[sh.line() for sh in shapes],
+                 rank_shapes=[[sh.batch, sh.seq_len] for sh in shapes], config=run.to_dict(),
+                 start_step=0 if leg == 2 else report["start_step"], wall_s=report["wall_s"],
+                 resumed_at=k if leg == 2 else None, legs=[[x.world, x.capacity] for x in legs])
+    del report, model
+    return meta
+
+
+def load_plan(path: str) -> list[GateSettings]:
+    """A JSON list of GateSettings fields, one fleet run each."""
+    try:
+        items = json.loads(Path(path).read_text())
+        return [GateSettings(**item).validate() for item in items]
+    except (OSError, ValueError, TypeError) as e:
+        raise DormouseError(f"plan {path!r} is not a JSON list of gate settings ({e})") from e
+
+
+# --------------------------------------------------------------------------- gradref
+
+
+def profile(capacity: str, world: int, batch: int, seq_len: int) -> list[tuple[int, int]]:
+    """(windows, window length) per rank, read from the profile by gradref's
+    own parsing (not the trainer's parse_capacity)."""
+    if not capacity:
+        return [(batch, seq_len)] * world
+    out = []
+    for entry in capacity.split(","):
+        m = re.fullmatch(r"([0-9]+)(?:x([0-9]+))?", entry.strip())
+        out.append((int(m.group(1)), int(m.group(2) or seq_len)))
+    return out
+
+
+def span_index(step: int, n: int, order: str, seed: int) -> int:
+    """Which whole span step `step` (0-based) reads, from the documented rule:
+    epoch = step // n, j = step % n; sequential: j; shuffle: perm[j] with
+    perm = randperm(n) from a generator seeded with seed * 1_000_003 + epoch."""
+    epoch, j = divmod(step, n)
+    if order == "sequential":
+        return j
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return int(torch.randperm(n, generator=g)[j])
+
+
+def step_windows(corpus: bytes, train_bytes: int, prof: list[tuple[int, int]], step: int, order: str,
+                 seed: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per rank, its windows (x, y) at `step`, each of T+1 consecutive bytes of
+    the step's span; ranks' slices follow one another in rank order."""
+    span = sum(b * (t + 1) for b, t in prof)
+    n = train_bytes // span
+    pos = span_index(step, n, order, seed) * span
+    ranks = []
+    for b, t in prof:
+        wins = []
+        for _ in range(b):
+            w = torch.tensor(list(corpus[pos:pos + t + 1]), dtype=torch.int64)
+            wins.append((w[:-1].unsqueeze(0), w[1:].unsqueeze(0)))  # (1, T) each
+            pos += t + 1
+        ranks.append(wins)
+    return ranks
+
+
+def _fleet_record(s: GateSettings) -> tuple[dict, dict, dict]:
+    """What the references start from: the fleet's metadata, its initial
+    tensors and rank 0's per-step trace."""
+    trace = load_trace(s.out_dir, "rank0")
+    if trace is None or not any(k.startswith("p/") for k in trace):
+        raise DormouseError(f"no trace of rank0 in {str(s.out_dir)!r}: run the fleet (rank mode) first")
+    return load_meta(s.out_dir, "rank0"), load_tensors(s.out_dir, "init"), trace
+
+
+def run_gradref(s: GateSettings, log=print) -> dict:
+    """The hand-computed reference at every step of the fleet's run (needs
+    init and rank0's trace in out)."""
+    fleet, init, trace = _fleet_record(s)
+    run = make_run(s, name="gradref", dist=False)
+    device = _device(s)
+    steps = len(fleet["losses"])
+    model = build(s).to(device)
+    names = [n for n, _ in model.named_parameters()]
+    t = run.train
+    prof = profile(s.capacity, s.world, s.batch, t.seq_len)
+    corpus = Path(t.data).read_bytes()
+    train_bytes = len(corpus) - int(len(corpus) * t.eval_frac)
+    order = t.data_order
+    slice_len = s.micro_batch  # the fleet's forward slices, for the loads it counts
+    legs = s.legs()
+    prof2 = profile(legs[-1].capacity, legs[-1].world, s.batch, t.seq_len)  # the second leg's ranks
+    ref, absref, batch_grad = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}
+    tokens, loads, wl, bl = [], [], [], []
+    for k in range(steps):
+        state = init if k == 0 else {n: trace[f"p/{n}"][k - 1] for n in init}
+        model.load_state_dict(state)
+        windows = step_windows(corpus, train_bytes, prof, k, order, s.seed)
+        flat = [w for r in windows for w in r]
+        total = sum(int(y.numel()) for _, y in flat)  # tokens counted from the targets
+        tokens.append(total)
+        # Each window alone, weighted by its tokens, summed in float64.
+        acc = {n: torch.zeros(p.shape, dtype=torch.float64, device=device) for n, p in model.named_parameters()}
+        absacc = {n: torch.zeros_like(a) for n, a in acc.items()}  # sum_w t_w |g_w| / T: bf16 wire bound
+        w_losses = []
+        for x, y in flat:
+            model.zero_grad(set_to_none=True)
+            logits, loss, _ = model(x.to(device), y.to(device))
+            loss.backward()
+            w_losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(),
+                                            reduction="none").detach().cpu())
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    acc[n] += p.grad.double() * (y.numel() / total)
+                    absacc[n] += p.grad.double().abs() * (y.numel() / total)
+        for n in names:
+            ref[n].append(acc[n].cpu())
+            absref[n].append(absacc[n].float().cpu())
+        wl.append(torch.cat(w_losses))
+        # The batch's own gradient at the same parameters: the global batch as
+        # one batch (equal window lengths), else each rank's batch weighted.
+        groups = [flat] if len({tt for _, tt in prof}) == 1 else windows
+        bacc = {n: torch.zeros(p.shape, dtype=torch.float64, device=device) for n, p in model.named_parameters()}
+        b_losses = []
+        for g in groups:
+            x = torch.cat([w[0] for w in g]).to(device)
+            y = torch.cat([w[1] for w in g]).to(device)
+            model.zero_grad(set_to_none=True)
+            logits, loss, _ = model(x, y)
+            loss.backward()
+            b_losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+                            .detach().cpu())
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    bacc[n] += p.grad.double() * (y.numel() / total)
+        for n in names:
+            batch_grad[n].append(bacc[n].cpu())
+        bl.append(torch.cat(b_losses))
+        # Expert loads as the fleet's slices see them (its routing is per
+        # token; counting over its own slices keeps near-ties as the fleet
+        # broke them), summed over ranks by hand.
+        step_loads = None
+        if len(legs) == 2 and k >= s.stop_step():
+            flat_it = iter(flat)  # the same windows, cut into the second leg's ranks
+            slices = [[next(flat_it) for _ in range(b)] for b, _ in prof2]
+        else:
+            slices = windows
+        with torch.no_grad():
+            for r in slices:
+                size = slice_len or len(r)
+                for i in range(0, len(r), size):
+                    x = torch.cat([w[0] for w in r[i:i + size]]).to(device)
+                    y = torch.cat([w[1] for w in r[i:i + size]]).to(device)
+                    aux = model(x, y)[2]
+                    step_loads = aux["loads"].float().cpu() if step_loads is None else step_loads + aux["loads"].float().cpu()
+        if step_loads is not None:
+            loads.append(step_loads)
+    tensors = {f"g/{n}": torch.stack(v) for n, v in ref.items()}
+    tensors.update({f"b/{n}": torch.stack(v) for n, v in batch_grad.items()})
+    tensors.update({f"a/{n}": torch.stack(v) for n, v in absref.items()})
+    tensors["window_losses"] = torch.stack(wl)
+    tensors["batch_losses"] = torch.stack(bl)
+    if loads:
+        tensors["loads"] = torch.stack(loads)
+    log(f"gradref: {steps} steps, {len(prof)} ranks, {tokens[0]} tokens per step")
+    return _save(s, "gradref", tensors, [], init=fingerprint(init), mode="gradref", tokens=tokens,
+                 profile=[list(p) for p in prof], steps=steps, config=run.to_dict(),
+                 fleet=fleet["fingerprint"])
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def run_replay(s: GateSettings, log=print) -> dict:
+    """The fleet's whole run replayed in one process from init (needs init,
+    rank0's trace and gradref's loads)."""
+    fleet, init, trace = _fleet_record(s)
+    # The recipe the SETTINGS give (not the one the fleet recorded): a fleet
+    # at another lr, schedule or clip must not be replayed at its own.
+    run = make_run(s, name="replay", dist=False)
+    device = _device(s)
+    gradref = load_tensors(s.out_dir, "gradref")
+    model = build(s)
+    model.load_state_dict(init)
+    model.to(device)
+    opt = make_optimizer(model, run)
+    start = fleet.get("start_step", 0)
+    steps = len(fleet["losses"])
+    snaps: dict[str, list[torch.Tensor]] = {}
+    own: list[float] = []
+    opt_state = None
+    for k in range(steps):
+        if fleet.get("resumed_at") and k == fleet["resumed_at"]:
+            opt_state = _compare_optimizer_state(s, run, opt, k)
+        opt.set_lr(lr_at(start + k, run))
+        for n, p in model.named_parameters():
+            p.grad = trace[f"g/{n}"][k].to(device).clone()
+        if run.train.grad_clip:
+            # The replay's own norm is compared with the fleet's (round-off:
+            # FSDP sums shard norms in another order); the scale applied is the
+            # one clip_grad_norm_ computes from the fleet's norm, so the replay
+            # checks the optimizer's map bitwise given that scale.
+            grads = [p.grad for p in model.parameters()]
+            own.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+            # (a fleet that did not clip recorded no norm: the replay's own, and the steps part)
+            fleet_norm = trace["grad_norm"][k].to(device) if "grad_norm" in trace else torch.tensor(own[-1])
+            coef = torch.clamp(run.train.grad_clip / (fleet_norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef)
+        opt.step()
+        if "loads" in gradref:
+            model.balance_experts(gradref["loads"][k].to(device))
+        for n, t in named_state(model).items():
+            snaps.setdefault(n, []).append(t.clone())
+    tensors = {f"p/{n}": torch.stack(v) for n, v in snaps.items()}
+    if own:
+        tensors["grad_norm"] = torch.tensor(own, dtype=torch.float32)
+    log(f"replay: {steps} steps of the fleet's recorded gradients")
+    return _save(s, "replay", tensors, [], init=fingerprint(init), mode="replay", steps=steps,
+                 fleet=fleet["fingerprint"], optimizer_state=opt_state)
+
+
+def _compare_optimizer_state(s: GateSettings, run, opt, step: int) -> dict:
+    """The replay's optimizer state after `step` steps against the one the
+    fleet checkpointed there (its first leg; a .dcp of shards under FSDP,
+    read whole): every moment and momentum buffer bitwise."""
+    from dormouse.train.checkpoint import load_checkpoint
+    from dormouse.train.loop import LocalSync
+
+    path = s.out_dir / "ckpts" / ("fleet.dcp" if s.shard == "fsdp" else "fleet.pt")
+    model = build(s).to(_device(s))
+    theirs = make_optimizer(model, run)
+    at = load_checkpoint(path, model=model, opt=theirs, run=run, peers=LocalSync(run))
+    mine, other = opt.state_dict(), theirs.state_dict()
+    unequal = [f"{n}.{k}" for n in mine for k, t in mine[n].items()
+               if not torch.is_tensor(t) or not torch.equal(t.cpu(), other[n][k].cpu())]
+    return {"step": step, "checkpoint_step": at, "tensors": sum(len(v) for v in mine.values()), "unequal": unequal}
+
+
+MODES = {"single": run_single, "rank": run_rank, "gradref": run_gradref, "replay": run_replay,
+         "exact": run_exact}

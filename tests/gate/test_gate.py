@@ -1,0 +1,232 @@
+"""The pytest gate: whole gates (the fleet under torchrun, the single process,
+gradref, the replay, the verdict) on real gloo fleets — clean fleets pass for
+the reasons stated, and planted faults fail each for its own named reason.
+
+The clean world-2 fleets share ONE torchrun launch (a plan: several runs one
+after another in the same process group, the same code path as one run per
+launch); every faulty fleet has a launch of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dormouse.gate.record import modes
+from dormouse.gate.artifacts import load_meta, load_tensors
+from dormouse.gate.judge.checks import GRAD_RTOL, LOSS_RTOL_BF16, WINDOW_RTOL, judge
+from dormouse.gate.settings import GateSettings
+from gatekit import fleets, gate, references
+
+CLEAN = {
+    # capacity "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval;
+    # the fleet stops at step 10 and resumes in one process (resume_world 1)
+    "default": {},
+    "resume3": {"resume_world": 3},  # ... or at three ranks of 2 windows
+    "fsdp": {"shard": "fsdp", "steps": 10},
+    "adamw": {"opt": "adamw", "steps": 10},
+    "bf16": {"reduce": "bf16", "steps": 10},
+    "buckets": {"bucket_mb": 0.05},  # ~13 buckets instead of one
+    "mixed": {"capacity": "4x32,2x64", "resume_world": 0, "steps": 10},  # no single process holds this batch
+    "sequential": {"data_order": "sequential", "capacity": "", "steps": 10},
+}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("clean")
+    plan = {name: GateSettings(out=str(base / name), **extra).validate() for name, extra in CLEAN.items()}
+    fleets(list(plan.values()))
+    for s in plan.values():
+        references(s)
+    return {name: s.out_dir for name, s in plan.items()}
+
+
+def passed(out: Path):
+    v = judge(out)
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    return v
+
+
+@pytest.mark.parametrize("name", list(CLEAN))
+def test_a_clean_fleet_passes_every_check_that_applies(clean, name):
+    v = passed(clean[name])
+    names = [c.name for c in v.checks]
+    assert names[:5] == ["complete", "provenance", "config", "finite", "ranks"]
+    assert {"window", "gradref", "replay"} <= set(names)
+    assert ("curve" in names) == (name != "mixed")
+
+
+def test_the_default_gate_exercises_clipping_the_schedule_and_a_data_wrap(clean):
+    meta = load_meta(clean["default"], "rank0")
+    train = meta["config"]["train"]
+    assert train["grad_clip"] > 0 and train["wd"] > 0 and train["warmup"] > 0 and train["schedule"] == "cosine"
+    trace = modes.load_trace(clean["default"], "rank0")
+    assert (trace["clip"] < 1).any()  # the clip bound at some step
+    g = load_meta(clean["default"], "gradref")
+    corpus = (clean["default"] / "corpus.bin").stat().st_size
+    span = sum(b * (t + 1) for b, t in g["profile"])
+    assert corpus % span and g["steps"] > (corpus - int(corpus * train["eval_frac"])) // span  # wraps
+
+
+def test_the_fleet_stops_midway_and_resumes_at_another_world_size(clean):
+    for name, worlds in (("default", [2, 1]), ("resume3", [2, 3])):
+        meta = load_meta(clean[name], "rank0")
+        assert meta["resumed_at"] == 10 and [w for w, _ in meta["legs"]] == worlds
+        assert meta["world_size"] == worlds[1] and len(meta["losses"]) == 20
+        assert load_meta(clean[name], "leg1_rank1")["world_size"] == 2
+
+
+def test_per_step_references_agree_to_round_off_and_the_replay_is_bitwise(clean):
+    v = passed(clean["default"])
+    gradref, window, replay = v.check("gradref"), v.check("window"), v.check("replay")
+    assert len(gradref.per_step) == 20 and 0 < gradref.worst <= GRAD_RTOL
+    assert 0 <= window.worst <= WINDOW_RTOL
+    assert replay.steps_equal == [True] * 20
+
+
+def test_the_curve_tolerance_comes_from_ulp_nudges_alone(clean):
+    single = load_meta(clean["default"], "single")
+    assert sorted(single["floor"]) == ["ulp0", "ulp1", "ulp2"]  # no micro-batched (split) floor run
+    curve = judge(clean["default"]).check("curve")
+    assert max(curve.noise_floor) > 0 and max(curve.tolerance) < 1e-4
+    assert curve.grad_step1 <= GRAD_RTOL
+
+
+def test_bf16_reduce_stays_within_its_bound_and_is_measurably_off_fp32(clean):
+    v = passed(clean["bf16"])
+    assert v.check("gradref").worst > 1e-5  # bf16 really ran: beyond the fp32 bound, within its own
+    fp32 = load_meta(clean["default"], "rank0")["losses"]
+    bf16 = load_meta(clean["bf16"], "rank0")["losses"]
+    assert 0 < max(abs(a - b) / abs(a) for a, b in zip(fp32, bf16)) <= LOSS_RTOL_BF16
+
+
+def test_many_buckets_end_bitwise_equal_to_one_and_fsdp_reduces_the_same_first_gradient(clean):
+    a, b = load_tensors(clean["default"], "rank0"), load_tensors(clean["buckets"], "rank0")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # Two-term sums commute: FSDP's reduce-scatter gives the all-reduce's
+    # gradient bitwise. Its clipping norm sums shard norms in another order,
+    # so later steps part by round-off (the replay check bounds that norm).
+    ta, tf = modes.load_trace(clean["default"], "rank0"), modes.load_trace(clean["fsdp"], "rank0")
+    grads = [k for k in ta if k.startswith("g/")]
+    assert all(torch.equal(ta[k][0], tf[k][0]) for k in grads)
+
+
+# --------------------------------------------------------------------------- a PASS needs every reference
+
+
+def test_rank_artifacts_alone_are_incomplete_never_a_pass(clean, tmp_path):
+    for f in clean["default"].glob("rank*"):
+        shutil.copy(f, tmp_path / f.name)
+    v = judge(tmp_path)
+    assert not v.passed
+    assert v.checks[0].name == "complete" and "incomplete: no single, no init, no gradref, no replay" in v.checks[0].reason
+
+
+def test_artifacts_from_other_code_are_refused_naming_the_source(clean, tmp_path):
+    shutil.copytree(clean["default"], tmp_path / "g")
+    meta = json.loads((tmp_path / "g" / "gradref.json").read_text())
+    meta["provenance"]["source"] = "0" * 64  # gradref made by an older checkout
+    (tmp_path / "g" / "gradref.json").write_text(json.dumps(meta))
+    v = judge(tmp_path / "g")
+    c = v.check("provenance")
+    assert not v.passed and not c.passed and "gradref's source" in c.reason and "re-run every mode" in c.reason
+
+
+def test_a_nan_in_a_compared_series_fails_by_name(clean, tmp_path):
+    shutil.copytree(clean["default"], tmp_path / "g")
+    meta = json.loads((tmp_path / "g" / "rank0.json").read_text())
+    meta["losses"][4] = float("nan")
+    (tmp_path / "g" / "rank0.json").write_text(json.dumps(meta))
+    v = judge(tmp_path / "g")
+    assert not v.passed and "rank0's loss is not finite at step 5" in v.check("finite").reason
+
+
+# --------------------------------------------------------------------------- planted faults
+
+
+def test_gradient_times_two_fails_gradref_and_the_curve_at_step_one(tmp_path):
+    v = gate(GateSettings(out=str(tmp_path)).validate(), "grad_x2")
+    assert not v.passed
+    g = v.check("gradref")
+    assert not g.passed and "at step 1" in g.reason and g.worst > 0.5
+    c = v.check("curve")
+    assert not c.passed and "step-1 gradients differ" in c.reason
+    assert v.check("replay").passed  # the fleet applied its (wrong) gradient faithfully
+
+
+def test_window_weighting_under_mixed_window_lengths_fails_gradref(tmp_path):
+    v = gate(GateSettings(out=str(tmp_path), capacity="4x32,2x64", resume_world=0).validate(), "window_weights")
+    g = v.check("gradref")
+    assert not v.passed and not g.passed and "at step 1" in g.reason and g.worst > 1e-2
+    assert v.check("window").passed  # the network is fine; the fleet's weights are not
+
+
+def test_plain_mean_instead_of_token_weighting_fails_gradref(tmp_path):
+    v = gate(GateSettings(out=str(tmp_path), steps=5).validate(), "plain_mean")
+    assert not v.passed and not v.check("gradref").passed and v.check("ranks").passed
+
+
+def test_a_fleet_reading_step_k_plus_8s_bytes_fails_gradref(tmp_path):
+    v = gate(GateSettings(out=str(tmp_path), steps=10).validate(), "wrong_step")
+    g = v.check("gradref")
+    assert not v.passed and not g.passed and "at step 1" in g.reason
+
+
+def test_a_batch_dependent_layer_fails_the_window_check_naming_the_reason(tmp_path):
+    v = gate(GateSettings(out=str(tmp_path), steps=5).validate(), "batch_stats", everywhere=True)
+    w = v.check("window")
+    assert not v.passed and not w.passed
+    assert "depends on which windows share a batch" in w.reason and "at step 1" in w.reason
+
+
+def test_a_parameter_left_out_of_the_reduce_is_named(tmp_path):
+    v = gate(GateSettings(out=str(tmp_path), steps=3).validate(), "skip_param")
+    assert not v.passed
+    assert not v.check("ranks").passed and "rank0: head.weight," in v.check("ranks").reason  # named first
+
+
+def test_ranks_from_different_seeds_are_refused_as_not_comparable_when_the_start_check_is_off(tmp_path):
+    v = gate(GateSettings(out=str(tmp_path), steps=3).validate(), "seeds")
+    c = v.check("provenance")
+    assert not v.passed and not c.passed and "rank1's init" in c.reason
+
+
+def test_capacity_dropping_moe_forced_past_the_refusal_fails(tmp_path):
+    v = gate(GateSettings(out=str(tmp_path), steps=3).validate(), "capacity_moe", everywhere=True)
+    assert not v.passed
+    assert not v.check("window").passed and "depends on which windows share a batch" in v.check("window").reason
+
+
+def test_verdict_json_follows_its_published_schema_and_the_schema_rejects_a_broken_one(clean, tmp_path):
+    import jsonschema
+
+    from dormouse.gate.show.text import write_verdict
+    from dormouse.gate.settings import REPO_ROOT
+
+    schema = json.loads((REPO_ROOT / "docs" / "verdict.schema.json").read_text())
+    path = write_verdict(judge(clean["default"]), tmp_path)
+    verdict = json.loads(path.read_text())
+    jsonschema.validate(verdict, schema)
+    assert verdict["schema"] == 1 and len(verdict["provenance"]["source"]) == 64
+    verdict["checks"]["gradref"]["pass"] = "yes"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(verdict, schema)
+
+
+def test_the_verdict_writes_its_per_step_divergence_and_bounds_to_tensorboard(clean, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dormouse.gate.show.text import write_tensorboard
+
+    write_tensorboard(judge(clean["default"]), tmp_path / "tb")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"gate/gradref/worst", "gate/gradref/bound", "gate/curve/tolerance", "gate/replay/equal"} <= tags
+    worst = [e.value for e in events.Scalars("gate/gradref/worst")]
+    assert len(worst) == 20 and 0 < max(worst) <= GRAD_RTOL

@@ -1,0 +1,89 @@
+"""The gate on configurations other than the tiny fixture: a preset, a
+RunConfig file written by hand (Engram off, the block applied three times),
+the user's own corpus, and clean fixture runs over seeds 1-10 (no false alarm)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dormouse.config import RunConfig, TrainConfig, preset
+from dormouse.gate.artifacts import load_meta
+from dormouse.gate.judge.checks import judge
+from dormouse.gate.settings import GateSettings
+from gatekit import fleets, references
+
+SEEDS = range(1, 11)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("configs")
+    cfg = RunConfig(model=dataclasses.replace(preset("tiny"), engram_rows=0, engram_dim=0, max_iter=3),
+                    train=TrainConfig(seq_len=32, lr=2e-3, grad_clip=1.0, warmup=2, schedule="cosine"))
+    (base / "run.json").write_text(cfg.to_json())
+    text = base / "text.txt"
+    text.write_bytes(b"".join(p.read_bytes() for p in sorted((base.parents[2]).glob("*.txt")))
+                     or bytes(range(256)) * 40)
+    plan = {
+        "small": GateSettings(out=str(base / "small"), preset="small", steps=3),
+        "file": GateSettings(out=str(base / "file"), config=str(base / "run.json"), steps=6, capacity="3,1"),
+        "data": GateSettings(out=str(base / "data"), data=str(text), steps=4, capacity=""),
+        **{f"seed{k}": GateSettings(out=str(base / f"seed{k}"), seed=k, steps=6) for k in SEEDS},
+    }
+    plan = {k: s.validate() for k, s in plan.items()}
+    fleets(list(plan.values()))
+    for s in plan.values():
+        references(s)
+    return plan
+
+
+def verdict(runs, name):
+    v = judge(runs[name].out_dir)
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    return v
+
+
+def test_the_small_preset_passes_the_gate(runs):
+    verdict(runs, "small")
+    assert load_meta(runs["small"].out_dir, "rank0")["config"]["model"]["d_model"] == 256
+
+
+def test_a_runconfig_file_with_engram_off_and_three_iterations_passes_the_gate(runs):
+    verdict(runs, "file")
+    model = load_meta(runs["file"].out_dir, "rank0")["config"]["model"]
+    assert model["engram_rows"] == 0 and model["max_iter"] == 3
+    assert load_meta(runs["file"].out_dir, "gradref")["profile"] == [[3, 32], [1, 32]]  # the file's window
+
+
+def test_the_users_corpus_is_read_in_place(runs):
+    verdict(runs, "data")
+    assert load_meta(runs["data"].out_dir, "rank0")["config"]["train"]["data"] == runs["data"].data
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_clean_fixture_runs_pass_for_every_seed(runs, seed):
+    verdict(runs, f"seed{seed}")
+
+
+def test_dormouse_pipeline_gates_the_config_a_training_run_wrote(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    train = subprocess.run([sys.executable, "-m", "dormouse", "train", "--preset", "tiny", "--steps", "2",
+                            "--out", str(tmp_path / "run"), "--set", "model.max_iter=3"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-2000:]
+    config = tmp_path / "run" / "run.json"
+    gate = subprocess.run([sys.executable, "-m", "dormouse", "pipeline", "--config", str(config), "--steps", "4",
+                           "--out", str(tmp_path / "gate"), "--quiet"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert gate.returncode == 0, gate.stdout[-3000:] + gate.stderr[-2000:]
+    assert "gate verdict" in gate.stdout and ": PASS" in gate.stdout
+    verdict = json.loads((tmp_path / "gate" / "verdict.json").read_text())
+    assert verdict["pass"] and verdict["settings"]["config"] == str(config)
+    assert load_meta(tmp_path / "gate", "rank0")["config"]["model"]["max_iter"] == 3

@@ -1,0 +1,620 @@
+"""The notebook pipeline: clean notebooks whose parameters are GateSettings'
+fields, real papermill and nbmake runs from the repository root and from
+elsewhere, the verdict notebook failing on planted faults and passing on clean
+artifacts, one-sentence errors for bad parameters.
+
+No mocks: every notebook run starts a real kernel and (where the notebook does)
+a real torchrun fleet. One session-scoped pipeline run at the defaults serves
+the read-only checks; tests that plant faults or replace artifacts work on a
+copy of its out dir. Runs that are not about the defaults use few steps.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import nbformat
+import papermill as pm
+import pytest
+
+from dormouse import atomic
+from dormouse.errors import DormouseError, FleetError
+from dormouse.gate import pipeline, settings
+from dormouse.gate.record import produce
+from dormouse.gate.show import plots
+from dormouse.gate.artifacts import ArtifactSet, load_meta, load_tensors, save_artifact
+from dormouse.gate.judge.checks import CurveCheck, Verdict, check_ranks
+from dormouse.gate.settings import GateSettings, ParameterError
+from dormouse.gate.artifacts import load_trace
+
+NB = pipeline.NOTEBOOK_DIR
+REPO = settings.REPO_ROOT
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+DEFAULTS = {f.name: f.default for f in fields(GateSettings)}
+SETS = ("single", "fleet", "gradref", "replay")
+NOT_IN = {"01": {"shard", "bucket_mb", "timeout_s", "produce"}, "02": {"produce"}}  # parameters a notebook lacks
+
+
+def run_nb(name: str, out_nb: Path, *, cwd: Path, **params) -> nbformat.NotebookNode:
+    """papermill with the kernel in `cwd` (as `cd cwd && papermill ...` does)."""
+    return pm.execute_notebook(str(NB / name), str(out_nb), parameters=params, cwd=str(cwd),
+                               kernel_name="python3", progress_bar=False)
+
+
+def failing(name: str, out_nb: Path, *, cwd: Path, **params) -> pm.PapermillExecutionError:
+    with pytest.raises(pm.PapermillExecutionError) as info:
+        run_nb(name, out_nb, cwd=cwd, **params)
+    return info.value
+
+
+def error_cell(path: Path) -> tuple[int, nbformat.NotebookNode]:
+    nb = nbformat.read(str(path), as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
+            return i, cell
+    raise AssertionError("no cell failed")
+
+
+def all_text(path: Path) -> str:
+    nb = nbformat.read(str(path), as_version=4)
+    chunks = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            chunks.append(o.get("text", "") or "")
+            chunks.append(str(o.get("data", {}).get("text/plain", "")))
+    return "\n".join(chunks)
+
+
+def mtimes(out: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.suffix in (".json", ".safetensors")}
+
+
+# --------------------------------------------------------------------------- clean notebooks
+
+
+@pytest.mark.parametrize("name", pipeline.NOTEBOOKS)
+def test_notebook_is_clean(name):
+    nb = nbformat.read(str(NB / name), as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for c in code:
+        assert c.outputs == [], f"{name}: a cell has outputs"
+        assert c.execution_count is None, f"{name}: a cell has an execution count"
+    assert nb.cells[0].cell_type == "markdown" and "papermill" in nb.cells[0].source
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert tagged == [1], f"{name}: exactly one `parameters` cell, right after the markdown"
+    # papermill parses every parameter (a comment holding '=' would hide it)
+    assert list(pm.inspect_notebook(str(NB / name))) == pipeline.notebook_parameters(NB / name)
+    # the first code cell after the parameters checks every one of them
+    assert "settings.check(" in code[1].source
+    for k in pipeline.notebook_parameters(NB / name):
+        assert f"{k}={k}" in code[1].source, (name, k)
+
+
+@pytest.mark.parametrize("name", pipeline.NOTEBOOKS)
+def test_notebook_parameters_are_gate_settings_fields_with_their_defaults_and_comments(name):
+    """Derived, no drift: every parameter is a GateSettings field, with the
+    field's default and the field's comment; their order is the fields'."""
+    found = pm.inspect_notebook(str(NB / name))
+    comments = settings._field_comments()
+    assert list(found) == [f for f in settings.FIELDS if f in found], name
+    for k, v in found.items():
+        assert ast.literal_eval(v["default"]) == DEFAULTS[k], (name, k, v["default"])
+        assert type(ast.literal_eval(v["default"])) is type(DEFAULTS[k]), (name, k)
+        assert v["help"] == comments[k], (name, k)
+    # every field, in every notebook (01: all but the knobs of the fleet's launch and of producing)
+    assert set(settings.FIELDS) - set(found) == NOT_IN.get(name[:2], set()), name
+    given = {k: ast.literal_eval(v["default"]) for k, v in found.items()}
+    assert settings.check(**given) == GateSettings().validate()
+
+
+def test_check_without_parameters_is_the_default_settings():
+    """settings.check() (and the pipeline's check of its overrides) must
+    describe the fleet the notebooks run at their defaults."""
+    assert settings.check() == GateSettings().validate()
+    assert settings.check(micro_batch=2).capacity == DEFAULTS["capacity"]
+
+
+def test_the_defaults_are_ci_sized_and_one_configuration():
+    s = GateSettings().validate()
+    assert s.steps <= 20 and s.world == 2 and s.device == "cpu"
+    assert s.global_batch() == 6  # "4,2": the single process reads both ranks' bytes
+
+
+# --------------------------------------------------------------------------- the library, without kernels
+
+
+def test_default_out_is_the_repository_not_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert settings.check().out_dir == REPO / "artifacts" / "gate" == settings.DEFAULT_OUT
+    assert GateSettings(out="x/y").out_dir == REPO / "x" / "y"  # relative: from the repository root
+    assert settings.check(out=str(tmp_path / "o")).out_dir == tmp_path / "o"
+    assert settings.check(out=None).out_dir == settings.DEFAULT_OUT
+    assert list(tmp_path.iterdir()) == []  # checking writes nothing, in the cwd or in out
+
+
+@pytest.mark.parametrize("given, name, allowed", [
+    ({"world": 0}, "world", "1 or more"),
+    ({"world": -3}, "world", "1 or more"),
+    ({"world": "two"}, "world", "whole number"),
+    ({"world": 2.0}, "world", "whole number"),
+    ({"world": 2, "capacity": "4,2,1"}, "capacity", "one comma-separated entry per rank"),
+    ({"world": 3, "capacity": "3,1"}, "capacity", "has 2 entries but world = 3"),
+    ({"world": 3}, None, None),  # another world without a profile: the batch on every rank
+    ({"capacity": "4,x"}, "capacity", "'B' or 'BxT'"),
+    ({"capacity": "4x65,2"}, "capacity", "max_seq_len 64"),
+    ({"steps": 0}, "steps", "1 or more"),
+    ({"batch": 0}, "batch", "1 or more"),
+    ({"lr": -1}, "lr", "finite learning rate"),
+    ({"lr": float("nan")}, "lr", "finite learning rate"),
+    ({"opt": "sgd"}, "opt", "'mix', 'adamw'"),
+    ({"shard": "zero3"}, "shard", "'none', 'fsdp'"),
+    ({"reduce": "fp16"}, "reduce", "'fp32', 'bf16'"),
+    ({"micro_batch": 3}, "micro_batch", "does not divide every rank's batch (4, 2)"),
+    ({"data_order": "random"}, "data_order", "'sequential', 'shuffle'"),
+    ({"config": "nope"}, "config", "is not a file"),
+    ({"preset": "huge"}, "preset", "one of 'tiny', 'small'"),
+    ({"data": "/no/such/corpus"}, "data", "not a file"),
+    ({"timeout_s": -1}, "timeout_s", "positive"),
+    ({"bucket_mb": 0}, "bucket_mb", "positive"),
+    ({"produce": "yes"}, "produce", "True"),
+    ({"bogus": 1}, "bogus", "use out, steps"),
+    ({"resume_world": 5}, "resume_world", "does not split evenly"),
+    ({"resume_world": -1}, "resume_world", "0 or more"),
+    ({"resume_from": "ckpts/fleet.pt"}, "resume_world", "it starts from resume_from"),
+])
+def test_bad_parameters_raise_one_sentence(given, name, allowed):
+    if name is None:
+        assert settings.check(**given).capacity == ""
+        return
+    with pytest.raises(ParameterError) as info:
+        settings.check(**given)
+    msg = str(info.value)
+    assert isinstance(info.value, DormouseError)
+    assert name in msg and allowed in msg, msg
+    assert "\n" not in msg and msg.endswith("."), msg
+    assert info.value._render_traceback_() == [f"ParameterError: {msg}"]
+
+
+def test_cuda_without_a_gpu_is_a_parameter_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ParameterError, match=r"^device = 'cuda' is not allowed here: .* must be 'cpu'\.$"):
+        settings.check(device="cuda")
+
+
+def test_unwritable_out_is_a_parameter_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ParameterError, match=r"^out = .* cannot be written .*writable directory.*\.$"):
+        settings.check(out=str(tmp_path / "file" / "sub"))
+
+
+def test_capacity_from_papermill_int_and_spaces():
+    assert settings.check(world=1, capacity=4).capacity == "4"
+    assert settings.check(capacity=" 4, 2 ").capacity == "4,2"
+    assert settings.check(world=2, capacity="4x32,2", resume_world=0).global_batch() is None
+    assert settings.check(world=3, batch=2).global_batch() == 6
+    assert settings.check(world=3).capacity == ""  # the profile follows the world
+
+
+def test_every_dormouse_error_renders_as_its_message_in_a_notebook():
+    assert FleetError("the fleet failed")._render_traceback_() == ["FleetError: the fleet failed"]
+    assert produce.MissingArtifactError("m")._render_traceback_() == ["MissingArtifactError: m"]
+    assert pipeline.GateFailed("g")._render_traceback_() == ["GateFailed: g"]
+    assert pipeline.NotebookFailed("n")._render_traceback_() == ["NotebookFailed: n"]
+
+
+def _curve_verdict(flips, first_flip, param=None, param_step=None) -> dict:
+    """A verdict's JSON form (Verdict.to_dict()) holding one curve check."""
+    per = [1e-8] * 4
+    c = CurveCheck("curve", True, "ok", single=[5.0, 4.9, 4.8, 4.7], fleet=[5.0, 4.9, 4.8, 4.7], per_step=per,
+                   noise_floor=per, tolerance=[1e-6] * 4, param_divergence={"a": [1e-8] * 4, "b": [1e-7] * 4},
+                   first_divergent_param=param, first_divergent_param_step=param_step, routing_flips=flips,
+                   first_flip_step=first_flip)
+    return Verdict("/nowhere", True, [c], ["single"]).to_dict()
+
+
+def _text(fig) -> str:
+    """Every text a figure shows: in its axes and their titles."""
+    return "\n".join([t.get_text() for ax in fig.axes for t in ax.texts] + [ax.get_title() for ax in fig.axes])
+
+
+def test_loss_delta_draws_routing_flips_under_the_loss_difference():
+    fig = plots.loss_delta(_curve_verdict([[0, 0], [0, 2], [1, 1], [0, 0]], 2))
+    top, flips = fig.axes
+    assert flips.get_shared_x_axes().joined(top, flips)
+    assert len(flips.patches) == 8  # one bar per step and iteration, stacked
+    assert any("first flip: step 2" in t.get_text() for t in flips.get_legend().get_texts())
+    quiet = plots.loss_delta(_curve_verdict([[0, 0]] * 4, None))
+    assert "no routing flips: every token chose the same experts" in _text(quiet)
+
+
+def test_param_divergence_names_and_marks_the_first_divergent_tensor():
+    fig = plots.param_divergence(_curve_verdict([], None, "b", 3))
+    assert "first to leave its floor: b at step 3" in _text(fig)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels() if t.get_color() == "crimson"] == ["b"]
+    assert "no tensor leaves its measured floor" in _text(plots.param_divergence(_curve_verdict([], None)))
+
+
+def test_lock_serialises_producers_and_force_reuses_what_was_made_while_waiting(tmp_path):
+    """Two producers of one artifact set (real single-process runs): the second
+    waits on the flock and, the set having been written while it waited, does
+    not make it again."""
+    s = settings.check(out=str(tmp_path), steps=2)
+    logs = {"first": [], "second": []}
+    results = {}
+
+    def producer(tag, force):
+        results[tag] = produce.run_single(s, force=force, log=logs[tag].append)
+
+    first = threading.Thread(target=producer, args=("first", False))
+    first.start()
+    deadline = time.monotonic() + 60
+    while not logs["first"] and time.monotonic() < deadline:  # the first holds the lock and is producing
+        time.sleep(0.005)
+    second = threading.Thread(target=producer, args=("second", True))
+    second.start()
+    first.join()
+    second.join()
+    assert results == {"first": "produced", "second": "reused"}, logs
+    assert any("single: producing" in line for line in logs["first"])
+    assert not any("producing" in line for line in logs["second"])
+    made = (tmp_path / "single.json").stat().st_mtime_ns
+    # Forced later (nobody else writing): it is made again.
+    assert produce.run_single(s, force=True, log=lambda _: None) == "produced"
+    assert (tmp_path / "single.json").stat().st_mtime_ns > made
+    # Made with other settings and produce=False: refused in one sentence naming `produce`.
+    other = settings.check(out=str(tmp_path), steps=3, produce=False)
+    with pytest.raises(produce.MissingArtifactError,
+                       match=r"single made with steps=2 \(want 3\).*produce = False.*produce = True\.$"):
+        produce.run_single(other, force=False, log=lambda _: None)
+
+
+def test_pipeline_cli_bad_input_exits_2_with_one_line(tmp_path):
+    for args in (["-p", "world", "0"], ["-p", "world", "two"], ["-p", "bogus", "1"],
+                 ["-p", "world", "2", "-p", "capacity", "4,2,1"], ["--only", "05"]):
+        r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "-p", "out", str(tmp_path), *args],
+                           cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=120)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: "), r.stderr
+    assert not (tmp_path / "notebooks").exists()  # nothing ran
+
+
+def test_pipeline_checks_its_overrides_against_the_profile_the_notebooks_run(tmp_path):
+    """-p micro_batch 4 does not divide the default profile's rank 1 batch (2):
+    bad input, refused before any notebook runs (exit 2), as the notebooks
+    themselves would refuse it."""
+    r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "-p", "out", str(tmp_path),
+                        "-p", "micro_batch", "4"], cwd=tmp_path, capture_output=True, text=True, env=ENV,
+                       timeout=300)
+    assert r.returncode == 2, (r.stdout + r.stderr)[-2000:]
+    assert r.stderr.startswith("error: micro_batch = 4 does not divide every rank's batch (4, 2)"), r.stderr
+    assert not (tmp_path / "notebooks").exists()  # nothing ran
+
+
+# --------------------------------------------------------------------------- the whole pipeline, once
+
+
+@pytest.fixture(scope="session")
+def gate_run(tmp_path_factory):
+    """The whole pipeline at the defaults from a directory that is not the
+    repository: `cd elsewhere && python -m dormouse.gate.pipeline -p out <tmp>`.
+    Run once per session even under xdist: the workers share it through a flock."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's directory, shared by its workers
+    base = root / "notebook-pipeline"
+    cwd, out, result = base / "elsewhere", base / "out", base / "result.json"
+    with produce.locked(base, "fixture"):
+        if not result.exists():
+            cwd.mkdir(parents=True)
+            r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "-p", "out", str(out)],
+                               cwd=cwd, capture_output=True, text=True, env=ENV, timeout=500)
+            atomic.write_text(result, json.dumps({"returncode": r.returncode, "stdout": r.stdout,
+                                                  "stderr": r.stderr}))
+    r = subprocess.CompletedProcess([], **json.loads(result.read_text()))
+    if r.returncode != 0:
+        pytest.fail(f"the pipeline failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r, cwd, out
+
+
+def copy_of(clean: Path, to: Path) -> Path:
+    """The clean run's artifacts (not its notebooks, checkpoints, figures or
+    verdict), hard-linked: every writer replaces files atomically (a new
+    inode), so the session's run is never touched."""
+    shutil.copytree(clean, to, copy_function=os.link,
+                    ignore=shutil.ignore_patterns("notebooks", "ckpts", ".*.lock", "*.png", "verdict.json"))
+    return to
+
+
+def test_pipeline_runs_all_four_in_order_from_elsewhere(gate_run):
+    r, cwd, out = gate_run
+    assert r.returncode == 0, r.stdout + r.stderr
+    order = [r.stdout.index(f"== {n}") for n in pipeline.NOTEBOOKS]
+    assert order == sorted(order), r.stdout
+    assert f"gate verdict for {out}: PASS" in r.stdout
+    assert list(cwd.iterdir()) == []  # nothing written in the working directory
+    assert sorted(p.name for p in (out / "notebooks").iterdir()) == sorted(pipeline.NOTEBOOKS)
+    # each set made by its own notebook, in order
+    t = mtimes(out)
+    assert t["single.json"] < t["rank0.json"] < t["gradref.json"] < t["replay.json"] < t["verdict.json"]
+    # the default fleet: two ranks for steps 1-10 (leg1_rank*), then one rank resumes (rank0)
+    assert sorted(p.stem for p in out.glob("*rank*.json")) == ["leg1_rank0", "leg1_rank1", "rank0"]
+    v = json.loads((out / "verdict.json").read_text())
+    assert v["pass"] and v["references"] == ["single", "init", "gradref", "replay"]
+    assert list(v["checks"]) == ["complete", "provenance", "config", "finite", "ranks", "window", "gradref", "replay",
+                                 "curve"]
+    assert all(c["pass"] for c in v["checks"].values())
+    curve = v["checks"]["curve"]
+    assert curve["kind"] == "CurveCheck" and len(curve["tolerance"]) == len(curve["per_step"]) == 20
+    assert v["checks"]["replay"]["steps_equal"] == [True] * 20
+    assert v["settings"] == GateSettings(out=str(out)).validate().record()
+    # artifacts record what made them: each leg's real world, every reference all 20 steps
+    assert load_meta(out, "leg1_rank1")["world_size"] == 2 and len(load_meta(out, "leg1_rank1")["losses"]) == 10
+    rank0 = load_meta(out, "rank0")
+    assert rank0["world_size"] == 1 and rank0["settings"]["world"] == 2 and rank0["resumed_at"] == 10
+    assert len(rank0["losses"]) == 20
+    assert load_meta(out, "gradref")["steps"] == load_meta(out, "replay")["steps"] == 20
+    for png in ("single_loss", "fleet_loss", "loss_curves", "loss_delta", "param_divergence", "references"):
+        assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    # 04 found everything 01-03 made and produced nothing itself
+    text = all_text(out / "notebooks" / "04_compare_plots.ipynb")
+    assert "producing" not in text and text.count(": using ") == 4, text
+    assert curve["summary"] in text
+
+
+def test_plots_draw_every_figure_from_the_verdicts_json(gate_run):
+    _, _, out = gate_run
+    v = json.loads((out / "verdict.json").read_text())
+    figs = plots.figures(v)
+    assert {"loss_curves", "loss_delta", "param_divergence", "references"} <= set(figs)
+    assert "[ok]" in figs["loss_delta"].axes[0].get_title()
+    assert "no tensor leaves its measured floor" in _text(figs["param_divergence"])
+
+
+def test_fleet_notebook_alone_from_the_repository_root(tmp_path):
+    out = tmp_path / "out"
+    run_nb("02_fleet_launcher.ipynb", tmp_path / "02.ipynb", cwd=REPO, out=str(out), world=3, capacity="2,1,1",
+           steps=3)
+    first = fleet_ranks(out, "leg1_") or fleet_ranks(out)  # the launch at world 3
+    assert [m["world_size"] for m in first] == [3, 3, 3]
+    assert [m["settings"]["capacity"] for m in first] == ["2,1,1"] * 3
+    text = all_text(tmp_path / "02.ipynb")
+    assert "[rank2] step=" in text  # rank output streamed into the cell
+    assert check_ranks(ArtifactSet(out)).reason in text  # the ranks table says the judge's word
+    assert check_ranks(ArtifactSet(out)).passed
+    assert not (out / "single.json").exists() and not (out / "gradref.json").exists()
+
+
+def fleet_ranks(out: Path, prefix: str = "") -> list[dict]:
+    """The metadata of one launch's ranks (prefix "leg1_": the first leg of a fleet that stopped and resumed)."""
+    return [load_meta(out, n) for n in ArtifactSet(out).ranks(prefix)]
+
+
+def test_papermill_fleet_notebook_with_only_a_world_runs_the_batch_on_every_rank(tmp_path):
+    """`papermill notebooks/02_fleet_launcher.ipynb out.ipynb -p world 3`, as its
+    markdown says: no capacity given, the profile follows the world."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "papermill", str(NB / "02_fleet_launcher.ipynb"), "out.ipynb",
+                        "-p", "world", "3", "-p", "steps", "2", "-p", "out", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    metas = fleet_ranks(out, "leg1_") or fleet_ranks(out)  # the launch at world 3
+    assert [m["world_size"] for m in metas] == [3, 3, 3]
+    assert [m["settings"]["capacity"] for m in metas] == ["", "", ""]
+    assert metas[0]["rank_shapes"] == [[2, 64]] * 3
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(cmd)
+    return found
+
+
+def test_fleet_notebook_timeout_kills_every_rank_in_one_sentence(tmp_path):
+    out = tmp_path / "out"
+    e = failing("02_fleet_launcher.ipynb", tmp_path / "02.ipynb", cwd=tmp_path, out=str(out), steps=100000,
+                timeout_s=3)
+    assert e.ename == "FleetError" and "did not finish within 3 s and was killed" in e.evalue
+    assert e.traceback == [f"FleetError: {e.evalue}"]
+    assert _processes_mentioning(str(out)) == []
+    assert not list(out.glob("*rank*.json"))
+
+
+def test_single_notebook_alone_from_elsewhere_writes_under_the_repository(tmp_path):
+    """A relative out is taken from the repository root, whatever the cwd."""
+    rel = f"artifacts/test-notebooks-{os.getpid()}-{tmp_path.name}"
+    out = REPO / rel
+    try:
+        run_nb("01_single.ipynb", tmp_path / "01.ipynb", cwd=tmp_path, out=rel, steps=2)
+        single = load_meta(out, "single")
+        assert single["global_batch"] == 6 and len(single["losses"]) == 2
+        assert sorted(single["floor"]) == ["ulp0", "ulp1", "ulp2"]
+        assert [p.name for p in tmp_path.iterdir()] == ["01.ipynb"]  # nothing in the cwd
+        assert "single: producing" in all_text(tmp_path / "01.ipynb")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def test_gradref_notebook_alone_from_elsewhere_launches_the_fleet_first(tmp_path):
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    cwd.mkdir()
+    run_nb("03_gradref.ipynb", tmp_path / "03.ipynb", cwd=cwd, out=str(out), steps=3)
+    assert {"init.json", "rank0.json", "gradref.json", "replay.json"} <= set(mtimes(out))
+    assert not (out / "single.json").exists()
+    text = all_text(tmp_path / "03.ipynb")
+    assert "fleet: producing" in text and "gradref: producing" in text and "replay: producing" in text
+    assert "bitwise equal at all 3 steps" in text  # the replay's verdict, in the table
+    assert list(cwd.iterdir()) == []
+
+
+def test_verdict_notebook_alone_produces_what_is_missing(tmp_path):
+    """04 first, on an empty out, from the repository root: it produces every
+    artifact set through the library, then passes."""
+    out = tmp_path / "out"
+    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=REPO, out=str(out), steps=4)
+    v = json.loads((out / "verdict.json").read_text())
+    assert v["pass"], v["checks"]
+    text = all_text(tmp_path / "04.ipynb")
+    assert [f"{name}: producing" in text for name in SETS] == [True] * 4
+    assert text.count("producing") == 4
+
+
+def _restamp(path: Path, **edit) -> None:
+    """Rewrite an artifact's JSON (atomically) with some fields changed, e.g.
+    settings={...}: as if another configuration or other code had made it."""
+    meta = json.loads(path.read_text())
+    for k, v in edit.items():
+        meta[k] = {**meta[k], **v} if isinstance(v, dict) else v
+    atomic.write_text(path, json.dumps(meta))
+
+
+@pytest.mark.parametrize("artifact, edit, why, kept", [
+    ("single", {"settings": {"seed": 8}}, "single made with seed=8 (want 7)", ("fleet", "gradref", "replay")),
+    ("gradref", {"provenance": {"source": "0" * 64}}, "gradref made by other code", ("single", "fleet", "replay")),
+])
+def test_verdict_notebook_replaces_an_artifact_from_another_configuration_or_other_code(
+        gate_run, tmp_path, artifact, edit, why, kept):
+    out = copy_of(gate_run[2], tmp_path / "out")
+    _restamp(out / f"{artifact}.json", **edit)
+    before = mtimes(out)
+    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=tmp_path, out=str(out))
+    text = all_text(tmp_path / "04.ipynb")
+    assert f"{artifact}: producing in {out} ({why})" in text, text
+    assert text.count("producing") == 1 and all(f"{k}: using" in text for k in kept)
+    after = mtimes(out)
+    assert after[f"{artifact}.json"] > before[f"{artifact}.json"]
+    assert all(after[n] == before[n] for n in before if n.split(".")[0].split("_")[0] not in (artifact,))
+    assert json.loads((out / "verdict.json").read_text())["pass"]
+
+
+# --------------------------------------------------------------------------- planted faults
+
+
+def _resave(d: Path, name: str, tensors) -> None:
+    """Rewrite artifact `name`'s tensors through the library, its metadata kept."""
+    meta = load_meta(d, name)
+    extra = {k: v for k, v in meta.items() if k not in ("schema", "name", "losses", "fingerprint", "params")}
+    save_artifact(d, name, tensors, meta["losses"], **extra)
+
+
+def _nudged(t, key: str, rel: float, step: int | None = None):
+    x = t[key].clone()
+    (x[step] if step is not None else x).view(-1)[0] += rel * x.abs().max()
+    return {**t, key: x}
+
+
+def plant_rank_params(out: Path) -> None:
+    """One rank's final head.weight off by 1e-6 (of the first leg, when the
+    fleet stopped and resumed at one rank): the ranks went apart."""
+    a = ArtifactSet(out)
+    name = (a.ranks("leg1_") if len(a.ranks()) < 2 else a.ranks())[1]
+    _resave(out, name, _nudged(load_tensors(out, name), "head.weight", 1e-6))
+
+
+def plant_fleet_gradient(out: Path) -> None:
+    """The fleet's recorded reduced gradient at step 5 off by 1e-3."""
+    from safetensors.torch import save
+
+    t = _nudged(load_trace(out, "rank0"), "g/head.weight", 1e-3, step=4)
+    atomic.write_bytes(out / "rank0_trace.safetensors", save(t))
+
+
+def plant_replay_step(out: Path) -> None:
+    """The replay's parameters after step 5 off by 1e-6."""
+    _resave(out, "replay", _nudged(load_tensors(out, "replay"), "p/head.weight", 1e-6, step=4))
+
+
+def plant_curve_step(out: Path) -> None:
+    """Every final rank's loss at step 10 off by 1e-4 (so they still agree): only the curve is off."""
+    for name in ArtifactSet(out).ranks():
+        meta = load_meta(out, name)
+        meta["losses"][9] *= 1 + 1e-4
+        atomic.write_text(out / f"{name}.json", json.dumps(meta))
+
+
+@pytest.mark.parametrize("plant, failed, words", [
+    (plant_rank_params, "ranks", "rank1 vs "),
+    (plant_fleet_gradient, "gradref", "at step 5: head.weight"),
+    (plant_replay_step, "replay", "first differs at step 5, p/head.weight"),
+    (plant_curve_step, "curve", "the loss exceeds its tolerance first at step 10"),
+])
+def test_verdict_notebook_fails_on_a_planted_fault(gate_run, tmp_path, plant, failed, words):
+    out = copy_of(gate_run[2], tmp_path / "out")
+    plant(out)
+    e = failing("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=tmp_path, out=str(out))
+    assert e.ename == "GateFailed"
+    assert f"gate verdict for {out}: FAIL" in e.evalue and f"[FAIL] {failed}:" in e.evalue
+    v = json.loads((out / "verdict.json").read_text())
+    assert not v["pass"] and not v["checks"][failed]["pass"] and words in v["checks"][failed]["reason"]
+    assert [k for k, c in v["checks"].items() if not c["pass"]] == [failed]  # for its reason alone
+    assert (out / "loss_delta.png").exists() and (out / "references.png").exists()  # drawn before it raised
+    # the fault was judged, not "repaired" by producing the artifact again
+    assert "producing" not in all_text(tmp_path / "04.ipynb")
+
+
+def test_verdict_notebook_passes_on_clean_artifacts_without_producing(gate_run, tmp_path):
+    out = copy_of(gate_run[2], tmp_path / "out")
+    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=tmp_path, out=str(out), produce=False)
+    assert json.loads((out / "verdict.json").read_text())["pass"]
+    assert "producing" not in all_text(tmp_path / "04.ipynb")
+
+
+def test_pipeline_exits_1_and_prints_the_verdict_when_the_gate_fails(gate_run, tmp_path):
+    out = copy_of(gate_run[2], tmp_path / "out")
+    plant_rank_params(out)
+    r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "--only", "04",
+                        "-p", "out", str(out)], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"gate verdict for {out}: FAIL" in r.stdout and "[FAIL] ranks: ranks differ" in r.stdout
+    assert "[ok] curve:" in r.stdout
+    assert (out / "notebooks" / "04_compare_plots.ipynb").exists()
+
+
+# --------------------------------------------------------------------------- bad parameters in notebooks
+
+
+@pytest.mark.parametrize("name, params, ename, words", [
+    ("02_fleet_launcher.ipynb", {"world": "two"}, "ParameterError", ("world = 'two'", "whole number")),
+    ("02_fleet_launcher.ipynb", {"world": 0}, "ParameterError", ("world = 0", "1 or more")),
+    ("03_gradref.ipynb", {"world": 3, "capacity": "3,1"}, "ParameterError",
+     ("capacity = '3,1' has 2 entries but world = 3",)),
+    ("01_single.ipynb", {"steps": 0}, "ParameterError", ("steps = 0", "1 or more")),
+    ("04_compare_plots.ipynb", {"out": "UNWRITABLE"}, "ParameterError", ("cannot be written", "writable")),
+    ("04_compare_plots.ipynb", {"produce": False}, "MissingArtifactError", ("single missing", "produce = False")),
+])
+def test_bad_parameter_fails_the_first_cell_in_one_sentence(tmp_path, name, params, ename, words):
+    params = {"out": str(tmp_path / "out"), **params}
+    if params["out"] == "UNWRITABLE":
+        (tmp_path / "file").write_text("")
+        params["out"] = str(tmp_path / "file" / "out")
+    e = failing(name, tmp_path / "run.ipynb", cwd=tmp_path, **params)
+    assert e.ename == ename
+    assert all(w in e.evalue for w in words), e.evalue
+    assert "\n" not in e.evalue and e.evalue.endswith("."), e.evalue
+    # the notebook shows the sentence, not a traceback
+    assert e.traceback == [f"{ename}: {e.evalue}"]
+    i, cell = error_cell(tmp_path / "run.ipynb")
+    if ename == "ParameterError":  # the first cell after the parameters (and papermill's injected ones)
+        nb = nbformat.read(str(tmp_path / "run.ipynb"), as_version=4)
+        before = [c for c in nb.cells[:i] if c.cell_type == "code"]
+        assert "injected-parameters" in before[-1].metadata.get("tags", [])
+        assert "settings.check(" in cell.source

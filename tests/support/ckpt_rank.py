@@ -1,0 +1,63 @@
+"""A gate process that also keeps one intermediate checkpoint, for the resume
+tests only (the gate itself writes no checkpoints: fixtures.make_run sets
+ckpt_every=0). A test runs this file instead of `-m dormouse.gate` under
+torchrun, or calls `install()` in-process; it patches the library inside the
+process, then hands over to dormouse.gate's own main.
+
+DORMOUSE_TEST_CKPT_AT=K      runs checkpoint every K steps (train.ckpt_every),
+                             and the step-K checkpoint is kept beside the
+                             run's own as `<ckpt_name>.stepK.pt` (or `.dcp`):
+                             what a run stopped after step K leaves behind
+                             (the end-of-run checkpoint replaces `<ckpt_name>.pt`).
+DORMOUSE_TEST_CKPT_OUTS      the out dirs whose runs checkpoint, separated by
+                             os.pathsep; every other run is left untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import dormouse.gate.record.modes as modes
+import dormouse.train.loop as loop
+
+
+def kept(path: Path, step: int) -> Path:
+    """Where the step-`step` copy of checkpoint `path` is kept."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.step{step}{path.suffix}")
+
+
+def install(at: int, outs: list[str]) -> None:
+    outs = {str(Path(o).resolve()) for o in outs}
+    make_run = modes.make_run
+
+    def checkpointing(s, **kw):
+        run = make_run(s, **kw)
+        if str(s.out_dir.resolve()) not in outs:
+            return run
+        return dataclasses.replace(run, train=dataclasses.replace(run.train, ckpt_every=at))
+
+    save = loop.save_checkpoint
+
+    def save_and_keep(path, *, model, opt, step, run, peers):
+        out = save(path, model=model, opt=opt, step=step, run=run, peers=peers)
+        if step == at:
+            peers.barrier()  # every rank's shards are in place
+            if peers.is_main:
+                (shutil.copytree if Path(path).is_dir() else shutil.copy2)(path, kept(path, step))
+            peers.barrier()
+        return out
+
+    modes.make_run = checkpointing
+    loop.save_checkpoint = save_and_keep
+
+
+if __name__ == "__main__":
+    install(int(os.environ["DORMOUSE_TEST_CKPT_AT"]), os.environ["DORMOUSE_TEST_CKPT_OUTS"].split(os.pathsep))
+    from dormouse.gate.__main__ import main
+
+    sys.exit(main())

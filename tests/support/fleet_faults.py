@@ -1,0 +1,372 @@
+"""A gate process with a fault injected, for tests only: a test runs this file
+instead of `-m dormouse.gate` (torchrun for the ranks, plain python for the
+in-process modes when the fault is in the network itself); it monkeypatches
+the library inside the process, then hands over to dormouse.gate's own main.
+The production path has no fault switches.
+
+The fault is named by DORMOUSE_TEST_FAULT:
+
+  kill_rank1       rank 1 SIGKILLs itself after step 3 (checkpoints every 2 steps)
+  plain_mean       the reduce averages gradients (1/W each) instead of weighting them by tokens
+  window_weights   the fleet weights ranks by windows instead of tokens
+  grad_x2          the fleet's reduced gradient is doubled (a double or missing division)
+  wrong_step       the fleet reads step k+8's bytes at step k
+  skip_param       head.weight keeps its local gradient: left out of the reduce
+  seeds            each rank builds its model from seed + rank, and the start-up
+                   identity check is switched off
+  seeds_checked    each rank builds from seed + rank; the identity check stays
+  capacity_moe     the MoE drops by capacity (factor 0.5) and the refusal of that
+                   configuration is bypassed (run it in every mode: it is the network)
+  batch_stats      the router's logits are centred over the batch: a batch statistic,
+                   so the network depends on which windows share a batch (every mode)
+  one_ulp          at step 3, rank 1 moves every element of head.weight's local
+                   gradient (one slice's) to its float neighbour before the reduce
+
+Review attacks (tests/gate/test_gate_review.py; see the section at the end):
+  lr_x1_5, lr_last_x3, ns_bf16, ns_bf16_minlr, no_clip_mixed   the fleet's run config
+                   differs from the recipe and is recorded (the replay trusts it)
+  lr_restart_leg2  the lr schedule restarts at the resume
+  final_tamper     the final model differs from the traced one
+  sustained_5e6/8e6  g += eps max|g| * fixed sign pattern, every step
+  bf16_bias, bf16_decay, bf16_decay_small  systematic bias inside the bf16 wire bound
+  eval_wrong       the eval reports 0
+  exact_reversed_tree, loads_rank0
+
+To add a fault: add a function here that patches what it needs (module
+attributes the process looks up at call time) and name it in FAULTS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+
+import torch
+
+import dormouse.gate.record.fixtures as fixtures
+import dormouse.gate.record.modes as modes
+import dormouse.gate.record.trace as trace
+import dormouse.model.network as network
+import dormouse.train.data as data
+import dormouse.train.distributed as distributed
+
+
+def kill_rank1() -> None:
+    make_run = modes.make_run
+    modes.make_run = lambda *a, **k: _with_ckpt_every(make_run(*a, **k), 2)
+    record = trace.Trace.__call__
+
+    def call(self, step, model, info):
+        record(self, step, model, info)
+        if step == 3 and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trace.Trace.__call__ = call
+
+
+def _with_ckpt_every(run, every):
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, ckpt_every=every))
+
+
+def plain_mean() -> None:
+    flatten = distributed.FleetSync._flatten
+
+    def mean_flatten(self, bucket):
+        # The loop scaled this rank's loss by t_r / T; undo that and apply 1 / W.
+        total = sum(s.tokens for s in self.shapes)
+        return flatten(self, bucket) * (total / (self.world_size * self.shapes[self.rank].tokens))
+
+    distributed.FleetSync._flatten = mean_flatten
+
+
+def window_weights() -> None:
+    flatten = distributed.FleetSync._flatten
+
+    def by_windows(self, bucket):
+        # The loop scaled this rank's loss by t_r / T; apply b_r / B (its share of the windows) instead.
+        me = self.shapes[self.rank]
+        share_tokens = me.tokens / sum(s.tokens for s in self.shapes)
+        share_windows = me.batch / sum(s.batch for s in self.shapes)
+        return flatten(self, bucket) * (share_windows / share_tokens)
+
+    distributed.FleetSync._flatten = by_windows
+
+
+def grad_x2() -> None:
+    reduce = distributed.FleetSync.reduce
+
+    def doubled(self, model, loss_share, loads):
+        out = reduce(self, model, loss_share, loads)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(2)
+        return out
+
+    distributed.FleetSync.reduce = doubled
+
+
+def wrong_step() -> None:
+    step_batch = data.ByteCorpus.step_batch
+    data.ByteCorpus.step_batch = lambda self, step, shapes, mine: step_batch(self, step + 8, shapes, mine)
+
+
+def skip_param() -> None:
+    reduce = distributed.FleetSync.reduce
+
+    def leaky_reduce(self, model, loss_share, loads):
+        p = dict(model.named_parameters())["head.weight"]
+        local = p.grad.clone()
+        out = reduce(self, model, loss_share, loads)
+        p.grad.copy_(local)  # as if head.weight had been left out of the buckets
+        return out
+
+    distributed.FleetSync.reduce = leaky_reduce
+
+
+def seeds_checked() -> None:
+    build = modes.build
+    modes.build = lambda s: build(dataclasses.replace(s, seed=s.seed + int(os.environ.get("RANK", "0"))))
+
+
+def seeds() -> None:
+    seeds_checked()
+    distributed._check_identical = lambda model, rank: None
+
+
+def capacity_moe() -> None:
+    fixtures.TINY = dataclasses.replace(fixtures.TINY, moe_capacity=0.5)
+    refuse = distributed.refuse_incompatible
+
+    def lenient(run, *, world_size, model=None):
+        # Every other refusal still applies, to a dropless copy of the run.
+        dropless = dataclasses.replace(run, model=dataclasses.replace(run.model, moe_capacity=0.0))
+        return refuse(dropless, world_size=world_size)
+
+    distributed.refuse_incompatible = lenient
+
+
+def batch_stats() -> None:
+    init = network.DormouseModel.__init__
+
+    def centred(self, *a, **k):
+        init(self, *a, **k)
+        for m in self.modules():
+            if hasattr(m, "router") and isinstance(m.router, torch.nn.Linear):
+                # (N, E) logits of every token in the batch, minus their batch mean
+                m.router.register_forward_hook(lambda mod, inp, out: out - out.mean(dim=0, keepdim=True))
+
+    network.DormouseModel.__init__ = centred
+
+
+def one_ulp() -> None:
+    flatten, reduce, attach = distributed.FleetSync._flatten, distributed.FleetSync.reduce, distributed.FleetSync.attach
+
+    def remember(self, model):
+        self._fault_names, self._fault_steps, self._fault_done = (
+            {id(p): n for n, p in model.named_parameters()}, 0, False)
+        return attach(self, model)
+
+    def counted(self, *a, **k):
+        out = reduce(self, *a, **k)
+        self._fault_steps += 1
+        return out
+
+    def nudged(self, bucket):
+        flat = flatten(self, bucket)
+        if self.rank == 1 and self._fault_steps == 2 and not self._fault_done:  # during step 3
+            offset = 0
+            for p in bucket:
+                if self._fault_names.get(id(p)) == "head.weight":
+                    seg = flat[offset:offset + p.numel()]
+                    seg.copy_(torch.nextafter(seg, torch.full_like(seg, torch.inf)))
+                    self._fault_done = True  # one slice's copy of one tensor, once
+                offset += p.numel()
+        return flat
+
+    distributed.FleetSync.attach, distributed.FleetSync.reduce = remember, counted
+    distributed.FleetSync._flatten = nudged
+
+
+FAULTS = {f.__name__: f for f in (kill_rank1, plain_mean, window_weights, grad_x2, wrong_step, skip_param, seeds,
+                                  seeds_checked, capacity_moe, batch_stats, one_ulp)}
+
+
+# ----------------------------------------------------------------- review attacks
+
+
+def _fleet_run_tweak(**train_fields):
+    """The fleet builds its run with other train fields; the rank artifacts
+    record that (wrong) config, which the replay then trusts."""
+    make_run = modes.make_run
+
+    def tweaked(*a, **k):
+        run = make_run(*a, **k)
+        if k.get("dist"):
+            t = run.train
+            run = dataclasses.replace(run, train=dataclasses.replace(
+                t, **{f: (v(t) if callable(v) else v) for f, v in train_fields.items()}))
+        return run
+
+    modes.make_run = tweaked
+
+
+def lr_x1_5() -> None:
+    """The fleet trains at 1.5 x the peak lr (and records that in its config)."""
+    _fleet_run_tweak(lr=lambda t: t.lr * 1.5)
+
+
+def lr_last_x3() -> None:
+    """The fleet's schedule ends elsewhere: min_lr_frac 0.9 instead of the
+    recipe's (only the late steps' lr differs), recorded in its config."""
+    _fleet_run_tweak(min_lr_frac=0.9)
+
+
+def lr_restart_leg2() -> None:
+    """Classic resume bug: after the resume the schedule restarts from step 0."""
+    import dormouse.train.loop as loop
+    lr_at = loop.lr_at
+    if "--leg=2" in sys.argv or ("--leg" in sys.argv and sys.argv[sys.argv.index("--leg") + 1] == "2"):
+        state = {"first": None}
+
+        def restarted(step, run):
+            if state["first"] is None:
+                state["first"] = step
+            return lr_at(step - state["first"], run)
+
+        loop.lr_at = restarted
+
+
+def final_tamper() -> None:
+    """Every rank's trained model gets head.weight += 1e-3 after the last
+    step (after the trace recorded it): the artifacts the fleet hands over are
+    not the network it traced."""
+    train_dist = modes.train_dist
+
+    def tampered(*a, **k):
+        report = train_dist(*a, **k)
+        with torch.no_grad():
+            for n, p in report["model"].named_parameters():
+                if n == "head.weight":
+                    p.add_(1e-3)
+        return report
+
+    modes.train_dist = tampered
+
+
+def _after_reduce(perturb) -> None:
+    reduce = distributed.FleetSync.reduce
+
+    def perturbed(self, model, loss_share, loads):
+        out = reduce(self, model, loss_share, loads)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    d = perturb(self, n, p, g)
+                    if hasattr(p.grad, "full_tensor"):
+                        from torch.distributed.tensor import distribute_tensor
+                        d = distribute_tensor(d, p.grad.device_mesh, p.grad.placements)
+                    p.grad.add_(d)
+        return out
+
+    distributed.FleetSync.reduce = perturbed
+
+
+def _pattern(n, shape):
+    g = torch.Generator().manual_seed(sum(map(ord, n)))
+    return (torch.rand(shape, generator=g) < 0.5).float() * 2 - 1
+
+
+def sustained_5e6() -> None:
+    """Every step, every tensor: g += 5e-6 * max|g| * a FIXED sign pattern
+    (a systematic bias just under gradref's 1e-5 relative bound)."""
+    _after_reduce(lambda self, n, p, g: 5e-6 * g.abs().max() * _pattern(n, g.shape).to(g))
+
+
+def sustained_8e6() -> None:
+    """As sustained_5e6 with 8e-6."""
+    _after_reduce(lambda self, n, p, g: 8e-6 * g.abs().max() * _pattern(n, g.shape).to(g))
+
+
+def bf16_bias() -> None:
+    """Under reduce='bf16': g += 0.4 W u |g| sign(pattern): a SYSTEMATIC bias
+    inside the bf16 wire bound W u sum t|g|/T (u = 2^-8)."""
+    _after_reduce(lambda self, n, p, g: 0.4 * self.world_size * 2.0**-8 * g.abs() * _pattern(n, g.shape).to(g))
+
+
+def bf16_decay() -> None:
+    """Under reduce='bf16': g += 0.4 W u |g| sign(p): extra weight decay
+    hidden inside the bf16 wire bound."""
+    _after_reduce(lambda self, n, p, g: 0.4 * self.world_size * 2.0**-8 * g.abs()
+                  * torch.sign(p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
+
+
+def eval_wrong() -> None:
+    """The fleet's eval reports a constant: nothing judges the eval."""
+    import dormouse.train.loop as loop
+    loop.evaluate = lambda model, corpus, run: 0.0
+
+
+FAULTS.update({f.__name__: f for f in (lr_x1_5, lr_last_x3, lr_restart_leg2, final_tamper, sustained_5e6,
+                                       sustained_8e6, bf16_bias, bf16_decay, eval_wrong)})
+
+
+def exact_reversed_tree() -> None:
+    """Under reduce='exact': the fleet sums slices by the pairwise tree over
+    the REVERSED slice order (same numbers, another order)."""
+    tree_sum = distributed.tree_sum
+    distributed.tree_sum = lambda x: tree_sum(x.flip(0))
+
+
+def loads_rank0() -> None:
+    """Every rank moves the routing bias by rank 0's LOCAL loads times W
+    (broadcast): ranks stay equal, the bias moves by rank-local loads."""
+    import torch.distributed as dist
+    reduce = distributed.FleetSync.reduce
+
+    def local(self, model, loss_share, loads):
+        mine = loads.clone()
+        loss, _ = reduce(self, model, loss_share, loads)
+        dist.broadcast(mine, 0)
+        return loss, mine * self.world_size
+
+    distributed.FleetSync.reduce = local
+
+
+FAULTS.update({f.__name__: f for f in (exact_reversed_tree, loads_rank0)})
+
+
+def ns_bf16() -> None:
+    """The fleet runs Newton-Schulz in bfloat16 (the recipe says float32) and
+    records it: the curve then stops judging tensors (it reads the fleet's config)."""
+    _fleet_run_tweak(ns_dtype="bfloat16")
+
+
+def ns_bf16_minlr() -> None:
+    """ns_bf16, and the schedule's floor at 0.9 (late lr wrong)."""
+    _fleet_run_tweak(ns_dtype="bfloat16", min_lr_frac=0.9)
+
+
+def no_clip_mixed() -> None:
+    """The fleet does not clip (recorded): for mixed-length profiles (no curve)."""
+    _fleet_run_tweak(grad_clip=0.0)
+
+
+FAULTS.update({f.__name__: f for f in (ns_bf16, ns_bf16_minlr, no_clip_mixed)})
+
+
+def bf16_decay_small() -> None:
+    """bf16_decay at 0.2 W u |g| sign(p)."""
+    _after_reduce(lambda self, n, p, g: 0.2 * self.world_size * 2.0**-8 * g.abs()
+                  * torch.sign(p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
+
+
+FAULTS.update({f.__name__: f for f in (bf16_decay_small,)})
+
+if __name__ == "__main__":
+    FAULTS[os.environ["DORMOUSE_TEST_FAULT"]]()
+    from dormouse.gate.__main__ import main
+
+    sys.exit(main())

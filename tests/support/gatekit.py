@@ -1,0 +1,52 @@
+"""Running whole gates in tests: real torchrun fleets and the in-process
+references, optionally with a fault from fleet_faults.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dormouse.gate.record import modes
+from dormouse.gate.judge.checks import Verdict, judge
+from dormouse.gate.record.launcher import launch_plan
+from dormouse.gate.settings import GateSettings
+
+SUPPORT = Path(__file__).resolve().parent  # tests/support: rank scripts and fault plants
+FAULTS = str(SUPPORT / "fleet_faults.py")
+QUIET = lambda line: None  # noqa: E731
+
+
+def fleets(plan: list[GateSettings], fault: str | None = None) -> None:
+    """The fleet runs of `plan`, one torchrun launch per leg for all runs with
+    the same world sizes (the fault in every rank)."""
+    extra = {"entry": [FAULTS], "env": {"DORMOUSE_TEST_FAULT": fault}} if fault else {}
+    groups: dict[tuple, list[GateSettings]] = {}
+    for s in plan:
+        groups.setdefault(tuple(x.world for x in s.legs()), []).append(s)
+    for group in groups.values():
+        launch_plan(group, timeout_s=400, stream=QUIET, **extra)
+
+
+def references(s: GateSettings, fault: str | None = None, *, single: bool = True) -> None:
+    """single (when the profile has one global batch), then gradref and the
+    replay of the fleet already in s.out; with a fault, each in a process of
+    its own with the fault injected (for faults in the network itself)."""
+    names = (["single"] if single and s.global_batch() is not None else []) + ["gradref", "replay"]
+    for mode in names:
+        if fault:
+            env = {**os.environ, "DORMOUSE_TEST_FAULT": fault, "OMP_NUM_THREADS": "1"}
+            done = subprocess.run([sys.executable, FAULTS, mode, *s.to_argv()], env=env, capture_output=True,
+                                  text=True, timeout=400)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        else:
+            modes.MODES[mode](s, log=QUIET)
+
+
+def gate(s: GateSettings, fault: str | None = None, *, everywhere: bool = False) -> Verdict:
+    """A whole gate in s.out: the fleet (with the fault), then the references
+    (with the fault too when `everywhere`), then the verdict."""
+    fleets([s], fault)
+    references(s, fault if everywhere else None)
+    return judge(s.out_dir)

@@ -1,0 +1,146 @@
+"""The fleet on torch.distributed: real torchrun launches on CPU (gloo) — a
+two-agent rendezvous, FleetSync's overlap, the refusals before any collective,
+a refused and a killed fleet. The gate's verdicts are tests/gate/test_gate*.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dormouse.config import ModelConfig
+from dormouse.errors import DormouseError, FleetError
+from dormouse.gate.record.fixtures import make_run
+from dormouse.gate.record.launcher import failure_summary, launch_fleet, torchrun_command
+from dormouse.gate.settings import GateSettings
+from dormouse.model import DormouseModel
+from dormouse.train.distributed import parse_capacity, refuse_incompatible, train_dist
+from dormouse.gate.judge.checks import judge
+from gatekit import FAULTS, QUIET, SUPPORT, references
+
+# 6 --------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_torchrun_agents_with_c10d_rendezvous_form_one_fleet(tmp_path):
+    s = GateSettings(out=str(tmp_path), steps=10, capacity="", resume_world=0)  # one launch: two agents
+    port = _free_port()
+    args = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=dormouse-gate-test", "--max-restarts=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(torchrun_command(s, torchrun_args=args), env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [a.communicate(timeout=240)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
+    assert any("world_size=2" in o for o in outputs)
+    references(s)
+    v = judge(tmp_path)
+    assert v.passed, v
+
+
+def test_fleetsync_overlaps_backward_and_a_missing_gradient_keeps_collectives_in_order(tmp_path):
+    # Rank 0's backward completes every bucket, so all three reduces start
+    # inside backward; rank 1 never gets b's gradient, so bucket [b] and the
+    # one after it wait for reduce() and go out as zeros, in the same order.
+    script = str(SUPPORT / "fleetsync_rank.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, str(tmp_path)]
+    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["launched_in_backward"] for r in ranks] == [3, 1]
+    assert all(r["exact_sum"] for r in ranks)
+
+
+# 7 --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("capacity,problem", [
+    ("4,x", "rank 1's entry 'x' is not a batch size"),
+    ("4,2,1", "has 3 entries but the fleet has 2 ranks"),
+    ("0,2", "rank 0's entry '0' must be positive"),
+    ("-1,2", "rank 0's entry '-1' is not a batch size"),
+    ("four,two", "rank 0's entry 'four' is not a batch size"),
+    ("4x65,2", "exceeds the model's max_seq_len 64"),
+    ("\u0664,2", "rank 0's entry '\u0664' is not a batch size"),  # an Arabic-Indic four is no ASCII digit
+])
+def test_malformed_capacity_is_refused_with_a_message_naming_it(tmp_path, capacity, problem):
+    cfg = make_run(GateSettings(out=str(tmp_path), capacity=""), name="t", dist=True).train
+    with pytest.raises(FleetError, match=problem.replace("(", r"\(")):
+        parse_capacity(capacity, world_size=2, cfg=cfg, max_seq_len=64)
+
+
+def _run(tmp_path, *, capacity="", dist_on=True):
+    s = GateSettings(out=str(tmp_path), steps=5, capacity="")
+    run = make_run(s, name="fleet", dist=dist_on)
+    run.train.dist_capacity = capacity
+    return run
+
+
+def _refusal(tmp_path, monkeypatch, *, capacity="", model_changes=None, prebuilt=False, dist_on=True):
+    run = _run(tmp_path, capacity=capacity, dist_on=dist_on)
+    if model_changes:
+        run.model = ModelConfig(**{**vars(run.model), **model_changes})
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    model = DormouseModel(run.model) if prebuilt else None
+    with pytest.raises(FleetError) as info:
+        train_dist(run, log=QUIET, model=model)
+    # Refused before any collective and before any training.
+    assert not dist.is_initialized()
+    assert not list((tmp_path / "ckpts").glob("*.pt"))
+    return str(info.value)
+
+
+def test_incompatible_configurations_are_refused_before_joining_the_fleet(tmp_path, monkeypatch):
+    assert "capacity-dropping MoE" in _refusal(tmp_path, monkeypatch, model_changes={"moe_capacity": 1.0})
+    assert "pre-built model" in _refusal(tmp_path, monkeypatch, model_changes={"bf16": True}, prebuilt=True)
+    assert "has 3 entries" in _refusal(tmp_path, monkeypatch, capacity="4,2,1")
+    assert "train.dist is False" in _refusal(tmp_path, monkeypatch, dist_on=False)
+    run = _run(tmp_path)
+    other = DormouseModel(ModelConfig(**{**vars(run.model), "rank": 4}))
+    with pytest.raises(FleetError, match="another ModelConfig"):
+        refuse_incompatible(run, world_size=2, model=other)
+
+
+def test_a_refused_fleet_launch_fails_fast_and_trains_nothing(tmp_path):
+    s = GateSettings(out=str(tmp_path), steps=5, capacity="4,x")  # refused before any process starts
+    lines: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(DormouseError, match="capacity = '4,x' is not allowed"):
+        launch_fleet(s, timeout_s=120, stream=lines.append)
+    assert time.monotonic() - t0 < 60
+    assert not any("loss=" in line for line in lines)
+    assert not list(tmp_path.glob("rank*"))
+
+
+# 8 --------------------------------------------------------------------------------------------
+
+def test_a_killed_rank_fails_the_fleet_fast_naming_it_and_leaves_no_torn_files(tmp_path):
+    s = GateSettings(out=str(tmp_path), steps=20, capacity="", resume_world=0)
+    t0 = time.monotonic()
+    lines: list[str] = []
+    with pytest.raises(FleetError) as info:
+        launch_fleet(s, timeout_s=120, stream=lines.append, entry=[FAULTS],
+                     env={"DORMOUSE_TEST_FAULT": "kill_rank1"})
+    assert time.monotonic() - t0 < 60
+    assert "rank 1 exited with -9" in str(info.value), failure_summary(lines)
+    # No rank artifact (they are written only at the end), no temporary files.
+    assert not list(tmp_path.glob("rank*"))
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+    # The checkpoint is whole: the one from step 2 (rank 1 died after step 3,
+    # so the fleet never finished writing step 4's, and atomically so).
+    payload = torch.load(tmp_path / "ckpts" / "fleet.pt", weights_only=True)
+    assert json.loads(payload["meta"])["step"] == 2

@@ -1,0 +1,154 @@
+"""Resume parity: a run stopped after step 10 and resumed is the uninterrupted
+run, bit for bit (a replicated fleet, an FSDP2 fleet, one process); checkpoints
+cross topologies (2-rank fleet -> one process, one process -> 2-rank fleet,
+replicated and FSDP2 .dcp) and stay within the curve tolerance the judge
+derives from the uninterrupted single process's one-ulp floor.
+
+Real torchrun fleets (two launches: the runs that write checkpoints, then the
+resumed ones) and the gate's own modes. The gate writes no checkpoints
+(fixtures.make_run: ckpt_every=0), so the runs that must leave one run through
+tests/support/ckpt_rank.py: ckpt_every=10 and the step-10 checkpoint kept beside the
+final one, which is what a run stopped after step 10 leaves. The uninterrupted
+references are plain gate runs (they checkpoint nothing).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dormouse.gate.record import modes
+from dormouse.gate.artifacts import load_meta, load_tensors
+from dormouse.gate.judge.checks import _running_max, _tolerance
+from dormouse.gate.record.launcher import launch_plan
+from dormouse.gate.settings import GateSettings
+
+import ckpt_rank
+
+ENTRY = str(Path(ckpt_rank.__file__))
+AT, STEPS = 10, 20
+QUIET = lambda line: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("resume")
+    d = {name: base / name for name in (
+        "single", "single_ckpt", "single_resumed", "fleet", "fleet_ckpt", "fleet_resumed", "fsdp", "fsdp_ckpt",
+        "fsdp_resumed", "fleet_from_single", "fsdp_from_single", "single_from_fleet", "single_from_fsdp",
+        "even", "even_legs", "fsdp_even", "fsdp_even_legs")}
+
+    def gs(name, **kw):
+        # resume_world=0 unless given: these runs stop and resume by the test's own checkpoints
+        return GateSettings(out=str(d[name]), steps=STEPS, **{"resume_world": 0, **kw}).validate()
+
+    def ckpt(name, suffix):
+        stem = "single" if name.startswith("single") else "fleet"  # the gate's ckpt_name of the mode
+        return str(ckpt_rank.kept(d[name] / "ckpts" / f"{stem}{suffix}", AT))
+
+    # The runs that leave a step-10 checkpoint: one launch for the fleets, the
+    # single process in this process (patched here, undone by the monkeypatch).
+    ckpt_outs = [str(d[n]) for n in ("fleet_ckpt", "fsdp_ckpt", "single_ckpt")]
+    launch_plan([gs("fleet"), gs("fleet_ckpt"), gs("fsdp", shard="fsdp"), gs("fsdp_ckpt", shard="fsdp"),
+                 gs("even", capacity=""), gs("fsdp_even", capacity="", shard="fsdp")],
+                timeout_s=400, stream=QUIET, entry=[ENTRY],
+                env={"DORMOUSE_TEST_CKPT_AT": str(AT), "DORMOUSE_TEST_CKPT_OUTS": os.pathsep.join(ckpt_outs)})
+    modes.run_single(gs("single"), log=QUIET)  # the uninterrupted reference, with its ulp floor
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(modes, "make_run", modes.make_run)
+        mp.setattr(ckpt_rank.loop, "save_checkpoint", ckpt_rank.loop.save_checkpoint)
+        ckpt_rank.install(AT, ckpt_outs)
+        mp.setattr(modes, "measure_floor", lambda *a, **k: {})  # only its checkpoint and tensors are used
+        modes.run_single(gs("single_ckpt"), log=QUIET)
+    # The resumed runs: the fleets in one launch, the single processes here.
+    launch_plan([
+        gs("fleet_resumed", resume_from=ckpt("fleet_ckpt", ".pt")),
+        gs("fsdp_resumed", shard="fsdp", resume_from=ckpt("fsdp_ckpt", ".dcp")),
+        gs("fleet_from_single", resume_from=ckpt("single_ckpt", ".pt")),
+        gs("fsdp_from_single", shard="fsdp", resume_from=ckpt("single_ckpt", ".pt")),
+    ], timeout_s=400, stream=QUIET)
+    # The gate's own stop and resume (resume_world) at the same world and shapes: two launches.
+    launch_plan([gs("even_legs", capacity="", resume_world=2),
+                 gs("fsdp_even_legs", capacity="", resume_world=2, shard="fsdp")], timeout_s=400, stream=QUIET)
+    # resume_from relative to out
+    modes.run_single(gs("single_resumed", resume_from="../single_ckpt/ckpts/single.step10.pt"), log=QUIET)
+    modes.run_single(gs("single_from_fleet", resume_from=ckpt("fleet_ckpt", ".pt")), log=QUIET)
+    modes.run_single(gs("single_from_fsdp", resume_from=ckpt("fsdp_ckpt", ".dcp")), log=QUIET)
+    return d
+
+
+def equal_tensors(a: Path, an: str, b: Path, bn: str) -> list[str]:
+    """The names of the tensors that differ (or are missing on one side)."""
+    x, y = load_tensors(a, an), load_tensors(b, bn)
+    return sorted(set(x) ^ set(y)) + sorted(k for k in set(x) & set(y) if not torch.equal(x[k], y[k]))
+
+
+def test_the_checkpoints_were_written_at_step_ten_and_saving_them_changed_nothing(runs):
+    for name, artifact in (("fleet_ckpt", "rank0"), ("fsdp_ckpt", "rank0"), ("single_ckpt", "single")):
+        ckpts = sorted(p.name for p in (runs[name] / "ckpts").iterdir() if not p.name.endswith(".jsonl"))
+        stem = "single" if name.startswith("single") else "fleet"
+        suffix = ".dcp" if name.startswith("fsdp") else ".pt"
+        assert ckpts == sorted([f"{stem}{suffix}", f"{stem}.step{AT}{suffix}"]), ckpts
+        plain = name.split("_")[0]
+        assert equal_tensors(runs[plain], artifact, runs[name], artifact) == []
+        assert load_meta(runs[plain], artifact)["losses"] == load_meta(runs[name], artifact)["losses"]
+    assert not (runs["fleet"] / "ckpts" / "fleet.pt").exists()  # the plain gate checkpoints nothing
+
+
+@pytest.mark.parametrize("kind, artifact", [("fleet", "rank0"), ("fleet", "rank1"), ("fsdp", "rank0"),
+                                            ("single", "single")])
+def test_a_run_stopped_at_step_ten_and_resumed_equals_the_uninterrupted_run_bitwise(runs, kind, artifact):
+    full, resumed = runs[kind], runs[f"{kind}_resumed"]
+    assert equal_tensors(full, artifact, resumed, artifact) == []
+    meta = load_meta(resumed, artifact)
+    assert meta["start_step"] == AT
+    # the same bytes, the same learning rates, the same optimizer state: the same losses
+    assert meta["losses"] == load_meta(full, artifact)["losses"][AT:]
+
+
+@pytest.mark.parametrize("kind", ["even", "fsdp_even"])
+def test_the_gates_own_stop_and_resume_at_the_same_world_equals_the_uninterrupted_fleet_bitwise(runs, kind):
+    """resume_world = world over an even profile: leg 1 stops after step 10,
+    leg 2 resumes its checkpoint at the same shapes; the run is the
+    uninterrupted fleet's, bit for bit, on every rank."""
+    full, legs = runs[kind], runs[f"{kind}_legs"]
+    meta = load_meta(legs, "rank0")
+    assert meta["resumed_at"] == AT and meta["legs"] == [[2, ""], [2, "2x64,2x64"]]
+    assert meta["rank_shapes"] == load_meta(full, "rank0")["rank_shapes"] == [[2, 64], [2, 64]]
+    for artifact in ("rank0", "rank1"):
+        assert equal_tensors(full, artifact, legs, artifact) == []
+        assert load_meta(legs, artifact)["losses"] == load_meta(full, artifact)["losses"]
+    assert len(load_meta(legs, "leg1_rank0")["losses"]) == AT
+
+
+def within_the_curve_tolerance(runs, name: str, artifact: str) -> None:
+    """Steps 11..20 of a cross-topology resume against the uninterrupted single
+    process, each within that step's tolerance by the judge's rule (10 x the
+    running maximum of the one-ulp floor runs, at least MIN_RTOL)."""
+    single = load_meta(runs["single"], "single")
+    ref = single["losses"]
+    floor = [0.0] * len(ref)
+    for run in single["floor"].values():
+        for k, (x, y) in enumerate(zip(run["losses"], ref)):
+            floor[k] = max(floor[k], abs(x - y) / abs(y))
+    tolerance = _tolerance(_running_max(floor))
+    meta = load_meta(runs[name], artifact)
+    assert meta["start_step"] == AT and len(meta["losses"]) == STEPS - AT
+    off = [(k + 1, abs(loss - ref[k]) / abs(ref[k]), tolerance[k]) for k, loss in enumerate(meta["losses"], start=AT)]
+    assert all(r <= t for _, r, t in off), [f"step {k}: {r:.1e} > {t:.1e}" for k, r, t in off if not r <= t]
+    # and the resume really continued the run (not started it again): step 11's
+    # loss is the uninterrupted run's, not the untrained network's
+    assert abs(meta["losses"][0] - ref[AT]) < abs(ref[0] - ref[AT])
+
+
+@pytest.mark.parametrize("name", ["single_from_fleet", "single_from_fsdp"])
+def test_a_fleet_checkpoint_resumed_by_one_process_stays_within_the_curve_tolerance(runs, name):
+    within_the_curve_tolerance(runs, name, "single")
+
+
+@pytest.mark.parametrize("name", ["fleet_from_single", "fsdp_from_single"])
+def test_a_single_process_checkpoint_resumed_by_a_fleet_stays_within_the_curve_tolerance(runs, name):
+    within_the_curve_tolerance(runs, name, "rank0")
