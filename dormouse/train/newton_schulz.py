@@ -21,17 +21,18 @@ batched equivalents (baddbmm).
 
 Two kernels for bfloat16 (`ns_kernel`; float32 Newton-Schulz has one kernel)
 -----------------------------------------------------------------------------
-"native": the bfloat16 tensors go to torch's bfloat16 matmul. On a CPU without
-native bfloat16 (no oneDNN bf16: AVX2, AVX-512 without BF16/AMX) that kernel
-is a plain loop, measured here (AMD EPYC, AVX2, one thread) at about 0.8
-GFLOP/s against about 80 for float32: Muon then takes most of a step.
+"native": the bfloat16 tensors go to torch's bfloat16 matmul. Where torch
+does not send bf16 matmuls to oneDNN (an AVX2 CPU such as this AMD EPYC),
+that kernel is a plain loop, measured here at about 0.8 GFLOP/s against about
+80 for float32 (one thread): Muon then takes most of a step.
 
 "fp32": bfloat16 semantics through float32 kernels. Every tensor the loop
 keeps is a bfloat16 value (held in float32), and each operation rounds to
 bfloat16 exactly where torch's bfloat16 kernel rounds. What that kernel does
 (torch 2.13, CPU without oneDNN bf16; read from aten/src/ATen/native/cpu/
-BlasKernel.cpp and confirmed bit for bit against a model of it, 256 x 256
-outputs, k up to 540):
+BlasKernel.cpp and ReducedPrecisionFloatGemvFastPathKernel.cpp, and confirmed
+bit for bit here against a Python model of those sums on 256 x 256 outputs, k
+from 300 to 540: an investigation, too slow to keep as a test):
 
     products  a_il * b_lj of two bfloat16 values, exact in float32 (8 + 8 bits)
     dot       their float32 sum in a kernel-specific order: 4 interleaved
@@ -46,7 +47,7 @@ dot) and the single rounding; only the dot's summation order is MKL's sgemm's
 instead. The norm, the safety factor and the division are the native
 bfloat16 operations themselves (O(rows * cols), cheap at any speed).
 
-So, stated precisely (tests/test_optim.py checks each; figures from this
+So, stated precisely (tests/train/test_optim.py checks each; figures from this
 AVX2 CPU, one thread):
   bitwise:  the cast, norm and division (the native operations); every
             epilogue and rounding point: where the float32 sums are exact
@@ -65,10 +66,11 @@ AVX2 CPU, one thread):
             equal. Muon, 6 steps: bitwise torch.optim.Muon on 48 x 16 weights
             (k <= 48: the sums agreed), 8e-3 of the weights' movement away on
             128 x 384 ones (float32 Newton-Schulz: 2.5e-2).
-  speed:    the `small` step (one thread, batch 8 x 256) with "fp32" took
-            0.69x and 0.92x the time of ns_dtype="float32" in two side-by-side
-            runs on this loaded machine (ratios of medians), "native" 3.8x and
-            4.6x.
+  speed:    the `small` step (one thread, batch 8 x 256) with "fp32" over
+            the same step with ns_dtype="float32", side by side on this loaded
+            machine: 0.92 and 0.69 (ratios of medians, two runs), 1.03 (median
+            of 4 per-round ratios, spread 0.94..1.38, dormouse.bench); the
+            "native" kernel 3.8x, 4.6x and 4.15x (3.86..4.75).
 
 `resolve_kernel` picks one: "auto" = "native" wherever torch's own bfloat16
 matmul is native (any non-CPU device; a CPU where torch dispatches bf16
