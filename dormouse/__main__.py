@@ -398,7 +398,7 @@ def _add_sample_parser(sub) -> None:
     s.add_argument("--temperature", type=finite_float, default=1.0, help="softmax temperature (0 = greedy)")
     s.add_argument("--top-k", type=non_negative_int, default=0, help="draw among the k most likely bytes (0 = all)")
     s.add_argument("--seed", type=int, default=0, help="seeds the draws")
-    s.add_argument("--no-cache", action="store_true", help="recompute the whole window every byte (slower; same text)")
+    s.add_argument("--no-cache", action="store_true", help="recompute the whole text every byte (the reference: much slower; same text)")
     s.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
 
 

@@ -24,6 +24,7 @@ from dormouse.errors import ConfigError
 OPTIMIZERS = ("mix", "adamw")
 NS_KINDS = ("quintic", "polar_express")
 NS_DTYPES = ("bfloat16", "float32")
+NS_KERNELS = ("auto", "native", "fp32")
 STATE_DTYPES = ("float32", "bfloat16")
 MUON_VARIANTS = ("muon", "normuon")
 MUON_SHAPE_RULES = ("original", "match_rms_adamw")
@@ -144,6 +145,7 @@ class TrainConfig:
     ns_steps: int = 5  # Newton-Schulz iterations per Muon step
     ns_kind: str = "quintic"  # Newton-Schulz coefficients: quintic | polar_express
     ns_dtype: str = "bfloat16"  # dtype Newton-Schulz runs in (torch's Muon uses bfloat16)
+    ns_kernel: str = "auto"  # bfloat16 Newton-Schulz: native = torch's bf16 matmul (bitwise torch.optim.Muon); fp32 = bf16 values and rounding through fp32 matmuls (no cliff on CPUs without native bf16); auto = native where bf16 matmuls are native, else fp32 (see newton_schulz.py)
     muon_momentum: float = 0.95  # Muon momentum
     muon_nesterov: bool = True  # Nesterov momentum for Muon
     muon_variant: str = "muon"  # muon | normuon (per-neuron second-moment normalisation)
@@ -178,7 +180,7 @@ class TrainConfig:
             _non_negative(self, name)
         for name, allowed in (
             ("opt", OPTIMIZERS), ("ns_kind", NS_KINDS), ("ns_dtype", NS_DTYPES),
-            ("muon_variant", MUON_VARIANTS), ("muon_sf", MUON_SHAPE_RULES),
+            ("ns_kernel", NS_KERNELS), ("muon_variant", MUON_VARIANTS), ("muon_sf", MUON_SHAPE_RULES),
             ("muon_state_dtype", STATE_DTYPES), ("schedule", SCHEDULES),
             ("dist_reduce", DIST_REDUCES), ("dist_shard", DIST_SHARDS),
             ("data_order", DATA_ORDERS),

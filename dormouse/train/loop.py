@@ -121,6 +121,7 @@ def make_optimizer(model, run: RunConfig) -> MixOptimizer:
     return MixOptimizer(
         model, lr=t.lr, wd=t.wd, opt=t.opt, ns_steps=t.ns_steps, ns_kind=t.ns_kind,
         colrow_3d=t.muon_colrow_3d, muon_state_dtype=t.muon_state_dtype, ns_dtype=t.ns_dtype,
+        ns_kernel=t.ns_kernel,
         muon_variant=t.muon_variant, muon_sf=t.muon_sf, momentum=t.muon_momentum,
         nesterov=t.muon_nesterov, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
     )
