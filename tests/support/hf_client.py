@@ -52,9 +52,10 @@ VOCAB = 64      # byte-free toy vocabulary; token 0 is the padding
 SEQ = 16        # every sequence padded to SEQ tokens
 EXAMPLES = 64   # examples in the generated dataset
 LR = 3e-3       # AdamW's peak lr
-WARMUP = 1      # linear warm-up steps, then linear decay to 0 at MAX_STEPS
+WARMUP = 0      # linear warm-up steps (HF's default 0), then linear decay to 0 at MAX_STEPS
 MAX_STEPS = 4   # the schedule's horizon (runs may stop earlier)
 MODEL_SEED = 1234  # the initial model's seed: one initial model for every run
+MODULE = "hf_client"  # this file's module name wherever tests/support is on sys.path (not __main__)
 
 
 def build_model():
@@ -181,8 +182,8 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
     if record:
         from dormouse.gate.record.hf import RecorderCallback
 
-        callbacks.append(RecorderCallback(out / run["name"], build_model=f"{__name__}:build_model",
-                                          build_optimizer=f"{__name__}:build_optimizer", objective="causal_lm"))
+        callbacks.append(RecorderCallback(out / run["name"], build_model=f"{MODULE}:build_model",
+                                          build_optimizer=f"{MODULE}:build_optimizer", objective="causal_lm"))
     trainer = trainer_class(run["fault"])(model=model, args=args, train_dataset=PaddedSequences(run["seed"]),
                                           optimizers=build_optimizer(model), callbacks=callbacks)
     if run["fault"] == "mean_of_means":
