@@ -143,3 +143,136 @@ def trace_path(out: Path, name: str) -> Path:
 def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
     path = trace_path(out, name)
     return st_load(path.read_bytes()) if path.exists() else None
+
+
+# --------------------------------------------------------------------------- recordings (issue 13)
+# A recording of any training loop (written by record/recorder.py) and the
+# one-process references made from it (record/reference.py). Layout:
+#   <out>/recording.json                     the run: world, segments, import paths, objective, provenance
+#   <out>/rank{r}/init.safetensors           rank r's initial state (local shards under FSDP2; placements in
+#                                            the file's metadata)
+#   <out>/rank{r}/step{k:06d}.safetensors    in/{m}/{key}, p/ g/ (full) or ps/ gs/ (sketched)
+#   <out>/rank{r}/step{k:06d}.json           lr, loss, clip, no-grad names, param hash, ...
+#   <out>/rank{r}/final.safetensors|.json    the parameters after the last step
+#   <out>/reference/step{k:06d}.safetensors|.json  the references at step k
+#   <out>/reference/reference.json           what the references were made from (their staleness key)
+
+RECORDING_SCHEMA = 1
+
+
+def recording_path(out: Path) -> Path:
+    return Path(out) / "recording.json"
+
+
+def rank_dir(out: Path, rank: int) -> Path:
+    return Path(out) / f"rank{rank}"
+
+
+def init_path(out: Path, rank: int) -> Path:
+    return rank_dir(out, rank) / "init.safetensors"
+
+
+def step_tensors_path(out: Path, rank: int, step: int) -> Path:
+    return rank_dir(out, rank) / f"step{step:06d}.safetensors"
+
+
+def step_meta_path(out: Path, rank: int, step: int) -> Path:
+    return rank_dir(out, rank) / f"step{step:06d}.json"
+
+
+def step_files(out: Path, rank: int) -> list[Path]:
+    """Every step JSON rank r wrote (any segment), in step order."""
+    return sorted(rank_dir(out, rank).glob("step[0-9][0-9][0-9][0-9][0-9][0-9].json"))
+
+
+def final_tensors_path(out: Path, rank: int) -> Path:
+    return rank_dir(out, rank) / "final.safetensors"
+
+
+def final_meta_path(out: Path, rank: int) -> Path:
+    return rank_dir(out, rank) / "final.json"
+
+
+def reference_dir(out: Path) -> Path:
+    return Path(out) / "reference"
+
+
+def reference_meta_path(out: Path) -> Path:
+    return reference_dir(out) / "reference.json"
+
+
+def reference_step_tensors_path(out: Path, step: int) -> Path:
+    return reference_dir(out) / f"step{step:06d}.safetensors"
+
+
+def reference_step_meta_path(out: Path, step: int) -> Path:
+    return reference_dir(out) / f"step{step:06d}.json"
+
+
+def recording_verdict_path(out: Path) -> Path:
+    return Path(out) / "verdict.json"
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A recording's JSON file, or one line saying which is missing or broken."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DormouseError(f"{what} {str(path)!r} is missing: the recording is incomplete "
+                            "(a rank crashed, or the loop never called rec.close())") from None
+    except ValueError as e:
+        raise DormouseError(f"{what} {str(path)!r} is not valid JSON ({e}): re-record") from e
+
+
+def read_tensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, safetensors metadata) of one file, or one line saying what is wrong."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise DormouseError(f"{what} {str(path)!r} is missing: the recording is incomplete (a rank crashed?)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except Exception as e:
+        raise DormouseError(f"{what} {str(path)!r} cannot be read ({e}): re-record") from e
+
+
+def recording_steps(rec: dict) -> list[int]:
+    """Every step of a recording: each segment's steps, a later segment
+    (a resume) overriding the steps it re-ran."""
+    segs = rec.get("segments", [])
+    steps: list[int] = []
+    for i, s in enumerate(segs):
+        end = s.get("end")
+        if end is None:
+            continue
+        if i + 1 < len(segs):
+            end = min(end, segs[i + 1]["start"] - 1)
+        steps = [k for k in steps if k < s["start"]] + list(range(s["start"], end + 1))
+    return steps
+
+
+def segment_of(rec: dict, step: int) -> dict:
+    """The segment (its start, world, ...) that made `step`."""
+    seg = None
+    for s in rec.get("segments", []):
+        if s["start"] <= step:
+            seg = s
+    if seg is None:
+        raise DormouseError(f"step {step} is in no segment of the recording")
+    return seg
+
+
+def assemble(shards: list[torch.Tensor], placement: dict | None) -> torch.Tensor:
+    """One full tensor from each rank's local piece: under FSDP2 Shard(dim)
+    the pieces concatenated in rank order along `dim` (torch.chunk's split);
+    unsharded (placement None), rank 0's tensor."""
+    if not placement:
+        return shards[0]
+    full = torch.cat(shards, dim=placement["dim"])
+    if list(full.shape) != list(placement["shape"]):
+        raise DormouseError(f"shards of shape {[tuple(s.shape) for s in shards]} do not assemble to the recorded "
+                            f"global shape {tuple(placement['shape'])}: re-record")
+    return full
