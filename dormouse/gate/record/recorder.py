@@ -246,7 +246,9 @@ class Recorder:
                            "code": code_hashes([build_model, build_optimizer, objective])},
         }
         if prior is None:
-            state = {n: _local(t) for n, t in self.module.state_dict().items()}
+            # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
+            # which safetensors refuses to store as shared memory
+            state = {n: _local(t).clone() for n, t in self.module.state_dict().items()}
             atomic.write_bytes(A.init_path(self.out, self.rank),
                                st_save(state, metadata={"placements": json.dumps(self.placements)}))
         self._write_recording()
@@ -383,6 +385,27 @@ class Recorder:
                 "tensors": self._tensor_step(k), "param_hash": param_hash}
         atomic.write_bytes(A.step_tensors_path(self.out, self.rank, k), st_save(tensors))
         atomic.write_text(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1))
+        self._last_meta = meta
+
+    def report(self, *, loss=None, grad_norm=None, clip_coef=None) -> None:
+        """The loss and the clipping of the step just recorded, where the loop
+        learns them only after optimizer.step() (HF's Trainer clips before its
+        callbacks see the gradient and logs the loss and the pre-clip norm after
+        the step): they replace the step's values, by step()'s rule."""
+        meta = getattr(self, "_last_meta", None)
+        if self.closed or meta is None:
+            raise RecorderError("rec.report() with no recorded step to report on: call it after rec.step()")
+        grad_norm = _number(grad_norm)
+        if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
+            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        clip_coef = _number(clip_coef)
+        if loss is not None:
+            meta["loss"] = _number(loss)
+        if grad_norm is not None:
+            meta["grad_norm"] = grad_norm
+        if clip_coef is not None:
+            meta["clip_coef"], meta["clipped"] = clip_coef, True
+        atomic.write_text(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1))
 
     def close(self) -> None:
         """The parameters after the last step, then (rank 0, once every rank is
