@@ -13,9 +13,16 @@ Each run trains from the same initial model (`build_model`) with the same
 optimizer and schedule (`build_optimizer`), on the same generated data
 (`dataset`), and records into DIR/<name>. A run's fields:
 
-  avg=0|1     TrainingArguments.average_tokens_across_devices
+  avg=0|1     TrainingArguments.average_tokens_across_devices (default 1, HF's default)
   seed=S      TrainingArguments.seed (the sampler's shuffle) and the data's seed
   steps=N     optimizer steps (max_steps)
+  ga=K        gradient_accumulation_steps (default 2)
+  loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
+              (its class name holds no "ForCausalLM"), so transformers 5.24's
+              Trainer counts num_items_in_batch over the UNSHIFTED labels (one
+              target too many per row; #46204's fix keys on loss_type) while
+              the loss sums over the shifted ones: loss_type=ForCausalLM makes it
+              count the shifted labels, which the model's loss divides by.
   fault=F     a planted fault, through HF's own extension points (a Trainer
               subclass or a Trainer attribute), never by patching private names:
 
@@ -144,12 +151,12 @@ def trainer_class(fault: str | None):
 
 def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
-    run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "fault": None}
+    run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "fault": None, "loss_type": None}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
             run["avg"] = v == "1"
-        elif k in ("seed", "steps"):
+        elif k in ("seed", "steps", "ga"):
             run[k] = int(v)
         elif k in ("fault", "loss_type"):
             run[k] = v
@@ -164,7 +171,7 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
 
     args = TrainingArguments(
         output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
-        per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=1.0,
+        per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
         max_steps=run["steps"], logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, seed=run["seed"], average_tokens_across_devices=run["avg"],
         dataloader_num_workers=0,
