@@ -209,10 +209,6 @@ def reference_step_meta_path(out: Path, step: int) -> Path:
     return reference_dir(out) / f"step{step:06d}.json"
 
 
-def recording_verdict_path(out: Path) -> Path:
-    return Path(out) / "verdict.json"
-
-
 def read_json(path: Path, what: str) -> dict:
     """A recording's JSON file, or one line saying which is missing or broken."""
     try:
@@ -289,6 +285,9 @@ class RecordingSet:
 
     def __init__(self, out: Path):
         self.out = Path(out)
+        if not recording_path(self.out).exists():
+            raise DormouseError(f"{self.out} holds no recording ({recording_path(self.out).name}): point --out at "
+                                "the directory the Recorder wrote")
         self.meta = read_json(recording_path(self.out), "recording")
         if self.meta.get("kind") != "recording" or self.meta.get("schema") != RECORDING_SCHEMA:
             raise DormouseError(f"{recording_path(self.out)} is not a recording of schema {RECORDING_SCHEMA}: "
@@ -300,6 +299,7 @@ class RecordingSet:
         self.run = self.meta["run"]
         self.sketch = int(self.meta.get("sketch", 0))
         self.every = int(self.meta.get("every", 1))
+        self.seed = int(self.meta.get("seed", 0))
         self._metas: dict = {}
         self._init_meta: dict | None = None
 

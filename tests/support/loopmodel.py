@@ -78,3 +78,28 @@ def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         ids[i, :len(r)] = r
         mask[i, :len(r)] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+class TinyClassifier(torch.nn.Module):
+    """A sequence classifier ((B, C) logits): a model the causal LM objective does not fit."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, D)
+        self.head = torch.nn.Linear(D, 3)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.head(self.tok(input_ids).mean(1))
+
+
+def build_classifier(*, seed: int = 0, **_) -> TinyClassifier:
+    torch.manual_seed(seed)
+    return TinyClassifier()
+
+
+def token_sum(model, batch):
+    """A user objective (model, batch) -> (loss_sum, count): the causal LM's, by hand."""
+    logits = model(batch["input_ids"])
+    y = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="sum")
+    return loss, int((y != -100).sum())
