@@ -28,7 +28,7 @@ from dormouse.gate.record.reference import make_reference
 FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)
 RUNS = {
     "clean": f"avg=1:{FIX}",                    # HF's default average_tokens_across_devices=True
-    "clean_s1": f"avg=1:seed=1:{FIX}",          # another data and shuffle seed
+    "clean_s1": f"avg=1:seed=1:eval=2:{FIX}",   # another data and shuffle seed; an eval every 2 steps
     "stock": "avg=1",                            # HF's defaults with GPT2LMHeadModel as it comes
     "local": f"avg=0:{FIX}",                    # average_tokens_across_devices=False
     "mean_of_means": f"fault=mean_of_means:{FIX}",
@@ -92,6 +92,11 @@ def test_callback_records_the_trainer_step(fleet):
         norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in g.values())))
         assert norm == pytest.approx(m["clip_coef"] * m["grad_norm"], rel=1e-5)
     assert min(coefs) < 0.9 and max(coefs) == 1.0
+    # the run that evaluates every 2 steps recorded its training micro-batches only
+    evaluated = A.RecordingSet(fleet / "clean_s1")
+    assert [evaluated.step_meta(0, k)["micro_batches"] for k in evaluated.steps] == [2, 2, 2, 2]
+    logged = {r["name"]: r["logged"] for r in json.loads((fleet / "hf_client.json").read_text())}
+    assert sum("eval_loss" in x for x in logged["clean_s1"]) == 2
 
 
 # --------------------------------------------------------------------------- clean runs pass
@@ -176,3 +181,34 @@ def test_logged_loss_of_rank_means_fails_the_loss_alone(fleet):
     assert failed(v) == {"loss"}
     reason = checks(v)["loss"].reason
     assert "mean of the ranks' own token means" in reason and "not the training" in reason
+
+
+# --------------------------------------------------------------------------- bad input, one line
+
+
+def test_bad_callback_input_is_one_line(tmp_path, capsys):
+    from transformers import TrainingArguments
+
+    from dormouse.errors import DormouseError
+    from dormouse.gate.record.hf import RecorderCallback
+
+    ok = {"build_model": "hf_client:build_model", "build_optimizer": "hf_client:build_optimizer"}
+    for bad, match in (({"build_model": "hf_client.build_model"}, "is not an import path"),
+                       ({"build_optimizer": "__main__:build_optimizer"}, "names the script being run"),
+                       ({"objective": "mse"}, "objective 'mse' is none of"),
+                       ({"every": 0}, "every a whole number >= 1")):
+        with pytest.raises(DormouseError, match=match) as e:
+            RecorderCallback(tmp_path, **{**ok, **bad})
+        assert "\n" not in str(e.value)
+    cb = RecorderCallback(tmp_path, **ok)
+    args = TrainingArguments(str(tmp_path / "hf"), use_cpu=True, report_to="none")
+    with pytest.raises(DormouseError, match="before on_train_begin"):
+        cb.on_pre_optimizer_step(args, None, None, optimizer=None)
+    args.fsdp = True  # set after construction: TrainingArguments(fsdp=...) would switch accelerate's env to FSDP
+    with pytest.raises(DormouseError, match="does not record the Trainer's FSDP"):
+        cb.on_train_begin(args, None, None, model=hf_client.build_model())
+    # the client script, as a researcher's script should: the one line, exit 2, before any training
+    assert hf_client.main(["--out", str(tmp_path / "c"), "bad:build=main"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: build_model '__main__:build_model' names the script being run")
+    assert not (tmp_path / "c" / "bad" / "recording.json").exists()

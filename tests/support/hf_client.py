@@ -17,6 +17,8 @@ optimizer and schedule (`build_optimizer`), on the same generated data
   seed=S      TrainingArguments.seed (the sampler's shuffle) and the data's seed
   steps=N     optimizer steps (max_steps)
   ga=K        gradient_accumulation_steps (default 2)
+  eval=N      evaluate on a held-out set every N steps (eval-mode forwards: the Recorder ignores them)
+  build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
   loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
               (its class name holds no "ForCausalLM"), so transformers 5.24's
               Trainer counts num_items_in_batch over the UNSHIFTED labels (one
@@ -151,15 +153,18 @@ def trainer_class(fault: str | None):
 
 def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
-    run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "fault": None, "loss_type": None}
+    run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "eval": 0, "fault": None,
+           "loss_type": None, "build": MODULE}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
             run["avg"] = v == "1"
-        elif k in ("seed", "steps", "ga"):
+        elif k in ("seed", "steps", "ga", "eval"):
             run[k] = int(v)
         elif k in ("fault", "loss_type"):
             run[k] = v
+        elif k == "build":
+            run[k] = "__main__" if v == "main" else v
         else:
             raise SystemExit(f"hf_client: unknown run field {k!r} in {text!r}")
     return run
@@ -169,12 +174,19 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
     """One Trainer run, recorded into out/<name>; returns what the Trainer logged."""
     from transformers import TrainerCallback, TrainingArguments
 
+    from dormouse.gate.record.hf import RecorderCallback
+
+    # the gate's line: a bad argument fails here, in one line, before anything is built
+    recorder = [RecorderCallback(out / run["name"], build_model=f"{run['build']}:build_model",
+                                 build_optimizer=f"{run['build']}:build_optimizer", objective="causal_lm")
+                ] if record else []
     args = TrainingArguments(
         output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
         per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
         max_steps=run["steps"], logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, seed=run["seed"], average_tokens_across_devices=run["avg"],
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, eval_strategy="steps" if run["eval"] else "no", eval_steps=run["eval"] or None,
+        per_device_eval_batch_size=4,
     )
     model = build_model()
     if run.get("loss_type"):
@@ -185,13 +197,10 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
         def on_log(self, args, state, control, logs=None, **kw):
             logged.append({"step": state.global_step, **(logs or {})})
 
-    callbacks = [Keep()]
-    if record:
-        from dormouse.gate.record.hf import RecorderCallback
-
-        callbacks.append(RecorderCallback(out / run["name"], build_model=f"{MODULE}:build_model",
-                                          build_optimizer=f"{MODULE}:build_optimizer", objective="causal_lm"))
+    callbacks = [Keep()] + recorder
+    held_out = PaddedSequences(run["seed"] + 1_000) if run["eval"] else None
     trainer = trainer_class(run["fault"])(model=model, args=args, train_dataset=PaddedSequences(run["seed"]),
+                                          eval_dataset=held_out,
                                           optimizers=build_optimizer(model), callbacks=callbacks)
     if run["fault"] == "mean_of_means":
         trainer.model_accepts_loss_kwargs = False
@@ -202,23 +211,30 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("runs", nargs="+", help="name[:avg=0|1][:seed=S][:steps=N][:fault=F]")
+    p.add_argument("runs", nargs="+", help="name[:field=value...], fields as in the module docstring")
     p.add_argument("--no-record", action="store_true", help="train without the Recorder (overhead figures)")
     a = p.parse_args(argv)
     import torch.distributed as dist
 
-    results = []
+    from dormouse.errors import DormouseError
+
+    results, rc = [], 0
     for text in a.runs:
         t0 = time.perf_counter()
-        res = train(parse_run(text), a.out, record=not a.no_record)
+        try:
+            res = train(parse_run(text), a.out, record=not a.no_record)
+        except DormouseError as e:  # bad input: one line, exit 2 (what a researcher's script should do too)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            rc = 2
+            break
         res["seconds"] = time.perf_counter() - t0
         results.append(res)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rc == 0 and int(os.environ.get("RANK", "0")) == 0:
         (a.out / "hf_client.json").write_text(json.dumps(results, indent=1))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

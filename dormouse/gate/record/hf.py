@@ -48,7 +48,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from dormouse.gate.record.recorder import INPUTS, Recorder, RecorderError
+from dormouse.gate.record.recorder import INPUTS, Recorder, RecorderError, check_options
 
 
 class RecorderCallback(TrainerCallback):
@@ -70,6 +70,9 @@ class RecorderCallback(TrainerCallback):
     def __init__(self, out_dir, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  sketch: int = 0, every: int = 1, inputs=INPUTS, build_kwargs: dict | None = None,
                  dataset_len: int | None = None):
+        # bad options fail here, in one line, before the Trainer trains (not at on_train_begin on every rank)
+        check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective, sketch=sketch,
+                      every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs)
         self.out_dir = Path(out_dir)
         self.options = dict(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                             sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs)
@@ -83,12 +86,14 @@ class RecorderCallback(TrainerCallback):
         if getattr(args, "deepspeed", None):
             raise RecorderError("RecorderCallback does not record DeepSpeed runs (the gradients live in the "
                                 "engine's partitions): record a DDP run, or call the Recorder from your own loop")
-        if getattr(args, "fsdp", None) or getattr(args, "fsdp_config", None) and args.fsdp_config.get("version"):
-            raise RecorderError("RecorderCallback does not record the Trainer's FSDP (its parameters are the "
-                                "engine's shards): record a DDP run, or an FSDP2 loop with the Recorder itself")
         if model is None:
             raise RecorderError("RecorderCallback.on_train_begin was given no model: add it to a "
                                 "transformers.Trainer (callbacks=[...]), not call it by hand")
+        sharded = type(model).__name__ == "FullyShardedDataParallel" or any(
+            hasattr(p, "placements") for p in model.parameters())
+        if getattr(args, "fsdp", None) or sharded:
+            raise RecorderError("RecorderCallback does not record the Trainer's FSDP (its parameters are the "
+                                "engine's shards): record a DDP run, or an FSDP2 loop with the Recorder itself")
         self.rec = Recorder(self.out_dir, model, max_grad_norm=float(args.max_grad_norm or 0.0),
                             dataset_len=self._dataset_len(train_dataloader),
                             resume=int(state.global_step) if state.global_step else False, **self.options)

@@ -161,6 +161,32 @@ def _number(x):
     return float(x)
 
 
+def check_options(*, build_model: str, build_optimizer: str, objective: str = "causal_lm", max_grad_norm: float = 0.0,
+                  dataset_len: int = 0, sketch: int = 0, every: int = 1, build_kwargs: dict | None = None) -> None:
+    """The Recorder's arguments that can be judged before any model exists
+    (the HF callback checks them when it is built, before training starts)."""
+    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"), (objective, "objective")):
+        if isinstance(value, str) and value.split(":")[0] == "__main__":
+            raise RecorderError(f"{what} {value!r} names the script being run, which the check cannot import in "
+                                "another process: name its module instead ('mytrain:fn', with its folder on "
+                                "PYTHONPATH), or move the function into an importable module")
+    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer")):
+        if not isinstance(value, str) or value.count(":") != 1:
+            raise RecorderError(f"{what} {value!r} is not an import path: write it as 'package.module:function'")
+    if objective not in OBJECTIVES and (not isinstance(objective, str) or objective.count(":") != 1):
+        raise RecorderError(f"objective {objective!r} is none of {', '.join(OBJECTIVES)} and not an import "
+                            "path 'package.module:function' of fn(model, batch) -> (loss_sum, count)")
+    if int(sketch) < 0 or int(every) < 1:
+        raise RecorderError(f"sketch={sketch}, every={every}: sketch is 0 (full tensors) or the number of "
+                            "projections per tensor, every a whole number >= 1")
+    if max_grad_norm < 0 or dataset_len < 0:
+        raise RecorderError(f"max_grad_norm={max_grad_norm}, dataset_len={dataset_len}: both must be >= 0")
+    try:
+        json.dumps(build_kwargs or {})
+    except TypeError as e:
+        raise RecorderError(f"build_kwargs must be JSON-able ({e})") from None
+
+
 # --------------------------------------------------------------------------- the Recorder
 
 
@@ -186,21 +212,9 @@ class Recorder:
     def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0):
-        for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer")):
-            if not isinstance(value, str) or value.count(":") != 1:
-                raise RecorderError(f"{what} {value!r} is not an import path: write it as 'package.module:function'")
-        if objective not in OBJECTIVES and (not isinstance(objective, str) or objective.count(":") != 1):
-            raise RecorderError(f"objective {objective!r} is none of {', '.join(OBJECTIVES)} and not an import "
-                                "path 'package.module:function' of fn(model, batch) -> (loss_sum, count)")
-        if int(sketch) < 0 or int(every) < 1:
-            raise RecorderError(f"sketch={sketch}, every={every}: sketch is 0 (full tensors) or the number of "
-                                "projections per tensor, every a whole number >= 1")
-        if max_grad_norm < 0 or dataset_len < 0:
-            raise RecorderError(f"max_grad_norm={max_grad_norm}, dataset_len={dataset_len}: both must be >= 0")
-        try:
-            json.dumps(build_kwargs or {})
-        except TypeError as e:
-            raise RecorderError(f"build_kwargs must be JSON-able ({e})") from None
+        check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
+                      max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
+                      build_kwargs=build_kwargs)
         self.out = Path(out_dir)
         ddp = torch.nn.parallel.DistributedDataParallel
         self.module = model.module if isinstance(model, ddp) else model
