@@ -26,16 +26,18 @@ from dormouse.gate.judge.recording import fit, judge_recording
 from dormouse.gate.record.reference import make_reference
 
 FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)
-RUNS = {
-    "clean": f"avg=1:{FIX}",                    # HF's default average_tokens_across_devices=True
-    "clean_s1": f"avg=1:seed=1:eval=2:{FIX}",   # another data and shuffle seed; an eval every 2 steps
-    "stock": "avg=1",                            # HF's defaults with GPT2LMHeadModel as it comes
-    "local": f"avg=0:{FIX}",                    # average_tokens_across_devices=False
-    "mean_of_means": f"fault=mean_of_means:{FIX}",
-    "no_world_comp": f"ga=3:fault=no_world_comp:{FIX}",  # GA 3 so that W and K differ: the factor is named alone
-    "world_comp_x2": f"ga=3:fault=world_comp_x2:{FIX}",
-    "logged_rank_means": f"fault=logged_rank_means:{FIX}",
-}
+RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstring says what each field does)
+    f"clean:avg=1:{FIX}",                     # HF's default average_tokens_across_devices=True
+    f"clean_s1:avg=1:seed=1:eval=2:{FIX}",    # another data and shuffle seed; an eval every 2 steps
+    "stock:avg=1",                            # HF's defaults with GPT2LMHeadModel as it comes
+    f"local:avg=0:{FIX}",                     # average_tokens_across_devices=False
+    f"mean_of_means:fault=mean_of_means:{FIX}",
+    f"no_world_comp:ga=3:fault=no_world_comp:{FIX}",  # GA 3 so that W and K differ: the factor is named alone
+    f"world_comp_x2:ga=3:fault=world_comp_x2:{FIX}",
+    f"logged_rank_means:fault=logged_rank_means:{FIX}",
+    f"resume:leg=1:{FIX}", f"resume:leg=2:{FIX}",  # a checkpoint after step 2, resumed to step 4
+    f"resume_no_sched:leg=1:{FIX}", f"resume_no_sched:leg=2:fault=no_sched_file:{FIX}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def fleet(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(SUPPORT / "hf_client.py"), "--out", str(out), *(f"{n}:{r}" for n, r in RUNS.items())]
+           str(SUPPORT / "hf_client.py"), "--out", str(out), *RUNS]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
@@ -172,6 +174,27 @@ def test_world_size_compensation_fails_with_its_factor(fleet, name, factor):
     assert not v.passed and "gradient" in failed(v)
     reason = checks(v)["gradient"].reason
     assert f"= {factor} (W = 2 ranks, K = 3 micro-batches)" in reason
+
+
+def test_resume_from_a_trainer_checkpoint_passes(fleet):
+    """trainer.train(resume_from_checkpoint=...) after step 2: the callback
+    records a second segment into the same directory; the replay of one
+    uninterrupted optimizer and scheduler equals it bitwise, and the data
+    check sees no example of the epoch read twice (HF skips the batches
+    already trained)."""
+    v = verdict(fleet, "resume")
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    assert "across 1 resume(s)" in checks(v)["replay"].reason
+    assert [s["start"] for s in A.RecordingSet(fleet / "resume").meta["segments"]] == [1, 3]
+
+
+def test_resume_without_the_scheduler_file_fails_the_replay(fleet):
+    """A checkpoint without scheduler.pt: transformers 5.24 then loads neither
+    the optimizer's nor the scheduler's state, without a word, and the lr
+    restarts; the replay names the dropped scheduler state."""
+    v = verdict(fleet, "resume_no_sched")
+    assert failed(v) == {"replay"}
+    assert "the resume dropped the lr scheduler's state" in checks(v)["replay"].reason
 
 
 def test_logged_loss_of_rank_means_fails_the_loss_alone(fleet):

@@ -18,6 +18,10 @@ optimizer and schedule (`build_optimizer`), on the same generated data
   steps=N     optimizer steps (max_steps)
   ga=K        gradient_accumulation_steps (default 2)
   eval=N      evaluate on a held-out set every N steps (eval-mode forwards: the Recorder ignores them)
+  leg=1|2     a checkpoint restart in two runs of one name: leg 1 trains `stop` steps and saves
+              a checkpoint; leg 2 resumes from it (`trainer.train(resume_from_checkpoint=...)`)
+              to `steps`, recording into the same directory
+  stop=S      leg 1's last step (default 2)
   build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
   loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
               (its class name holds no "ForCausalLM"), so transformers 5.24's
@@ -40,6 +44,9 @@ optimizer and schedule (`build_optimizer`), on the same generated data
     logged_rank_means  the gradient is right, but the loss the Trainer logs is the
                     mean over ranks of each rank's own token mean
                     (training_step returns S_r / N_r instead of the Trainer's W S_r / N)
+    no_sched_file   (leg 2) the checkpoint's scheduler.pt is missing (a checkpoint copied
+                    without it): transformers 5.24 then loads NEITHER the optimizer's nor
+                    the scheduler's state, silently, and resumes with fresh ones
 
 The model, optimizer and data are functions of this module so that the
 judge's reference can rebuild them in one process: `build_model`,
@@ -120,8 +127,8 @@ def trainer_class(fault: str | None):
     """transformers.Trainer, or a subclass with the planted fault."""
     from transformers import Trainer
 
-    if fault in (None, "", "mean_of_means"):
-        return Trainer  # mean_of_means is a Trainer attribute, set after construction
+    if fault in (None, "", "mean_of_means", "no_sched_file"):
+        return Trainer  # mean_of_means is a Trainer attribute, set after construction; no_sched_file a file
 
     class Faulty(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -154,12 +161,12 @@ def trainer_class(fault: str | None):
 def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
     run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "eval": 0, "fault": None,
-           "loss_type": None, "build": MODULE}
+           "loss_type": None, "build": MODULE, "leg": 0, "stop": 2}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
             run["avg"] = v == "1"
-        elif k in ("seed", "steps", "ga", "eval"):
+        elif k in ("seed", "steps", "ga", "eval", "leg", "stop"):
             run[k] = int(v)
         elif k in ("fault", "loss_type"):
             run[k] = v
@@ -183,7 +190,8 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
     args = TrainingArguments(
         output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
         per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
-        max_steps=run["steps"], logging_steps=1, save_strategy="no", report_to="none",
+        max_steps=run["stop"] if run["leg"] == 1 else run["steps"], logging_steps=1,
+        save_strategy="steps" if run["leg"] == 1 else "no", save_steps=run["stop"], report_to="none",
         disable_tqdm=True, seed=run["seed"], average_tokens_across_devices=run["avg"],
         dataloader_num_workers=0, eval_strategy="steps" if run["eval"] else "no", eval_steps=run["eval"] or None,
         per_device_eval_batch_size=4,
@@ -204,7 +212,16 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
                                           optimizers=build_optimizer(model), callbacks=callbacks)
     if run["fault"] == "mean_of_means":
         trainer.model_accepts_loss_kwargs = False
-    trainer.train()
+    checkpoint = None
+    if run["leg"] == 2:
+        checkpoint = out / run["name"] / "hf" / f"checkpoint-{run['stop']}"
+        if run["fault"] == "no_sched_file" and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            (checkpoint / "scheduler.pt").unlink(missing_ok=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     return {"name": run["name"], "logged": logged}
 
 
