@@ -34,6 +34,7 @@ RUNS = {
     "clean_resume": {"seed": 3, "stop_at": 2, "leg": 1},
     "fsdp": {"seed": 4, "fsdp": True},
     "sketch": {"seed": 5, "sketch": 64, "every": 2, "steps": 5},
+    "fsdp_sketch": {"seed": 6, "fsdp": True, "sketch": 64},
     "micro_mean": {"fault": "micro_mean"},
     "comp_twice": {"fault": "comp_twice"},
     "comp_none": {"fault": "comp_none"},
@@ -80,7 +81,7 @@ def verdict(recordings, name):
     return _VERDICTS[name]
 
 
-@pytest.mark.parametrize("name", ["clean0", "clean1", "clean2", "clean_resume", "fsdp", "sketch"])
+@pytest.mark.parametrize("name", ["clean0", "clean1", "clean2", "clean_resume", "fsdp", "sketch", "fsdp_sketch"])
 def test_clean_runs_pass(recordings, name):
     v = verdict(recordings, name)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
@@ -88,7 +89,7 @@ def test_clean_runs_pass(recordings, name):
     assert {"independence", "gradient", "grad_mask", "replay", "data", "loss", "ranks", "clip"} <= names
     if name == "clean_resume":
         assert "across 1 resume" in v.check("replay").reason
-    if name.startswith("sketch"):
+    if "sketch" in name:
         assert "sketch k=64" in v.check("gradient").reason and "detected with probability" in v.check("gradient").reason
 
 

@@ -69,17 +69,30 @@ class RecorderError(DormouseError):
 # --------------------------------------------------------------------------- sketches
 
 
-def sketch_buckets(name: str, numel: int, k: int, seed: int) -> torch.Tensor:
-    """Bucket-and-sign of each element of tensor `name` (flat global index):
-    an int64 in [0, 2k); b < k means bucket b with sign +1, b >= k bucket b-k, sign -1."""
+SKETCH_CHUNK = 1 << 14  # elements summed in float32 before the float64 total (round-off ~1e-7 relative)
+
+
+def sketch_buckets(name: str, numel: int, k: int, seed: int, lo: int = 0, n: int | None = None) -> torch.Tensor:
+    """Bucket-and-sign of elements lo..lo+n of tensor `name` (flat global
+    index, numel elements in all): b in [0, 2k), b < k bucket b with sign +1,
+    b >= k bucket b-k with sign -1; returned offset by 2k per chunk of
+    SKETCH_CHUNK elements (int32), the layout `sketch` sums."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return torch.randint(0, 2 * k, (numel,), generator=g)
+    b = torch.randint(0, 2 * k, (numel,), generator=g)
+    n = numel - lo if n is None else n
+    b = b[lo:lo + n]
+    return (b + 2 * k * (torch.arange(n) // SKETCH_CHUNK)).to(torch.int32)
 
 
 def sketch(x: torch.Tensor, buckets: torch.Tensor, k: int) -> torch.Tensor:
     """The CountSketch S x (float64, k numbers) of a flat piece of a tensor
-    whose elements' buckets are `buckets` (the same length)."""
-    z = torch.zeros(2 * k, dtype=torch.float64).index_add_(0, buckets, x.detach().reshape(-1).double())
+    whose elements' buckets are `buckets` (from sketch_buckets): each chunk's
+    buckets summed in float32, the chunks in float64."""
+    x = x.detach().reshape(-1)
+    chunks = -(-x.numel() // SKETCH_CHUNK)
+    z = torch.zeros(max(chunks, 1) * 2 * k, dtype=x.dtype if x.dtype == torch.float64 else torch.float32)
+    z.index_add_(0, buckets, x.to(z.dtype))
+    z = z.view(-1, 2 * k).double().sum(0)
     return z[:k] - z[k:]
 
 
@@ -190,6 +203,52 @@ def check_options(*, build_model: str, build_optimizer: str, objective: str = "c
 # --------------------------------------------------------------------------- the Recorder
 
 
+class _Writer:
+    """Writes files atomically, in order, on a thread of its own: the loop does
+    not wait for the disk (fsync). The bytes are made by the caller (a copy
+    taken before the optimizer changes the tensors). An error is raised at the
+    next write or at flush."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.q: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="dormouse-recorder-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            item = self.q.get()
+            try:
+                if item is None:
+                    return
+                if self.error is None:
+                    atomic.write_bytes(*item)
+            except BaseException as e:  # handed to the loop's thread at the next call
+                self.error = e
+            finally:
+                self.q.task_done()
+
+    def _raise(self):
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise RecorderError(f"the Recorder could not write its files ({type(e).__name__}: {e})") from e
+
+    def write(self, path: Path, data: bytes) -> None:
+        self._raise()
+        self.q.put((path, data))
+
+    def flush(self) -> None:
+        self.q.join()
+        self._raise()
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+
+
 class Recorder:
     """Records a training loop's steps for the gate (see the module docstring).
 
@@ -266,6 +325,7 @@ class Recorder:
             atomic.write_bytes(A.init_path(self.out, self.rank),
                                st_save(state, metadata={"placements": json.dumps(self.placements)}))
         self._write_recording()
+        self._writer = _Writer()
         self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
     # ------------------------------------------------------------------ plumbing
@@ -338,15 +398,13 @@ class Recorder:
         out = {}
         for name, t in tensors.items():
             if name not in self._buckets:
-                n = full_numel[name]
-                b = sketch_buckets(name, n, self.sketch_k, self.seed)
+                n, lo = full_numel[name], 0
                 pl = self.placements.get(name)
                 if pl:  # this rank's rows of the global tensor: torch.chunk's split along dim 0
-                    row = n // max(pl["shape"][0], 1) if pl["shape"][0] else 0
+                    row = n // pl["shape"][0] if pl["shape"][0] else 0
                     rows = -(-pl["shape"][0] // self.world)
                     lo = min(self.rank * rows, pl["shape"][0]) * row
-                    b = b[lo:lo + t.numel()]
-                self._buckets[name] = b
+                self._buckets[name] = sketch_buckets(name, n, self.sketch_k, self.seed, lo, t.numel())
             out[name] = sketch(t, self._buckets[name], self.sketch_k)
         return out
 
@@ -397,8 +455,8 @@ class Recorder:
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
                 "tensors": self._tensor_step(k), "param_hash": param_hash}
-        atomic.write_bytes(A.step_tensors_path(self.out, self.rank, k), st_save(tensors))
-        atomic.write_text(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1))
+        self._writer.write(A.step_tensors_path(self.out, self.rank, k), st_save(tensors))
+        self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
         self._last_meta = meta
 
     def report(self, *, loss=None, grad_norm=None, clip_coef=None) -> None:
@@ -419,7 +477,8 @@ class Recorder:
             meta["grad_norm"] = grad_norm
         if clip_coef is not None:
             meta["clip_coef"], meta["clipped"] = clip_coef, True
-        atomic.write_text(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1))
+        # the writer keeps order: this JSON replaces the one step() queued
+        self._writer.write(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1).encode())
 
     def close(self) -> None:
         """The parameters after the last step, then (rank 0, once every rank is
@@ -427,6 +486,8 @@ class Recorder:
         if self.closed:
             return
         self._hook.remove()
+        self._writer.flush()
+        self._writer.stop()
         named = list(self.module.named_parameters())
         params = {n: _local(p) for n, p in named}
         if self.sketch_k:

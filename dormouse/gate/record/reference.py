@@ -33,7 +33,9 @@ Run (sketches, or tensors every k-th step): the recorded gradients are not all
 there to replay, so the reference trains the run itself in one process on the
 declared objective over the recorded micro-batches, clipping by the global
 norm, and writes (sketches of) its parameters and gradients at the recorded
-steps: facts 3 and 4 together, within a bound.
+steps: facts 3 and 4 together, within a bound. The bound is measured: the same
+run from an initial state one ulp away ("np/", "ng/", "nudged_loss") shows how
+far float32 round-off alone carries a run.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -254,7 +257,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: boo
                              "between two rec.step() calls (is the Recorder on the model the loop calls?)")
     rng_sensitive = None
     for r, m, batch in mbs:
-        torch.manual_seed(0)
+        torch.random.default_generator.manual_seed(0)
         ls, c, grads = _grads(model, objective, batch, user)
         present |= {n for n, g in grads.items() if g is not None}
         add(acc["g"], grads)
@@ -269,13 +272,13 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: boo
             add(acc["micro_mean"], grads, 1.0 / c)
             micro_means.append(ls / c)
         if probe and rng_sensitive is None:  # the same micro-batch under another RNG state
-            torch.manual_seed(1)
+            torch.random.default_generator.manual_seed(1)
             _, _, again = _grads(model, objective, batch, user)
             rng_sensitive = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
                                 for a, b in zip(grads.values(), again.values()))
         if examples:
             for row in _rows(batch):
-                torch.manual_seed(0)
+                torch.random.default_generator.manual_seed(0)
                 _, _, g1 = _grads(model, objective, row, user)
                 add(acc["ex"], g1)
     model.zero_grad(set_to_none=True)
@@ -322,6 +325,19 @@ def _sketched(tensors: dict[str, torch.Tensor], numel: dict[str, int], k: int, s
     return out
 
 
+def _train_step(model, opt, sched, grads: dict, mgn: float, *, clipped: bool) -> None:
+    """One optimizer step on the given gradients (None where absent), clipped
+    by the global norm max_grad_norm unless they already were."""
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone().to(p.dtype) if n in grads else None
+    if mgn > 0 and not clipped:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], mgn)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def make_reference(out, *, log=print, force: bool = False) -> Path:
     """Write <out>/reference/ for the recording in `out` (skipped when current)."""
     rec = A.RecordingSet(out)
@@ -341,6 +357,14 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
     scan = _scan(model)
     tensor_steps = set(rec.tensor_steps())
     mode = "replay" if replay else "run"
+    nudged = None
+    if not replay:  # the run's own floor: the same run from an initial state one ulp away
+        nudged = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in nudged.parameters():
+                if p.is_floating_point():
+                    p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+        nopt, nsched = build_optimizer(rec, nudged)
     log(f"reference for {out}: {len(rec.steps)} steps, mode {mode}")
     for i, k in enumerate(rec.steps):
         tensors: dict[str, torch.Tensor] = {}
@@ -353,6 +377,13 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
             gmodel = model
         want = k in tensor_steps
         ref, info = step_gradients(gmodel, rec, k, user, examples=want, probe=(i == 0))
+        if nudged is not None:
+            nbefore = {n: p.detach().clone() for n, p in nudged.named_parameters()}
+            nref, ninfo = step_gradients(nudged, rec, k, user, examples=False, probe=False)
+            info["nudged_loss"] = ninfo["loss"]
+            _train_step(nudged, nopt, nsched, {n: v.float() for n, v in nref["g"].items()}, mgn, clipped=False)
+            if want:
+                ref = {**ref, "ng": nref["g"], "np": nbefore}
         info.update({"step": k, "replay_lr": lr, "mode": mode, **scan})
         if want:
             if rec.sketch:
@@ -370,14 +401,7 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         else:
             grads = {n: v.float() for n, v in ref["g"].items()}
             clipped = False
-        for n, p in model.named_parameters():
-            p.grad = grads[n].clone().to(p.dtype) if n in grads else None
-        if mgn > 0 and not clipped:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], mgn)
-        opt.step()
-        if sched is not None:
-            sched.step()
-        opt.zero_grad(set_to_none=True)
+        _train_step(model, opt, sched, grads, mgn, clipped=clipped)
         atomic.write_bytes(A.reference_step_tensors_path(out, k), st_save({k2: v.contiguous() for k2, v in
                                                                            tensors.items()}))
         atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
