@@ -22,6 +22,8 @@ optimizer and schedule (`build_optimizer`), on the same generated data
               a checkpoint; leg 2 resumes from it (`trainer.train(resume_from_checkpoint=...)`)
               to `steps`, recording into the same directory
   stop=S      leg 1's last step (default 2)
+  gc=1        gradient checkpointing (the layers' forwards re-run in backward)
+  bf16=1      bf16 autocast (TrainingArguments.bf16)
   build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
   loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
               (its class name holds no "ForCausalLM"), so transformers 5.24's
@@ -161,12 +163,12 @@ def trainer_class(fault: str | None):
 def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
     run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "eval": 0, "fault": None,
-           "loss_type": None, "build": MODULE, "leg": 0, "stop": 2}
+           "loss_type": None, "build": MODULE, "leg": 0, "stop": 2, "gc": 0, "bf16": 0}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
             run["avg"] = v == "1"
-        elif k in ("seed", "steps", "ga", "eval", "leg", "stop"):
+        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16"):
             run[k] = int(v)
         elif k in ("fault", "loss_type"):
             run[k] = v
@@ -194,7 +196,7 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
         save_strategy="steps" if run["leg"] == 1 else "no", save_steps=run["stop"], report_to="none",
         disable_tqdm=True, seed=run["seed"], average_tokens_across_devices=run["avg"],
         dataloader_num_workers=0, eval_strategy="steps" if run["eval"] else "no", eval_steps=run["eval"] or None,
-        per_device_eval_batch_size=4,
+        per_device_eval_batch_size=4, gradient_checkpointing=bool(run["gc"]), bf16=bool(run["bf16"]),
     )
     model = build_model()
     if run.get("loss_type"):
