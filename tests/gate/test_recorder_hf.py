@@ -28,13 +28,15 @@ from dormouse.gate.record.reference import make_reference
 FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)
 RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstring says what each field does)
     f"clean:avg=1:{FIX}",                     # HF's default average_tokens_across_devices=True
-    f"clean_s1:avg=1:seed=1:eval=2:gc=1:{FIX}",  # another data seed; an eval every 2 steps; gradient checkpointing
+    f"clean_s1:avg=1:seed=1:eval=2:gc=1:{FIX}",  # another seed, an eval every 2 steps, gradient checkpointing
+    f"clean_s2:avg=1:seed=2:unused=1:{FIX}",       # another seed, a parameter the forward never uses
     "stock:avg=1",                            # HF's defaults with GPT2LMHeadModel as it comes
     f"local:avg=0:{FIX}",                     # average_tokens_across_devices=False
     f"mean_of_means:fault=mean_of_means:{FIX}",
     f"no_world_comp:ga=3:fault=no_world_comp:{FIX}",  # GA 3 so that W and K differ: the factor is named alone
     f"world_comp_x2:ga=3:fault=world_comp_x2:{FIX}",
     f"logged_rank_means:fault=logged_rank_means:{FIX}",
+    f"unused_zero:unused=1:fault=unused_zero:{FIX}",
     f"resume:leg=1:{FIX}", f"resume:leg=2:{FIX}",  # a checkpoint after step 2, resumed to step 4
     f"resume_no_sched:leg=1:{FIX}", f"resume_no_sched:leg=2:fault=no_sched_file:{FIX}",
 ]
@@ -111,12 +113,14 @@ def test_callback_records_the_trainer_step(fleet):
 # --------------------------------------------------------------------------- clean runs pass
 
 
-@pytest.mark.parametrize("name", ["clean", "clean_s1"])
+@pytest.mark.parametrize("name", ["clean", "clean_s1", "clean_s2"])
 def test_average_tokens_across_devices_true_passes(fleet, name):
     """HF's default (average_tokens_across_devices=True, the Trainer counting
     the shifted labels): the fleet trains what one process trains at the
-    global batch, every check passing (clean_s1 also evaluates and uses
-    gradient checkpointing)."""
+    global batch, every check passing, at three data seeds (clean_s1 also
+    evaluates and uses gradient checkpointing; clean_s2 holds a parameter
+    its forward never uses: DDP, with accelerate's find_unused_parameters=True,
+    leaves its gradient None)."""
     v = verdict(fleet, name)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     c = checks(v)
@@ -182,6 +186,15 @@ def test_world_size_compensation_fails_with_its_factor(fleet, name, factor):
     gradient_wrong(v)
     reason = checks(v)["gradient"].reason
     assert f"= {factor} (W = 2 ranks, K = 3 micro-batches)" in reason
+
+
+def test_zero_gradients_for_unused_parameters_fail_the_mask(fleet):
+    """A callback that gives the unused parameter a zero gradient (what DDP
+    once did): AdamW's weight decay moves it where one process leaves it."""
+    v = verdict(fleet, "unused_zero")
+    assert failed(v) == {"grad_mask"}
+    assert "extra.bias, extra.weight had a gradient (all zeros)" in checks(v)["grad_mask"].reason
+    assert set(A.RecordingSet(fleet / "clean_s2").step_meta(0, 1)["no_grad"]) == {"extra.weight", "extra.bias"}
 
 
 def test_resume_from_a_trainer_checkpoint_passes(fleet):
