@@ -174,6 +174,32 @@ def _number(x):
     return float(x)
 
 
+def check_options(*, build_model: str, build_optimizer: str, objective: str = "causal_lm", max_grad_norm: float = 0.0,
+                  dataset_len: int = 0, sketch: int = 0, every: int = 1, build_kwargs: dict | None = None) -> None:
+    """The Recorder's arguments that can be judged before any model exists
+    (the HF callback checks them when it is built, before training starts)."""
+    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"), (objective, "objective")):
+        if isinstance(value, str) and value.split(":")[0] == "__main__":
+            raise RecorderError(f"{what} {value!r} names the script being run, which the check cannot import in "
+                                "another process: name its module instead ('mytrain:fn', with its folder on "
+                                "PYTHONPATH), or move the function into an importable module")
+    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer")):
+        if not isinstance(value, str) or value.count(":") != 1:
+            raise RecorderError(f"{what} {value!r} is not an import path: write it as 'package.module:function'")
+    if objective not in OBJECTIVES and (not isinstance(objective, str) or objective.count(":") != 1):
+        raise RecorderError(f"objective {objective!r} is none of {', '.join(OBJECTIVES)} and not an import "
+                            "path 'package.module:function' of fn(model, batch) -> (loss_sum, count)")
+    if int(sketch) < 0 or int(every) < 1:
+        raise RecorderError(f"sketch={sketch}, every={every}: sketch is 0 (full tensors) or the number of "
+                            "projections per tensor, every a whole number >= 1")
+    if max_grad_norm < 0 or dataset_len < 0:
+        raise RecorderError(f"max_grad_norm={max_grad_norm}, dataset_len={dataset_len}: both must be >= 0")
+    try:
+        json.dumps(build_kwargs or {})
+    except TypeError as e:
+        raise RecorderError(f"build_kwargs must be JSON-able ({e})") from None
+
+
 # --------------------------------------------------------------------------- the Recorder
 
 
@@ -245,21 +271,9 @@ class Recorder:
     def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0):
-        for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer")):
-            if not isinstance(value, str) or value.count(":") != 1:
-                raise RecorderError(f"{what} {value!r} is not an import path: write it as 'package.module:function'")
-        if objective not in OBJECTIVES and (not isinstance(objective, str) or objective.count(":") != 1):
-            raise RecorderError(f"objective {objective!r} is none of {', '.join(OBJECTIVES)} and not an import "
-                                "path 'package.module:function' of fn(model, batch) -> (loss_sum, count)")
-        if int(sketch) < 0 or int(every) < 1:
-            raise RecorderError(f"sketch={sketch}, every={every}: sketch is 0 (full tensors) or the number of "
-                                "projections per tensor, every a whole number >= 1")
-        if max_grad_norm < 0 or dataset_len < 0:
-            raise RecorderError(f"max_grad_norm={max_grad_norm}, dataset_len={dataset_len}: both must be >= 0")
-        try:
-            json.dumps(build_kwargs or {})
-        except TypeError as e:
-            raise RecorderError(f"build_kwargs must be JSON-able ({e})") from None
+        check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
+                      max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
+                      build_kwargs=build_kwargs)
         self.out = Path(out_dir)
         ddp = torch.nn.parallel.DistributedDataParallel
         self.module = model.module if isinstance(model, ddp) else model
@@ -305,7 +319,9 @@ class Recorder:
                            "code": code_hashes([build_model, build_optimizer, objective])},
         }
         if prior is None:
-            state = {n: _local(t) for n, t in self.module.state_dict().items()}
+            # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
+            # which safetensors refuses to store as shared memory
+            state = {n: _local(t).clone() for n, t in self.module.state_dict().items()}
             atomic.write_bytes(A.init_path(self.out, self.rank),
                                st_save(state, metadata={"placements": json.dumps(self.placements)}))
         self._write_recording()
@@ -441,6 +457,28 @@ class Recorder:
                 "tensors": self._tensor_step(k), "param_hash": param_hash}
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), st_save(tensors))
         self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
+        self._last_meta = meta
+
+    def report(self, *, loss=None, grad_norm=None, clip_coef=None) -> None:
+        """The loss and the clipping of the step just recorded, where the loop
+        learns them only after optimizer.step() (HF's Trainer clips before its
+        callbacks see the gradient and logs the loss and the pre-clip norm after
+        the step): they replace the step's values, by step()'s rule."""
+        meta = getattr(self, "_last_meta", None)
+        if self.closed or meta is None:
+            raise RecorderError("rec.report() with no recorded step to report on: call it after rec.step()")
+        grad_norm = _number(grad_norm)
+        if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
+            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        clip_coef = _number(clip_coef)
+        if loss is not None:
+            meta["loss"] = _number(loss)
+        if grad_norm is not None:
+            meta["grad_norm"] = grad_norm
+        if clip_coef is not None:
+            meta["clip_coef"], meta["clipped"] = clip_coef, True
+        # through the writer, after the step's own JSON (its queue keeps the order)
+        self._writer.write(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1).encode())
 
     def close(self) -> None:
         """The parameters after the last step, then (rank 0, once every rank is
