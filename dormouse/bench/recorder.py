@@ -91,14 +91,14 @@ def _rank_main(argv: list[str]) -> int:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--kinds", default=",".join(KINDS))
-    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    kw = {"d": a.d, "layers": a.layers, "seq": a.seq, "seed": 0}
+    kw = {"d": a.width, "layers": a.layers, "seq": a.seq, "seed": 0}
     out = Path(a.out)
     times: dict[str, list[float]] = {k: [] for k in a.kinds.split(",")}
     in_rec: dict[str, list[float]] = {k: [] for k in times}

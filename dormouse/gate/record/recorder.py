@@ -325,6 +325,9 @@ class Recorder:
             atomic.write_bytes(A.init_path(self.out, self.rank),
                                st_save(state, metadata={"placements": json.dumps(self.placements)}))
         self._write_recording()
+        if self.sketch_k:  # the buckets once, here, so that no step pays for them
+            named = list(self.module.named_parameters())
+            self._sketch_all({n: _local(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = _Writer()
         self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
