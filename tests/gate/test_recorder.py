@@ -47,6 +47,8 @@ RUNS = {
     "resume_drop_sched": {"fault": "resume_drop_sched", "stop_at": 2, "leg": 1},
     "loss_rank_mean": {"fault": "loss_rank_mean"},
     "sketch_comp_twice": {"fault": "comp_twice", "sketch": 64, "every": 2, "steps": 5},
+    "resume_data": {"fault": "resume_data", "stop_at": 2, "leg": 1},
+    "rank_lr": {"fault": "rank_lr"},
 }
 DEFAULTS = {"steps": 4}
 
@@ -107,6 +109,8 @@ FAULTS = {
     "resume_drop_sched": ("replay", "the resume dropped the lr scheduler's state"),
     "loss_rank_mean": ("loss", "the mean of the ranks' own token means"),
     "sketch_comp_twice": ("gradient", "= W "),
+    "resume_data": ("data", "an example was read twice within epoch 0 (steps 1 and 3"),
+    "rank_lr": ("ranks", "rank 1's parameters differ from rank 0's before step 2"),
 }
 
 
