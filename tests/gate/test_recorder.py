@@ -240,7 +240,11 @@ def test_cli_exit_codes(recordings, tmp_path, capsys):
 
     assert main(["gate", "check", "--out", str(recordings["clean2"])]) == 0
     assert "PASS" in capsys.readouterr().out
-    assert json.loads((recordings["clean2"] / "verdict.json").read_text())["pass"] is True
+    written = json.loads((recordings["clean2"] / "verdict.json").read_text())
+    assert written["pass"] is True
+    import jsonschema
+
+    jsonschema.validate(written, json.loads((ROOT / "docs" / "verdict.schema.json").read_text()))
     assert main(["gate", "check", "--out", str(recordings["comp_none"])]) == 1
     assert "[FAIL] gradient" in capsys.readouterr().out
     assert main(["gate", "check", "--out", str(tmp_path / "nothing")]) == 2

@@ -164,6 +164,12 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _version() -> str:
+    import dormouse
+
+    return dormouse.__version__
+
+
 def _number(x):
     if x is None:
         return None
@@ -314,8 +320,9 @@ class Recorder:
             "objective": objective, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
             "fsdp": bool(self.placements), "closed": False,
-            "provenance": {"torch": torch.__version__, "dormouse": A.source_hash(),
+            "provenance": {"torch": torch.__version__, "dormouse": _version(), "source": A.source_hash(),
                            "device": self._device(), "threads": torch.get_num_threads(),
+                           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                            "code": code_hashes([build_model, build_optimizer, objective])},
         }
         if prior is None:
