@@ -17,7 +17,8 @@ recorder_judge_cost
     `dormouse gate check`'s work on a recording (the one-process reference and
     the judge, one process) over the fleet's compute for the recorded steps,
     in CPU seconds (the fleet's: all ranks), for the full and the sketched
-    recording (goal: <= 3); `wall_ratio` beside it (W x the steps' wall time).
+    recording (goal: <= 3), after one untimed warm-up check (imports, first
+    kernels); `wall_ratio` beside it (W x the steps' wall time).
 
 Rank side: `torchrun ... -m dormouse.bench.recorder --out DIR ...`; driver: `bench_recorder`.
 """
@@ -186,6 +187,7 @@ def bench_recorder(quick: bool, tmp: Path, log=print) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        make_reference(out / "full_r0", log=lambda line: None, force=True)  # warm-up: imports, first kernels
         for kind in ("full", "sketch"):
             d = out / f"{kind}_r0"
             t0, c0 = time.perf_counter(), time.process_time()
