@@ -91,6 +91,15 @@ def check_main(argv: list[str]) -> int:
         v = judge_recording(args.out)
         write_verdict(v, args.out)
         print(format_verdict(v))
+        try:  # the figure, where matplotlib is installed (the [notebooks] extra)
+            import matplotlib  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            from dormouse.gate.show.plots import render
+
+            for path in render(v, args.out):
+                print(f"  figure: {path}")
         return 0 if v.passed else 1
     except DormouseError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -47,6 +47,8 @@ RUNS = {
     "resume_drop_sched": {"fault": "resume_drop_sched", "stop_at": 2, "leg": 1},
     "loss_rank_mean": {"fault": "loss_rank_mean"},
     "sketch_comp_twice": {"fault": "comp_twice", "sketch": 64, "every": 2, "steps": 5},
+    "resume_data": {"fault": "resume_data", "stop_at": 2, "leg": 1},
+    "rank_lr": {"fault": "rank_lr"},
 }
 DEFAULTS = {"steps": 4}
 
@@ -107,6 +109,8 @@ FAULTS = {
     "resume_drop_sched": ("replay", "the resume dropped the lr scheduler's state"),
     "loss_rank_mean": ("loss", "the mean of the ranks' own token means"),
     "sketch_comp_twice": ("gradient", "= W "),
+    "resume_data": ("data", "an example was read twice within epoch 0 (steps 1 and 3"),
+    "rank_lr": ("ranks", "rank 1's parameters differ from rank 0's before step 2"),
 }
 
 
@@ -236,7 +240,11 @@ def test_cli_exit_codes(recordings, tmp_path, capsys):
 
     assert main(["gate", "check", "--out", str(recordings["clean2"])]) == 0
     assert "PASS" in capsys.readouterr().out
-    assert json.loads((recordings["clean2"] / "verdict.json").read_text())["pass"] is True
+    written = json.loads((recordings["clean2"] / "verdict.json").read_text())
+    assert written["pass"] is True
+    import jsonschema
+
+    jsonschema.validate(written, json.loads((ROOT / "docs" / "verdict.schema.json").read_text()))
     assert main(["gate", "check", "--out", str(recordings["comp_none"])]) == 1
     assert "[FAIL] gradient" in capsys.readouterr().out
     assert main(["gate", "check", "--out", str(tmp_path / "nothing")]) == 2

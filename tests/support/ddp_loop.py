@@ -19,6 +19,8 @@ hooks below (`loss_of`, `reported_of`, ...) selected by each run's "fault":
   unused_zero      zero gradients written for an unused parameter, with weight decay
   resume_drop_sched  the resume drops the lr scheduler's state
   loss_rank_mean   the logged loss is a mean of rank means (the gradient is right)
+  resume_data      the resume restarts the epoch's data order from its beginning
+  rank_lr          rank 1's optimizer has another lr (the ranks drift apart)
 """
 
 from __future__ import annotations
@@ -107,13 +109,16 @@ def run(cfg: dict) -> None:
         start = ck["step"]
     if fault == "dropout":
         torch.manual_seed(1234 + rank)
+    if fault == "rank_lr" and rank == 1:
+        for group in opt.param_groups:
+            group["lr"] *= 1.01
     rec = Recorder(out, net, build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
                    objective="causal_lm", max_grad_norm=mgn, dataset_len=n, build_kwargs=kw,
                    sketch=cfg["sketch"], every=cfg["every"], resume=start if cfg["leg"] == 2 else False)
     data = dataset(n, cfg["seed"])
     per_epoch = n // (world * K * B)
     for s in range(start, stop):
-        epoch, j = divmod(s, per_epoch)
+        epoch, j = divmod(s - start if fault == "resume_data" else s, per_epoch)
         idx = order_of(fault, n, world, rank, cfg["seed"], epoch)[j * K * B:(j + 1) * K * B]
         mbs = [collate([data[i] for i in idx[m * B:(m + 1) * B]]) for m in range(K)]
         counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs]

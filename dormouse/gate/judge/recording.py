@@ -485,6 +485,28 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
                                f"every step (bound {CLIP_RTOL:g})")
 
 
+def provenance(rec: A.RecordingSet) -> dict:
+    """The verdict's provenance (docs/verdict.schema.json's keys): the
+    recording's code, torch, device and threads; "corpus" the sha256 of every
+    micro-batch the fleet read (step JSONs and input tensors, in step and rank
+    order), "init" the fingerprint of the recorded initial state."""
+    import hashlib as _h
+
+    p = dict(rec.meta.get("provenance", {}))
+    h = _h.sha256()
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            for key, t in sorted(rec.step_tensors(r, k).items()):
+                if key.startswith("in/") or key == "ids":
+                    h.update(f"{k}:{r}:{key}:{tuple(t.shape)}".encode())
+                    h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    p.update({"corpus": h.hexdigest(), "init": A.fingerprint(rec.init())})
+    for key, default in (("dormouse", ""), ("source", "0" * 64), ("cpu_capability", ""), ("device", "cpu"),
+                         ("threads", 1)):
+        p.setdefault(key, default)
+    return p
+
+
 def judge_recording(out) -> Verdict:
     """The verdict on a recording whose references are in <out>/reference/."""
     out = Path(out)
@@ -493,12 +515,12 @@ def judge_recording(out) -> Verdict:
     if not A.reference_meta_path(out).exists():
         return Verdict(str(out), False, [Check("complete", False, "no one-process reference: run "
                                                                   "`dormouse gate check --out DIR`, which makes it")],
-                       [], rec.meta.get("provenance", {}))
+                       [], provenance(rec))
     ref = _Ref(out)
     if ref.meta.get("run") != rec.run or ref.meta.get("steps") != rec.steps:
         return Verdict(str(out), False, [Check("complete", False, "the reference was made from another recording:"
                                                                   " re-run `dormouse gate check`")],
-                       [], rec.meta.get("provenance", {}))
+                       [], provenance(rec))
     checks = [Check("complete", True, f"recording of {len(rec.steps)} steps, {rec.world_at(rec.steps[-1])} ranks, "
                                       f"{len(rec.meta['segments'])} segment(s); the one-process reference made "
                                       f"from it ({ref.meta.get('mode')})")]
@@ -512,5 +534,4 @@ def judge_recording(out) -> Verdict:
     checks.append(check_loss(rec, ref, grad.passed and replay.passed))
     checks.append(check_ranks(rec))
     checks.append(check_clip(rec, ref))
-    return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"],
-                   rec.meta.get("provenance", {}))
+    return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"], provenance(rec))

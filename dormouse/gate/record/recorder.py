@@ -164,6 +164,12 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _version() -> str:
+    import dormouse
+
+    return dormouse.__version__
+
+
 def _number(x):
     if x is None:
         return None
@@ -314,8 +320,9 @@ class Recorder:
             "objective": objective, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
             "fsdp": bool(self.placements), "closed": False,
-            "provenance": {"torch": torch.__version__, "dormouse": A.source_hash(),
+            "provenance": {"torch": torch.__version__, "dormouse": _version(), "source": A.source_hash(),
                            "device": self._device(), "threads": torch.get_num_threads(),
+                           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                            "code": code_hashes([build_model, build_optimizer, objective])},
         }
         if prior is None:
@@ -325,6 +332,9 @@ class Recorder:
             atomic.write_bytes(A.init_path(self.out, self.rank),
                                st_save(state, metadata={"placements": json.dumps(self.placements)}))
         self._write_recording()
+        if self.sketch_k:  # the buckets once, here, so that no step pays for them
+            named = list(self.module.named_parameters())
+            self._sketch_all({n: _local(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = _Writer()
         self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
@@ -477,7 +487,7 @@ class Recorder:
             meta["grad_norm"] = grad_norm
         if clip_coef is not None:
             meta["clip_coef"], meta["clipped"] = clip_coef, True
-        # the writer keeps order: this JSON replaces the one step() queued
+        # through the writer, after the step's own JSON (its queue keeps the order)
         self._writer.write(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1).encode())
 
     def close(self) -> None:
