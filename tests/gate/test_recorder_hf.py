@@ -256,3 +256,12 @@ def test_bad_callback_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: build_model '__main__:build_model' names the script being run")
     assert not (tmp_path / "c" / "bad" / "recording.json").exists()
+
+
+def test_callback_without_transformers_is_one_line():
+    """Without the [hf] extra, importing the callback says what to install."""
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from dormouse.errors import DormouseError\n"
+            "try:\n    import dormouse.gate.record.hf\nexcept DormouseError as e:\n    print(e); sys.exit(2)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pip install 'dormouse[hf]'" in done.stdout, done.stdout + done.stderr
