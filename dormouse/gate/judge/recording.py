@@ -24,8 +24,9 @@ replay        fact 4: the user's optimizer and scheduler replayed in one process
               from the initial state on the recorded gradients give the recorded
               parameters BITWISE before every step and after the last, across
               resumes, and the recorded lr; a resume that reset the scheduler is
-              named. (Sketch / every-k recordings: the one-process run within
-              RUN_RTOL instead.)
+              named. (Sketch / every-k recordings: the one-process run trained
+              on the declared objective instead, within FLOOR_MULTIPLE x its
+              own drift from a copy started one ulp away.)
 data          no example read by two ranks (or twice) in one step; none twice
               within an epoch of dataset_len examples (skipped, and said, when
               the length is unknown).
