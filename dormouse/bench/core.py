@@ -52,6 +52,11 @@ pipeline_verdict_s, pipeline_wall_s, pipeline_parts_s
     is printed and until it ends (the four notebooks presented), and each part
     alone (dormouse.bench.gate.pipeline_timing): the single run with its
     floors, the fleet's launches, gradref, the replay, the judge, one notebook.
+recorder_overhead, recorder_judge_cost
+    the Recorder (issue 13) on a plain 2-rank DDP loop of a small GPT-like
+    model: its step-time overhead with sketches (goal <= 1.05) and the cost of
+    `dormouse gate check` over the fleet's compute for the recorded steps
+    (goal <= 3); see dormouse.bench.recorder.
 gate_smallest_caught_eps
     the gate's sensitivity (dormouse.bench.gate): the smallest eps for which
     rank 1's local gradient times (1 + eps N(0,1)) at one step of a 2-rank
@@ -587,6 +592,21 @@ def format_table(res: dict) -> str:
     row("gate_smallest_caught_eps", _fmt(res.get("gate_smallest_caught_eps")),
         f"rank {sens.get('rank')} x (1 + eps N(0,1)) at step {sens.get('step')}; largest passed "
         f"{_fmt(sens.get('largest_passed'))}" if sens else "")
+    rb = d.get("recorder")
+    if rb:
+        o, j = rb["overhead"], rb["judge_cost"]
+        row("recorder_overhead", _fmt(res["recorder_overhead"], ".3f"),
+            f"sketch k=256 every step, median of {rb['rounds']} rounds, spread {_spread(o['sketch'])}; CPU "
+            f"{o['sketch']['cpu_ratio']:.3f}, inside rec.step {o['sketch']['in_step_fraction']:.1%} of the step; "
+            f"full tensors {o['full']['median']:.3f} (CPU {o['full']['cpu_ratio']:.3f}), "
+            f"sketch every 10th {o['sketch_every10']['median']:.3f} ({rb['params']} params, "
+            f"{rb['tokens_per_rank_step']} tokens/rank/step; goal <= 1.05)")
+        row("recorder_judge_cost", _fmt(res["recorder_judge_cost"], ".2f"),
+            f"gate check {j['sketch']['judge_cpu_s']:.1f} CPU s / fleet {j['sketch']['fleet_cpu_s']:.1f} CPU s "
+            f"(sketched, {j['sketch']['verdict']}); full tensors {j['full']['ratio']:.2f} ({j['full']['verdict']}); "
+            "goal <= 3")
+    else:
+        row("recorder_overhead", "null", d.get("recorder_error", "")[:80])
     if lf:
         row("fleet_launch_fixed_s", "", "")
         row("  import_torch_s", _fmt(lf["import_torch_s"], ".2f"),
@@ -694,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline_parts_s": None,
         "fleet_launch_fixed_s": None,
         "gate_smallest_caught_eps": None,
+        "recorder_overhead": None,
+        "recorder_judge_cost": None,
     }
     with tempfile.TemporaryDirectory(prefix="dormouse-bench-") as tmp:
         log("fleet: one torchrun launch of 2 ranks (ours / DDP / both / solo, alternating) ...")
@@ -713,6 +735,17 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             details["exact_error"] = str(e)
             notes.append(f"exact bench failed: {str(e)[:300]}")
+        log("recorder: a plain 2-rank DDP loop with and without the Recorder, then gate check ...")
+        try:
+            from dormouse.bench.recorder import bench_recorder
+
+            rb = bench_recorder(args.quick, Path(tmp), log)
+            details["recorder"] = rb
+            res["recorder_overhead"] = rb["overhead"]["sketch"]["median"]
+            res["recorder_judge_cost"] = rb["judge_cost"]["sketch"]["ratio"]
+        except Exception as e:  # a measurement that failed is a note, not a crash of the bench
+            details["recorder_error"] = str(e)
+            notes.append(f"recorder bench failed: {str(e)[:300]}")
         log("launch fixed costs ...")
         try:
             res["fleet_launch_fixed_s"] = bench_launch(args.quick, Path(tmp))

@@ -7,6 +7,7 @@ driver, runnable by hand. Every flag is a GateSettings field.
     python -m dormouse.gate gradref --out /tmp/g
     python -m dormouse.gate replay --out /tmp/g
     python -m dormouse.gate verdict --out /tmp/g [--json]
+    python -m dormouse.gate check --out DIR      # a recording of YOUR loop (dormouse.gate.Recorder)
 
 single: one process at the fleet's GLOBAL batch (the reference curve, its
 one-ulp floor and, under --reduce exact, the exact reference); rank: one
@@ -15,7 +16,9 @@ steps and resumes at --resume-world ranks, so it is launched twice, --leg 1
 and --leg 2; with --resume-world 0 once); gradref: the hand-computed
 token-weighted gradient at every step of the fleet's run; replay: the fleet's
 run replayed in one process from its recorded gradients; verdict: judge what
-the out dir holds. (`--mode NAME` is accepted for the mode as well.)
+the out dir holds; check: judge a recording made by dormouse.gate.Recorder
+(making its one-process reference first when missing or stale), print the
+verdict, write <out>/verdict.json. (`--mode NAME` is accepted for the mode as well.)
 
 Exit status: 0 the gate passed (or a mode ran), 1 the gate failed, 2 bad
 input, 3 a run crashed.
@@ -69,8 +72,50 @@ def _argv(argv: list[str]) -> list[str]:
     return out
 
 
+def check_main(argv: list[str]) -> int:
+    """`dormouse gate check --out DIR`: reference (if missing or stale), judge, show."""
+    p = _Parser(prog="dormouse gate check", description="judge a recording of your own training loop")
+    p.add_argument("--out", required=True, help="the directory the Recorder wrote")
+    p.add_argument("--force", action="store_true", help="remake the one-process reference even if current")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the reference")
+    args = p.parse_args(argv)
+    try:
+        import torch
+
+        from dormouse.gate.judge.recording import judge_recording
+        from dormouse.gate.record.reference import make_reference
+        from dormouse.gate.show.text import format_verdict, write_verdict
+
+        torch.set_num_threads(args.threads)
+        make_reference(args.out, force=args.force, log=lambda line: print(line, file=sys.stderr, flush=True))
+        v = judge_recording(args.out)
+        write_verdict(v, args.out)
+        print(format_verdict(v))
+        try:  # the figure, where matplotlib is installed (the [notebooks] extra)
+            import matplotlib  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            from dormouse.gate.show.plots import render
+
+            for path in render(v, args.out):
+                print(f"  figure: {path}")
+        return 0 if v.passed else 1
+    except DormouseError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:  # a bug, not bad input: its traceback, then one line
+        import traceback
+
+        traceback.print_exc()
+        print(f"crashed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 3
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _argv(list(sys.argv[1:] if argv is None else argv))
+    if argv and argv[0] == "check":
+        return check_main(argv[1:])
     args = parser().parse_args(argv)
     mode = args.mode or args.mode_flag
     if mode is None or (args.mode and args.mode_flag and args.mode != args.mode_flag):
