@@ -77,7 +77,7 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
     with tempfile.TemporaryDirectory(prefix="dormouse-sensitivity-") as tmp:
         plan = [GateSettings(out=str(Path(tmp) / f"e{i}"), steps=steps).validate() for i in range(len(eps))]
         table = {str(s.out_dir): e for s, e in zip(plan, eps)}
-        log(f"sensitivity: {len(plan)} fleets of capacity {plan[0].capacity!r}, eps {eps[0]:g} .. {eps[-1]:g}")
+        log(f"sensitivity: {len(plan)} fleets of profile {plan[0].profile!r}, eps {eps[0]:g} .. {eps[-1]:g}")
         launch_plan(plan, timeout_s=900, stream=lambda line: None, entry=["-m", "dormouse.bench.gate"],
                     env={ENV: json.dumps(table)})
         modes.run_single(plan[0], log=lambda line: None)
@@ -95,7 +95,7 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
             log(f"  eps {e:8.1e}: {'CAUGHT by ' + ', '.join(failed) if failed else 'passed'}"
                 f" (gradref worst {rows[-1]['gradref_worst']:.2e})")
     caught = [r["eps"] for r in rows if r["caught"]]
-    return {"step": STEP, "rank": 1, "capacity": plan[0].capacity, "ladder": rows,
+    return {"step": STEP, "rank": 1, "profile": plan[0].profile, "ladder": rows,
             "smallest_caught": min(caught) if caught else None,
             "largest_passed": max((r["eps"] for r in rows if not r["caught"]), default=None)}
 

@@ -26,11 +26,12 @@ from safetensors.torch import save as st_save
 
 from dormouse import atomic
 from dormouse.errors import DormouseError
+from dormouse.train.newton_schulz import resolve_kernel
 from dormouse.train.tensors import fingerprint
 
 SCHEMA = 2
 # Provenance keys every artifact of one gate run must share.
-PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "corpus", "init")
+PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "ns_kernel", "corpus", "init")
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,6 +64,7 @@ def provenance(*, device: str, corpus: Path, init: str) -> dict:
     return {"dormouse": dormouse.__version__, "source": source_hash(), "torch": torch.__version__,
             "device": dev, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "corpus": file_hash(Path(corpus)),
+            "ns_kernel": resolve_kernel("auto", torch.bfloat16, device),  # what ns_kernel="auto" runs here
             "init": init}
 
 

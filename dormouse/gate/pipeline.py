@@ -19,7 +19,7 @@ from dormouse.errors import DormouseError
 from dormouse.gate.judge.checks import Verdict, judge
 from dormouse.gate.show.text import VERDICT_FILE, format_verdict, write_verdict
 from dormouse.gate.record.produce import SETS, Log, ensure_all, locked, status
-from dormouse.gate.settings import (ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
+from dormouse.gate.settings import (ALIASES, ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
                                     add_arguments, check)
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -42,7 +42,7 @@ def verdict(s: GateSettings) -> Verdict:
     """Judge the out dir under every set's lock, after checking that the sets
     are still those `s` asks for (another notebook may have replaced them)."""
     with locked(s.out_dir, *SETS):
-        sets = [n for n in SETS if n != "single" or s.global_batch() is not None]
+        sets = [n for n in SETS if n != "single" or s.plan.global_batch is not None]
         changed = next((w for w in (status(n, s) for n in sets) if w), None)
         if changed:
             raise DormouseError(f"the artifacts changed while the verdict was being taken ({changed}): "
@@ -109,11 +109,12 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
                             "repository installed with `pip install -e .` (a plain install has no notebooks)")
     import papermill as pm
 
-    # The validated values (capacity normalised, out absolute); a world given
-    # without a profile runs the batch on every rank, in every notebook.
-    given = {k: getattr(p, k) for k in overrides}
-    if "world" in overrides and "capacity" not in overrides:
-        given["capacity"] = p.capacity
+    # The validated values (profile normalised, out absolute, old names as
+    # new); a world given without a profile runs the batch on every rank, in
+    # every notebook.
+    given = {ALIASES.get(k, k): getattr(p, ALIASES.get(k, k)) for k in overrides}
+    if "world" in given:
+        given["profile"] = p.profile
     if "out" in given:
         given["out"] = str(p.out_dir)
     if executed is None:
@@ -130,8 +131,8 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
     for name in notebooks:
         declared = notebook_parameters(NOTEBOOK_DIR / name)
         params = {k: v for k, v in given.items() if k in declared}
-        if name.startswith("01") and p.global_batch() is None:
-            log(f"== {name}: skipped (capacity {p.capacity!r} mixes window lengths: no single-process curve)")
+        if name.startswith("01") and p.plan.global_batch is None:
+            log(f"== {name}: skipped (profile {p.profile!r} mixes window lengths: no single-process curve)")
             continue
         runs.append((name, params))
 
@@ -176,7 +177,7 @@ def _cli() -> argparse.ArgumentParser:
     a.add_argument("--out", dest="out", default=argparse.SUPPRESS,
                    help="artifact directory (default: <repository>/artifacts/gate)")
     a.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                   help="a notebook parameter (papermill's conversion), e.g. -p world 3 -p capacity 4,2,1")
+                   help="a notebook parameter (papermill's conversion), e.g. -p world 3 -p profile 4,2,1")
     a.add_argument("-r", "--raw", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                    help="a parameter kept as a string")
     a.add_argument("--executed", default=None,

@@ -19,7 +19,7 @@ PROFILES = {2: "3,1", 3: "2,1,1", 4: "1,2,1,2"}
 @pytest.fixture(scope="module")
 def exact_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("exact_gate")
-    plan = {w: GateSettings(out=str(base / f"w{w}"), world=w, capacity=c, reduce="exact", micro_batch=1, lr=1e-2,
+    plan = {w: GateSettings(out=str(base / f"w{w}"), world=w, profile=c, reduce="exact", micro_batch=1, lr=1e-2,
                             steps=50).validate() for w, c in PROFILES.items()}
     fleets(list(plan.values()))
     for s in plan.values():

@@ -28,13 +28,15 @@ from dormouse.gate.record.reference import make_reference
 FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)
 RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstring says what each field does)
     f"clean:avg=1:{FIX}",                     # HF's default average_tokens_across_devices=True
-    f"clean_s1:avg=1:seed=1:eval=2:{FIX}",    # another data and shuffle seed; an eval every 2 steps
+    f"clean_s1:avg=1:seed=1:eval=2:gc=1:{FIX}",  # another seed, an eval every 2 steps, gradient checkpointing
+    f"clean_s2:avg=1:seed=2:unused=1:{FIX}",       # another seed, a parameter the forward never uses
     "stock:avg=1",                            # HF's defaults with GPT2LMHeadModel as it comes
     f"local:avg=0:{FIX}",                     # average_tokens_across_devices=False
     f"mean_of_means:fault=mean_of_means:{FIX}",
     f"no_world_comp:ga=3:fault=no_world_comp:{FIX}",  # GA 3 so that W and K differ: the factor is named alone
     f"world_comp_x2:ga=3:fault=world_comp_x2:{FIX}",
     f"logged_rank_means:fault=logged_rank_means:{FIX}",
+    f"unused_zero:unused=1:fault=unused_zero:{FIX}",
     f"resume:leg=1:{FIX}", f"resume:leg=2:{FIX}",  # a checkpoint after step 2, resumed to step 4
     f"resume_no_sched:leg=1:{FIX}", f"resume_no_sched:leg=2:fault=no_sched_file:{FIX}",
 ]
@@ -68,6 +70,13 @@ def checks(v) -> dict:
 
 def failed(v) -> set[str]:
     return {c.name for c in v.checks if not c.passed}
+
+
+def gradient_wrong(v) -> None:
+    """A wrong gradient fails gradient and loss; clip, when it fails, points at the gradient."""
+    assert not v.passed and {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    if "clip" in failed(v):
+        assert "the gradient itself is wrong (see gradient)" in checks(v)["clip"].reason
 
 
 # --------------------------------------------------------------------------- what the callback records
@@ -104,11 +113,14 @@ def test_callback_records_the_trainer_step(fleet):
 # --------------------------------------------------------------------------- clean runs pass
 
 
-@pytest.mark.parametrize("name", ["clean", "clean_s1"])
+@pytest.mark.parametrize("name", ["clean", "clean_s1", "clean_s2"])
 def test_average_tokens_across_devices_true_passes(fleet, name):
     """HF's default (average_tokens_across_devices=True, the Trainer counting
     the shifted labels): the fleet trains what one process trains at the
-    global batch, every check passing."""
+    global batch, every check passing, at three data seeds (clean_s1 also
+    evaluates and uses gradient checkpointing; clean_s2 holds a parameter
+    its forward never uses: DDP, with accelerate's find_unused_parameters=True,
+    leaves its gradient None)."""
     v = verdict(fleet, name)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     c = checks(v)
@@ -127,7 +139,7 @@ def test_gpt2_as_it_comes_overcounts_tokens(fleet):
     N / (N + rows): not a constant, so no named factor; the logged loss is low
     by the same factor."""
     v = verdict(fleet, "stock")
-    assert not v.passed and {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    gradient_wrong(v)
     assert "not by a constant factor" in checks(v)["gradient"].reason
     rec = A.RecordingSet(fleet / "stock")
     for k in rec.steps:
@@ -148,7 +160,7 @@ def test_average_tokens_across_devices_false_fails_rank_means(fleet):
     not the global token mean (equal only at steps whose ranks hold as many
     tokens). The logged loss is the same mean of rank means."""
     v = verdict(fleet, "local")
-    assert not v.passed and {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    gradient_wrong(v)
     assert "each rank normalised by its own token count" in checks(v)["gradient"].reason
     assert "mean of the ranks' own token means" in checks(v)["loss"].reason
 
@@ -160,7 +172,7 @@ def test_mean_of_micro_batch_means_fails(fleet):
     """HF's pre-fix (2024) gradient accumulation: each micro-batch's own token
     mean, averaged over micro-batches and ranks."""
     v = verdict(fleet, "mean_of_means")
-    assert not v.passed and {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    gradient_wrong(v)
     assert "mean of per-micro-batch token means" in checks(v)["gradient"].reason
     assert "mean of per-micro-batch token means" in checks(v)["loss"].reason
 
@@ -171,9 +183,18 @@ def test_world_size_compensation_fails_with_its_factor(fleet, name, factor):
     average) left out, or applied twice: the gradient is 1/W or W times the
     objective's, and the factor is named (W = 2, K = 3 here)."""
     v = verdict(fleet, name)
-    assert not v.passed and "gradient" in failed(v)
+    gradient_wrong(v)
     reason = checks(v)["gradient"].reason
     assert f"= {factor} (W = 2 ranks, K = 3 micro-batches)" in reason
+
+
+def test_zero_gradients_for_unused_parameters_fail_the_mask(fleet):
+    """A callback that gives the unused parameter a zero gradient (what DDP
+    once did): AdamW's weight decay moves it where one process leaves it."""
+    v = verdict(fleet, "unused_zero")
+    assert failed(v) == {"grad_mask"}
+    assert "extra.bias, extra.weight had a gradient (all zeros)" in checks(v)["grad_mask"].reason
+    assert set(A.RecordingSet(fleet / "clean_s2").step_meta(0, 1)["no_grad"]) == {"extra.weight", "extra.bias"}
 
 
 def test_resume_from_a_trainer_checkpoint_passes(fleet):
@@ -235,3 +256,12 @@ def test_bad_callback_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: build_model '__main__:build_model' names the script being run")
     assert not (tmp_path / "c" / "bad" / "recording.json").exists()
+
+
+def test_callback_without_transformers_is_one_line():
+    """Without the [hf] extra, importing the callback says what to install."""
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from dormouse.errors import DormouseError\n"
+            "try:\n    import dormouse.gate.record.hf\nexcept DormouseError as e:\n    print(e); sys.exit(2)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pip install 'dormouse[hf]'" in done.stdout, done.stdout + done.stderr

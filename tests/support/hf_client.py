@@ -22,6 +22,9 @@ optimizer and schedule (`build_optimizer`), on the same generated data
               a checkpoint; leg 2 resumes from it (`trainer.train(resume_from_checkpoint=...)`)
               to `steps`, recording into the same directory
   stop=S      leg 1's last step (default 2)
+  gc=1        gradient checkpointing (the layers' forwards re-run in backward)
+  bf16=1      bf16 autocast (TrainingArguments.bf16)
+  unused=1    the model holds a parameter its forward never uses (build_model(unused=True))
   build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
   loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
               (its class name holds no "ForCausalLM"), so transformers 5.24's
@@ -44,6 +47,9 @@ optimizer and schedule (`build_optimizer`), on the same generated data
     logged_rank_means  the gradient is right, but the loss the Trainer logs is the
                     mean over ranks of each rank's own token mean
                     (training_step returns S_r / N_r instead of the Trainer's W S_r / N)
+    unused_zero     (with unused=1) a callback before the Recorder gives every parameter
+                    without a gradient a zero one at on_pre_optimizer_step (what DDP
+                    once did, pytorch #28294): AdamW's weight decay then moves it
     no_sched_file   (leg 2) the checkpoint's scheduler.pt is missing (a checkpoint copied
                     without it): transformers 5.24 then loads NEITHER the optimizer's nor
                     the scheduler's state, silently, and resumes with fresh ones
@@ -74,8 +80,9 @@ MODEL_SEED = 1234  # the initial model's seed: one initial model for every run
 MODULE = "hf_client"  # this file's module name wherever tests/support is on sys.path (not __main__)
 
 
-def build_model():
-    """The same random-init GPT-2 in any process: 2 layers, n_embd 32, no dropout."""
+def build_model(unused: bool = False):
+    """The same random-init GPT-2 in any process: 2 layers, n_embd 32, no dropout;
+    `unused` adds a Linear(4, 4) the forward never calls (`model.extra`)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
@@ -84,12 +91,15 @@ def build_model():
     g = torch.random.get_rng_state()
     torch.manual_seed(MODEL_SEED)
     try:
-        return GPT2LMHeadModel(cfg)
+        model = GPT2LMHeadModel(cfg)
+        if unused:
+            model.extra = torch.nn.Linear(4, 4)
+        return model
     finally:
         torch.random.set_rng_state(g)
 
 
-def build_optimizer(model):
+def build_optimizer(model, unused: bool = False):
     """AdamW (weight decay 0.01 on matrices, none on biases and LayerNorm, HF's
     split) and a linear warm-up/decay schedule: what every run hands the Trainer."""
     from transformers import get_linear_schedule_with_warmup
@@ -127,8 +137,8 @@ def trainer_class(fault: str | None):
     """transformers.Trainer, or a subclass with the planted fault."""
     from transformers import Trainer
 
-    if fault in (None, "", "mean_of_means", "no_sched_file"):
-        return Trainer  # mean_of_means is a Trainer attribute, set after construction; no_sched_file a file
+    if fault in (None, "", "mean_of_means", "no_sched_file", "unused_zero"):
+        return Trainer  # mean_of_means: a Trainer attribute; no_sched_file: a file; unused_zero: a callback
 
     class Faulty(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -161,12 +171,13 @@ def trainer_class(fault: str | None):
 def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
     run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "eval": 0, "fault": None,
-           "loss_type": None, "build": MODULE, "leg": 0, "stop": 2}
+           "loss_type": None, "build": MODULE, "leg": 0, "stop": 2, "gc": 0, "bf16": 0,
+           "unused": 0}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
             run["avg"] = v == "1"
-        elif k in ("seed", "steps", "ga", "eval", "leg", "stop"):
+        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16", "unused"):
             run[k] = int(v)
         elif k in ("fault", "loss_type"):
             run[k] = v
@@ -184,9 +195,10 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
     from dormouse.gate.record.hf import RecorderCallback
 
     # the gate's line: a bad argument fails here, in one line, before anything is built
+    kw = {"unused": True} if run["unused"] else {}
     recorder = [RecorderCallback(out / run["name"], build_model=f"{run['build']}:build_model",
-                                 build_optimizer=f"{run['build']}:build_optimizer", objective="causal_lm")
-                ] if record else []
+                                 build_optimizer=f"{run['build']}:build_optimizer", objective="causal_lm",
+                                 build_kwargs=kw)] if record else []
     args = TrainingArguments(
         output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
         per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
@@ -194,9 +206,9 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
         save_strategy="steps" if run["leg"] == 1 else "no", save_steps=run["stop"], report_to="none",
         disable_tqdm=True, seed=run["seed"], average_tokens_across_devices=run["avg"],
         dataloader_num_workers=0, eval_strategy="steps" if run["eval"] else "no", eval_steps=run["eval"] or None,
-        per_device_eval_batch_size=4,
+        per_device_eval_batch_size=4, gradient_checkpointing=bool(run["gc"]), bf16=bool(run["bf16"]),
     )
-    model = build_model()
+    model = build_model(**kw)
     if run.get("loss_type"):
         model.loss_type = run["loss_type"]
     logged: list[dict] = []
@@ -205,11 +217,17 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
         def on_log(self, args, state, control, logs=None, **kw):
             logged.append({"step": state.global_step, **(logs or {})})
 
-    callbacks = [Keep()] + recorder
+    class ZeroUnused(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            for p in model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
+    callbacks = [Keep()] + ([ZeroUnused()] if run["fault"] == "unused_zero" else []) + recorder
     held_out = PaddedSequences(run["seed"] + 1_000) if run["eval"] else None
     trainer = trainer_class(run["fault"])(model=model, args=args, train_dataset=PaddedSequences(run["seed"]),
                                           eval_dataset=held_out,
-                                          optimizers=build_optimizer(model), callbacks=callbacks)
+                                          optimizers=build_optimizer(model, **kw), callbacks=callbacks)
     if run["fault"] == "mean_of_means":
         trainer.model_accepts_loss_kwargs = False
     checkpoint = None

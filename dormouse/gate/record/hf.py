@@ -46,9 +46,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import TrainerCallback
-
 from dormouse.gate.record.recorder import INPUTS, Recorder, RecorderError, check_options
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # the [hf] extra is not installed
+    raise RecorderError(f"dormouse.gate.record.hf needs transformers and accelerate ({e}): "
+                        "pip install 'dormouse[hf]'") from None
 
 
 class RecorderCallback(TrainerCallback):
