@@ -161,23 +161,13 @@ def run_exact(s: GateSettings, log=print) -> dict:
     """The exact reference: one process computing the fleet's own slices
     (micro_batch windows each, in global slice order) summed in the fixed
     order of reduce="exact": a fleet must equal it bitwise."""
-    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=s.micro_batch or _smallest_batch(s))
+    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=s.micro_batch)  # settings chose it
     model = build(s).to(_device(s))
     init = fingerprint(named_state(model))
     report, trace = _traced(s, model, run, "exact", log)
     trace.save(s.out_dir, "exact")
     return _save(s, "exact", named_state(model), report["losses"], init=init, mode="exact",
                  config=run.to_dict(), micro_batch=run.train.micro_batch)
-
-
-def _smallest_batch(s: GateSettings) -> int:
-    """micro_batch 0 means a rank's whole batch: the exact reference's slices
-    must then be the ranks' batches, which only an even profile allows."""
-    batches = {sh.batch for sh in s.shapes()}
-    if len(batches) != 1:
-        raise DormouseError(f"reduce='exact' with an uneven profile {s.capacity!r} needs micro_batch > 0 "
-                            "dividing every rank's batch (the exact reference computes the fleet's slices)")
-    return batches.pop()
 
 
 # --------------------------------------------------------------------------- the fleet
