@@ -117,11 +117,11 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> list[
             "is a different network. Use moe_capacity = 0 (dropless) for data-parallel runs"
         )
     if model is not None:
-        if m.bf16:
+        if m.bf16 and any(p.dtype != torch.bfloat16 for p in model.parameters() if p.is_floating_point()):
             raise FleetError(
-                "model.bf16 is True but a pre-built model was passed: the run must build and "
-                "cast the model itself so every rank (and the reference) holds the same "
-                "bfloat16 weights. Pass model=None"
+                "model.bf16 is True but the pre-built model holds float32 parameters: build it and cast it "
+                "before the fleet starts (model.to(torch.bfloat16)), the same way on every rank and in the "
+                "reference, or pass model=None"
             )
         built = getattr(model, "cfg", None)
         if built is not None and built != m:
