@@ -55,7 +55,7 @@ class GateSettings:
     opt: str = "mix"  # mix (Muon + AdamW) | adamw
     shard: str = "none"  # none (replicated) | fsdp (FSDP2)
     reduce: str = "fp32"  # the fleet's gradient reduce: fp32 | bf16 (wire) | exact (fixed summation order)
-    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch; under reduce exact the gcd of every leg's rank batches, so the slices survive the resume)
+    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch; under reduce exact the gcd of the rank batches of every leg)
     data_order: str = "shuffle"  # which span each step reads: shuffle (seeded, per epoch) | sequential
     preset: str = ""  # the network by preset name, tiny or small, with the fixture recipe (empty: tiny)
     config: str = ""  # the network and recipe from a RunConfig JSON file, as dormouse train writes (empty: off)
