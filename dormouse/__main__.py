@@ -2,7 +2,7 @@
 
     dormouse train --preset tiny --steps 200 --out runs/a
     dormouse train --config runs/a/run.json --set train.steps=400 --resume
-    torchrun --standalone --nproc_per_node=2 -m dormouse train --dist --capacity 4,2 --out runs/f
+    torchrun --standalone --nproc_per_node=2 -m dormouse train --dist --profile 4,2 --out runs/f
     dormouse sample --ckpt runs/a/dormouse.pt --prompt "def " --tokens 200 --seed 0
     dormouse eval --ckpt runs/a/dormouse.pt --data held_out.txt
     dormouse gate ... | pipeline ... | bench ... | soak ...   (their own --help)
@@ -26,7 +26,7 @@ from pathlib import Path
 from unittest import mock
 
 from dormouse import __version__
-from dormouse.config import DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, PRESETS, ModelConfig, RunConfig, TrainConfig, preset
+from dormouse.config import ALIASES, DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, PRESETS, ModelConfig, RunConfig, TrainConfig, preset
 from dormouse.errors import ConfigError, DormouseError, FleetError
 
 # Subcommands that hand the rest of the command line, unchanged, to their own main(argv).
@@ -91,7 +91,7 @@ def finite_float(text: str) -> float:
 TRAIN_FLAGS = [
     ("--data", "data", str, None, "corpus file of bytes ('' = the built-in corpus: dormouse's own source)"),
     ("--steps", "steps", int, None, "optimizer steps in all (a resumed run continues up to this)"),
-    ("--batch", "batch", int, None, "windows per step (per rank in a fleet without --capacity)"),
+    ("--batch", "batch", int, None, "windows per step (per rank in a fleet without --profile)"),
     ("--seq-len", "seq_len", int, None, "tokens per window (at most the model's max_seq_len)"),
     ("--lr", "lr", float, None, "peak learning rate"),
     ("--seed", "seed", int, None, "seeds the initial parameters and the shuffled data order"),
@@ -99,12 +99,12 @@ TRAIN_FLAGS = [
     ("--out", "out_dir", str, None, "checkpoints, metrics and run.json go here"),
     ("--log-every", "log_every", int, None, "steps between log lines"),
     ("--ckpt-every", "ckpt_every", int, None, "steps between checkpoints, and one at the end (0 = none)"),
-    ("--capacity", "dist_capacity", str, None,
+    ("--profile", "dist_profile", str, None,
      "fleet: per-rank shapes in rank order, 'B' or 'BxT' each, e.g. 4,2 ('' = --batch on every rank)"),
     ("--shard", "dist_shard", str, DIST_SHARDS, "fleet: none = replicated parameters, fsdp = FSDP2 shards"),
     ("--reduce", "dist_reduce", str, DIST_REDUCES, "fleet: how gradients are summed across ranks"),
-    ("--micro-batch", "micro_batch", positive_int, None,
-     "windows per micro-batch: the step's batch is accumulated in slices of this many"),
+    ("--micro-batch", "micro_batch", non_negative_int, None,
+     "windows per micro-batch: the step's batch is accumulated in slices of this many (0 = the whole local batch)"),
 ]
 
 
@@ -134,6 +134,7 @@ def _add_train_parser(sub) -> None:
                        help=f"{text} (default: {shown!s}; with --config, the file's)"
                        if shown is not None else f"{text} (default: the config's)")
     t.add_argument("--out-dir", dest="out_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
+    t.add_argument("--capacity", dest="dist_profile", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="CKPT",
                    help="continue from <out>'s checkpoint if there is one (any world size or sharding); "
                         "--resume CKPT continues from that .pt file or .dcp directory instead, on every "
@@ -181,6 +182,7 @@ def _overrides(pairs: list[str]) -> tuple[dict, dict]:
         section, dot, field = name.partition(".")
         if not dot:
             section, field = "train", name
+        field = ALIASES.get(field, field) if section == "train" else field  # train.dist_capacity: old name
         cls = sections.get(section)
         by_name = {f.name: f for f in dataclasses.fields(cls)} if cls else {}
         if not sep or field not in by_name:
@@ -291,7 +293,7 @@ def _train(args) -> int:
         from dormouse.train.data import ByteCorpus
 
         ByteCorpus(run.train.data, run.train.eval_frac)
-    tokens_per_step = _tokens_per_step(run)  # checks a fleet's --capacity on every rank
+    tokens_per_step = _tokens_per_step(run)  # checks a fleet's --profile and --micro-batch on every rank
     if args.tensorboard:
         from dormouse.train.tracking import require_tensorboard
 
@@ -323,15 +325,11 @@ def _train(args) -> int:
 
 
 def _tokens_per_step(run: RunConfig) -> int:
-    """Tokens of one global step (a fleet's from its capacity profile)."""
-    if not run.train.dist:
-        return run.train.batch * run.train.seq_len
-    from dormouse.train.distributed import parse_capacity
+    """Tokens of one global step (the run's FleetPlan: a fleet's from its profile)."""
+    from dormouse.train.data import FleetPlan
 
-    world = int(os.environ["WORLD_SIZE"])
-    shapes = parse_capacity(run.train.dist_capacity, world_size=world, cfg=run.train,
-                            max_seq_len=run.model.max_seq_len)
-    return sum(s.tokens for s in shapes)
+    world = int(os.environ["WORLD_SIZE"]) if run.train.dist else 1
+    return FleetPlan.of_run(run, world).tokens
 
 
 def _run_training(run: RunConfig, args, log: RankLog, tracker) -> int:

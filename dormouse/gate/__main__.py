@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _argv(argv: list[str]) -> list[str]:
-    """A value that starts with '-' ('--capacity -1,2') is still that flag's
+    """A value that starts with '-' ('--profile -1,2') is still that flag's
     value, so its error names the setting rather than argparse's syntax."""
     out, i = [], 0
     while i < len(argv):

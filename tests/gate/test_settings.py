@@ -2,7 +2,7 @@
 command-line flag and a notebook parameter, to_argv round-tripping through the
 parser, and the bad inputs of issue 8 (finding 8) through the real CLI: exit
 status 2, one line "error: ..." naming the setting, no traceback, nothing
-written. Also: `single` runs at the fleet's global batch (--world/--capacity)."""
+written. Also: `single` runs at the fleet's global batch (--world/--profile)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ BAD = [
     ("opt", "sgd"), ("shard", "zero3"), ("reduce", "fp16"), ("device", "tpu"), ("data_order", "random"),
     ("lr", math.nan), ("lr", -1.0), ("lr", math.inf), ("lr", "0.1"), ("lr", True),
     ("bucket_mb", 0.0), ("bucket_mb", math.nan), ("timeout_s", -1.0), ("produce", "yes"),
-    ("capacity", "-1,2"), ("capacity", "\u0664,2"), ("capacity", "4,2,1"), ("capacity", "4x0,2"),
-    ("capacity", "4;2"), ("capacity", 42),
+    ("profile", "-1,2"), ("profile", "\u0664,2"), ("profile", "4,2,1"), ("profile", "4x0,2"),
+    ("profile", "4;2"), ("profile", 42),
     ("config", "no-such-preset"), ("data", "/no/such/corpus.bin"), ("resume_from", 3),
 ]
 
@@ -56,13 +56,13 @@ def test_a_bad_setting_is_one_sentence_naming_it_and_what_to_do(tmp_path, name, 
 
 
 def test_micro_batch_that_does_not_divide_a_rank_batch_is_refused(tmp_path):
-    with pytest.raises(ParameterError, match=r"^micro_batch = 3 does not divide every rank's batch \(4, 2\)"):
-        GateSettings(out=str(tmp_path / "o"), micro_batch=3, capacity="4,2").validate()
-    assert GateSettings(out=str(tmp_path / "o"), micro_batch=2, capacity="4,2").validate().micro_batch == 2
+    with pytest.raises(ParameterError, match=r"^micro_batch = 3 is not allowed: it does not divide every rank's batch \(4, 2\)"):
+        GateSettings(out=str(tmp_path / "o"), micro_batch=3, profile="4,2").validate()
+    assert GateSettings(out=str(tmp_path / "o"), micro_batch=2, profile="4,2").validate().micro_batch == 2
 
 
-def test_capacity_must_match_the_world(tmp_path):
-    with pytest.raises(ParameterError, match=r"capacity = '4,2' has 2 entries but world = 3"):
+def test_profile_must_match_the_world(tmp_path):
+    with pytest.raises(ParameterError, match=r"profile = '4,2' is not allowed: it has 2 entries but world = 3"):
         GateSettings(out=str(tmp_path / "o"), world=3).validate()
 
 
@@ -84,8 +84,8 @@ def test_cuda_without_a_gpu_names_the_device(tmp_path):
 
 
 def test_validate_normalises(tmp_path):
-    s = GateSettings(out=str(tmp_path / "o"), capacity=" 4 , 2 ", lr=1, steps="3").validate()
-    assert (s.capacity, s.lr, s.steps) == ("4,2", 1.0, 3) and isinstance(s.lr, float)
+    s = GateSettings(out=str(tmp_path / "o"), profile=" 4 , 2 ", lr=1, steps="3").validate()
+    assert (s.profile, s.lr, s.steps) == ("4,2", 1.0, 3) and isinstance(s.lr, float)
     assert s == s.validate()  # idempotent
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.steps = 4
@@ -120,7 +120,7 @@ def test_every_field_is_a_flag_of_the_cli_except_the_notebook_ones():
 
 
 NON_DEFAULT = {
-    "steps": 3, "batch": 3, "world": 2, "capacity": "3,1", "seed": 8, "lr": 0.01, "opt": "adamw",
+    "steps": 3, "batch": 3, "world": 2, "profile": "3,1", "seed": 8, "lr": 0.01, "opt": "adamw",
     "shard": "fsdp", "reduce": "bf16", "micro_batch": 1, "data_order": "sequential", "preset": "tiny",
     "resume_world": 2, "resume_from": "ckpt.pt", "device": "cpu", "threads": 2, "bucket_mb": 8.0,
     "timeout_s": 60.0, "produce": False,
@@ -153,19 +153,19 @@ def test_every_field_is_a_notebook_parameter(tmp_path):
 
 
 def test_the_notebook_check_undoes_papermills_conversions(tmp_path):
-    s = check(out=tmp_path / "p", capacity=4, world=1, config=None)
-    assert (s.capacity, s.world, s.config, s.out) == ("4", 1, "", str(tmp_path / "p"))
-    # a world without a capacity runs the batch on every rank, not the default 2-rank profile
-    assert check(out=str(tmp_path / "p"), world=3).capacity == ""
+    s = check(out=tmp_path / "p", profile=4, world=1, config=None)
+    assert (s.profile, s.world, s.config, s.out) == ("4", 1, "", str(tmp_path / "p"))
+    # a world without a profile runs the batch on every rank, not the default 2-rank profile
+    assert check(out=str(tmp_path / "p"), world=3).profile == ""
 
 
 @pytest.mark.parametrize("over", [
     {},
     {**NON_DEFAULT, **NO_STOP},
     {**NON_DEFAULT, "resume_from": ""},
-    {"capacity": "4x32,2x64", "lr": 1e-7, "bucket_mb": 0.25, **NO_STOP},
-    {"world": 3, "capacity": "", "batch": 1, "reduce": "bf16"},
-], ids=["defaults", "non-default-resumed", "non-default-stopping", "mixed-lengths", "no-capacity"])
+    {"profile": "4x32,2x64", "lr": 1e-7, "bucket_mb": 0.25, **NO_STOP},
+    {"world": 3, "profile": "", "batch": 1, "reduce": "bf16"},
+], ids=["defaults", "non-default-resumed", "non-default-stopping", "mixed-lengths", "no-profile"])
 def test_to_argv_round_trips_through_the_parser(tmp_path, over):
     over = {k: v for k, v in over.items() if k not in _NOT_FLAGS}
     s = GateSettings(out=str(tmp_path / "rt"), **over).validate()
@@ -188,15 +188,15 @@ def _popen(*args: str, cwd: Path) -> subprocess.Popen:
 
 # name: (mode and flags, the setting the one line must name)
 CLI_BAD = {
-    "gradref_batch_0": (["gradref", "--batch", "0", "--capacity", ""], "batch"),
+    "gradref_batch_0": (["gradref", "--batch", "0", "--profile", ""], "batch"),
     "gradref_lr_nan": (["gradref", "--lr", "nan"], "lr"),
     "single_lr_minus_1": (["single", "--lr", "-1"], "lr"),
     "gradref_lr_minus_1": (["gradref", "--lr=-1"], "lr"),
-    "capacity_negative": (["single", "--capacity", "-1,2"], "capacity"),
-    "capacity_arabic_indic_digit": (["single", "--capacity", "\u0664,2"], "capacity"),
+    "profile_negative": (["single", "--profile", "-1,2"], "profile"),
+    "profile_arabic_indic_digit": (["single", "--profile", "\u0664,2"], "profile"),
     "world_0": (["single", "--world", "0"], "world"),
-    "world_3_with_a_2_rank_capacity": (["single", "--world", "3", "--capacity", "4,2"], "capacity"),
-    "micro_batch_3": (["gradref", "--micro-batch", "3", "--capacity", "4,2"], "micro_batch"),
+    "world_3_with_a_2_rank_profile_by_its_old_name": (["single", "--world", "3", "--capacity", "4,2"], "profile"),
+    "micro_batch_3": (["gradref", "--micro-batch", "3", "--profile", "4,2"], "micro_batch"),
     "steps_not_a_number": (["single", "--steps", "abc"], "--steps"),
     "reduce_unknown": (["replay", "--reduce", "fp16"], "reduce"),
     "rank_outside_torchrun_with_bad_lr": (["rank", "--lr", "inf"], "lr"),
@@ -214,7 +214,7 @@ def test_bad_inputs_through_the_cli_exit_2_with_one_line_and_write_nothing(tmp_p
         outs[case] = out
         procs[case] = _popen(*args, "--out", str(out), cwd=tmp_path / case)
     fresh = tmp_path / "fresh" / "out"  # does not exist: it must not be created either
-    procs["gradref_batch_0_fresh"] = _popen("gradref", "--batch", "0", "--capacity", "", "--out", str(fresh),
+    procs["gradref_batch_0_fresh"] = _popen("gradref", "--batch", "0", "--profile", "", "--out", str(fresh),
                                            cwd=tmp_path)
     for case, mode in UNWRITABLE.items():
         procs[case] = _popen(mode, "--out", str(blocker / "sub"), cwd=tmp_path)
@@ -243,8 +243,8 @@ def test_bad_inputs_through_the_cli_exit_2_with_one_line_and_write_nothing(tmp_p
 
 
 def test_single_runs_at_the_fleets_global_batch(tmp_path):
-    """single honours --world/--capacity: its batch is the fleet's global batch."""
-    runs = {"4,2": (["--capacity", "4,2"], 6), "world3": (["--world", "3", "--capacity", "", "--batch", "1"], 3)}
+    """single honours --world/--profile: its batch is the fleet's global batch."""
+    runs = {"4,2": (["--profile", "4,2"], 6), "world3": (["--world", "3", "--capacity", "", "--batch", "1"], 3)}
     procs = {k: _popen("single", "--steps", "1", "--out", str(tmp_path / k), *args, cwd=tmp_path)
              for k, (args, _) in runs.items()}
     for k, proc in procs.items():
@@ -252,7 +252,7 @@ def test_single_runs_at_the_fleets_global_batch(tmp_path):
         assert proc.returncode == 0, stderr[-2000:]
         meta = json.loads((tmp_path / k / "single.json").read_text())
         assert meta["global_batch"] == runs[k][1], (k, meta["global_batch"])
-        assert meta["settings"]["capacity"] == ("4,2" if k == "4,2" else "")
+        assert meta["settings"]["profile"] == ("4,2" if k == "4,2" else "")
         assert len(meta["losses"]) == 1 and math.isfinite(meta["losses"][0])
         # the single process's tokens: one row per window of the global batch
         trace = load_file(str(tmp_path / k / "single_trace.safetensors"))

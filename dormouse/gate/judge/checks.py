@@ -266,7 +266,7 @@ def check_provenance(a: ArtifactSet, names: list[str]) -> Check:
 # Fields of a run that say where and how it ran, not what it computes (the
 # corpus is compared by its hash in the provenance, not by its path).
 RUN_IDENTITY = ("data", "batch", "ckpt_name", "ckpt_every", "out_dir", "resume", "resume_from", "stop_at", "dist",
-                "dist_capacity", "dist_shard", "dist_reduce", "dist_bucket_mb", "micro_batch", "log_every")
+                "dist_profile", "dist_shard", "dist_reduce", "dist_bucket_mb", "micro_batch", "log_every")
 
 
 def check_config(a: ArtifactSet, reference: str) -> Check:
@@ -318,17 +318,26 @@ def check_ranks(a: ArtifactSet) -> Check:
     return Check("ranks", True, f"all ranks bitwise equal{legs_note}{note}")
 
 
-def _unequal_ranks(a: ArtifactSet, names: list[str]) -> list[str]:
+def unequal_to_first(a: ArtifactSet, names: list[str]) -> dict[str, list[str] | None]:
+    """Per rank artifact after the first: None when its losses and every tensor
+    are bitwise the first's, else the unequal tensors, largest difference first
+    (the tensor that went apart, not those it dragged along; [] when only the
+    losses differ)."""
+    if not names:
+        return {}
     ref, ref_losses = a.tensors(names[0]), a.meta(names[0])["losses"]
-    bad = []
+    out: dict[str, list[str] | None] = {}
     for n in names[1:]:
         t = a.tensors(n)
         unequal = [k for k in ref if k not in t or not torch.equal(ref[k], t[k])]
-        # Largest difference first: the tensor that went apart, not those it dragged along.
         unequal.sort(key=lambda k: -relative(t[k], ref[k]) if k in t else -math.inf)
-        if unequal or a.meta(n)["losses"] != ref_losses:
-            bad.append(f"{n} vs {names[0]}: {', '.join(unequal[:3]) or 'losses'}")
-    return bad
+        out[n] = unequal if unequal or a.meta(n)["losses"] != ref_losses else None
+    return out
+
+
+def _unequal_ranks(a: ArtifactSet, names: list[str]) -> list[str]:
+    return [f"{n} vs {names[0]}: {', '.join(u[:3]) or 'losses'}"
+            for n, u in unequal_to_first(a, names).items() if u is not None]
 
 
 def _per_step_tensor(name: str, series_a: dict, series_b: dict, names: list[str], bound, *,
