@@ -58,7 +58,7 @@ class GateSettings:
     opt: str = "mix"  # mix (Muon + AdamW) | adamw
     shard: str = "none"  # none (replicated) | fsdp (FSDP2)
     reduce: str = "fp32"  # the fleet's gradient reduce: fp32 | bf16 (wire) | exact (fixed summation order)
-    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch)
+    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch; under reduce exact the gcd of the rank batches of every leg)
     data_order: str = "shuffle"  # which span each step reads: shuffle (seeded, per epoch) | sequential
     preset: str = ""  # the network by preset name, tiny or small, with the fixture recipe (empty: tiny)
     config: str = ""  # the network and recipe from a RunConfig JSON file, as dormouse train writes (empty: off)
@@ -159,6 +159,15 @@ class GateSettings:
                                  "the fixture's corpus.")
         plan = _planned(lambda: s.plan)
         s = dataclasses.replace(s, profile=plan.profile)  # normalised: '4, 2' -> '4,2'
+        if s.reduce == "exact" and not s.micro_batch:
+            s = dataclasses.replace(s, micro_batch=_exact_micro_batch(s, plan))
+            plan = _planned(lambda: s.plan)
+            if s.shard == "fsdp" and s.world > 1 and max(plan.counts) > 1:
+                raise ParameterError(
+                    f"reduce = 'exact' with shard = 'fsdp' takes one slice per rank (FSDP2 adds a rank's slices "
+                    f"before its reduce-scatter), but profile = {s.profile!r} gives a rank {max(plan.counts)} slices "
+                    f"of {s.micro_batch} windows (the gcd of every leg's rank batches): give every rank the same "
+                    "batch, or shard = 'none'.")
         # Every run the settings describe, checked by the trainer's own rules:
         # the single process's config, and the fleet's refusals (a fleet that
         # would train another network; exact with FSDP takes one slice per rank).
@@ -194,6 +203,25 @@ class GateSettings:
         from dormouse.gate.record.fixtures import make_run
 
         return make_run(self, name=name, dist=dist, **over)
+
+
+def _exact_micro_batch(s: GateSettings, plan) -> int:
+    """Under the exact reduce the slices are the mathematics: the exact
+    reference computes the slices the fleet sums, in every leg. With
+    micro_batch 0 a rank's whole batch would be one slice, and the resume at
+    another world size would change them (two slices of 3 become one of 6):
+    the settings choose micro_batch = gcd of every leg's rank batches, the
+    largest slice every leg shares (FleetPlan.evenly gives the second leg; a
+    resume it cannot split is refused below). Under FSDP2 the fleet's own
+    refusal (refuse_fleet) then names a profile that gives a rank of a fleet
+    several slices."""
+    batches = [sh.batch for sh in plan.shapes]
+    if s.resume_world and s.steps >= 2 and not s.resume_from:
+        try:
+            batches += [sh.batch for sh in plan.evenly(s.resume_world).shapes]
+        except PlanError:
+            pass
+    return math.gcd(*batches)
 
 
 def _planned(make):
