@@ -82,7 +82,7 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
                     shutil.copy(f, s.out_dir / f.name)
             modes.run_gradref(s, log=lambda line: None)
             modes.run_replay(s, log=lambda line: None)
-            v = judge(s.out_dir)
+            v = judge(s.out_dir, s)
             failed = [c.name for c in v.checks if not c.passed]
             gradref = v.check("gradref")
             rows.append({"eps": e, "caught": not v.passed, "failed": failed,

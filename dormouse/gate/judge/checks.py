@@ -9,6 +9,8 @@ code as possible with the fleet:
 complete   every reference that applies is present: gradref, replay, init;
            single when the profile has one global batch; exact under
            reduce="exact". A missing one is a FAIL ("incomplete: no gradref").
+           Which apply comes from the settings (the caller's, else those rank 0
+           was launched with), never from what the artifacts say of themselves.
 provenance every artifact was made by the same code (source hash), torch,
            device, threads, CPU capability, corpus and initial parameters,
            with the same settings.
@@ -25,17 +27,29 @@ gradref    fact 3: at every step the fleet's reduced gradient equals the
            hand-computed token-weighted gradient over bytes gradref read
            itself (GRAD_RTOL; bf16 wire: the elementwise rounding bound), and
            the expert loads the fleet applied equal the ones gradref counted.
+bias       bf16 wire only: the fleet's differences from gradref, scaled by their
+           rounding bound, average to zero within BIAS_SIGMAS standard errors
+           along an offset, a scale and a decay direction (round-to-nearest is
+           unbiased; a systematic error far below the bound is not).
+loss       the logged loss: at every step the fleet's reported loss equals the
+           token-weighted mean of gradref's per-token losses, and every eval
+           loss gradref's over the held-out windows, within LOSS_RTOL ("the
+           logged loss is wrong"), with or without a single process.
 replay     fact 4: the fleet's whole run replayed in one process from init,
            on the fleet's own recorded gradients and gradref's loads, equals
            the fleet's parameters and routing bias BITWISE at every step, its
            final tensors, and its optimizer state at the mid-run checkpoint.
 curve      fact 2 at the global batch: per-step loss within a tolerance from
            the reference's floor runs, nudged by one ulp at the start or at
-           every step's gradient (10 x their running maximum, at least
-           MIN_RTOL; never from a run that splits the batch), the first
-           step's gradients within GRAD_RTOL (both start from the same
-           parameters), and every tensor within its own floor at every step
-           (the routing bias excepted: discrete, judged by routing flips).
+           every step's gradient (under the bf16 wire: every step's gradient
+           rounded to bfloat16 as the wire rounds, independent draws) (10 x
+           their running maximum, at least MIN_RTOL; never from a run that
+           splits the batch), the first step's gradients within GRAD_RTOL
+           (both start from the same parameters), and every tensor within its
+           own floor at every step (the routing bias excepted: discrete,
+           judged by routing flips). A divergence is excused as round-off after
+           a routing flip only before any per-step check failed; else the
+           summary names the first failing check and step.
 exact      fact 2 exactly: under reduce="exact" every step's parameters,
            gradients and loss bitwise equal to the exact reference, else the
            first step, tensor and element, with the difference in ulps.

@@ -117,17 +117,22 @@ def nudge_absolute(tensors, seed: int) -> None:
 
 def round_like_wire(tensors, seed: int) -> None:
     """Round every element to a bfloat16 value as the wire does, with a seeded
-    dither: x -> the bf16 neighbour below or above |x|, above with probability
-    (|x| - lo) / (hi - lo) (random bits added below bf16's 8-bit significand,
-    then cut off). Unbiased, off by less than one bf16 ulp of x, and
-    independent from draw to draw: the wire's round-to-nearest of a sum with
-    another draw of the summands' low bits."""
+    dither: x -> SR(x + xi u m), xi uniform in (-1, 1), m the tensor's mean
+    magnitude, u = 2^-8, and SR stochastic rounding to one of the two bf16
+    neighbours (random bits added below bf16's 8-bit significand, then cut
+    off: unbiased). The wire rounds the ranks' summands and their partial sums,
+    each off by up to u of its own size, so an element whose summands nearly
+    cancel moves by u of the summands, not of itself (the dither's u m); the
+    rest is the rounding of the element itself (SR, under one bf16 ulp).
+    Independent from draw to draw, and no run splits the batch."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for t in tensors:
-            bits = t.detach().float().contiguous().view(torch.int32)
+            x = t.detach().float()
+            xi = torch.rand(t.shape, generator=gen).to(t.device) * 2 - 1
+            x = (x + xi * 2.0**-8 * x.abs().mean()).contiguous()
             noise = torch.randint(0, 1 << 16, t.shape, generator=gen, dtype=torch.int32).to(t.device)
-            t.copy_(((bits + noise) & -65536).view(torch.float32).to(t.dtype))
+            t.copy_(((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(t.dtype))
 
 
 def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
