@@ -101,7 +101,7 @@ def test_bf16_reduce_stays_within_its_bound_unbiased_and_within_its_measured_flo
     v = passed(clean["bf16"])
     assert v.check("gradref").worst > 1e-5  # bf16 really ran: beyond the fp32 bound, within its own
     bias = v.check("bias")
-    assert max(map(abs, bias.stats.values())) <= BIAS_SIGMAS and bias.smallest == BIAS_FLOOR  # a 1% bias is seen
+    assert max(map(abs, bias.stats.values())) <= BIAS_SIGMAS and bias.smallest == BIAS_FLOOR["decay"]  # 0.2% of the bound
     floor = load_meta(clean["bf16"], "single")["floor"]
     assert sorted(floor) == ["ulp0", "wire0", "wire1", "wire2"]  # rounded as the wire rounds; none splits the batch
     curve = v.check("curve")

@@ -93,14 +93,15 @@ MIN_RTOL = 1e-6  # a few float32 ulps of the loss: the floor of the floor
 LOSS_RTOL = 1e-5
 # bf16 wire, bias: |S| above this many standard errors fails (S is a standard
 # normal for unbiased rounding; 6 sigma: a false alarm in ~1e9 per direction)
-# when the mean scaled error is also above BIAS_FLOOR of the bound. Round-to-
-# nearest is unbiased for values uniform within an ulp; gradient magnitudes are
-# closer to log-uniform (denser at the bottom of each binade), which biases it
-# towards zero by about h / (24 |x|) of the spacing h: ~2e-4 of the bound per
-# rounding. Measured on clean fleets: the scale direction's mean -2e-4..-5e-4
-# of the bound (S -1.6 to -3.8 over 1.6-3.2 M element-steps). 1e-2 is 20x that.
+# when the mean scaled error is also above its floor. Round-to-nearest is
+# unbiased for values uniform within an ulp; gradient magnitudes are closer to
+# log-uniform (denser at the bottom of each binade), which pulls it towards
+# zero by about h / (24 |x|) of the spacing h, ~2e-4 of the bound per
+# rounding: along the scale direction. Measured on 12 clean bf16 fleets (1.6-
+# 3.2 M element-steps each): scale means -1e-4 .. -5e-4 of the bound (S down to
+# -4.1), offset and decay |means| <= 2.5e-4 (|S| <= 2.1). Floors 20x and 8x that.
 BIAS_SIGMAS = 6.0
-BIAS_FLOOR = 1e-2
+BIAS_FLOOR = {"offset": 2e-3, "scale": 1e-2, "decay": 2e-3}
 BIAS = "router_bias"  # tensors whose name ends so are discrete: judged by routing flips
 
 
@@ -511,7 +512,7 @@ class BiasCheck(Check):
     stats: dict[str, float] = field(default_factory=dict)
     means: dict[str, float] = field(default_factory=dict)  # per direction: the mean scaled error (units of the bound)
     samples: int = 0
-    smallest: float = 0.0  # the uniform bias, in units of the bound, that would be caught
+    smallest: float = 0.0  # the decay-like bias, in units of the bound, that would be caught
 
 
 def check_bias(a: ArtifactSet) -> BiasCheck:
@@ -527,11 +528,11 @@ def check_bias(a: ArtifactSet) -> BiasCheck:
     is a standard normal (errors summed per element first, so an element whose
     errors repeat from step to step counts once: a cluster-robust standard
     error). It fails when |S| > BIAS_SIGMAS and the mean sum_e c_e / N (N
-    element-steps) exceeds BIAS_FLOOR (round-to-nearest's own pull towards
-    zero on log-distributed magnitudes stays 20x below it). A bias of beta
-    times the bound along d gives S ~ beta N / sqrt(sum c^2): the smallest
-    caught is max(BIAS_SIGMAS sqrt(sum c^2) / N, BIAS_FLOOR), far below the
-    per-element bound."""
+    element-steps) exceeds the direction's BIAS_FLOOR (round-to-nearest's own
+    pull towards zero on log-distributed magnitudes stays far below it). A
+    bias of beta times the bound along d gives S ~ beta N / sqrt(sum c^2): the
+    smallest caught is max(BIAS_SIGMAS sqrt(sum c^2) / N, BIAS_FLOOR[d]), far
+    below the per-element bound."""
     fleet, g, meta, init = a.trace("rank0"), a.tensors("gradref"), a.meta("rank0"), a.tensors("init")
     names = _series_names(g, "g/")
     directions = ("offset", "scale", "decay")
@@ -557,9 +558,9 @@ def check_bias(a: ArtifactSet) -> BiasCheck:
             den[name] += float((per_element ** 2).sum())
     stats = {k: num[k] / math.sqrt(den[k]) if den[k] > 0 else 0.0 for k in directions}
     means = {k: num[k] / count if count else 0.0 for k in directions}
-    spread = max((math.sqrt(den[k]) for k in directions), default=0.0)
-    smallest = max(BIAS_SIGMAS * spread / count, BIAS_FLOOR) if count else math.inf
-    biased = [k for k in directions if not (abs(stats[k]) <= BIAS_SIGMAS or abs(means[k]) <= BIAS_FLOOR)]
+    # the smallest bias caught along the decay direction (an extra weight decay: the review's attack)
+    smallest = max(BIAS_SIGMAS * math.sqrt(den["decay"]) / count, BIAS_FLOOR["decay"]) if count else math.inf
+    biased = [k for k in directions if not (abs(stats[k]) <= BIAS_SIGMAS or abs(means[k]) <= BIAS_FLOOR[k])]
     text = ", ".join(f"{k} {stats[k]:+.1f} ({means[k]:+.1e})" for k in directions)
     c = BiasCheck("bias", True, "", stats=stats, means=means, samples=count, smallest=smallest)
     if biased:
@@ -567,12 +568,12 @@ def check_bias(a: ArtifactSet) -> BiasCheck:
         c.passed = False
         c.reason = (f"the fleet's reduced gradient is biased beyond the bf16 wire's rounding: its differences from "
                     f"gradref, scaled by their bound, do not average to zero ({k}: {stats[k]:+.1f} standard errors "
-                    f"> {BIAS_SIGMAS:g}, mean {means[k]:+.1e} of the bound > {BIAS_FLOOR:.0e}; over {count} "
+                    f"> {BIAS_SIGMAS:g}, mean {means[k]:+.1e} of the bound > {BIAS_FLOOR[k]:.0e}; over {count} "
                     f"element-steps, per direction S (mean): {text})")
     else:
         c.reason = (f"the bf16 wire's rounding errors, scaled by their bound, average to zero along every "
                     f"direction, S in standard errors (mean in units of the bound): {text}, over {count} "
-                    f"element-steps; a bias of {smallest:.1e} x the bound would be caught")
+                    f"element-steps; a decay-like bias of {smallest:.1e} x the bound would be caught")
     return c
 
 
