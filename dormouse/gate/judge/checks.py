@@ -730,9 +730,11 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE,
     except RuntimeError:  # ranks of different window lengths: not comparable token by token
         pass
     c.summary = _summary(c, bad, first_param, failed)
+    top = max(range(len(rel)), key=lambda k: rel[k])
     worst = max(range(len(rel)), key=lambda k: rel[k] / tolerance[k])
-    reasons = [f"max per-step relative loss difference {max(rel):.2e} (step {worst + 1}: tolerance "
-               f"{tolerance[worst]:.1e})"]
+    reasons = [f"max per-step relative loss difference {rel[top]:.2e} (step {top + 1}: tolerance "
+               f"{tolerance[top]:.1e})" + (f", nearest its tolerance at step {worst + 1} ({rel[worst]:.1e} of "
+                                           f"{tolerance[worst]:.1e})" if worst != top else "")]
     if bad:
         reasons.append(f"the loss exceeds its tolerance first at step {bad[0] + 1}")
     if not c.grad_step1 <= grad_lim:
