@@ -33,7 +33,7 @@ from dormouse.errors import ConfigError, DormouseError, FleetError
 FORWARDED = {
     "gate": ("dormouse.gate.__main__", "the distributed gate: single | rank | gradref | replay | verdict"),
     "pipeline": ("dormouse.gate.pipeline", "the whole gate: notebooks 01-04 and verdict.json"),
-    "bench": ("dormouse.bench", "measured speed: tokens/s, fleet vs DDP, scaling"),
+    "bench": ("dormouse.bench.core", "measured speed: tokens/s, fleet vs DDP, scaling"),
     "soak": ("dormouse.gate.record.soak", "launch gate fleets back to back and count failures"),
 }
 EXIT_OK, EXIT_BAD_INPUT, EXIT_CRASHED = 0, 2, 3
