@@ -145,7 +145,7 @@ def pipeline_timing(log=print) -> dict:
         timed("fleet", lambda: produce.run_fleet(s, stream=quiet))
         timed("gradref", lambda: modes.run_gradref(s, log=quiet))
         timed("replay", lambda: modes.run_replay(s, log=quiet))
-        timed("judge", lambda: judge(s.out_dir))
+        timed("judge", lambda: judge(s.out_dir, s))
         try:
             import papermill as pm
 
