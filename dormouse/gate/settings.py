@@ -55,7 +55,7 @@ class GateSettings:
     opt: str = "mix"  # mix (Muon + AdamW) | adamw
     shard: str = "none"  # none (replicated) | fsdp (FSDP2)
     reduce: str = "fp32"  # the fleet's gradient reduce: fp32 | bf16 (wire) | exact (fixed summation order)
-    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch)
+    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch; under reduce exact the gcd of every leg's rank batches, so the slices survive the resume)
     data_order: str = "shuffle"  # which span each step reads: shuffle (seeded, per epoch) | sequential
     preset: str = ""  # the network by preset name, tiny or small, with the fixture recipe (empty: tiny)
     config: str = ""  # the network and recipe from a RunConfig JSON file, as dormouse train writes (empty: off)
@@ -164,15 +164,7 @@ class GateSettings:
                                  f"({', '.join(str(sh.batch) for sh in shapes)}): choose a divisor, or 0.")
         _derived(s, lambda: s.run_config("single", dist=False, write_corpus=False).validate())
         if s.reduce == "exact":
-            if not s.micro_batch and len({sh.batch for sh in shapes}) != 1:
-                raise ParameterError(f"reduce = 'exact' with the uneven profile {s.capacity!r} needs micro_batch: "
-                                     "the exact reference computes the fleet's slices, so give micro_batch a "
-                                     "divisor of every rank's batch (e.g. 1).")
-            per_rank = max(sh.batch // (s.micro_batch or sh.batch) for sh in shapes)
-            if s.shard == "fsdp" and per_rank > 1:
-                raise ParameterError(f"reduce = 'exact' with shard = 'fsdp' takes one slice per rank (FSDP2 adds a "
-                                     f"rank's slices before its reduce-scatter), but micro_batch = {s.micro_batch} "
-                                     "gives several: set micro_batch to the ranks' batch, or shard = 'none'.")
+            s = _exact_slices(s, shapes)
         if s.resume_world and s.steps >= 2:
             gb = s.global_batch()
             if gb is None or gb % s.resume_world or s.resume_from:
@@ -202,6 +194,32 @@ class GateSettings:
         from dormouse.gate.record.fixtures import make_run
 
         return make_run(self, name=name, dist=dist, **over)
+
+
+def _exact_slices(s: GateSettings, shapes) -> GateSettings:
+    """Under the exact reduce the slices are the mathematics: the exact
+    reference computes the same slices the fleet sums, in every leg. With
+    micro_batch 0 a rank's whole batch would be one slice, and the resume at
+    another world size would change them (two slices of 3 become one of 6):
+    the settings then choose micro_batch = gcd of every leg's rank batches,
+    the largest slice every leg can share. FSDP2 takes one slice per rank
+    (it adds a rank's micro-batches with += before its reduce-scatter),
+    except at world 1 where a shard is the whole tensor."""
+    legs = [[sh.batch for sh in shapes]]
+    gb = s.global_batch()
+    if s.resume_world and s.steps >= 2 and not s.resume_from and gb is not None and gb % s.resume_world == 0:
+        legs.append([gb // s.resume_world] * s.resume_world)  # the second leg (legs())
+    if not s.micro_batch:
+        s = dataclasses.replace(s, micro_batch=math.gcd(*(b for leg in legs for b in leg)))
+    if s.shard == "fsdp":
+        for leg in legs:
+            if len(leg) > 1 and max(b // s.micro_batch for b in leg) > 1:
+                raise ParameterError(
+                    f"reduce = 'exact' with shard = 'fsdp' takes one slice per rank (FSDP2 adds a rank's "
+                    f"slices before its reduce-scatter), but micro_batch = {s.micro_batch} gives ranks of "
+                    f"{', '.join(map(str, leg))} windows several: give every rank the same batch and "
+                    "micro_batch that batch, or shard = 'none'.")
+    return s
 
 
 def _derived(s: GateSettings, make):

@@ -128,6 +128,13 @@ class MixOptimizer:
     def set_lr(self, lr: float) -> None:
         self.lr = lr
 
+    def decay_lr(self) -> float:
+        """The lr decoupled weight decay is scaled by, W <- W (1 - decay_lr * wd):
+        the scheduled lr of this step (set_lr), as torch.optim.AdamW and Muon
+        do. One place for both groups, so a test can plant a fault here (a
+        subclass) and see the parity tests fail."""
+        return self.lr
+
     def zero_grad(self) -> None:
         for _, p in self.muon_params + self.adamw_params:
             p.grad = None
@@ -170,7 +177,7 @@ class MixOptimizer:
         beta1, beta2 = self.betas
         grad = p.grad
         if p.ndim >= 2:
-            p.mul_(1 - self.lr * self.wd)
+            p.mul_(1 - self.decay_lr() * self.wd)
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         state["step"] += 1
@@ -200,7 +207,7 @@ class MixOptimizer:
             ortho = DTensor.from_local(ortho, p.device_mesh, [Replicate()], run_check=False)
             ortho = ortho.redistribute(p.device_mesh, p.placements)
         rows, cols = stack_shape[-2:]
-        p.mul_(1 - self.lr * self.wd)
+        p.mul_(1 - self.decay_lr() * self.wd)
         p.add_(ortho, alpha=-self.lr * shape_factor(self.shape_rule, rows, cols))
 
     def _matrix_stack_shape(self, shape: torch.Size) -> tuple[int, ...]:

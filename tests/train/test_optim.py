@@ -329,3 +329,131 @@ def test_muon_state_dtype_sets_the_momentum_buffer_dtype():
 def test_unknown_optimizer_option_is_a_config_error(field):
     with pytest.raises(ConfigError, match=field):
         MixOptimizer(_mlp(), **{field: "bogus"})
+
+
+# ---- parity under the trainer's own conditions ---------------------------------------------
+#
+# The gate's references all run MixOptimizer and lr_at themselves, so no gate check can see a
+# fault in them: these tests are their reference. The trainer's conditions: the lr of every
+# step from lr_at (warm-up, then cosine), decoupled weight decay, the gradient clipped by the
+# loop's clip_grad_norm (binding at every step), and a checkpoint written by save_checkpoint at
+# step 6 of 12, loaded by load_checkpoint into a fresh model and optimizer. torch's optimizers
+# get the same lr each step through their param groups, and resume from their own state_dict.
+
+import io
+
+from dormouse.config import RunConfig, TrainConfig
+from dormouse.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from dormouse.train.loop import LocalSync, clip_grad_norm, lr_at, make_optimizer
+
+STEPS, RESUME, CLIP = 12, 6, 0.05
+
+
+def _trainer_run(tmp_path, opt: str) -> RunConfig:
+    return RunConfig(train=TrainConfig(
+        steps=STEPS, lr=0.02 if opt == "mix" else 1e-2, warmup=3, schedule="cosine", min_lr_frac=0.1, wd=0.1,
+        grad_clip=CLIP, opt=opt, ns_dtype="bfloat16", ns_kind="quintic", muon_sf="original", muon_variant="muon",
+        muon_momentum=0.95, muon_nesterov=True, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+        out_dir=str(tmp_path), ckpt_name="parity"))
+
+
+def _ours(run: RunConfig, optimizer=MixOptimizer) -> list[list[torch.Tensor]]:
+    """The trainer's side: every step's parameters. `optimizer` builds the
+    optimizer from the model and run (make_optimizer, or a planted fault)."""
+    build = (lambda m: make_optimizer(m, run)) if optimizer is MixOptimizer else (lambda m: optimizer(m, run))
+    model = _mlp(bias=True)
+    opt, peers, snaps, norms = build(model), LocalSync(run), [], []
+    for k in range(STEPS):
+        if k == RESUME:  # the checkpoint, loaded into a fresh model and optimizer
+            path = save_checkpoint(checkpoint_path(run, sharded=False), model=model, opt=opt, step=k,
+                                   run=run, peers=peers)
+            model = _mlp(seed=99, bias=True)
+            opt = build(model)
+            assert load_checkpoint(path, model=model, opt=opt, run=run, peers=peers) == k
+        opt.set_lr(lr_at(k, run))
+        opt.zero_grad()
+        _loss(model, k).backward()
+        norms.append(float(clip_grad_norm([p for p in model.parameters() if p.grad is not None], CLIP)))
+        opt.step()
+        snaps.append([p.detach().clone() for p in model.parameters()])
+    assert min(norms) > CLIP  # the clip bound at every step
+    return snaps
+
+
+def _theirs(run: RunConfig) -> list[list[torch.Tensor]]:
+    """torch's side: Muon on the matrices (mix) or AdamW on everything, AdamW
+    on the biases without decay; torch's clip_grad_norm_; torch's state_dict."""
+    t = run.train
+
+    def build(model):
+        mats = [p for p in model.parameters() if p.ndim >= 2]
+        vecs = [p for p in model.parameters() if p.ndim < 2]
+        adam = dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=False)
+        if t.opt == "mix":
+            return [torch.optim.Muon(mats, lr=t.lr, weight_decay=t.wd, momentum=t.muon_momentum,
+                                     nesterov=t.muon_nesterov, adjust_lr_fn="original"),
+                    torch.optim.AdamW(vecs, lr=t.lr, weight_decay=0.0, **adam)]
+        return [torch.optim.AdamW([{"params": mats, "weight_decay": t.wd}, {"params": vecs, "weight_decay": 0.0}],
+                                  lr=t.lr, **adam)]
+
+    model = _mlp(bias=True)
+    opts, snaps = build(model), []
+    for k in range(STEPS):
+        if k == RESUME:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opts": [o.state_dict() for o in opts]}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            model = _mlp(seed=99, bias=True)
+            model.load_state_dict(saved["model"])
+            opts = build(model)
+            for o, sd in zip(opts, saved["opts"]):
+                o.load_state_dict(sd)
+        for o in opts:
+            for g in o.param_groups:
+                g["lr"] = lr_at(k, run)
+            o.zero_grad()
+        _loss(model, k).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        for o in opts:
+            o.step()
+        snaps.append([p.detach().clone() for p in model.parameters()])
+    return snaps
+
+
+def _first_difference(ours, theirs) -> int | None:
+    """The first step (1-based) at which any parameter differs bitwise."""
+    return next((k + 1 for k, (a, b) in enumerate(zip(ours, theirs))
+                 if not all(torch.equal(x, y) for x, y in zip(a, b))), None)
+
+
+class PeakDecay(MixOptimizer):
+    """A planted fault: decoupled weight decay at the PEAK lr, not the scheduled one."""
+
+    def __init__(self, model, run):
+        t = run.train
+        super().__init__(model, lr=t.lr, wd=t.wd, opt=t.opt, ns_steps=t.ns_steps, ns_kind=t.ns_kind,
+                         ns_dtype=t.ns_dtype, muon_variant=t.muon_variant, muon_sf=t.muon_sf,
+                         momentum=t.muon_momentum, nesterov=t.muon_nesterov, betas=(t.adam_beta1, t.adam_beta2),
+                         eps=t.adam_eps)
+        self.peak = t.lr
+
+    def decay_lr(self) -> float:
+        return self.peak
+
+
+@pytest.mark.parametrize("opt", ["mix", "adamw"])
+def test_the_trainers_optimizer_steps_like_torchs_under_schedule_decay_clipping_and_resume(tmp_path, opt):
+    run = _trainer_run(tmp_path, opt)
+    ours, theirs = _ours(run), _theirs(run)
+    assert _first_difference(ours, theirs) is None  # bitwise at all 12 steps, across the resume
+    assert len({lr_at(k, run) for k in range(STEPS)}) == STEPS - 1  # a new lr every step (the peak twice)
+    assert _rel(ours[-1][0], _mlp(bias=True)[0].weight) > 1e-2  # it trained
+
+
+@pytest.mark.parametrize("opt", ["mix", "adamw"])
+def test_weight_decay_at_the_peak_lr_instead_of_the_scheduled_one_fails_the_parity(tmp_path, opt):
+    # On main MixOptimizer had no decay_lr and the parity tests ran at one constant lr, where
+    # this fault is invisible; here it is seen at the first step (warm-up: lr = peak / 3).
+    run = _trainer_run(tmp_path, opt)
+    assert _first_difference(_ours(run, PeakDecay), _theirs(run)) == 1

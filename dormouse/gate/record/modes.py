@@ -63,6 +63,19 @@ def _save(s: GateSettings, name: str, state, losses, *, init: str, **extra) -> d
     return load_meta(s.out_dir, name)
 
 
+def start_state(s: GateSettings) -> tuple[dict, int]:
+    """The parameters every mode starts from, and the step: the seeded build,
+    or with resume_from the checkpoint's weights and steps done (read whole,
+    whichever topology wrote it). Its fingerprint is every artifact's `init`."""
+    model = build(s)
+    if not s.resume_from:
+        return named_state(model), 0
+    from dormouse.train.checkpoint import load_model_weights
+
+    model, _, step = load_model_weights(Path(s.resume_path()), build=lambda run: build(s))
+    return named_state(model), step
+
+
 def _traced(s: GateSettings, model, run, name: str, log) -> tuple[dict, Trace]:
     trace = Trace(snapshots=True)
     report = train(model, run, log=log, on_step=trace, on_grads=trace.record_grads)
@@ -81,10 +94,10 @@ def run_single(s: GateSettings, log=print) -> dict:
     out = s.out_dir
     run = make_run(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
     model = build(s).to(_device(s))
-    init = fingerprint(named_state(model))
+    init = fingerprint(start_state(s)[0])
     report, trace = _traced(s, model, run, "single", log)
     trace.save(out, "single")
-    floor = {} if s.resume_from else measure_floor(s, run, trace)
+    floor = measure_floor(s, run, trace, start=report["start_step"])
     meta = _save(s, "single", named_state(model), report["losses"], init=init, mode="single",
                  global_batch=run.train.batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor,
                  start_step=report["start_step"])
@@ -135,7 +148,7 @@ def round_like_wire(tensors, seed: int) -> None:
             t.copy_(((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(t.dtype))
 
 
-def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
+def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dict:
     """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics,
     each compared step by step with the reference. ulp0 starts from parameters
     nudged by one ulp; ulp1 nudges every step's gradient by one ulp of each
@@ -144,7 +157,8 @@ def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
     optimizer, in random directions. None splits the batch: a floor
     from a split run would share the bugs of a split. Per run: per-step
     relative loss difference and, per tensor, per-step relative differences
-    of parameters and gradients.
+    of parameters and gradients. A run resumed at step `start` nudges the
+    parameters it loaded, before its first update.
 
     Under reduce="bf16" the fleet's every reduced gradient is rounded to
     bfloat16 on the wire: ulp0, then WIRE_RUNS runs wire0.. whose every
@@ -162,9 +176,13 @@ def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
         if kind.startswith("wire"):
             def on_grads(step, m, seed=seed):
                 round_like_wire([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
-        elif i == 0:
+        elif i == 0 and not start:
             nudge(list(model.parameters()), seed)
             on_grads = None
+        elif i == 0:
+            def on_grads(step, m, seed=seed, first=start + 1):
+                if step == first:
+                    nudge(list(m.parameters()), seed)
         elif i == 1:
             def on_grads(step, m, seed=seed):
                 nudge([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
@@ -193,23 +211,14 @@ def run_exact(s: GateSettings, log=print) -> dict:
     """The exact reference: one process computing the fleet's own slices
     (micro_batch windows each, in global slice order) summed in the fixed
     order of reduce="exact": a fleet must equal it bitwise."""
-    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=s.micro_batch or _smallest_batch(s))
+    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=s.micro_batch,  # settings chose it
+                   resume_from=s.resume_path())
     model = build(s).to(_device(s))
-    init = fingerprint(named_state(model))
+    init = fingerprint(start_state(s)[0])
     report, trace = _traced(s, model, run, "exact", log)
     trace.save(s.out_dir, "exact")
     return _save(s, "exact", named_state(model), report["losses"], init=init, mode="exact",
                  config=run.to_dict(), micro_batch=run.train.micro_batch)
-
-
-def _smallest_batch(s: GateSettings) -> int:
-    """micro_batch 0 means a rank's whole batch: the exact reference's slices
-    must then be the ranks' batches, which only an even profile allows."""
-    batches = {sh.batch for sh in s.shapes()}
-    if len(batches) != 1:
-        raise DormouseError(f"reduce='exact' with an uneven profile {s.capacity!r} needs micro_batch > 0 "
-                            "dividing every rank's batch (the exact reference computes the fleet's slices)")
-    return batches.pop()
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -256,10 +265,10 @@ def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the references build it too); train_dist checks it.
     model = build(s)
-    start = named_state(model)
+    start, start_step = start_state(s)  # a resumed fleet starts from the checkpoint's weights
     init = fingerprint(start)
-    if rank == 0 and not s.resume_from and leg != 2:
-        _save(s, "init", start, [], init=init, mode="init")
+    if rank == 0 and leg != 2:
+        _save(s, "init", start, [], init=init, mode="init", start_step=start_step)
     gather = s.shard == "fsdp"  # FSDP2 shards: record the GATHERED tensors (a collective)
     # Ranks end bitwise equal (the verdict checks it), so rank 0's snapshots
     # stand for the fleet; every rank keeps its own tokens' routing (per leg:
@@ -358,6 +367,7 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     run = make_run(s, name="gradref", dist=False)
     device = _device(s)
     steps = len(fleet["losses"])
+    first = fleet.get("start_step", 0)  # a fleet resumed from resume_from: its steps are first + k
     model = build(s).to(device)
     names = [n for n, _ in model.named_parameters()]
     t = run.train
@@ -373,7 +383,7 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     for k in range(steps):
         state = init if k == 0 else {n: trace[f"p/{n}"][k - 1] for n in init}
         model.load_state_dict(state)
-        windows = step_windows(corpus, train_bytes, prof, k, order, s.seed)
+        windows = step_windows(corpus, train_bytes, prof, first + k, order, s.seed)
         flat = [w for r in windows for w in r]
         total = sum(int(y.numel()) for _, y in flat)  # tokens counted from the targets
         tokens.append(total)
@@ -441,10 +451,11 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     if loads:
         tensors["loads"] = torch.stack(loads)
     evals = []
-    if t.eval_every:
-        for k in range(t.eval_every, steps + 1, t.eval_every):
-            model.load_state_dict({n: trace[f"p/{n}"][k - 1] for n in init})
-            evals.append([k, eval_loss(model, corpus, train_bytes, t.seq_len, device)])
+    if t.eval_every:  # at the fleet's (global) steps the recipe evaluates, from its parameters after them
+        for done in range(first + 1, first + steps + 1):
+            if done % t.eval_every == 0:
+                model.load_state_dict({n: trace[f"p/{n}"][done - first - 1] for n in init})
+                evals.append([done, eval_loss(model, corpus, train_bytes, t.seq_len, device)])
     log(f"gradref: {steps} steps, {len(prof)} ranks, {tokens[0]} tokens per step")
     return _save(s, "gradref", tensors, [], init=fingerprint(init), mode="gradref", tokens=tokens,
                  profile=[list(p) for p in prof], steps=steps, config=run.to_dict(),
@@ -489,6 +500,11 @@ def run_replay(s: GateSettings, log=print) -> dict:
     model.to(device)
     opt = make_optimizer(model, run)
     start = fleet.get("start_step", 0)
+    if s.resume_from:  # the optimizer state the fleet resumed with (its weights are init)
+        from dormouse.train.checkpoint import load_checkpoint
+        from dormouse.train.loop import LocalSync
+
+        load_checkpoint(Path(s.resume_path()), model=build(s).to(device), opt=opt, run=run, peers=LocalSync(run))
     steps = len(fleet["losses"])
     snaps: dict[str, list[torch.Tensor]] = {}
     own: list[float] = []
@@ -505,12 +521,13 @@ def run_replay(s: GateSettings, log=print) -> dict:
             # one clip_grad_norm_ computes from the fleet's norm, so the replay
             # checks the optimizer's map bitwise given that scale.
             grads = [p.grad for p in model.parameters()]
-            own.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+            own.append(float(torch.nn.utils.get_total_norm(grads)))  # clip_grad_norm_'s own norm
             # (a fleet that did not clip recorded no norm: the replay's own, and the steps part)
-            fleet_norm = trace["grad_norm"][k].to(device) if "grad_norm" in trace else torch.tensor(own[-1])
-            coef = torch.clamp(run.train.grad_clip / (fleet_norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef)
+            fleet_norm = float(trace["grad_norm"][k]) if "grad_norm" in trace else own[-1]
+            # The scale as clip_grad_norm_ computes it, in the gradients' dtype (a
+            # bfloat16 model's norm is a bfloat16 number, recorded exactly).
+            torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), run.train.grad_clip,
+                                                 torch.tensor(fleet_norm, dtype=grads[0].dtype, device=device))
         opt.step()
         if "loads" in gradref:
             model.balance_experts(gradref["loads"][k].to(device))
