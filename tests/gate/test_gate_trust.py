@@ -59,3 +59,28 @@ def test_a_rank_computing_on_the_previous_steps_weights_is_not_excused_as_round_
 def test_an_fsdp_shard_keeping_last_steps_gradient_is_not_excused_as_round_off(tmp_path):
     s = GateSettings(out=str(tmp_path), shard="fsdp", resume_world=0, steps=4).validate()
     _blames_the_first_failing_check(gate(s, "fsdp_stale_shard"))
+
+
+def test_the_bf16_floor_runs_round_gradients_as_the_wire_does():
+    """round_like_wire: bfloat16 values, unbiased, off by at most one bf16 ulp
+    plus the summands' dither u m; the cancelling draw reads elements below
+    W u m as zero."""
+    import torch
+
+    from dormouse.gate.record.modes import round_like_wire
+
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(1)) * 1e-3
+    m = 2.0**-8 * x.abs().mean()
+    y = x.clone()
+    round_like_wire([y], seed=0)
+    assert torch.equal(y, y.bfloat16().float())  # every element a bfloat16 value
+    assert ((y - x).abs() <= 2.0**-7 * (x.abs() + m) + m).all()
+    err = (y - x).double()
+    assert abs(float(err.mean())) < 5 * float(err.std()) / len(err) ** 0.5  # unbiased
+    other = x.clone()
+    round_like_wire([other], seed=1)
+    assert not torch.equal(other, y)  # independent draws
+    z = x.clone()
+    round_like_wire([z], seed=2, cancel=2.0)
+    small = x.abs() < 2 * m
+    assert small.any() and (z[small] == 0).all() and (z[~small] != 0).all()

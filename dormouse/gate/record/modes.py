@@ -128,7 +128,7 @@ def nudge_absolute(tensors, seed: int) -> None:
             t.add_(sign.to(t.dtype) * size)
 
 
-def round_like_wire(tensors, seed: int) -> None:
+def round_like_wire(tensors, seed: int, *, cancel: float = 0.0) -> None:
     """Round every element to a bfloat16 value as the wire does, with a seeded
     dither: x -> SR(x + xi u m), xi uniform in (-1, 1), m the tensor's mean
     magnitude, u = 2^-8, and SR stochastic rounding to one of the two bf16
@@ -137,13 +137,17 @@ def round_like_wire(tensors, seed: int) -> None:
     each off by up to u of its own size, so an element whose summands nearly
     cancel moves by u of the summands, not of itself (the dither's u m); the
     rest is the rounding of the element itself (SR, under one bf16 ulp).
-    Independent from draw to draw, and no run splits the batch."""
+    `cancel` > 0: instead of the dither, every element below cancel u m reads
+    as zero, as a bf16 sum of W summands that cancel below their resolution
+    does (AdamW then takes no step there instead of a whole one: the draw
+    that bounds it). Independent from draw to draw; no run splits the batch."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for t in tensors:
             x = t.detach().float()
             xi = torch.rand(t.shape, generator=gen).to(t.device) * 2 - 1
-            x = (x + xi * 2.0**-8 * x.abs().mean()).contiguous()
+            m = 2.0**-8 * x.abs().mean()
+            x = (torch.where(x.abs() < cancel * m, torch.zeros_like(x), x) if cancel else x + xi * m).contiguous()
             noise = torch.randint(0, 1 << 16, t.shape, generator=gen, dtype=torch.int32).to(t.device)
             t.copy_(((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(t.dtype))
 
@@ -163,7 +167,8 @@ def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dic
     Under reduce="bf16" the fleet's every reduced gradient is rounded to
     bfloat16 on the wire: ulp0, then WIRE_RUNS runs wire0.. whose every
     gradient is rounded as the wire rounds (`round_like_wire`, an
-    independent draw each), replace the gradient nudges (2^16 times smaller
+    independent draw each; the last reads elements below the resolution of
+    W summands as zero), replace the gradient nudges (2^16 times smaller
     than that rounding)."""
     quiet = dataclasses.replace(run.train, ckpt_every=0, eval_every=0, log_every=max(1, run.train.steps))
     ref = reference.tensors()
@@ -174,8 +179,12 @@ def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dic
         model = build(s).to(_device(s))
         seed = s.seed * 1000 + i
         if kind.startswith("wire"):
-            def on_grads(step, m, seed=seed):
-                round_like_wire([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
+            # the last draw: elements below the resolution of W summands read as zero
+            cancel = float(max(x.world for x in s.legs())) if kind == f"wire{WIRE_RUNS - 1}" else 0.0
+
+            def on_grads(step, m, seed=seed, cancel=cancel):
+                round_like_wire([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step,
+                                cancel=cancel)
         elif i == 0 and not start:
             nudge(list(model.parameters()), seed)
             on_grads = None
