@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             from dormouse.gate.judge.checks import judge
             from dormouse.gate.show.text import format_verdict, write_verdict
 
-            v = judge(s.out_dir)
+            v = judge(s.out_dir, s)
             if args.json:
                 write_verdict(v, s.out_dir)
             if args.tensorboard:

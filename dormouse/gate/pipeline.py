@@ -47,7 +47,7 @@ def verdict(s: GateSettings) -> Verdict:
         if changed:
             raise DormouseError(f"the artifacts changed while the verdict was being taken ({changed}): "
                                 "run 04 again (or give each concurrent run its own out)")
-        return judge(s.out_dir)
+        return judge(s.out_dir, s)
 
 
 def gate(s: GateSettings, *, log: Log = print) -> Verdict:

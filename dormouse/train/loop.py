@@ -224,6 +224,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
 
     device = next(model.parameters()).device
     losses: list[float] = []
+    evals: list[list] = []  # [step, eval loss] at every eval
     t0 = last_t = time.perf_counter()
     last_step = start
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps  # this launch's last step
@@ -282,7 +283,8 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 with open(metrics, "a") as f:
                     f.write(json.dumps({"step": done, "loss": loss_value, "lr": lr, "tokens_per_s": tps}) + "\n")
         if cfg.eval_every and done % cfg.eval_every == 0:
-            log(f"eval step={done} loss={evaluate(model, corpus, run):.7f}")
+            evals.append([done, evaluate(model, corpus, run)])
+            log(f"eval step={done} loss={evals[-1][1]:.7f}")
         if ckpt is not None and (done % cfg.ckpt_every == 0 or done == end):
             save_checkpoint(ckpt, model=model, opt=opt, step=done, run=run, peers=sync)
 
@@ -294,6 +296,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         "start_step": start,
         "steps": cfg.steps,
         "losses": losses,
+        "evals": evals,
         "final_loss": losses[-1] if losses else None,
         "tokens_per_step": total_tokens,
         "wall_s": wall,

@@ -47,6 +47,7 @@ from dormouse.train.loop import lr_at, make_optimizer, train
 from dormouse.train.tensors import fingerprint, named_state, rel_per_step
 
 ULP_RUNS = 3  # one-ulp nudges of the reference whose maximum is the floor
+WIRE_RUNS = 3  # under reduce="bf16": floor runs whose gradients are rounded as the wire rounds (independent draws)
 QUIET = lambda line: None  # noqa: E731
 
 
@@ -127,6 +128,30 @@ def nudge_absolute(tensors, seed: int) -> None:
             t.add_(sign.to(t.dtype) * size)
 
 
+def round_like_wire(tensors, seed: int, *, cancel: float = 0.0) -> None:
+    """Round every element to a bfloat16 value as the wire does, with a seeded
+    dither: x -> SR(x + xi u m), xi uniform in (-1, 1), m the tensor's mean
+    magnitude, u = 2^-8, and SR stochastic rounding to one of the two bf16
+    neighbours (random bits added below bf16's 8-bit significand, then cut
+    off: unbiased). The wire rounds the ranks' summands and their partial sums,
+    each off by up to u of its own size, so an element whose summands nearly
+    cancel moves by u of the summands, not of itself (the dither's u m); the
+    rest is the rounding of the element itself (SR, under one bf16 ulp).
+    `cancel` > 0: instead of the dither, every element below cancel u m reads
+    as zero, as a bf16 sum of W summands that cancel below their resolution
+    does (AdamW then takes no step there instead of a whole one: the draw
+    that bounds it). Independent from draw to draw; no run splits the batch."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in tensors:
+            x = t.detach().float()
+            xi = torch.rand(t.shape, generator=gen).to(t.device) * 2 - 1
+            m = 2.0**-8 * x.abs().mean()
+            x = (torch.where(x.abs() < cancel * m, torch.zeros_like(x), x) if cancel else x + xi * m).contiguous()
+            noise = torch.randint(0, 1 << 16, t.shape, generator=gen, dtype=torch.int32).to(t.device)
+            t.copy_(((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(t.dtype))
+
+
 def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dict:
     """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics,
     each compared step by step with the reference. ulp0 starts from parameters
@@ -137,14 +162,30 @@ def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dic
     from a split run would share the bugs of a split. Per run: per-step
     relative loss difference and, per tensor, per-step relative differences
     of parameters and gradients. A run resumed at step `start` nudges the
-    parameters it loaded, before its first update."""
+    parameters it loaded, before its first update.
+
+    Under reduce="bf16" the fleet's every reduced gradient is rounded to
+    bfloat16 on the wire: ulp0, then WIRE_RUNS runs wire0.. whose every
+    gradient is rounded as the wire rounds (`round_like_wire`, an
+    independent draw each; the last reads elements below the resolution of
+    W summands as zero), replace the gradient nudges (2^16 times smaller
+    than that rounding)."""
     quiet = dataclasses.replace(run.train, ckpt_every=0, eval_every=0, log_every=max(1, run.train.steps))
     ref = reference.tensors()
     out = {}
-    for i in range(ULP_RUNS):
+    kinds = ["ulp0"] + ([f"wire{j}" for j in range(WIRE_RUNS)] if s.reduce == "bf16"
+                        else [f"ulp{j}" for j in range(1, ULP_RUNS)])
+    for i, kind in enumerate(kinds):
         model = build(s).to(_device(s))
         seed = s.seed * 1000 + i
-        if i == 0 and not start:
+        if kind.startswith("wire"):
+            # the last draw: elements below the resolution of W summands read as zero
+            cancel = float(max(x.world for x in s.legs())) if kind == f"wire{WIRE_RUNS - 1}" else 0.0
+
+            def on_grads(step, m, seed=seed, cancel=cancel):
+                round_like_wire([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step,
+                                cancel=cancel)
+        elif i == 0 and not start:
             nudge(list(model.parameters()), seed)
             on_grads = None
         elif i == 0:
@@ -157,7 +198,7 @@ def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dic
         else:
             def on_grads(step, m, seed=seed):
                 nudge_absolute([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
-        r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_ulp{i}"))
+        r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_{kind}"))
         trace = Trace(snapshots=True)
 
         def both(step, m, trace=trace, on_grads=on_grads):
@@ -167,7 +208,7 @@ def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dic
 
         report = train(model, r, log=QUIET, on_step=trace, on_grads=both)
         t = trace.tensors()
-        out[f"ulp{i}"] = {
+        out[kind] = {
             "losses": report["losses"],
             "param_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("p/")},
             "grad_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("g/")},
@@ -248,11 +289,13 @@ def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
     # the judge joins the legs' ranks step by step).
     trace = Trace(snapshots=rank == 0, gather=gather)
     earlier: list[float] = []
+    earlier_evals: list = []
     if leg == 2:
         first = load_trace(s.out_dir, f"{LEG1}rank0")
         if rank == 0:
             trace.extend(first)
-        earlier = load_meta(s.out_dir, f"{LEG1}rank{rank if rank < s.world else 0}")["losses"]
+        leg1 = load_meta(s.out_dir, f"{LEG1}rank{rank if rank < s.world else 0}")
+        earlier, earlier_evals = leg1["losses"], leg1.get("evals", [])
     report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace,
                         on_grads=trace.record_grads)
     state = named_state(report["model"], gather=gather)
@@ -263,7 +306,8 @@ def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
                  world_size=report["world_size"], shapes=plan.lines(),
                  rank_shapes=[[sh.batch, sh.seq_len] for sh in plan.shapes], config=run.to_dict(),
                  start_step=0 if leg == 2 else report["start_step"], wall_s=report["wall_s"],
-                 resumed_at=k if leg == 2 else None, legs=[[x.world, x.profile] for x in legs])
+                 resumed_at=k if leg == 2 else None, legs=[[x.world, x.profile] for x in legs],
+                 evals=earlier_evals + report.get("evals", []))
     del report, model
     return meta
 
@@ -420,10 +464,37 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     tensors["batch_losses"] = torch.stack(bl)
     if loads:
         tensors["loads"] = torch.stack(loads)
+    evals = []
+    if t.eval_every:  # at the fleet's (global) steps the recipe evaluates, from its parameters after them
+        for done in range(first + 1, first + steps + 1):
+            if done % t.eval_every == 0:
+                model.load_state_dict({n: trace[f"p/{n}"][done - first - 1] for n in init})
+                evals.append([done, eval_loss(model, corpus, train_bytes, t.seq_len, device)])
     log(f"gradref: {steps} steps, {len(prof)} ranks, {tokens[0]} tokens per step")
     return _save(s, "gradref", tensors, [], init=fingerprint(init), mode="gradref", tokens=tokens,
                  profile=[list(p) for p in prof], steps=steps, config=run.to_dict(),
-                 fleet=fleet["fingerprint"])
+                 fleet=fleet["fingerprint"], evals=evals)
+
+
+EVAL_WINDOWS = 64  # the documented eval rule reads at most this many held-out windows
+
+
+@torch.no_grad()
+def eval_loss(model, corpus: bytes, train_bytes: int, seq_len: int, device) -> float:
+    """The eval loss by gradref's own arithmetic from the documented rule: the
+    held-out tail is corpus[train_bytes:]; its first n = min(len // (T+1), 64)
+    windows of T+1 consecutive bytes, each computed alone; the token mean of
+    their per-token losses, sum_i l_i / (n T), summed in float64."""
+    n = min((len(corpus) - train_bytes) // (seq_len + 1), EVAL_WINDOWS)
+    total, count = 0.0, 0
+    for i in range(n):
+        w = torch.tensor(list(corpus[train_bytes + i * (seq_len + 1):train_bytes + (i + 1) * (seq_len + 1)]),
+                         dtype=torch.int64)
+        x, y = w[:-1].unsqueeze(0).to(device), w[1:].unsqueeze(0).to(device)
+        logits = model(x, y)[0]
+        total += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double().sum())
+        count += y.numel()
+    return total / count
 
 
 # --------------------------------------------------------------------------- replay
