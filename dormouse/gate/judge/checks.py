@@ -253,12 +253,12 @@ def _tolerance(envelope: list[float], multiple: float = FLOOR_MULTIPLE) -> list[
 def required(s: GateSettings) -> list[str]:
     """The references a verdict for settings `s` needs: init, gradref and the
     replay always; single when the profile has one window length (one process
-    can hold that global batch) and the run starts from scratch; exact under
+    can hold that global batch; a run from resume_from resumes it too); exact under
     reduce="exact" beside single. From the settings alone, never from the
     artifacts under judgement (a rank artifact that lost its profile must not
     make a reference optional)."""
     need = ["init", "gradref", "replay"]
-    if s.global_batch() is not None and not s.resume_from:
+    if s.plan.global_batch is not None:
         need.insert(0, "single")
     if s.reduce == "exact" and "single" in need:
         need.append("exact")
