@@ -402,3 +402,18 @@ def test_a_run_that_crashes_is_one_line_naming_the_exception_and_status_3(tmp_pa
     monkeypatch.setattr(loop, "lr_at", broken)
     assert main(["train", "--steps", "2", "--batch", "2", "--seq-len", "16", "--out", str(tmp_path / "o")]) == 3
     _one_error_line(capsys.readouterr().err, "the run crashed", "RuntimeError", "boom at the start of a step")
+
+
+def test_a_process_torchrun_started_is_a_fleet_and_a_fleet_needs_torchrun(monkeypatch):
+    from dormouse.errors import FleetError
+    from dormouse.train.runner import as_launched
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run, note = as_launched(RunConfig())
+    assert run.train.dist and "training as a fleet" in note and "WORLD_SIZE=2" in note
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert as_launched(RunConfig()) == (RunConfig(), "")
+    with pytest.raises(FleetError, match="runs under torchrun"):
+        as_launched(RunConfig.from_dict({"train": {"dist": True}}))
