@@ -266,8 +266,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in FORWARDED:  # they parse, and map their errors, themselves
-        return importlib.import_module(FORWARDED[argv[0]][0]).main(argv[1:])
+    if argv and argv[0] in FORWARDED:  # they parse their own command lines
+        forwarded = importlib.import_module(FORWARDED[argv[0]][0]).main
+        return command_status(argv[0], lambda: forwarded(argv[1:]))
     args = parser().parse_args(argv)
     return command_status(args.command, lambda: COMMANDS[args.command](args))
 

@@ -272,11 +272,6 @@ def from_args(args: argparse.Namespace, explicit: set[str] | None = None) -> Gat
     return GateSettings(**_defaults_follow(given, explicit if explicit is not None else set())).validate()
 
 
-def explicit_fields(argv: list[str]) -> set[str]:
-    """The GateSettings fields a command line names (--micro-batch=1 and --micro-batch 1 alike)."""
-    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")} & set(FIELDS)
-
-
 # By hand (`dormouse gate MODE`), a fleet runs in one launch unless the user
 # asks for the stop and resume; the pipeline and the notebooks keep
 # GateSettings' own default (the richer gate).
