@@ -32,9 +32,11 @@ exact_vs_ring
     over the fp32 ring all-reduce, small preset, batch 8 per rank in
     micro-batches of 4 (two slices per rank, where the ring is not exact),
     alternating round by round (goal <= 1.1).
-gate_wall_s
-    wall time of `pytest tests/gate/test_gate.py` (full run only; null with a
-    note when the file does not exist).
+pipeline_verdict_s, pipeline_wall_s, pipeline_parts_s
+    the tiny `dormouse pipeline` as a user runs it: seconds until its verdict
+    is printed and until it ends (the four notebooks presented), and each part
+    alone (dormouse.bench.gate.pipeline_timing): the single run with its
+    floors, the fleet's launches, gradref, the replay, the judge, one notebook.
 gate_smallest_caught_eps
     the gate's sensitivity (dormouse.bench.gate): the smallest eps for which
     rank 1's local gradient times (1 + eps N(0,1)) at one step of a 2-rank
@@ -389,16 +391,6 @@ def bench_launch(quick: bool, tmp: Path) -> dict:
     }
 
 
-def bench_gate(log) -> tuple[float | None, dict]:
-    test = repo_root() / "tests" / "gate" / "test_gate.py"
-    if not test.exists():
-        return None, {"note": f"{test.relative_to(repo_root())} does not exist: nothing to time"}
-    wall, proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], 1800,
-                      cwd=repo_root())
-    lines = [l for l in proc.stdout.splitlines() if l.strip()]
-    return wall, {"returncode": proc.returncode, "summary": lines[-1] if lines else ""}
-
-
 # ---- report ------------------------------------------------------------------------
 
 
@@ -459,8 +451,12 @@ def format_table(res: dict) -> str:
             f"spread {_spread(ex['ratios']['exact_vs_ring'])} (goal <= 1.1)")
     else:
         row("exact_vs_ring", "null", d.get("exact_error", ""))
-    g = d.get("gate", {})
-    row("gate_wall_s", _fmt(res["gate_wall_s"], ".1f"), g.get("note") or g.get("summary", ""))
+    pl = d.get("pipeline", {})
+    row("pipeline_verdict_s", _fmt(res.get("pipeline_verdict_s"), ".1f"),
+        f"tiny `dormouse pipeline`: verdict printed (goal <= 30 s); whole run "
+        f"{_fmt(res.get('pipeline_wall_s'), '.1f')} s, exit {pl.get('pipeline_exit')}" if pl else "")
+    for k, v in (res.get("pipeline_parts_s") or {}).items():
+        row(f"  {k}", _fmt(v, ".1f"), "alone, in one process (the fleet: its torchrun launches)")
     sens = d.get("sensitivity", {})
     row("gate_smallest_caught_eps", _fmt(res.get("gate_smallest_caught_eps")),
         f"rank {sens.get('rank')} x (1 + eps N(0,1)) at step {sens.get('step')}; largest passed "
@@ -525,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = OneLineParser(prog="python -m dormouse.bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer rounds, no gate timing (about two minutes)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds (about two minutes)")
     p.add_argument("--out", default=None, help="result JSON (default: <repo>/artifacts/bench.json)")
     p.add_argument("--docs", default=None, help="also write this Markdown page from the results (docs/benchmarks.md)")
     p.add_argument("--render", default=None, metavar="JSON",
@@ -565,7 +561,9 @@ def main(argv: list[str] | None = None) -> int:
         "fleet_vs_ddp": None,
         "scaling_efficiency": None,
         "exact_vs_ring": None,
-        "gate_wall_s": None,
+        "pipeline_verdict_s": None,
+        "pipeline_wall_s": None,
+        "pipeline_parts_s": None,
         "fleet_launch_fixed_s": None,
         "gate_smallest_caught_eps": None,
     }
@@ -600,16 +598,16 @@ def main(argv: list[str] | None = None) -> int:
         res["gate_smallest_caught_eps"] = details["sensitivity"]["smallest_caught"]
     except Exception as e:  # a measurement that failed is a note, not a crash of the bench
         notes.append(f"gate sensitivity failed: {str(e)[:300]}")
-    if args.quick:
-        details["gate"] = {"note": "not timed in --quick"}
-    else:
-        log("gate: pytest tests/gate/test_gate.py ...")
-        res["gate_wall_s"], details["gate"] = bench_gate(log)
-        if res["gate_wall_s"] is None:
-            notes.append(details["gate"]["note"])
-        elif details["gate"]["returncode"] != 0:
-            notes.append(f"pytest tests/gate/test_gate.py FAILED (exit {details['gate']['returncode']}): "
-                         f"{details['gate']['summary']}")
+    log("pipeline: the tiny `dormouse pipeline`, whole and by parts ...")
+    try:
+        from dormouse.bench.gate import pipeline_timing
+
+        details["pipeline"] = pipeline_timing(log)
+        res["pipeline_verdict_s"] = details["pipeline"]["pipeline_verdict_s"]
+        res["pipeline_wall_s"] = details["pipeline"]["pipeline_wall_s"]
+        res["pipeline_parts_s"] = details["pipeline"]["parts_s"]
+    except Exception as e:  # a measurement that failed is a note, not a crash of the bench
+        notes.append(f"pipeline timing failed: {str(e)[:300]}")
     notes.append("FLOPs count matrix products only (see dormouse.bench.step_flops); Newton-Schulz runs in "
                  f"{TrainConfig.ns_dtype} (TrainConfig's default) while the matmul rate is float32")
     res["notes"] = notes

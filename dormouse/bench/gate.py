@@ -1,4 +1,9 @@
-"""The gate's sensitivity, measured: the smallest gradient perturbation on ONE
+"""The gate's cost and sensitivity, measured.
+
+`pipeline_timing`: the tiny pipeline as a user runs it, timed from outside
+(seconds to the printed verdict, and to the end), and each of its parts alone.
+
+`sensitivity`:  the smallest gradient perturbation on ONE
 rank at ONE step that the verdict catches.
 
 A ladder of fleets (one torchrun launch, a plan) each multiplies rank 1's local
@@ -93,6 +98,67 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
     return {"step": STEP, "rank": 1, "capacity": plan[0].capacity, "ladder": rows,
             "smallest_caught": min(caught) if caught else None,
             "largest_passed": max((r["eps"] for r in rows if not r["caught"]), default=None)}
+
+
+def pipeline_timing(log=print) -> dict:
+    """`python -m dormouse.gate.pipeline --quiet` on the tiny fixture in a fresh
+    out dir, timed from outside: seconds until the verdict is printed and until
+    the process ends (the four notebooks presented). Then each part alone, in
+    this process, in another fresh out dir: the single run with its floors, the
+    fleet (its torchrun launches), gradref, the replay, the judge, and one
+    notebook's kernel on fresh artifacts (04: start-up, imports, tables, figures)."""
+    import subprocess
+    import time
+
+    from dormouse.gate.judge.checks import judge
+    from dormouse.gate.record import modes, produce
+    from dormouse.gate.settings import GateSettings
+
+    res: dict = {}
+    quiet = lambda line: None  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="dormouse-pipeline-") as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "--out",
+                                 str(Path(tmp) / "whole")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=tmp)
+        verdict_at, tail = None, []
+        for line in proc.stdout:
+            tail = (tail + [line.rstrip()])[-5:]
+            if verdict_at is None and line.startswith("gate verdict for"):
+                verdict_at = time.perf_counter() - t0
+        rc = proc.wait()
+        res["pipeline_verdict_s"], res["pipeline_wall_s"], res["pipeline_exit"] = verdict_at, \
+            time.perf_counter() - t0, rc
+        if rc not in (0, 1):
+            res["pipeline_tail"] = tail
+        log(f"  pipeline: verdict after {verdict_at or float('nan'):.1f} s, done after {res['pipeline_wall_s']:.1f} s")
+        s = GateSettings(out=str(Path(tmp) / "parts")).validate()
+        parts = {}
+
+        def timed(name, fn):
+            t = time.perf_counter()
+            fn()
+            parts[name] = time.perf_counter() - t
+
+        timed("single_and_floors", lambda: produce.run_single(s, log=quiet))
+        timed("fleet", lambda: produce.run_fleet(s, stream=quiet))
+        timed("gradref", lambda: modes.run_gradref(s, log=quiet))
+        timed("replay", lambda: modes.run_replay(s, log=quiet))
+        timed("judge", lambda: judge(s.out_dir))
+        try:
+            import papermill as pm
+
+            from dormouse.gate.pipeline import NOTEBOOK_DIR
+
+            timed("notebook_04_on_fresh_artifacts", lambda: pm.execute_notebook(
+                str(NOTEBOOK_DIR / "04_compare_plots.ipynb"), str(Path(tmp) / "04.ipynb"),
+                parameters={"out": str(s.out_dir)}, kernel_name="python3", progress_bar=False))
+        except ImportError:
+            parts["notebook_04_on_fresh_artifacts"] = None
+        res["parts_s"] = parts
+        log("  parts: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items() if v is not None))
+    return res
 
 
 if __name__ == "__main__":

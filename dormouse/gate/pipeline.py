@@ -93,13 +93,20 @@ def notebook_parameters(path: Path) -> list[str]:
 
 
 def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOTEBOOKS,
-                 log: Log = print, log_output: bool = True) -> dict | None:
-    """Run the notebooks in order under papermill (the kernel in the caller's
-    working directory); returns the verdict (None when 04 was not among
-    them). Each override goes only to the
-    notebooks whose parameters cell names it; 01 is given the global batch of
-    the fleet the others describe. Raises ParameterError before running
-    anything when an override is bad, GateFailed when the gate fails."""
+                 log: Log = print, log_output: bool = True, on_verdict=None) -> dict | None:
+    """Run the notebooks under papermill (the kernel in the caller's working
+    directory); returns the verdict (None when 04 was not among them). Each
+    override goes only to the notebooks whose parameters cell names it; 01 is
+    given the global batch of the fleet the others describe. Raises
+    ParameterError before running anything when an override is bad,
+    GateFailed when the gate fails.
+
+    With all four notebooks, the artifacts are produced and judged first, in
+    this process (`gate`: the same functions 04 calls), and `on_verdict`
+    receives the verdict as soon as it exists; the notebooks then find every
+    set fresh, present it, and run side by side (each in its own kernel: a
+    kernel's start-up and imports are most of a notebook's time). Alone or
+    in a subset, they run in order and produce what they need themselves."""
     p = check(**overrides)  # before anything runs (or papermill is imported)
     if not NOTEBOOK_DIR.is_dir():
         raise DormouseError(f"no notebooks at {NOTEBOOK_DIR}: the pipeline runs from a checkout of the "
@@ -118,22 +125,47 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
         executed = EXECUTED_DIR if p.out_dir == DEFAULT_OUT else p.out_dir / "notebooks"
     executed = Path(executed)
     executed.mkdir(parents=True, exist_ok=True)
+    side_by_side = set(notebooks) == set(NOTEBOOKS)
+    if side_by_side:
+        log("== producing and judging (single, fleet, gradref, replay), then the four notebooks side by side")
+        v = gate(p, log=log)
+        if on_verdict is not None:
+            on_verdict(json.loads((p.out_dir / VERDICT_FILE).read_text()))
+    runs = []
     for name in notebooks:
-        src = NOTEBOOK_DIR / name
-        declared = notebook_parameters(src)
+        declared = notebook_parameters(NOTEBOOK_DIR / name)
         params = {k: v for k, v in given.items() if k in declared}
         if name.startswith("01") and p.global_batch() is None:
             log(f"== {name}: skipped (capacity {p.capacity!r} mixes window lengths: no single-process curve)")
             continue
-        log(f"== {name} {' '.join(f'-p {k} {v}' for k, v in params.items())}".rstrip())
+        runs.append((name, params))
+
+    def execute(name: str, params: dict, echo: bool) -> None:
         try:
-            pm.execute_notebook(str(src), str(executed / name), parameters=params, kernel_name="python3",
-                                progress_bar=False, log_output=log_output)
+            pm.execute_notebook(str(NOTEBOOK_DIR / name), str(executed / name), parameters=params,
+                                kernel_name="python3", progress_bar=False, log_output=echo)
         except pm.PapermillExecutionError as e:
             if e.ename == GateFailed.__name__:
                 raise GateFailed(format_verdict(json.loads((p.out_dir / VERDICT_FILE).read_text()))) from None
             raise NotebookFailed(f"{name} failed ({e.ename}: {e.evalue}); executed copy: "
                                  f"{executed / name}") from None
+
+    if side_by_side:
+        from concurrent.futures import ThreadPoolExecutor
+
+        for name, params in runs:
+            log(f"== {name} {' '.join(f'-p {k} {v}' for k, v in params.items())}".rstrip())
+        with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+            futures = [pool.submit(execute, name, params, False) for name, params in runs]
+            errors = [f.exception() for f in futures]
+        failed = [e for e in errors if isinstance(e, GateFailed)] or [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+        log(f"== executed notebooks in {executed}")
+    else:
+        for name, params in runs:
+            log(f"== {name} {' '.join(f'-p {k} {v}' for k, v in params.items())}".rstrip())
+            execute(name, params, log_output)
     if not any(n.startswith("04") for n in notebooks):
         return None  # no verdict without 04
     return json.loads((p.out_dir / VERDICT_FILE).read_text())
@@ -184,12 +216,24 @@ def _main(args) -> int:
     if not chosen or (only and len(set(only)) != len(chosen)):
         raise ParameterError(f"--only {args.only!r}: name notebooks by number, among "
                              f"{', '.join(n[:2] for n in NOTEBOOKS)}")
-    v = run_pipeline(overrides, executed=args.executed and Path(args.executed), notebooks=chosen,
-                     log_output=not args.quiet)
+    shown = []
+
+    def show(verdict: dict) -> None:  # as soon as the verdict exists, before the notebooks present it
+        print(format_verdict(verdict), flush=True)
+        shown.append(verdict)
+
+    try:
+        v = run_pipeline(overrides, executed=args.executed and Path(args.executed), notebooks=chosen,
+                         log_output=not args.quiet, on_verdict=show)
+    except GateFailed:
+        if not shown:
+            raise  # errors.command_status prints it (status 1)
+        return EXIT_FAILED
     if v is None:
         print(f"ran {', '.join(chosen)}; no verdict without 04")
         return 0
-    print(format_verdict(v))
+    if not shown:
+        print(format_verdict(v))
     return 0 if v["pass"] else 1
 
 

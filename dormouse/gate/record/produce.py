@@ -186,9 +186,16 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
             "replay are the references")
         with locked(s.out_dir, "single"):
             _drop(s.out_dir, r"(single|exact)(_trace)?\.(json|safetensors)")
+        run_fleet(s, force=False, stream=log)
     else:
-        run_single(s, force=False, log=log)
-    run_fleet(s, force=False, stream=log)
+        # The fleet (torchrun's processes) runs while this process computes the
+        # single run and its floors: they share nothing but the corpus file.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            fleet = pool.submit(run_fleet, s, force=False, stream=log)
+            run_single(s, force=False, log=log)
+            fleet.result()
     run_references(s, force=False, log=log)
 
 
