@@ -25,7 +25,7 @@ import sys
 
 from dormouse import __version__
 from dormouse.config import DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, PRESETS, TrainConfig, build_run
-from dormouse.errors import EXIT_OK, ConfigError, OneLineParser, command_status
+from dormouse.errors import EXIT_OK, OneLineParser, command_status
 
 # Subcommands that hand the rest of the command line, unchanged, to their own main(argv).
 FORWARDED = {
@@ -191,15 +191,12 @@ def _add_sample_parser(sub) -> None:
 def _sample(args) -> int:
     import torch
 
-    from dormouse.infer import generate, load_trained
+    from dormouse.infer import sample_text
 
     torch.set_num_threads(args.threads)
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
-    model, _, _ = load_trained(args.ckpt)
-    out = generate(model, args.prompt.encode(), tokens=args.tokens, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
-    sys.stdout.write(out.decode("utf-8", errors="replace") + "\n")
+    text = sample_text(args.ckpt, args.prompt, tokens=args.tokens, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
+    sys.stdout.write(text + "\n")
     return EXIT_OK
 
 
@@ -224,23 +221,10 @@ def _add_eval_parser(sub) -> None:
 def _eval(args) -> int:
     import torch
 
-    from dormouse.infer import file_loss, load_trained
+    from dormouse.infer import score_file
 
     torch.set_num_threads(args.threads)
-    model, run, step = load_trained(args.ckpt)
-    seq_len = args.seq_len or run.train.seq_len
-    if seq_len > run.model.max_seq_len:
-        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {run.model.max_seq_len}")
-    tail = 0.0
-    if args.part == "tail":
-        tail = run.train.eval_frac
-        if not tail:
-            raise ConfigError("--part tail: the checkpoint's run held nothing out (train.eval_frac = 0); "
-                              "score the whole file instead")
-    nats, count = file_loss(model, args.data, seq_len=seq_len, batch=args.batch, tail_frac=tail)
-    part = "whole file" if args.part == "whole" else f"last {tail:g} of the file"
-    print(f"loss {nats:.6f} nats/byte, {nats / math.log(2):.6f} bits/byte over {count:,} bytes of "
-          f"{args.data} ({part}, windows of {seq_len}; checkpoint at step {step})")
+    print(score_file(args.ckpt, args.data, part=args.part, seq_len=args.seq_len, batch=args.batch))
     return EXIT_OK
 
 
