@@ -234,7 +234,8 @@ def _global_batch(a: ArtifactSet, name: str) -> tuple[int, list[int]]:
     reference's own batch, or the sum over the fleet's ranks."""
     m = a.meta(name)
     if name in ONE_PROCESS:
-        return m["config"]["train"]["batch"], [m["config"]["train"]["seq_len"]]
+        train = m.get("config", {}).get("train", {})
+        return m.get("global_batch", train.get("batch")), [train.get("seq_len")]
     shapes = m.get("rank_shapes", [])
     return sum(b for b, _ in shapes), sorted({t for _, t in shapes})
 
@@ -245,9 +246,12 @@ def check_provenance(a: ArtifactSet, names: list[str]) -> Check:
     for n in names:
         m = a.meta(n)
         mine, theirs = m.get("settings", {}), ref.get("settings", {})
-        if n in ONE_PROCESS:  # normalised to the fleet's profile: compared through the global batch
-            (gb, t), (fleet_gb, fleet_t) = _global_batch(a, n), _global_batch(a, "rank0")
-            if (gb, t) != (fleet_gb, fleet_t):
+        gb, t = _global_batch(a, n) if n in ONE_PROCESS else (None, None)
+        if gb is not None:  # normalised to the fleet's profile: compared through the global batch
+            fleet_gb, fleet_t = _global_batch(a, "rank0")
+            if t == [None]:
+                t = fleet_t[:1]  # no window length recorded: the batch alone is compared
+            if gb != fleet_gb or t != fleet_t:
                 profile = ",".join(f"{b}x{tt}" for b, tt in ref.get("rank_shapes", []))
                 diffs.insert(0, f"{n} ran a global batch of {gb} windows of {t[0]} tokens, the fleet {fleet_gb} "
                              f"({profile} over its ranks): run {n} at the fleet's global batch "

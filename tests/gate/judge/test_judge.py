@@ -660,3 +660,28 @@ def test_a_fleet_that_trained_another_recipe_fails_the_config_check(tmp_path):
     c = check_config(a, "gradref")
     assert not c.passed and "rank0's train.ns_dtype = 'bfloat16', gradref's 'float32'" in c.reason
     assert not judge(tmp_path).passed
+
+
+def test_a_single_is_compared_with_the_fleet_through_its_global_batch(tmp_path):
+    """Normalised to the fleet's profile: a single recorded as one rank of the
+    global batch (by hand: single --batch 6) is the fleet's reference; a single
+    at another global batch is one FAIL naming both batches."""
+    def one_rank(a):
+        a["single"]["meta"]["settings"] = {**a["single"]["meta"]["settings"], "world": 1, "batch": 6,
+                                           "capacity": "", "resume_world": 0}
+
+    assert check_provenance(clean_set(tmp_path / "same", one_rank), ["single"]).passed
+
+    def other(a):
+        one_rank(a)
+        a["single"]["meta"]["global_batch"] = 8
+
+    c = check_provenance(clean_set(tmp_path / "other", other), ["single"])
+    assert not c.passed and "single ran a global batch of 8 windows" in c.reason and "the fleet 6" in c.reason, c
+    # a setting outside the profile still counts
+    def lr(a):
+        one_rank(a)
+        a["single"]["meta"]["settings"]["lr"] = 0.5
+
+    c = check_provenance(clean_set(tmp_path / "lr", lr), ["single"])
+    assert not c.passed and "single was made with other settings (lr)" in c.reason, c
