@@ -2,7 +2,7 @@
 
     dormouse train --preset tiny --steps 200 --out runs/a
     dormouse train --config runs/a/run.json --set train.steps=400 --resume
-    torchrun --standalone --nproc_per_node=2 -m dormouse train --capacity 4,2 --out runs/f
+    torchrun --standalone --nproc_per_node=2 -m dormouse train --profile 4,2 --out runs/f
     dormouse sample --ckpt runs/a/dormouse.pt --prompt "def " --tokens 200 --seed 0
     dormouse eval --ckpt runs/a/dormouse.pt --data held_out.txt
     dormouse gate ... | pipeline ... | bench ... | soak ...   (their own --help)
@@ -29,7 +29,7 @@ from dormouse.errors import EXIT_OK, OneLineParser, command_status
 
 # Subcommands that hand the rest of the command line, unchanged, to their own main(argv).
 FORWARDED = {
-    "gate": ("dormouse.gate.__main__", "the distributed gate: single | rank | gradref | replay | verdict"),
+    "gate": ("dormouse.gate.__main__", "the distributed gate: single | rank | gradref | replay | verdict | check (your own loop)"),
     "pipeline": ("dormouse.gate.pipeline", "the whole gate: notebooks 01-04 and verdict.json"),
     "bench": ("dormouse.bench.core", "measured speed: tokens/s, fleet vs DDP, scaling"),
     "soak": ("dormouse.gate.record.soak", "launch gate fleets back to back and count failures"),
@@ -80,7 +80,7 @@ def finite_float(text: str) -> float:
 TRAIN_FLAGS = [
     ("--data", "data", str, None, "corpus file of bytes ('' = the built-in corpus: dormouse's own source)"),
     ("--steps", "steps", int, None, "optimizer steps in all (a resumed run continues up to this)"),
-    ("--batch", "batch", int, None, "windows per step (per rank in a fleet without --capacity)"),
+    ("--batch", "batch", int, None, "windows per step (per rank in a fleet without --profile)"),
     ("--seq-len", "seq_len", int, None, "tokens per window (at most the model's max_seq_len)"),
     ("--lr", "lr", float, None, "peak learning rate"),
     ("--seed", "seed", int, None, "seeds the initial parameters and the shuffled data order"),
@@ -88,12 +88,12 @@ TRAIN_FLAGS = [
     ("--out", "out_dir", str, None, "checkpoints, metrics and run.json go here"),
     ("--log-every", "log_every", int, None, "steps between log lines"),
     ("--ckpt-every", "ckpt_every", int, None, "steps between checkpoints, and one at the end (0 = none)"),
-    ("--capacity", "dist_capacity", str, None,
+    ("--profile", "dist_profile", str, None,
      "fleet: per-rank shapes in rank order, 'B' or 'BxT' each, e.g. 4,2 ('' = --batch on every rank)"),
     ("--shard", "dist_shard", str, DIST_SHARDS, "fleet: none = replicated parameters, fsdp = FSDP2 shards"),
     ("--reduce", "dist_reduce", str, DIST_REDUCES, "fleet: how gradients are summed across ranks"),
     ("--micro-batch", "micro_batch", non_negative_int, None,
-     "windows per micro-batch: the step's batch is accumulated in slices of this many (0 = the whole batch)"),
+     "windows per micro-batch: the step's batch is accumulated in slices of this many (0 = the whole local batch)"),
 ]
 
 
@@ -124,6 +124,7 @@ def _add_train_parser(sub) -> None:
                        help=f"{text} (default: {shown!s}; with --config, the file's)"
                        if shown is not None else f"{text} (default: the config's)")
     t.add_argument("--out-dir", dest="out_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
+    t.add_argument("--capacity", dest="dist_profile", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="CKPT",
                    help="continue from <out>'s checkpoint if there is one (any world size or sharding); "
                         "--resume CKPT continues from that .pt file or .dcp directory instead, on every "
@@ -184,7 +185,7 @@ def _add_sample_parser(sub) -> None:
     s.add_argument("--temperature", type=finite_float, default=1.0, help="softmax temperature (0 = greedy)")
     s.add_argument("--top-k", type=non_negative_int, default=0, help="draw among the k most likely bytes (0 = all)")
     s.add_argument("--seed", type=int, default=0, help="seeds the draws")
-    s.add_argument("--no-cache", action="store_true", help="recompute the whole window every byte (slower; same text)")
+    s.add_argument("--no-cache", action="store_true", help="recompute the whole text every byte (the reference: much slower; same text)")
     s.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
 
 

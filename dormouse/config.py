@@ -27,6 +27,7 @@ from dormouse.errors import ConfigError
 OPTIMIZERS = ("mix", "adamw")
 NS_KINDS = ("quintic", "polar_express")
 NS_DTYPES = ("bfloat16", "float32")
+NS_KERNELS = ("auto", "native", "fp32")
 STATE_DTYPES = ("float32", "bfloat16")
 MUON_VARIANTS = ("muon", "normuon")
 MUON_SHAPE_RULES = ("original", "match_rms_adamw")
@@ -134,8 +135,8 @@ class TrainConfig:
 
     seed: int = 0  # seeds model initialisation when the run builds the model
     steps: int = 200  # optimizer steps
-    batch: int = 4  # windows per step (per rank in a fleet without dist_capacity)
-    micro_batch: int = 0  # windows per forward/backward slice, dividing each rank's batch (0 = all)
+    batch: int = 4  # windows per step (per rank in a fleet without dist_profile)
+    micro_batch: int = 0  # windows per forward/backward slice, dividing each rank's batch (0 = all; see FleetPlan)
     seq_len: int = 64  # tokens per window; at most model.max_seq_len
     lr: float = 3e-3  # peak learning rate, shared by the Muon and AdamW groups
     schedule: str = "constant"  # learning-rate shape after warm-up: constant | cosine
@@ -147,6 +148,7 @@ class TrainConfig:
     ns_steps: int = 5  # Newton-Schulz iterations per Muon step
     ns_kind: str = "quintic"  # Newton-Schulz coefficients: quintic | polar_express
     ns_dtype: str = "bfloat16"  # dtype Newton-Schulz runs in (torch's Muon uses bfloat16)
+    ns_kernel: str = "auto"  # bfloat16 Newton-Schulz: native = torch's bf16 matmul (bitwise torch.optim.Muon); fp32 = bf16 values and rounding through fp32 matmuls (no cliff on CPUs without native bf16); auto = native where bf16 matmuls are native, else fp32 (see newton_schulz.py)
     muon_momentum: float = 0.95  # Muon momentum
     muon_nesterov: bool = True  # Nesterov momentum for Muon
     muon_variant: str = "muon"  # muon | normuon (per-neuron second-moment normalisation)
@@ -168,7 +170,7 @@ class TrainConfig:
     resume_from: str = ""  # continue from this checkpoint (.pt file or .dcp dir), any topology
     stop_at: int = 0  # end this launch after step stop_at, checkpointing there (0 = run to steps); the schedule still spans steps
     dist: bool = False  # this run is one rank of a torch.distributed fleet
-    dist_capacity: str = ""  # per-rank shapes, e.g. "4,2" or "4x32,2x64" ("" = batch each)
+    dist_profile: str = ""  # the fleet's per-rank shapes, e.g. "4,2" or "4x32,2x64" ("" = batch each; see FleetPlan)
     dist_reduce: str = "fp32"  # fp32 | bf16 ring all-reduce | exact: a fixed tree over slices
     dist_shard: str = "none"  # none = replicated parameters; fsdp = FSDP2 fully_shard
     dist_bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket (MiB)
@@ -181,7 +183,7 @@ class TrainConfig:
             _non_negative(self, name)
         for name, allowed in (
             ("opt", OPTIMIZERS), ("ns_kind", NS_KINDS), ("ns_dtype", NS_DTYPES),
-            ("muon_variant", MUON_VARIANTS), ("muon_sf", MUON_SHAPE_RULES),
+            ("ns_kernel", NS_KERNELS), ("muon_variant", MUON_VARIANTS), ("muon_sf", MUON_SHAPE_RULES),
             ("muon_state_dtype", STATE_DTYPES), ("schedule", SCHEDULES),
             ("dist_reduce", DIST_REDUCES), ("dist_shard", DIST_SHARDS),
             ("data_order", DATA_ORDERS),
@@ -195,11 +197,6 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"train.{name} = {value} must be a finite number >= 0")
-        if self.micro_batch and not self.dist_capacity and self.batch % self.micro_batch:
-            raise ConfigError(
-                f"train.micro_batch = {self.micro_batch} does not divide train.batch = {self.batch}: "
-                "choose a divisor of the batch, or 0 for one slice"
-            )
         if not self.lr > 0:
             raise ConfigError(f"train.lr = {self.lr} must be > 0")
         for name in ("adam_beta1", "adam_beta2", "muon_momentum", "min_lr_frac"):
@@ -218,6 +215,29 @@ class TrainConfig:
                 f"train.ckpt_name = {self.ckpt_name!r} must be a plain file stem"
             )
         return self
+
+
+def _accept_old_names(cls, aliases: dict[str, str]):
+    """`cls(old=...)`, `dataclasses.replace(x, old=...)` and `x.old` read and
+    set the field's new name (a name is never written under its old one). The
+    old name, when given, wins: replace() passes every field's current value."""
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        for old, new in aliases.items():
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
+    cls.__init__ = __init__
+    for old, new in aliases.items():
+        setattr(cls, old, property(lambda self, n=new: getattr(self, n),
+                                   lambda self, v, n=new: setattr(self, n, v), doc=f"The old name of {new}."))
+
+
+# The old name of dist_profile (before "capacity" meant only the MoE's capacity factor).
+_accept_old_names(TrainConfig, {"dist_capacity": "dist_profile"})
 
 
 @dataclass
@@ -333,6 +353,7 @@ def parse_sets(pairs) -> tuple[dict, dict]:
         section, dot, fname = name.partition(".")
         if not dot:
             section, fname = "train", name
+        fname = ALIASES.get(fname, fname) if section == "train" else fname  # train.dist_capacity: old name
         cls = sections.get(section)
         by_name = {f.name: f for f in fields(cls)} if cls else {}
         if not sep or fname not in by_name:
@@ -358,10 +379,13 @@ def _parse_value(f: dataclasses.Field, text: str, pair: str):
         return text
     except ValueError:
         raise ConfigError(f"--set {pair!r}: expected a {kind} for {f.name}") from None
+# Old JSON keys still read, under their new names (run.json files written before the rename).
+ALIASES = {"dist_capacity": "dist_profile"}
 
 
 def _from_dict(cls, d: dict[str, Any], where: str):
     known = {f.name for f in fields(cls)}
+    d = {(ALIASES[k] if k in ALIASES and ALIASES[k] in known and ALIASES[k] not in d else k): v for k, v in d.items()}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ConfigError(

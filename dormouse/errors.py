@@ -40,6 +40,19 @@ class FleetError(DormouseError):
     """A data-parallel fleet is misconfigured or one of its ranks failed."""
 
 
+class PlanError(ConfigError, FleetError):
+    """The fleet's plan (profile, world, batch, micro-batch) cannot be made.
+
+    `field` names what holds the bad value (profile, micro_batch, world),
+    `value` is that value and `reason` says why and what to do, so callers
+    that name the setting otherwise (the gate's settings) restate it without
+    cutting the message apart."""
+
+    def __init__(self, field: str, value, reason: str):
+        self.field, self.value, self.reason = field, value, reason
+        super().__init__(f"{field} = {value!r}: {reason}")
+
+
 # ---------------------------------------------------------------- what a command's exit status says
 #
 # THE one mapping from outcomes to exit statuses, for every dormouse command

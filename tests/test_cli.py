@@ -56,7 +56,7 @@ def test_train_help_explains_the_options(tmp_path):
     proc = _cli("train", "--help", cwd=tmp_path)
     assert proc.returncode == 0
     for option in ("--config", "--preset", "--data", "--steps", "--batch", "--seq-len", "--lr", "--out",
-                   "--ckpt-every", "--resume", "--set", "--dist", "--capacity", "--shard", "--reduce",
+                   "--ckpt-every", "--resume", "--set", "--dist", "--profile", "--shard", "--reduce",
                    "--micro-batch", "--data-order", "--log-dir", "--tensorboard"):
         assert option in proc.stdout, option
     assert "tiny" in proc.stdout and "small" in proc.stdout  # the preset choices
@@ -275,7 +275,7 @@ def test_set_reaches_model_and_train_fields_and_run_json_replays_the_run(tmp_pat
 
 # ---------------------------------------------------------------- a real fleet
 
-FLEET_ARGS = ["--capacity", "2,1", "--seq-len", "32", "--steps", "6", "--ckpt-every", "3", "--log-every", "3",
+FLEET_ARGS = ["--profile", "2,1", "--seq-len", "32", "--steps", "6", "--ckpt-every", "3", "--log-every", "3",
               "--set", "eval_frac=0.1", "--set", "eval_every=3"]
 
 
@@ -302,7 +302,7 @@ def test_torchrun_trains_a_fleet_with_rank_0_logging_and_per_rank_logs(fleet_run
         log = (d / "logs" / f"rank{r}.log").read_text()
         assert "step=6/6" in log and "done: final loss" in log
     run = RunConfig.from_json((d / "run" / "run.json").read_text())
-    assert run.train.dist and run.train.dist_capacity == "2,1" and run.train.data_order == "shuffle"
+    assert run.train.dist and run.train.dist_profile == "2,1" and run.train.data_order == "shuffle"
     assert (d / "run" / "dormouse.pt").is_file()
 
 
@@ -326,7 +326,7 @@ def test_sample_and_eval_read_the_fleets_checkpoint(fleet_run):
 def test_a_fleets_run_resumes_in_one_process_from_its_run_json(fleet_run, tmp_path):
     d, _ = fleet_run
     proc = _cli("train", "--config", str(d / "run" / "run.json"), "--set", "train.dist=false",
-                "--capacity", "", "--batch", "3", "--steps", "8", "--resume", cwd=d)
+                "--capacity", "", "--batch", "3", "--steps", "8", "--resume", cwd=d)  # --capacity: --profile's old name
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {d / 'run' / 'dormouse.pt'} at step 6" in proc.stdout and "step=8/8" in proc.stdout
 
@@ -391,6 +391,16 @@ def test_micro_batch_sets_train_micro_batch(tmp_path, capsys, micro):
                  "--out", str(tmp_path / "o")])
     assert code == 0, capsys.readouterr().err
     assert RunConfig.from_json((tmp_path / "o" / "run.json").read_text()).train.micro_batch == micro
+
+
+def test_micro_batch_0_is_the_whole_batch_and_one_that_does_not_divide_it_is_one_line(tmp_path, capsys):
+    assert main(["train", "--steps", "1", "--batch", "2", "--seq-len", "16", "--micro-batch", "0",
+                 "--out", str(tmp_path / "o")]) == 0
+    assert RunConfig.from_json((tmp_path / "o" / "run.json").read_text()).train.micro_batch == 0
+    capsys.readouterr()
+    assert main(["train", "--steps", "1", "--batch", "2", "--seq-len", "16", "--micro-batch", "3",
+                 "--out", str(tmp_path / "p")]) == 2
+    _one_error_line(capsys.readouterr().err, "micro_batch = 3", "does not divide every rank's batch (2)")
 
 
 def test_a_run_that_crashes_is_one_line_naming_the_exception_and_status_3(tmp_path, capsys, monkeypatch):

@@ -8,16 +8,19 @@ GateSettings field.
     python -m dormouse.gate gradref --out G
     python -m dormouse.gate replay --out G
     python -m dormouse.gate verdict --out G [--json]
+    python -m dormouse.gate check --out DIR      # a recording of YOUR loop (dormouse.gate.Recorder)
 
 single: one process at the fleet's GLOBAL batch (the reference curve, its
 one-ulp floor and, under --reduce exact, the exact reference); rank: one
 process per rank under torchrun (the fleet); gradref: the hand-computed
 token-weighted gradient at every step of the fleet's run; replay: the fleet's
 run replayed in one process from its recorded gradients; verdict: judge what
-the out dir holds. `--mode NAME` and the bare NAME are the same.
+the out dir holds; check: judge a recording made by dormouse.gate.Recorder
+(making its one-process reference first when missing or stale), print the
+verdict, write <out>/verdict.json. `--mode NAME` and the bare NAME are the same.
 
 `--batch` is the batch of the process being launched: single's is the global
-batch, a rank's its own (every rank's, unless --capacity gives a profile).
+batch, a rank's its own (every rank's, unless --profile gives one per rank).
 By hand the fleet runs in one launch; `--resume-world N` stops it at half its
 steps and resumes it at N ranks (then launch it twice, --leg 1 and --leg 2,
 as the pipeline does). gradref, replay and verdict take their settings from
@@ -48,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     add_arguments(p, skip=_NOT_FLAGS, given_only=True,
                   shown={"resume_world": f"{BY_HAND_RESUME_WORLD} by hand, one launch",
                          "world": "torchrun's WORLD_SIZE for rank, else 2",
-                         "capacity": "'4,2' unless --batch or --world is given"})
+                         "profile": "'4,2' unless --batch or --world is given"})
     p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
     p.add_argument("--leg", type=int, choices=(0, 1, 2), default=0,
                    help="rank mode, a fleet that stops and resumes (resume_world): which launch this is")
@@ -70,14 +73,14 @@ def settings_for(mode: str, args: argparse.Namespace):
     given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
     recorded = None
     fleet = ArtifactSet(resolve_out(given.get("out", "")))
-    if mode in ("gradref", "replay") and fleet.has("rank0"):  # the verdict reads only the artifacts
+    if mode in ("gradref", "replay", "verdict") and fleet.has("rank0"):
         recorded = fleet.meta("rank0").get("settings")
     world = int(os.environ["WORLD_SIZE"]) if mode == "rank" and "WORLD_SIZE" in os.environ else None
     return by_hand(mode, given, recorded=recorded, world_size=world)
 
 
 def _argv(argv: list[str]) -> list[str]:
-    """A value that starts with '-' ('--capacity -1,2') is still that flag's
+    """A value that starts with '-' ('--profile -1,2') is still that flag's
     value, so its error names the setting rather than argparse's syntax."""
     out, i = [], 0
     while i < len(argv):
@@ -92,8 +95,44 @@ def _argv(argv: list[str]) -> list[str]:
     return out
 
 
+def check_main(argv: list[str]) -> int:
+    """`dormouse gate check --out DIR`: reference (if missing or stale), judge, show."""
+    p = OneLineParser(prog="dormouse gate check", description="judge a recording of your own training loop")
+    p.add_argument("--out", required=True, help="the directory the Recorder wrote")
+    p.add_argument("--force", action="store_true", help="remake the one-process reference even if current")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the reference")
+    args = p.parse_args(argv)
+    return command_status("gate check", lambda: _check(args), traceback=True)
+
+
+def _check(args) -> int:
+    import torch
+
+    from dormouse.gate.judge.recording import judge_recording
+    from dormouse.gate.record.reference import make_reference
+    from dormouse.gate.show.text import format_verdict, write_verdict
+
+    torch.set_num_threads(args.threads)
+    make_reference(args.out, force=args.force, log=lambda line: print(line, file=sys.stderr, flush=True))
+    v = judge_recording(args.out)
+    write_verdict(v, args.out)
+    print(format_verdict(v))
+    try:  # the figure, where matplotlib is installed (the [notebooks] extra)
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from dormouse.gate.show.plots import render
+
+        for path in render(v, args.out):
+            print(f"  figure: {path}")
+    return 0 if v.passed else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _argv(list(sys.argv[1:] if argv is None else argv))
+    if argv and argv[0] == "check":
+        return check_main(argv[1:])
     args = parser().parse_args(argv)
     mode = args.mode or args.mode_flag
     if mode is None or (args.mode and args.mode_flag and args.mode != args.mode_flag):
@@ -112,7 +151,7 @@ def _run(mode: str, args) -> int:
         from dormouse.gate.judge.checks import judge
         from dormouse.gate.show.text import format_verdict, write_verdict
 
-        v = judge(s.out_dir)
+        v = judge(s.out_dir, s)
         if args.json:
             write_verdict(v, s.out_dir)
         if args.tensorboard:

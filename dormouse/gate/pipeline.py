@@ -19,7 +19,7 @@ from dormouse.errors import EXIT_CRASHED, EXIT_FAILED, DormouseError, OneLinePar
 from dormouse.gate.judge.checks import Verdict, judge
 from dormouse.gate.show.text import VERDICT_FILE, format_verdict, write_verdict
 from dormouse.gate.record.produce import SETS, Log, ensure_all, locked, status
-from dormouse.gate.settings import (ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
+from dormouse.gate.settings import (ALIASES, ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
                                     add_arguments, check)
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -46,12 +46,12 @@ def verdict(s: GateSettings) -> Verdict:
     """Judge the out dir under every set's lock, after checking that the sets
     are still those `s` asks for (another notebook may have replaced them)."""
     with locked(s.out_dir, *SETS):
-        sets = [n for n in SETS if n != "single" or s.global_batch() is not None]
+        sets = [n for n in SETS if n != "single" or s.plan.global_batch is not None]
         changed = next((w for w in (status(n, s) for n in sets) if w), None)
         if changed:
             raise DormouseError(f"the artifacts changed while the verdict was being taken ({changed}): "
                                 "run 04 again (or give each concurrent run its own out)")
-        return judge(s.out_dir)
+        return judge(s.out_dir, s)
 
 
 def gate(s: GateSettings, *, log: Log = print) -> Verdict:
@@ -113,11 +113,12 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
                             "repository installed with `pip install -e .` (a plain install has no notebooks)")
     import papermill as pm
 
-    # The validated values (capacity normalised, out absolute); a world given
-    # without a profile runs the batch on every rank, in every notebook.
-    given = {k: getattr(p, k) for k in overrides}
-    for derived in ("capacity", "resume_world"):  # defaults that followed the overrides (settings._defaults_follow)
-        if derived not in overrides and getattr(p, derived) != getattr(GateSettings(), derived):
+    # The validated values (profile normalised, out absolute, old names as
+    # new), and the defaults that followed them (settings._defaults_follow:
+    # a world or a batch without a profile, a mixed-window profile's one launch).
+    given = {ALIASES.get(k, k): getattr(p, ALIASES.get(k, k)) for k in overrides}
+    for derived in ("profile", "resume_world"):
+        if derived not in given and getattr(p, derived) != getattr(GateSettings(), derived):
             given[derived] = getattr(p, derived)
     if "out" in given:
         given["out"] = str(p.out_dir)
@@ -135,8 +136,8 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
     for name in notebooks:
         declared = notebook_parameters(NOTEBOOK_DIR / name)
         params = {k: v for k, v in given.items() if k in declared}
-        if name.startswith("01") and p.global_batch() is None:
-            log(f"== {name}: skipped (capacity {p.capacity!r} mixes window lengths: no single-process curve)")
+        if name.startswith("01") and p.plan.global_batch is None:
+            log(f"== {name}: skipped (profile {p.profile!r} mixes window lengths: no single-process curve)")
             continue
         runs.append((name, params))
 
@@ -181,7 +182,7 @@ def _cli() -> argparse.ArgumentParser:
     a.add_argument("--out", dest="out", default=argparse.SUPPRESS,
                    help="artifact directory (default: <repository>/artifacts/gate)")
     a.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                   help="a notebook parameter (papermill's conversion), e.g. -p world 3 -p capacity 4,2,1")
+                   help="a notebook parameter (papermill's conversion), e.g. -p world 3 -p profile 4,2,1")
     a.add_argument("-r", "--raw", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                    help="a parameter kept as a string")
     a.add_argument("--executed", default=None,

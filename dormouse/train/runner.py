@@ -67,14 +67,12 @@ class RankLog:
 
 
 def tokens_per_step(config: RunConfig) -> int:
-    """Tokens of one global step (a fleet's from its profile)."""
-    if not config.train.dist:
-        return config.train.batch * config.train.seq_len
-    from dormouse.train.distributed import parse_capacity
+    """Tokens of one global step (the run's FleetPlan: a fleet's from its
+    profile; it checks the profile and the micro-batch on every rank)."""
+    from dormouse.train.data import FleetPlan
 
-    shapes = parse_capacity(config.train.dist_capacity, world_size=int(os.environ["WORLD_SIZE"]),
-                            cfg=config.train, max_seq_len=config.model.max_seq_len)
-    return sum(s.tokens for s in shapes)
+    world = int(os.environ["WORLD_SIZE"]) if config.train.dist else 1
+    return FleetPlan.of_run(config, world).tokens
 
 
 def run(config: RunConfig, *, device: str = "cpu", log_dir: str = "", tensorboard: str = "",
@@ -90,7 +88,7 @@ def run(config: RunConfig, *, device: str = "cpu", log_dir: str = "", tensorboar
         from dormouse.train.data import ByteCorpus
 
         ByteCorpus(config.train.data, config.train.eval_frac)
-    per_step = tokens_per_step(config)  # checks a fleet's profile on every rank
+    per_step = tokens_per_step(config)  # checks a fleet's profile and micro-batch on every rank
     if tensorboard:
         from dormouse.train.tracking import require_tensorboard
 

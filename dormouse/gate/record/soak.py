@@ -34,7 +34,7 @@ def soak(launches: int, root: Path, *, world: int = 2, steps: int = 3, log=print
         shard = "fsdp" if i % 2 else "none"
         lines: list[str] = []
         try:
-            launch_fleet(GateSettings(out=str(root / f"launch{i}"), steps=steps, world=world, capacity="", shard=shard,
+            launch_fleet(GateSettings(out=str(root / f"launch{i}"), steps=steps, world=world, profile="", shard=shard,
                                       resume_world=0),
                          timeout_s=120, stream=lines.append)
             error = next((l for l in lines if ABORT in l), None)
