@@ -118,7 +118,7 @@ def test_every_field_is_a_flag_of_the_cli_except_the_notebook_ones():
         # only the flags given reach the settings (a default never overrides one): the help says the default
         assert a.default == argparse.SUPPRESS
         assert a.help and "(default:" in a.help and a.help.split(" (default:")[0].strip(), f.name
-        if f.name not in ("world", "capacity", "resume_world"):  # by hand these follow other flags
+        if f.name not in ("world", "profile", "resume_world"):  # by hand these follow other flags
             assert f"(default: {f.default!r})" in a.help, (f.name, a.help)
 
 

@@ -52,7 +52,7 @@ def synthetic(*, reduce: str = "fp32", shapes=None, exact: bool | None = None) -
     losses, meta, trace}. Tests edit it, then `write` it."""
     shapes = copy.deepcopy(shapes or SHAPES)
     capacity = ",".join(f"{b}x{t}" for b, t in shapes)
-    settings = GateSettings(steps=STEPS, reduce=reduce, capacity=capacity,
+    settings = GateSettings(steps=STEPS, reduce=reduce, profile=capacity,
                             micro_batch=2 if reduce == "exact" else 0).record()
     prov = {k: (1 if k == "threads" else f"{k}-1") for k in PROVENANCE}
     p, g = _params(), _grads()
@@ -241,7 +241,7 @@ def test_which_references_apply():
     assert required(GateSettings()) == ["single", "init", "gradref", "replay"]
     assert required(GateSettings(reduce="exact")) == ["single", "init", "gradref", "replay", "exact"]
     # mixed window lengths: no single process holds the global batch, so no single (and no exact)
-    assert required(GateSettings(capacity="4x32,2x64", reduce="exact")) == ["init", "gradref", "replay"]
+    assert required(GateSettings(profile="4x32,2x64", reduce="exact")) == ["init", "gradref", "replay"]
 
 
 def test_under_exact_a_missing_exact_reference_is_incomplete(tmp_path):
@@ -268,7 +268,7 @@ def test_the_settings_the_verdict_is_asked_for_are_the_ones_judged(tmp_path):
     v = judge(a.out, GateSettings(**{**a.meta("rank0")["settings"], "lr": 0.01}))
     assert not v.passed and "rank0 was made with other settings (lr)" in v.check("provenance").reason
     # a profile with two window lengths needs no single; one with one length does
-    mixed = GateSettings(**{**a.meta("rank0")["settings"], "capacity": "4x32,2x64"})
+    mixed = GateSettings(**{**a.meta("rank0")["settings"], "profile": "4x32,2x64"})
     assert judge(a.out, mixed).references == ["init", "gradref", "replay"]
 
 
