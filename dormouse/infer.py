@@ -132,3 +132,34 @@ def file_loss(model: DormouseModel, path: str | Path, *, seq_len: int, batch: in
         _, loss, _ = model(x.to(device), y.to(device))
         total += float(loss) * y.numel()
     return total / (n * seq_len), n * seq_len
+
+
+def sample_text(ckpt: str | Path, prompt: str, *, tokens: int, temperature: float = 1.0, top_k: int = 0,
+                seed: int = 0, use_cache: bool = True) -> str:
+    """`dormouse sample`: the continuation of `prompt` (UTF-8 bytes) by the
+    checkpoint's model, decoded as UTF-8 (invalid sequences replaced)."""
+    model, _, _ = load_trained(ckpt)
+    out = generate(model, prompt.encode(), tokens=tokens, temperature=temperature, top_k=top_k, seed=seed,
+                   use_cache=use_cache)
+    return out.decode("utf-8", errors="replace")
+
+
+def score_file(ckpt: str | Path, data: str | Path, *, part: str = "whole", seq_len: int | None = None,
+               batch: int = 16) -> str:
+    """`dormouse eval`: one line with the mean next-byte loss over `data` in
+    nats and in bits per byte (bits = nats / ln 2), over the whole file or
+    (part="tail") the last train.eval_frac the checkpoint's run held out."""
+    model, run, step = load_trained(ckpt)
+    seq_len = seq_len or run.train.seq_len
+    if seq_len > run.model.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {run.model.max_seq_len}")
+    tail = 0.0
+    if part == "tail":
+        tail = run.train.eval_frac
+        if not tail:
+            raise ConfigError("--part tail: the checkpoint's run held nothing out (train.eval_frac = 0); "
+                              "score the whole file instead")
+    nats, count = file_loss(model, data, seq_len=seq_len, batch=batch, tail_frac=tail)
+    where = "whole file" if part == "whole" else f"last {tail:g} of the file"
+    return (f"loss {nats:.6f} nats/byte, {nats / math.log(2):.6f} bits/byte over {count:,} bytes of "
+            f"{data} ({where}, windows of {seq_len}; checkpoint at step {step})")

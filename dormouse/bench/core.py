@@ -663,7 +663,9 @@ def docs_page(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dormouse.bench", description=__doc__.splitlines()[0],
+    from dormouse.errors import OneLineParser
+
+    p = OneLineParser(prog="python -m dormouse.bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer rounds (about two minutes)")
     p.add_argument("--out", default=None, help="result JSON (default: <repo>/artifacts/bench.json)")

@@ -30,6 +30,12 @@ from dormouse.train.newton_schulz import resolve_kernel
 from dormouse.train.tensors import fingerprint
 
 SCHEMA = 2
+# Settings that say how the global batch is cut among the fleet's ranks (and
+# whether the fleet stops and resumes at another world): the one-process
+# references (single, exact) depend on them only through the global batch, so
+# they are compared with the fleet through it (normalised to the fleet's profile).
+PROFILE_FIELDS = ("world", "batch", "capacity", "profile", "resume_world")
+ONE_PROCESS = ("single", "exact")  # the references that run the global batch in one process
 # Provenance keys every artifact of one gate run must share.
 PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "ns_kernel", "corpus", "init")
 

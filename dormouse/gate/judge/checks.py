@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 from dormouse.errors import DormouseError
-from dormouse.gate.artifacts import PROVENANCE, ArtifactSet
+from dormouse.gate.artifacts import ONE_PROCESS, PROFILE_FIELDS, PROVENANCE, ArtifactSet
 from dormouse.gate.settings import GateSettings
 from dormouse.gate.judge.steps import routing_flips
 from dormouse.train.tensors import rel_per_step
@@ -293,21 +293,46 @@ def check_complete(a: ArtifactSet, s: GateSettings | None = None) -> Check:
     return Check("complete", True, "every reference that applies is present: " + ", ".join(need))
 
 
+def _global_batch(a: ArtifactSet, name: str) -> tuple[int, list[int]]:
+    """(windows, window lengths) of one global step: a one-process
+    reference's own batch, or the sum over the fleet's ranks."""
+    m = a.meta(name)
+    if name in ONE_PROCESS:
+        train = m.get("config", {}).get("train", {})
+        return m.get("global_batch", train.get("batch")), [train.get("seq_len")]
+    shapes = m.get("rank_shapes", [])
+    return sum(b for b, _ in shapes), sorted({t for _, t in shapes})
+
+
 def check_provenance(a: ArtifactSet, names: list[str], s: GateSettings | None = None) -> Check:
     """Every artifact's provenance equal to rank0's, and its recorded settings
-    equal to the settings judged against (`s`; None: rank0's own)."""
+    equal to the settings judged against (`s`; None: rank0's own); the
+    one-process references' normalised to the fleet's profile (compared
+    through the global batch)."""
     ref = a.meta("rank0")
     want = s.record() if s is not None else ref.get("settings")
     diffs = []
     for n in names:
         m = a.meta(n)
+        mine, theirs = m.get("settings") or {}, want or {}
+        gb, t = _global_batch(a, n) if n in ONE_PROCESS else (None, None)
+        if gb is not None:  # normalised to the fleet's profile: compared through the global batch
+            fleet_gb, fleet_t = _global_batch(a, "rank0")
+            if t == [None]:
+                t = fleet_t[:1]  # no window length recorded: the batch alone is compared
+            if gb != fleet_gb or t != fleet_t:
+                profile = ",".join(f"{b}x{tt}" for b, tt in ref.get("rank_shapes", []))
+                diffs.insert(0, f"{n} ran a global batch of {gb} windows of {t[0]} tokens, the fleet {fleet_gb} "
+                             f"({profile} over its ranks): run {n} at the fleet's global batch "
+                             f"(single --batch {fleet_gb})")
+                continue
+            mine, theirs = ({k: v for k, v in d.items() if k not in PROFILE_FIELDS} for d in (mine, theirs))
         for k in PROVENANCE:
             if m.get("provenance", {}).get(k) != ref.get("provenance", {}).get(k):
                 diffs.append(f"{n}'s {k} {m.get('provenance', {}).get(k)!r} differs from rank0's "
                              f"{ref.get('provenance', {}).get(k)!r}")
-        if m.get("settings") != want:
-            keys = sorted(k for k in set(m.get("settings") or {}) | set(want or {})
-                          if (m.get("settings") or {}).get(k) != (want or {}).get(k))
+        if mine != theirs:
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             diffs.append(f"{n} was made with other settings ({', '.join(keys)})")
     if diffs:
         return Check("provenance", False, "not comparable: " + "; ".join(diffs[:4])
@@ -369,6 +394,8 @@ def check_ranks(a: ArtifactSet) -> Check:
     note = (" (FSDP2: gathered tensors are equal by construction; this catches buffers gone apart)"
             if sharded else "")
     legs_note = f" in each leg (worlds {worlds[0]} then {worlds[1]})" if len(worlds) == 2 else ""
+    if len(worlds) == 1 and len({t for _, t in a.meta("rank0").get("rank_shapes", [])}) > 1:
+        legs_note = " (one launch, no stop and resume: the profile mixes window lengths)"
     return Check("ranks", True, f"all ranks bitwise equal{legs_note}{note}")
 
 

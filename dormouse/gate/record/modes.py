@@ -227,7 +227,7 @@ def run_exact(s: GateSettings, log=print) -> dict:
     report, trace = _traced(s, model, run, "exact", log)
     trace.save(s.out_dir, "exact")
     return _save(s, "exact", named_state(model), report["losses"], init=init, mode="exact",
-                 config=run.to_dict(), micro_batch=run.train.micro_batch)
+                 config=run.to_dict(), micro_batch=run.train.micro_batch, global_batch=run.train.batch)
 
 
 def _exact_slice(s: GateSettings) -> int:
