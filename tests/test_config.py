@@ -47,7 +47,7 @@ def _non_default_run() -> RunConfig:
     train = TrainConfig(
         seed=7, steps=123, batch=3, micro_batch=1, seq_len=33, lr=1.1e-3, schedule="cosine", warmup=9,
         min_lr_frac=0.3, wd=0.01, grad_clip=0.7, opt="adamw", ns_steps=6,
-        ns_kind="polar_express", ns_dtype="float32", muon_momentum=0.9, muon_nesterov=False,
+        ns_kind="polar_express", ns_dtype="float32", ns_kernel="fp32", muon_momentum=0.9, muon_nesterov=False,
         muon_variant="normuon", muon_sf="original", muon_colrow_3d=False,
         muon_state_dtype="bfloat16", adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-7,
         log_every=3, eval_every=5, eval_frac=0.2, ckpt_every=4, ckpt_name="x1",

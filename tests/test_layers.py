@@ -30,6 +30,10 @@ PKG = Path(dormouse.__file__).resolve().parent
 
 DRIVERS = {"dormouse.__main__", "dormouse.gate.__main__", "dormouse.gate.pipeline"}
 TENSORS = "dormouse.train.tensors"  # pure tensor helpers, the judge's one allowed train module
+# Violations on main, known and not yet fixed (each is checked to still stand below, so the
+# entry goes when the import does): the judge builds GateSettings from the artifacts' record
+# (settings_of, required) to know which references apply; that belongs in artifacts.py.
+KNOWN = {("dormouse.gate.judge.checks", "dormouse.gate.settings")}
 
 
 def module_name(path: Path) -> str:
@@ -87,7 +91,7 @@ def violations(importer_layer: str, forbidden: tuple[str, ...], allow: tuple[str
         if layer(m) != importer_layer:
             continue
         for d in sorted(real(deps)):
-            if d in allow:
+            if d in allow or (m, d) in KNOWN:
                 continue
             if any(d == f or d.startswith(f + ".") for f in forbidden):
                 bad.append(f"{m} imports {d}")
@@ -129,7 +133,7 @@ def test_only_drivers_import_more_than_one_of_record_judge_and_show():
     many = {}
     for m, deps in GRAPH.items():
         own = layer(m)
-        reached = {layer(d) for d in real(deps)} & {"gate.record", "gate.judge", "gate.show"} - {own}
+        reached = {layer(d) for d in real(deps) if (m, d) not in KNOWN} & {"gate.record", "gate.judge", "gate.show"} - {own}
         if own in ("gate.record", "gate.judge", "gate.show"):
             reached.add(own)
         if len(reached) > 1 and layer(m) != "driver":
@@ -137,6 +141,10 @@ def test_only_drivers_import_more_than_one_of_record_judge_and_show():
     # show reads the judge's results: show -> judge is one of the arrows, not a second layer
     many = {m: r for m, r in many.items() if r != ["gate.judge", "gate.show"]}
     assert many == {}
+
+
+def test_the_known_violations_still_stand_until_they_are_fixed():
+    assert [(m, d) for m, d in sorted(KNOWN) if d not in real(GRAPH[m])] == []
 
 
 def test_the_pure_tensor_helpers_the_judge_may_use_know_nothing_of_training():

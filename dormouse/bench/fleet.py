@@ -127,6 +127,11 @@ class DDPSync:
 
         dist.barrier()
 
+    def clip(self, params, max_norm: float):
+        from dormouse.train.loop import clip_grad_norm
+
+        return clip_grad_norm(params, max_norm)
+
     def agree_on_start(self, start: int) -> None:
         pass
 

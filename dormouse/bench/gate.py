@@ -86,7 +86,7 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
                     shutil.copy(f, s.out_dir / f.name)
             modes.run_gradref(s, log=lambda line: None)
             modes.run_replay(s, log=lambda line: None)
-            v = judge(s.out_dir)
+            v = judge(s.out_dir, s)
             failed = [c.name for c in v.checks if not c.passed]
             gradref = v.check("gradref")
             rows.append({"eps": e, "caught": not v.passed, "failed": failed,
@@ -144,7 +144,7 @@ def pipeline_timing(log=print) -> dict:
         timed("fleet", lambda: produce.run_fleet(s, stream=quiet))
         timed("gradref", lambda: modes.run_gradref(s, log=quiet))
         timed("replay", lambda: modes.run_replay(s, log=quiet))
-        timed("judge", lambda: judge(s.out_dir))
+        timed("judge", lambda: judge(s.out_dir, s))
         try:
             import papermill as pm
 

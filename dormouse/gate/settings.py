@@ -58,7 +58,7 @@ class GateSettings:
     opt: str = "mix"  # mix (Muon + AdamW) | adamw
     shard: str = "none"  # none (replicated) | fsdp (FSDP2)
     reduce: str = "fp32"  # the fleet's gradient reduce: fp32 | bf16 (wire) | exact (fixed summation order)
-    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch)
+    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch; under reduce exact the gcd of the rank batches of every leg)
     data_order: str = "shuffle"  # which span each step reads: shuffle (seeded, per epoch) | sequential
     preset: str = ""  # the network by preset name, tiny or small, with the fixture recipe (empty: tiny)
     config: str = ""  # the network and recipe from a RunConfig JSON file, as dormouse train writes (empty: off)
@@ -159,6 +159,15 @@ class GateSettings:
                                  "the fixture's corpus.")
         plan = _planned(lambda: s.plan)
         s = dataclasses.replace(s, profile=plan.profile)  # normalised: '4, 2' -> '4,2'
+        if s.reduce == "exact" and not s.micro_batch:
+            s = dataclasses.replace(s, micro_batch=_exact_micro_batch(s, plan))
+            plan = _planned(lambda: s.plan)
+            if s.shard == "fsdp" and s.world > 1 and max(plan.counts) > 1:
+                raise ParameterError(
+                    f"reduce = 'exact' with shard = 'fsdp' takes one slice per rank (FSDP2 adds a rank's slices "
+                    f"before its reduce-scatter), but profile = {s.profile!r} gives a rank {max(plan.counts)} slices "
+                    f"of {s.micro_batch} windows (the gcd of every leg's rank batches): give every rank the same "
+                    "batch, or shard = 'none'.")
         # Every run the settings describe, checked by the trainer's own rules:
         # the single process's config, and the fleet's refusals (a fleet that
         # would train another network; exact with FSDP takes one slice per rank).
@@ -194,6 +203,25 @@ class GateSettings:
         from dormouse.gate.record.fixtures import make_run
 
         return make_run(self, name=name, dist=dist, **over)
+
+
+def _exact_micro_batch(s: GateSettings, plan) -> int:
+    """Under the exact reduce the slices are the mathematics: the exact
+    reference computes the slices the fleet sums, in every leg. With
+    micro_batch 0 a rank's whole batch would be one slice, and the resume at
+    another world size would change them (two slices of 3 become one of 6):
+    the settings choose micro_batch = gcd of every leg's rank batches, the
+    largest slice every leg shares (FleetPlan.evenly gives the second leg; a
+    resume it cannot split is refused below). Under FSDP2 the fleet's own
+    refusal (refuse_fleet) then names a profile that gives a rank of a fleet
+    several slices."""
+    batches = [sh.batch for sh in plan.shapes]
+    if s.resume_world and s.steps >= 2 and not s.resume_from:
+        try:
+            batches += [sh.batch for sh in plan.evenly(s.resume_world).shapes]
+        except PlanError:
+            pass
+    return math.gcd(*batches)
 
 
 def _planned(make):
@@ -248,26 +276,76 @@ def resolve_out(out) -> Path:
 # --------------------------------------------------------------------------- the command line
 
 
-def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), given_only: bool = False) -> None:
+def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), given_only: bool = False,
+                  shown: dict | None = None) -> None:
     """One flag per field (--micro-batch for micro_batch), typed, with the
-    field's comment as help and its default shown. given_only: flags not
-    given are absent from the namespace (to pass on only what was said)."""
+    field's comment as help and its default shown (`shown`: other words for
+    some defaults). given_only: flags not given are absent from the
+    namespace (to pass on only what was said)."""
     comments = _field_comments()
     for f in fields(GateSettings):
         if f.name in skip or (f.name in _NOT_FLAGS and not given_only):
             continue
         kind = {"int": _int_arg, "float": _float_arg, "str": str, "bool": _bool_arg}[f.type]
+        default = (shown or {}).get(f.name, repr(f.default))
         old = [f"--{a.replace('_', '-')}" for a, new in ALIASES.items() if new == f.name]
         p.add_argument(f"--{f.name.replace('_', '-')}", *old, dest=f.name, type=kind,
                        default=argparse.SUPPRESS if given_only else f.default,
-                       help=comments.get(f.name, "") + f" (default: {f.default!r})"
+                       help=comments.get(f.name, "") + f" (default: {default})"
                        + "".join(f"; {o} is its old name" for o in old))
 
 
 def from_args(args: argparse.Namespace, explicit: set[str] | None = None) -> GateSettings:
     """Settings from parsed flags; `explicit`: the fields the command line named."""
     given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
-    return GateSettings(**_default_profile_follows_world(given, explicit if explicit is not None else set())).validate()
+    return GateSettings(**_defaults_follow(given, explicit if explicit is not None else set())).validate()
+
+
+# By hand (`dormouse gate MODE`), a fleet runs in one launch unless the user
+# asks for the stop and resume; the pipeline and the notebooks keep
+# GateSettings' own default (the richer gate).
+BY_HAND_RESUME_WORLD = 0
+REFERENCE_MODES = ("gradref", "replay", "verdict")  # modes that follow the fleet they check
+
+
+def by_hand(mode: str, given: dict, *, recorded: dict | None = None, world_size: int | None = None) -> GateSettings:
+    """The settings of one mode launched by hand, from the flags the user gave
+    (`given`: only those) -- a default never overrides a flag:
+
+    - `--batch` is the batch of the process being launched: a rank's own
+      (the profile then is `batch` on every rank, not the default profile),
+      the single process's GLOBAL batch (alone it is one rank of `batch`
+      windows; with `--world W`, W ranks of batch / W each; with `--profile`,
+      the profile given, `--batch` then each rank's as for rank). The verdict
+      compares a single and a fleet through their global batch, so
+      `single --batch 4` and a 2-rank `rank --batch 2` are the same gate.
+    - under torchrun, `world` is torchrun's WORLD_SIZE (`world_size`) unless given;
+    - the fleet runs in one launch (resume_world 0) unless --resume-world is given;
+    - gradref, replay and verdict start from the settings the fleet recorded
+      (`recorded`: rank0's), so `--out` alone names the gate they check.
+    """
+    unknown = sorted(set(given) - set(FIELDS))
+    if unknown:
+        raise ParameterError(f"unknown setting {unknown[0]!r}: use {', '.join(FIELDS)}.")
+    if mode in REFERENCE_MODES and recorded:
+        base = {k: v for k, v in _unalias(recorded).items() if k in FIELDS}
+        return GateSettings(**{**base, **given}).validate()
+    g = {"resume_world": BY_HAND_RESUME_WORLD, **given}
+    if mode == "rank" and "world" not in given and world_size:
+        g["world"] = world_size
+    if mode == "single" and "batch" in given and "profile" not in given:
+        world = g.get("world", 1)
+        if isinstance(world, int) and world >= 1 and isinstance(given["batch"], int):
+            if given["batch"] % world:
+                raise ParameterError(f"batch = {given['batch']} is not allowed with world = {world}: single's "
+                                     f"batch is the global batch, so batch must be a multiple of world, "
+                                     f"or give profile.")
+            g.update(world=world, batch=given["batch"] // world)
+            if g.get("reduce") == "exact" and not g.get("micro_batch") and "world" not in given:
+                raise ParameterError("micro_batch = 0 is not allowed for single with reduce = 'exact' and no "
+                                     "world: the exact reference computes the fleet's slices, so give "
+                                     "micro_batch (e.g. 1) or the fleet's world.")
+    return GateSettings(**_defaults_follow(g, set(given) | {"world"} if "world" in g else set(given))).validate()
 
 
 def explicit_fields(argv: list[str]) -> set[str]:
@@ -316,18 +394,35 @@ def check(**given) -> GateSettings:
             given[k] = ""
         elif isinstance(given.get(k), int) and not isinstance(given[k], bool):
             given[k] = str(given[k])  # papermill's -p profile 4 arrives as an int
-    return GateSettings(**_default_profile_follows_world(given)).validate()
+    return GateSettings(**_defaults_follow(given)).validate()
 
 
-def _default_profile_follows_world(given: dict, explicit: set[str] | None = None) -> dict:
-    """The default profile is the default world's: with another world and the
-    profile left at its default (or not given), every rank runs `batch`
-    windows. A notebook passes every parameter, so there a profile equal to
-    the default counts as not given."""
+def _defaults_follow(given: dict, explicit: set[str] | None = None) -> dict:
+    """Defaults that follow what was given (a default never overrides a given value):
+
+    - the default profile is the default fleet's: with another world, or a
+      batch given, and no profile given, every rank runs `batch` windows;
+    - the default resume_world stops and resumes the fleet where it can: a
+      profile that mixes window lengths (no one global batch to split evenly
+      at another world) runs in one launch (resume_world 0).
+
+    A notebook passes every parameter (`explicit` None), so there a value
+    equal to its default counts as not given."""
+    def said(name: str) -> bool:
+        if explicit is not None:
+            return name in explicit
+        return name in given and given[name] != getattr(DEFAULTS, name)
+
     world = given.get("world", DEFAULTS.world)
-    profile_given = "profile" in (explicit if explicit is not None else given)
-    if world != DEFAULTS.world and (not profile_given or (explicit is None and given["profile"] == DEFAULTS.profile)):
+    if (world != DEFAULTS.world or said("batch")) and not said("profile"):
         given = {**given, "profile": ""}
+    if not said("resume_world") and given.get("resume_world", DEFAULTS.resume_world):
+        try:
+            mixed = dataclasses.replace(DEFAULTS, **{k: v for k, v in given.items() if k in FIELDS}).plan.mixed_lengths
+        except Exception:  # noqa: BLE001 -- malformed settings: validate() says what is wrong
+            mixed = False
+        if mixed:
+            given = {**given, "resume_world": 0}
     return given
 
 

@@ -35,7 +35,11 @@ L_r * t_r / T, so the fleet only SUMs:
   With exact, one slice per rank: a custom reduce-scatter (all_to_all_single,
   then tree_sum over the W ranks' chunks) sums the ranks' slices by the tree;
   several slices per rank are refused, because FSDP2 adds a rank's
-  micro-batches into its gradient with += before reduce-scattering.
+  micro-batches into its gradient with += before reduce-scattering (at world
+  1, where a shard is the whole tensor, each slice's gradient is taken apart
+  and the slices tree-summed as LocalSync does). The clipping norm is then
+  computed from whole gathered gradients (loop.clip_grad_norm), in one
+  process's order.
 
 The logged loss sum_i t_i L_i / T and the MoE expert loads (which move the
 routing bias) are summed the same way (exact: by the same tree over slices), so they are identical on every rank and
@@ -57,7 +61,7 @@ from dormouse.errors import FleetError
 from dormouse.train.data import FleetPlan, RankShape, rank_byte_offset
 from dormouse.train.hooks import Hooks, LocalGrads
 from dormouse.train.exact import flat_grads, put_grads, split_stats, stats_row, tree_sum
-from dormouse.train.loop import build_model, train
+from dormouse.train.loop import build_model, clip_grad_norm, train
 from dormouse.train.tensors import fingerprint, named_state
 
 __all__ = ["FleetPlan", "RankShape", "parse_capacity", "rank_byte_offset", "refuse_incompatible",
@@ -85,11 +89,11 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> Fleet
             "is a different network. Use moe_capacity = 0 (dropless) for data-parallel runs"
         )
     if model is not None:
-        if m.bf16:
+        if m.bf16 and any(p.dtype != torch.bfloat16 for p in model.parameters() if p.is_floating_point()):
             raise FleetError(
-                "model.bf16 is True but a pre-built model was passed: the run must build and "
-                "cast the model itself so every rank (and the reference) holds the same "
-                "bfloat16 weights. Pass model=None"
+                "model.bf16 is True but the pre-built model holds float32 parameters: build it and cast it "
+                "before the fleet starts (model.to(torch.bfloat16)), the same way on every rank and in the "
+                "reference, or pass model=None"
             )
         built = getattr(model, "cfg", None)
         if built is not None and built != m:
@@ -101,7 +105,8 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> Fleet
         if any(hasattr(p, "placements") for p in model.parameters()):
             raise FleetError("the pre-built model is already sharded: pass the plain model; train_dist shards it")
     plan = FleetPlan.of_run(run, world_size)
-    if t.dist_reduce == "exact" and t.dist_shard == "fsdp" and max(plan.counts) > 1:
+    # (at world 1 a shard is the whole tensor: FleetSync tree-sums the slices itself)
+    if t.dist_reduce == "exact" and t.dist_shard == "fsdp" and world_size > 1 and max(plan.counts) > 1:
         raise FleetError(
             f"train.dist_reduce = 'exact' with dist_shard = 'fsdp' and micro_batch = {t.micro_batch} gives a "
             "rank several slices, which FSDP2 adds with += before its reduce-scatter, off the fixed slice "
@@ -157,6 +162,7 @@ class FleetSync:
         self._done = 0  # this step's slices whose backward has finished
         self._slices: list[list[torch.Tensor]] = []  # exact: per bucket, the finished slices' vectors
         self._stats: list[torch.Tensor] = []  # exact: the rank's slices' stats rows
+        self._shard_slices: list[torch.Tensor] = []  # exact FSDP2 at world 1: the earlier slices' gradients
         self._hooks: list = []
 
     def attach(self, model) -> None:
@@ -203,6 +209,8 @@ class FleetSync:
         gradient apart unless it is the last, whose buckets the hooks send)."""
         if self.exact:
             self._stats.append(stats_row(loss_part, loads))
+            if self.sharded and self._done < self.n_local - 1:  # world 1 only (refuse_incompatible)
+                self._take_shard_slice(model)
             if not self.sharded and self._done < self.n_local - 1:
                 self._ensure_buckets(model)
                 for i, bucket in enumerate(self._buckets):
@@ -257,6 +265,8 @@ class FleetSync:
             self._ensure_buckets(model)  # not attached: no overlap, same collectives
             while len(self._launched) < len(self._buckets):
                 self._launch(len(self._launched))
+        if self._shard_slices:
+            self._put_shard_tree(model)
         if self.exact:
             stats_work, stats = self._gather_stats()
             grads = self._exact_gradients()
@@ -314,6 +324,45 @@ class FleetSync:
         if cur:
             buckets.append(cur)
         return buckets
+
+    @staticmethod
+    def _shard_grads(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(parameter, its gradient's local shard or None) per trainable
+        parameter; at world 1 a shard is the whole tensor."""
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+        return [(p, None if p.grad is None else local(p.grad)) for p in model.parameters() if p.requires_grad]
+
+    def _take_shard_slice(self, model) -> None:
+        """Exact FSDP2 at world 1: an earlier slice's gradient into a float32
+        vector of its own (take_grads' layout), p.grad emptied for the next."""
+        pairs = self._shard_grads(model)
+        self._shard_slices.append(torch.cat([
+            g.reshape(-1).float() if g is not None else
+            torch.zeros((p.to_local() if hasattr(p, "to_local") else p).numel(), device=p.device)
+            for p, g in pairs]))
+        for p, _ in pairs:
+            p.grad = None
+
+    def _put_shard_tree(self, model) -> None:
+        """The tree over the slices (the last one still in p.grad) back into p.grad."""
+        self._take_shard_slice(model)
+        total = tree_sum(torch.stack(self._shard_slices))
+        self._shard_slices = []
+        offset = 0
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            local = p.to_local() if hasattr(p, "to_local") else p
+            g = total[offset:offset + local.numel()].view_as(local).to(local.dtype)
+            offset += local.numel()
+            p.grad = torch.zeros_like(p)
+            (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).copy_(g)
+
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip to total norm max_norm; under the exact reduce with FSDP2 the
+        norm of whole gathered gradients (one process's order, bitwise)."""
+        return clip_grad_norm(params, max_norm, whole=self.exact and self.sharded)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -96,11 +96,34 @@ class LocalSync:
         self._grads, self._stats = [], []
         return split_stats(stats, loads)
 
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the gradients to total norm max_norm; returns the norm (clip_grad_norm)."""
+        return clip_grad_norm(params, max_norm)
+
     def barrier(self) -> None:
         pass
 
     def agree_on_start(self, start: int) -> None:
         """A fleet checks every rank resumed at the same step; alone, nothing to check."""
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, *, whole: bool = False) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_: N = || (||g_1||, ..., ||g_n||) ||_2 over
+    the parameters' gradients, then g <- g * min(1, max_norm / (N + 1e-6)).
+    whole=True (FSDP2 under the exact reduce): N is computed from each
+    gradient gathered whole (`full_tensor`), by the same function and in the
+    same order as one process computes it, so it is bitwise one process's
+    norm; the scale is then applied to each rank's own shard (elementwise,
+    so bitwise too). FSDP2's own norm sums per-shard partial norms, another
+    order (18 ulps off at step 1 on the gate's fixture)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not whole:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = torch.nn.utils.get_total_norm([g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads])
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.device))
+    return norm
 
 
 def _trainable(model) -> list[torch.Tensor]:
@@ -121,6 +144,7 @@ def make_optimizer(model, run: RunConfig) -> MixOptimizer:
     return MixOptimizer(
         model, lr=t.lr, wd=t.wd, opt=t.opt, ns_steps=t.ns_steps, ns_kind=t.ns_kind,
         colrow_3d=t.muon_colrow_3d, muon_state_dtype=t.muon_state_dtype, ns_dtype=t.ns_dtype,
+        ns_kernel=t.ns_kernel,
         muon_variant=t.muon_variant, muon_sf=t.muon_sf, momentum=t.muon_momentum,
         nesterov=t.muon_nesterov, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
     )
@@ -200,6 +224,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
 
     device = next(model.parameters()).device
     losses: list[float] = []
+    evals: list[list] = []  # [step, eval loss] at every eval
     t0 = last_t = time.perf_counter()
     last_step = start
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps  # this launch's last step
@@ -237,7 +262,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
             on_grads(step + 1, model)
         clip_coef, grad_norm = 1.0, None
         if cfg.grad_clip:
-            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
+            norm = sync.clip([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             clip_coef = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))  # what clip_grad_norm_ multiplied by
         opt.step()
@@ -258,7 +283,8 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 with open(metrics, "a") as f:
                     f.write(json.dumps({"step": done, "loss": loss_value, "lr": lr, "tokens_per_s": tps}) + "\n")
         if cfg.eval_every and done % cfg.eval_every == 0:
-            log(f"eval step={done} loss={evaluate(model, corpus, run):.7f}")
+            evals.append([done, evaluate(model, corpus, run)])
+            log(f"eval step={done} loss={evals[-1][1]:.7f}")
         if ckpt is not None and (done % cfg.ckpt_every == 0 or done == end):
             save_checkpoint(ckpt, model=model, opt=opt, step=done, run=run, peers=sync)
 
@@ -270,6 +296,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         "start_step": start,
         "steps": cfg.steps,
         "losses": losses,
+        "evals": evals,
         "final_loss": losses[-1] if losses else None,
         "tokens_per_step": total_tokens,
         "wall_s": wall,

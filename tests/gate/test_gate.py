@@ -18,7 +18,7 @@ import torch
 
 from dormouse.gate.record import modes
 from dormouse.gate.artifacts import load_meta, load_tensors
-from dormouse.gate.judge.checks import GRAD_RTOL, LOSS_RTOL_BF16, WINDOW_RTOL, judge
+from dormouse.gate.judge.checks import BIAS_FLOOR, BIAS_SIGMAS, GRAD_RTOL, LOSS_RTOL, WINDOW_RTOL, judge
 from dormouse.gate.settings import GateSettings
 from gatekit import fleets, gate, references
 
@@ -97,12 +97,25 @@ def test_the_curve_tolerance_comes_from_ulp_nudges_alone(clean):
     assert curve.grad_step1 <= GRAD_RTOL
 
 
-def test_bf16_reduce_stays_within_its_bound_and_is_measurably_off_fp32(clean):
+def test_bf16_reduce_stays_within_its_bound_unbiased_and_within_its_measured_floor(clean):
     v = passed(clean["bf16"])
     assert v.check("gradref").worst > 1e-5  # bf16 really ran: beyond the fp32 bound, within its own
+    bias = v.check("bias")
+    assert max(map(abs, bias.stats.values())) <= BIAS_SIGMAS and bias.smallest == BIAS_FLOOR["decay"]  # 0.2% of the bound
+    floor = load_meta(clean["bf16"], "single")["floor"]
+    assert sorted(floor) == ["ulp0", "wire0", "wire1", "wire2"]  # rounded as the wire rounds; none splits the batch
+    curve = v.check("curve")
+    assert "rounded to bfloat16 as the wire rounds" in curve.tolerance_why and curve.first_divergent_param is None
     fp32 = load_meta(clean["default"], "rank0")["losses"]
     bf16 = load_meta(clean["bf16"], "rank0")["losses"]
-    assert 0 < max(abs(a - b) / abs(a) for a, b in zip(fp32, bf16)) <= LOSS_RTOL_BF16
+    assert 0 < max(abs(a - b) / abs(a) for a, b in zip(fp32, bf16))
+
+
+def test_the_logged_and_eval_losses_equal_gradrefs_in_every_clean_fleet(clean):
+    for name in ("default", "mixed", "fsdp", "bf16"):
+        loss = judge(clean[name]).check("loss")
+        assert loss.passed and loss.worst <= LOSS_RTOL / 10, (name, loss.reason)
+        assert "eval losses at steps [5, 10" in loss.reason
 
 
 def test_many_buckets_end_bitwise_equal_to_one_and_fsdp_reduces_the_same_first_gradient(clean):
@@ -125,6 +138,19 @@ def test_rank_artifacts_alone_are_incomplete_never_a_pass(clean, tmp_path):
     v = judge(tmp_path)
     assert not v.passed
     assert v.checks[0].name == "complete" and "incomplete: no single, no init, no gradref, no replay" in v.checks[0].reason
+
+
+def test_a_rank_artifact_without_its_profile_still_needs_the_single_process(clean, tmp_path):
+    """Which references apply comes from the settings: a rank artifact that
+    lost its profile (rank_shapes) does not make single optional."""
+    shutil.copytree(clean["default"], tmp_path / "g")
+    for f in (tmp_path / "g").glob("*rank*.json"):
+        meta = json.loads(f.read_text())
+        meta.pop("rank_shapes", None)
+        f.write_text(json.dumps(meta))
+    (tmp_path / "g" / "single.json").unlink()
+    v = judge(tmp_path / "g")
+    assert not v.passed and v.check("complete").reason.startswith("incomplete: no single")
 
 
 def test_artifacts_from_other_code_are_refused_naming_the_source(clean, tmp_path):

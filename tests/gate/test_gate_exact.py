@@ -9,9 +9,9 @@ import pytest
 
 from dormouse.gate.record import modes
 from dormouse.gate.artifacts import ArtifactSet
-from dormouse.gate.judge.checks import check_exact
-from dormouse.gate.settings import GateSettings
-from gatekit import QUIET, fleets, gate
+from dormouse.gate.judge.checks import check_exact, judge
+from dormouse.gate.settings import GateSettings, ParameterError
+from gatekit import QUIET, fleets, gate, references
 
 PROFILES = {2: "3,1", 3: "2,1,1", 4: "1,2,1,2"}
 
@@ -52,3 +52,36 @@ def test_a_whole_exact_gate_passes_every_check(tmp_path):
     v = gate(GateSettings(out=str(tmp_path), reduce="exact", micro_batch=1, steps=8).validate())
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     assert "exact" in v.references and v.check("exact").passed
+
+
+@pytest.fixture(scope="module")
+def even_runs(tmp_path_factory):
+    """`--reduce exact --capacity 3,3` without a micro-batch, replicated and
+    under FSDP2, stopped at step 3 and resumed alone (the default): the
+    clipping binds at every step."""
+    base = tmp_path_factory.mktemp("exact_even")
+    plan = {shard: GateSettings(out=str(base / shard), profile="3,3", reduce="exact", shard=shard,
+                                steps=6).validate() for shard in ("none", "fsdp")}
+    fleets(list(plan.values()))
+    for s in plan.values():
+        references(s)
+    return plan
+
+
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_the_exact_gate_passes_the_fleets_it_builds_without_a_micro_batch(even_runs, shard):
+    # On main: without a micro-batch the resumed leg summed one slice of 6 where the exact
+    # reference summed two of 3 (1 ulp at step 4); FSDP2's clip norm summed shard norms (18 ulps at step 1).
+    s = even_runs[shard]
+    assert s.micro_batch == 3  # the settings chose the slices every leg shares: gcd(3, 3, 6)
+    v = judge(s.out_dir)
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    assert "bitwise equal at all 6 steps" in v.check("exact").reason
+    trace = ArtifactSet(s.out_dir).trace("rank0")
+    assert (trace["grad_norm"] > 0.05).all()  # the clip bound at every step: the norm's order mattered
+
+
+def test_exact_under_fsdp_with_several_slices_per_rank_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ParameterError, match="takes one slice per rank") as e:
+        GateSettings(out=str(tmp_path), profile="4,2", reduce="exact", shard="fsdp").validate()
+    assert "\n" not in str(e.value)

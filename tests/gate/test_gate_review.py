@@ -63,6 +63,9 @@ FALSE_ALARMS = {
     "adamw_s47": {"opt": "adamw", "steps": 10, "seed": 47},
     # engram.value leaves its floor at step 1 (3.6e-06 > 1.1e-06)
     "adamw_s50": {"opt": "adamw", "steps": 10, "seed": 50},
+    # issue 16: the bf16 wire judged by a fixed 1e-3 on the loss: loss 4.8e-3 off at step 16 (gradref within
+    # its bound, replay bitwise); now the curve's floor runs round their gradients as the wire rounds
+    "bf16_adamw_lr1e-2_s66": {"reduce": "bf16", "opt": "adamw", "lr": 0.01, "seed": 66},
 }
 
 
@@ -73,11 +76,11 @@ def test_review_clean_fleet_passes(tmp_path, name):
     assert v.passed, "false alarm: " + "; ".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known limit: under the bf16 wire, a systematic bias smaller than the wire's rounding "
-                          "bound W u sum t|g|/T passes gradref, and the curve judges the loss only (tolerance 1e-3)")
-def test_a_bias_below_the_bf16_rounding_bound_is_not_seen(tmp_path):
-    # g += 0.2 W u |g| sign(p) every step: an extra weight decay, not rounding-like (0.4 is caught)
+def test_a_bias_below_the_bf16_rounding_bound_fails_the_bias_test(tmp_path):
+    # g += 0.2 W u |g| sign(p) every step: an extra weight decay inside the elementwise bound (once a known
+    # limit, kept as a strict xfail): round-to-nearest is unbiased, this is not
     s = GateSettings(out=str(tmp_path), steps=10, reduce="bf16").validate()
     v = gate(s, "bf16_decay_small")
-    assert not v.passed
+    assert not v.passed and v.check("gradref").passed  # inside the per-element bound ...
+    bias = v.check("bias")
+    assert not bias.passed and bias.stats["decay"] > 6 and "biased beyond the bf16 wire's rounding" in bias.reason

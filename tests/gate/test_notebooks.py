@@ -354,8 +354,8 @@ def test_pipeline_runs_all_four_in_order_from_elsewhere(gate_run):
     assert sorted(p.stem for p in out.glob("*rank*.json")) == ["leg1_rank0", "leg1_rank1", "rank0"]
     v = json.loads((out / "verdict.json").read_text())
     assert v["pass"] and v["references"] == ["single", "init", "gradref", "replay"]
-    assert list(v["checks"]) == ["complete", "provenance", "config", "finite", "ranks", "window", "gradref", "replay",
-                                 "curve"]
+    assert list(v["checks"]) == ["complete", "provenance", "config", "finite", "ranks", "window", "gradref", "loss",
+                                 "replay", "curve"]
     assert all(c["pass"] for c in v["checks"].values())
     curve = v["checks"]["curve"]
     assert curve["kind"] == "CurveCheck" and len(curve["tolerance"]) == len(curve["per_step"]) == 20

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from dormouse.errors import ConfigError, DormouseError
 from dormouse.gate.__main__ import parser
-from dormouse.gate.settings import (_NOT_FLAGS, FIELDS, GateSettings, ParameterError, add_arguments, check,
+from dormouse.gate.settings import (_NOT_FLAGS, FIELDS, GateSettings, ParameterError, add_arguments, by_hand, check,
                                     from_args)
 
 
@@ -115,8 +115,11 @@ def test_every_field_is_a_flag_of_the_cli_except_the_notebook_ones():
             continue
         a = by_dest[f.name]
         assert _flag(f.name) in a.option_strings
-        assert a.default == f.default
+        # only the flags given reach the settings (a default never overrides one): the help says the default
+        assert a.default == argparse.SUPPRESS
         assert a.help and "(default:" in a.help and a.help.split(" (default:")[0].strip(), f.name
+        if f.name not in ("world", "profile", "resume_world"):  # by hand these follow other flags
+            assert f"(default: {f.default!r})" in a.help, (f.name, a.help)
 
 
 NON_DEFAULT = {
@@ -270,3 +273,46 @@ def test_capacity_is_the_old_name_of_profile_for_notebooks_and_plan_files(tmp_pa
         check(out=out, world=3, profile="1,1,1", capacity="2,1,1")
     from dormouse.gate.settings import from_dict
     assert from_dict({"out": out, "world": 2, "capacity": "3,1"}).profile == "3,1"
+
+
+# --------------------------------------------------------------------------- by hand, and defaults that follow
+
+
+def test_by_hand_batch_is_the_batch_of_the_process_launched(tmp_path):
+    """single --batch 4 is one process at the global batch 4; a 2-rank rank --batch 2
+    is 2 x 2 (the default capacity never overrides a given batch); both one launch."""
+    out = {"out": str(tmp_path / "g")}
+    single = by_hand("single", {**out, "batch": 4})
+    assert (single.world, single.batch, single.profile, single.plan.global_batch) == (1, 4, "", 4)
+    rank = by_hand("rank", {**out, "batch": 2}, world_size=2)
+    assert (rank.world, rank.batch, rank.profile, rank.plan.global_batch, rank.resume_world) == (2, 2, "", 4, 0)
+    assert len(rank.legs()) == 1  # by hand: no --leg
+    assert by_hand("rank", {**out, "batch": 2}, world_size=3).world == 3  # torchrun's world
+    assert by_hand("single", {**out, "world": 2, "batch": 4}).plan.global_batch == 4  # split over the ranks
+    # nothing given: the default fleet (4,2) and its global batch, as the pipeline's
+    assert by_hand("single", dict(out)).plan.global_batch == by_hand("rank", dict(out), world_size=2).plan.global_batch == 6
+    # a flag given is never overridden
+    assert by_hand("rank", {**out, "resume_world": 1}, world_size=2).resume_world == 1
+    assert by_hand("rank", {**out, "profile": "3,1", "batch": 2}, world_size=2).profile == "3,1"
+    with pytest.raises(ParameterError, match=r"^batch = 5 is not allowed with world = 2"):
+        by_hand("single", {**out, "world": 2, "batch": 5})
+
+
+def test_the_references_by_hand_take_the_fleets_recorded_settings(tmp_path):
+    fleet = by_hand("rank", {"out": str(tmp_path / "g"), "batch": 2, "steps": 3, "lr": 0.01}, world_size=2)
+    recorded = fleet.record()
+    assert by_hand("gradref", {"out": fleet.out}, recorded=recorded) == fleet
+    assert by_hand("replay", {"out": fleet.out, "steps": 2}, recorded=recorded).steps == 2  # a flag given wins
+
+
+def test_a_profile_that_mixes_window_lengths_runs_in_one_launch_by_default(tmp_path):
+    s = check(out=str(tmp_path / "o"), profile="5x16,1x64")
+    assert s.resume_world == 0 and len(s.legs()) == 1 and s.plan.global_batch is None
+    assert check(out=str(tmp_path / "o"), profile="5x16,1x64", resume_world=1).resume_world == 0  # a notebook's default
+    with pytest.raises(ParameterError, match=r"^resume_world = 2 is not allowed: the profile mixes window lengths"):
+        check(out=str(tmp_path / "o"), profile="5x16,1x64", resume_world=2)
+    # on the command line an explicit --resume-world 1 is the user's word, and refused with its reason
+    with pytest.raises(ParameterError, match=r"^resume_world = 1 is not allowed: the profile mixes window lengths"):
+        from_args(argparse.Namespace(out=str(tmp_path / "o"), profile="5x16,1x64", resume_world=1),
+                  {"profile", "resume_world"})
+    assert check(out=str(tmp_path / "o"), profile="4,2").resume_world == 1  # one length: the richer default stays

@@ -32,6 +32,12 @@ Review attacks (tests/gate/test_gate_review.py; see the section at the end):
   eval_wrong       the eval reports 0
   exact_reversed_tree, loads_rank0
 
+Issue 16 (tests/gate/test_gate_trust.py):
+  mean_of_ranks_loss   the fleet logs the plain mean of its ranks' losses (gradients right)
+  stale_weights        at step 3, rank 1 computes on the previous step's weights
+  fsdp_stale_shard     at step 3, rank 1's FSDP2 gradient shard is the one of step 2
+  bf16_decay_scaled    bf16_decay at DORMOUSE_TEST_FAULT_SCALE x W u |g| sign(p) (measuring the smallest caught)
+
 How a fault enters: a fault in the training step (the gradient a rank
 contributes, the reduced gradient, the loads, a rank dying after a step) is
 an explicit hook of dormouse.train.hooks, `install`ed for every train() of the
@@ -340,6 +346,89 @@ def bf16_decay_small() -> None:
 
 
 FAULTS.update({f.__name__: f for f in (bf16_decay_small,)})
+
+
+
+# ----------------------------------------------------------------- issue 16
+
+
+STALE_STEP = 3  # the step the stale faults hit
+
+
+def mean_of_ranks_loss() -> None:
+    """The fleet logs the plain mean of its ranks' losses, sum_r L_r / W, instead
+    of the token-weighted mean: each rank's loss share t_r L_r / T is replaced
+    by L_r / W before the reduce. Its gradients stay right."""
+    reduce = distributed.FleetSync.reduce
+
+    def plain(self, model, loss_share, loads):
+        total = sum(sh.tokens for sh in self.shapes)
+        return reduce(self, model, loss_share * (total / (self.world_size * self.shapes[self.rank].tokens)), loads)
+
+    distributed.FleetSync.reduce = plain
+
+
+def stale_weights() -> None:
+    """At step STALE_STEP rank 1 runs its forward and backward on the weights
+    after step STALE_STEP - 2 (the previous step's), then the current ones
+    are put back before the optimizer step: one step's local gradient is stale."""
+    call, record_grads = trace.Trace.__call__, trace.Trace.record_grads
+
+    def after_step(self, step, model, info):
+        call(self, step, model, info)
+        if os.environ.get("RANK") != "1":
+            return
+        params = dict(model.named_parameters())
+        if step == STALE_STEP - 2:
+            self._fault_prev = {n: p.detach().clone() for n, p in params.items()}
+        elif step == STALE_STEP - 1:
+            self._fault_now = {n: p.detach().clone() for n, p in params.items()}
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(self._fault_prev[n])
+
+    def after_reduce(self, step, model):
+        if step == STALE_STEP and os.environ.get("RANK") == "1":
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(self._fault_now[n])
+        record_grads(self, step, model)
+
+    trace.Trace.__call__, trace.Trace.record_grads = after_step, after_reduce
+
+
+def fsdp_stale_shard() -> None:
+    """Under shard='fsdp': at step STALE_STEP rank 1's shard of every reduced
+    gradient is the one it held at the step before (a shard that kept last
+    step's gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    reduce = distributed.FleetSync.reduce
+
+    def stale(self, model, loss_share, loads):
+        out = reduce(self, model, loss_share, loads)
+        self._fault_steps = getattr(self, "_fault_steps", 0) + 1
+        if self.rank == 1:
+            now = {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            if self._fault_steps == STALE_STEP:
+                for n, p in model.named_parameters():
+                    if n in self._fault_prev:
+                        p.grad = DTensor.from_local(self._fault_prev[n], p.grad.device_mesh, p.grad.placements,
+                                                    shape=p.grad.shape, stride=p.grad.stride())
+            self._fault_prev = now
+        return out
+
+    distributed.FleetSync.reduce = stale
+
+
+def bf16_decay_scaled() -> None:
+    """bf16_decay at DORMOUSE_TEST_FAULT_SCALE x W u |g| sign(p)."""
+    f = float(os.environ["DORMOUSE_TEST_FAULT_SCALE"])
+    _after_reduce(lambda self, n, p, g: f * self.world_size * 2.0**-8 * g.abs()
+                  * torch.sign(p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
+
+
+FAULTS.update({f.__name__: f for f in (mean_of_ranks_loss, stale_weights, fsdp_stale_shard, bf16_decay_scaled)})
 
 if __name__ == "__main__":
     FAULTS[os.environ["DORMOUSE_TEST_FAULT"]]()

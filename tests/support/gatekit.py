@@ -49,4 +49,4 @@ def gate(s: GateSettings, fault: str | None = None, *, everywhere: bool = False)
     (with the fault too when `everywhere`), then the verdict."""
     fleets([s], fault)
     references(s, fault if everywhere else None)
-    return judge(s.out_dir)
+    return judge(s.out_dir, s)

@@ -191,6 +191,52 @@ def test_an_unknown_data_order_is_a_data_error(tmp_path):
         ByteCorpus(path, order="random")
 
 
+def _spans_by_rule(corpus: bytes, span: int, steps: int, seed: int, eval_frac: float) -> list[int]:
+    """The data rule as documented (data.py, DESIGN.md), stated here on its own: the training part
+    is the corpus less its last floor(len * eval_frac) bytes; it holds n = floor(train / span) whole
+    spans; step k (0-based) of epoch e = k // n reads span perm_e[k mod n], perm_e =
+    torch.randperm(n) from a generator seeded with seed * 1_000_003 + e."""
+    n = (len(corpus) - int(len(corpus) * eval_frac)) // span
+    return [int(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + k // n))[k % n])
+            for k in range(steps)]
+
+
+def _spans_read(corpus: bytes, inputs: list[torch.Tensor], span: int, window: int) -> list[int]:
+    """Which span each step's windows came from, found by their bytes alone (the corpus is random:
+    every 16-byte string occurs once), with the windows checked to be consecutive in the span."""
+    spans = []
+    for x in inputs:
+        starts = [corpus.find(bytes(row.tolist())) for row in x]
+        assert all(s >= 0 and s % span == i * window for i, s in enumerate(starts)), starts
+        spans.append(starts[0] // span)
+    return spans
+
+
+def test_the_trainer_reads_the_span_the_documented_rule_names_at_every_step_across_a_resume(tmp_path):
+    """What train() feeds the model (a forward pre-hook records it) at each of 12 steps over two
+    epochs and a half, stopped at step 6 and resumed from its checkpoint, is the span the rule above
+    names; against the rule at another seed the same check fails (it can fail)."""
+    from dormouse.config import RunConfig, TrainConfig, preset
+    from dormouse.train.loop import build_model, train
+
+    path, corpus = _random_corpus(tmp_path, 5 * 34 + 7 + 40, seed=5)  # 5 spans of 2 x (16 + 1), a tail
+    seen: list[torch.Tensor] = []
+    for leg in (1, 2):
+        run = RunConfig(model=preset("tiny"), train=TrainConfig(
+            steps=12, batch=2, seq_len=16, data=str(path), out_dir=str(tmp_path / "out"), seed=11,
+            data_order="shuffle", eval_frac=0.15, eval_every=0, log_every=100, ckpt_every=6 if leg == 1 else 0,
+            stop_at=6 if leg == 1 else 0, resume=leg == 2))
+        model = build_model(run)
+        hook = model.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
+        train(model, run, log=lambda _: None)
+        hook.remove()
+    assert len(seen) == 12
+    read = _spans_read(corpus, seen, span=34, window=17)
+    assert read == _spans_by_rule(corpus, 34, 12, seed=11, eval_frac=0.15)
+    assert sorted(read[:5]) == list(range(5)) and read[:5] != read[5:10]  # an epoch each, reshuffled
+    assert read != _spans_by_rule(corpus, 34, 12, seed=12, eval_frac=0.15)
+
+
 # --------------------------------------------------------------------------- FleetPlan
 
 

@@ -95,8 +95,8 @@ def fleets(tmp_path_factory) -> Path:
     two.append(entry(base / "w2_micro2", batch=2, ns="float32", micro=2))
     two.append(entry(base / "w2_buckets", batch=2, ns="float32"))
     two[-1]["train"]["dist_bucket_mb"] = 0.05  # ~13 buckets, each its own all_to_all and all_gather
-    # FSDP2 sums a clipping norm from shard norms (another order than whole tensors): its exactness
-    # holds with clipping off; with clipping, a sharded fleet equals a replicated one to round-off.
+    # Clipping off here; with clipping the exact FSDP2 fleet computes the norm from whole gathered
+    # gradients (loop.clip_grad_norm), bitwise too: tests/gate/test_gate_exact.py shows it.
     four.append(entry(base / "w4_fsdp", batch=1, ns="float32", micro=0, shard="fsdp"))
     four.append(entry(base / "w4_noclip", batch=1, ns="float32"))
     for e in (four[-2], four[-1]):

@@ -227,6 +227,32 @@ def test_lr_schedule_warms_up_then_follows_cosine_to_min_lr():
     assert lr_at(5, RunConfig(train=TrainConfig(lr=0.3))) == 0.3
 
 
+def _schedule_by_torch(run: RunConfig) -> list[float]:
+    """The documented schedule stated by torch's own schedulers: LinearLR from lr / warmup up to lr
+    over the warm-up steps, then CosineAnnealingLR from lr down to lr * min_lr_frac at the last step."""
+    t = run.train
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=t.lr)
+    warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / t.warmup, end_factor=1.0, total_iters=t.warmup - 1)
+    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=t.steps - 1 - t.warmup, eta_min=t.lr * t.min_lr_frac)
+    sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[t.warmup])
+    lrs = []
+    for _ in range(t.steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.mark.parametrize("steps,warmup,frac", [(20, 3, 0.1), (12, 1, 0.0), (50, 10, 0.5)])
+def test_lr_at_is_warm_up_then_cosine_as_torchs_schedulers_state_it(steps, warmup, frac):
+    run = RunConfig(train=TrainConfig(steps=steps, lr=3e-3, warmup=warmup, schedule="cosine", min_lr_frac=frac))
+    ours, torchs = [lr_at(k, run) for k in range(steps)], _schedule_by_torch(run)
+    assert ours == pytest.approx(torchs, rel=1e-12, abs=0)
+    # the comparison can fail: an lr one step late (warm-up from 0) is far off it
+    late = [lr_at(max(k - 1, 0), run) if k else 0.0 for k in range(steps)]
+    assert late != pytest.approx(torchs, rel=1e-3)
+
+
 def test_the_hooks_run_at_their_points_in_order_and_can_change_the_step(tmp_path, cyclic_corpus):
     from dormouse.train.hooks import Hooks, install
 

@@ -9,6 +9,8 @@ code as possible with the fleet:
 complete   every reference that applies is present: gradref, replay, init;
            single when the profile has one global batch; exact under
            reduce="exact". A missing one is a FAIL ("incomplete: no gradref").
+           Which apply comes from the settings (the caller's, else those rank 0
+           was launched with), never from what the artifacts say of themselves.
 provenance every artifact was made by the same code (source hash), torch,
            device, threads, CPU capability, corpus and initial parameters,
            with the same settings.
@@ -25,17 +27,29 @@ gradref    fact 3: at every step the fleet's reduced gradient equals the
            hand-computed token-weighted gradient over bytes gradref read
            itself (GRAD_RTOL; bf16 wire: the elementwise rounding bound), and
            the expert loads the fleet applied equal the ones gradref counted.
+bias       bf16 wire only: the fleet's differences from gradref, scaled by their
+           rounding bound, average to zero within BIAS_SIGMAS standard errors
+           along an offset, a scale and a decay direction (round-to-nearest is
+           unbiased; a systematic error far below the bound is not).
+loss       the logged loss: at every step the fleet's reported loss equals the
+           token-weighted mean of gradref's per-token losses, and every eval
+           loss gradref's over the held-out windows, within LOSS_RTOL ("the
+           logged loss is wrong"), with or without a single process.
 replay     fact 4: the fleet's whole run replayed in one process from init,
            on the fleet's own recorded gradients and gradref's loads, equals
            the fleet's parameters and routing bias BITWISE at every step, its
            final tensors, and its optimizer state at the mid-run checkpoint.
 curve      fact 2 at the global batch: per-step loss within a tolerance from
            the reference's floor runs, nudged by one ulp at the start or at
-           every step's gradient (10 x their running maximum, at least
-           MIN_RTOL; never from a run that splits the batch), the first
-           step's gradients within GRAD_RTOL (both start from the same
-           parameters), and every tensor within its own floor at every step
-           (the routing bias excepted: discrete, judged by routing flips).
+           every step's gradient (under the bf16 wire: every step's gradient
+           rounded to bfloat16 as the wire rounds, independent draws) (10 x
+           their running maximum, at least MIN_RTOL; never from a run that
+           splits the batch), the first step's gradients within GRAD_RTOL
+           (both start from the same parameters), and every tensor within its
+           own floor at every step (the routing bias excepted: discrete,
+           judged by routing flips). A divergence is excused as round-off after
+           a routing flip only before any per-step check failed; else the
+           summary names the first failing check and step.
 exact      fact 2 exactly: under reduce="exact" every step's parameters,
            gradients and loss bitwise equal to the exact reference, else the
            first step, tensor and element, with the difference in ulps.
@@ -54,7 +68,9 @@ from pathlib import Path
 
 import torch
 
-from dormouse.gate.artifacts import PROVENANCE, ArtifactSet
+from dormouse.errors import DormouseError
+from dormouse.gate.artifacts import ONE_PROCESS, PROFILE_FIELDS, PROVENANCE, ArtifactSet
+from dormouse.gate.settings import GateSettings
 from dormouse.gate.judge.steps import routing_flips
 from dormouse.train.tensors import rel_per_step
 
@@ -69,10 +85,37 @@ GRAD_RTOL = 1e-5
 WINDOW_RTOL = 1e-5
 FLOOR_MULTIPLE = 10.0
 MIN_RTOL = 1e-6  # a few float32 ulps of the loss: the floor of the floor
-# bf16 wire: each reduced gradient element is off by up to W u relative; over
-# 20 steps that moved the loss by 4.6e-5 (measured). Judged by this instead.
-LOSS_RTOL_BF16 = 1e-3
+# The fleet's logged loss against the token-weighted mean of gradref's per-token
+# losses at the same parameters (float32 slice means summed in float64, against
+# a float64 mean of float32 per-token losses); eval losses alike. Measured on
+# clean runs: see docs/gate.md; a plain mean of two ranks' losses under
+# 4x32,1x64 is 5.8e-4 off.
+LOSS_RTOL = 1e-5
+# bf16 wire, bias: |S| above this many standard errors fails (S is a standard
+# normal for unbiased rounding; 6 sigma: a false alarm in ~1e9 per direction)
+# when the mean scaled error is also above its floor. Round-to-nearest is
+# unbiased for values uniform within an ulp; gradient magnitudes are closer to
+# log-uniform (denser at the bottom of each binade), which pulls it towards
+# zero by about h / (24 |x|) of the spacing h, ~2e-4 of the bound per
+# rounding: along the scale direction. Measured on 12 clean bf16 fleets (1.6-
+# 3.2 M element-steps each): scale means -1e-4 .. -5e-4 of the bound (S down to
+# -4.1), offset and decay |means| <= 2.5e-4 (|S| <= 2.1). Floors 20x and 8x that.
+BIAS_SIGMAS = 6.0
+BIAS_FLOOR = {"offset": 2e-3, "scale": 1e-2, "decay": 2e-3}
 BIAS = "router_bias"  # tensors whose name ends so are discrete: judged by routing flips
+# A bfloat16 model (model.bf16) computes every gradient in bfloat16 arithmetic:
+# the same gradient over another batch composition (a window alone, a rank's
+# slice, the global batch) differs by bfloat16 round-off, measured <= 2.0e-2
+# of the tensor's largest element (docs/gate.md, "A bfloat16 model"). Its
+# window, gradref and step-1 gradient checks use this bound instead of the
+# float32 ones; a weighting or byte fault moves a gradient by 1e-1 and more.
+BF16_MODEL_RTOL = 5e-2
+
+
+def arithmetic_rtol(config: dict, float32: float = GRAD_RTOL) -> float:
+    """The gradient bound of a run's arithmetic: `float32`, or BF16_MODEL_RTOL
+    when its (the settings') configuration trains a bfloat16 model."""
+    return BF16_MODEL_RTOL if config.get("model", {}).get("bf16") else float32
 
 
 @dataclass
@@ -93,6 +136,7 @@ class TensorCheck(Check):
     worst_step: int | None = None
     bound: float = 0.0
     per_step: list[float] = field(default_factory=list)  # max over tensors, per step
+    first_step: int | None = None  # the first step that failed (None when it passed)
 
 
 @dataclass
@@ -206,41 +250,89 @@ def _tolerance(envelope: list[float], multiple: float = FLOOR_MULTIPLE) -> list[
     return [max(multiple * e, MIN_RTOL) for e in envelope]
 
 
-def required(a: ArtifactSet) -> list[str]:
-    """The references a fleet's verdict needs, from what the fleet recorded."""
-    s = a.meta("rank0")["settings"]
-    shapes = a.meta("rank0").get("rank_shapes", [])
+def required(s: GateSettings) -> list[str]:
+    """The references a verdict for settings `s` needs: init, gradref and the
+    replay always; single when the profile has one window length (one process
+    can hold that global batch; a run from resume_from resumes it too); exact under
+    reduce="exact" beside single. From the settings alone, never from the
+    artifacts under judgement (a rank artifact that lost its profile must not
+    make a reference optional)."""
     need = ["init", "gradref", "replay"]
-    if len({t for _, t in shapes}) == 1 and not s.get("resume_from"):
+    if s.plan.global_batch is not None:
         need.insert(0, "single")
-    if s.get("reduce") == "exact" and "single" in need:
+    if s.reduce == "exact" and "single" in need:
         need.append("exact")
     return need
+
+
+def settings_of(a: ArtifactSet, settings: GateSettings | None) -> GateSettings:
+    """The settings a verdict judges against: the caller's (the drivers pass
+    the settings the run was asked for), else those the fleet's rank 0 was
+    launched with. Every artifact's recorded settings must equal them
+    (the provenance check)."""
+    if settings is not None:
+        return settings
+    record = a.meta("rank0").get("settings")
+    if not isinstance(record, dict):
+        raise DormouseError("rank0.json records no settings: re-run the rank mode")
+    try:
+        return GateSettings(out=str(a.out), **record)
+    except TypeError as e:
+        raise DormouseError(f"rank0.json records settings this code does not know ({e}): re-run every mode") from None
 
 
 # --------------------------------------------------------------------------- checks
 
 
-def check_complete(a: ArtifactSet) -> Check:
-    missing = [n for n in required(a) if not a.has(n)]
+def check_complete(a: ArtifactSet, s: GateSettings | None = None) -> Check:
+    need = required(settings_of(a, s))
+    missing = [n for n in need if not a.has(n)]
     if missing:
         return Check("complete", False, "incomplete: no " + ", no ".join(missing)
                      + " (run those modes: a missing reference is never a pass)")
-    return Check("complete", True, "every reference that applies is present: " + ", ".join(required(a)))
+    return Check("complete", True, "every reference that applies is present: " + ", ".join(need))
 
 
-def check_provenance(a: ArtifactSet, names: list[str]) -> Check:
+def _global_batch(a: ArtifactSet, name: str) -> tuple[int, list[int]]:
+    """(windows, window lengths) of one global step: a one-process
+    reference's own batch, or the sum over the fleet's ranks."""
+    m = a.meta(name)
+    if name in ONE_PROCESS:
+        train = m.get("config", {}).get("train", {})
+        return m.get("global_batch", train.get("batch")), [train.get("seq_len")]
+    shapes = m.get("rank_shapes", [])
+    return sum(b for b, _ in shapes), sorted({t for _, t in shapes})
+
+
+def check_provenance(a: ArtifactSet, names: list[str], s: GateSettings | None = None) -> Check:
+    """Every artifact's provenance equal to rank0's, and its recorded settings
+    equal to the settings judged against (`s`; None: rank0's own); the
+    one-process references' normalised to the fleet's profile (compared
+    through the global batch)."""
     ref = a.meta("rank0")
+    want = s.record() if s is not None else ref.get("settings")
     diffs = []
     for n in names:
         m = a.meta(n)
+        mine, theirs = m.get("settings") or {}, want or {}
+        gb, t = _global_batch(a, n) if n in ONE_PROCESS else (None, None)
+        if gb is not None:  # normalised to the fleet's profile: compared through the global batch
+            fleet_gb, fleet_t = _global_batch(a, "rank0")
+            if t == [None]:
+                t = fleet_t[:1]  # no window length recorded: the batch alone is compared
+            if gb != fleet_gb or t != fleet_t:
+                profile = ",".join(f"{b}x{tt}" for b, tt in ref.get("rank_shapes", []))
+                diffs.insert(0, f"{n} ran a global batch of {gb} windows of {t[0]} tokens, the fleet {fleet_gb} "
+                             f"({profile} over its ranks): run {n} at the fleet's global batch "
+                             f"(single --batch {fleet_gb})")
+                continue
+            mine, theirs = ({k: v for k, v in d.items() if k not in PROFILE_FIELDS} for d in (mine, theirs))
         for k in PROVENANCE:
             if m.get("provenance", {}).get(k) != ref.get("provenance", {}).get(k):
                 diffs.append(f"{n}'s {k} {m.get('provenance', {}).get(k)!r} differs from rank0's "
                              f"{ref.get('provenance', {}).get(k)!r}")
-        if m.get("settings") != ref.get("settings"):
-            keys = sorted(k for k in set(m.get("settings", {})) | set(ref.get("settings", {}))
-                          if m.get("settings", {}).get(k) != ref.get("settings", {}).get(k))
+        if mine != theirs:
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             diffs.append(f"{n} was made with other settings ({', '.join(keys)})")
     if diffs:
         return Check("provenance", False, "not comparable: " + "; ".join(diffs[:4])
@@ -302,6 +394,8 @@ def check_ranks(a: ArtifactSet) -> Check:
     note = (" (FSDP2: gathered tensors are equal by construction; this catches buffers gone apart)"
             if sharded else "")
     legs_note = f" in each leg (worlds {worlds[0]} then {worlds[1]})" if len(worlds) == 2 else ""
+    if len(worlds) == 1 and len({t for _, t in a.meta("rank0").get("rank_shapes", [])}) > 1:
+        legs_note = " (one launch, no stop and resume: the profile mixes window lengths)"
     return Check("ranks", True, f"all ranks bitwise equal{legs_note}{note}")
 
 
@@ -347,7 +441,7 @@ def _per_step_tensor(name: str, series_a: dict, series_b: dict, names: list[str]
     if first_bad:
         k, n, r, lim = first_bad
         return TensorCheck(name, False, f"{what} at step {k}: {n} off by {r:.2e} > {lim:.1e}",
-                           worst, where[0], where[1], lim, per_step)
+                           worst, where[0], where[1], lim, per_step, first_step=k)
     lim = bound(where[0], 0) if where[0] else 0.0
     return TensorCheck(name, True, f"{what}: max relative difference {max(worst, 0):.2e} ({where[0]}, step "
                        f"{where[1]}) within {lim:.0e} at every step", max(worst, 0), where[0], where[1], lim, per_step)
@@ -358,16 +452,17 @@ def check_window(a: ArtifactSet) -> Check:
     names = _series_names(g, "g/")
     batch = {n: g[f"b/{n}"] for n in names}
     window = {n: g[f"g/{n}"] for n in names}
-    c = _per_step_tensor("window", batch, window, names, lambda n, k: WINDOW_RTOL,
+    rtol = arithmetic_rtol(a.meta("gradref").get("config", {}), WINDOW_RTOL)
+    c = _per_step_tensor("window", batch, window, names, lambda n, k: rtol,
                          what="the batch's gradient against the sum of each window's alone")
     losses = relative(g["batch_losses"], g["window_losses"])
     if not c.passed:
         c.reason = ("the network depends on which windows share a batch (a fleet that splits the batch "
                     "trains another network): " + c.reason)
-    elif losses > WINDOW_RTOL:
+    elif losses > rtol:
         steps = [k + 1 for k in range(len(g["batch_losses"]))
-                 if relative(g["batch_losses"][k], g["window_losses"][k]) > WINDOW_RTOL]
-        c.passed = False
+                 if relative(g["batch_losses"][k], g["window_losses"][k]) > rtol]
+        c.passed, c.first_step = False, steps[0]
         c.reason = (f"the network depends on which windows share a batch: per-token losses of the batch "
                     f"differ from each window's alone by {losses:.2e} (first at step {steps[0]})")
     else:
@@ -387,24 +482,151 @@ def check_gradref(a: ArtifactSet) -> Check:
     fg = {n: fleet[f"g/{n}"] for n in names}
     gg = {n: g[f"g/{n}"] for n in names}
     wire = meta["settings"].get("reduce", "fp32")
+    rtol = arithmetic_rtol(a.meta("gradref").get("config", {}))
     if wire == "bf16":
         def bound(n, k):  # elementwise W u sum|t g|/T, as a ratio of the scale max|g|
             scale = gg[n][k].abs().max().item() or 1.0
-            return (world_at(meta, k) * BF16_UNIT_ROUNDOFF * g[f"a/{n}"][k].abs().max().item()) / scale + GRAD_RTOL
+            return (world_at(meta, k) * BF16_UNIT_ROUNDOFF * g[f"a/{n}"][k].abs().max().item()) / scale + rtol
     else:
         def bound(n, k):
-            return GRAD_RTOL
+            return rtol
     c = _per_step_tensor("gradref", fg, gg, names, bound,
                          what="the fleet's reduced gradient against the hand-computed token-weighted gradient")
     if c.passed and "loads" in g and "loads" in fleet:
         diff = [k + 1 for k in range(min(len(g["loads"]), len(fleet["loads"])))
                 if not torch.equal(g["loads"][k], fleet["loads"][k])]
         if diff:
-            c.passed = False
+            c.passed, c.first_step = False, diff[0]
             c.reason = (f"the expert loads the fleet applied differ from those counted over every rank's "
                         f"tokens at step {diff[0]} (the routing bias moved by other loads)")
         else:
             c.reason += "; expert loads equal at every step"
+    return c
+
+
+def check_loss(a: ArtifactSet) -> Check:
+    """The logged loss. At every step the fleet's reported loss must equal the
+    token-weighted mean of gradref's per-token losses at the same parameters,
+    sum_i l_i / T over the step's T tokens (gradref reads the bytes and
+    counts the tokens itself), within LOSS_RTOL; every eval loss it reported
+    must equal gradref's mean over the held-out windows at the fleet's
+    parameters after that step, at the steps the recipe evaluates (a
+    bfloat16 model: within BF16_MODEL_RTOL, its own round-off). Apart from
+    the gradient checks, and whether or not a single process applies: a
+    fleet can train right and log a wrong curve, which misleads as much."""
+    fleet, g, gm = a.meta("rank0"), a.tensors("gradref"), a.meta("gradref")
+    tol = arithmetic_rtol(gm.get("config", {}), LOSS_RTOL)  # a bfloat16 model's own round-off is wider
+    if "window_losses" not in g:
+        return TensorCheck("loss", False, "gradref holds no per-token losses: re-run gradref", first_step=1)
+    ref = g["window_losses"].double().mean(dim=1).tolist()
+    lf = fleet["losses"]
+    if len(ref) != len(lf):
+        return TensorCheck("loss", False, f"the fleet logged {len(lf)} losses, gradref covers {len(ref)} steps: "
+                           "re-run gradref", first_step=1)
+    rel = [abs(f - r) / abs(r) if r else abs(f - r) for f, r in zip(lf, ref)]
+    worst = max(range(len(rel)), key=lambda k: rel[k]) if rel else 0
+    c = TensorCheck("loss", True, "", worst=max(rel, default=0.0), worst_step=worst + 1, bound=tol,
+                    per_step=rel)
+    bad = next((k for k, r in enumerate(rel) if not r <= tol), None)
+    if bad is not None:
+        c.passed, c.first_step = False, bad + 1
+        c.reason = (f"the logged loss is wrong: at step {bad + 1} the fleet reported {lf[bad]:.7f}, the "
+                    f"token-weighted mean of the step's per-token losses is {ref[bad]:.7f} (relative "
+                    f"{rel[bad]:.1e} > {tol:.0e}); its gradients are judged apart")
+        return c
+    c.reason = (f"the logged loss equals the token-weighted mean of gradref's per-token losses within "
+                f"{max(rel, default=0.0):.1e} at every step (<= {tol:.0e})")
+    want, have = gm.get("evals"), fleet.get("evals") or []
+    if want is None:
+        return c
+    if [k for k, _ in have] != [k for k, _ in want]:
+        c.passed, c.first_step = False, (want or have)[0][0]
+        c.reason = (f"the logged eval loss is wrong: the fleet reported eval losses at steps "
+                    f"{[k for k, _ in have]}, the recipe evaluates at steps {[k for k, _ in want]}")
+        return c
+    erel = [abs(x - y) / abs(y) if y else abs(x - y) for (_, x), (_, y) in zip(have, want)]
+    bad = next((i for i, r in enumerate(erel) if not r <= tol), None)
+    if bad is not None:
+        c.passed, c.first_step = False, want[bad][0]
+        c.reason = (f"the logged eval loss is wrong: at step {want[bad][0]} the fleet reported "
+                    f"{have[bad][1]:.7f}, the held-out windows' token mean at its parameters is "
+                    f"{want[bad][1]:.7f} (relative {erel[bad]:.1e} > {tol:.0e})")
+        return c
+    if want:
+        c.reason += f"; eval losses at steps {[k for k, _ in want]} within {max(erel):.1e}"
+    return c
+
+
+@dataclass
+class BiasCheck(Check):
+    """The bf16 wire's rounding errors, scaled by their bound, along each
+    direction a systematic error takes: S (in standard errors) per direction."""
+
+    stats: dict[str, float] = field(default_factory=dict)
+    means: dict[str, float] = field(default_factory=dict)  # per direction: the mean scaled error (units of the bound)
+    samples: int = 0
+    smallest: float = 0.0  # the decay-like bias, in units of the bound, that would be caught
+
+
+def check_bias(a: ArtifactSet) -> BiasCheck:
+    """Under the bf16 wire, the rounding is unbiased. Per element e and step k,
+    z = (g_fleet - g_ref) / b with b = W u sum_w t_w |g_w| / T (the rounding
+    bound gradref's check uses; elements with b = 0 left out). Round-to-nearest
+    errors average to zero, also when multiplied by a sign d that does not
+    depend on them: for each direction d (1: an offset; sign(g_ref): a scale;
+    sign(p) of the parameters before the step: a decay) the statistic
+
+        S = sum_e c_e / sqrt(sum_e c_e^2),   c_e = sum_k d_ek z_ek,
+
+    is a standard normal (errors summed per element first, so an element whose
+    errors repeat from step to step counts once: a cluster-robust standard
+    error). It fails when |S| > BIAS_SIGMAS and the mean sum_e c_e / N (N
+    element-steps) exceeds the direction's BIAS_FLOOR (round-to-nearest's own
+    pull towards zero on log-distributed magnitudes stays far below it). A
+    bias of beta times the bound along d gives S ~ beta N / sqrt(sum c^2): the
+    smallest caught is max(BIAS_SIGMAS sqrt(sum c^2) / N, BIAS_FLOOR[d]), far
+    below the per-element bound."""
+    fleet, g, meta, init = a.trace("rank0"), a.tensors("gradref"), a.meta("rank0"), a.tensors("init")
+    names = _series_names(g, "g/")
+    directions = ("offset", "scale", "decay")
+    num = dict.fromkeys(directions, 0.0)
+    den = dict.fromkeys(directions, 0.0)
+    count = 0
+    for n in names:
+        if f"a/{n}" not in g or f"g/{n}" not in fleet or f"p/{n}" not in fleet or n not in init:
+            return BiasCheck("bias", False, f"the bias test lacks {n}'s series (fleet trace, gradref's |g| sums "
+                             "or init): re-run the modes")
+        ref = g[f"g/{n}"].double()
+        steps = ref.shape[0]
+        world = torch.tensor([float(world_at(meta, k)) for k in range(steps)], dtype=torch.float64)
+        b = world.view(-1, *[1] * (ref.dim() - 1)) * BF16_UNIT_ROUNDOFF * g[f"a/{n}"].double()
+        d = fleet[f"g/{n}"][:steps].double() - ref
+        keep = b > 0
+        z = torch.where(keep, d / torch.where(keep, b, torch.ones_like(b)), torch.zeros_like(b))
+        before = torch.cat([init[n].unsqueeze(0), fleet[f"p/{n}"][:steps - 1]]).double()
+        count += int(keep.sum())
+        for name, sign in (("offset", torch.ones_like(z)), ("scale", torch.sign(ref)), ("decay", torch.sign(before))):
+            per_element = (sign * z).sum(dim=0)
+            num[name] += float(per_element.sum())
+            den[name] += float((per_element ** 2).sum())
+    stats = {k: num[k] / math.sqrt(den[k]) if den[k] > 0 else 0.0 for k in directions}
+    means = {k: num[k] / count if count else 0.0 for k in directions}
+    # the smallest bias caught along the decay direction (an extra weight decay: the review's attack)
+    smallest = max(BIAS_SIGMAS * math.sqrt(den["decay"]) / count, BIAS_FLOOR["decay"]) if count else math.inf
+    biased = [k for k in directions if not (abs(stats[k]) <= BIAS_SIGMAS or abs(means[k]) <= BIAS_FLOOR[k])]
+    text = ", ".join(f"{k} {stats[k]:+.1f} ({means[k]:+.1e})" for k in directions)
+    c = BiasCheck("bias", True, "", stats=stats, means=means, samples=count, smallest=smallest)
+    if biased:
+        k = max(biased, key=lambda d: abs(stats[d]))
+        c.passed = False
+        c.reason = (f"the fleet's reduced gradient is biased beyond the bf16 wire's rounding: its differences from "
+                    f"gradref, scaled by their bound, do not average to zero ({k}: {stats[k]:+.1f} standard errors "
+                    f"> {BIAS_SIGMAS:g}, mean {means[k]:+.1e} of the bound > {BIAS_FLOOR[k]:.0e}; over {count} "
+                    f"element-steps, per direction S (mean): {text})")
+    else:
+        c.reason = (f"the bf16 wire's rounding errors, scaled by their bound, average to zero along every "
+                    f"direction, S in standard errors (mean in units of the bound): {text}, over {count} "
+                    f"element-steps; a decay-like bias of {smallest:.1e} x the bound would be caught")
     return c
 
 
@@ -454,12 +676,12 @@ def check_replay(a: ArtifactSet) -> Check:
     final = a.tensors("rank0")
     off = [k for k in final if f"p/{k}" in r and not torch.equal(final[k], r[f"p/{k}"][steps - 1])]
     if off:
-        c.passed = False
+        c.passed, c.first_step = False, c.first_step or steps
         c.reason += f"; the fleet's final tensors are not its traced last step: {', '.join(off[:3])}"
     state = a.meta("replay").get("optimizer_state")
     if state:
         if state["unequal"] or state["checkpoint_step"] != state["step"]:
-            c.passed = False
+            c.passed, c.first_step = False, min(c.first_step or state["step"], state["step"])
             c.reason += (f"; the optimizer state the fleet checkpointed at step {state['checkpoint_step']} is not the "
                          f"replay's at step {state['step']}: {', '.join(state['unequal'][:3])}")
         else:
@@ -469,9 +691,14 @@ def check_replay(a: ArtifactSet) -> Check:
             c.passed, c.reason = False, "the fleet recorded no gradient norms although it clips"
         else:
             off = relative(fleet["grad_norm"], r["grad_norm"])
-            if not off <= GRAD_RTOL:
-                c.passed = False
-                c.reason += f"; the fleet's clipping norm is off the replay's own by {off:.2e} > {GRAD_RTOL:.0e}"
+            # a bfloat16 model's norm is a bfloat16 number: FSDP2 sums shard norms in another order
+            lim = arithmetic_rtol(a.meta("gradref").get("config", {}) if a.has("gradref") else {})
+            if not off <= lim:
+                scale = r["grad_norm"].double().abs().max()
+                over = ((fleet["grad_norm"].double() - r["grad_norm"].double()).abs() / scale > lim).nonzero()
+                at = int(over[0]) + 1 if len(over) else 1
+                c.passed, c.first_step = False, min(c.first_step or at, at)
+                c.reason += f"; the fleet's clipping norm is off the replay's own by {off:.2e} > {lim:.0e}"
             else:
                 c.reason += f"; the fleet's clipping norms within {off:.1e} of the replay's own"
     return c
@@ -489,28 +716,36 @@ def check_exact(a: ArtifactSet) -> Check:
     return c
 
 
-def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE) -> CurveCheck:
+def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE,
+                failed: tuple[str, int] | None = None) -> CurveCheck:
+    """The global-batch curve. `failed`: the first per-step check that failed
+    (name, step), which no divergence at or after it may be excused by."""
     single, fleet = a.meta("single"), a.meta("rank0")
     ls, lf = single["losses"], fleet["losses"]
     if len(ls) != len(lf) or not lf or single.get("start_step", 0) != fleet.get("start_step", 0):
         return CurveCheck("curve", False, f"single and fleet are not comparable: single ran {len(ls)} steps from "
                           f"step {single.get('start_step', 0)}, the fleet {len(lf)} from {fleet.get('start_step', 0)}")
     wire = fleet["settings"].get("reduce", "fp32")
+    runs = single.get("floor", {})
+    if wire == "bf16" and not any(k.startswith("wire") for k in runs):
+        return CurveCheck("curve", False, "the single process measured no bf16 wire floor (floor runs whose "
+                          "gradients are rounded as the wire rounds): re-run single", wire=wire)
     rel = [abs(f - s) / abs(s) if s else abs(f - s) for s, f in zip(ls, lf)]
     floor = [0.0] * len(ls)
     floors: dict[str, list[float]] = {}
-    for run in single.get("floor", {}).values():
+    for run in runs.values():
         for k, (x, y) in enumerate(zip(run["losses"], ls)):
             floor[k] = max(floor[k], abs(x - y) / abs(y) if y else abs(x - y))
         for name, series in run["param_rel"].items():
             floors[name] = [max(p, q) for p, q in zip(floors.get(name, [0.0] * len(series)), series)]
     envelope = _running_max(floor)
+    tolerance = _tolerance(envelope, multiple)
     if wire == "bf16":
-        tolerance = [LOSS_RTOL_BF16] * len(ls)
-        why = f"bf16 wire: fixed {LOSS_RTOL_BF16:.0e} (each reduced element is off by <= W u; measured 4.6e-5)"
+        why = (f"{multiple:g} x the running maximum of {len(runs)} floor runs of the reference: its start nudged "
+               f"by one ulp, and {sum(k.startswith('wire') for k in runs)} whose every gradient is rounded to "
+               f"bfloat16 as the wire rounds (independent draws), at least {MIN_RTOL:.0e}")
     else:
-        tolerance = _tolerance(envelope, multiple)
-        why = (f"{multiple:g} x the running maximum of {len(single.get('floor', {}))} one-ulp nudges of the "
+        why = (f"{multiple:g} x the running maximum of {len(runs)} one-ulp nudges of the "
                f"reference (its start; every step's gradient), at least {MIN_RTOL:.0e}")
     c = CurveCheck("curve", True, "", wire=wire, single=ls, fleet=lf, per_step=rel, noise_floor=floor,
                    tolerance=tolerance, tolerance_why=why)
@@ -519,16 +754,18 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE) -> CurveChe
     st, ft = a.trace("single"), a.trace("rank0")
     gnames = _series_names(st, "g/")
     c.grad_step1 = max((relative(ft[f"g/{n}"][0], st[f"g/{n}"][0]) for n in gnames), default=0.0)
-    grad_lim = GRAD_RTOL if wire != "bf16" else 2 * world_at(fleet, 0) * BF16_UNIT_ROUNDOFF
+    grad_lim = arithmetic_rtol(single["config"]) if wire != "bf16" else max(
+        2 * world_at(fleet, 0) * BF16_UNIT_ROUNDOFF, arithmetic_rtol(single["config"], 0.0))
     # Every tensor against its own floor (the routing bias through flips).
     first_param = None
     train, model = single["config"]["train"], single["config"]["model"]  # the settings', not the fleet's
     # Tensors are judged against their own floor where the optimizer's map is
-    # float32: bfloat16 Newton-Schulz (or a bf16 model, or the bf16 wire)
-    # rounds updates to 8 bits, so a few ulps of gradient round-off move a
-    # parameter by ~2^-8 of its update; there gradref (every step's gradient)
-    # and the bitwise replay (every step's update) carry the proof.
-    judge_tensors = wire != "bf16" and train.get("ns_dtype") != "bfloat16" and not model.get("bf16")
+    # float32: bfloat16 Newton-Schulz (or a bf16 model) rounds updates to 8
+    # bits, so a few ulps of gradient round-off move a parameter by ~2^-8 of
+    # its update; there gradref (every step's gradient) and the bitwise replay
+    # (every step's update) carry the proof. The bf16 wire rounds gradients,
+    # not the map: its floor runs round them the same way.
+    judge_tensors = train.get("ns_dtype") != "bfloat16" and not model.get("bf16")
     for name in _series_names(st, "p/"):
         series = rel_per_step(ft[f"p/{name}"], st[f"p/{name}"])
         c.param_divergence[name] = series
@@ -548,10 +785,12 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE) -> CurveChe
             c.first_flip_step = next((k + 1 for k, n in enumerate(flips.sum(dim=1).tolist()) if n), None)
     except RuntimeError:  # ranks of different window lengths: not comparable token by token
         pass
-    c.summary = _summary(c, bad)
+    c.summary = _summary(c, bad, first_param, failed)
+    top = max(range(len(rel)), key=lambda k: rel[k])
     worst = max(range(len(rel)), key=lambda k: rel[k] / tolerance[k])
-    reasons = [f"max per-step relative loss difference {max(rel):.2e} (step {worst + 1}: tolerance "
-               f"{tolerance[worst]:.1e})"]
+    reasons = [f"max per-step relative loss difference {rel[top]:.2e} (step {top + 1}: tolerance "
+               f"{tolerance[top]:.1e})" + (f", nearest its tolerance at step {worst + 1} ({rel[worst]:.1e} of "
+                                           f"{tolerance[worst]:.1e})" if worst != top else "")]
     if bad:
         reasons.append(f"the loss exceeds its tolerance first at step {bad[0] + 1}")
     if not c.grad_step1 <= grad_lim:
@@ -585,35 +824,66 @@ def _flips(a: ArtifactSet, st: dict):
     return torch.cat(parts) if start == len(st["topk"]) else None
 
 
-def _summary(c: CurveCheck, bad: list[int]) -> str:
+def _summary(c: CurveCheck, bad: list[int], first_param=None, failed: tuple[str, int] | None = None) -> str:
+    """One sentence on where the fleet leaves its floor and why. A divergence
+    is explained as round-off amplified by a routing flip only when a flip
+    comes first AND no per-step check (window, gradref, loss, bias, replay,
+    exact) failed at or before the step it leaves the floor: after a failing
+    check the divergence is that fault's, and the summary names it."""
     above = bad[0] + 1 if bad else None
-    if c.wire == "bf16":
-        return "bf16 wire: every step's gradient is rounded to 8 bits on the wire; judged by the bf16 bound"
-    if above is None:
+    left = min(x for x in (above, first_param[0] if first_param else None) if x is not None) \
+        if (above or first_param) else None
+    if left is None:
         return "the fleet stays within the measured floor at every step"
+    what = "the loss leaves the floor" if left == above else f"{first_param[1]} leaves its floor"
+    if failed is not None and failed[1] <= left:
+        return (f"{what} at step {left}, at or after the first failing check: {failed[0]} at step {failed[1]} "
+                "(the divergence is that fault's)")
     flips = c.routing_flips
-    explained = c.first_flip_step is not None and (c.first_flip_step < above or (
-        c.first_flip_step == above and flips and flips[above - 1][0] > 0))
+    explained = c.first_flip_step is not None and (c.first_flip_step < left or (
+        c.first_flip_step == left and flips and flips[left - 1][0] > 0))
     if explained:
-        return (f"the loss leaves the floor at step {above}, after a routing flip (first at step "
+        return (f"{what} at step {left}, after a routing flip (first at step "
                 f"{c.first_flip_step}): round-off amplified by a discrete expert choice")
-    return f"the loss leaves the floor at step {above} before any routing flip could explain it: suspect the fleet"
+    return f"{what} at step {left} before any routing flip could explain it: suspect the fleet"
+
+
+def first_failure(checks: list[Check]) -> tuple[str, int] | None:
+    """The first per-step check that failed, as (name, step): the earliest
+    step, a check without one counting from step 1 (it holds at no step)."""
+    hits = [(getattr(c, "first_step", None) or 1, i, c.name) for i, c in enumerate(checks)
+            if not c.passed and c.name in STEPWISE]
+    if not hits:
+        return None
+    step, _, name = min(hits)
+    return name, step
+
+
+STEPWISE = ("window", "gradref", "bias", "loss", "replay", "exact")  # checks a curve divergence may not be excused by
 
 
 # --------------------------------------------------------------------------- the verdict
 
 
-def judge(out) -> Verdict:
-    """Every check that applies, over what `out` holds. A missing fleet or
-    reference fails; a PASS needs every check to pass."""
+def judge(out, settings: GateSettings | None = None) -> Verdict:
+    """Every check that applies, over what `out` holds, for `settings` (the
+    drivers pass the settings the run was asked for; None: those rank 0 was
+    launched with). Which references apply comes from the settings. A
+    missing fleet or reference fails; a PASS needs every check to pass."""
     a = ArtifactSet(Path(out))
     if not a.has("rank0"):
         c = Check("complete", False, f"incomplete: no fleet artifacts (rank0.json) in {str(out)!r}: run the rank mode")
         return Verdict(str(out), False, [c], [])
-    checks = [check_complete(a)]
-    present = [n for n in required(a) if a.has(n)]
+    try:
+        s = settings_of(a, settings)
+        need = required(s)
+    except DormouseError as e:
+        c = Check("complete", False, f"cannot tell which references apply: {e}")
+        return Verdict(str(out), False, [c], [])
+    checks = [check_complete(a, s)]
+    present = [n for n in need if a.has(n)]
     names = a.ranks("leg1_") + a.ranks() + present
-    checks.append(check_provenance(a, names))
+    checks.append(check_provenance(a, names, settings))
     if checks[-1].passed and present and (a.has("gradref") or a.has("single")):
         checks.append(check_config(a, "gradref" if a.has("gradref") else "single"))
     if checks[1].passed:
@@ -622,12 +892,16 @@ def judge(out) -> Verdict:
         if a.has("gradref"):
             checks.append(check_window(a))
             checks.append(check_gradref(a))
+            if s.reduce == "bf16" and not a.meta("gradref").get("config", {}).get("model", {}).get("bf16"):
+                checks.append(check_bias(a))  # (a bfloat16 model's own arithmetic is no wire rounding)
+            checks.append(check_loss(a))
         if a.has("replay"):
             checks.append(check_replay(a))
-        if a.has("single") and "single" in required(a):
-            checks.append(check_curve(a))
-        if a.has("exact"):
-            checks.append(check_exact(a))
+        exact = check_exact(a) if a.has("exact") else None
+        if a.has("single") and "single" in need:
+            checks.append(check_curve(a, failed=first_failure(checks + ([exact] if exact else []))))
+        if exact:
+            checks.append(exact)
     ok = all(c.passed for c in checks)
     return Verdict(str(out), ok, checks, present, a.meta("rank0").get("provenance", {}))
 

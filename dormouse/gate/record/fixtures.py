@@ -123,6 +123,10 @@ def make_run(s, *, name: str, dist: bool, steps: int | None = None, resume_from:
 
 
 def build(s) -> DormouseModel:
-    """The one init every mode shares: same seed, same model, same order."""
+    """The one init every mode shares: same seed, same model, same order, and
+    cast to bfloat16 when the configuration trains in it (model.bf16): every
+    mode builds and casts its model itself, the fleet's ranks included."""
     torch.manual_seed(s.seed)
-    return DormouseModel(base_run(s).model)
+    cfg = base_run(s).model
+    model = DormouseModel(cfg)
+    return model.to(torch.bfloat16) if cfg.bf16 else model

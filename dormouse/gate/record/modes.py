@@ -47,6 +47,7 @@ from dormouse.train.loop import lr_at, make_optimizer, train
 from dormouse.train.tensors import fingerprint, named_state, rel_per_step
 
 ULP_RUNS = 3  # one-ulp nudges of the reference whose maximum is the floor
+WIRE_RUNS = 3  # under reduce="bf16": floor runs whose gradients are rounded as the wire rounds (independent draws)
 QUIET = lambda line: None  # noqa: E731
 
 
@@ -60,6 +61,19 @@ def _save(s: GateSettings, name: str, state, losses, *, init: str, **extra) -> d
     prov = provenance(device=s.device, corpus=corpus_path(s), init=init)
     save_artifact(s.out_dir, name, state, losses, settings=s.record(), provenance=prov, **extra)
     return load_meta(s.out_dir, name)
+
+
+def start_state(s: GateSettings) -> tuple[dict, int]:
+    """The parameters every mode starts from, and the step: the seeded build,
+    or with resume_from the checkpoint's weights and steps done (read whole,
+    whichever topology wrote it). Its fingerprint is every artifact's `init`."""
+    model = build(s)
+    if not s.resume_from:
+        return named_state(model), 0
+    from dormouse.train.checkpoint import load_model_weights
+
+    model, _, step = load_model_weights(Path(s.resume_path()), build=lambda run: build(s))
+    return named_state(model), step
 
 
 def _traced(s: GateSettings, model, run, name: str, log) -> tuple[dict, Trace]:
@@ -80,10 +94,10 @@ def run_single(s: GateSettings, log=print) -> dict:
     out = s.out_dir
     run = make_run(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
     model = build(s).to(_device(s))
-    init = fingerprint(named_state(model))
+    init = fingerprint(start_state(s)[0])
     report, trace = _traced(s, model, run, "single", log)
     trace.save(out, "single")
-    floor = {} if s.resume_from else measure_floor(s, run, trace)
+    floor = measure_floor(s, run, trace, start=report["start_step"])
     meta = _save(s, "single", named_state(model), report["losses"], init=init, mode="single",
                  global_batch=run.train.batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor,
                  start_step=report["start_step"])
@@ -114,7 +128,31 @@ def nudge_absolute(tensors, seed: int) -> None:
             t.add_(sign.to(t.dtype) * size)
 
 
-def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
+def round_like_wire(tensors, seed: int, *, cancel: float = 0.0) -> None:
+    """Round every element to a bfloat16 value as the wire does, with a seeded
+    dither: x -> SR(x + xi u m), xi uniform in (-1, 1), m the tensor's mean
+    magnitude, u = 2^-8, and SR stochastic rounding to one of the two bf16
+    neighbours (random bits added below bf16's 8-bit significand, then cut
+    off: unbiased). The wire rounds the ranks' summands and their partial sums,
+    each off by up to u of its own size, so an element whose summands nearly
+    cancel moves by u of the summands, not of itself (the dither's u m); the
+    rest is the rounding of the element itself (SR, under one bf16 ulp).
+    `cancel` > 0: instead of the dither, every element below cancel u m reads
+    as zero, as a bf16 sum of W summands that cancel below their resolution
+    does (AdamW then takes no step there instead of a whole one: the draw
+    that bounds it). Independent from draw to draw; no run splits the batch."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in tensors:
+            x = t.detach().float()
+            xi = torch.rand(t.shape, generator=gen).to(t.device) * 2 - 1
+            m = 2.0**-8 * x.abs().mean()
+            x = (torch.where(x.abs() < cancel * m, torch.zeros_like(x), x) if cancel else x + xi * m).contiguous()
+            noise = torch.randint(0, 1 << 16, t.shape, generator=gen, dtype=torch.int32).to(t.device)
+            t.copy_(((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(t.dtype))
+
+
+def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dict:
     """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics,
     each compared step by step with the reference. ulp0 starts from parameters
     nudged by one ulp; ulp1 nudges every step's gradient by one ulp of each
@@ -123,23 +161,44 @@ def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
     optimizer, in random directions. None splits the batch: a floor
     from a split run would share the bugs of a split. Per run: per-step
     relative loss difference and, per tensor, per-step relative differences
-    of parameters and gradients."""
+    of parameters and gradients. A run resumed at step `start` nudges the
+    parameters it loaded, before its first update.
+
+    Under reduce="bf16" the fleet's every reduced gradient is rounded to
+    bfloat16 on the wire: ulp0, then WIRE_RUNS runs wire0.. whose every
+    gradient is rounded as the wire rounds (`round_like_wire`, an
+    independent draw each; the last reads elements below the resolution of
+    W summands as zero), replace the gradient nudges (2^16 times smaller
+    than that rounding)."""
     quiet = dataclasses.replace(run.train, ckpt_every=0, eval_every=0, log_every=max(1, run.train.steps))
     ref = reference.tensors()
     out = {}
-    for i in range(ULP_RUNS):
+    kinds = ["ulp0"] + ([f"wire{j}" for j in range(WIRE_RUNS)] if s.reduce == "bf16"
+                        else [f"ulp{j}" for j in range(1, ULP_RUNS)])
+    for i, kind in enumerate(kinds):
         model = build(s).to(_device(s))
         seed = s.seed * 1000 + i
-        if i == 0:
+        if kind.startswith("wire"):
+            # the last draw: elements below the resolution of W summands read as zero
+            cancel = float(max(x.world for x in s.legs())) if kind == f"wire{WIRE_RUNS - 1}" else 0.0
+
+            def on_grads(step, m, seed=seed, cancel=cancel):
+                round_like_wire([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step,
+                                cancel=cancel)
+        elif i == 0 and not start:
             nudge(list(model.parameters()), seed)
             on_grads = None
+        elif i == 0:
+            def on_grads(step, m, seed=seed, first=start + 1):
+                if step == first:
+                    nudge(list(m.parameters()), seed)
         elif i == 1:
             def on_grads(step, m, seed=seed):
                 nudge([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
         else:
             def on_grads(step, m, seed=seed):
                 nudge_absolute([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
-        r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_ulp{i}"))
+        r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_{kind}"))
         trace = Trace(snapshots=True)
 
         def both(step, m, trace=trace, on_grads=on_grads):
@@ -149,7 +208,7 @@ def measure_floor(s: GateSettings, run, reference: Trace) -> dict:
 
         report = train(model, r, log=QUIET, on_step=trace, on_grads=both)
         t = trace.tensors()
-        out[f"ulp{i}"] = {
+        out[kind] = {
             "losses": report["losses"],
             "param_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("p/")},
             "grad_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("g/")},
@@ -161,13 +220,14 @@ def run_exact(s: GateSettings, log=print) -> dict:
     """The exact reference: one process computing the fleet's own slices
     (micro_batch windows each, in global slice order) summed in the fixed
     order of reduce="exact": a fleet must equal it bitwise."""
-    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=_exact_slice(s))
+    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=_exact_slice(s),
+                   resume_from=s.resume_path())
     model = build(s).to(_device(s))
-    init = fingerprint(named_state(model))
+    init = fingerprint(start_state(s)[0])
     report, trace = _traced(s, model, run, "exact", log)
     trace.save(s.out_dir, "exact")
     return _save(s, "exact", named_state(model), report["losses"], init=init, mode="exact",
-                 config=run.to_dict(), micro_batch=run.train.micro_batch)
+                 config=run.to_dict(), micro_batch=run.train.micro_batch, global_batch=run.train.batch)
 
 
 def _exact_slice(s: GateSettings) -> int:
@@ -219,21 +279,23 @@ def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the references build it too); train_dist checks it.
     model = build(s)
-    start = named_state(model)
+    start, start_step = start_state(s)  # a resumed fleet starts from the checkpoint's weights
     init = fingerprint(start)
-    if rank == 0 and not s.resume_from and leg != 2:
-        _save(s, "init", start, [], init=init, mode="init")
+    if rank == 0 and leg != 2:
+        _save(s, "init", start, [], init=init, mode="init", start_step=start_step)
     gather = s.shard == "fsdp"  # FSDP2 shards: record the GATHERED tensors (a collective)
     # Ranks end bitwise equal (the verdict checks it), so rank 0's snapshots
     # stand for the fleet; every rank keeps its own tokens' routing (per leg:
     # the judge joins the legs' ranks step by step).
     trace = Trace(snapshots=rank == 0, gather=gather)
     earlier: list[float] = []
+    earlier_evals: list = []
     if leg == 2:
         first = load_trace(s.out_dir, f"{LEG1}rank0")
         if rank == 0:
             trace.extend(first)
-        earlier = load_meta(s.out_dir, f"{LEG1}rank{rank if rank < s.world else 0}")["losses"]
+        leg1 = load_meta(s.out_dir, f"{LEG1}rank{rank if rank < s.world else 0}")
+        earlier, earlier_evals = leg1["losses"], leg1.get("evals", [])
     report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace,
                         on_grads=trace.record_grads)
     state = named_state(report["model"], gather=gather)
@@ -244,7 +306,8 @@ def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
                  world_size=report["world_size"], shapes=plan.lines(),
                  rank_shapes=[[sh.batch, sh.seq_len] for sh in plan.shapes], config=run.to_dict(),
                  start_step=0 if leg == 2 else report["start_step"], wall_s=report["wall_s"],
-                 resumed_at=k if leg == 2 else None, legs=[[x.world, x.profile] for x in legs])
+                 resumed_at=k if leg == 2 else None, legs=[[x.world, x.profile] for x in legs],
+                 evals=earlier_evals + report.get("evals", []))
     del report, model
     return meta
 
@@ -318,6 +381,7 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     run = make_run(s, name="gradref", dist=False)
     device = _device(s)
     steps = len(fleet["losses"])
+    first = fleet.get("start_step", 0)  # a fleet resumed from resume_from: its steps are first + k
     model = build(s).to(device)
     names = [n for n, _ in model.named_parameters()]
     t = run.train
@@ -333,7 +397,7 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     for k in range(steps):
         state = init if k == 0 else {n: trace[f"p/{n}"][k - 1] for n in init}
         model.load_state_dict(state)
-        windows = step_windows(corpus, train_bytes, prof, k, order, s.seed)
+        windows = step_windows(corpus, train_bytes, prof, first + k, order, s.seed)
         flat = [w for r in windows for w in r]
         total = sum(int(y.numel()) for _, y in flat)  # tokens counted from the targets
         tokens.append(total)
@@ -400,10 +464,37 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     tensors["batch_losses"] = torch.stack(bl)
     if loads:
         tensors["loads"] = torch.stack(loads)
+    evals = []
+    if t.eval_every:  # at the fleet's (global) steps the recipe evaluates, from its parameters after them
+        for done in range(first + 1, first + steps + 1):
+            if done % t.eval_every == 0:
+                model.load_state_dict({n: trace[f"p/{n}"][done - first - 1] for n in init})
+                evals.append([done, eval_loss(model, corpus, train_bytes, t.seq_len, device)])
     log(f"gradref: {steps} steps, {len(prof)} ranks, {tokens[0]} tokens per step")
     return _save(s, "gradref", tensors, [], init=fingerprint(init), mode="gradref", tokens=tokens,
                  profile=[list(p) for p in prof], steps=steps, config=run.to_dict(),
-                 fleet=fleet["fingerprint"])
+                 fleet=fleet["fingerprint"], evals=evals)
+
+
+EVAL_WINDOWS = 64  # the documented eval rule reads at most this many held-out windows
+
+
+@torch.no_grad()
+def eval_loss(model, corpus: bytes, train_bytes: int, seq_len: int, device) -> float:
+    """The eval loss by gradref's own arithmetic from the documented rule: the
+    held-out tail is corpus[train_bytes:]; its first n = min(len // (T+1), 64)
+    windows of T+1 consecutive bytes, each computed alone; the token mean of
+    their per-token losses, sum_i l_i / (n T), summed in float64."""
+    n = min((len(corpus) - train_bytes) // (seq_len + 1), EVAL_WINDOWS)
+    total, count = 0.0, 0
+    for i in range(n):
+        w = torch.tensor(list(corpus[train_bytes + i * (seq_len + 1):train_bytes + (i + 1) * (seq_len + 1)]),
+                         dtype=torch.int64)
+        x, y = w[:-1].unsqueeze(0).to(device), w[1:].unsqueeze(0).to(device)
+        logits = model(x, y)[0]
+        total += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double().sum())
+        count += y.numel()
+    return total / count
 
 
 # --------------------------------------------------------------------------- replay
@@ -423,6 +514,11 @@ def run_replay(s: GateSettings, log=print) -> dict:
     model.to(device)
     opt = make_optimizer(model, run)
     start = fleet.get("start_step", 0)
+    if s.resume_from:  # the optimizer state the fleet resumed with (its weights are init)
+        from dormouse.train.checkpoint import load_checkpoint
+        from dormouse.train.loop import LocalSync
+
+        load_checkpoint(Path(s.resume_path()), model=build(s).to(device), opt=opt, run=run, peers=LocalSync(run))
     steps = len(fleet["losses"])
     snaps: dict[str, list[torch.Tensor]] = {}
     own: list[float] = []
@@ -439,12 +535,13 @@ def run_replay(s: GateSettings, log=print) -> dict:
             # one clip_grad_norm_ computes from the fleet's norm, so the replay
             # checks the optimizer's map bitwise given that scale.
             grads = [p.grad for p in model.parameters()]
-            own.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+            own.append(float(torch.nn.utils.get_total_norm(grads)))  # clip_grad_norm_'s own norm
             # (a fleet that did not clip recorded no norm: the replay's own, and the steps part)
-            fleet_norm = trace["grad_norm"][k].to(device) if "grad_norm" in trace else torch.tensor(own[-1])
-            coef = torch.clamp(run.train.grad_clip / (fleet_norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef)
+            fleet_norm = float(trace["grad_norm"][k]) if "grad_norm" in trace else own[-1]
+            # The scale as clip_grad_norm_ computes it, in the gradients' dtype (a
+            # bfloat16 model's norm is a bfloat16 number, recorded exactly).
+            torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), run.train.grad_clip,
+                                                 torch.tensor(fleet_norm, dtype=grads[0].dtype, device=device))
         opt.step()
         if "loads" in gradref:
             model.balance_experts(gradref["loads"][k].to(device))

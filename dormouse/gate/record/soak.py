@@ -48,7 +48,9 @@ def soak(launches: int, root: Path, *, world: int = 2, steps: int = 3, log=print
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dormouse.gate.record.soak", description=__doc__.splitlines()[0])
+    from dormouse.errors import OneLineParser
+
+    p = OneLineParser(prog="python -m dormouse.gate.record.soak", description=__doc__.splitlines()[0])
     p.add_argument("--launches", type=int, default=30)
     p.add_argument("--world", type=int, default=2)
     args = p.parse_args(argv)

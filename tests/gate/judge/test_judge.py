@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import save as st_save
 
 from dormouse.gate.artifacts import PROVENANCE, ArtifactSet, save_artifact
-from dormouse.gate.judge.checks import (BF16_UNIT_ROUNDOFF, GRAD_RTOL, MIN_RTOL, VERDICT_SCHEMA, WINDOW_RTOL, Check,
-                                 CurveCheck, ExactCheck, TensorCheck, Verdict, check_complete, check_curve,
-                                 check_config, check_exact, check_finite, check_gradref, check_provenance, check_ranks,
-                                 check_replay, check_window, first_difference, judge, relative, required, ulps)
+from dormouse.gate.judge.checks import (BF16_UNIT_ROUNDOFF, BIAS_SIGMAS, GRAD_RTOL, LOSS_RTOL, MIN_RTOL, VERDICT_SCHEMA,
+                                        WINDOW_RTOL, Check, CurveCheck, ExactCheck, TensorCheck, Verdict, check_bias,
+                                        check_complete, check_config, check_curve, check_exact, check_finite,
+                                        check_gradref, check_loss, check_provenance, check_ranks, check_replay,
+                                        check_window, first_difference, judge, relative, required, ulps)
 from dormouse.gate.settings import GateSettings
 
 STEPS, T, ITERS, TOPK, EXPERTS = 3, 3, 2, 2, 4
@@ -50,7 +51,9 @@ def synthetic(*, reduce: str = "fp32", shapes=None, exact: bool | None = None) -
     """Every artifact of a clean gate run as plain Python: name -> {state,
     losses, meta, trace}. Tests edit it, then `write` it."""
     shapes = copy.deepcopy(shapes or SHAPES)
-    settings = GateSettings(steps=STEPS, reduce=reduce, micro_batch=2 if reduce == "exact" else 0).record()
+    capacity = ",".join(f"{b}x{t}" for b, t in shapes)
+    settings = GateSettings(steps=STEPS, reduce=reduce, profile=capacity,
+                            micro_batch=2 if reduce == "exact" else 0).record()
     prov = {k: (1 if k == "threads" else f"{k}-1") for k in PROVENANCE}
     p, g = _params(), _grads()
     final = {k: v[-1].clone() for k, v in p.items()}
@@ -67,16 +70,21 @@ def synthetic(*, reduce: str = "fp32", shapes=None, exact: bool | None = None) -
 
     config = {"train": {"ns_dtype": "float32"}, "model": {"bf16": False}}  # the RunConfig's fields the judge reads
     common = {"settings": settings, "provenance": prov, "config": config}
-    rank = {**common, "mode": "rank", "world_size": len(shapes), "rank_shapes": shapes, "start_step": 0}
+    rank = {**common, "mode": "rank", "world_size": len(shapes), "rank_shapes": shapes, "start_step": 0,
+            "evals": [[2, 5.0]]}
+    # per-token losses whose token mean is each step's logged loss
+    per_token = torch.tensor(LOSSES, dtype=torch.float32).view(-1, 1).repeat(1, 6 * T)
+    per_token[:, 0] += 0.5
+    per_token[:, 1] -= 0.5
     arts = {
         "rank0": {"state": final, "losses": list(LOSSES), "meta": {**rank, "rank": 0}, "trace": trace(shapes[0][0])},
         "rank1": {"state": copy.deepcopy(final), "losses": list(LOSSES), "meta": {**rank, "rank": 1},
                   "trace": trace(shapes[1][0], full=False)},
         "init": {"state": {k: v[0] for k, v in p.items()}, "losses": [], "meta": {**common, "mode": "init"}},
         "gradref": {"state": {f"g/{W}": g.clone(), f"b/{W}": g.clone(), f"a/{W}": g.abs(),
-                              "batch_losses": torch.full((STEPS, 6 * T), 2.5),
-                              "window_losses": torch.full((STEPS, 6 * T), 2.5), "loads": loads.clone()},
-                    "losses": [], "meta": {**common, "mode": "gradref"}},
+                              "batch_losses": per_token.clone(), "window_losses": per_token.clone(),
+                              "loads": loads.clone()},
+                    "losses": [], "meta": {**common, "mode": "gradref", "evals": [[2, 5.0]]}},
         "replay": {"state": {**{f"p/{k}": v.clone() for k, v in p.items()}, "grad_norm": norm.clone()},
                    "losses": [], "meta": {**common, "mode": "replay"}},
     }
@@ -127,7 +135,7 @@ def test_the_clean_synthetic_set_passes_every_check(tmp_path):
     v = judge(clean_set(tmp_path).out)
     assert v.passed, [(c.name, c.reason) for c in v.checks if not c.passed]
     assert [c.name for c in v.checks] == ["complete", "provenance", "config", "finite", "ranks", "window", "gradref",
-                                         "replay", "curve"]
+                                         "loss", "replay", "curve"]
     assert v.references == ["single", "init", "gradref", "replay"]
     assert isinstance(v.check("curve"), CurveCheck) and isinstance(v.check("replay"), ExactCheck)
     assert isinstance(v.check("gradref"), TensorCheck) and isinstance(v.check("window"), TensorCheck)
@@ -164,7 +172,9 @@ def _replay_differs(a):
 
 
 def _curve_differs(a):
-    _set_loss(a, 2, 1e-3)
+    _set_loss(a, 2, 1e-3)  # the fleet trained to another loss, and logged it truly
+    for k in ("window_losses", "batch_losses"):
+        a["gradref"]["state"][k][1] += LOSSES[1] * 1e-3
 
 
 def _exact_differs(a):
@@ -227,15 +237,39 @@ def test_no_fleet_at_all_is_incomplete(tmp_path):
     assert "incomplete: no fleet artifacts" in v.checks[0].reason
 
 
-def test_which_references_apply(tmp_path):
-    assert required(clean_set(tmp_path / "a")) == ["single", "init", "gradref", "replay"]
-    assert required(clean_set(tmp_path / "b", reduce="exact")) == ["single", "init", "gradref", "replay", "exact"]
+def test_which_references_apply():
+    assert required(GateSettings()) == ["single", "init", "gradref", "replay"]
+    assert required(GateSettings(reduce="exact")) == ["single", "init", "gradref", "replay", "exact"]
     # mixed window lengths: no single process holds the global batch, so no single (and no exact)
-    mixed = clean_set(tmp_path / "c", shapes=[[4, 32], [2, 64]], reduce="exact", exact=False)
-    assert required(mixed) == ["init", "gradref", "replay"]
-    # under reduce=exact a missing exact reference is incomplete
+    assert required(GateSettings(profile="4x32,2x64", reduce="exact")) == ["init", "gradref", "replay"]
+
+
+def test_under_exact_a_missing_exact_reference_is_incomplete(tmp_path):
     no_exact = clean_set(tmp_path / "d", lambda arts: arts.pop("exact"), reduce="exact")
     assert check_complete(no_exact).reason.startswith("incomplete: no exact")
+
+
+def test_which_references_apply_comes_from_the_settings_not_the_artifacts(tmp_path):
+    """A rank artifact that lost its profile (rank_shapes) must not make the
+    single process optional: the settings say one window length."""
+    def edit(arts):
+        arts.pop("single")
+        for n in ("rank0", "rank1"):
+            arts[n]["meta"].pop("rank_shapes")
+
+    v = judge(clean_set(tmp_path, edit).out)
+    assert not v.passed and v.check("complete").reason.startswith("incomplete: no single")
+
+
+def test_the_settings_the_verdict_is_asked_for_are_the_ones_judged(tmp_path):
+    a = clean_set(tmp_path)
+    recorded = GateSettings(**a.meta("rank0")["settings"])
+    assert judge(a.out, recorded).passed
+    v = judge(a.out, GateSettings(**{**a.meta("rank0")["settings"], "lr": 0.01}))
+    assert not v.passed and "rank0 was made with other settings (lr)" in v.check("provenance").reason
+    # a profile with two window lengths needs no single; one with one length does
+    mixed = GateSettings(**{**a.meta("rank0")["settings"], "profile": "4x32,2x64"})
+    assert judge(a.out, mixed).references == ["init", "gradref", "replay"]
 
 
 # --------------------------------------------------------------------------- provenance
@@ -660,3 +694,109 @@ def test_a_fleet_that_trained_another_recipe_fails_the_config_check(tmp_path):
     c = check_config(a, "gradref")
     assert not c.passed and "rank0's train.ns_dtype = 'bfloat16', gradref's 'float32'" in c.reason
     assert not judge(tmp_path).passed
+
+
+def test_a_single_is_compared_with_the_fleet_through_its_global_batch(tmp_path):
+    """Normalised to the fleet's profile: a single recorded as one rank of the
+    global batch (by hand: single --batch 6) is the fleet's reference; a single
+    at another global batch is one FAIL naming both batches."""
+    def one_rank(a):
+        a["single"]["meta"]["settings"] = {**a["single"]["meta"]["settings"], "world": 1, "batch": 6,
+                                           "profile": "", "resume_world": 0}
+
+    assert check_provenance(clean_set(tmp_path / "same", one_rank), ["single"]).passed
+
+    def other(a):
+        one_rank(a)
+        a["single"]["meta"]["global_batch"] = 8
+
+    c = check_provenance(clean_set(tmp_path / "other", other), ["single"])
+    assert not c.passed and "single ran a global batch of 8 windows" in c.reason and "the fleet 6" in c.reason, c
+    # a setting outside the profile still counts
+    def lr(a):
+        one_rank(a)
+        a["single"]["meta"]["settings"]["lr"] = 0.5
+
+    c = check_provenance(clean_set(tmp_path / "lr", lr), ["single"])
+    assert not c.passed and "single was made with other settings (lr)" in c.reason, c
+# --------------------------------------------------------------------------- the logged loss
+
+
+def test_a_wrong_logged_loss_fails_the_loss_check_apart_from_the_gradients(tmp_path):
+    c = check_loss(clean_set(tmp_path / "ok"))
+    assert c.passed and c.worst <= 1e-7 and "eval losses at steps [2]" in c.reason
+    v = judge(clean_set(tmp_path / "bad", lambda a: _set_loss(a, 2, 3 * LOSS_RTOL)).out)
+    c = v.check("loss")
+    assert not c.passed and c.first_step == 2
+    assert c.reason.startswith("the logged loss is wrong: at step 2")
+    assert v.check("gradref").passed and v.check("replay").passed
+
+
+def test_a_wrong_eval_loss_fails_the_loss_check(tmp_path):
+    def off(a):
+        a["rank0"]["meta"]["evals"] = [[2, 5.0 * (1 + 3 * LOSS_RTOL)]]
+
+    c = check_loss(clean_set(tmp_path / "off", off))
+    assert not c.passed and c.reason.startswith("the logged eval loss is wrong: at step 2")
+    c = check_loss(clean_set(tmp_path / "none", lambda a: a["rank0"]["meta"].pop("evals")))
+    assert not c.passed and "reported eval losses at steps [], the recipe evaluates at steps [2]" in c.reason
+
+
+# --------------------------------------------------------------------------- the bf16 wire's bias
+
+
+def _wire(bias: float, *, seed: int = 0, size: int = 128):
+    """A bf16 fleet whose reduced gradient is gradref's plus rounding-like
+    noise within the bound W u sum t|g|/T, plus `bias` x the bound x sign(p)."""
+    def edit(a):
+        gen = torch.Generator().manual_seed(seed)
+        ref = torch.randn(STEPS, size, size, generator=gen)
+        absum = ref.abs() * (1 + torch.rand(STEPS, size, size, generator=gen))
+        bound = len(SHAPES) * BF16_UNIT_ROUNDOFF * absum
+        params = torch.randn(STEPS + 1, size, size, generator=gen)
+        noise = (torch.rand(STEPS, size, size, generator=gen) - 0.5) * bound
+        a["gradref"]["state"].update({f"g/{W}": ref, f"a/{W}": absum, f"b/{W}": ref.clone()})
+        a["rank0"]["trace"][f"g/{W}"] = ref + noise + bias * bound * torch.sign(params[:-1])
+        a["rank0"]["trace"][f"p/{W}"] = params[1:].clone()
+        a["init"]["state"][W] = params[0].clone()
+    return edit
+
+
+def test_rounding_like_errors_pass_the_bias_test_and_a_bias_far_below_the_bound_fails(tmp_path):
+    for seed in range(3):
+        ok = check_bias(clean_set(tmp_path / f"ok{seed}", _wire(0.0, seed=seed), reduce="bf16"))
+        assert ok.passed and max(map(abs, ok.stats.values())) < 4, ok.reason
+    assert ok.samples == STEPS * 128 * 128 and ok.smallest < 0.02
+    bad = check_bias(clean_set(tmp_path / "bad", _wire(0.05), reduce="bf16"))  # 5% of the per-element bound
+    assert not bad.passed and bad.stats["decay"] > BIAS_SIGMAS and "decay" in bad.reason
+    assert "biased beyond the bf16 wire's rounding" in bad.reason
+    # ... which the elementwise bound alone passes
+    assert check_gradref(clean_set(tmp_path / "bad2", _wire(0.05), reduce="bf16")).passed
+
+
+def test_the_verdict_runs_the_bias_test_under_the_bf16_wire_only(tmp_path):
+    assert judge(clean_set(tmp_path / "fp32").out).check("bias") is None
+    v = judge(clean_set(tmp_path / "bf16", reduce="bf16").out)
+    assert v.check("bias") is not None and [c.name for c in v.checks].index("bias") == 7
+
+
+# --------------------------------------------------------------------------- explanations
+
+
+def test_no_divergence_is_excused_at_or_after_a_failing_check(tmp_path):
+    def edit(a):
+        _curve_differs(a)  # the loss leaves its floor at step 2 ...
+        _flip(a, 1)  # ... after a routing flip at step 1: round-off, had nothing failed
+        a["rank0"]["trace"][f"g/{W}"][1] *= 1.01  # but gradref fails at step 2
+
+    v = judge(clean_set(tmp_path, edit).out)
+    c = v.check("curve")
+    assert not v.check("gradref").passed and v.check("gradref").first_step == 2
+    assert "round-off" not in c.summary and "routing flip" not in c.summary
+    assert "first failing check: gradref at step 2" in c.summary
+    # without the failing check the same divergence is explained by the flip
+    c = check_curve(clean_set(tmp_path / "flip", lambda a: (_curve_differs(a), _flip(a, 1))))
+    assert "round-off amplified by a discrete expert choice" in c.summary
+    # a check failing only after the divergence does not take the explanation away
+    c = check_curve(clean_set(tmp_path / "later", lambda a: (_curve_differs(a), _flip(a, 1))), failed=("replay", 3))
+    assert "round-off amplified" in c.summary

@@ -1,0 +1,62 @@
+"""A bfloat16 model (model.bf16 = true) gated end to end: every mode builds and casts
+its own model (on main `dormouse pipeline --config run.json` stopped with exit 3,
+"model.bf16 is True but a pre-built model was passed"); under the exact reduce the
+fleet is bitwise the exact reference; the gradient checks use the bound measured for
+bfloat16 arithmetic (BF16_MODEL_RTOL, docs/gate.md), which still fails a fleet that
+averages its ranks instead of weighting them by tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dormouse.gate.judge.checks import BF16_MODEL_RTOL
+from dormouse.gate.record.fixtures import base_run
+from dormouse.gate.settings import GateSettings
+from gatekit import gate
+
+
+@pytest.fixture(scope="module")
+def bf16_config(tmp_path_factory):
+    """The gate fixture's network and recipe, trained in bfloat16, as a run.json."""
+    path = tmp_path_factory.mktemp("bf16") / "run.json"
+    run = base_run(GateSettings())
+    path.write_text(dataclasses.replace(run, model=dataclasses.replace(run.model, bf16=True)).to_json())
+    return path
+
+
+def test_dormouse_pipeline_gates_a_bf16_model_from_its_run_json(bf16_config, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "dormouse", "pipeline", "--config", str(bf16_config), "--steps", "2",
+                           "--out", str(tmp_path / "gate"), "--quiet"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    verdict = json.loads((tmp_path / "gate" / "verdict.json").read_text())
+    assert verdict["pass"], done.stdout[-3000:]
+    from dormouse.gate.artifacts import load_tensors
+
+    assert load_tensors(tmp_path / "gate", "rank0")["head.weight"].dtype.is_floating_point
+    assert str(load_tensors(tmp_path / "gate", "init")["head.weight"].dtype) == "torch.bfloat16"
+
+
+def test_a_bf16_model_passes_the_exact_gate_bitwise(bf16_config, tmp_path):
+    # (FSDP2 in bfloat16 passes too: docs/gate.md's sweep; its clipping norm, a bfloat16 number
+    # summed from shard norms, is within BF16_MODEL_RTOL of the replay's own.)
+    s = GateSettings(out=str(tmp_path), config=str(bf16_config), reduce="exact", profile="3,3", steps=4).validate()
+    v = gate(s)
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    assert "bitwise equal at all 4 steps" in v.check("replay").reason
+    assert "bitwise equal at all 4 steps" in v.check("exact").reason
+    assert f"within {BF16_MODEL_RTOL:.0e}" in v.check("gradref").reason
+
+
+def test_a_bf16_fleet_that_averages_its_ranks_fails_gradref(bf16_config, tmp_path):
+    s = GateSettings(out=str(tmp_path), config=str(bf16_config), steps=2, resume_world=0).validate()
+    v = gate(s, "plain_mean")
+    assert not v.passed and not v.check("gradref").passed, v.check("gradref").reason
+    assert "at step 1" in v.check("gradref").reason
