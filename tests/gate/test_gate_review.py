@@ -59,8 +59,8 @@ FALSE_ALARMS = {
     # ~lr*sign(g), elements with |g| near eps amplify round-off beyond 10x the 3-nudge floor), and
     # the loss leaves the floor at step 16 (3.2e-05 > 1.0e-06)
     "adamw_lr1e-2_20_s47": {"opt": "adamw", "lr": 0.01, "steps": 20, "seed": 47},
-    # the recipe's own lr (1e-3), 10 steps: block.attn.out leaves its floor at step 1 (2.2e-05 > 1.9e-05)
-    "adamw_s47": {"opt": "adamw", "steps": 10, "seed": 47},
+    # (seed 47 at the recipe's own lr 1e-3 left the same floor the same way, at step 1: the same
+    # finding as lr 1e-2 above, dropped from the suite to keep CI in budget)
     # engram.value leaves its floor at step 1 (3.6e-06 > 1.1e-06)
     "adamw_s50": {"opt": "adamw", "steps": 10, "seed": 50},
     # issue 16: the bf16 wire judged by a fixed 1e-3 on the loss: loss 4.8e-3 off at step 16 (gradref within
