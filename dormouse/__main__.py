@@ -2,7 +2,7 @@
 
     dormouse train --preset tiny --steps 200 --out runs/a
     dormouse train --config runs/a/run.json --set train.steps=400 --resume
-    torchrun --standalone --nproc_per_node=2 -m dormouse train --dist --capacity 4,2 --out runs/f
+    torchrun --standalone --nproc_per_node=2 -m dormouse train --profile 4,2 --out runs/f
     dormouse sample --ckpt runs/a/dormouse.pt --prompt "def " --tokens 200 --seed 0
     dormouse eval --ckpt runs/a/dormouse.pt --data held_out.txt
     dormouse gate ... | pipeline ... | bench ... | soak ...   (their own --help)
@@ -10,42 +10,31 @@
 `python -m dormouse ...` is the same command. Exit status: 0 done (or the gate
 passed), 1 the gate failed, 2 bad input (one line starting "error:"), 3 a run
 crashed (one line naming the exception).
+
+This module is the command line only: its parsers and one call per command;
+the run is composed by config.build_run and trained by dormouse.train.run;
+errors become exit statuses in one place (errors.command_status).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
-import json
 import math
-import os
 import sys
-import traceback
-from pathlib import Path
-from unittest import mock
 
 from dormouse import __version__
-from dormouse.config import DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, PRESETS, ModelConfig, RunConfig, TrainConfig, preset
-from dormouse.errors import ConfigError, DormouseError, FleetError
+from dormouse.config import DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, PRESETS, TrainConfig, build_run
+from dormouse.errors import EXIT_OK, OneLineParser, command_status
 
 # Subcommands that hand the rest of the command line, unchanged, to their own main(argv).
 FORWARDED = {
-    "gate": ("dormouse.gate.__main__", "the distributed gate: single | rank | gradref | replay | verdict"),
+    "gate": ("dormouse.gate.__main__", "the distributed gate: single | rank | gradref | replay | verdict | check (your own loop)"),
     "pipeline": ("dormouse.gate.pipeline", "the whole gate: notebooks 01-04 and verdict.json"),
     "bench": ("dormouse.bench.core", "measured speed: tokens/s, fleet vs DDP, scaling"),
     "soak": ("dormouse.gate.record.soak", "launch gate fleets back to back and count failures"),
 }
-EXIT_OK, EXIT_BAD_INPUT, EXIT_CRASHED = 0, 2, 3
 CLI_CKPT_EVERY = 50  # `dormouse train` checkpoints by default (TrainConfig's own default is never)
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line starting with "error:" (status 2),
-    like every other input error of this command."""
-
-    def error(self, message: str):
-        self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -91,7 +80,7 @@ def finite_float(text: str) -> float:
 TRAIN_FLAGS = [
     ("--data", "data", str, None, "corpus file of bytes ('' = the built-in corpus: dormouse's own source)"),
     ("--steps", "steps", int, None, "optimizer steps in all (a resumed run continues up to this)"),
-    ("--batch", "batch", int, None, "windows per step (per rank in a fleet without --capacity)"),
+    ("--batch", "batch", int, None, "windows per step (per rank in a fleet without --profile)"),
     ("--seq-len", "seq_len", int, None, "tokens per window (at most the model's max_seq_len)"),
     ("--lr", "lr", float, None, "peak learning rate"),
     ("--seed", "seed", int, None, "seeds the initial parameters and the shuffled data order"),
@@ -99,12 +88,12 @@ TRAIN_FLAGS = [
     ("--out", "out_dir", str, None, "checkpoints, metrics and run.json go here"),
     ("--log-every", "log_every", int, None, "steps between log lines"),
     ("--ckpt-every", "ckpt_every", int, None, "steps between checkpoints, and one at the end (0 = none)"),
-    ("--capacity", "dist_capacity", str, None,
+    ("--profile", "dist_profile", str, None,
      "fleet: per-rank shapes in rank order, 'B' or 'BxT' each, e.g. 4,2 ('' = --batch on every rank)"),
     ("--shard", "dist_shard", str, DIST_SHARDS, "fleet: none = replicated parameters, fsdp = FSDP2 shards"),
     ("--reduce", "dist_reduce", str, DIST_REDUCES, "fleet: how gradients are summed across ranks"),
-    ("--micro-batch", "micro_batch", positive_int, None,
-     "windows per micro-batch: the step's batch is accumulated in slices of this many"),
+    ("--micro-batch", "micro_batch", non_negative_int, None,
+     "windows per micro-batch: the step's batch is accumulated in slices of this many (0 = the whole local batch)"),
 ]
 
 
@@ -117,7 +106,8 @@ def _add_train_parser(sub) -> None:
     t = sub.add_parser(
         "train", formatter_class=_Help, help="train a model: one process, or a fleet under torchrun",
         description="Train a dormouse model. Alone: `dormouse train ...`. A fleet (data-parallel, "
-                    "the same loop): `torchrun --nproc_per_node=N -m dormouse train --dist ...`. "
+                    "the same loop): `torchrun --nproc_per_node=N -m dormouse train ...` (a process "
+                    "torchrun starts trains as one rank of the fleet; --dist says so explicitly). "
                     "Writes <out>/run.json (the resolved RunConfig, usable as --config; without "
                     "--resume, which belongs to one launch), "
                     "<out>/<ckpt_name>.pt (.dcp sharded) and <out>/<ckpt_name>.metrics.jsonl.")
@@ -134,14 +124,15 @@ def _add_train_parser(sub) -> None:
                        help=f"{text} (default: {shown!s}; with --config, the file's)"
                        if shown is not None else f"{text} (default: the config's)")
     t.add_argument("--out-dir", dest="out_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
+    t.add_argument("--capacity", dest="dist_profile", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="CKPT",
                    help="continue from <out>'s checkpoint if there is one (any world size or sharding); "
                         "--resume CKPT continues from that .pt file or .dcp directory instead, on every "
                         "launch (under torchrun --max-restarts use plain --resume: a restart then continues "
                         "from the newest checkpoint)")
     t.add_argument("--dist", action="store_true", default=argparse.SUPPRESS,
-                   help="train as one rank of a fleet: only under torchrun, which it requires "
-                        "(default: off, or the config's train.dist)")
+                   help="train as one rank of a fleet: only under torchrun, which it requires (under "
+                        "torchrun a fleet is the default: a process torchrun starts is one rank of it)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu (a fleet uses gloo) or cuda (one GPU per rank, nccl)")
     t.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
@@ -156,236 +147,30 @@ def _add_train_parser(sub) -> None:
                         "--set train.opt=adamw (a bare FIELD is a TrainConfig field)")
 
 
-def _parse_value(field: dataclasses.Field, text: str, pair: str):
-    kind = field.type
-    try:
-        if kind == "bool":
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return text.lower() in ("true", "1")
-        if kind == "int":
-            return int(text)
-        if kind == "float":
-            return float(text)
-        return text
-    except ValueError:
-        raise ConfigError(f"--set {pair!r}: expected a {kind} for {field.name}") from None
-
-
-def _overrides(pairs: list[str]) -> tuple[dict, dict]:
-    """--set pairs as ({model field: value}, {train field: value})."""
-    sections = {"model": ModelConfig, "train": TrainConfig}
-    out: dict[str, dict] = {"model": {}, "train": {}}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        section, dot, field = name.partition(".")
-        if not dot:
-            section, field = "train", name
-        cls = sections.get(section)
-        by_name = {f.name: f for f in dataclasses.fields(cls)} if cls else {}
-        if not sep or field not in by_name:
-            fields = ", ".join(sorted(by_name)) if cls else "model.FIELD or train.FIELD"
-            raise ConfigError(
-                f"--set {pair!r}: use field=value (a TrainConfig field) or model.field=value / "
-                f"train.field=value; {section} fields: {fields}")
-        out[section][field] = _parse_value(by_name[field], value, pair)
-    return out["model"], out["train"]
-
-
-def read_config(path: str) -> RunConfig:
-    """A RunConfig from a JSON file, or one clear ConfigError."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config {path!r} is not a file: give a RunConfig JSON such as a run's run.json")
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"--config {path!r} is not readable JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"--config {path!r} holds a JSON {type(d).__name__}, not an object with model/train")
-    try:
-        return RunConfig.from_dict(d)
-    except TypeError as e:  # a section that is not an object
-        raise ConfigError(f"--config {path!r}: {e}") from None
-
-
-def run_from_args(args) -> RunConfig:
-    """The run a `train` command line describes: --config or --preset, then the
-    flags, then --set (the last word wins)."""
-    if args.config and args.preset:
-        raise ConfigError("--config and --preset both name a model: give one of them")
-    if args.config:
-        run = read_config(args.config)
-    else:
-        name = args.preset or "tiny"
-        run = RunConfig(source=f"cli:{name}", model=preset(name), train=_cli_train_defaults())
-    fields = {field: getattr(args, field) for _, field, *_ in TRAIN_FLAGS if hasattr(args, field)}
-    if hasattr(args, "out_dir"):
-        fields["out_dir"] = args.out_dir
+def run_from_args(args):
+    """The run a `train` command line describes (config.build_run: --config or
+    --preset, then the flags, then --set; the last word wins)."""
+    flags = {field: getattr(args, field) for _, field, *_ in TRAIN_FLAGS if hasattr(args, field)}
     if getattr(args, "dist", False):
-        fields["dist"] = True
+        flags["dist"] = True
     if args.resume is True:
-        fields["resume"] = True
+        flags["resume"] = True
     elif args.resume:
-        fields["resume_from"] = args.resume
-    model_set, train_set = _overrides(args.set)
-    fields.update(train_set)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    if "micro_batch" in fields and "micro_batch" not in known:
-        raise ConfigError("--micro-batch needs train.micro_batch, which this version of dormouse lacks")
-    try:
-        model = dataclasses.replace(run.model, **model_set)
-        train = dataclasses.replace(run.train, **fields)
-    except TypeError as e:
-        raise ConfigError(str(e)) from None
-    return RunConfig(source=run.source, model=model, train=train).validate()
-
-
-def in_torchrun() -> bool:
-    """Whether this process was started by torchrun (it sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def check_fleet_request(run: RunConfig) -> None:
-    """A fleet runs under torchrun and torchrun runs a fleet: anything else is one error."""
-    if run.train.dist and not in_torchrun():
-        raise FleetError(
-            "a fleet (--dist or train.dist=true) runs under torchrun, which sets RANK and WORLD_SIZE: "
-            "torchrun --standalone --nproc_per_node=2 -m dormouse train --dist ...; "
-            "or drop --dist to train in one process")
-    if in_torchrun() and not run.train.dist:
-        raise FleetError(
-            f"started by torchrun (WORLD_SIZE={os.environ['WORLD_SIZE']}) without a fleet: add --dist to "
-            "train a fleet, or run `dormouse train` without torchrun for one process")
-
-
-class RankLog:
-    """Where a process's log lines go: stdout on rank 0, and DIR/rank<r>.log on
-    every rank when a log directory is given."""
-
-    def __init__(self, rank: int, log_dir: str):
-        self.rank = rank
-        self.file = None
-        if log_dir:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self.file = open(Path(log_dir) / f"rank{rank}.log", "a", buffering=1)
-
-    def __call__(self, line: str) -> None:
-        if self.rank == 0:
-            print(line, flush=True)
-        if self.file is not None:
-            self.file.write(line + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        flags["resume_from"] = args.resume
+    return build_run(file=args.config, preset_name=args.preset, flags=flags, sets=args.set,
+                     defaults=_cli_train_defaults())
 
 
 def _train(args) -> int:
     import torch
 
+    from dormouse.train import run
+
     torch.set_num_threads(args.threads)
-    run = run_from_args(args)
-    check_fleet_request(run)
-    if run.train.data:  # a missing or empty corpus is said before any rank joins a fleet
-        from dormouse.train.data import ByteCorpus
-
-        ByteCorpus(run.train.data, run.train.eval_frac)
-    tokens_per_step = _tokens_per_step(run)  # checks a fleet's --capacity on every rank
-    if args.tensorboard:
-        from dormouse.train.tracking import require_tensorboard
-
-        require_tensorboard()  # on every rank, before any collective
-    rank = int(os.environ.get("RANK", "0")) if run.train.dist else 0
-    log = RankLog(rank, args.log_dir)
-    tracker = None
-    try:
-        if args.tensorboard and rank == 0:
-            from dormouse.train.tracking import TensorBoardTracker
-
-            tracker = TensorBoardTracker(args.tensorboard, tokens_per_step=tokens_per_step, run=run)
-        return _run_training(run, args, log, tracker)
-    except DormouseError as e:
-        if log.file is not None:  # a rank other than 0 says it here (rank 0 on stderr too)
-            log.file.write(f"error: {_one_line(e)}\n")
-        raise
-    except Exception as e:
-        if log.file is not None:
-            log.file.write(traceback.format_exc())
-        _abandon_fleet()
-        where = f"rank {rank}: " if run.train.dist else ""
-        print(f"error: {where}the run crashed: {type(e).__name__}: {_first_line(e)}", file=sys.stderr, flush=True)
-        return EXIT_CRASHED
-    finally:
-        if tracker is not None:
-            tracker.close()
-        log.close()
-
-
-def _tokens_per_step(run: RunConfig) -> int:
-    """Tokens of one global step (a fleet's from its capacity profile)."""
-    if not run.train.dist:
-        return run.train.batch * run.train.seq_len
-    from dormouse.train.distributed import parse_capacity
-
-    world = int(os.environ["WORLD_SIZE"])
-    shapes = parse_capacity(run.train.dist_capacity, world_size=world, cfg=run.train,
-                            max_seq_len=run.model.max_seq_len)
-    return sum(s.tokens for s in shapes)
-
-
-def _run_training(run: RunConfig, args, log: RankLog, tracker) -> int:
-    from dormouse import atomic
-    from dormouse.model import DormouseModel
-
-    source = f"config={args.config}" if args.config else f"preset={args.preset or 'tiny'}"
-    n_params = sum(p.numel() for p in DormouseModel(run.model).parameters())
-    fleet = f"fleet of {os.environ['WORLD_SIZE']} ranks " if run.train.dist else ""
-    log(f"dormouse: {fleet}{source} params={n_params:,} data={run.train.data or 'built-in'} "
-        f"steps={run.train.steps} out={run.train.out_dir}")
-    written = []
-    # The run as --config should replay it: resuming is a property of one launch, not of the run.
-    replay = dataclasses.replace(run, train=dataclasses.replace(run.train, resume=False, resume_from=""))
-
-    def on_step(step, model, info):
-        # run.json once a step has trained (bad input never leaves one behind)
-        if not written and log.rank == 0:
-            atomic.write_text(Path(run.train.out_dir) / "run.json", replay.to_json() + "\n")
-            written.append(True)
-        if tracker is not None:
-            tracker.on_step(step, model, info)
-
-    line_log = tracker.wrap_log(log) if tracker is not None else log
-    if run.train.dist:
-        from dormouse.train.distributed import close_fleet, train_dist
-
-        report = train_dist(run, log=line_log, device_type=args.device, on_step=on_step, close=False)
-        del report["model"]  # the last holder of a sharded model: gone before the group is destroyed
-        close_fleet()
-    else:
-        from dormouse.train.loop import build_model, train
-
-        model = build_model(run).to(args.device)
-        report = train(model, run, log=line_log, on_step=on_step)
-    if report["final_loss"] is None:
-        log(f"done: nothing to train, the checkpoint is already at step {report['start_step']} "
-            f"(--steps {run.train.steps}); raise --steps to continue")
-    else:
-        log(f"done: final loss {report['final_loss']:.4f}, {report['tokens_per_s']:.0f} tokens/s, "
-            f"checkpoint {report['checkpoint']}")
+    describe = f"config={args.config}" if args.config else f"preset={args.preset or 'tiny'}"
+    run(run_from_args(args), device=args.device, log_dir=args.log_dir, tensorboard=args.tensorboard,
+        describe=describe)
     return EXIT_OK
-
-
-def _abandon_fleet() -> None:
-    """After a crash: leave the process group without waiting for peers that
-    may be gone (a barrier would hang), so the process exits cleanly."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # already broken: nothing more to release
-        pass
 
 
 # ---------------------------------------------------------------- sample, eval
@@ -400,22 +185,19 @@ def _add_sample_parser(sub) -> None:
     s.add_argument("--temperature", type=finite_float, default=1.0, help="softmax temperature (0 = greedy)")
     s.add_argument("--top-k", type=non_negative_int, default=0, help="draw among the k most likely bytes (0 = all)")
     s.add_argument("--seed", type=int, default=0, help="seeds the draws")
-    s.add_argument("--no-cache", action="store_true", help="recompute the whole window every byte (slower; same text)")
+    s.add_argument("--no-cache", action="store_true", help="recompute the whole text every byte (the reference: much slower; same text)")
     s.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
 
 
 def _sample(args) -> int:
     import torch
 
-    from dormouse.infer import generate, load_trained
+    from dormouse.infer import sample_text
 
     torch.set_num_threads(args.threads)
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
-    model, _, _ = load_trained(args.ckpt)
-    out = generate(model, args.prompt.encode(), tokens=args.tokens, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
-    sys.stdout.write(out.decode("utf-8", errors="replace") + "\n")
+    text = sample_text(args.ckpt, args.prompt, tokens=args.tokens, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
+    sys.stdout.write(text + "\n")
     return EXIT_OK
 
 
@@ -440,47 +222,24 @@ def _add_eval_parser(sub) -> None:
 def _eval(args) -> int:
     import torch
 
-    from dormouse.infer import file_loss, load_trained
+    from dormouse.infer import score_file
 
     torch.set_num_threads(args.threads)
-    model, run, step = load_trained(args.ckpt)
-    seq_len = args.seq_len or run.train.seq_len
-    if seq_len > run.model.max_seq_len:
-        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {run.model.max_seq_len}")
-    tail = 0.0
-    if args.part == "tail":
-        tail = run.train.eval_frac
-        if not tail:
-            raise ConfigError("--part tail: the checkpoint's run held nothing out (train.eval_frac = 0); "
-                              "score the whole file instead")
-    nats, count = file_loss(model, args.data, seq_len=seq_len, batch=args.batch, tail_frac=tail)
-    part = "whole file" if args.part == "whole" else f"last {tail:g} of the file"
-    print(f"loss {nats:.6f} nats/byte, {nats / math.log(2):.6f} bits/byte over {count:,} bytes of "
-          f"{args.data} ({part}, windows of {seq_len}; checkpoint at step {step})")
+    print(score_file(args.ckpt, args.data, part=args.part, seq_len=args.seq_len, batch=args.batch))
     return EXIT_OK
 
 
 # ---------------------------------------------------------------- the command
 
-def _first_line(e: BaseException) -> str:
-    """An unexpected exception's message, cut to its first line."""
-    return (str(e).strip().splitlines() or [""])[0]
-
-
-def _one_line(e: BaseException) -> str:
-    """A DormouseError's message on one line (its parts joined, nothing dropped)."""
-    return " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-
-
 COMMANDS = {"train": _train, "sample": _sample, "eval": _eval}
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="dormouse", description=__doc__.splitlines()[0], epilog=__doc__,
+    p = OneLineParser(prog="dormouse", description=__doc__.splitlines()[0], epilog=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"dormouse {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="command",
-                           parser_class=_OneLineParser)
+                           parser_class=OneLineParser)
     _add_train_parser(sub)
     _add_sample_parser(sub)
     _add_eval_parser(sub)
@@ -492,24 +251,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in FORWARDED:
+    if argv and argv[0] in FORWARDED:  # they parse their own command lines
         forwarded = importlib.import_module(FORWARDED[argv[0]][0]).main
-        # Their usage errors read like ours: one "error:" line, status 2.
-        with mock.patch.object(argparse.ArgumentParser, "error", _OneLineParser.error):
-            return forwarded(argv[1:])
+        return command_status(argv[0], lambda: forwarded(argv[1:]))
     args = parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except DormouseError as e:
-        # In a fleet every rank meets the same bad input: rank 0 alone says so.
-        if os.environ.get("RANK", "0") == "0" or not in_torchrun():
-            print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
-        _abandon_fleet()
-        return EXIT_BAD_INPUT
-    except Exception as e:  # a bug or a broken environment: one line, and a status of its own
-        print(f"error: dormouse {args.command} crashed: {type(e).__name__}: {_first_line(e)}",
-              file=sys.stderr, flush=True)
-        return EXIT_CRASHED
+    return command_status(args.command, lambda: COMMANDS[args.command](args))
 
 
 if __name__ == "__main__":

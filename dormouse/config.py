@@ -7,6 +7,8 @@ record exactly the configuration that made it. `validate()` raises one
 `ConfigError` naming the field, its value and what is allowed.
 
 Presets are named ModelConfig instances (`PRESETS["tiny"]`, `PRESETS["small"]`).
+`build_run` is the one way a run is composed from a file or a preset, flags
+and `--set` pairs (the command line's `dormouse train` uses it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from dormouse.errors import ConfigError
@@ -24,6 +27,7 @@ from dormouse.errors import ConfigError
 OPTIMIZERS = ("mix", "adamw")
 NS_KINDS = ("quintic", "polar_express")
 NS_DTYPES = ("bfloat16", "float32")
+NS_KERNELS = ("auto", "native", "fp32")
 STATE_DTYPES = ("float32", "bfloat16")
 MUON_VARIANTS = ("muon", "normuon")
 MUON_SHAPE_RULES = ("original", "match_rms_adamw")
@@ -131,8 +135,8 @@ class TrainConfig:
 
     seed: int = 0  # seeds model initialisation when the run builds the model
     steps: int = 200  # optimizer steps
-    batch: int = 4  # windows per step (per rank in a fleet without dist_capacity)
-    micro_batch: int = 0  # windows per forward/backward slice, dividing each rank's batch (0 = all)
+    batch: int = 4  # windows per step (per rank in a fleet without dist_profile)
+    micro_batch: int = 0  # windows per forward/backward slice, dividing each rank's batch (0 = all; see FleetPlan)
     seq_len: int = 64  # tokens per window; at most model.max_seq_len
     lr: float = 3e-3  # peak learning rate, shared by the Muon and AdamW groups
     schedule: str = "constant"  # learning-rate shape after warm-up: constant | cosine
@@ -144,6 +148,7 @@ class TrainConfig:
     ns_steps: int = 5  # Newton-Schulz iterations per Muon step
     ns_kind: str = "quintic"  # Newton-Schulz coefficients: quintic | polar_express
     ns_dtype: str = "bfloat16"  # dtype Newton-Schulz runs in (torch's Muon uses bfloat16)
+    ns_kernel: str = "auto"  # bfloat16 Newton-Schulz: native = torch's bf16 matmul (bitwise torch.optim.Muon); fp32 = bf16 values and rounding through fp32 matmuls (no cliff on CPUs without native bf16); auto = native where bf16 matmuls are native, else fp32 (see newton_schulz.py)
     muon_momentum: float = 0.95  # Muon momentum
     muon_nesterov: bool = True  # Nesterov momentum for Muon
     muon_variant: str = "muon"  # muon | normuon (per-neuron second-moment normalisation)
@@ -165,7 +170,7 @@ class TrainConfig:
     resume_from: str = ""  # continue from this checkpoint (.pt file or .dcp dir), any topology
     stop_at: int = 0  # end this launch after step stop_at, checkpointing there (0 = run to steps); the schedule still spans steps
     dist: bool = False  # this run is one rank of a torch.distributed fleet
-    dist_capacity: str = ""  # per-rank shapes, e.g. "4,2" or "4x32,2x64" ("" = batch each)
+    dist_profile: str = ""  # the fleet's per-rank shapes, e.g. "4,2" or "4x32,2x64" ("" = batch each; see FleetPlan)
     dist_reduce: str = "fp32"  # fp32 | bf16 ring all-reduce | exact: a fixed tree over slices
     dist_shard: str = "none"  # none = replicated parameters; fsdp = FSDP2 fully_shard
     dist_bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket (MiB)
@@ -178,7 +183,7 @@ class TrainConfig:
             _non_negative(self, name)
         for name, allowed in (
             ("opt", OPTIMIZERS), ("ns_kind", NS_KINDS), ("ns_dtype", NS_DTYPES),
-            ("muon_variant", MUON_VARIANTS), ("muon_sf", MUON_SHAPE_RULES),
+            ("ns_kernel", NS_KERNELS), ("muon_variant", MUON_VARIANTS), ("muon_sf", MUON_SHAPE_RULES),
             ("muon_state_dtype", STATE_DTYPES), ("schedule", SCHEDULES),
             ("dist_reduce", DIST_REDUCES), ("dist_shard", DIST_SHARDS),
             ("data_order", DATA_ORDERS),
@@ -192,11 +197,6 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"train.{name} = {value} must be a finite number >= 0")
-        if self.micro_batch and not self.dist_capacity and self.batch % self.micro_batch:
-            raise ConfigError(
-                f"train.micro_batch = {self.micro_batch} does not divide train.batch = {self.batch}: "
-                "choose a divisor of the batch, or 0 for one slice"
-            )
         if not self.lr > 0:
             raise ConfigError(f"train.lr = {self.lr} must be > 0")
         for name in ("adam_beta1", "adam_beta2", "muon_momentum", "min_lr_frac"):
@@ -215,6 +215,29 @@ class TrainConfig:
                 f"train.ckpt_name = {self.ckpt_name!r} must be a plain file stem"
             )
         return self
+
+
+def _accept_old_names(cls, aliases: dict[str, str]):
+    """`cls(old=...)`, `dataclasses.replace(x, old=...)` and `x.old` read and
+    set the field's new name (a name is never written under its old one). The
+    old name, when given, wins: replace() passes every field's current value."""
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        for old, new in aliases.items():
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
+    cls.__init__ = __init__
+    for old, new in aliases.items():
+        setattr(cls, old, property(lambda self, n=new: getattr(self, n),
+                                   lambda self, v, n=new: setattr(self, n, v), doc=f"The old name of {new}."))
+
+
+# The old name of dist_profile (before "capacity" meant only the MoE's capacity factor).
+_accept_old_names(TrainConfig, {"dist_capacity": "dist_profile"})
 
 
 @dataclass
@@ -275,8 +298,94 @@ def preset(name: str) -> ModelConfig:
     return dataclasses.replace(PRESETS[name])
 
 
+# ---------------------------------------------------------------- composing a run
+
+
+def build_run(*, file: str = "", preset_name: str | None = None, flags: dict[str, Any] | None = None,
+              sets: list[str] | tuple[str, ...] = (), defaults: TrainConfig | None = None,
+              source: str = "cli") -> RunConfig:
+    """THE composition of a run, validated: the network and recipe from a
+    RunConfig JSON `file` or a preset (`preset_name`, default tiny, with
+    `defaults` as its TrainConfig), then `flags` (TrainConfig fields by name),
+    then `sets` ("model.FIELD=VALUE", "train.FIELD=VALUE" or a bare train
+    FIELD=VALUE, typed by the field): the last word wins."""
+    if file and preset_name:
+        raise ConfigError("--config and --preset both name a model: give one of them")
+    if file:
+        run = read_config(file)
+    else:
+        name = preset_name or "tiny"
+        run = RunConfig(source=f"{source}:{name}", model=preset(name), train=defaults or TrainConfig())
+    model_set, train_set = parse_sets(sets)
+    train_fields = {**(flags or {}), **train_set}
+    try:
+        model = dataclasses.replace(run.model, **model_set)
+        train = dataclasses.replace(run.train, **train_fields)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+    return RunConfig(source=run.source, model=model, train=train).validate()
+
+
+def read_config(path: str) -> RunConfig:
+    """A RunConfig from a JSON file, or one clear ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path!r} is not a file: give a RunConfig JSON such as a run's run.json")
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"--config {path!r} is not readable JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"--config {path!r} holds a JSON {type(d).__name__}, not an object with model/train")
+    try:
+        return RunConfig.from_dict(d)
+    except TypeError as e:  # a section that is not an object
+        raise ConfigError(f"--config {path!r}: {e}") from None
+
+
+def parse_sets(pairs) -> tuple[dict, dict]:
+    """--set pairs as ({model field: value}, {train field: value}), each value
+    typed by its field."""
+    sections = {"model": ModelConfig, "train": TrainConfig}
+    out: dict[str, dict] = {"model": {}, "train": {}}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        section, dot, fname = name.partition(".")
+        if not dot:
+            section, fname = "train", name
+        fname = ALIASES.get(fname, fname) if section == "train" else fname  # train.dist_capacity: old name
+        cls = sections.get(section)
+        by_name = {f.name: f for f in fields(cls)} if cls else {}
+        if not sep or fname not in by_name:
+            known = ", ".join(sorted(by_name)) if cls else "model.FIELD or train.FIELD"
+            raise ConfigError(
+                f"--set {pair!r}: use field=value (a TrainConfig field) or model.field=value / "
+                f"train.field=value; {section} fields: {known}")
+        out[section][fname] = _parse_value(by_name[fname], value, pair)
+    return out["model"], out["train"]
+
+
+def _parse_value(f: dataclasses.Field, text: str, pair: str):
+    kind = f.type
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return text.lower() in ("true", "1")
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"--set {pair!r}: expected a {kind} for {f.name}") from None
+# Old JSON keys still read, under their new names (run.json files written before the rename).
+ALIASES = {"dist_capacity": "dist_profile"}
+
+
 def _from_dict(cls, d: dict[str, Any], where: str):
     known = {f.name for f in fields(cls)}
+    d = {(ALIASES[k] if k in ALIASES and ALIASES[k] in known and ALIASES[k] not in d else k): v for k, v in d.items()}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ConfigError(

@@ -9,6 +9,8 @@ is wrong and what to do. Command-line entry points print that message alone
 
 from __future__ import annotations
 
+import argparse
+
 
 class DormouseError(Exception):
     """A problem with the user's input or environment, stated in one message."""
@@ -36,3 +38,99 @@ class DivergedError(DormouseError):
 
 class FleetError(DormouseError):
     """A data-parallel fleet is misconfigured or one of its ranks failed."""
+
+
+class PlanError(ConfigError, FleetError):
+    """The fleet's plan (profile, world, batch, micro-batch) cannot be made.
+
+    `field` names what holds the bad value (profile, micro_batch, world),
+    `value` is that value and `reason` says why and what to do, so callers
+    that name the setting otherwise (the gate's settings) restate it without
+    cutting the message apart."""
+
+    def __init__(self, field: str, value, reason: str):
+        self.field, self.value, self.reason = field, value, reason
+        super().__init__(f"{field} = {value!r}: {reason}")
+
+
+# ---------------------------------------------------------------- what a command's exit status says
+#
+# THE one mapping from outcomes to exit statuses, for every dormouse command
+# (`dormouse ...`, `python -m dormouse.gate`, the pipeline, the benchmarks).
+
+EXIT_OK = 0  # done (or the gate passed)
+EXIT_FAILED = 1  # the gate ran and failed
+EXIT_BAD_INPUT = 2  # bad input or environment: one line starting "error:"
+EXIT_CRASHED = 3  # a run crashed (a bug or a broken machine): one line naming the exception
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C
+
+
+def _one_line(e: BaseException) -> str:
+    """A DormouseError's message on one line (its parts joined, nothing dropped)."""
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+
+
+def _first_line(e: BaseException) -> str:
+    """An unexpected exception's message, cut to its first line."""
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def command_status(command: str, call, *, traceback: bool = False) -> int:
+    """Run `call()` (which returns an exit status) and map what it raises to
+    a status and one line: a DormouseError is bad input (its `exit_status`,
+    2 unless the class says otherwise: a failed gate's verdict is 1, on
+    stdout), any other exception a crash (3, with its traceback first when
+    `traceback`). In a torchrun fleet every rank meets the same bad input:
+    rank 0 alone says so; a crash names its rank. The process group, if any,
+    is left without waiting for peers."""
+    import os
+    import sys
+
+    rank = os.environ.get("RANK") if "WORLD_SIZE" in os.environ else None
+    try:
+        return call()
+    except DormouseError as e:
+        status = getattr(e, "exit_status", EXIT_BAD_INPUT)
+        if status == EXIT_FAILED:
+            print(str(e), flush=True)
+        elif rank in (None, "0"):
+            print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
+        _leave_fleet()
+        return status
+    except KeyboardInterrupt:
+        print(f"interrupted: dormouse {command} stopped (with any fleet it launched)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a bug or a broken environment: one line, and a status of its own
+        if traceback:
+            import traceback as tb
+
+            tb.print_exc()
+        where = f"rank {rank}: " if rank is not None else ""
+        print(f"error: {where}dormouse {command}: the run crashed: {type(e).__name__}: {_first_line(e)}",
+              file=sys.stderr, flush=True)
+        _leave_fleet()
+        return EXIT_CRASHED
+
+
+def _leave_fleet() -> None:
+    """Leave a torch.distributed process group, if this process is in one,
+    without waiting for peers that may be gone (a barrier would hang)."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # already broken: nothing more to release
+        pass
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line starting with "error:" (status
+    2), like every other input error of dormouse's commands."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")

@@ -5,13 +5,20 @@ loss on a file.
     text = generate(model, b"def ", tokens=200, temperature=0.8, top_k=40, seed=0)
     nats, count = file_loss(model, "held_out.txt", seq_len=run.train.seq_len)
 
-Generation keeps a KV cache (one per iteration of the shared block) while the
-text fits the model's window: each new byte then costs one position's forward.
-Once the text is longer than model.max_seq_len the window slides by one byte a
-step, and since RoPE positions count from the window's start, the whole window
-is recomputed (exactly what an uncached forward would compute). A
-capacity-dropping MoE, whose output depends on the whole batch, is always
-recomputed too.
+Generation continues the prompt's last max_seq_len bytes. It keeps a KV cache
+(one entry per iteration of the shared block) and costs one position's forward
+per byte, before and after the text outgrows the window: the cache is a ring of
+max_seq_len positions, and every position attends to the window ending at it
+(sliding-window attention, at every iteration; see DormouseModel.forward,
+sliding=True). use_cache=False recomputes that same function over the whole
+text at every byte (the reference; slow): the bytes are the same.
+
+Past the window this is not what the generator did before (it recomputed the
+last max_seq_len bytes as a fresh window, positions from 0, every byte): with a
+looped block a position's deeper iterations carry what its own window saw, so
+the two differ once the first byte leaves the window. Within the window they
+are the same computation. A capacity-dropping MoE, whose output depends on the
+whole batch, has no cache and keeps the fresh-window recompute.
 """
 
 from __future__ import annotations
@@ -64,20 +71,25 @@ def generate(model: DormouseModel, prompt: bytes, *, tokens: int, temperature: f
     window = model.cfg.max_seq_len
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    seq = list(prompt)
+    text = list(prompt[-window:])  # the context: the prompt's last window, then what we generate
     out: list[int] = []
-    cache, fresh = None, list(seq[-window:])  # fresh: the positions the cache has not seen
-    use_cache = use_cache and cached_generation_ok(model)
+    if not cached_generation_ok(model):  # the whole window afresh at every byte
+        for _ in range(tokens):
+            logits = model(torch.tensor([text[-window:]], device=device))[0]
+            out.append(_pick(logits[0, -1].float(), temperature, top_k, gen))
+            text.append(out[-1])
+        return bytes(out)
+    cache = model.new_cache() if use_cache else None
+    step_in = torch.tensor([text], device=device)  # the first forward reads the whole prompt
     for _ in range(tokens):
-        if use_cache and cache is not None and len(seq) <= window:
-            logits = model(torch.tensor([fresh], device=device), cache=cache)[0]
-        else:  # first step, no cache, or the window slid: the whole window afresh
-            cache = model.new_cache() if use_cache and len(seq) <= window else None
-            logits = model(torch.tensor([seq[-window:]], device=device), cache=cache)[0]
+        if cache is not None:
+            logits = model(step_in, cache=cache)[0]
+        else:  # the reference: the same function of the whole text, recomputed
+            logits = model(torch.tensor([text], device=device), sliding=True)[0]
         nxt = _pick(logits[0, -1].float(), temperature, top_k, gen)
-        seq.append(nxt)
         out.append(nxt)
-        fresh = [nxt]
+        text.append(nxt)
+        step_in = torch.tensor([[nxt]], device=device)
     return bytes(out)
 
 
@@ -120,3 +132,34 @@ def file_loss(model: DormouseModel, path: str | Path, *, seq_len: int, batch: in
         _, loss, _ = model(x.to(device), y.to(device))
         total += float(loss) * y.numel()
     return total / (n * seq_len), n * seq_len
+
+
+def sample_text(ckpt: str | Path, prompt: str, *, tokens: int, temperature: float = 1.0, top_k: int = 0,
+                seed: int = 0, use_cache: bool = True) -> str:
+    """`dormouse sample`: the continuation of `prompt` (UTF-8 bytes) by the
+    checkpoint's model, decoded as UTF-8 (invalid sequences replaced)."""
+    model, _, _ = load_trained(ckpt)
+    out = generate(model, prompt.encode(), tokens=tokens, temperature=temperature, top_k=top_k, seed=seed,
+                   use_cache=use_cache)
+    return out.decode("utf-8", errors="replace")
+
+
+def score_file(ckpt: str | Path, data: str | Path, *, part: str = "whole", seq_len: int | None = None,
+               batch: int = 16) -> str:
+    """`dormouse eval`: one line with the mean next-byte loss over `data` in
+    nats and in bits per byte (bits = nats / ln 2), over the whole file or
+    (part="tail") the last train.eval_frac the checkpoint's run held out."""
+    model, run, step = load_trained(ckpt)
+    seq_len = seq_len or run.train.seq_len
+    if seq_len > run.model.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {run.model.max_seq_len}")
+    tail = 0.0
+    if part == "tail":
+        tail = run.train.eval_frac
+        if not tail:
+            raise ConfigError("--part tail: the checkpoint's run held nothing out (train.eval_frac = 0); "
+                              "score the whole file instead")
+    nats, count = file_loss(model, data, seq_len=seq_len, batch=batch, tail_frac=tail)
+    where = "whole file" if part == "whole" else f"last {tail:g} of the file"
+    return (f"loss {nats:.6f} nats/byte, {nats / math.log(2):.6f} bits/byte over {count:,} bytes of "
+            f"{data} ({where}, windows of {seq_len}; checkpoint at step {step})")

@@ -5,7 +5,6 @@ subcommand reported in one line with exit status 2 and no traceback."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from dormouse.__main__ import main
-from dormouse.config import RunConfig, TrainConfig
+from dormouse.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +56,7 @@ def test_train_help_explains_the_options(tmp_path):
     proc = _cli("train", "--help", cwd=tmp_path)
     assert proc.returncode == 0
     for option in ("--config", "--preset", "--data", "--steps", "--batch", "--seq-len", "--lr", "--out",
-                   "--ckpt-every", "--resume", "--set", "--dist", "--capacity", "--shard", "--reduce",
+                   "--ckpt-every", "--resume", "--set", "--dist", "--profile", "--shard", "--reduce",
                    "--micro-batch", "--data-order", "--log-dir", "--tensorboard"):
         assert option in proc.stdout, option
     assert "tiny" in proc.stdout and "small" in proc.stdout  # the preset choices
@@ -276,15 +275,16 @@ def test_set_reaches_model_and_train_fields_and_run_json_replays_the_run(tmp_pat
 
 # ---------------------------------------------------------------- a real fleet
 
-FLEET_ARGS = ["--capacity", "2,1", "--seq-len", "32", "--steps", "6", "--ckpt-every", "3", "--log-every", "3",
+FLEET_ARGS = ["--profile", "2,1", "--seq-len", "32", "--steps", "6", "--ckpt-every", "3", "--log-every", "3",
               "--set", "eval_frac=0.1", "--set", "eval_every=3"]
 
 
 @pytest.fixture(scope="module")
 def fleet_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """A 2-rank `torchrun -m dormouse train --dist` fleet (gloo), 6 steps."""
+    """A 2-rank `torchrun -m dormouse train` fleet (gloo), 6 steps: no --dist,
+    torchrun alone makes it a fleet."""
     d = tmp_path_factory.mktemp("fleet")
-    proc = _finish(_torchrun("-m", "dormouse", "train", "--dist", *FLEET_ARGS, "--out", str(d / "run"),
+    proc = _finish(_torchrun("-m", "dormouse", "train", *FLEET_ARGS, "--out", str(d / "run"),
                              "--log-dir", str(d / "logs"), cwd=d))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return d, proc
@@ -294,13 +294,15 @@ def test_torchrun_trains_a_fleet_with_rank_0_logging_and_per_rank_logs(fleet_run
     d, proc = fleet_run
     assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr
     assert proc.stdout.count("done: final loss") == 1  # rank 0 alone prints
+    # started by torchrun without --dist: a fleet, and the log says why
+    assert proc.stdout.count("started by torchrun (WORLD_SIZE=2): training as a fleet") == 1
     assert "fleet: world_size=2 backend=gloo" in proc.stdout and "rank1 batch=1 seq_len=32" in proc.stdout
     assert proc.stdout.count("eval step=") == 2
     for r in (0, 1):
         log = (d / "logs" / f"rank{r}.log").read_text()
         assert "step=6/6" in log and "done: final loss" in log
     run = RunConfig.from_json((d / "run" / "run.json").read_text())
-    assert run.train.dist and run.train.dist_capacity == "2,1" and run.train.data_order == "shuffle"
+    assert run.train.dist and run.train.dist_profile == "2,1" and run.train.data_order == "shuffle"
     assert (d / "run" / "dormouse.pt").is_file()
 
 
@@ -324,17 +326,9 @@ def test_sample_and_eval_read_the_fleets_checkpoint(fleet_run):
 def test_a_fleets_run_resumes_in_one_process_from_its_run_json(fleet_run, tmp_path):
     d, _ = fleet_run
     proc = _cli("train", "--config", str(d / "run" / "run.json"), "--set", "train.dist=false",
-                "--capacity", "", "--batch", "3", "--steps", "8", "--resume", cwd=d)
+                "--capacity", "", "--batch", "3", "--steps", "8", "--resume", cwd=d)  # --capacity: --profile's old name
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {d / 'run' / 'dormouse.pt'} at step 6" in proc.stdout and "step=8/8" in proc.stdout
-
-
-def test_torchrun_without_a_fleet_is_one_error_from_dormouse(tmp_path):
-    proc = _finish(_torchrun("-m", "dormouse", "train", "--steps", "1", "--out", str(tmp_path / "o"), cwd=tmp_path))
-    assert proc.returncode != 0
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(ours) == 1 and "without a fleet" in ours[0] and "--dist" in ours[0]  # rank 0 alone says it
-    assert not (tmp_path / "o").exists()
 
 
 def test_a_fleet_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_bitwise_equal(tmp_path):
@@ -391,16 +385,22 @@ def test_a_sharded_fleets_dcp_checkpoint_samples_evaluates_and_resumes_alone(tmp
     assert f"resumed from {alone / 'dormouse.pt'} at step 3" in fleet.stdout and "step=4/4" in fleet.stdout
 
 
-def test_micro_batch_sets_train_micro_batch_or_says_this_version_lacks_it(tmp_path, capsys):
-    code = main(["train", "--steps", "1", "--batch", "2", "--seq-len", "16", "--micro-batch", "1",
+@pytest.mark.parametrize("micro", [1, 0])  # 0: the whole batch in one slice (the field's own default)
+def test_micro_batch_sets_train_micro_batch(tmp_path, capsys, micro):
+    code = main(["train", "--steps", "1", "--batch", "2", "--seq-len", "16", "--micro-batch", str(micro),
                  "--out", str(tmp_path / "o")])
-    if "micro_batch" in {f.name for f in dataclasses.fields(TrainConfig)}:
-        assert code == 0
-        assert RunConfig.from_json((tmp_path / "o" / "run.json").read_text()).train.micro_batch == 1
-    else:
-        assert code == 2
-        _one_error_line(capsys.readouterr().err, "--micro-batch", "train.micro_batch")
-        assert not (tmp_path / "o").exists()
+    assert code == 0, capsys.readouterr().err
+    assert RunConfig.from_json((tmp_path / "o" / "run.json").read_text()).train.micro_batch == micro
+
+
+def test_micro_batch_0_is_the_whole_batch_and_one_that_does_not_divide_it_is_one_line(tmp_path, capsys):
+    assert main(["train", "--steps", "1", "--batch", "2", "--seq-len", "16", "--micro-batch", "0",
+                 "--out", str(tmp_path / "o")]) == 0
+    assert RunConfig.from_json((tmp_path / "o" / "run.json").read_text()).train.micro_batch == 0
+    capsys.readouterr()
+    assert main(["train", "--steps", "1", "--batch", "2", "--seq-len", "16", "--micro-batch", "3",
+                 "--out", str(tmp_path / "p")]) == 2
+    _one_error_line(capsys.readouterr().err, "micro_batch = 3", "does not divide every rank's batch (2)")
 
 
 def test_a_run_that_crashes_is_one_line_naming_the_exception_and_status_3(tmp_path, capsys, monkeypatch):
@@ -412,3 +412,18 @@ def test_a_run_that_crashes_is_one_line_naming_the_exception_and_status_3(tmp_pa
     monkeypatch.setattr(loop, "lr_at", broken)
     assert main(["train", "--steps", "2", "--batch", "2", "--seq-len", "16", "--out", str(tmp_path / "o")]) == 3
     _one_error_line(capsys.readouterr().err, "the run crashed", "RuntimeError", "boom at the start of a step")
+
+
+def test_a_process_torchrun_started_is_a_fleet_and_a_fleet_needs_torchrun(monkeypatch):
+    from dormouse.errors import FleetError
+    from dormouse.train.runner import as_launched
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run, note = as_launched(RunConfig())
+    assert run.train.dist and "training as a fleet" in note and "WORLD_SIZE=2" in note
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert as_launched(RunConfig()) == (RunConfig(), "")
+    with pytest.raises(FleetError, match="runs under torchrun"):
+        as_launched(RunConfig.from_dict({"train": {"dist": True}}))

@@ -47,12 +47,12 @@ def _non_default_run() -> RunConfig:
     train = TrainConfig(
         seed=7, steps=123, batch=3, micro_batch=1, seq_len=33, lr=1.1e-3, schedule="cosine", warmup=9,
         min_lr_frac=0.3, wd=0.01, grad_clip=0.7, opt="adamw", ns_steps=6,
-        ns_kind="polar_express", ns_dtype="float32", muon_momentum=0.9, muon_nesterov=False,
+        ns_kind="polar_express", ns_dtype="float32", ns_kernel="fp32", muon_momentum=0.9, muon_nesterov=False,
         muon_variant="normuon", muon_sf="original", muon_colrow_3d=False,
         muon_state_dtype="bfloat16", adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-7,
         log_every=3, eval_every=5, eval_frac=0.2, ckpt_every=4, ckpt_name="x1",
         out_dir="/tmp/somewhere", data="corpus.txt", data_order="sequential", resume=True, resume_from="/tmp/ck.pt", stop_at=50, dist=True,
-        dist_capacity="4,2", dist_reduce="bf16", dist_shard="fsdp", dist_bucket_mb=12.5,
+        dist_profile="4,2", dist_reduce="bf16", dist_shard="fsdp", dist_bucket_mb=12.5,
     )
     return RunConfig(source="unit-test", model=model, train=train)
 
@@ -168,13 +168,22 @@ def test_rope_base_must_be_positive():
     _raises(ModelConfig(rope_base=0.0), "model.rope_base")
 
 
-def test_micro_batch_must_divide_the_batch_and_not_be_negative():
-    with pytest.raises(ConfigError, match=r"train.micro_batch = 3 does not divide train.batch = 4: choose a divisor"):
-        TrainConfig(batch=4, micro_batch=3).validate()
+def test_micro_batch_must_not_be_negative_and_its_divisibility_is_the_plans():
     with pytest.raises(ConfigError, match=r"train.micro_batch = -1 must be >= 0"):
         TrainConfig(micro_batch=-1).validate()
-    TrainConfig(batch=4, micro_batch=2).validate()
-    TrainConfig(batch=4, micro_batch=3, dist_capacity="3,6").validate()  # the fleet judges its ranks' batches
+    # Whether it divides each rank's batch is FleetPlan's rule (tests/train/test_data.py), stated once.
+    TrainConfig(batch=4, micro_batch=3).validate()
+    TrainConfig(batch=4, micro_batch=3, dist_profile="3,6").validate()
+
+
+def test_dist_capacity_is_the_old_name_of_dist_profile_in_python_and_in_json():
+    assert TrainConfig(dist_capacity="4,2").dist_profile == "4,2"
+    t = TrainConfig(dist_profile="3,1")
+    assert t.dist_capacity == "3,1" and dataclasses.replace(t, dist_capacity="2,2").dist_profile == "2,2"
+    assert dataclasses.replace(t, dist_profile="2,1").dist_profile == "2,1"  # the new name is not undone
+    assert dataclasses.replace(t, batch=9).dist_profile == "3,1"
+    old = RunConfig.from_json('{"train": {"dist_capacity": "2,1"}}')
+    assert old.train.dist_profile == "2,1" and "dist_capacity" not in old.to_json()
     assert "exact" in DIST_REDUCES
 
 

@@ -17,22 +17,23 @@ from dormouse.train.data import _windows
 from dormouse.train.loop import build_model, train
 
 
-def _model(**over) -> DormouseModel:
+def _model(name: str = "tiny", **over) -> DormouseModel:
     # A larger init_std than training uses makes the logits peaked, so a greedy
     # comparison is not decided by rounding between near-equal bytes.
-    cfg = preset("tiny")
-    for k, v in dict(max_seq_len=16, init_std=0.2, **over).items():
+    cfg = preset(name)
+    for k, v in {"max_seq_len": 16, "init_std": 0.2, **over}.items():
         setattr(cfg, k, v)
     torch.manual_seed(0)
     return DormouseModel(cfg).eval()
 
 
-@pytest.mark.parametrize("chunks", [[7, 1, 1, 1, 1, 1], [1] * 12, [5, 3, 4]])
-def test_cached_forward_equals_the_whole_window(chunks):
+@pytest.mark.parametrize("chunks", [[7, 1, 1, 1, 1, 1], [1] * 12, [5, 3, 4], [16, 1, 1, 5, 1, 9, 1, 1],
+                                    [3] * 14, [40, 1, 1], [1] * 40])  # the last four pass max_seq_len 16
+def test_cached_forward_equals_the_uncached_sliding_forward_over_the_whole_text(chunks):
     model = _model()
     x = torch.randint(0, 256, (2, sum(chunks)), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        whole = model(x)[0]
+        whole = model(x, sliding=True)[0]
         cache, parts, at = model.new_cache(), [], 0
         for n in chunks:
             parts.append(model(x[:, at:at + n], cache=cache)[0])
@@ -41,21 +42,40 @@ def test_cached_forward_equals_the_whole_window(chunks):
     torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=0, atol=2e-5)
 
 
-def test_cached_forward_refuses_to_run_past_the_window():
+def test_sliding_is_the_plain_forward_within_the_window_and_the_plain_forward_refuses_past_it():
     model = _model()
-    cache = model.new_cache()
+    x = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        model(torch.zeros(1, 16, dtype=torch.long), cache=cache)
+        assert torch.equal(model(x[:, :16], sliding=True)[0], model(x[:, :16])[0])
         with pytest.raises(ValueError, match="max_seq_len"):
-            model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+            model(x)
+        # Past the window, position t is not a fresh window of the last 16 bytes:
+        # its deeper iterations carry what the earlier windows saw.
+        slid = model(x, sliding=True)[0][:, -1]
+        fresh = model(x[:, -16:])[0][:, -1]
+    assert (slid - fresh).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("name", ["tiny", "small"])
 @pytest.mark.parametrize("prompt", [b"a", b"hello there", bytes(range(40, 70))])  # the last is longer than the window
-def test_greedy_generation_with_the_cache_equals_without_and_slides_the_window(prompt):
-    model = _model()
+def test_greedy_generation_with_the_cache_equals_the_uncached_recompute_and_slides_the_window(name, prompt):
+    model = _model(name)
     cached = generate(model, prompt, tokens=40, temperature=0)  # 40 > max_seq_len 16: the window slides
     uncached = generate(model, prompt, tokens=40, temperature=0, use_cache=False)
     assert cached == uncached and len(cached) == 40
+    assert len(set(cached)) > 3  # not a constant run, which would match trivially
+
+
+def test_greedy_generation_within_the_window_is_what_the_plain_forward_picks():
+    # Within max_seq_len the cached generator is the plain forward (no sliding):
+    # each byte is the argmax of the plain forward over prompt + bytes so far.
+    model = _model("small", max_seq_len=64)
+    out = generate(model, b"def f(x):", tokens=40, temperature=0)
+    text = list(b"def f(x):")
+    with torch.no_grad():
+        for b in out:
+            assert b == int(model(torch.tensor([text]))[0][0, -1].argmax())
+            text.append(b)
 
 
 def test_sampling_is_deterministic_for_a_seed_and_top_k_1_is_greedy():

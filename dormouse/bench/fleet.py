@@ -103,9 +103,12 @@ class DDPSync:
 
     sharded = False
 
-    def __init__(self, shapes, rank: int, world_size: int):
-        self.shapes, self.mine = shapes, [rank]
-        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
+    def __init__(self, plan, rank: int):
+        self.plan, self.mine = plan, [rank]
+        self.rank, self.world_size, self.is_main = rank, plan.world, rank == 0
+
+    def begin_step(self, step, hooks) -> None:
+        pass
 
     def slice_done(self, model, index, loss_part, loads) -> None:
         pass
@@ -168,7 +171,7 @@ def _compare(args) -> int:
 
     from dormouse import atomic
     from dormouse.config import RunConfig, TrainConfig, preset
-    from dormouse.train.data import RankShape
+    from dormouse.train.data import FleetPlan
     from dormouse.train.distributed import train_dist
     from dormouse.train.loop import LocalSync, build_model, train
 
@@ -186,7 +189,7 @@ def _compare(args) -> int:
     base = RunConfig(source="bench", model=preset(args.preset), train=TrainConfig(
         seed=args.seed, steps=steps, batch=args.batch, seq_len=args.seq_len, log_every=10**6, ckpt_every=0))
     base.validate()
-    shapes = [RankShape(args.batch, args.seq_len)] * world
+    plan = FleetPlan.make("", world=world, batch=args.batch, seq_len=args.seq_len)
 
     def run_of(kind: str):
         # Each rank its own out dir: processes that run alone ("both", "solo") each write metrics.
@@ -221,7 +224,7 @@ def _compare(args) -> int:
         if kind in ("ours", "ring", "exact"):
             train_dist(run, log=quiet, model=models[kind], close=False, on_step=on_step)
         elif kind == "ddp":
-            train(models["ddp"], run, log=quiet, sync=DDPSync(shapes, rank, world), on_step=on_step)
+            train(models["ddp"], run, log=quiet, sync=DDPSync(plan, rank), on_step=on_step)
         else:
             train(models["single"], run, log=quiet, sync=LocalSync(run), on_step=on_step)
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -268,7 +271,7 @@ def _compare(args) -> int:
     med = {k: statistics.median(x for rnd in v for x in rnd) for k, v in rounds.items()}
     result = {
         "preset": args.preset, "world_size": world, "batch_per_rank": args.batch, "seq_len": args.seq_len,
-        "micro_batch": args.micro_batch, "kinds": kinds, "tokens_per_rank_step": shapes[0].tokens,
+        "micro_batch": args.micro_batch, "kinds": kinds, "tokens_per_rank_step": plan.shapes[0].tokens,
         "rounds": args.rounds, "steps_per_round": args.steps, "warmup": args.warmup,
         "threads_per_rank": torch.get_num_threads(), "timed": "train() steps, between on_step calls",
         "step_s_median": med, "step_s_rounds": rounds,
@@ -287,11 +290,11 @@ def _compare(args) -> int:
                                       "max": max(per_round), "per_round": per_round,
                                       "ratio_of_medians": med[a] / med[b]}
     if "ours" in kinds:
-        result["fleet_tokens_per_s"] = world * shapes[0].tokens / med["ours"]
+        result["fleet_tokens_per_s"] = plan.tokens / med["ours"]
     if "ddp" in kinds:
-        result["ddp_tokens_per_s"] = world * shapes[0].tokens / med["ddp"]
+        result["ddp_tokens_per_s"] = plan.tokens / med["ddp"]
     if "solo" in kinds:
-        result["solo_tokens_per_s"] = shapes[0].tokens / med["solo"]
+        result["solo_tokens_per_s"] = plan.shapes[0].tokens / med["solo"]
     atomic.write_text(args.out, json.dumps(result, indent=1))
     return 0
 

@@ -36,25 +36,24 @@ ENV = "DORMOUSE_BENCH_PERTURB"  # JSON {out dir: eps} for the rank entry point
 
 
 def _patch() -> None:
-    """Inside a rank: perturb rank 1's flattened local gradient at STEP."""
-    import dormouse.train.distributed as distributed
+    """Inside a rank: perturb rank 1's local gradient at STEP, through the
+    loop's explicit hook after the local gradient (dormouse.train.hooks)."""
+    from dormouse.train.hooks import Hooks, install
 
     table = json.loads(os.environ[ENV])
-    flatten = distributed.FleetSync._flatten
-    seen: dict[int, int] = {}
     state = {"eps": None}
 
-    def perturbed(self, bucket):
-        flat = flatten(self, bucket)
-        if bucket is self._buckets[0]:
-            seen[id(self)] = seen.get(id(self), 0) + 1
+    def perturbed(piece):  # one bucket's views, in bucket order: one seeded draw per bucket, as flattened
         eps = state["eps"]
-        if eps and self.rank == 1 and seen.get(id(self)) == STEP:
-            g = torch.Generator().manual_seed(STEP)
-            flat = flat * (1 + eps * torch.randn(flat.shape, generator=g).to(flat))
-        return flat
+        if eps and piece.rank == 1 and piece.step == STEP:
+            n = sum(g.numel() for g in piece.grads.values())
+            noise = torch.randn(n, generator=torch.Generator().manual_seed(STEP))
+            at = 0
+            for g in piece.grads.values():
+                g.mul_(1 + eps * noise[at:at + g.numel()].view(g.shape).to(g))
+                at += g.numel()
 
-    distributed.FleetSync._flatten = perturbed
+    install(Hooks(on_local_grads=[perturbed]))
     import dormouse.gate.record.modes as modes
 
     one = modes._one_rank_run
@@ -77,7 +76,7 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
     with tempfile.TemporaryDirectory(prefix="dormouse-sensitivity-") as tmp:
         plan = [GateSettings(out=str(Path(tmp) / f"e{i}"), steps=steps).validate() for i in range(len(eps))]
         table = {str(s.out_dir): e for s, e in zip(plan, eps)}
-        log(f"sensitivity: {len(plan)} fleets of capacity {plan[0].capacity!r}, eps {eps[0]:g} .. {eps[-1]:g}")
+        log(f"sensitivity: {len(plan)} fleets of profile {plan[0].profile!r}, eps {eps[0]:g} .. {eps[-1]:g}")
         launch_plan(plan, timeout_s=900, stream=lambda line: None, entry=["-m", "dormouse.bench.gate"],
                     env={ENV: json.dumps(table)})
         modes.run_single(plan[0], log=lambda line: None)
@@ -95,7 +94,7 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
             log(f"  eps {e:8.1e}: {'CAUGHT by ' + ', '.join(failed) if failed else 'passed'}"
                 f" (gradref worst {rows[-1]['gradref_worst']:.2e})")
     caught = [r["eps"] for r in rows if r["caught"]]
-    return {"step": STEP, "rank": 1, "capacity": plan[0].capacity, "ladder": rows,
+    return {"step": STEP, "rank": 1, "profile": plan[0].profile, "ladder": rows,
             "smallest_caught": min(caught) if caught else None,
             "largest_passed": max((r["eps"] for r in rows if not r["caught"]), default=None)}
 

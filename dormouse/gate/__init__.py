@@ -8,3 +8,12 @@
 Arrows: record -> artifacts <- judge <- show. `settings` (what one gate run is
 asked to do) is read by every layer; only the drivers (`__main__`, `pipeline`)
 import more than one layer. `python -m dormouse.gate` drives it by hand."""
+
+
+def __getattr__(name):
+    # `from dormouse.gate import Recorder` without importing torch for the rest of the gate.
+    if name == "Recorder":
+        from dormouse.gate.record.recorder import Recorder
+
+        return Recorder
+    raise AttributeError(f"module 'dormouse.gate' has no attribute {name!r}")

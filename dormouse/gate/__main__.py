@@ -1,21 +1,30 @@
 """`dormouse gate` (also `python -m dormouse.gate`): the distributed gate's
-driver, runnable by hand. Every flag is a GateSettings field.
+driver, runnable by hand -- how the owner checks a real box. Every flag is a
+GateSettings field.
 
-    python -m dormouse.gate single --out /tmp/g
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m dormouse.gate rank --out /tmp/g --leg 1
-    python -m torch.distributed.run --standalone --nproc_per_node=1 -m dormouse.gate rank --out /tmp/g --leg 2
-    python -m dormouse.gate gradref --out /tmp/g
-    python -m dormouse.gate replay --out /tmp/g
-    python -m dormouse.gate verdict --out /tmp/g [--json]
+    python -m dormouse.gate --mode single --out G --steps 20 --batch 4
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \\
+        -m dormouse.gate --mode rank --out G --steps 20 --batch 2
+    python -m dormouse.gate gradref --out G
+    python -m dormouse.gate replay --out G
+    python -m dormouse.gate verdict --out G [--json]
+    python -m dormouse.gate check --out DIR      # a recording of YOUR loop (dormouse.gate.Recorder)
 
 single: one process at the fleet's GLOBAL batch (the reference curve, its
 one-ulp floor and, under --reduce exact, the exact reference); rank: one
-process per rank under torchrun (the fleet; by default it stops at half its
-steps and resumes at --resume-world ranks, so it is launched twice, --leg 1
-and --leg 2; with --resume-world 0 once); gradref: the hand-computed
+process per rank under torchrun (the fleet); gradref: the hand-computed
 token-weighted gradient at every step of the fleet's run; replay: the fleet's
 run replayed in one process from its recorded gradients; verdict: judge what
-the out dir holds. (`--mode NAME` is accepted for the mode as well.)
+the out dir holds; check: judge a recording made by dormouse.gate.Recorder
+(making its one-process reference first when missing or stale), print the
+verdict, write <out>/verdict.json. `--mode NAME` and the bare NAME are the same.
+
+`--batch` is the batch of the process being launched: single's is the global
+batch, a rank's its own (every rank's, unless --profile gives one per rank).
+By hand the fleet runs in one launch; `--resume-world N` stops it at half its
+steps and resumes it at N ranks (then launch it twice, --leg 1 and --leg 2,
+as the pipeline does). gradref, replay and verdict take their settings from
+the fleet's artifacts in --out; a flag given to them overrides its value.
 
 Exit status: 0 the gate passed (or a mode ran), 1 the gate failed, 2 bad
 input, 3 a run crashed.
@@ -26,24 +35,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dormouse.errors import DormouseError
+from dormouse.errors import EXIT_BAD_INPUT, DormouseError, OneLineParser, command_status
 
 MODES = ("single", "rank", "gradref", "replay", "verdict")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    from dormouse.gate.settings import add_arguments
+    from dormouse.gate.settings import _NOT_FLAGS, BY_HAND_RESUME_WORLD, add_arguments
 
-    p = _Parser(prog="dormouse gate", description=__doc__.splitlines()[0],
+    p = OneLineParser(prog="dormouse gate", description=__doc__.splitlines()[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("mode", nargs="?", choices=MODES, help="what to run")
     p.add_argument("--mode", dest="mode_flag", choices=MODES, help=argparse.SUPPRESS)
-    add_arguments(p)
+    # Only the flags given reach the namespace: a default never overrides one (settings.by_hand).
+    add_arguments(p, skip=_NOT_FLAGS, given_only=True,
+                  shown={"resume_world": f"{BY_HAND_RESUME_WORLD} by hand, one launch",
+                         "world": "torchrun's WORLD_SIZE for rank, else 2",
+                         "profile": "'4,2' unless --batch or --world is given"})
     p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
     p.add_argument("--leg", type=int, choices=(0, 1, 2), default=0,
                    help="rank mode, a fleet that stops and resumes (resume_world): which launch this is")
@@ -53,8 +61,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def settings_for(mode: str, args: argparse.Namespace):
+    """The GateSettings this launch runs with (settings.by_hand): the flags
+    given, then the fleet's recorded settings for the modes that check it,
+    then the by-hand defaults."""
+    import os
+
+    from dormouse.gate.artifacts import ArtifactSet
+    from dormouse.gate.settings import FIELDS, by_hand, resolve_out
+
+    given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
+    recorded = None
+    fleet = ArtifactSet(resolve_out(given.get("out", "")))
+    if mode in ("gradref", "replay", "verdict") and fleet.has("rank0"):
+        recorded = fleet.meta("rank0").get("settings")
+    world = int(os.environ["WORLD_SIZE"]) if mode == "rank" and "WORLD_SIZE" in os.environ else None
+    return by_hand(mode, given, recorded=recorded, world_size=world)
+
+
 def _argv(argv: list[str]) -> list[str]:
-    """A value that starts with '-' ('--capacity -1,2') is still that flag's
+    """A value that starts with '-' ('--profile -1,2') is still that flag's
     value, so its error names the setting rather than argparse's syntax."""
     out, i = [], 0
     while i < len(argv):
@@ -69,60 +95,87 @@ def _argv(argv: list[str]) -> list[str]:
     return out
 
 
+def check_main(argv: list[str]) -> int:
+    """`dormouse gate check --out DIR`: reference (if missing or stale), judge, show."""
+    p = OneLineParser(prog="dormouse gate check", description="judge a recording of your own training loop")
+    p.add_argument("--out", required=True, help="the directory the Recorder wrote")
+    p.add_argument("--force", action="store_true", help="remake the one-process reference even if current")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the reference")
+    args = p.parse_args(argv)
+    return command_status("gate check", lambda: _check(args), traceback=True)
+
+
+def _check(args) -> int:
+    import torch
+
+    from dormouse.gate.judge.recording import judge_recording
+    from dormouse.gate.record.reference import make_reference
+    from dormouse.gate.show.text import format_verdict, write_verdict
+
+    torch.set_num_threads(args.threads)
+    make_reference(args.out, force=args.force, log=lambda line: print(line, file=sys.stderr, flush=True))
+    v = judge_recording(args.out)
+    write_verdict(v, args.out)
+    print(format_verdict(v))
+    try:  # the figure, where matplotlib is installed (the [notebooks] extra)
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from dormouse.gate.show.plots import render
+
+        for path in render(v, args.out):
+            print(f"  figure: {path}")
+    return 0 if v.passed else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _argv(list(sys.argv[1:] if argv is None else argv))
+    if argv and argv[0] == "check":
+        return check_main(argv[1:])
     args = parser().parse_args(argv)
     mode = args.mode or args.mode_flag
     if mode is None or (args.mode and args.mode_flag and args.mode != args.mode_flag):
         print("error: name one mode: single, rank, gradref, replay or verdict (see dormouse gate --help)",
               file=sys.stderr)
-        return 2
-    try:
-        import torch
+        return EXIT_BAD_INPUT
+    return command_status("gate", lambda: _run(mode, args), traceback=True)
 
-        from dormouse.gate.settings import explicit_fields, from_args
 
-        s = from_args(args, explicit_fields(argv))
-        torch.set_num_threads(s.threads)
-        if mode == "verdict":
-            from dormouse.gate.judge.checks import judge
-            from dormouse.gate.show.text import format_verdict, write_verdict
+def _run(mode: str, args) -> int:
+    import torch
 
-            v = judge(s.out_dir, s)
-            if args.json:
-                write_verdict(v, s.out_dir)
-            if args.tensorboard:
-                from dormouse.gate.show.text import write_tensorboard
+    s = settings_for(mode, args)
+    torch.set_num_threads(s.threads)
+    if mode == "verdict":
+        from dormouse.gate.judge.checks import judge
+        from dormouse.gate.show.text import format_verdict, write_verdict
 
-                write_tensorboard(v, args.tensorboard)
-            print(format_verdict(v))
-            return 0 if v.passed else 1
-        from dormouse.gate.record import modes
+        v = judge(s.out_dir, s)
+        if args.json:
+            write_verdict(v, s.out_dir)
+        if args.tensorboard:
+            from dormouse.gate.show.text import write_tensorboard
 
-        log = print
-        if mode == "rank":
-            import os
+            write_tensorboard(v, args.tensorboard)
+        print(format_verdict(v))
+        return 0 if v.passed else 1
+    from dormouse.gate.record import modes
 
-            prefix = f"[rank{os.environ.get('RANK', '?')}] "
-            log = lambda line: print(prefix + line, flush=True)  # noqa: E731
-            if args.plan:
-                modes.run_rank_plan(modes.load_plan(args.plan), log=log, leg=args.leg)
-            else:
-                modes.run_rank(s, log=log, leg=args.leg)
-            return 0
-        elif args.plan:
-            raise DormouseError("--plan is for the rank mode only")
-        modes.MODES[mode](s, log=log)
+    if mode == "rank":
+        import os
+
+        prefix = f"[rank{os.environ.get('RANK', '?')}] "
+        log = lambda line: print(prefix + line, flush=True)  # noqa: E731
+        if args.plan:
+            modes.run_rank_plan(modes.load_plan(args.plan), log=log, leg=args.leg)
+        else:
+            modes.run_rank(s, log=log, leg=args.leg)
         return 0
-    except DormouseError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as e:  # a run crashed (a bug, not bad input): its traceback, then one line
-        import traceback
-
-        traceback.print_exc()
-        print(f"crashed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 3
+    if args.plan:
+        raise DormouseError("--plan is for the rank mode only")
+    modes.MODES[mode](s, log=print)
+    return 0
 
 
 if __name__ == "__main__":

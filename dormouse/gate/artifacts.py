@@ -26,11 +26,18 @@ from safetensors.torch import save as st_save
 
 from dormouse import atomic
 from dormouse.errors import DormouseError
+from dormouse.train.newton_schulz import resolve_kernel
 from dormouse.train.tensors import fingerprint
 
 SCHEMA = 2
+# Settings that say how the global batch is cut among the fleet's ranks (and
+# whether the fleet stops and resumes at another world): the one-process
+# references (single, exact) depend on them only through the global batch, so
+# they are compared with the fleet through it (normalised to the fleet's profile).
+PROFILE_FIELDS = ("world", "batch", "capacity", "profile", "resume_world")
+ONE_PROCESS = ("single", "exact")  # the references that run the global batch in one process
 # Provenance keys every artifact of one gate run must share.
-PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "corpus", "init")
+PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "ns_kernel", "corpus", "init")
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,6 +70,7 @@ def provenance(*, device: str, corpus: Path, init: str) -> dict:
     return {"dormouse": dormouse.__version__, "source": source_hash(), "torch": torch.__version__,
             "device": dev, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "corpus": file_hash(Path(corpus)),
+            "ns_kernel": resolve_kernel("auto", torch.bfloat16, device),  # what ns_kernel="auto" runs here
             "init": init}
 
 
@@ -143,3 +151,284 @@ def trace_path(out: Path, name: str) -> Path:
 def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
     path = trace_path(out, name)
     return st_load(path.read_bytes()) if path.exists() else None
+
+
+# --------------------------------------------------------------------------- recordings (issue 13)
+# A recording of any training loop (written by record/recorder.py) and the
+# one-process references made from it (record/reference.py). Layout:
+#   <out>/recording.json                     the run: world, segments, import paths, objective, provenance
+#   <out>/rank{r}/init.safetensors           rank r's initial state (local shards under FSDP2; placements in
+#                                            the file's metadata)
+#   <out>/rank{r}/step{k:06d}.safetensors    in/{m}/{key}, p/ g/ (full) or ps/ gs/ (sketched)
+#   <out>/rank{r}/step{k:06d}.json           lr, loss, clip, no-grad names, param hash, ...
+#   <out>/rank{r}/final.safetensors|.json    the parameters after the last step
+#   <out>/reference/step{k:06d}.safetensors|.json  the references at step k
+#   <out>/reference/reference.json           what the references were made from (their staleness key)
+
+RECORDING_SCHEMA = 1
+
+
+def recording_path(out: Path) -> Path:
+    return Path(out) / "recording.json"
+
+
+def rank_dir(out: Path, rank: int) -> Path:
+    return Path(out) / f"rank{rank}"
+
+
+def init_path(out: Path, rank: int) -> Path:
+    return rank_dir(out, rank) / "init.safetensors"
+
+
+def step_tensors_path(out: Path, rank: int, step: int) -> Path:
+    return rank_dir(out, rank) / f"step{step:06d}.safetensors"
+
+
+def step_meta_path(out: Path, rank: int, step: int) -> Path:
+    return rank_dir(out, rank) / f"step{step:06d}.json"
+
+
+def step_files(out: Path, rank: int) -> list[Path]:
+    """Every step JSON rank r wrote (any segment), in step order."""
+    return sorted(rank_dir(out, rank).glob("step[0-9][0-9][0-9][0-9][0-9][0-9].json"))
+
+
+def final_tensors_path(out: Path, rank: int) -> Path:
+    return rank_dir(out, rank) / "final.safetensors"
+
+
+def final_meta_path(out: Path, rank: int) -> Path:
+    return rank_dir(out, rank) / "final.json"
+
+
+def reference_dir(out: Path) -> Path:
+    return Path(out) / "reference"
+
+
+def reference_meta_path(out: Path) -> Path:
+    return reference_dir(out) / "reference.json"
+
+
+def reference_step_tensors_path(out: Path, step: int) -> Path:
+    return reference_dir(out) / f"step{step:06d}.safetensors"
+
+
+def reference_step_meta_path(out: Path, step: int) -> Path:
+    return reference_dir(out) / f"step{step:06d}.json"
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A recording's JSON file, or one line saying which is missing or broken."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DormouseError(f"{what} {str(path)!r} is missing: the recording is incomplete "
+                            "(a rank crashed, or the loop never called rec.close())") from None
+    except ValueError as e:
+        raise DormouseError(f"{what} {str(path)!r} is not valid JSON ({e}): re-record") from e
+
+
+def read_tensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, safetensors metadata) of one file, or one line saying what is wrong."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise DormouseError(f"{what} {str(path)!r} is missing: the recording is incomplete (a rank crashed?)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except Exception as e:
+        raise DormouseError(f"{what} {str(path)!r} cannot be read ({e}): re-record") from e
+
+
+def recording_steps(rec: dict) -> list[int]:
+    """Every step of a recording: each segment's steps, a later segment
+    (a resume) overriding the steps it re-ran."""
+    segs = rec.get("segments", [])
+    steps: list[int] = []
+    for i, s in enumerate(segs):
+        end = s.get("end")
+        if end is None:
+            continue
+        if i + 1 < len(segs):
+            end = min(end, segs[i + 1]["start"] - 1)
+        steps = [k for k in steps if k < s["start"]] + list(range(s["start"], end + 1))
+    return steps
+
+
+def segment_of(rec: dict, step: int) -> dict:
+    """The segment (its start, world, ...) that made `step`."""
+    seg = None
+    for s in rec.get("segments", []):
+        if s["start"] <= step:
+            seg = s
+    if seg is None:
+        raise DormouseError(f"step {step} is in no segment of the recording")
+    return seg
+
+
+def assemble(shards: list[torch.Tensor], placement: dict | None) -> torch.Tensor:
+    """One full tensor from each rank's local piece: under FSDP2 Shard(dim)
+    the pieces concatenated in rank order along `dim` (torch.chunk's split);
+    unsharded (placement None), rank 0's tensor."""
+    if not placement:
+        return shards[0]
+    full = torch.cat(shards, dim=placement["dim"])
+    if list(full.shape) != list(placement["shape"]):
+        raise DormouseError(f"shards of shape {[tuple(s.shape) for s in shards]} do not assemble to the recorded "
+                            f"global shape {tuple(placement['shape'])}: re-record")
+    return full
+
+
+def reference_final_path(out: Path) -> Path:
+    return reference_dir(out) / "final.safetensors"
+
+
+class RecordingSet:
+    """A recording as the references and the judge read it: its JSON, its
+    steps, each rank's step JSON and tensors, FSDP2 shards assembled.
+    Reading only: it validates completeness (one line per problem)."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        if not recording_path(self.out).exists():
+            raise DormouseError(f"{self.out} holds no recording ({recording_path(self.out).name}): point --out at "
+                                "the directory the Recorder wrote")
+        self.meta = read_json(recording_path(self.out), "recording")
+        if self.meta.get("kind") != "recording" or self.meta.get("schema") != RECORDING_SCHEMA:
+            raise DormouseError(f"{recording_path(self.out)} is not a recording of schema {RECORDING_SCHEMA}: "
+                                "re-record with this dormouse")
+        self.steps = recording_steps(self.meta)
+        if not self.steps:
+            raise DormouseError(f"the recording in {self.out} has no finished segment: the loop must call "
+                                "rec.close() (every rank)")
+        self.run = self.meta["run"]
+        self.sketch = int(self.meta.get("sketch", 0))
+        self.every = int(self.meta.get("every", 1))
+        self.seed = int(self.meta.get("seed", 0))
+        self._metas: dict = {}
+        self._init_meta: dict | None = None
+
+    # shape of the run
+    def world_at(self, step: int) -> int:
+        return int(segment_of(self.meta, step)["world"])
+
+    def tensor_steps(self) -> list[int]:
+        return [k for k in self.steps if self.step_meta(0, k).get("tensors", True)]
+
+    def resumed_at(self) -> list[int]:
+        """The first step of each resumed segment."""
+        return [s["start"] for s in self.meta["segments"] if s.get("resumed") and s["start"] in self.steps]
+
+    # files
+    def step_meta(self, rank: int, step: int) -> dict:
+        key = (rank, step)
+        if key not in self._metas:
+            path = step_meta_path(self.out, rank, step)
+            if not path.exists():
+                raise DormouseError(f"rank {rank} has no step {step} ({path}): the recording is incomplete "
+                                    "(a rank crashed, or it ran another number of steps)")
+            m = read_json(path, "step")
+            if m.get("run") != self.run:
+                raise DormouseError(f"{path} belongs to another run than {recording_path(self.out)} "
+                                    "(run ids differ): record each run into an empty directory")
+            self._metas[key] = m
+        return self._metas[key]
+
+    def step_tensors(self, rank: int, step: int) -> dict[str, torch.Tensor]:
+        cache = self.__dict__.setdefault("_tensors", {})
+        if (rank, step) not in cache:
+            if len(cache) > 16:  # a few steps' worth: the readers go step by step
+                cache.clear()
+            cache[(rank, step)] = read_tensors(step_tensors_path(self.out, rank, step), "step tensors")[0]
+        return cache[(rank, step)]
+
+    def validate(self) -> None:
+        """Every rank of every step present, from this run (one line on the first problem)."""
+        worlds = {s["world"] for s in self.meta["segments"]}
+        for r in range(max(worlds)):
+            if not rank_dir(self.out, r).is_dir():
+                raise DormouseError(f"the recording in {self.out} has no rank{r}/ (world {max(worlds)}): "
+                                    "copy every rank's directory, or re-record")
+        for k in self.steps:
+            for r in range(self.world_at(k)):
+                self.step_meta(r, k)
+                if not step_tensors_path(self.out, r, k).exists():
+                    raise DormouseError(f"rank {r} step {k} has no tensors ({step_tensors_path(self.out, r, k)}):"
+                                        " the recording is incomplete")
+        for r in range(self.world_at(self.steps[-1])):
+            m = read_json(final_meta_path(self.out, r), "final")
+            if m.get("run") != self.run:
+                raise DormouseError(f"{final_meta_path(self.out, r)} belongs to another run: re-record")
+
+    # tensors
+    def placements(self) -> dict:
+        if self._init_meta is None:
+            _, md = read_tensors(init_path(self.out, 0), "initial state")
+            self._init_meta = json.loads(md.get("placements", "{}"))
+        return self._init_meta
+
+    def _assembled(self, pieces: list[dict[str, torch.Tensor]], prefix: str) -> dict[str, torch.Tensor]:
+        pl = self.placements()
+        names = sorted({k[len(prefix):] for p in pieces for k in p if k.startswith(prefix)})
+        out = {}
+        for n in names:
+            if pl.get(n):
+                got = [p.get(prefix + n) for p in pieces]
+                if any(g is None for g in got):  # an FSDP rank without this gradient: none at all
+                    continue
+                out[n] = assemble(got, pl[n])
+            else:
+                out[n] = pieces[0][prefix + n] if prefix + n in pieces[0] else next(
+                    p[prefix + n] for p in pieces if prefix + n in p)
+        return out
+
+    def init(self) -> dict[str, torch.Tensor]:
+        pieces = [read_tensors(init_path(self.out, r), "initial state")[0]
+                  for r in range(self.meta["segments"][0]["world"])]
+        return self._assembled([{f"x/{k}": v for k, v in p.items()} for p in pieces], "x/")
+
+    def tensors_at(self, step: int, prefix: str) -> dict[str, torch.Tensor]:
+        """Full tensors "p/" or "g/" at `step` (assembled across FSDP2 shards);
+        sketches "ps/"/"gs/": rank 0's, or the sum of the ranks' partial sketches under FSDP2."""
+        pieces = [self.step_tensors(r, step) for r in range(self.world_at(step))]
+        return self._combine(pieces, prefix)
+
+    def final(self, prefix: str) -> dict[str, torch.Tensor]:
+        pieces = [read_tensors(final_tensors_path(self.out, r), "final tensors")[0]
+                  for r in range(self.world_at(self.steps[-1]))]
+        return self._combine(pieces, prefix)
+
+    def _combine(self, pieces, prefix):
+        if prefix.endswith("s/"):
+            if not self.meta.get("fsdp"):
+                return {k[len(prefix):]: v for k, v in pieces[0].items() if k.startswith(prefix)}
+            names = sorted({k[len(prefix):] for p in pieces for k in p if k.startswith(prefix)})
+            return {n: sum(p[prefix + n] for p in pieces if prefix + n in p) for n in names}
+        return self._assembled(pieces, prefix)
+
+    def micro_batches(self, step: int) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
+        """(rank, m, batch) of every micro-batch every rank's model saw at `step`, in rank then micro order."""
+        out = []
+        for r in range(self.world_at(step)):
+            t = self.step_tensors(r, step)
+            n = self.step_meta(r, step).get("micro_batches", 0)
+            for m in range(n):
+                pre = f"in/{m}/"
+                out.append((r, m, {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)}))
+        return out
+
+    def example_ids(self, rank: int, step: int) -> torch.Tensor | None:
+        t = self.step_tensors(rank, step)
+        return t.get("ids")
+
+
+def file_digest(paths: list[Path]) -> str:
+    """sha256 over the bytes of small files (JSONs), in the order given."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(str(Path(p).name).encode())
+        h.update(Path(p).read_bytes() if Path(p).exists() else b"-")
+    return h.hexdigest()

@@ -15,11 +15,11 @@ import re
 import sys
 from pathlib import Path
 
-from dormouse.errors import DormouseError
+from dormouse.errors import EXIT_CRASHED, EXIT_FAILED, DormouseError, OneLineParser, command_status
 from dormouse.gate.judge.checks import Verdict, judge
 from dormouse.gate.show.text import VERDICT_FILE, format_verdict, write_verdict
 from dormouse.gate.record.produce import SETS, Log, ensure_all, locked, status
-from dormouse.gate.settings import (ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
+from dormouse.gate.settings import (ALIASES, ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
                                     add_arguments, check)
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -30,9 +30,13 @@ NOTEBOOKS = ("01_single.ipynb", "02_fleet_launcher.ipynb", "03_gradref.ipynb", "
 class GateFailed(DormouseError):
     """The gate ran and found the fleet does not compute the single process's mathematics."""
 
+    exit_status = EXIT_FAILED  # the verdict, printed as it is
+
 
 class NotebookFailed(DormouseError):
     """A pipeline notebook failed for a reason other than the gate's verdict."""
+
+    exit_status = EXIT_CRASHED  # a fleet or a reference crashed: not the verdict, not the input
 
 
 # --------------------------------------------------------------------------- the verdict
@@ -42,7 +46,7 @@ def verdict(s: GateSettings) -> Verdict:
     """Judge the out dir under every set's lock, after checking that the sets
     are still those `s` asks for (another notebook may have replaced them)."""
     with locked(s.out_dir, *SETS):
-        sets = [n for n in SETS if n != "single" or s.global_batch() is not None]
+        sets = [n for n in SETS if n != "single" or s.plan.global_batch is not None]
         changed = next((w for w in (status(n, s) for n in sets) if w), None)
         if changed:
             raise DormouseError(f"the artifacts changed while the verdict was being taken ({changed}): "
@@ -109,11 +113,13 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
                             "repository installed with `pip install -e .` (a plain install has no notebooks)")
     import papermill as pm
 
-    # The validated values (capacity normalised, out absolute); a world given
-    # without a profile runs the batch on every rank, in every notebook.
-    given = {k: getattr(p, k) for k in overrides}
-    if "world" in overrides and "capacity" not in overrides:
-        given["capacity"] = p.capacity
+    # The validated values (profile normalised, out absolute, old names as
+    # new), and the defaults that followed them (settings._defaults_follow:
+    # a world or a batch without a profile, a mixed-window profile's one launch).
+    given = {ALIASES.get(k, k): getattr(p, ALIASES.get(k, k)) for k in overrides}
+    for derived in ("profile", "resume_world"):
+        if derived not in given and getattr(p, derived) != getattr(GateSettings(), derived):
+            given[derived] = getattr(p, derived)
     if "out" in given:
         given["out"] = str(p.out_dir)
     if executed is None:
@@ -130,8 +136,8 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
     for name in notebooks:
         declared = notebook_parameters(NOTEBOOK_DIR / name)
         params = {k: v for k, v in given.items() if k in declared}
-        if name.startswith("01") and p.global_batch() is None:
-            log(f"== {name}: skipped (capacity {p.capacity!r} mixes window lengths: no single-process curve)")
+        if name.startswith("01") and p.plan.global_batch is None:
+            log(f"== {name}: skipped (profile {p.profile!r} mixes window lengths: no single-process curve)")
             continue
         runs.append((name, params))
 
@@ -167,7 +173,7 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
 
 
 def _cli() -> argparse.ArgumentParser:
-    a = argparse.ArgumentParser(
+    a = OneLineParser(
         prog="dormouse pipeline",
         description="Run notebooks 01-04 under papermill with the gate's settings (every `dormouse gate` "
                     "flag, or -p NAME VALUE); executed copies, figures and verdict.json go to the out dir. "
@@ -176,7 +182,7 @@ def _cli() -> argparse.ArgumentParser:
     a.add_argument("--out", dest="out", default=argparse.SUPPRESS,
                    help="artifact directory (default: <repository>/artifacts/gate)")
     a.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                   help="a notebook parameter (papermill's conversion), e.g. -p world 3 -p capacity 4,2,1")
+                   help="a notebook parameter (papermill's conversion), e.g. -p world 3 -p profile 4,2,1")
     a.add_argument("-r", "--raw", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                    help="a parameter kept as a string")
     a.add_argument("--executed", default=None,
@@ -189,6 +195,10 @@ def _cli() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _cli().parse_args(argv)
+    return command_status("pipeline", lambda: _main(args))
+
+
+def _main(args) -> int:
     overrides = {k: parse_value(v) for k, v in args.parameter}
     overrides.update({k: v for k, v in args.raw})
     overrides.update({k: getattr(args, k) for k in FIELDS if hasattr(args, k)})
@@ -205,9 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     chosen = tuple(n for n in NOTEBOOKS if not only or n[:2] in only)
     if not chosen or (only and len(set(only)) != len(chosen)):
-        print(f"error: --only {args.only!r}: name notebooks by number, among "
-              f"{', '.join(n[:2] for n in NOTEBOOKS)}", file=sys.stderr)
-        return 2
+        raise ParameterError(f"--only {args.only!r}: name notebooks by number, among "
+                             f"{', '.join(n[:2] for n in NOTEBOOKS)}")
     shown = []
 
     def show(verdict: dict) -> None:  # as soon as the verdict exists, before the notebooks present it
@@ -217,23 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         v = run_pipeline(overrides, executed=args.executed and Path(args.executed), notebooks=chosen,
                          log_output=not args.quiet, on_verdict=show)
-    except ParameterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except GateFailed as e:
+    except GateFailed:
         if not shown:
-            print(e)
-        return 1
-    except NotebookFailed as e:  # a notebook (a fleet, a reference) crashed: not the verdict, not the input
-        print(f"crashed: {e}", file=sys.stderr)
-        return 3
-    except DormouseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: the running notebook's kernel (and any fleet it launched) was stopped",
-              file=sys.stderr)
-        return 130
+            raise  # errors.command_status prints it (status 1)
+        return EXIT_FAILED
     if v is None:
         print(f"ran {', '.join(chosen)}; no verdict without 04")
         return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import dormouse
 from dormouse.config import DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, OPTIMIZERS, PRESETS
-from dormouse.errors import ConfigError
+from dormouse.errors import ConfigError, PlanError
 
 REPO_ROOT = Path(dormouse.__file__).resolve().parents[1]
 ARTIFACTS = REPO_ROOT / "artifacts"
@@ -40,22 +41,24 @@ class ParameterError(ConfigError):
 class GateSettings:
     """What one gate run is asked to do; recorded in every artifact it writes.
 
-    The fleet's profile (`world`, `batch`, `capacity`) defines the global
-    batch; the single process runs at that global batch, gradref reads the
-    same bytes by its own arithmetic.
+    The fleet's profile (`world`, `batch`, `profile`, `micro_batch`) is one
+    FleetPlan (`plan`), which defines the global batch; the single process
+    runs at that global batch, gradref reads the same bytes by its own
+    arithmetic. `capacity` is the old name of `profile` (flag and notebook
+    parameter alike); "capacity" otherwise means the MoE's capacity factor.
     """
 
     out: str = ""  # artifact directory (empty: <repository>/artifacts/gate; a relative path is from the repo root)
     steps: int = 20  # optimizer steps of the fleet's run (and of every reference)
-    batch: int = 2  # windows per rank when capacity is empty
+    batch: int = 2  # windows per rank when profile is empty
     world: int = 2  # ranks in the fleet (torchrun's --nproc_per_node)
-    capacity: str = "4,2"  # per-rank profile, one B or BxT per rank, e.g. 4,2 (empty: batch on every rank)
+    profile: str = "4,2"  # the fleet's per-rank shapes, one B or BxT per rank, e.g. 4,2 (empty: batch on every rank)
     seed: int = 7  # seeds the model's initialisation and the data order, the same in every mode
     lr: float = 0.0  # peak learning rate (0: the configuration's own; the tiny fixture's is 1e-3)
     opt: str = "mix"  # mix (Muon + AdamW) | adamw
     shard: str = "none"  # none (replicated) | fsdp (FSDP2)
     reduce: str = "fp32"  # the fleet's gradient reduce: fp32 | bf16 (wire) | exact (fixed summation order)
-    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch; under reduce exact the gcd of every leg's rank batches, so the slices survive the resume)
+    micro_batch: int = 0  # windows per forward/backward slice (0: the whole local batch; under reduce exact the gcd of the rank batches of every leg)
     data_order: str = "shuffle"  # which span each step reads: shuffle (seeded, per epoch) | sequential
     preset: str = ""  # the network by preset name, tiny or small, with the fixture recipe (empty: tiny)
     config: str = ""  # the network and recipe from a RunConfig JSON file, as dormouse train writes (empty: off)
@@ -74,29 +77,23 @@ class GateSettings:
     def out_dir(self) -> Path:
         return resolve_out(self.out)
 
-    def shapes(self):
-        """The fleet's (batch, seq_len) per rank, as the trainer parses them."""
-        from dormouse.gate.record.fixtures import rank_shapes
+    @functools.cached_property
+    def plan(self):
+        """The fleet's FleetPlan (shapes per rank, slices, tokens, global
+        batch), made once per settings object (fixtures.fleet_plan)."""
+        from dormouse.gate.record.fixtures import fleet_plan
 
-        return rank_shapes(self)
-
-    def global_batch(self) -> int | None:
-        """The single process's batch (it reads exactly the fleet's bytes), or
-        None when the profile mixes window lengths (no one batch holds them)."""
-        shapes = self.shapes()
-        if len({sh.seq_len for sh in shapes}) != 1:
-            return None
-        return sum(sh.batch for sh in shapes)
+        return fleet_plan(self)
 
     def legs(self) -> list["GateSettings"]:
         """The fleet's launches: itself, or with resume_world the first half at
         `world` and the second at `resume_world` ranks over the same global
-        batch, split evenly (each leg's settings say its own world and profile)."""
+        batch, split evenly (FleetPlan.evenly; each leg's settings say its own
+        world and profile)."""
         if not self.resume_world or self.steps < 2:
             return [self]
-        gb, seq = self.global_batch(), self.shapes()[0].seq_len
-        even = ",".join([f"{gb // self.resume_world}x{seq}"] * self.resume_world)
-        return [self, dataclasses.replace(self, world=self.resume_world, capacity=even)]
+        even = self.plan.evenly(self.resume_world)
+        return [self, dataclasses.replace(self, world=even.world, profile=even.profile)]
 
     def stop_step(self) -> int:
         """The step the first leg ends at (resume_world)."""
@@ -123,7 +120,7 @@ class GateSettings:
     # ------------------------------------------------------------------ checking
 
     def validate(self) -> "GateSettings":
-        """A normalised copy (capacity '4, 2' -> '4,2'), or ParameterError."""
+        """A normalised copy (profile '4, 2' -> '4,2'), or ParameterError."""
         v = {}
         for name, low, eg in (("steps", 1, 20), ("batch", 1, 2), ("world", 1, 2), ("seed", 0, 7),
                               ("threads", 1, 1), ("micro_batch", 0, 1), ("resume_world", 0, 1)):
@@ -142,10 +139,12 @@ class GateSettings:
             v[name] = float(x)
         if not isinstance(self.produce, bool):
             raise _bad("produce", self.produce, "True (produce missing artifacts) or False (only read them)")
-        v["capacity"] = _capacity(self.capacity, v["world"])
-        for name in ("preset", "config", "data", "out", "resume_from"):
-            if not isinstance(getattr(self, name), str):
-                raise _bad(name, getattr(self, name), "a path (a string)")
+        if isinstance(self.profile, int) and not isinstance(self.profile, bool):
+            v["profile"] = str(self.profile)  # papermill's -p profile 4 arrives as an int
+        for name in ("profile", "preset", "config", "data", "out", "resume_from"):
+            if not isinstance(v.get(name, getattr(self, name)), str):
+                raise _bad(name, getattr(self, name), "a path (a string)" if name != "profile" else
+                           "a string of one B or BxT entry per rank (e.g. '4,2'), or ''")
         s = dataclasses.replace(self, **v)
         if s.preset and s.preset not in PRESETS:
             raise _bad("preset", s.preset, "one of " + ", ".join(repr(p) for p in PRESETS) + ", or empty")
@@ -158,23 +157,33 @@ class GateSettings:
         if s.data and not Path(s.data).expanduser().is_file():
             raise ParameterError(f"data = {s.data!r} is not a file: pass a corpus file of bytes, or '' for "
                                  "the fixture's corpus.")
-        shapes = _derived(s, s.shapes)
-        if s.micro_batch and any(sh.batch % s.micro_batch for sh in shapes):
-            raise ParameterError(f"micro_batch = {s.micro_batch} does not divide every rank's batch "
-                                 f"({', '.join(str(sh.batch) for sh in shapes)}): choose a divisor, or 0.")
-        _derived(s, lambda: s.run_config("single", dist=False, write_corpus=False).validate())
+        plan = _planned(lambda: s.plan)
+        s = dataclasses.replace(s, profile=plan.profile)  # normalised: '4, 2' -> '4,2'
+        if s.reduce == "exact" and not s.micro_batch:
+            s = dataclasses.replace(s, micro_batch=_exact_micro_batch(s, plan))
+            plan = _planned(lambda: s.plan)
+            if s.shard == "fsdp" and s.world > 1 and max(plan.counts) > 1:
+                raise ParameterError(
+                    f"reduce = 'exact' with shard = 'fsdp' takes one slice per rank (FSDP2 adds a rank's slices "
+                    f"before its reduce-scatter), but profile = {s.profile!r} gives a rank {max(plan.counts)} slices "
+                    f"of {s.micro_batch} windows (the gcd of every leg's rank batches): give every rank the same "
+                    "batch, or shard = 'none'.")
+        # Every run the settings describe, checked by the trainer's own rules:
+        # the single process's config, and the fleet's refusals (a fleet that
+        # would train another network; exact with FSDP takes one slice per rank).
+        _planned(lambda: s.run_config("single", dist=False, write_corpus=False).validate())
+        _planned(lambda: refuse_fleet(s.run_config("fleet", dist=True, write_corpus=False), s.world))
         if s.reduce == "exact":
-            s = _exact_slices(s, shapes)
+            _planned(plan.exact_slice)  # the exact reference computes the fleet's own slices
         if s.resume_world and s.steps >= 2:
-            gb = s.global_batch()
-            if gb is None or gb % s.resume_world or s.resume_from:
-                why = ("the profile mixes window lengths" if gb is None else "it starts from resume_from"
-                       if s.resume_from else f"the global batch of {gb} windows does not split evenly")
-                raise ParameterError(f"resume_world = {s.resume_world} is not allowed: {why}; resume_world must "
-                                     "split the global batch evenly, or be 0 (no stop and resume).")
-            if s.micro_batch and (gb // s.resume_world) % s.micro_batch:
-                raise ParameterError(f"resume_world = {s.resume_world} gives ranks {gb // s.resume_world} windows, "
-                                     f"which micro_batch = {s.micro_batch} does not divide: choose another.")
+            if s.resume_from:
+                raise ParameterError(f"resume_world = {s.resume_world} is not allowed: it starts from resume_from; "
+                                     "resume_world must be 0 (no stop and resume) with resume_from.")
+            try:
+                plan.evenly(s.resume_world)
+            except PlanError as e:
+                raise ParameterError(f"resume_world = {s.resume_world} is not allowed: {e.reason}; resume_world "
+                                     "must split the global batch evenly, or be 0 (no stop and resume).") from None
         if s.device == "cuda":
             _cuda(max(s.world, s.resume_world))
         why = _unwritable(s.out_dir)
@@ -196,48 +205,48 @@ class GateSettings:
         return make_run(self, name=name, dist=dist, **over)
 
 
-def _exact_slices(s: GateSettings, shapes) -> GateSettings:
+def _exact_micro_batch(s: GateSettings, plan) -> int:
     """Under the exact reduce the slices are the mathematics: the exact
-    reference computes the same slices the fleet sums, in every leg. With
+    reference computes the slices the fleet sums, in every leg. With
     micro_batch 0 a rank's whole batch would be one slice, and the resume at
     another world size would change them (two slices of 3 become one of 6):
-    the settings then choose micro_batch = gcd of every leg's rank batches,
-    the largest slice every leg can share. FSDP2 takes one slice per rank
-    (it adds a rank's micro-batches with += before its reduce-scatter),
-    except at world 1 where a shard is the whole tensor."""
-    legs = [[sh.batch for sh in shapes]]
-    gb = s.global_batch()
-    if s.resume_world and s.steps >= 2 and not s.resume_from and gb is not None and gb % s.resume_world == 0:
-        legs.append([gb // s.resume_world] * s.resume_world)  # the second leg (legs())
-    if not s.micro_batch:
-        s = dataclasses.replace(s, micro_batch=math.gcd(*(b for leg in legs for b in leg)))
-    if s.shard == "fsdp":
-        for leg in legs:
-            if len(leg) > 1 and max(b // s.micro_batch for b in leg) > 1:
-                raise ParameterError(
-                    f"reduce = 'exact' with shard = 'fsdp' takes one slice per rank (FSDP2 adds a rank's "
-                    f"slices before its reduce-scatter), but micro_batch = {s.micro_batch} gives ranks of "
-                    f"{', '.join(map(str, leg))} windows several: give every rank the same batch and "
-                    "micro_batch that batch, or shard = 'none'.")
-    return s
+    the settings choose micro_batch = gcd of every leg's rank batches, the
+    largest slice every leg shares (FleetPlan.evenly gives the second leg; a
+    resume it cannot split is refused below). Under FSDP2 the fleet's own
+    refusal (refuse_fleet) then names a profile that gives a rank of a fleet
+    several slices."""
+    batches = [sh.batch for sh in plan.shapes]
+    if s.resume_world and s.steps >= 2 and not s.resume_from:
+        try:
+            batches += [sh.batch for sh in plan.evenly(s.resume_world).shapes]
+        except PlanError:
+            pass
+    return math.gcd(*batches)
 
 
-def _derived(s: GateSettings, make):
-    """make() — the shapes or the run the settings describe — with the
-    trainer's errors restated as one sentence about the setting."""
+def _planned(make):
+    """make() — the plan or a run the settings describe — with the trainer's
+    errors stated as the settings' own: a PlanError names its setting (profile,
+    micro_batch, world) and its reason, any other one is the run's."""
     try:
         return make()
     except ParameterError:
         raise
-    except ConfigError as e:
-        raise ParameterError(f"the run these settings describe is not valid: {e}") from None
+    except PlanError as e:
+        raise ParameterError(f"{e.field} = {e.value!r} is not allowed: {e.reason}.") from None
     except dormouse.errors.DormouseError as e:
-        why = str(e).split(": ", 1)[-1].split("; ")[0]  # the trainer's reason, without its own prefix
-        raise ParameterError(f"capacity = {s.capacity!r} is not allowed ({why}): capacity must be one "
-                             "entry per rank, each B or BxT, with T at most the model's max_seq_len.") from None
+        raise ParameterError(f"the run these settings describe is not valid: {e}.") from None
+
+
+def refuse_fleet(run, world: int) -> None:
+    """The trainer's refusals of a fleet (dormouse.train.distributed.refuse_incompatible)."""
+    from dormouse.train.distributed import refuse_incompatible
+
+    refuse_incompatible(run, world_size=world)
 
 
 _NOT_FLAGS = ("timeout_s", "produce")
+ALIASES = {"capacity": "profile"}  # old name -> field: flags, notebook parameters and plan files
 DEFAULTS = GateSettings()
 FIELDS = tuple(f.name for f in fields(GateSettings))
 
@@ -267,59 +276,153 @@ def resolve_out(out) -> Path:
 # --------------------------------------------------------------------------- the command line
 
 
-def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), given_only: bool = False) -> None:
+def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), given_only: bool = False,
+                  shown: dict | None = None) -> None:
     """One flag per field (--micro-batch for micro_batch), typed, with the
-    field's comment as help and its default shown. given_only: flags not
-    given are absent from the namespace (to pass on only what was said)."""
+    field's comment as help and its default shown (`shown`: other words for
+    some defaults). given_only: flags not given are absent from the
+    namespace (to pass on only what was said)."""
     comments = _field_comments()
     for f in fields(GateSettings):
         if f.name in skip or (f.name in _NOT_FLAGS and not given_only):
             continue
         kind = {"int": _int_arg, "float": _float_arg, "str": str, "bool": _bool_arg}[f.type]
-        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind,
+        default = (shown or {}).get(f.name, repr(f.default))
+        old = [f"--{a.replace('_', '-')}" for a, new in ALIASES.items() if new == f.name]
+        p.add_argument(f"--{f.name.replace('_', '-')}", *old, dest=f.name, type=kind,
                        default=argparse.SUPPRESS if given_only else f.default,
-                       help=comments.get(f.name, "") + f" (default: {f.default!r})")
+                       help=comments.get(f.name, "") + f" (default: {default})"
+                       + "".join(f"; {o} is its old name" for o in old))
 
 
 def from_args(args: argparse.Namespace, explicit: set[str] | None = None) -> GateSettings:
     """Settings from parsed flags; `explicit`: the fields the command line named."""
     given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
-    return GateSettings(**_default_profile_follows_world(given, explicit if explicit is not None else set())).validate()
+    return GateSettings(**_defaults_follow(given, explicit if explicit is not None else set())).validate()
+
+
+# By hand (`dormouse gate MODE`), a fleet runs in one launch unless the user
+# asks for the stop and resume; the pipeline and the notebooks keep
+# GateSettings' own default (the richer gate).
+BY_HAND_RESUME_WORLD = 0
+REFERENCE_MODES = ("gradref", "replay", "verdict")  # modes that follow the fleet they check
+
+
+def by_hand(mode: str, given: dict, *, recorded: dict | None = None, world_size: int | None = None) -> GateSettings:
+    """The settings of one mode launched by hand, from the flags the user gave
+    (`given`: only those) -- a default never overrides a flag:
+
+    - `--batch` is the batch of the process being launched: a rank's own
+      (the profile then is `batch` on every rank, not the default profile),
+      the single process's GLOBAL batch (alone it is one rank of `batch`
+      windows; with `--world W`, W ranks of batch / W each; with `--profile`,
+      the profile given, `--batch` then each rank's as for rank). The verdict
+      compares a single and a fleet through their global batch, so
+      `single --batch 4` and a 2-rank `rank --batch 2` are the same gate.
+    - under torchrun, `world` is torchrun's WORLD_SIZE (`world_size`) unless given;
+    - the fleet runs in one launch (resume_world 0) unless --resume-world is given;
+    - gradref, replay and verdict start from the settings the fleet recorded
+      (`recorded`: rank0's), so `--out` alone names the gate they check.
+    """
+    unknown = sorted(set(given) - set(FIELDS))
+    if unknown:
+        raise ParameterError(f"unknown setting {unknown[0]!r}: use {', '.join(FIELDS)}.")
+    if mode in REFERENCE_MODES and recorded:
+        base = {k: v for k, v in _unalias(recorded).items() if k in FIELDS}
+        return GateSettings(**{**base, **given}).validate()
+    g = {"resume_world": BY_HAND_RESUME_WORLD, **given}
+    if mode == "rank" and "world" not in given and world_size:
+        g["world"] = world_size
+    if mode == "single" and "batch" in given and "profile" not in given:
+        world = g.get("world", 1)
+        if isinstance(world, int) and world >= 1 and isinstance(given["batch"], int):
+            if given["batch"] % world:
+                raise ParameterError(f"batch = {given['batch']} is not allowed with world = {world}: single's "
+                                     f"batch is the global batch, so batch must be a multiple of world, "
+                                     f"or give profile.")
+            g.update(world=world, batch=given["batch"] // world)
+            if g.get("reduce") == "exact" and not g.get("micro_batch") and "world" not in given:
+                raise ParameterError("micro_batch = 0 is not allowed for single with reduce = 'exact' and no "
+                                     "world: the exact reference computes the fleet's slices, so give "
+                                     "micro_batch (e.g. 1) or the fleet's world.")
+    return GateSettings(**_defaults_follow(g, set(given) | {"world"} if "world" in g else set(given))).validate()
 
 
 def explicit_fields(argv: list[str]) -> set[str]:
-    """The GateSettings fields a command line names (--micro-batch=1 and --micro-batch 1 alike)."""
-    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")} & set(FIELDS)
+    """The GateSettings fields a command line names (--micro-batch=1 and --micro-batch 1 alike,
+    --capacity as profile)."""
+    named = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    return {ALIASES.get(n, n) for n in named} & set(FIELDS)
+
+
+def from_dict(d: dict) -> GateSettings:
+    """Settings from a dict of fields (a plan file, an artifact's record), old names read as new ones."""
+    return GateSettings(**_unalias(d)).validate()
+
+
+def _unalias(given: dict) -> dict:
+    """Old names (ALIASES) as their new ones. The old name, when given, wins over
+    the new one at its default (a notebook passes every parameter); both given
+    with different values is an error."""
+    given = dict(given)
+    for old, new in ALIASES.items():
+        if old not in given:
+            continue
+        value = given.pop(old)
+        if value is None:
+            continue
+        if new in given and given[new] != getattr(DEFAULTS, new) and given[new] != value:
+            raise ParameterError(f"{old} = {value!r} and {new} = {given[new]!r} both set the fleet's profile: "
+                                 f"give one of them ({old} is the old name of {new}).")
+        given[new] = value
+    return given
 
 
 def check(**given) -> GateSettings:
     """The notebooks' check: the given parameters (papermill's conversions
     undone where harmless), the rest defaults; validated."""
-    unknown = sorted(set(given) - set(FIELDS))
+    unknown = sorted(set(given) - set(FIELDS) - set(ALIASES))
     if unknown:
         raise ParameterError(f"unknown parameter {unknown[0]!r}: use {', '.join(FIELDS)}.")
-    given = dict(given)
+    given = _unalias(given)
     if given.get("out") is None:
         given["out"] = ""
     elif isinstance(given["out"], os.PathLike):
         given["out"] = str(given["out"])
-    for k in ("capacity", "preset", "config", "data", "resume_from"):
+    for k in ("profile", "preset", "config", "data", "resume_from"):
         if k in given and given[k] is None:
             given[k] = ""
         elif isinstance(given.get(k), int) and not isinstance(given[k], bool):
-            given[k] = str(given[k])  # papermill's -p capacity 4 arrives as an int
-    return GateSettings(**_default_profile_follows_world(given)).validate()
+            given[k] = str(given[k])  # papermill's -p profile 4 arrives as an int
+    return GateSettings(**_defaults_follow(given)).validate()
 
 
-def _default_profile_follows_world(given: dict, explicit: set[str] | None = None) -> dict:
-    """The default capacity is the default world's profile: with another world
-    and the capacity left at its default (or not given), every rank runs
-    `batch` windows. A notebook passes every parameter, so there a capacity
-    equal to the default counts as not given."""
+def _defaults_follow(given: dict, explicit: set[str] | None = None) -> dict:
+    """Defaults that follow what was given (a default never overrides a given value):
+
+    - the default profile is the default fleet's: with another world, or a
+      batch given, and no profile given, every rank runs `batch` windows;
+    - the default resume_world stops and resumes the fleet where it can: a
+      profile that mixes window lengths (no one global batch to split evenly
+      at another world) runs in one launch (resume_world 0).
+
+    A notebook passes every parameter (`explicit` None), so there a value
+    equal to its default counts as not given."""
+    def said(name: str) -> bool:
+        if explicit is not None:
+            return name in explicit
+        return name in given and given[name] != getattr(DEFAULTS, name)
+
     world = given.get("world", DEFAULTS.world)
-    capacity_given = "capacity" in (explicit if explicit is not None else given)
-    if world != DEFAULTS.world and (not capacity_given or (explicit is None and given["capacity"] == DEFAULTS.capacity)):
-        given = {**given, "capacity": ""}
+    if (world != DEFAULTS.world or said("batch")) and not said("profile"):
+        given = {**given, "profile": ""}
+    if not said("resume_world") and given.get("resume_world", DEFAULTS.resume_world):
+        try:
+            mixed = dataclasses.replace(DEFAULTS, **{k: v for k, v in given.items() if k in FIELDS}).plan.mixed_lengths
+        except Exception:  # noqa: BLE001 -- malformed settings: validate() says what is wrong
+            mixed = False
+        if mixed:
+            given = {**given, "resume_world": 0}
     return given
 
 
@@ -366,23 +469,6 @@ def _choice(name: str, value, choices) -> str:
     if value not in choices:
         raise _bad(name, value, "one of " + ", ".join(repr(c) for c in choices))
     return value
-
-
-def _capacity(value, world: int) -> str:
-    how = ("'' (the batch on every rank) or one comma-separated entry per rank, each 'B' or 'BxT' "
-           "with positive whole numbers (e.g. '4,2' or '4x32,2x64')")
-    if not isinstance(value, str):
-        raise _bad("capacity", value, how)
-    text = ",".join(e.strip() for e in value.split(",")) if value.strip() else ""
-    if not text:
-        return ""
-    entries = text.split(",")
-    if not all(re.fullmatch(r"[0-9]+(x[0-9]+)?", e) and all(int(n) > 0 for n in e.split("x")) for e in entries):
-        raise _bad("capacity", value, how)
-    if len(entries) != world:
-        raise ParameterError(f"capacity = {value!r} has {len(entries)} entries but world = {world}: "
-                             f"capacity must be {how}, one entry per rank.")
-    return text
 
 
 def _cuda(world: int) -> None:

@@ -50,21 +50,19 @@ def hash_multipliers(max_n: int, heads: int) -> torch.Tensor:
 
 
 def ngram_rows(x: torch.Tensor, multipliers: torch.Tensor, rows: int) -> torch.Tensor:
-    """Row index of every (order, head) lookup: x (B, T) bytes -> (B, T, K)."""
+    """Row index of every (order, head) lookup: x (B, T) bytes -> (B, T, K),
+    K ordered order by order, head by head."""
     orders, heads, max_n = multipliers.shape
     B, T = x.shape
     padded = F.pad(x.long() + 1, (max_n - 1, 0), value=_SENTINEL + 1)  # (B, T + max_n - 1)
-    # back[i] = x_{t-i} + 1 for every t: (max_n, B, T)
-    back = torch.stack([padded[:, max_n - 1 - i: max_n - 1 - i + T] for i in range(max_n)])
-    out = []
-    for o in range(orders):
-        n = o + 2
-        for j in range(heads):
-            h = torch.zeros_like(x, dtype=torch.int64)
-            for i in range(n):
-                h = h ^ (back[i] * multipliers[o, j, i])
-            out.append(h % _PRIME % rows)
-    return torch.stack(out, dim=-1)  # (B, T, K)
+    back = padded.unfold(1, max_n, 1).flip(-1)  # (B, T, max_n): back[..., i] = x_{t-i} + 1
+    # Order n uses terms i < n: a zeroed multiplier gives a zero term, and x ^ 0 = x.
+    used = torch.arange(max_n, device=x.device) < torch.arange(2, orders + 2, device=x.device)[:, None]
+    terms = back[:, :, None, None, :] * (multipliers * used[:, None, :])  # (B, T, orders, heads, max_n)
+    h = terms[..., 0]
+    for i in range(1, max_n):
+        h = h ^ terms[..., i]
+    return (h % _PRIME % rows).reshape(B, T, orders * heads)
 
 
 class Engram(nn.Module):

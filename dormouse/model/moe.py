@@ -77,6 +77,8 @@ class MoE(nn.Module):
         w = probs.gather(1, chosen)
         w = (w / w.sum(-1, keepdim=True)).to(x.dtype)  # (N, k)
 
+        if B * T == 1 and not torch.is_grad_enabled():  # one token, generating: its k experts directly
+            return self._one_token(flat, chosen, w, probs)
         expert_of = chosen.reshape(-1)  # (N*k,) assignment -> expert
         order = torch.argsort(expert_of, stable=True)  # assignments grouped by expert, token order kept
         counts = torch.bincount(expert_of, minlength=self.n_experts)  # (E,)
@@ -84,10 +86,11 @@ class MoE(nn.Module):
         keep = self._kept_per_expert(B * T)
         outs, start, dropped = [], 0, 0
         for e, n in enumerate(counts.tolist()):
+            if n == 0 and not torch.is_grad_enabled():
+                continue  # no assignments and no autograd: nothing to compute (training runs it for a zero gradient)
             kept = n if keep is None else min(n, keep)
             seg = xs[start:start + kept]
-            h = F.silu(seg @ self.expert_w_gate[e].T) * (seg @ self.expert_w_up[e].T)
-            outs.append(h @ self.expert_w_down[e].T)
+            outs.append(self._expert(e, seg))
             if kept < n:  # capacity overflow: these assignments contribute nothing
                 outs.append(seg.new_zeros(n - kept, D))
                 dropped += n - kept
@@ -97,6 +100,20 @@ class MoE(nn.Module):
         y = (y_assign * w.unsqueeze(-1)).sum(1).view(B, T, D)
         stats = {"topk": chosen.view(B, T, self.topk), "load": counts.float(), "dropped": dropped}
         return y, stats
+
+    def _one_token(self, flat: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor,
+                   probs: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The dispatch below for a single token (no sort, no empty experts):
+        the same expert products and the same weighted sum over its k choices.
+        Nothing is dropped: a capacity admits at least one assignment per expert."""
+        ys = torch.cat([self._expert(e, flat) for e in chosen[0].tolist()])  # (k, D) in choice order
+        y = (ys.view(1, self.topk, -1) * w.unsqueeze(-1)).sum(1).view(1, 1, -1)
+        load = torch.bincount(chosen.reshape(-1), minlength=self.n_experts).float()
+        return y, {"topk": chosen.view(1, 1, self.topk), "load": load, "dropped": 0}
+
+    def _expert(self, e: int, seg: torch.Tensor) -> torch.Tensor:
+        h = F.silu(seg @ self.expert_w_gate[e].T) * (seg @ self.expert_w_up[e].T)
+        return h @ self.expert_w_down[e].T
 
     def _kept_per_expert(self, n_tokens: int) -> int | None:
         if self.capacity <= 0:

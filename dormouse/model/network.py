@@ -59,8 +59,9 @@ class SharedBlock(nn.Module):
                         cfg.max_iter, std, out_std) if cfg.moe_on else None)
         self.shared = SharedExpert(cfg.d_model, cfg.shared_rank, std, out_std) if cfg.shared_rank else None
 
-    def forward(self, h: torch.Tensor, it: int, cache: KVCache | None = None) -> tuple[torch.Tensor, dict | None]:
-        h = h + self.attn(self.attn_norm(h), it, cache)
+    def forward(self, h: torch.Tensor, it: int, cache: KVCache | None = None,
+                window: int = 0) -> tuple[torch.Tensor, dict | None]:
+        h = h + self.attn(self.attn_norm(h), it, cache, window)
         stats = None
         if self.ffn_norm is None:
             return h, stats
@@ -88,22 +89,34 @@ class DormouseModel(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         nn.init.normal_(self.head.weight, std=std)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, cache: KVCache | None = None):
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, cache: KVCache | None = None,
+                sliding: bool = False):
         """x, y: (B, T) byte ids. Returns (logits (B, T, vocab), loss or None, aux).
 
-        cache (generation, see `new_cache`): x continues the window the cache
-        has seen; the result equals the last T positions of a forward over the
-        whole window. Only for a dropless MoE (a capacity limit drops by
-        batch composition, so the whole window must be recomputed).
+        cache (generation, see `new_cache`): x continues the text the cache
+        has seen; the result equals the last T positions of the uncached
+        forward over the whole text (sliding=True once it is longer than
+        max_seq_len). Only for a dropless MoE (a capacity limit drops by batch
+        composition, so the whole window must be recomputed).
+
+        sliding: x may be longer than max_seq_len; every position attends, at
+        every iteration, to the max_seq_len positions ending at it (RoPE at
+        absolute positions: within a window the offsets are those training
+        saw). Within max_seq_len it is the plain forward. Because the block is
+        looped, position t's state at iteration i > 0 carries what its own
+        window saw at iteration i - 1, which reaches back before t's window:
+        up to max_iter * (max_seq_len - 1) positions in all. This is what a
+        KV cache computes when it slides without recomputing.
 
         aux["topk"][it]: (B, T, k) expert ids each token chose at iteration it;
         aux["loads"]: (max_iter, E) assignments per expert (before any drop);
         aux["dropped"]: assignments dropped by a capacity limit (0 if dropless).
         """
         cfg = self.cfg
-        seen = 0 if cache is None else cache.length
-        if seen + x.shape[1] > cfg.max_seq_len:
-            raise ValueError(f"window of {seen + x.shape[1]} tokens exceeds max_seq_len={cfg.max_seq_len}")
+        if cache is None and not sliding and x.shape[1] > cfg.max_seq_len:
+            raise ValueError(f"window of {x.shape[1]} tokens exceeds max_seq_len={cfg.max_seq_len} "
+                             "(sliding=True attends to a sliding window of that many)")
+        window = cfg.max_seq_len if sliding else 0
         h = self.embed(x)
         if self.engram is not None:
             if cache is None:
@@ -116,7 +129,7 @@ class DormouseModel(nn.Module):
         for it in range(cfg.max_iter):
             if self.engram is not None:
                 h = h + self.engram.gate(h, mem_key) * mem_value
-            h, stats = self.block(h, it, cache)
+            h, stats = self.block(h, it, cache, window)
             if stats is not None:
                 topk.append(stats["topk"])
                 loads.append(stats["load"])
@@ -138,7 +151,7 @@ class DormouseModel(nn.Module):
         """An empty cache for generating with `forward(x, cache=...)`."""
         if self.block.moe is not None and self.cfg.moe_capacity > 0:
             raise ValueError("a capacity-dropping MoE depends on the whole window: generate without a cache")
-        return KVCache(self.cfg.max_iter)
+        return KVCache(self.cfg.max_iter, self.cfg.max_seq_len)
 
     def hidden_matrices(self) -> list[str]:
         """Names of the hidden-layer weights Muon orthogonalises: attention and

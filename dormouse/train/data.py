@@ -1,9 +1,12 @@
-"""The corpus and the one rule for which bytes a step reads.
+"""The corpus, the one rule for which bytes a step reads, and the fleet's plan.
 
 A corpus is a file of bytes, memory-mapped and never read whole. One optimizer
 step reads one contiguous global *span*; the span is cut into consecutive
 slices, one per `RankShape` in rank order, and each slice into `batch` windows
-of `seq_len + 1` bytes (inputs and next-byte targets). Which span step k reads
+of `seq_len + 1` bytes (inputs and next-byte targets). The shapes, the
+micro-batch slices and the token counts of a step are one `FleetPlan`, made
+and validated once (the profile's syntax and the rule "micro_batch divides
+every rank's batch" live there and nowhere else). Which span step k reads
 (TrainConfig.data_order, seed = TrainConfig.seed):
 
     n     = train_bytes // span          # whole spans in the training part
@@ -24,14 +27,15 @@ An optional held-out tail (`eval_frac`) is never trained on.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dormouse.config import DATA_ORDERS, TrainConfig
-from dormouse.errors import ConfigError, DataError
+from dormouse.config import DATA_ORDERS, RunConfig, TrainConfig
+from dormouse.errors import DataError, PlanError
 
 
 @dataclass(frozen=True)
@@ -55,20 +59,177 @@ class RankShape:
         return f"batch={self.batch} seq_len={self.seq_len} tokens={self.tokens}"
 
 
-def slice_counts(shapes: list[RankShape], micro_batch: int) -> list[int]:
-    """How many micro-batch slices each shape's windows make: batch / micro_batch
-    (one slice when micro_batch is 0). Slice j of shape r holds its windows
-    j*m .. (j+1)*m - 1, so the slices read the same bytes as the whole shape."""
-    if micro_batch == 0:
-        return [1] * len(shapes)
-    odd = [r for r, s in enumerate(shapes) if s.batch % micro_batch]
-    if odd:
-        raise ConfigError(
-            f"train.micro_batch = {micro_batch} does not divide the batch of slice(s) {odd} "
-            f"(batches {[s.batch for s in shapes]}): choose a micro_batch that divides every "
-            "rank's batch, or 0 for one slice per rank"
-        )
-    return [s.batch // micro_batch for s in shapes]
+PROFILE_SYNTAX = ("'' (the batch on every rank) or one comma-separated entry per rank, each 'B' or 'BxT' "
+                  "with positive whole numbers (e.g. '4,2' or '4x32,2x64')")
+_ENTRY = re.compile(r"^([0-9]+)(?:x([0-9]+))?$")  # ASCII digits only
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """The fleet's shape: THE one owner of the profile, the micro-batch, the
+    slices and the token counts of a step. Made once (`make`, `of_run`,
+    `single`) and valid by construction: every FleetPlan that exists passed
+    the checks in `__post_init__`.
+
+    Rank r reads `shapes[r]`: batch_r windows of seq_len_r tokens. With
+    micro_batch m > 0 it computes them in slices of m windows (m divides
+    batch_r), with m = 0 in one slice of its whole batch, so
+
+        counts[r]   = batch_r / m            (1 when m = 0)
+        first(r)    = counts[0] + ... + counts[r-1]   (global index of its first slice)
+        tokens T    = sum_r batch_r * seq_len_r
+        span        = sum_r batch_r * (seq_len_r + 1)   bytes one step reads
+        offset(r)   = sum_{q<r} batch_q * (seq_len_q + 1)
+
+    and the global batch (one process reading exactly the fleet's bytes) is
+    sum_r batch_r when every rank has the same window length (None otherwise).
+    """
+
+    shapes: tuple[RankShape, ...]
+    micro_batch: int = 0  # windows per forward/backward slice (0 = each rank's whole batch)
+    profile: str = ""  # the normalised profile text the shapes came from ("" = batch on every rank)
+    counts: tuple[int, ...] = field(init=False)  # slices per rank
+
+    def __post_init__(self):
+        object.__setattr__(self, "shapes", tuple(self.shapes))
+        if not self.shapes:
+            raise PlanError("world", 0, "a fleet needs at least one rank")
+        m = self.micro_batch
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise PlanError("micro_batch", m, "it must be a whole number >= 0 (0 = each rank's whole batch)")
+        batches = [s.batch for s in self.shapes]
+        if m and any(b % m for b in batches):
+            raise PlanError("micro_batch", m, f"it does not divide every rank's batch ({', '.join(map(str, batches))}): "
+                            "choose a divisor of every rank's batch, or 0 for each rank's whole batch")
+        object.__setattr__(self, "counts", tuple(b // m if m else 1 for b in batches))
+
+    # ------------------------------------------------------------------ making
+
+    @classmethod
+    def make(cls, profile: str, *, world: int, batch: int, seq_len: int, micro_batch: int = 0,
+             max_seq_len: int | None = None) -> "FleetPlan":
+        """Parse a profile: "" gives every one of `world` ranks `batch` windows
+        of `seq_len`; otherwise one comma-separated entry per rank, in rank
+        order, "B" (B windows of seq_len) or "BxT" (B windows of T tokens),
+        e.g. "4,2" or "4x32,2x64"; T at most max_seq_len."""
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise PlanError("world", world, "a fleet needs at least one rank")
+        if not isinstance(profile, str):
+            raise PlanError("profile", profile, f"it must be {PROFILE_SYNTAX}")
+        entries = [e.strip() for e in profile.split(",")] if profile.strip() else []
+        if not entries:
+            return cls((RankShape(batch, seq_len),) * world, micro_batch, "")
+        if len(entries) != world:
+            raise PlanError("profile", profile, f"it has {len(entries)} entries but world = {world}: "
+                            f"it must be {PROFILE_SYNTAX}")
+        shapes = []
+        for r, e in enumerate(entries):
+            m = _ENTRY.match(e)
+            if not m:
+                raise PlanError("profile", profile, f"rank {r}'s entry {e!r} is not a batch size; it must be "
+                                f"{PROFILE_SYNTAX}")
+            b, t = int(m.group(1)), int(m.group(2) or seq_len)
+            if b < 1 or t < 1:
+                raise PlanError("profile", profile, f"rank {r}'s entry {e!r} must be positive; it must be "
+                                f"{PROFILE_SYNTAX}")
+            if max_seq_len is not None and t > max_seq_len:
+                raise PlanError("profile", profile, f"rank {r}'s seq_len {t} exceeds the model's max_seq_len "
+                                f"{max_seq_len}: shorten that rank's windows")
+            shapes.append(RankShape(b, t))
+        return cls(tuple(shapes), micro_batch, ",".join(entries))
+
+    @classmethod
+    def single(cls, cfg: TrainConfig) -> "FleetPlan":
+        """One process at cfg.batch windows of cfg.seq_len, in micro-batches of cfg.micro_batch."""
+        return cls((RankShape(cfg.batch, cfg.seq_len),), cfg.micro_batch)
+
+    @classmethod
+    def of_run(cls, run: RunConfig, world: int = 1) -> "FleetPlan":
+        """The plan a run trains with: a fleet's (train.dist) from its profile
+        over `world` ranks, one process's from its batch."""
+        t = run.train
+        if not t.dist:
+            return cls.single(t)
+        return cls.make(t.dist_profile, world=world, batch=t.batch, seq_len=t.seq_len, micro_batch=t.micro_batch,
+                        max_seq_len=run.model.max_seq_len)
+
+    def evenly(self, world: int) -> "FleetPlan":
+        """The same global batch split evenly over `world` ranks (a fleet that
+        resumes at another world size), with the same micro-batch."""
+        gb = self.global_batch
+        if gb is None:
+            raise PlanError("world", world, "the profile mixes window lengths, so no even split holds its global batch")
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1 or gb % world:
+            raise PlanError("world", world, f"the global batch of {gb} windows does not split evenly over it")
+        seq = self.shapes[0].seq_len
+        return FleetPlan.make(",".join([f"{gb // world}x{seq}"] * world), world=world, batch=gb // world,
+                              seq_len=seq, micro_batch=self.micro_batch)
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def world(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def tokens(self) -> int:
+        """T, the tokens of one step over all ranks."""
+        return sum(s.tokens for s in self.shapes)
+
+    @property
+    def span(self) -> int:
+        """Bytes one step reads over all ranks."""
+        return span_bytes(self.shapes)
+
+    @property
+    def mixed_lengths(self) -> bool:
+        """Whether ranks' windows differ in length (no one batch holds them)."""
+        return len({s.seq_len for s in self.shapes}) != 1
+
+    @property
+    def windows(self) -> int:
+        """Windows of one step over all ranks."""
+        return sum(s.batch for s in self.shapes)
+
+    @property
+    def global_batch(self) -> int | None:
+        """The single process's batch (it reads exactly the fleet's bytes), or
+        None when window lengths mix."""
+        return None if self.mixed_lengths else self.windows
+
+    @property
+    def n_slices(self) -> int:
+        """N, the slices of one step over all ranks."""
+        return sum(self.counts)
+
+    def slice_batch(self, r: int) -> int:
+        """Windows in each of rank r's slices."""
+        return self.micro_batch or self.shapes[r].batch
+
+    def first_slice(self, r: int) -> int:
+        """Global index of rank r's first slice: slices are numbered in rank order."""
+        return sum(self.counts[:r])
+
+    def rank_byte_offset(self, r: int) -> int:
+        """Where rank r's slice starts inside a step's span."""
+        return rank_byte_offset(self.shapes, r)
+
+    def exact_slice(self) -> int:
+        """The windows per slice of one process that computes this fleet's own
+        slices as micro-batches: micro_batch, or with 0 the ranks' common batch
+        (an uneven profile has none)."""
+        if self.micro_batch:
+            return self.micro_batch
+        batches = {s.batch for s in self.shapes}
+        if len(batches) != 1:
+            raise PlanError("micro_batch", 0, f"reduce 'exact' with the uneven profile {self.profile!r} needs "
+                            "micro_batch > 0: one process computes the fleet's own slices only when they are "
+                            "one size, so give micro_batch a divisor of every rank's batch (e.g. 1)")
+        return batches.pop()
+
+    def lines(self) -> list[str]:
+        """One description per rank (RankShape.line)."""
+        return [s.line() for s in self.shapes]
 
 
 def span_bytes(shapes: list[RankShape]) -> int:

@@ -2,7 +2,8 @@
 network one process would train at the global batch.
 
 Rank r computes the mean loss L_r and gradient g_r over its own t_r tokens (its
-slice of the step's span, see data.py). The fleet applies
+slice of the step's span, as the fleet's FleetPlan in data.py says; made once
+by refuse_incompatible and held by the synchroniser). The fleet applies
 
     g = (t_0 g_0 + ... + t_{W-1} g_{W-1}) / (t_0 + ... + t_{W-1})
 
@@ -50,7 +51,6 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import re
 from datetime import timedelta
 
 import torch
@@ -58,55 +58,27 @@ import torch.distributed as dist
 
 from dormouse.config import RunConfig, TrainConfig
 from dormouse.errors import FleetError
-from dormouse.train.data import RankShape, rank_byte_offset, slice_counts
+from dormouse.train.data import FleetPlan, RankShape, rank_byte_offset
+from dormouse.train.hooks import Hooks, LocalGrads
 from dormouse.train.exact import flat_grads, put_grads, split_stats, stats_row, tree_sum
 from dormouse.train.loop import build_model, clip_grad_norm, train
 from dormouse.train.tensors import fingerprint, named_state
 
-__all__ = ["RankShape", "parse_capacity", "rank_byte_offset", "refuse_incompatible",
+__all__ = ["FleetPlan", "RankShape", "parse_capacity", "rank_byte_offset", "refuse_incompatible",
            "train_dist", "close_fleet", "FleetSync"]
 
-_ENTRY = re.compile(r"^([0-9]+)(?:x([0-9]+))?$")  # ASCII digits only
-
-
 def parse_capacity(capacity: str, *, world_size: int, cfg: TrainConfig, max_seq_len: int) -> list[RankShape]:
-    """The per-rank shapes of a fleet.
-
-    "" gives every rank cfg.batch windows of cfg.seq_len. Otherwise one
-    comma-separated entry per rank, in rank order: "B" (B windows of
-    cfg.seq_len) or "BxT" (B windows of T tokens), e.g. "4,2" or "4x32,2x64".
-    """
-    if world_size < 1:
-        raise FleetError(f"world_size = {world_size}: a fleet needs at least one rank")
-    if not capacity.strip():
-        return [RankShape(cfg.batch, cfg.seq_len)] * world_size
-    how = "write one entry per rank, each 'B' or 'BxT' with positive integers, e.g. '4,2' or '4x64,2x32'"
-    entries = [e.strip() for e in capacity.split(",")]
-    if len(entries) != world_size:
-        raise FleetError(
-            f"dist_capacity {capacity!r} has {len(entries)} entries but the fleet has "
-            f"{world_size} ranks: {how}"
-        )
-    shapes = []
-    for r, e in enumerate(entries):
-        m = _ENTRY.match(e)
-        if not m:
-            raise FleetError(f"dist_capacity {capacity!r}: rank {r}'s entry {e!r} is not a batch size; {how}")
-        batch, seq = int(m.group(1)), int(m.group(2) or cfg.seq_len)
-        if batch < 1 or seq < 1:
-            raise FleetError(f"dist_capacity {capacity!r}: rank {r}'s entry {e!r} must be positive; {how}")
-        if seq > max_seq_len:
-            raise FleetError(
-                f"dist_capacity {capacity!r}: rank {r}'s seq_len {seq} exceeds the model's "
-                f"max_seq_len {max_seq_len}"
-            )
-        shapes.append(RankShape(batch, seq))
-    return shapes
+    """The per-rank shapes of a fleet's profile (FleetPlan.make, which owns
+    the syntax: "" = cfg.batch windows of cfg.seq_len on every rank, else one
+    "B" or "BxT" entry per rank, e.g. "4,2" or "4x32,2x64")."""
+    return list(FleetPlan.make(capacity, world=world_size, batch=cfg.batch, seq_len=cfg.seq_len,
+                               max_seq_len=max_seq_len).shapes)
 
 
-def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> list[RankShape]:
+def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> FleetPlan:
     """Refuse, before any collective, every configuration under which the fleet
-    would train a different network than one process; returns the rank shapes."""
+    would train a different network than one process; returns the fleet's plan
+    (FleetPlan.of_run: a malformed profile or micro-batch is refused there)."""
     m, t = run.model, run.train
     if not t.dist:
         raise FleetError("train.dist is False: set it to True for a fleet run (train_dist)")
@@ -132,20 +104,15 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> list[
             )
         if any(hasattr(p, "placements") for p in model.parameters()):
             raise FleetError("the pre-built model is already sharded: pass the plain model; train_dist shards it")
-    shapes = parse_capacity(t.dist_capacity, world_size=world_size, cfg=t, max_seq_len=m.max_seq_len)
-    if t.micro_batch and any(s.batch % t.micro_batch for s in shapes):
-        raise FleetError(
-            f"train.micro_batch = {t.micro_batch} does not divide every rank's batch "
-            f"{[s.batch for s in shapes]}: choose a micro_batch that divides each (or 0 for one slice per rank)"
-        )
-    if (t.dist_reduce == "exact" and t.dist_shard == "fsdp" and world_size > 1
-            and max(slice_counts(shapes, t.micro_batch)) > 1):
+    plan = FleetPlan.of_run(run, world_size)
+    # (at world 1 a shard is the whole tensor: FleetSync tree-sums the slices itself)
+    if t.dist_reduce == "exact" and t.dist_shard == "fsdp" and world_size > 1 and max(plan.counts) > 1:
         raise FleetError(
             f"train.dist_reduce = 'exact' with dist_shard = 'fsdp' and micro_batch = {t.micro_batch} gives a "
             "rank several slices, which FSDP2 adds with += before its reduce-scatter, off the fixed slice "
             "tree: use micro_batch = 0 (one slice per rank), or dist_shard = 'none' for micro-batches"
         )
-    return shapes
+    return plan
 
 
 class FleetSync:
@@ -178,15 +145,16 @@ class FleetSync:
       tree-summed the same way.
     """
 
-    def __init__(self, shapes: list[RankShape], rank: int, world_size: int, *,
-                 reduce: str, sharded: bool, bucket_mb: float, micro_batch: int = 0):
-        self.shapes, self.mine = shapes, [rank]
-        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
+    def __init__(self, plan: FleetPlan, rank: int, *, reduce: str, sharded: bool, bucket_mb: float):
+        self.plan, self.mine = plan, [rank]
+        self.rank, self.world_size, self.is_main = rank, plan.world, rank == 0
+        self._step, self._step_hooks = 0, Hooks()
+        self._names: dict[int, str] = {}
         self.sharded = sharded
         self.exact = reduce == "exact"
         self.wire = torch.bfloat16 if reduce == "bf16" else torch.float32
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self.counts = slice_counts(shapes, micro_batch)  # every rank's number of slices
+        self.counts = plan.counts  # every rank's number of slices
         self.n_local = self.counts[rank]
         self._buckets: list[list[torch.Tensor]] = []
         self._arrived: list[int] = []  # gradients each bucket received in the current backward
@@ -207,7 +175,13 @@ class FleetSync:
             for p in bucket:
                 self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, i)))
 
+    def begin_step(self, step: int, hooks: Hooks) -> None:
+        """Step `step` (from 1) starts; `hooks` are the ones to call during it."""
+        self._step, self._step_hooks = step, hooks
+
     def _ensure_buckets(self, model) -> None:
+        if not self._names:
+            self._names = {id(p): n for n, p in model.named_parameters()}
         if not self._buckets:
             self._buckets = self._bucket([p for p in model.parameters() if p.requires_grad])
             self._arrived = [0] * len(self._buckets)
@@ -240,7 +214,7 @@ class FleetSync:
             if not self.sharded and self._done < self.n_local - 1:
                 self._ensure_buckets(model)
                 for i, bucket in enumerate(self._buckets):
-                    self._slices[i].append(self._flatten(bucket))
+                    self._slices[i].append(self._flatten(bucket, index))
                     for p in bucket:
                         p.grad = None  # the next slice's backward starts from nothing
         self._done += 1
@@ -258,10 +232,11 @@ class FleetSync:
     def _launch(self, i: int) -> None:
         bucket = self._buckets[i]
         if not self.exact:
-            flat = self._flatten(bucket)
+            flat = self._flatten(bucket, None)
             self._launched.append((flat, dist.all_reduce(flat, async_op=True)))
             return
-        rows = torch.stack([*self._slices[i], self._flatten(bucket)])  # (n_local, P), global slice order
+        last = self.plan.first_slice(self.rank) + self.n_local - 1  # the slice p.grad holds now
+        rows = torch.stack([*self._slices[i], self._flatten(bucket, last)])  # (n_local, P), global slice order
         self._slices[i] = []
         chunk = -(-rows.shape[1] // self.world_size)  # C: pad P to W * C
         rows = torch.nn.functional.pad(rows, (0, chunk * self.world_size - rows.shape[1]))
@@ -271,10 +246,18 @@ class FleetSync:
                                       input_split_sizes=[self.n_local * chunk] * self.world_size, async_op=True)
         self._launched.append((recv, work))
 
-    def _flatten(self, bucket: list[torch.Tensor]) -> torch.Tensor:
+    def _flatten(self, bucket: list[torch.Tensor], index: int | None) -> torch.Tensor:
         """One bucket's gradients as one wire-dtype vector (a missing one is zeros):
-        every gradient this rank contributes, each slice's under exact, passes here."""
-        return flat_grads(bucket, self.wire)
+        every gradient this rank contributes, each slice's under exact, passes
+        here, and the on_local_grads hooks see it (views into the vector sent)."""
+        flat = flat_grads(bucket, self.wire)
+        if self._step_hooks.on_local_grads:
+            views, at = {}, 0
+            for p in bucket:
+                views[self._names[id(p)]] = flat[at:at + p.numel()].view(p.shape)
+                at += p.numel()
+            self._step_hooks.local_grads(LocalGrads(self._step, self.rank, index, views, self.plan))
+        return flat
 
     def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
         """Combine gradients (unless FSDP already did), the loss share and the loads."""
@@ -397,14 +380,14 @@ def fleet_env() -> tuple[int, int, int]:
 
 
 def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=None, close: bool = True,
-               on_step=None, on_grads=None) -> dict:
+               on_step=None, on_grads=None, hooks: Hooks | None = None) -> dict:
     """Join the fleet described by torchrun's environment and run THE training
     loop with a gradient synchroniser. Returns the loop's report (which carries
     rank and world_size). With close=False the process group stays up (for
     gathering sharded parameters afterwards); call close_fleet() when done."""
     rank, world_size, local_rank = fleet_env()
     run.validate()
-    shapes = refuse_incompatible(run, world_size=world_size, model=model)
+    plan = refuse_incompatible(run, world_size=world_size, model=model)
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise FleetError("device_type='cuda' but CUDA is not available: use device_type='cpu' (gloo)")
@@ -425,14 +408,14 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
 
     if run.train.dist_shard == "fsdp":
         model = _shard(model, device_type, world_size, run.train.dist_reduce)
-    sync = FleetSync(shapes, rank, world_size, reduce=run.train.dist_reduce, micro_batch=run.train.micro_batch,
-                     sharded=run.train.dist_shard == "fsdp", bucket_mb=run.train.dist_bucket_mb)
+    sync = FleetSync(plan, rank, reduce=run.train.dist_reduce, sharded=run.train.dist_shard == "fsdp",
+                     bucket_mb=run.train.dist_bucket_mb)
     sync.attach(model)
     if rank == 0:
         log(f"fleet: world_size={world_size} backend={backend} shard={run.train.dist_shard} "
-            f"reduce={run.train.dist_reduce} | " + " | ".join(f"rank{r} {s.line()}" for r, s in enumerate(shapes)))
+            f"reduce={run.train.dist_reduce} | " + " | ".join(f"rank{r} {line}" for r, line in enumerate(plan.lines())))
     try:
-        report = train(model, run, log, sync=sync, on_step=on_step, on_grads=on_grads)
+        report = train(model, run, log, sync=sync, on_step=on_step, on_grads=on_grads, hooks=hooks)
     finally:
         sync.detach()
     report["model"] = model  # the (possibly sharded) model the fleet trained

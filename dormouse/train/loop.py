@@ -1,16 +1,20 @@
 """train(): THE training loop, for one process and for every rank of a fleet.
 
-The global batch of a step is cut into slices (see data.py for which bytes
-they are): each process's windows in micro-batches of train.micro_batch
-windows (0 = all of them in one slice), numbered in rank order, so rank r's
-slices follow every slice of the ranks before it. One step, for the slices
-this process computes (all of them alone, its own on a rank of a fleet):
+The global batch of a step is cut into slices, as the synchroniser's
+FleetPlan (`sync.plan`, data.py) says: each process's windows in
+micro-batches of train.micro_batch windows (0 = all of them in one slice),
+numbered in rank order, so rank r's slices follow every slice of the ranks
+before it. One step, for the slices this process computes (all of them
+alone, its own on a rank of a fleet):
 
+    sync.begin_step(k, hooks)                   # the step's number and hooks (hooks.py)
     for each own slice i with t_i tokens and mean loss L_i:
-        backward(L_i * t_i / T)                 # T = tokens of the whole step
+        backward(L_i * t_i / T)                 # T = plan.tokens, the whole step's
         sync.slice_done(model, i, ...)          # exact: take g_i into a buffer of its own
-    sync.reduce(...)                            # combine the slices' gradients
-    step the optimizer, then move the routing bias by the step's expert loads
+    sync.reduce(...)                            # combine the slices' gradients (on_local_grads
+                                                #   sees each contribution before it is read)
+    hooks.on_reduced, on_grads                  # the combined gradient, before clipping
+    clip, step the optimizer, then move the routing bias by the step's expert loads
 
 so every process ends the step holding g = sum_i t_i g_i / T, the gradient of the
 token-weighted mean loss over the global batch (for one slice, t_i / T = 1 and
@@ -38,7 +42,8 @@ from dormouse.config import RunConfig
 from dormouse.errors import CheckpointError, DivergedError
 from dormouse.model import DormouseModel
 from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
-from dormouse.train.data import ByteCorpus, RankShape, builtin_corpus, slice_counts
+from dormouse.train.data import ByteCorpus, FleetPlan, builtin_corpus
+from dormouse.train.hooks import Hooks, LocalGrads, Reduced, for_call
 from dormouse.train.exact import put_grads, split_stats, stats_row, take_grads, tree_sum
 from dormouse.train.optim import MixOptimizer
 
@@ -54,25 +59,37 @@ class LocalSync:
 
     rank, world_size, is_main, sharded = 0, 1, True, False
 
-    def __init__(self, run: RunConfig, shapes: list[RankShape] | None = None):
+    def __init__(self, run: RunConfig, plan: FleetPlan | None = None):
         # The step's slices: one batch, or micro-batches whose gradients the
-        # loop accumulates with the same token weights a fleet would apply.
-        self.shapes = shapes or [RankShape(run.train.batch, run.train.seq_len)]
-        self.mine = list(range(len(self.shapes)))  # this process computes all of them
-        self.counts = slice_counts(self.shapes, run.train.micro_batch)  # fails early if micro_batch is odd
+        # loop accumulates with the same token weights a fleet would apply
+        # (plan: another cut of the step, e.g. a fleet's, computed alone).
+        self.plan = plan or FleetPlan.single(run.train)
+        self.mine = list(range(self.plan.world))  # this process computes all of them
         self.exact = run.train.dist_reduce == "exact"
         self._grads: list[torch.Tensor] = []
         self._stats: list[torch.Tensor] = []
+        self._step, self._hooks = 0, Hooks()
+
+    def begin_step(self, step: int, hooks: Hooks) -> None:
+        """Step `step` (from 1) starts; `hooks` are the ones to call during it."""
+        self._step, self._hooks = step, hooks
+
+    def _local(self, model, index: int | None) -> None:
+        if self._hooks.on_local_grads:
+            grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+            self._hooks.local_grads(LocalGrads(self._step, 0, index, grads, self.plan))
 
     def slice_done(self, model, index: int, loss_part: torch.Tensor, loads: torch.Tensor) -> None:
         """Slice `index` has run its backward (exact: keep its gradient apart)."""
         if self.exact:
+            self._local(model, index)
             self._grads.append(take_grads(_trainable(model)))
             self._stats.append(stats_row(loss_part, loads))
 
     def reduce(self, model, loss_share: torch.Tensor, loads: torch.Tensor) -> tuple[float, torch.Tensor]:
         """Gradients are already the global ones (exact: the tree of the slices'); returns (loss, loads)."""
         if not self.exact:
+            self._local(model, None)
             return float(loss_share), loads
         put_grads(_trainable(model), tree_sum(torch.stack(self._grads)))
         stats = tree_sum(torch.stack(self._stats))
@@ -127,6 +144,7 @@ def make_optimizer(model, run: RunConfig) -> MixOptimizer:
     return MixOptimizer(
         model, lr=t.lr, wd=t.wd, opt=t.opt, ns_steps=t.ns_steps, ns_kind=t.ns_kind,
         colrow_3d=t.muon_colrow_3d, muon_state_dtype=t.muon_state_dtype, ns_dtype=t.ns_dtype,
+        ns_kernel=t.ns_kernel,
         muon_variant=t.muon_variant, muon_sf=t.muon_sf, momentum=t.muon_momentum,
         nesterov=t.muon_nesterov, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
     )
@@ -153,7 +171,7 @@ def resolve_corpus(run: RunConfig) -> Path:
 
 def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=None,
           on_step: Callable[[int, object, dict], None] | None = None,
-          on_grads: Callable[[int, object], None] | None = None) -> dict:
+          on_grads: Callable[[int, object], None] | None = None, hooks: Hooks | None = None) -> dict:
     """Train `model` as `run` says; returns a report with every step's loss.
 
     sync: the gradient synchroniser (None = a single process). on_step, if
@@ -163,10 +181,18 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
     and the gradient norm it was computed from (None when clipping is off).
     on_grads, if given, is called with (step, model) once the step's gradient
     is reduced, before clipping and the optimizer (the gate records it there).
+    hooks: the explicit points of hooks.py (after the local gradient, after
+    the reduce, after the step), with every hook `hooks.install`ed in this
+    process before them; on_grads and on_step run after the hooks of their point.
+
+    The step's shape is the synchroniser's FleetPlan (sync.plan): which
+    slices this process computes, of how many windows, and the step's T.
     """
     run.validate()
     cfg = run.train
     sync = sync or LocalSync(run)
+    plan = sync.plan
+    hooks = for_call(hooks)
     try:
         atomic.check_writable(cfg.out_dir)
     except OSError as e:
@@ -176,11 +202,9 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
     if run.model.bf16:
         model.to(torch.bfloat16)  # the run owns the cast (a fleet refuses a pre-built bf16 model)
     corpus = ByteCorpus(resolve_corpus(run), cfg.eval_frac, order=cfg.data_order, seed=cfg.seed)
-    total_tokens = sum(s.tokens for s in sync.shapes)
-    counts = slice_counts(sync.shapes, cfg.micro_batch)  # slices per shape
-    first = [sum(counts[:r]) for r in range(len(counts))]  # global index of each shape's first slice
+    total_tokens = plan.tokens
     # Fail before any work if the corpus cannot hold one global batch.
-    corpus.step_batch(0, sync.shapes, [])
+    corpus.step_batch(0, plan.shapes, [])
     if cfg.steps and cfg.eval_every:
         corpus.eval_batches(cfg.batch, cfg.seq_len)
 
@@ -208,11 +232,12 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         lr = lr_at(step, run)
         opt.set_lr(lr)
         opt.zero_grad()
+        sync.begin_step(step + 1, hooks)
         loss_share = torch.zeros((), dtype=torch.float64, device=device)
         loads = None
         topk = []
-        for r, (x, y) in zip(sync.mine, corpus.step_batch(step, sync.shapes, sync.mine)):
-            m = sync.shapes[r].batch // counts[r]
+        for r, (x, y) in zip(sync.mine, corpus.step_batch(step, plan.shapes, sync.mine)):
+            m = plan.slice_batch(r)
             for j, (xs, ys) in enumerate(zip(x.split(m), y.split(m))):
                 share = ys.numel() / total_tokens  # t_i / T
                 _, loss, aux = model(xs.to(device), ys.to(device))
@@ -221,7 +246,8 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 loss_share += part
                 loads = aux["loads"] if loads is None else loads + aux["loads"]
                 topk.append(aux["topk"])
-                sync.slice_done(model, first[r] + j, part, aux["loads"])
+                sync.slice_done(model, plan.first_slice(r) + j, part, aux["loads"])
+        local_loads = loads
         loss_value, loads = sync.reduce(model, loss_share, loads)
         if not math.isfinite(loss_value):
             kept = f"the last good checkpoint {str(ckpt)!r} is kept" if ckpt and ckpt.exists() else "no checkpoint was written"
@@ -229,6 +255,9 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 f"loss is {loss_value} at step {step + 1}: training stopped before the bad "
                 f"update; {kept}. Lower train.lr or set train.grad_clip"
             )
+        reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, local_loads, plan)
+        hooks.reduced(reduced)
+        loads = reduced.loads
         if on_grads is not None:
             on_grads(step + 1, model)
         clip_coef, grad_norm = 1.0, None
@@ -239,9 +268,10 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         opt.step()
         model.balance_experts(loads)
         losses.append(loss_value)
+        info = {"loss": loss_value, "loads": loads, "topk": topk, "clip_coef": clip_coef, "grad_norm": grad_norm}
+        hooks.stepped(step + 1, model, info)
         if on_step is not None:
-            on_step(step + 1, model, {"loss": loss_value, "loads": loads, "topk": topk, "clip_coef": clip_coef,
-                             "grad_norm": grad_norm})
+            on_step(step + 1, model, info)
 
         done = step + 1
         if done % cfg.log_every == 0 or done == end:

@@ -6,7 +6,7 @@ operations, so that on 2D weights the two step identically):
 
     M <- lerp(M, G, 1 - mu)                     # momentum buffer
     U = lerp(G, M, mu) if nesterov else M
-    O = NewtonSchulz(U)                         # see newton_schulz.py
+    O = NewtonSchulz(U)                         # see newton_schulz.py (ns_kernel too)
     O <- NorMuon(O)                             # muon_variant="normuon" only
     W <- W * (1 - lr * wd) - lr * s(rows, cols) * O
 
@@ -37,9 +37,9 @@ import math
 import torch
 from torch import nn
 
-from dormouse.config import MUON_SHAPE_RULES, MUON_VARIANTS, NS_KINDS, OPTIMIZERS, STATE_DTYPES, NS_DTYPES
+from dormouse.config import MUON_SHAPE_RULES, MUON_VARIANTS, NS_DTYPES, NS_KERNELS, NS_KINDS, OPTIMIZERS, STATE_DTYPES
 from dormouse.errors import ConfigError
-from dormouse.train.newton_schulz import orthogonalise
+from dormouse.train.newton_schulz import orthogonalise, resolve_kernel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -79,6 +79,7 @@ class MixOptimizer:
         colrow_3d: bool = True,
         muon_state_dtype: str = "float32",
         ns_dtype: str = "bfloat16",
+        ns_kernel: str = "auto",
         muon_variant: str = "muon",
         muon_sf: str = "match_rms_adamw",
         momentum: float = 0.95,
@@ -91,6 +92,7 @@ class MixOptimizer:
             ("opt", opt, OPTIMIZERS), ("ns_kind", ns_kind, NS_KINDS),
             ("muon_variant", muon_variant, MUON_VARIANTS), ("muon_sf", muon_sf, MUON_SHAPE_RULES),
             ("muon_state_dtype", muon_state_dtype, STATE_DTYPES), ("ns_dtype", ns_dtype, NS_DTYPES),
+            ("ns_kernel", ns_kernel, NS_KERNELS),
         ):
             if value not in allowed:
                 raise ConfigError(f"MixOptimizer {name} = {value!r} is not one of {allowed}")
@@ -98,10 +100,12 @@ class MixOptimizer:
         self.ns_steps, self.ns_kind, self.colrow_3d = ns_steps, ns_kind, colrow_3d
         self.state_dtype, self.ns_dtype = _DTYPES[muon_state_dtype], _DTYPES[ns_dtype]
         self.variant, self.shape_rule = muon_variant, muon_sf
+        named = list(model.named_parameters())
+        # The Newton-Schulz kernel, resolved once for the device the weights live on.
+        self.ns_kernel = resolve_kernel(ns_kernel, self.ns_dtype, named[0][1].device if named else "cpu")
         self.momentum, self.nesterov, self.normuon_beta2 = momentum, nesterov, normuon_beta2
         self.betas, self.eps = betas, eps
 
-        named = list(model.named_parameters())
         if opt == "mix":
             hidden = getattr(model, "hidden_matrices", None)
             # A model that names its hidden matrices knows best; otherwise
@@ -196,7 +200,8 @@ class MixOptimizer:
 
         full = update.full_tensor() if _is_dtensor(update) else update  # FSDP: whole matrix
         stack_shape = self._matrix_stack_shape(full.shape)
-        ortho = orthogonalise(full.reshape(stack_shape), self.ns_kind, self.ns_steps, self.ns_dtype)
+        ortho = orthogonalise(full.reshape(stack_shape), self.ns_kind, self.ns_steps, self.ns_dtype,
+                               self.ns_kernel)
         if self.variant == "normuon":
             ortho = self._normuon(state, ortho)
         ortho = ortho.view(full.shape)

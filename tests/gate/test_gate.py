@@ -23,7 +23,7 @@ from dormouse.gate.settings import GateSettings
 from gatekit import fleets, gate, references
 
 CLEAN = {
-    # capacity "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval;
+    # profile "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval;
     # the fleet stops at step 10 and resumes in one process (resume_world 1)
     "default": {},
     "resume3": {"resume_world": 3},  # ... or at three ranks of 2 windows
@@ -31,8 +31,8 @@ CLEAN = {
     "adamw": {"opt": "adamw", "steps": 10},
     "bf16": {"reduce": "bf16", "steps": 10},
     "buckets": {"bucket_mb": 0.05},  # ~13 buckets instead of one
-    "mixed": {"capacity": "4x32,2x64", "resume_world": 0, "steps": 10},  # no single process holds this batch
-    "sequential": {"data_order": "sequential", "capacity": "", "steps": 10},
+    "mixed": {"profile": "4x32,2x64", "resume_world": 0, "steps": 10},  # no single process holds this batch
+    "sequential": {"data_order": "sequential", "profile": "", "steps": 10},
 }
 
 
@@ -186,7 +186,7 @@ def test_gradient_times_two_fails_gradref_and_the_curve_at_step_one(tmp_path):
 
 
 def test_window_weighting_under_mixed_window_lengths_fails_gradref(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), capacity="4x32,2x64", resume_world=0).validate(), "window_weights")
+    v = gate(GateSettings(out=str(tmp_path), profile="4x32,2x64", resume_world=0).validate(), "window_weights")
     g = v.check("gradref")
     assert not v.passed and not g.passed and "at step 1" in g.reason and g.worst > 1e-2
     assert v.check("window").passed  # the network is fine; the fleet's weights are not

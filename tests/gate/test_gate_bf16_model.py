@@ -47,7 +47,7 @@ def test_dormouse_pipeline_gates_a_bf16_model_from_its_run_json(bf16_config, tmp
 def test_a_bf16_model_passes_the_exact_gate_bitwise(bf16_config, tmp_path):
     # (FSDP2 in bfloat16 passes too: docs/gate.md's sweep; its clipping norm, a bfloat16 number
     # summed from shard norms, is within BF16_MODEL_RTOL of the replay's own.)
-    s = GateSettings(out=str(tmp_path), config=str(bf16_config), reduce="exact", capacity="3,3", steps=4).validate()
+    s = GateSettings(out=str(tmp_path), config=str(bf16_config), reduce="exact", profile="3,3", steps=4).validate()
     v = gate(s)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     assert "bitwise equal at all 4 steps" in v.check("replay").reason

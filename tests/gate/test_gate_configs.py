@@ -29,8 +29,8 @@ def runs(tmp_path_factory):
                      or bytes(range(256)) * 40)
     plan = {
         "small": GateSettings(out=str(base / "small"), preset="small", steps=3),
-        "file": GateSettings(out=str(base / "file"), config=str(base / "run.json"), steps=6, capacity="3,1"),
-        "data": GateSettings(out=str(base / "data"), data=str(text), steps=4, capacity=""),
+        "file": GateSettings(out=str(base / "file"), config=str(base / "run.json"), steps=6, profile="3,1"),
+        "data": GateSettings(out=str(base / "data"), data=str(text), steps=4, profile=""),
         **{f"seed{k}": GateSettings(out=str(base / f"seed{k}"), seed=k, steps=6) for k in SEEDS},
     }
     plan = {k: s.validate() for k, s in plan.items()}

@@ -19,7 +19,7 @@ PROFILES = {2: "3,1", 3: "2,1,1", 4: "1,2,1,2"}
 @pytest.fixture(scope="module")
 def exact_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("exact_gate")
-    plan = {w: GateSettings(out=str(base / f"w{w}"), world=w, capacity=c, reduce="exact", micro_batch=1, lr=1e-2,
+    plan = {w: GateSettings(out=str(base / f"w{w}"), world=w, profile=c, reduce="exact", micro_batch=1, lr=1e-2,
                             steps=50).validate() for w, c in PROFILES.items()}
     fleets(list(plan.values()))
     for s in plan.values():
@@ -60,7 +60,7 @@ def even_runs(tmp_path_factory):
     under FSDP2, stopped at step 3 and resumed alone (the default): the
     clipping binds at every step."""
     base = tmp_path_factory.mktemp("exact_even")
-    plan = {shard: GateSettings(out=str(base / shard), capacity="3,3", reduce="exact", shard=shard,
+    plan = {shard: GateSettings(out=str(base / shard), profile="3,3", reduce="exact", shard=shard,
                                 steps=6).validate() for shard in ("none", "fsdp")}
     fleets(list(plan.values()))
     for s in plan.values():
@@ -83,5 +83,5 @@ def test_the_exact_gate_passes_the_fleets_it_builds_without_a_micro_batch(even_r
 
 def test_exact_under_fsdp_with_several_slices_per_rank_is_refused_in_one_line(tmp_path):
     with pytest.raises(ParameterError, match="takes one slice per rank") as e:
-        GateSettings(out=str(tmp_path), capacity="4,2", reduce="exact", shard="fsdp").validate()
+        GateSettings(out=str(tmp_path), profile="4,2", reduce="exact", shard="fsdp").validate()
     assert "\n" not in str(e.value)

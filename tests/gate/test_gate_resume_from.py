@@ -15,7 +15,7 @@ from dormouse.gate.settings import GateSettings, ParameterError
 from gatekit import QUIET, fleets, references
 
 CASES = {"fp32": dict(reduce="fp32"), "bf16": dict(reduce="bf16"),
-         "exact": dict(reduce="exact", capacity="3,3"), "fsdp": dict(reduce="fp32", shard="fsdp")}
+         "exact": dict(reduce="exact", profile="3,3"), "fsdp": dict(reduce="fp32", shard="fsdp")}
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from gatekit import gate
 
 FALSE_PASSES = {
     # fleet trains at 1.5 x lr (recorded in its config); no single process for mixed lengths
-    "lr_x1_5_mixed": ("lr_x1_5", {"capacity": "4x32,2x64", "resume_world": 0}),
+    "lr_x1_5_mixed": ("lr_x1_5", {"profile": "4x32,2x64", "resume_world": 0}),
     # fleet's cosine ends at min_lr_frac 0.9 instead of 0.1; bf16 wire: tensors not judged, loss tol 1e-3
     "lr_last_bf16": ("lr_last_x3", {"reduce": "bf16"}),
     # fleet at 1.5 x lr under the bf16 wire: curve judges the loss only (tolerance 1e-3; measured off 2.5e-4)
@@ -37,7 +37,7 @@ FALSE_PASSES = {
     # stops judging tensors (judge_tensors reads the FLEET's config); loss within 1e-6
     "ns_bf16": ("ns_bf16", {}),
     # fleet does not clip (recorded in its config); mixed lengths: no curve
-    "no_clip_mixed": ("no_clip_mixed", {"capacity": "4x32,2x64", "resume_world": 0}),
+    "no_clip_mixed": ("no_clip_mixed", {"profile": "4x32,2x64", "resume_world": 0}),
     # head.weight += 1e-3 in every rank's final model, after the trace recorded the last step
     "final_tamper": ("final_tamper", {}),
 }

@@ -122,13 +122,13 @@ def test_check_without_parameters_is_the_default_settings():
     """settings.check() (and the pipeline's check of its overrides) must
     describe the fleet the notebooks run at their defaults."""
     assert settings.check() == GateSettings().validate()
-    assert settings.check(micro_batch=2).capacity == DEFAULTS["capacity"]
+    assert settings.check(micro_batch=2).profile == DEFAULTS["profile"]
 
 
 def test_the_defaults_are_ci_sized_and_one_configuration():
     s = GateSettings().validate()
     assert s.steps <= 20 and s.world == 2 and s.device == "cpu"
-    assert s.global_batch() == 6  # "4,2": the single process reads both ranks' bytes
+    assert s.plan.global_batch == 6  # "4,2": the single process reads both ranks' bytes
 
 
 # --------------------------------------------------------------------------- the library, without kernels
@@ -148,11 +148,11 @@ def test_default_out_is_the_repository_not_the_cwd(tmp_path, monkeypatch):
     ({"world": -3}, "world", "1 or more"),
     ({"world": "two"}, "world", "whole number"),
     ({"world": 2.0}, "world", "whole number"),
-    ({"world": 2, "capacity": "4,2,1"}, "capacity", "one comma-separated entry per rank"),
-    ({"world": 3, "capacity": "3,1"}, "capacity", "has 2 entries but world = 3"),
+    ({"world": 2, "profile": "4,2,1"}, "profile", "one comma-separated entry per rank"),
+    ({"world": 3, "profile": "3,1"}, "profile", "has 2 entries but world = 3"),
     ({"world": 3}, None, None),  # another world without a profile: the batch on every rank
-    ({"capacity": "4,x"}, "capacity", "'B' or 'BxT'"),
-    ({"capacity": "4x65,2"}, "capacity", "max_seq_len 64"),
+    ({"profile": "4,x"}, "profile", "'B' or 'BxT'"),
+    ({"profile": "4x65,2"}, "profile", "max_seq_len 64"),
     ({"steps": 0}, "steps", "1 or more"),
     ({"batch": 0}, "batch", "1 or more"),
     ({"lr": -1}, "lr", "finite learning rate"),
@@ -175,7 +175,7 @@ def test_default_out_is_the_repository_not_the_cwd(tmp_path, monkeypatch):
 ])
 def test_bad_parameters_raise_one_sentence(given, name, allowed):
     if name is None:
-        assert settings.check(**given).capacity == ""
+        assert settings.check(**given).profile == ""
         return
     with pytest.raises(ParameterError) as info:
         settings.check(**given)
@@ -201,12 +201,12 @@ def test_unwritable_out_is_a_parameter_error(tmp_path):
         settings.check(out=str(tmp_path / "file" / "sub"))
 
 
-def test_capacity_from_papermill_int_and_spaces():
-    assert settings.check(world=1, capacity=4).capacity == "4"
-    assert settings.check(capacity=" 4, 2 ").capacity == "4,2"
-    assert settings.check(world=2, capacity="4x32,2", resume_world=0).global_batch() is None
-    assert settings.check(world=3, batch=2).global_batch() == 6
-    assert settings.check(world=3).capacity == ""  # the profile follows the world
+def test_profile_from_papermill_int_and_spaces():
+    assert settings.check(world=1, profile=4).profile == "4"
+    assert settings.check(profile=" 4, 2 ").profile == "4,2"
+    assert settings.check(world=2, profile="4x32,2", resume_world=0).plan.global_batch is None
+    assert settings.check(world=3, batch=2).plan.global_batch == 6
+    assert settings.check(world=3).profile == ""  # the profile follows the world
 
 
 def test_every_dormouse_error_renders_as_its_message_in_a_notebook():
@@ -284,7 +284,7 @@ def test_lock_serialises_producers_and_force_reuses_what_was_made_while_waiting(
 
 def test_pipeline_cli_bad_input_exits_2_with_one_line(tmp_path):
     for args in (["-p", "world", "0"], ["-p", "world", "two"], ["-p", "bogus", "1"],
-                 ["-p", "world", "2", "-p", "capacity", "4,2,1"], ["--only", "05"]):
+                 ["-p", "world", "2", "-p", "profile", "4,2,1"], ["--only", "05"]):
         r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "-p", "out", str(tmp_path), *args],
                            cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=120)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
@@ -300,7 +300,7 @@ def test_pipeline_checks_its_overrides_against_the_profile_the_notebooks_run(tmp
                         "-p", "micro_batch", "4"], cwd=tmp_path, capture_output=True, text=True, env=ENV,
                        timeout=300)
     assert r.returncode == 2, (r.stdout + r.stderr)[-2000:]
-    assert r.stderr.startswith("error: micro_batch = 4 does not divide every rank's batch (4, 2)"), r.stderr
+    assert r.stderr.startswith("error: micro_batch = 4 is not allowed: it does not divide every rank's batch (4, 2)"), r.stderr
     assert not (tmp_path / "notebooks").exists()  # nothing ran
 
 
@@ -386,11 +386,11 @@ def test_plots_draw_every_figure_from_the_verdicts_json(gate_run):
 
 def test_fleet_notebook_alone_from_the_repository_root(tmp_path):
     out = tmp_path / "out"
-    run_nb("02_fleet_launcher.ipynb", tmp_path / "02.ipynb", cwd=REPO, out=str(out), world=3, capacity="2,1,1",
+    run_nb("02_fleet_launcher.ipynb", tmp_path / "02.ipynb", cwd=REPO, out=str(out), world=3, profile="2,1,1",
            steps=3)
     first = fleet_ranks(out, "leg1_") or fleet_ranks(out)  # the launch at world 3
     assert [m["world_size"] for m in first] == [3, 3, 3]
-    assert [m["settings"]["capacity"] for m in first] == ["2,1,1"] * 3
+    assert [m["settings"]["profile"] for m in first] == ["2,1,1"] * 3
     text = all_text(tmp_path / "02.ipynb")
     assert "[rank2] step=" in text  # rank output streamed into the cell
     assert check_ranks(ArtifactSet(out)).reason in text  # the ranks table says the judge's word
@@ -405,7 +405,7 @@ def fleet_ranks(out: Path, prefix: str = "") -> list[dict]:
 
 def test_papermill_fleet_notebook_with_only_a_world_runs_the_batch_on_every_rank(tmp_path):
     """`papermill notebooks/02_fleet_launcher.ipynb out.ipynb -p world 3`, as its
-    markdown says: no capacity given, the profile follows the world."""
+    markdown says: no profile given, the profile follows the world."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "papermill", str(NB / "02_fleet_launcher.ipynb"), "out.ipynb",
                         "-p", "world", "3", "-p", "steps", "2", "-p", "out", str(out)],
@@ -413,7 +413,7 @@ def test_papermill_fleet_notebook_with_only_a_world_runs_the_batch_on_every_rank
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     metas = fleet_ranks(out, "leg1_") or fleet_ranks(out)  # the launch at world 3
     assert [m["world_size"] for m in metas] == [3, 3, 3]
-    assert [m["settings"]["capacity"] for m in metas] == ["", "", ""]
+    assert [m["settings"]["profile"] for m in metas] == ["", "", ""]
     assert metas[0]["rank_shapes"] == [[2, 64]] * 3
 
 
@@ -595,8 +595,8 @@ def test_pipeline_exits_1_and_prints_the_verdict_when_the_gate_fails(gate_run, t
 @pytest.mark.parametrize("name, params, ename, words", [
     ("02_fleet_launcher.ipynb", {"world": "two"}, "ParameterError", ("world = 'two'", "whole number")),
     ("02_fleet_launcher.ipynb", {"world": 0}, "ParameterError", ("world = 0", "1 or more")),
-    ("03_gradref.ipynb", {"world": 3, "capacity": "3,1"}, "ParameterError",
-     ("capacity = '3,1' has 2 entries but world = 3",)),
+    ("03_gradref.ipynb", {"world": 3, "profile": "3,1"}, "ParameterError",
+     ("profile = '3,1' is not allowed: it has 2 entries but world = 3",)),
     ("01_single.ipynb", {"steps": 0}, "ParameterError", ("steps = 0", "1 or more")),
     ("04_compare_plots.ipynb", {"out": "UNWRITABLE"}, "ParameterError", ("cannot be written", "writable")),
     ("04_compare_plots.ipynb", {"produce": False}, "MissingArtifactError", ("single missing", "produce = False")),

@@ -2,7 +2,7 @@
 command-line flag and a notebook parameter, to_argv round-tripping through the
 parser, and the bad inputs of issue 8 (finding 8) through the real CLI: exit
 status 2, one line "error: ..." naming the setting, no traceback, nothing
-written. Also: `single` runs at the fleet's global batch (--world/--capacity)."""
+written. Also: `single` runs at the fleet's global batch (--world/--profile)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from dormouse.errors import ConfigError, DormouseError
 from dormouse.gate.__main__ import parser
-from dormouse.gate.settings import (_NOT_FLAGS, FIELDS, GateSettings, ParameterError, add_arguments, check,
+from dormouse.gate.settings import (_NOT_FLAGS, FIELDS, GateSettings, ParameterError, add_arguments, by_hand, check,
                                     from_args)
 
 
@@ -36,8 +36,8 @@ BAD = [
     ("opt", "sgd"), ("shard", "zero3"), ("reduce", "fp16"), ("device", "tpu"), ("data_order", "random"),
     ("lr", math.nan), ("lr", -1.0), ("lr", math.inf), ("lr", "0.1"), ("lr", True),
     ("bucket_mb", 0.0), ("bucket_mb", math.nan), ("timeout_s", -1.0), ("produce", "yes"),
-    ("capacity", "-1,2"), ("capacity", "\u0664,2"), ("capacity", "4,2,1"), ("capacity", "4x0,2"),
-    ("capacity", "4;2"), ("capacity", 42),
+    ("profile", "-1,2"), ("profile", "\u0664,2"), ("profile", "4,2,1"), ("profile", "4x0,2"),
+    ("profile", "4;2"), ("profile", 42),
     ("config", "no-such-preset"), ("data", "/no/such/corpus.bin"), ("resume_from", 3),
 ]
 
@@ -56,13 +56,13 @@ def test_a_bad_setting_is_one_sentence_naming_it_and_what_to_do(tmp_path, name, 
 
 
 def test_micro_batch_that_does_not_divide_a_rank_batch_is_refused(tmp_path):
-    with pytest.raises(ParameterError, match=r"^micro_batch = 3 does not divide every rank's batch \(4, 2\)"):
-        GateSettings(out=str(tmp_path / "o"), micro_batch=3, capacity="4,2").validate()
-    assert GateSettings(out=str(tmp_path / "o"), micro_batch=2, capacity="4,2").validate().micro_batch == 2
+    with pytest.raises(ParameterError, match=r"^micro_batch = 3 is not allowed: it does not divide every rank's batch \(4, 2\)"):
+        GateSettings(out=str(tmp_path / "o"), micro_batch=3, profile="4,2").validate()
+    assert GateSettings(out=str(tmp_path / "o"), micro_batch=2, profile="4,2").validate().micro_batch == 2
 
 
-def test_capacity_must_match_the_world(tmp_path):
-    with pytest.raises(ParameterError, match=r"capacity = '4,2' has 2 entries but world = 3"):
+def test_profile_must_match_the_world(tmp_path):
+    with pytest.raises(ParameterError, match=r"profile = '4,2' is not allowed: it has 2 entries but world = 3"):
         GateSettings(out=str(tmp_path / "o"), world=3).validate()
 
 
@@ -84,8 +84,8 @@ def test_cuda_without_a_gpu_names_the_device(tmp_path):
 
 
 def test_validate_normalises(tmp_path):
-    s = GateSettings(out=str(tmp_path / "o"), capacity=" 4 , 2 ", lr=1, steps="3").validate()
-    assert (s.capacity, s.lr, s.steps) == ("4,2", 1.0, 3) and isinstance(s.lr, float)
+    s = GateSettings(out=str(tmp_path / "o"), profile=" 4 , 2 ", lr=1, steps="3").validate()
+    assert (s.profile, s.lr, s.steps) == ("4,2", 1.0, 3) and isinstance(s.lr, float)
     assert s == s.validate()  # idempotent
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.steps = 4
@@ -115,12 +115,15 @@ def test_every_field_is_a_flag_of_the_cli_except_the_notebook_ones():
             continue
         a = by_dest[f.name]
         assert _flag(f.name) in a.option_strings
-        assert a.default == f.default
+        # only the flags given reach the settings (a default never overrides one): the help says the default
+        assert a.default == argparse.SUPPRESS
         assert a.help and "(default:" in a.help and a.help.split(" (default:")[0].strip(), f.name
+        if f.name not in ("world", "profile", "resume_world"):  # by hand these follow other flags
+            assert f"(default: {f.default!r})" in a.help, (f.name, a.help)
 
 
 NON_DEFAULT = {
-    "steps": 3, "batch": 3, "world": 2, "capacity": "3,1", "seed": 8, "lr": 0.01, "opt": "adamw",
+    "steps": 3, "batch": 3, "world": 2, "profile": "3,1", "seed": 8, "lr": 0.01, "opt": "adamw",
     "shard": "fsdp", "reduce": "bf16", "micro_batch": 1, "data_order": "sequential", "preset": "tiny",
     "resume_world": 2, "resume_from": "ckpt.pt", "device": "cpu", "threads": 2, "bucket_mb": 8.0,
     "timeout_s": 60.0, "produce": False,
@@ -153,19 +156,19 @@ def test_every_field_is_a_notebook_parameter(tmp_path):
 
 
 def test_the_notebook_check_undoes_papermills_conversions(tmp_path):
-    s = check(out=tmp_path / "p", capacity=4, world=1, config=None)
-    assert (s.capacity, s.world, s.config, s.out) == ("4", 1, "", str(tmp_path / "p"))
-    # a world without a capacity runs the batch on every rank, not the default 2-rank profile
-    assert check(out=str(tmp_path / "p"), world=3).capacity == ""
+    s = check(out=tmp_path / "p", profile=4, world=1, config=None)
+    assert (s.profile, s.world, s.config, s.out) == ("4", 1, "", str(tmp_path / "p"))
+    # a world without a profile runs the batch on every rank, not the default 2-rank profile
+    assert check(out=str(tmp_path / "p"), world=3).profile == ""
 
 
 @pytest.mark.parametrize("over", [
     {},
     {**NON_DEFAULT, **NO_STOP},
     {**NON_DEFAULT, "resume_from": ""},
-    {"capacity": "4x32,2x64", "lr": 1e-7, "bucket_mb": 0.25, **NO_STOP},
-    {"world": 3, "capacity": "", "batch": 1, "reduce": "bf16"},
-], ids=["defaults", "non-default-resumed", "non-default-stopping", "mixed-lengths", "no-capacity"])
+    {"profile": "4x32,2x64", "lr": 1e-7, "bucket_mb": 0.25, **NO_STOP},
+    {"world": 3, "profile": "", "batch": 1, "reduce": "bf16"},
+], ids=["defaults", "non-default-resumed", "non-default-stopping", "mixed-lengths", "no-profile"])
 def test_to_argv_round_trips_through_the_parser(tmp_path, over):
     over = {k: v for k, v in over.items() if k not in _NOT_FLAGS}
     s = GateSettings(out=str(tmp_path / "rt"), **over).validate()
@@ -188,15 +191,15 @@ def _popen(*args: str, cwd: Path) -> subprocess.Popen:
 
 # name: (mode and flags, the setting the one line must name)
 CLI_BAD = {
-    "gradref_batch_0": (["gradref", "--batch", "0", "--capacity", ""], "batch"),
+    "gradref_batch_0": (["gradref", "--batch", "0", "--profile", ""], "batch"),
     "gradref_lr_nan": (["gradref", "--lr", "nan"], "lr"),
     "single_lr_minus_1": (["single", "--lr", "-1"], "lr"),
     "gradref_lr_minus_1": (["gradref", "--lr=-1"], "lr"),
-    "capacity_negative": (["single", "--capacity", "-1,2"], "capacity"),
-    "capacity_arabic_indic_digit": (["single", "--capacity", "\u0664,2"], "capacity"),
+    "profile_negative": (["single", "--profile", "-1,2"], "profile"),
+    "profile_arabic_indic_digit": (["single", "--profile", "\u0664,2"], "profile"),
     "world_0": (["single", "--world", "0"], "world"),
-    "world_3_with_a_2_rank_capacity": (["single", "--world", "3", "--capacity", "4,2"], "capacity"),
-    "micro_batch_3": (["gradref", "--micro-batch", "3", "--capacity", "4,2"], "micro_batch"),
+    "world_3_with_a_2_rank_profile_by_its_old_name": (["single", "--world", "3", "--capacity", "4,2"], "profile"),
+    "micro_batch_3": (["gradref", "--micro-batch", "3", "--profile", "4,2"], "micro_batch"),
     "steps_not_a_number": (["single", "--steps", "abc"], "--steps"),
     "reduce_unknown": (["replay", "--reduce", "fp16"], "reduce"),
     "rank_outside_torchrun_with_bad_lr": (["rank", "--lr", "inf"], "lr"),
@@ -214,7 +217,7 @@ def test_bad_inputs_through_the_cli_exit_2_with_one_line_and_write_nothing(tmp_p
         outs[case] = out
         procs[case] = _popen(*args, "--out", str(out), cwd=tmp_path / case)
     fresh = tmp_path / "fresh" / "out"  # does not exist: it must not be created either
-    procs["gradref_batch_0_fresh"] = _popen("gradref", "--batch", "0", "--capacity", "", "--out", str(fresh),
+    procs["gradref_batch_0_fresh"] = _popen("gradref", "--batch", "0", "--profile", "", "--out", str(fresh),
                                            cwd=tmp_path)
     for case, mode in UNWRITABLE.items():
         procs[case] = _popen(mode, "--out", str(blocker / "sub"), cwd=tmp_path)
@@ -243,8 +246,8 @@ def test_bad_inputs_through_the_cli_exit_2_with_one_line_and_write_nothing(tmp_p
 
 
 def test_single_runs_at_the_fleets_global_batch(tmp_path):
-    """single honours --world/--capacity: its batch is the fleet's global batch."""
-    runs = {"4,2": (["--capacity", "4,2"], 6), "world3": (["--world", "3", "--capacity", "", "--batch", "1"], 3)}
+    """single honours --world/--profile: its batch is the fleet's global batch."""
+    runs = {"4,2": (["--profile", "4,2"], 6), "world3": (["--world", "3", "--capacity", "", "--batch", "1"], 3)}
     procs = {k: _popen("single", "--steps", "1", "--out", str(tmp_path / k), *args, cwd=tmp_path)
              for k, (args, _) in runs.items()}
     for k, proc in procs.items():
@@ -252,10 +255,53 @@ def test_single_runs_at_the_fleets_global_batch(tmp_path):
         assert proc.returncode == 0, stderr[-2000:]
         meta = json.loads((tmp_path / k / "single.json").read_text())
         assert meta["global_batch"] == runs[k][1], (k, meta["global_batch"])
-        assert meta["settings"]["capacity"] == ("4,2" if k == "4,2" else "")
+        assert meta["settings"]["profile"] == ("4,2" if k == "4,2" else "")
         assert len(meta["losses"]) == 1 and math.isfinite(meta["losses"][0])
         # the single process's tokens: one row per window of the global batch
         trace = load_file(str(tmp_path / k / "single_trace.safetensors"))
         assert trace["topk"].shape[1] == runs[k][1]
         # its floor: one-ulp nudges of the same run only, never a run that splits the batch
         assert meta["floor"] and all(name.startswith("ulp") for name in meta["floor"]), list(meta["floor"])
+
+
+# --------------------------------------------------------------------------- by hand, and defaults that follow
+
+
+def test_by_hand_batch_is_the_batch_of_the_process_launched(tmp_path):
+    """single --batch 4 is one process at the global batch 4; a 2-rank rank --batch 2
+    is 2 x 2 (the default capacity never overrides a given batch); both one launch."""
+    out = {"out": str(tmp_path / "g")}
+    single = by_hand("single", {**out, "batch": 4})
+    assert (single.world, single.batch, single.profile, single.plan.global_batch) == (1, 4, "", 4)
+    rank = by_hand("rank", {**out, "batch": 2}, world_size=2)
+    assert (rank.world, rank.batch, rank.profile, rank.plan.global_batch, rank.resume_world) == (2, 2, "", 4, 0)
+    assert len(rank.legs()) == 1  # by hand: no --leg
+    assert by_hand("rank", {**out, "batch": 2}, world_size=3).world == 3  # torchrun's world
+    assert by_hand("single", {**out, "world": 2, "batch": 4}).plan.global_batch == 4  # split over the ranks
+    # nothing given: the default fleet (4,2) and its global batch, as the pipeline's
+    assert by_hand("single", dict(out)).plan.global_batch == by_hand("rank", dict(out), world_size=2).plan.global_batch == 6
+    # a flag given is never overridden
+    assert by_hand("rank", {**out, "resume_world": 1}, world_size=2).resume_world == 1
+    assert by_hand("rank", {**out, "profile": "3,1", "batch": 2}, world_size=2).profile == "3,1"
+    with pytest.raises(ParameterError, match=r"^batch = 5 is not allowed with world = 2"):
+        by_hand("single", {**out, "world": 2, "batch": 5})
+
+
+def test_the_references_by_hand_take_the_fleets_recorded_settings(tmp_path):
+    fleet = by_hand("rank", {"out": str(tmp_path / "g"), "batch": 2, "steps": 3, "lr": 0.01}, world_size=2)
+    recorded = fleet.record()
+    assert by_hand("gradref", {"out": fleet.out}, recorded=recorded) == fleet
+    assert by_hand("replay", {"out": fleet.out, "steps": 2}, recorded=recorded).steps == 2  # a flag given wins
+
+
+def test_a_profile_that_mixes_window_lengths_runs_in_one_launch_by_default(tmp_path):
+    s = check(out=str(tmp_path / "o"), profile="5x16,1x64")
+    assert s.resume_world == 0 and len(s.legs()) == 1 and s.plan.global_batch is None
+    assert check(out=str(tmp_path / "o"), profile="5x16,1x64", resume_world=1).resume_world == 0  # a notebook's default
+    with pytest.raises(ParameterError, match=r"^resume_world = 2 is not allowed: the profile mixes window lengths"):
+        check(out=str(tmp_path / "o"), profile="5x16,1x64", resume_world=2)
+    # on the command line an explicit --resume-world 1 is the user's word, and refused with its reason
+    with pytest.raises(ParameterError, match=r"^resume_world = 1 is not allowed: the profile mixes window lengths"):
+        from_args(argparse.Namespace(out=str(tmp_path / "o"), profile="5x16,1x64", resume_world=1),
+                  {"profile", "resume_world"})
+    assert check(out=str(tmp_path / "o"), profile="4,2").resume_world == 1  # one length: the richer default stays

@@ -1,7 +1,7 @@
 """One rank of the exact-reduce fleets of tests/train/test_exact.py (run under torchrun).
 
 argv[1] is a JSON plan: a list of runs, each {"out": dir, "steps", "batch",
-"capacity", "lr", "reduce", "resume_from", "train": {other TrainConfig fields}},
+"profile", "lr", "reduce", "resume_from", "train": {other TrainConfig fields}},
 run one after another in the same process group (one launch, several
 fleets). Each rank writes <out>/rank<r>.safetensors (every parameter and
 buffer by name) and <out>/rank<r>.json (the run's losses).
@@ -22,7 +22,7 @@ from dormouse.train.tensors import named_state
 
 
 def fleet_run(entry: dict):
-    run = make_run(Path(entry["out"]), steps=entry["steps"], batch=entry["batch"], capacity=entry.get("capacity", ""),
+    run = make_run(Path(entry["out"]), steps=entry["steps"], batch=entry["batch"], profile=entry.get("profile", ""),
                    dist=True, lr=entry["lr"], reduce=entry["reduce"], resume_from=entry.get("resume_from", ""))
     run.train = dataclasses.replace(run.train, **entry.get("train", {}))
     return run

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dormouse.train.data import RankShape
+from dormouse.train.data import FleetPlan
 from dormouse.train.distributed import FleetSync
 from dormouse.train.exact import tree_sum
 
@@ -22,10 +22,11 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
 model = torch.nn.ModuleDict({n: torch.nn.Linear(8, 8, bias=False) for n in ("a", "b", "c")})
-shapes = [RankShape(2, 4), RankShape(1, 4), RankShape(2, 4)]
-sync = FleetSync(shapes, rank, world, reduce="exact", sharded=False, bucket_mb=1e-6, micro_batch=1)
+plan = FleetPlan.make("2,1,2", world=world, batch=1, seq_len=4, micro_batch=1)
+sync = FleetSync(plan, rank, reduce="exact", sharded=False, bucket_mb=1e-6)
 sync.attach(model)  # one parameter per bucket, reversed: [c], [b], [a]
 first = [0, 2, 3][rank]
+assert plan.first_slice(rank) == first and plan.counts == (2, 1, 2)
 reaches_b = {1, 3}  # global slices whose tokens reach b
 
 mine = []  # (global index, {name: grad}, loss part, loads)

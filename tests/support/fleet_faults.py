@@ -38,8 +38,17 @@ Issue 16 (tests/gate/test_gate_trust.py):
   fsdp_stale_shard     at step 3, rank 1's FSDP2 gradient shard is the one of step 2
   bf16_decay_scaled    bf16_decay at DORMOUSE_TEST_FAULT_SCALE x W u |g| sign(p) (measuring the smallest caught)
 
-To add a fault: add a function here that patches what it needs (module
-attributes the process looks up at call time) and name it in FAULTS.
+How a fault enters: a fault in the training step (the gradient a rank
+contributes, the reduced gradient, the loads, a rank dying after a step) is
+an explicit hook of dormouse.train.hooks, `install`ed for every train() of the
+process (on_local_grads: after the local gradient; on_reduced: after the
+reduce; on_step: after the step). The others change what the step is given
+(the run's config, the model, the corpus, the schedule) and replace the public
+module attribute that builds it; only `seeds` switches off a private check
+(the ranks' start-up identity check, which is not part of a step).
+
+To add a fault: add a function here that installs the hooks (or replaces the
+builder) it needs and name it in FAULTS.
 """
 
 from __future__ import annotations
@@ -53,64 +62,54 @@ import torch
 
 import dormouse.gate.record.fixtures as fixtures
 import dormouse.gate.record.modes as modes
-import dormouse.gate.record.trace as trace
 import dormouse.model.network as network
 import dormouse.train.data as data
 import dormouse.train.distributed as distributed
+from dormouse.train.hooks import Hooks, install
 
 
 def kill_rank1() -> None:
     make_run = modes.make_run
     modes.make_run = lambda *a, **k: _with_ckpt_every(make_run(*a, **k), 2)
-    record = trace.Trace.__call__
 
-    def call(self, step, model, info):
-        record(self, step, model, info)
+    def die(step, model, info):
         if step == 3 and os.environ.get("RANK") == "1":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    trace.Trace.__call__ = call
+    install(Hooks(on_step=[die]))
 
 
 def _with_ckpt_every(run, every):
     return dataclasses.replace(run, train=dataclasses.replace(run.train, ckpt_every=every))
 
 
+def _scale_local(factor) -> None:
+    """Every piece of this rank's gradient times factor(plan, rank) before the reduce."""
+    def scaled(piece):
+        f = factor(piece.plan, piece.rank)
+        for g in piece.grads.values():
+            g.mul_(f)
+
+    install(Hooks(on_local_grads=[scaled]))
+
+
 def plain_mean() -> None:
-    flatten = distributed.FleetSync._flatten
-
-    def mean_flatten(self, bucket):
-        # The loop scaled this rank's loss by t_r / T; undo that and apply 1 / W.
-        total = sum(s.tokens for s in self.shapes)
-        return flatten(self, bucket) * (total / (self.world_size * self.shapes[self.rank].tokens))
-
-    distributed.FleetSync._flatten = mean_flatten
+    # The loop scaled this rank's loss by t_r / T; undo that and apply 1 / W.
+    _scale_local(lambda plan, r: plan.tokens / (plan.world * plan.shapes[r].tokens))
 
 
 def window_weights() -> None:
-    flatten = distributed.FleetSync._flatten
-
-    def by_windows(self, bucket):
-        # The loop scaled this rank's loss by t_r / T; apply b_r / B (its share of the windows) instead.
-        me = self.shapes[self.rank]
-        share_tokens = me.tokens / sum(s.tokens for s in self.shapes)
-        share_windows = me.batch / sum(s.batch for s in self.shapes)
-        return flatten(self, bucket) * (share_windows / share_tokens)
-
-    distributed.FleetSync._flatten = by_windows
+    # The loop scaled this rank's loss by t_r / T; apply b_r / B (its share of the windows) instead.
+    _scale_local(lambda plan, r: (plan.shapes[r].batch / plan.windows) / (plan.shapes[r].tokens / plan.tokens))
 
 
 def grad_x2() -> None:
-    reduce = distributed.FleetSync.reduce
-
-    def doubled(self, model, loss_share, loads):
-        out = reduce(self, model, loss_share, loads)
-        for p in model.parameters():
+    def doubled(state):
+        for p in state.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(2)
-        return out
 
-    distributed.FleetSync.reduce = doubled
+    install(Hooks(on_reduced=[doubled]))
 
 
 def wrong_step() -> None:
@@ -119,16 +118,16 @@ def wrong_step() -> None:
 
 
 def skip_param() -> None:
-    reduce = distributed.FleetSync.reduce
+    local = {}
 
-    def leaky_reduce(self, model, loss_share, loads):
-        p = dict(model.named_parameters())["head.weight"]
-        local = p.grad.clone()
-        out = reduce(self, model, loss_share, loads)
-        p.grad.copy_(local)  # as if head.weight had been left out of the buckets
-        return out
+    def keep(piece):  # head.weight's local gradient, as the reduce is about to read it
+        if "head.weight" in piece.grads:
+            local[piece.step] = piece.grads["head.weight"].clone()
 
-    distributed.FleetSync.reduce = leaky_reduce
+    def restore(state):  # as if head.weight had been left out of the buckets
+        dict(state.model.named_parameters())["head.weight"].grad.copy_(local.pop(state.step))
+
+    install(Hooks(on_local_grads=[keep], on_reduced=[restore]))
 
 
 def seeds_checked() -> None:
@@ -167,32 +166,15 @@ def batch_stats() -> None:
 
 
 def one_ulp() -> None:
-    flatten, reduce, attach = distributed.FleetSync._flatten, distributed.FleetSync.reduce, distributed.FleetSync.attach
+    done = []
 
-    def remember(self, model):
-        self._fault_names, self._fault_steps, self._fault_done = (
-            {id(p): n for n, p in model.named_parameters()}, 0, False)
-        return attach(self, model)
+    def nudged(piece):
+        if piece.rank == 1 and piece.step == 3 and not done and "head.weight" in piece.grads:
+            g = piece.grads["head.weight"]
+            g.copy_(torch.nextafter(g, torch.full_like(g, torch.inf)))
+            done.append(1)  # one slice's copy of one tensor, once
 
-    def counted(self, *a, **k):
-        out = reduce(self, *a, **k)
-        self._fault_steps += 1
-        return out
-
-    def nudged(self, bucket):
-        flat = flatten(self, bucket)
-        if self.rank == 1 and self._fault_steps == 2 and not self._fault_done:  # during step 3
-            offset = 0
-            for p in bucket:
-                if self._fault_names.get(id(p)) == "head.weight":
-                    seg = flat[offset:offset + p.numel()]
-                    seg.copy_(torch.nextafter(seg, torch.full_like(seg, torch.inf)))
-                    self._fault_done = True  # one slice's copy of one tensor, once
-                offset += p.numel()
-        return flat
-
-    distributed.FleetSync.attach, distributed.FleetSync.reduce = remember, counted
-    distributed.FleetSync._flatten = nudged
+    install(Hooks(on_local_grads=[nudged]))
 
 
 FAULTS = {f.__name__: f for f in (kill_rank1, plain_mean, window_weights, grad_x2, wrong_step, skip_param, seeds,
@@ -262,22 +244,18 @@ def final_tamper() -> None:
 
 
 def _after_reduce(perturb) -> None:
-    reduce = distributed.FleetSync.reduce
-
-    def perturbed(self, model, loss_share, loads):
-        out = reduce(self, model, loss_share, loads)
+    def perturbed(state):
         with torch.no_grad():
-            for n, p in model.named_parameters():
+            for n, p in state.model.named_parameters():
                 if p.grad is not None:
                     g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                    d = perturb(self, n, p, g)
+                    d = perturb(state, n, p, g)
                     if hasattr(p.grad, "full_tensor"):
                         from torch.distributed.tensor import distribute_tensor
                         d = distribute_tensor(d, p.grad.device_mesh, p.grad.placements)
                     p.grad.add_(d)
-        return out
 
-    distributed.FleetSync.reduce = perturbed
+    install(Hooks(on_reduced=[perturbed]))
 
 
 def _pattern(n, shape):
@@ -288,24 +266,24 @@ def _pattern(n, shape):
 def sustained_5e6() -> None:
     """Every step, every tensor: g += 5e-6 * max|g| * a FIXED sign pattern
     (a systematic bias just under gradref's 1e-5 relative bound)."""
-    _after_reduce(lambda self, n, p, g: 5e-6 * g.abs().max() * _pattern(n, g.shape).to(g))
+    _after_reduce(lambda state, n, p, g: 5e-6 * g.abs().max() * _pattern(n, g.shape).to(g))
 
 
 def sustained_8e6() -> None:
     """As sustained_5e6 with 8e-6."""
-    _after_reduce(lambda self, n, p, g: 8e-6 * g.abs().max() * _pattern(n, g.shape).to(g))
+    _after_reduce(lambda state, n, p, g: 8e-6 * g.abs().max() * _pattern(n, g.shape).to(g))
 
 
 def bf16_bias() -> None:
     """Under reduce='bf16': g += 0.4 W u |g| sign(pattern): a SYSTEMATIC bias
     inside the bf16 wire bound W u sum t|g|/T (u = 2^-8)."""
-    _after_reduce(lambda self, n, p, g: 0.4 * self.world_size * 2.0**-8 * g.abs() * _pattern(n, g.shape).to(g))
+    _after_reduce(lambda state, n, p, g: 0.4 * state.plan.world * 2.0**-8 * g.abs() * _pattern(n, g.shape).to(g))
 
 
 def bf16_decay() -> None:
     """Under reduce='bf16': g += 0.4 W u |g| sign(p): extra weight decay
     hidden inside the bf16 wire bound."""
-    _after_reduce(lambda self, n, p, g: 0.4 * self.world_size * 2.0**-8 * g.abs()
+    _after_reduce(lambda state, n, p, g: 0.4 * state.plan.world * 2.0**-8 * g.abs()
                   * torch.sign(p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
 
 
@@ -330,15 +308,13 @@ def loads_rank0() -> None:
     """Every rank moves the routing bias by rank 0's LOCAL loads times W
     (broadcast): ranks stay equal, the bias moves by rank-local loads."""
     import torch.distributed as dist
-    reduce = distributed.FleetSync.reduce
 
-    def local(self, model, loss_share, loads):
-        mine = loads.clone()
-        loss, _ = reduce(self, model, loss_share, loads)
+    def local(state):
+        mine = state.local_loads.clone()
         dist.broadcast(mine, 0)
-        return loss, mine * self.world_size
+        state.loads = mine * state.plan.world
 
-    distributed.FleetSync.reduce = local
+    install(Hooks(on_reduced=[local]))
 
 
 FAULTS.update({f.__name__: f for f in (exact_reversed_tree, loads_rank0)})
@@ -365,7 +341,7 @@ FAULTS.update({f.__name__: f for f in (ns_bf16, ns_bf16_minlr, no_clip_mixed)})
 
 def bf16_decay_small() -> None:
     """bf16_decay at 0.2 W u |g| sign(p)."""
-    _after_reduce(lambda self, n, p, g: 0.2 * self.world_size * 2.0**-8 * g.abs()
+    _after_reduce(lambda state, n, p, g: 0.2 * state.plan.world * 2.0**-8 * g.abs()
                   * torch.sign(p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
 
 

@@ -11,14 +11,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dormouse.train.data import RankShape
+from dormouse.train.data import FleetPlan
 from dormouse.train.distributed import FleetSync
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
 model = torch.nn.ModuleDict({n: torch.nn.Linear(8, 8, bias=False) for n in ("a", "b", "c")})
-sync = FleetSync([RankShape(1, 4)] * world, rank, world, reduce="fp32", sharded=False, bucket_mb=1e-6)
+sync = FleetSync(FleetPlan.make("", world=world, batch=1, seq_len=4), rank, reduce="fp32", sharded=False, bucket_mb=1e-6)
 sync.attach(model)  # one parameter per bucket, reversed: [c], [b], [a]
 
 x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))

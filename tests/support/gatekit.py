@@ -33,7 +33,7 @@ def references(s: GateSettings, fault: str | None = None, *, single: bool = True
     """single (when the profile has one global batch), then gradref and the
     replay of the fleet already in s.out; with a fault, each in a process of
     its own with the fault injected (for faults in the network itself)."""
-    names = (["single"] if single and s.global_batch() is not None else []) + ["gradref", "replay"]
+    names = (["single"] if single and s.plan.global_batch is not None else []) + ["gradref", "replay"]
     for mode in names:
         if fault:
             env = {**os.environ, "DORMOUSE_TEST_FAULT": fault, "OMP_NUM_THREADS": "1"}

@@ -12,11 +12,11 @@ from dormouse.gate.record import fixtures
 from dormouse.gate.settings import GateSettings
 
 
-def make_run(out: Path, *, steps: int, batch: int, capacity: str = "", dist: bool = False, lr: float = 1e-3,
+def make_run(out: Path, *, steps: int, batch: int, profile: str = "", dist: bool = False, lr: float = 1e-3,
              reduce: str = "fp32", resume_from: str = "", name: str = "gate") -> RunConfig:
     """`batch` is the per-rank batch of a fleet (dist) and the global batch of one process."""
-    s = GateSettings(out=str(out), steps=steps, batch=batch, world=len(capacity.split(",")) if capacity else 1,
-                     capacity=capacity, lr=lr, resume_world=0)
+    s = GateSettings(out=str(out), steps=steps, batch=batch, world=len(profile.split(",")) if profile else 1,
+                     profile=profile, lr=lr, resume_world=0)
     run = fixtures.make_run(s, name=name, dist=dist, resume_from=resume_from, reduce=reduce)
     run.train = dataclasses.replace(run.train, ckpt_every=10_000)
     return run

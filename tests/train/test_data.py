@@ -1,4 +1,4 @@
-"""dormouse.train.data: windows, the span rule, rank offsets, the corpus file."""
+"""dormouse.train.data: windows, the span rule, rank offsets, the corpus file, the fleet's plan."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from dormouse.errors import DataError
+from dormouse.config import TrainConfig
+from dormouse.errors import ConfigError, DataError, FleetError, PlanError
 from dormouse.train.data import (
-    ByteCorpus, RankShape, _windows, builtin_corpus, rank_byte_offset, span_bytes, step_span_start,
+    ByteCorpus, FleetPlan, RankShape, _windows, builtin_corpus, rank_byte_offset, span_bytes, step_span_start,
 )
 
 
@@ -234,3 +235,53 @@ def test_the_trainer_reads_the_span_the_documented_rule_names_at_every_step_acro
     assert read == _spans_by_rule(corpus, 34, 12, seed=11, eval_frac=0.15)
     assert sorted(read[:5]) == list(range(5)) and read[:5] != read[5:10]  # an epoch each, reshuffled
     assert read != _spans_by_rule(corpus, 34, 12, seed=12, eval_frac=0.15)
+
+
+# --------------------------------------------------------------------------- FleetPlan
+
+
+def test_a_fleet_plan_holds_the_shapes_slices_tokens_and_offsets_of_its_profile():
+    plan = FleetPlan.make(" 4, 2x8 ", world=2, batch=3, seq_len=5, micro_batch=2, max_seq_len=8)
+    assert plan.profile == "4,2x8" and plan.shapes == (RankShape(4, 5), RankShape(2, 8))
+    assert plan.counts == (2, 1) and plan.n_slices == 3 and [plan.first_slice(r) for r in range(2)] == [0, 2]
+    assert plan.slice_batch(0) == plan.slice_batch(1) == 2
+    assert plan.tokens == 4 * 5 + 2 * 8 and plan.span == 4 * 6 + 2 * 9 == span_bytes(list(plan.shapes))
+    assert plan.rank_byte_offset(1) == 24 and plan.mixed_lengths and plan.global_batch is None
+    even = FleetPlan.make("", world=3, batch=2, seq_len=5)
+    assert even.shapes == (RankShape(2, 5),) * 3 and even.counts == (1, 1, 1) and even.global_batch == 6
+    assert even.slice_batch(2) == 2 and even.exact_slice() == 2  # micro_batch 0: the whole local batch
+    assert even.evenly(2).profile == "3x5,3x5" and even.evenly(2).global_batch == 6
+
+
+@pytest.mark.parametrize("make, field, words", [
+    (dict(profile="4,x", world=2), "profile", "rank 1's entry 'x' is not a batch size"),
+    (dict(profile="4,2,1", world=2), "profile", "has 3 entries but world = 2"),
+    (dict(profile="0,2", world=2), "profile", "rank 0's entry '0' must be positive"),
+    (dict(profile="4x65,2", world=2), "profile", "exceeds the model's max_seq_len 64"),
+    (dict(profile="4,2", world=2, micro_batch=3), "micro_batch", "does not divide every rank's batch (4, 2)"),
+    (dict(profile="", world=1, micro_batch=3), "micro_batch", "does not divide every rank's batch (4)"),
+    (dict(profile="", world=0), "world", "at least one rank"),
+])
+def test_a_malformed_plan_is_one_error_naming_its_field(make, field, words):
+    with pytest.raises(PlanError) as info:
+        FleetPlan.make(make.pop("profile"), batch=4, seq_len=8, max_seq_len=64, **make)
+    e = info.value
+    assert e.field == field and words in e.reason and str(e).startswith(f"{field} = ")
+    assert isinstance(e, ConfigError) and isinstance(e, FleetError)  # caught as either, as before
+
+
+def test_an_uneven_profile_has_no_one_exact_slice_and_no_even_split_of_another_size():
+    plan = FleetPlan.make("4,2", world=2, batch=1, seq_len=8)
+    with pytest.raises(PlanError, match="needs micro_batch > 0"):
+        plan.exact_slice()
+    with pytest.raises(PlanError, match="does not split evenly"):
+        plan.evenly(4)
+    assert FleetPlan.make("4,2", world=2, batch=1, seq_len=8, micro_batch=1).exact_slice() == 1
+
+
+def test_parse_capacity_is_the_plans_shapes():
+    from dormouse.train.distributed import parse_capacity
+
+    cfg = TrainConfig(batch=2, seq_len=8)
+    assert parse_capacity("", world_size=2, cfg=cfg, max_seq_len=8) == [RankShape(2, 8)] * 2
+    assert parse_capacity("3x4,1", world_size=2, cfg=cfg, max_seq_len=8) == [RankShape(3, 4), RankShape(1, 8)]

@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 
 def test_two_torchrun_agents_with_c10d_rendezvous_form_one_fleet(tmp_path):
-    s = GateSettings(out=str(tmp_path), steps=10, capacity="", resume_world=0)  # one launch: two agents
+    s = GateSettings(out=str(tmp_path), steps=10, profile="", resume_world=0)  # one launch: two agents
     port = _free_port()
     args = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=dormouse-gate-test", "--max-restarts=0"]
@@ -66,30 +66,30 @@ def test_fleetsync_overlaps_backward_and_a_missing_gradient_keeps_collectives_in
 
 # 7 --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("capacity,problem", [
+@pytest.mark.parametrize("profile,problem", [
     ("4,x", "rank 1's entry 'x' is not a batch size"),
-    ("4,2,1", "has 3 entries but the fleet has 2 ranks"),
+    ("4,2,1", "has 3 entries but world = 2"),
     ("0,2", "rank 0's entry '0' must be positive"),
     ("-1,2", "rank 0's entry '-1' is not a batch size"),
     ("four,two", "rank 0's entry 'four' is not a batch size"),
     ("4x65,2", "exceeds the model's max_seq_len 64"),
     ("\u0664,2", "rank 0's entry '\u0664' is not a batch size"),  # an Arabic-Indic four is no ASCII digit
 ])
-def test_malformed_capacity_is_refused_with_a_message_naming_it(tmp_path, capacity, problem):
-    cfg = make_run(GateSettings(out=str(tmp_path), capacity=""), name="t", dist=True).train
+def test_malformed_profile_is_refused_with_a_message_naming_it(tmp_path, profile, problem):
+    cfg = make_run(GateSettings(out=str(tmp_path), profile=""), name="t", dist=True).train
     with pytest.raises(FleetError, match=problem.replace("(", r"\(")):
-        parse_capacity(capacity, world_size=2, cfg=cfg, max_seq_len=64)
+        parse_capacity(profile, world_size=2, cfg=cfg, max_seq_len=64)
 
 
-def _run(tmp_path, *, capacity="", dist_on=True):
-    s = GateSettings(out=str(tmp_path), steps=5, capacity="")
+def _run(tmp_path, *, profile="", dist_on=True):
+    s = GateSettings(out=str(tmp_path), steps=5, profile="")
     run = make_run(s, name="fleet", dist=dist_on)
-    run.train.dist_capacity = capacity
+    run.train.dist_profile = profile
     return run
 
 
-def _refusal(tmp_path, monkeypatch, *, capacity="", model_changes=None, prebuilt=False, dist_on=True):
-    run = _run(tmp_path, capacity=capacity, dist_on=dist_on)
+def _refusal(tmp_path, monkeypatch, *, profile="", model_changes=None, prebuilt=False, dist_on=True):
+    run = _run(tmp_path, profile=profile, dist_on=dist_on)
     if model_changes:
         run.model = ModelConfig(**{**vars(run.model), **model_changes})
     monkeypatch.setenv("RANK", "0")
@@ -107,7 +107,7 @@ def _refusal(tmp_path, monkeypatch, *, capacity="", model_changes=None, prebuilt
 def test_incompatible_configurations_are_refused_before_joining_the_fleet(tmp_path, monkeypatch):
     assert "capacity-dropping MoE" in _refusal(tmp_path, monkeypatch, model_changes={"moe_capacity": 1.0})
     assert "pre-built model" in _refusal(tmp_path, monkeypatch, model_changes={"bf16": True}, prebuilt=True)
-    assert "has 3 entries" in _refusal(tmp_path, monkeypatch, capacity="4,2,1")
+    assert "has 3 entries" in _refusal(tmp_path, monkeypatch, profile="4,2,1")
     assert "train.dist is False" in _refusal(tmp_path, monkeypatch, dist_on=False)
     run = _run(tmp_path)
     other = DormouseModel(ModelConfig(**{**vars(run.model), "rank": 4}))
@@ -116,10 +116,10 @@ def test_incompatible_configurations_are_refused_before_joining_the_fleet(tmp_pa
 
 
 def test_a_refused_fleet_launch_fails_fast_and_trains_nothing(tmp_path):
-    s = GateSettings(out=str(tmp_path), steps=5, capacity="4,x")  # refused before any process starts
+    s = GateSettings(out=str(tmp_path), steps=5, profile="4,x")  # refused before any process starts
     lines: list[str] = []
     t0 = time.monotonic()
-    with pytest.raises(DormouseError, match="capacity = '4,x' is not allowed"):
+    with pytest.raises(DormouseError, match="profile = '4,x' is not allowed"):
         launch_fleet(s, timeout_s=120, stream=lines.append)
     assert time.monotonic() - t0 < 60
     assert not any("loss=" in line for line in lines)
@@ -129,7 +129,7 @@ def test_a_refused_fleet_launch_fails_fast_and_trains_nothing(tmp_path):
 # 8 --------------------------------------------------------------------------------------------
 
 def test_a_killed_rank_fails_the_fleet_fast_naming_it_and_leaves_no_torn_files(tmp_path):
-    s = GateSettings(out=str(tmp_path), steps=20, capacity="", resume_world=0)
+    s = GateSettings(out=str(tmp_path), steps=20, profile="", resume_world=0)
     t0 = time.monotonic()
     lines: list[str] = []
     with pytest.raises(FleetError) as info:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from gatekit import SUPPORT
 from runs import make_run
-from dormouse.train.data import RankShape
+from dormouse.train.data import FleetPlan, RankShape
 from dormouse.train.exact import tree_sum
 from dormouse.train.loop import LocalSync, build_model, train
 from dormouse.train.tensors import named_state
@@ -44,7 +44,8 @@ def single(out: Path, *, ns: str, micro: int = 1, reduce: str = "exact", shapes=
     if clip is not None:
         run.train = dataclasses.replace(run.train, grad_clip=clip)
     model = build_model(run)
-    report = train(model, run, log=lambda _: None, sync=LocalSync(run, shapes))
+    plan = FleetPlan(shapes, micro) if shapes else None  # another cut of the step, computed alone
+    report = train(model, run, log=lambda _: None, sync=LocalSync(run, plan))
     return {"losses": report["losses"], "state": named_state(model)}
 
 
@@ -63,10 +64,10 @@ def launch(world: int, plan: list[dict], base: Path) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
-def entry(out: Path, *, batch: int, ns: str, capacity: str = "", reduce: str = "exact", steps: int = STEPS,
+def entry(out: Path, *, batch: int, ns: str, profile: str = "", reduce: str = "exact", steps: int = STEPS,
           resume_from: str = "", micro: int = 1, shard: str = "none") -> dict:
     Path(out).mkdir(parents=True, exist_ok=True)
-    return {"out": str(out), "steps": steps, "batch": batch, "capacity": capacity, "lr": LR, "reduce": reduce,
+    return {"out": str(out), "steps": steps, "batch": batch, "profile": profile, "lr": LR, "reduce": reduce,
             "resume_from": resume_from, "train": {"micro_batch": micro, "ns_dtype": ns, "dist_shard": shard}}
 
 
@@ -88,7 +89,7 @@ def fleets(tmp_path_factory) -> Path:
     four.append(entry(base / "w4_ckpt10", batch=1, ns="float32"))
     four[-1]["train"]["stop_at"] = 10  # stops at step 10 of the same 20-step schedule, checkpointing there
     four.append(entry(base / "w4_ring", batch=1, ns="float32", reduce="fp32"))
-    two.append(entry(base / "w2_uneven", batch=2, capacity="3,1", ns="float32"))
+    two.append(entry(base / "w2_uneven", batch=2, profile="3,1", ns="float32"))
     two.append(entry(base / "w2_resumed", batch=2, ns="float32",
                      resume_from=str(base / "w4_ckpt10" / "ckpts" / "gate.pt")))
     two.append(entry(base / "w2_micro2", batch=2, ns="float32", micro=2))
@@ -101,9 +102,9 @@ def fleets(tmp_path_factory) -> Path:
     for e in (four[-2], four[-1]):
         e["train"]["grad_clip"] = 0.0
     two.append(entry(base / "w2_fsdp_micro_ring", batch=2, ns="float32", reduce="fp32", shard="fsdp"))
-    two.append(entry(base / "w2_fsdp_uneven", batch=2, capacity="3,1", ns="float32", micro=0, shard="fsdp"))
+    two.append(entry(base / "w2_fsdp_uneven", batch=2, profile="3,1", ns="float32", micro=0, shard="fsdp"))
     two[-1]["train"]["grad_clip"] = 0.0
-    three = [entry(base / "w3_uneven50", batch=1, capacity="2,1,1", ns="float32", steps=50)]
+    three = [entry(base / "w3_uneven50", batch=1, profile="2,1,1", ns="float32", steps=50)]
     launch(4, four, base)
     launch(3, three, base)
     launch(2, two, base)
@@ -185,31 +186,34 @@ def test_exact_single_process_is_the_same_whether_slices_come_from_shapes_or_mic
     assert differing(by_micro, by_shapes) == []
 
 
-def test_one_ulp_in_one_slice_is_seen_by_the_exact_reference(tmp_path, monkeypatch):
-    import dormouse.train.loop as loop
+def test_one_ulp_in_one_slice_is_seen_by_the_exact_reference(tmp_path):
+    from dormouse.train import hooks
 
     ref = single(tmp_path / "ref", ns="float32")
-    real = loop.take_grads
-    calls = []
+    seen = []
 
-    def nudged(params):
-        flat = real(params)
-        calls.append(1)
-        if len(calls) == 6:  # step 2, slice 2: every element to its float neighbour
-            flat = torch.nextafter(flat, torch.full_like(flat, torch.inf))
-        return flat
+    def nudge(piece):  # step 2, slice 1: every element to its float neighbour
+        seen.append((piece.step, piece.slice))
+        if (piece.step, piece.slice) == (2, 1):
+            for g in piece.grads.values():
+                g.copy_(torch.nextafter(g, torch.full_like(g, torch.inf)))
 
-    monkeypatch.setattr(loop, "take_grads", nudged)
-    assert differing(single(tmp_path / "nudged", ns="float32"), ref)
+    remove = hooks.install(hooks.Hooks(on_local_grads=[nudge]))
+    try:
+        nudged = single(tmp_path / "nudged", ns="float32")
+    finally:
+        remove()
+    assert seen[:5] == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)]  # once per slice, in slice order
+    assert differing(nudged, ref)
 
 
 def test_a_micro_batch_that_does_not_divide_a_rank_and_several_slices_under_fsdp_are_refused(tmp_path):
-    from dormouse.errors import ConfigError, FleetError
+    from dormouse.errors import FleetError, PlanError
     from dormouse.train.distributed import refuse_incompatible
 
-    run = make_run(tmp_path, steps=1, batch=2, capacity="3,2", dist=True, reduce="exact")
+    run = make_run(tmp_path, steps=1, batch=2, profile="3,2", dist=True, reduce="exact")
     run.train = dataclasses.replace(run.train, micro_batch=2)
-    with pytest.raises(FleetError, match=r"micro_batch = 2 does not divide every rank's batch \[3, 2\]"):
+    with pytest.raises(FleetError, match=r"micro_batch = 2: it does not divide every rank's batch \(3, 2\)"):
         refuse_incompatible(run, world_size=2)
     run.train = dataclasses.replace(run.train, micro_batch=1, dist_shard="fsdp")
     with pytest.raises(FleetError, match="micro_batch = 1 gives a rank several slices, which FSDP2 adds"):
@@ -217,8 +221,8 @@ def test_a_micro_batch_that_does_not_divide_a_rank_and_several_slices_under_fsdp
     run.train = dataclasses.replace(run.train, micro_batch=0)
     refuse_incompatible(run, world_size=2)  # one slice per rank: exact under FSDP2
     run.train = dataclasses.replace(run.train, micro_batch=2)
-    with pytest.raises(ConfigError, match=r"does not divide the batch of slice\(s\) \[0\]"):
-        LocalSync(run, [RankShape(3, 64), RankShape(2, 64)])
+    with pytest.raises(PlanError, match=r"does not divide every rank's batch \(3, 2\)"):
+        LocalSync(run, FleetPlan([RankShape(3, 64), RankShape(2, 64)], 2))
 
 
 def test_fleetsync_exact_sums_five_uneven_slices_by_the_tree_with_missing_gradients(tmp_path):

@@ -251,3 +251,36 @@ def test_lr_at_is_warm_up_then_cosine_as_torchs_schedulers_state_it(steps, warmu
     # the comparison can fail: an lr one step late (warm-up from 0) is far off it
     late = [lr_at(max(k - 1, 0), run) if k else 0.0 for k in range(steps)]
     assert late != pytest.approx(torchs, rel=1e-3)
+
+
+def test_the_hooks_run_at_their_points_in_order_and_can_change_the_step(tmp_path, cyclic_corpus):
+    from dormouse.train.hooks import Hooks, install
+
+    seen = []
+
+    def local(piece):
+        seen.append(("local", piece.step, piece.slice, sorted(piece.grads) == sorted(
+            n for n, p in model.named_parameters() if p.grad is not None)))
+
+    def reduced(state):
+        seen.append(("reduced", state.step, state.loss))
+        if state.step == 2:
+            state.loads = state.loads * 0  # the routing bias then does not move at step 2
+
+    def stepped(step, m, info):
+        seen.append(("step", step))
+
+    run = _run(tmp_path / "a", cyclic_corpus, steps=2, micro_batch=2)
+    model = build_model(run)
+    remove = install(Hooks(on_step=[lambda step, m, info: seen.append(("installed", step))]))
+    try:
+        report = train(model, run, log=_quiet, hooks=Hooks([local], [reduced], [stepped]),
+                       on_step=lambda step, m, info: seen.append(("on_step", step, info["loads"].abs().sum() == 0)))
+    finally:
+        remove()
+    # one process, fp32: its whole local gradient once per step (slice None), after both micro-batches
+    assert [s[:3] for s in seen if s[0] == "local"] == [("local", 1, None), ("local", 2, None)]
+    assert all(s[3] for s in seen if s[0] == "local")
+    assert [s[0] for s in seen] == ["local", "reduced", "installed", "step", "on_step"] * 2
+    assert [s[2] for s in seen if s[0] == "reduced"] == report["losses"]
+    assert [s[2] for s in seen if s[0] == "on_step"] == [False, True]  # the hook's loads are the step's

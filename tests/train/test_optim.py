@@ -13,7 +13,7 @@ from torch import nn
 from dormouse.config import preset
 from dormouse.errors import ConfigError
 from dormouse.model import DormouseModel
-from dormouse.train.newton_schulz import orthogonalise
+from dormouse.train.newton_schulz import bf16_addmm, bf16_matmul, native_bf16_matmul, orthogonalise, resolve_kernel
 from dormouse.train.optim import MixOptimizer, shape_factor
 
 
@@ -50,7 +50,7 @@ def test_muon_steps_like_torch_optim_muon_on_tall_and_wide_matrices(wd):
     assert [tuple(p.shape) for p in ours.parameters()] == [(48, 16), (16, 48)]
     lr = 0.02
     mix = MixOptimizer(ours, lr=lr, wd=wd, opt="mix", ns_kind="quintic", ns_dtype="bfloat16",
-                       muon_variant="muon", muon_sf="original", momentum=0.95, nesterov=True)
+                       ns_kernel="native", muon_variant="muon", muon_sf="original", momentum=0.95, nesterov=True)
     assert [n for n, _ in mix.muon_params] == ["0.weight", "2.weight"] and mix.adamw_params == []
     peer = torch.optim.Muon(theirs.parameters(), lr=lr, weight_decay=wd, momentum=0.95,
                             nesterov=True, adjust_lr_fn="original")
@@ -60,6 +60,46 @@ def test_muon_steps_like_torch_optim_muon_on_tall_and_wide_matrices(wd):
         assert _rel(a, b) < 1e-5  # the issue's bound ...
         assert torch.equal(a, b)  # ... and in fact the same operations in the same order: bitwise
         assert _rel(a, s) > 1e-2  # it did train: the parity is not vacuous
+
+
+def _wide_mlp(seed: int = 0) -> nn.Module:
+    """Hidden matrices large enough (k = 128, 384) for float32 sums in another
+    order to round differently: the fp32 kernel is then not bitwise torch's."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(128, 384, bias=False), nn.Tanh(), nn.Linear(384, 128, bias=False))
+
+
+def _wide_loss_train(model: nn.Module, opt, steps: int) -> None:
+    for k in range(steps):
+        g = torch.Generator().manual_seed(200 + k)
+        x, target = torch.randn(64, 128, generator=g), torch.randn(64, 128, generator=g)
+        opt.zero_grad()
+        (model(x) - target).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("make, train", [(_mlp, _train), (_wide_mlp, _wide_loss_train)])
+def test_fp32_kernel_muon_stays_within_the_stated_bound_of_torch_optim_muon(make, train):
+    # ns_kernel="fp32" is torch's bf16 Newton-Schulz up to the float32 sum order
+    # inside each matmul (newton_schulz.py): a bound, far inside the distance
+    # of float32 Newton-Schulz from it.
+    ours, theirs, fp32 = make(), make(), make()
+    start = [p.detach().clone() for p in ours.parameters()]
+    kw = dict(lr=0.02, wd=0.1, opt="mix", muon_sf="original", momentum=0.95, nesterov=True)
+    mix = MixOptimizer(ours, ns_dtype="bfloat16", ns_kernel="fp32", **kw)
+    assert mix.ns_kernel == "fp32"
+    ref = MixOptimizer(fp32, ns_dtype="float32", **kw)
+    peer = torch.optim.Muon(theirs.parameters(), lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                            adjust_lr_fn="original")
+    for model, opt in ((ours, mix), (theirs, peer), (fp32, ref)):
+        train(model, opt, 6)
+    with torch.no_grad():
+        for a, b, c, s in zip(ours.parameters(), theirs.parameters(), fp32.parameters(), start):
+            moved = float((b - s).norm())  # what six steps moved the weight
+            assert moved > 1e-2 * float(s.norm())  # it did train
+            off, off_fp32 = float((a - b).norm()), float((c - b).norm())
+            assert off <= 1.5e-2 * moved  # measured: 0 (the small MLP: bitwise here), 7.8e-3..8.7e-3 (wide)
+            assert off <= 0.5 * off_fp32  # float32 NS: 8.5e-3..8.8e-3 (small), 2.5e-2 (wide)
 
 
 def test_adamw_steps_like_torch_optim_adamw_decaying_only_matrices():
@@ -148,6 +188,120 @@ def test_stacked_newton_schulz_is_slice_by_slice():
             slices = torch.stack([orthogonalise(g[i], "quintic", 5, dtype) for i in range(3)])
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(stacked.float(), slices.float(), rtol=tol, atol=tol)
+
+
+# ---- the fp32 kernel of bfloat16 Newton-Schulz (ns_kernel="fp32") --------------------
+
+def _ulp(t: torch.Tensor) -> torch.Tensor:
+    """One bfloat16 ulp at each value's magnitude."""
+    return torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(t.float().abs().clamp_min(1e-30))))
+
+
+def _bf16_operands(shape, seed: int, integer: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if integer:  # small integers: every float32 sum of their products is exact, in any order
+        return torch.randint(-8, 9, shape, generator=g).to(torch.bfloat16)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+
+_COEFFS = [(-4.775, 2.0315), (3.4445, 1.0), (-2.3, 0.7)]  # (beta, alpha): Newton-Schulz's and one more
+
+
+def _wrong_rounding_point(c, a, b, *, beta, alpha=1.0):
+    """A planted fault: rounds alpha * (a @ b) to bfloat16 before adding beta * c."""
+    ab = (alpha * (a @ b)).to(torch.bfloat16).float()
+    return (beta * c + ab).to(torch.bfloat16).float()
+
+
+def _no_fma_epilogue(c, a, b, *, beta, alpha=1.0):
+    """A planted fault: beta * c and alpha * dot rounded to float32 apart, then added."""
+    return (beta * c + alpha * (a @ b)).to(torch.bfloat16).float()
+
+
+def _exact_sum_mismatches(addmm) -> int:
+    n = 0
+    for seed, (beta, alpha) in enumerate(_COEFFS):
+        a, b = _bf16_operands((96, 80), seed, True), _bf16_operands((80, 112), seed + 10, True)
+        noise = _bf16_operands((96, 112), seed + 20, False).float()
+        # beta * c nearly cancels alpha * dot: the epilogue's own rounding then shows
+        c = (-(alpha / beta) * (a.float() @ b.float()) * (1 + noise / 64)).to(torch.bfloat16)
+        native = torch.addmm(c, a, b, beta=beta, alpha=alpha)
+        n += int((addmm(c.float(), a.float(), b.float(), beta=beta, alpha=alpha) != native.float()).sum())
+    return n
+
+
+def test_fp32_kernel_is_bitwise_the_bf16_kernel_where_the_sums_are_exact():
+    # Integer operands make every float32 sum exact whatever its order, so what
+    # is left to differ is the epilogue and the rounding points: bitwise equal.
+    assert _exact_sum_mismatches(bf16_addmm) == 0
+    a = _bf16_operands((4, 24, 40), 7, True)
+    assert torch.equal(bf16_matmul(a.float(), a.float().mT), (a @ a.mT).float())  # stacked, X @ X^T
+    c = _bf16_operands((4, 24, 24), 8, False)
+    assert torch.equal(bf16_addmm(c.float(), a.float()[:, :, :24], c.float(), beta=-4.775, alpha=2.0315),
+                       torch.baddbmm(c, a[:, :, :24], c, beta=-4.775, alpha=2.0315).float())
+
+
+def test_exact_sum_check_sees_a_wrong_rounding_point_and_a_split_epilogue():
+    # Guards the test above: rounding where the kernel does not, or adding the
+    # two epilogue terms after rounding each to float32, is caught.
+    assert _exact_sum_mismatches(_wrong_rounding_point) > 1000  # measured: 20981 of 32256
+    assert _exact_sum_mismatches(_no_fma_epilogue) > 0  # measured: 70
+
+
+def _gaussian_agreement(addmm) -> tuple[float, float]:
+    """(fraction of elements that differ from torch's bf16 addmm, worst
+    difference over the stated bound) on Gaussian operands."""
+    differ, worst, count = 0, 0.0, 0
+    for seed, (beta, alpha) in enumerate(_COEFFS):
+        a, b = _bf16_operands((256, 320), seed, False), _bf16_operands((320, 256), seed + 10, False)
+        c = _bf16_operands((256, 256), seed + 20, False)
+        native = torch.addmm(c, a, b, beta=beta, alpha=alpha).float()
+        ours = addmm(c.float(), a.float(), b.float(), beta=beta, alpha=alpha)
+        # Both round a float32 sum of the same exact products; two summation
+        # orders differ by at most 2 k 2^-24 sum_l |a_il b_lj|, then one ulp.
+        bound = _ulp(native) + 2 * 320 * 2.0 ** -24 * abs(alpha) * (a.float().abs() @ b.float().abs())
+        differ += int((ours != native).sum())
+        worst = max(worst, float(((ours - native).abs() / bound).max()))
+        count += native.numel()
+    return differ / count, worst
+
+
+def test_fp32_kernel_matches_the_bf16_kernel_within_its_bound_on_gaussian_operands():
+    frac, worst = _gaussian_agreement(bf16_addmm)
+    assert frac < 1e-3  # measured: 1.1e-4 (about 1 element in 9,000)
+    assert worst <= 1.0  # measured: 0.89
+    frac, _ = _gaussian_agreement(_wrong_rounding_point)
+    assert frac > 0.1  # the planted fault: 28% of the elements
+
+
+def _ns_pair(shape, seed: int):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return g, orthogonalise(g, "quintic", 5, torch.bfloat16, "native")
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (256, 256), (768, 256), (64, 256), (4, 256, 512), (4, 16, 256)])
+def test_fp32_kernel_newton_schulz_stays_within_the_stated_bound_of_native_bf16(shape):
+    for seed in (0, 1):
+        g, native = _ns_pair(shape, seed)
+        ours = orthogonalise(g, "quintic", 5, torch.bfloat16, "fp32")
+        assert ours.dtype == torch.bfloat16 and ours.shape == g.shape
+        assert _rel(ours, native) <= 1e-2  # the docstring's bound; measured 0 to 5.6e-3 here
+        assert float((ours == native).float().mean()) > 0.3  # measured: 35% to 100% of elements bitwise
+        # float32 Newton-Schulz, the result rounded to bf16, shares far fewer bits:
+        plain = orthogonalise(g, "quintic", 5, torch.float32).to(torch.bfloat16)
+        assert float((plain == native).float().mean()) < 0.2  # measured: 9% to 15%
+
+
+def test_newton_schulz_kernel_resolution():
+    assert resolve_kernel("auto", torch.float32) == resolve_kernel("fp32", torch.float32) == "native"
+    assert resolve_kernel("native", torch.bfloat16) == "native"
+    assert resolve_kernel("fp32", torch.bfloat16) == "fp32"
+    auto = resolve_kernel("auto", torch.bfloat16, "cpu")
+    assert auto == ("native" if native_bf16_matmul("cpu") else "fp32")
+    assert resolve_kernel("auto", torch.bfloat16, "cpu") == auto  # a rule, not a timing: the same every call
+    assert MixOptimizer(_mlp(), ns_dtype="bfloat16").ns_kernel == auto
+    with pytest.raises(ConfigError, match="kernel"):
+        resolve_kernel("fast", torch.bfloat16)
 
 
 class _Stack(nn.Module):
@@ -325,7 +479,7 @@ def test_muon_state_dtype_sets_the_momentum_buffer_dtype():
     assert opt.state["0.weight"]["momentum"].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("field", ["opt", "ns_kind", "muon_variant", "muon_sf", "ns_dtype"])
+@pytest.mark.parametrize("field", ["opt", "ns_kind", "muon_variant", "muon_sf", "ns_dtype", "ns_kernel"])
 def test_unknown_optimizer_option_is_a_config_error(field):
     with pytest.raises(ConfigError, match=field):
         MixOptimizer(_mlp(), **{field: "bogus"})

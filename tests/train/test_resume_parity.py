@@ -53,7 +53,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     # single process in this process (patched here, undone by the monkeypatch).
     ckpt_outs = [str(d[n]) for n in ("fleet_ckpt", "fsdp_ckpt", "single_ckpt")]
     launch_plan([gs("fleet"), gs("fleet_ckpt"), gs("fsdp", shard="fsdp"), gs("fsdp_ckpt", shard="fsdp"),
-                 gs("even", capacity=""), gs("fsdp_even", capacity="", shard="fsdp")],
+                 gs("even", profile=""), gs("fsdp_even", profile="", shard="fsdp")],
                 timeout_s=400, stream=QUIET, entry=[ENTRY],
                 env={"DORMOUSE_TEST_CKPT_AT": str(AT), "DORMOUSE_TEST_CKPT_OUTS": os.pathsep.join(ckpt_outs)})
     modes.run_single(gs("single"), log=QUIET)  # the uninterrupted reference, with its ulp floor
@@ -71,8 +71,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         gs("fsdp_from_single", shard="fsdp", resume_from=ckpt("single_ckpt", ".pt")),
     ], timeout_s=400, stream=QUIET)
     # The gate's own stop and resume (resume_world) at the same world and shapes: two launches.
-    launch_plan([gs("even_legs", capacity="", resume_world=2),
-                 gs("fsdp_even_legs", capacity="", resume_world=2, shard="fsdp")], timeout_s=400, stream=QUIET)
+    launch_plan([gs("even_legs", profile="", resume_world=2),
+                 gs("fsdp_even_legs", profile="", resume_world=2, shard="fsdp")], timeout_s=400, stream=QUIET)
     # resume_from relative to out
     modes.run_single(gs("single_resumed", resume_from="../single_ckpt/ckpts/single.step10.pt"), log=QUIET)
     modes.run_single(gs("single_from_fleet", resume_from=ckpt("fleet_ckpt", ".pt")), log=QUIET)

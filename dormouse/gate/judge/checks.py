@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 from dormouse.errors import DormouseError
-from dormouse.gate.artifacts import PROVENANCE, ArtifactSet
+from dormouse.gate.artifacts import ONE_PROCESS, PROFILE_FIELDS, PROVENANCE, ArtifactSet
 from dormouse.gate.settings import GateSettings
 from dormouse.gate.judge.steps import routing_flips
 from dormouse.train.tensors import rel_per_step
@@ -253,12 +253,12 @@ def _tolerance(envelope: list[float], multiple: float = FLOOR_MULTIPLE) -> list[
 def required(s: GateSettings) -> list[str]:
     """The references a verdict for settings `s` needs: init, gradref and the
     replay always; single when the profile has one window length (one process
-    can hold that global batch) and the run starts from scratch; exact under
+    can hold that global batch; a run from resume_from resumes it too); exact under
     reduce="exact" beside single. From the settings alone, never from the
     artifacts under judgement (a rank artifact that lost its profile must not
     make a reference optional)."""
     need = ["init", "gradref", "replay"]
-    if s.global_batch() is not None and not s.resume_from:
+    if s.plan.global_batch is not None:
         need.insert(0, "single")
     if s.reduce == "exact" and "single" in need:
         need.append("exact")
@@ -293,21 +293,46 @@ def check_complete(a: ArtifactSet, s: GateSettings | None = None) -> Check:
     return Check("complete", True, "every reference that applies is present: " + ", ".join(need))
 
 
+def _global_batch(a: ArtifactSet, name: str) -> tuple[int, list[int]]:
+    """(windows, window lengths) of one global step: a one-process
+    reference's own batch, or the sum over the fleet's ranks."""
+    m = a.meta(name)
+    if name in ONE_PROCESS:
+        train = m.get("config", {}).get("train", {})
+        return m.get("global_batch", train.get("batch")), [train.get("seq_len")]
+    shapes = m.get("rank_shapes", [])
+    return sum(b for b, _ in shapes), sorted({t for _, t in shapes})
+
+
 def check_provenance(a: ArtifactSet, names: list[str], s: GateSettings | None = None) -> Check:
     """Every artifact's provenance equal to rank0's, and its recorded settings
-    equal to the settings judged against (`s`; None: rank0's own)."""
+    equal to the settings judged against (`s`; None: rank0's own); the
+    one-process references' normalised to the fleet's profile (compared
+    through the global batch)."""
     ref = a.meta("rank0")
     want = s.record() if s is not None else ref.get("settings")
     diffs = []
     for n in names:
         m = a.meta(n)
+        mine, theirs = m.get("settings") or {}, want or {}
+        gb, t = _global_batch(a, n) if n in ONE_PROCESS else (None, None)
+        if gb is not None:  # normalised to the fleet's profile: compared through the global batch
+            fleet_gb, fleet_t = _global_batch(a, "rank0")
+            if t == [None]:
+                t = fleet_t[:1]  # no window length recorded: the batch alone is compared
+            if gb != fleet_gb or t != fleet_t:
+                profile = ",".join(f"{b}x{tt}" for b, tt in ref.get("rank_shapes", []))
+                diffs.insert(0, f"{n} ran a global batch of {gb} windows of {t[0]} tokens, the fleet {fleet_gb} "
+                             f"({profile} over its ranks): run {n} at the fleet's global batch "
+                             f"(single --batch {fleet_gb})")
+                continue
+            mine, theirs = ({k: v for k, v in d.items() if k not in PROFILE_FIELDS} for d in (mine, theirs))
         for k in PROVENANCE:
             if m.get("provenance", {}).get(k) != ref.get("provenance", {}).get(k):
                 diffs.append(f"{n}'s {k} {m.get('provenance', {}).get(k)!r} differs from rank0's "
                              f"{ref.get('provenance', {}).get(k)!r}")
-        if m.get("settings") != want:
-            keys = sorted(k for k in set(m.get("settings") or {}) | set(want or {})
-                          if (m.get("settings") or {}).get(k) != (want or {}).get(k))
+        if mine != theirs:
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             diffs.append(f"{n} was made with other settings ({', '.join(keys)})")
     if diffs:
         return Check("provenance", False, "not comparable: " + "; ".join(diffs[:4])
@@ -322,7 +347,7 @@ def check_provenance(a: ArtifactSet, names: list[str], s: GateSettings | None = 
 # Fields of a run that say where and how it ran, not what it computes (the
 # corpus is compared by its hash in the provenance, not by its path).
 RUN_IDENTITY = ("data", "batch", "ckpt_name", "ckpt_every", "out_dir", "resume", "resume_from", "stop_at", "dist",
-                "dist_capacity", "dist_shard", "dist_reduce", "dist_bucket_mb", "micro_batch", "log_every")
+                "dist_profile", "dist_shard", "dist_reduce", "dist_bucket_mb", "micro_batch", "log_every")
 
 
 def check_config(a: ArtifactSet, reference: str) -> Check:
@@ -371,20 +396,31 @@ def check_ranks(a: ArtifactSet) -> Check:
     note = (" (FSDP2: gathered tensors are equal by construction; this catches buffers gone apart)"
             if sharded else "")
     legs_note = f" in each leg (worlds {worlds[0]} then {worlds[1]})" if len(worlds) == 2 else ""
+    if len(worlds) == 1 and len({t for _, t in a.meta("rank0").get("rank_shapes", [])}) > 1:
+        legs_note = " (one launch, no stop and resume: the profile mixes window lengths)"
     return Check("ranks", True, f"all ranks bitwise equal{legs_note}{note}")
 
 
-def _unequal_ranks(a: ArtifactSet, names: list[str]) -> list[str]:
+def unequal_to_first(a: ArtifactSet, names: list[str]) -> dict[str, list[str] | None]:
+    """Per rank artifact after the first: None when its losses and every tensor
+    are bitwise the first's, else the unequal tensors, largest difference first
+    (the tensor that went apart, not those it dragged along; [] when only the
+    losses differ)."""
+    if not names:
+        return {}
     ref, ref_losses = a.tensors(names[0]), a.meta(names[0])["losses"]
-    bad = []
+    out: dict[str, list[str] | None] = {}
     for n in names[1:]:
         t = a.tensors(n)
         unequal = [k for k in ref if k not in t or not torch.equal(ref[k], t[k])]
-        # Largest difference first: the tensor that went apart, not those it dragged along.
         unequal.sort(key=lambda k: -relative(t[k], ref[k]) if k in t else -math.inf)
-        if unequal or a.meta(n)["losses"] != ref_losses:
-            bad.append(f"{n} vs {names[0]}: {', '.join(unequal[:3]) or 'losses'}")
-    return bad
+        out[n] = unequal if unequal or a.meta(n)["losses"] != ref_losses else None
+    return out
+
+
+def _unequal_ranks(a: ArtifactSet, names: list[str]) -> list[str]:
+    return [f"{n} vs {names[0]}: {', '.join(u[:3]) or 'losses'}"
+            for n, u in unequal_to_first(a, names).items() if u is not None]
 
 
 def _per_step_tensor(name: str, series_a: dict, series_b: dict, names: list[str], bound, *,

@@ -27,8 +27,7 @@ from dormouse import atomic
 from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.errors import ConfigError
 from dormouse.model import DormouseModel
-from dormouse.train.data import RankShape
-from dormouse.train.distributed import parse_capacity
+from dormouse.train.data import FleetPlan
 
 TINY = preset("tiny")  # THE gate fixture's network (config.PRESETS["tiny"])
 SEQ = 64  # window length of the fixture (and of a preset, capped by its max_seq_len)
@@ -73,11 +72,11 @@ def window(s) -> int:
     return run.train.seq_len if s.config else min(SEQ, run.model.max_seq_len)
 
 
-def rank_shapes(s) -> list[RankShape]:
-    """The fleet's shape per rank (parse_capacity: FleetError when malformed)."""
-    run = base_run(s)
-    cfg = TrainConfig(batch=s.batch, seq_len=window(s))
-    return parse_capacity(s.capacity, world_size=s.world, cfg=cfg, max_seq_len=run.model.max_seq_len)
+def fleet_plan(s) -> FleetPlan:
+    """The fleet's plan for settings `s` (FleetPlan.make: PlanError when the
+    profile or micro-batch is malformed)."""
+    return FleetPlan.make(s.profile, world=s.world, batch=s.batch, seq_len=window(s), micro_batch=s.micro_batch,
+                          max_seq_len=base_run(s).model.max_seq_len)
 
 
 def corpus_bytes(span: int) -> bytes:
@@ -97,24 +96,23 @@ def corpus_path(s, *, write: bool = True) -> Path:
         return Path(s.data).expanduser().resolve()
     if not write:
         return s.out_dir / "corpus.bin"
-    span = sum(sh.nbytes for sh in rank_shapes(s))
+    span = s.plan.span
     return atomic.write_if_changed(s.out_dir / "corpus.bin", corpus_bytes(span))
 
 
 def make_run(s, *, name: str, dist: bool, steps: int | None = None, resume_from: str = "",
-             shapes_override: list[RankShape] | None = None, reduce: str | None = None,
-             micro_batch: int | None = None, write_corpus: bool = True) -> RunConfig:
+             reduce: str | None = None, micro_batch: int | None = None, write_corpus: bool = True) -> RunConfig:
     """The RunConfig of one gate mode. The gate's settings override the base
     run's seed, steps, batch and fleet fields; `name` keeps each mode's
     checkpoints and metrics apart. The single process runs at the global batch."""
     base = base_run(s)
-    shapes = shapes_override or rank_shapes(s)
-    batch = s.batch if dist else sum(sh.batch for sh in shapes)
+    plan = s.plan
+    batch = s.batch if dist else plan.windows
     over = dict(
-        seed=s.seed, steps=steps or s.steps, batch=batch, seq_len=shapes[0].seq_len,
+        seed=s.seed, steps=steps or s.steps, batch=batch, seq_len=plan.shapes[0].seq_len,
         lr=s.lr or base.train.lr, opt=s.opt, log_every=1, ckpt_every=0, ckpt_name=name,
         out_dir=str(s.out_dir / "ckpts"), data=str(corpus_path(s, write=write_corpus)), resume=False, resume_from=resume_from,
-        dist=dist, dist_capacity=s.capacity if dist else "", dist_reduce=reduce or s.reduce,
+        dist=dist, dist_profile=plan.profile if dist else "", dist_reduce=reduce or s.reduce,
         dist_shard=s.shard if dist else "none", dist_bucket_mb=s.bucket_mb, data_order=s.data_order,
     )
     if hasattr(base.train, "micro_batch"):

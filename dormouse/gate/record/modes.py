@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from dormouse.errors import DormouseError
 from dormouse.gate.artifacts import load_meta, load_tensors, load_trace, provenance, save_artifact
 from dormouse.gate.record.fixtures import build, corpus_path, make_run
-from dormouse.gate.settings import GateSettings
+from dormouse.gate.settings import GateSettings, from_dict
 from dormouse.gate.record.trace import Trace
 from dormouse.train.distributed import close_fleet, fleet_env, train_dist
 from dormouse.train.loop import lr_at, make_optimizer, train
@@ -88,8 +88,8 @@ def _traced(s: GateSettings, model, run, name: str, log) -> tuple[dict, Trace]:
 def run_single(s: GateSettings, log=print) -> dict:
     """One process at the fleet's global batch, its ulp floor, and under
     reduce="exact" the exact reference."""
-    if s.global_batch() is None:
-        raise DormouseError(f"capacity {s.capacity!r} mixes window lengths: one process cannot hold that "
+    if s.plan.global_batch is None:
+        raise DormouseError(f"profile {s.profile!r} mixes window lengths: one process cannot hold that "
                             "global batch as one batch; gradref and the replay are this fleet's references")
     out = s.out_dir
     run = make_run(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
@@ -220,14 +220,19 @@ def run_exact(s: GateSettings, log=print) -> dict:
     """The exact reference: one process computing the fleet's own slices
     (micro_batch windows each, in global slice order) summed in the fixed
     order of reduce="exact": a fleet must equal it bitwise."""
-    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=s.micro_batch,  # settings chose it
+    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=_exact_slice(s),
                    resume_from=s.resume_path())
     model = build(s).to(_device(s))
     init = fingerprint(start_state(s)[0])
     report, trace = _traced(s, model, run, "exact", log)
     trace.save(s.out_dir, "exact")
     return _save(s, "exact", named_state(model), report["losses"], init=init, mode="exact",
-                 config=run.to_dict(), micro_batch=run.train.micro_batch)
+                 config=run.to_dict(), micro_batch=run.train.micro_batch, global_batch=run.train.batch)
+
+
+def _exact_slice(s: GateSettings) -> int:
+    """The exact reference's micro-batch: the fleet's own slices (FleetPlan.exact_slice)."""
+    return s.plan.exact_slice()
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -294,14 +299,14 @@ def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
     report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace,
                         on_grads=trace.record_grads)
     state = named_state(report["model"], gather=gather)
-    shapes = me.shapes()
+    plan = me.plan
     name = f"{LEG1 if leg == 1 else ''}rank{rank}"
     trace.save(s.out_dir, name)
     meta = _save(s, name, state, earlier + report["losses"], init=init, mode="rank", rank=rank,
-                 world_size=report["world_size"], shapes=[sh.line() for sh in shapes],
-                 rank_shapes=[[sh.batch, sh.seq_len] for sh in shapes], config=run.to_dict(),
+                 world_size=report["world_size"], shapes=plan.lines(),
+                 rank_shapes=[[sh.batch, sh.seq_len] for sh in plan.shapes], config=run.to_dict(),
                  start_step=0 if leg == 2 else report["start_step"], wall_s=report["wall_s"],
-                 resumed_at=k if leg == 2 else None, legs=[[x.world, x.capacity] for x in legs],
+                 resumed_at=k if leg == 2 else None, legs=[[x.world, x.profile] for x in legs],
                  evals=earlier_evals + report.get("evals", []))
     del report, model
     return meta
@@ -311,7 +316,7 @@ def load_plan(path: str) -> list[GateSettings]:
     """A JSON list of GateSettings fields, one fleet run each."""
     try:
         items = json.loads(Path(path).read_text())
-        return [GateSettings(**item).validate() for item in items]
+        return [from_dict(item) for item in items]
     except (OSError, ValueError, TypeError) as e:
         raise DormouseError(f"plan {path!r} is not a JSON list of gate settings ({e})") from e
 
@@ -319,13 +324,13 @@ def load_plan(path: str) -> list[GateSettings]:
 # --------------------------------------------------------------------------- gradref
 
 
-def profile(capacity: str, world: int, batch: int, seq_len: int) -> list[tuple[int, int]]:
+def profile(text: str, world: int, batch: int, seq_len: int) -> list[tuple[int, int]]:
     """(windows, window length) per rank, read from the profile by gradref's
-    own parsing (not the trainer's parse_capacity)."""
-    if not capacity:
+    own parsing (not the trainer's FleetPlan: gradref shares no code with it)."""
+    if not text:
         return [(batch, seq_len)] * world
     out = []
-    for entry in capacity.split(","):
+    for entry in text.split(","):
         m = re.fullmatch(r"([0-9]+)(?:x([0-9]+))?", entry.strip())
         out.append((int(m.group(1)), int(m.group(2) or seq_len)))
     return out
@@ -380,13 +385,13 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     model = build(s).to(device)
     names = [n for n, _ in model.named_parameters()]
     t = run.train
-    prof = profile(s.capacity, s.world, s.batch, t.seq_len)
+    prof = profile(s.profile, s.world, s.batch, t.seq_len)
     corpus = Path(t.data).read_bytes()
     train_bytes = len(corpus) - int(len(corpus) * t.eval_frac)
     order = t.data_order
     slice_len = s.micro_batch  # the fleet's forward slices, for the loads it counts
     legs = s.legs()
-    prof2 = profile(legs[-1].capacity, legs[-1].world, s.batch, t.seq_len)  # the second leg's ranks
+    prof2 = profile(legs[-1].profile, legs[-1].world, s.batch, t.seq_len)  # the second leg's ranks
     ref, absref, batch_grad = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}
     tokens, loads, wl, bl = [], [], [], []
     for k in range(steps):

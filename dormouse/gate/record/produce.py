@@ -181,8 +181,8 @@ def run_references(s: GateSettings, *, force: bool = True, log: Log = print) -> 
 
 def ensure_all(s: GateSettings, *, log: Log = print) -> None:
     """04: every set the verdict needs, produced only where missing or stale."""
-    if s.global_batch() is None:
-        log(f"capacity {s.capacity!r} mixes window lengths: no single-process curve; gradref and the "
+    if s.plan.global_batch is None:
+        log(f"profile {s.profile!r} mixes window lengths: no single-process curve; gradref and the "
             "replay are the references")
         with locked(s.out_dir, "single"):
             _drop(s.out_dir, r"(single|exact)(_trace)?\.(json|safetensors)")
@@ -197,6 +197,16 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
             run_single(s, force=False, log=log)
             fleet.result()
     run_references(s, force=False, log=log)
+
+
+def fleet_set(s: GateSettings) -> ArtifactSet:
+    """The fleet's artifacts (every leg's ranks), read whole under the fleet's
+    lock, so no producer replaces them while they are shown."""
+    with locked(s.out_dir, "fleet"):
+        a = ArtifactSet(s.out_dir)
+        for n in a.ranks("leg1_") + a.ranks():
+            a.meta(n), a.tensors(n)
+    return a
 
 
 def fleet_metas(s: GateSettings) -> list[dict]:

@@ -34,7 +34,7 @@ def soak(launches: int, root: Path, *, world: int = 2, steps: int = 3, log=print
         shard = "fsdp" if i % 2 else "none"
         lines: list[str] = []
         try:
-            launch_fleet(GateSettings(out=str(root / f"launch{i}"), steps=steps, world=world, capacity="", shard=shard,
+            launch_fleet(GateSettings(out=str(root / f"launch{i}"), steps=steps, world=world, profile="", shard=shard,
                                       resume_world=0),
                          timeout_s=120, stream=lines.append)
             error = next((l for l in lines if ABORT in l), None)
@@ -48,7 +48,9 @@ def soak(launches: int, root: Path, *, world: int = 2, steps: int = 3, log=print
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dormouse.gate.record.soak", description=__doc__.splitlines()[0])
+    from dormouse.errors import OneLineParser
+
+    p = OneLineParser(prog="python -m dormouse.gate.record.soak", description=__doc__.splitlines()[0])
     p.add_argument("--launches", type=int, default=30)
     p.add_argument("--world", type=int, default=2)
     args = p.parse_args(argv)

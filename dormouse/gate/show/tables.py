@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import html
 
-import torch
-
 from dormouse.gate.artifacts import ArtifactSet
-from dormouse.gate.judge.checks import Verdict, check_ranks
-from dormouse.gate.record.produce import locked
-from dormouse.gate.settings import GateSettings
+from dormouse.gate.judge.checks import Verdict, check_ranks, unequal_to_first
 
 
 class Table:
@@ -42,7 +38,8 @@ class Table:
         return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def params_table(s: GateSettings, names: list[str] | None = None) -> Table:
+def params_table(s, names: list[str] | None = None) -> Table:
+    """The settings `s` (a GateSettings) as the artifacts record them, with out, timeout_s and produce."""
     rec = {"out": str(s.out_dir), **s.record(), "timeout_s": s.timeout_s, "produce": s.produce}
     return Table(["parameter", "value"], [[k, rec[k]] for k in (names or rec)], "parameters")
 
@@ -53,25 +50,20 @@ def loss_table(meta: dict, every: int = 5) -> Table:
     return Table(["step", "loss"], rows, f"{meta['name']}: global batch {meta.get('global_batch', '?')}")
 
 
-def ranks_table(s: GateSettings) -> Table:
-    """One row per rank: shape, final loss, fingerprint, and whether it is
-    bitwise equal to rank0 (the judge's ranks check)."""
-    d = s.out_dir
-    with locked(d, "fleet"):
-        a = ArtifactSet(d)
-        names = a.ranks()
-        metas = [a.meta(n) for n in names]
-        c = check_ranks(a)
-        ref = a.tensors(names[0]) if names else {}
-        equal = [r == 0 or (metas[r]["losses"] == metas[0]["losses"]
-                            and all(torch.equal(ref[k], a.tensors(n)[k]) for k in ref))
-                 for r, n in enumerate(names)]
+def ranks_table(a: ArtifactSet) -> Table:
+    """One row per rank of the fleet's artifacts `a` (record.produce.fleet_set
+    reads them whole): shape, final loss, fingerprint, and whether it is
+    bitwise equal to rank0, as the judge finds (check_ranks, unequal_to_first)."""
+    names = a.ranks()
+    metas = [a.meta(n) for n in names]
+    c = check_ranks(a)
+    unequal = unequal_to_first(a, names)
     rows = []
     for r, (n, m) in enumerate(zip(names, metas)):
         shape = (m.get("shapes") or ["?"] * len(names))[r]
         rows.append([n, shape, m["losses"][-1] if m["losses"] else None, m["fingerprint"][:16],
-                     "reference" if r == 0 else "yes" if equal[r] else "NO"])
-    return Table(["rank", "shape", "final loss", "fingerprint", "bitwise = rank0"], rows, f"{d}: {c.reason}")
+                     "reference" if r == 0 else "yes" if unequal[n] is None else "NO"])
+    return Table(["rank", "shape", "final loss", "fingerprint", "bitwise = rank0"], rows, f"{a.out}: {c.reason}")
 
 
 def references_table(v: Verdict | dict) -> Table:

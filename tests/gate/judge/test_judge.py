@@ -52,7 +52,7 @@ def synthetic(*, reduce: str = "fp32", shapes=None, exact: bool | None = None) -
     losses, meta, trace}. Tests edit it, then `write` it."""
     shapes = copy.deepcopy(shapes or SHAPES)
     capacity = ",".join(f"{b}x{t}" for b, t in shapes)
-    settings = GateSettings(steps=STEPS, reduce=reduce, capacity=capacity,
+    settings = GateSettings(steps=STEPS, reduce=reduce, profile=capacity,
                             micro_batch=2 if reduce == "exact" else 0).record()
     prov = {k: (1 if k == "threads" else f"{k}-1") for k in PROVENANCE}
     p, g = _params(), _grads()
@@ -241,7 +241,7 @@ def test_which_references_apply():
     assert required(GateSettings()) == ["single", "init", "gradref", "replay"]
     assert required(GateSettings(reduce="exact")) == ["single", "init", "gradref", "replay", "exact"]
     # mixed window lengths: no single process holds the global batch, so no single (and no exact)
-    assert required(GateSettings(capacity="4x32,2x64", reduce="exact")) == ["init", "gradref", "replay"]
+    assert required(GateSettings(profile="4x32,2x64", reduce="exact")) == ["init", "gradref", "replay"]
 
 
 def test_under_exact_a_missing_exact_reference_is_incomplete(tmp_path):
@@ -268,7 +268,7 @@ def test_the_settings_the_verdict_is_asked_for_are_the_ones_judged(tmp_path):
     v = judge(a.out, GateSettings(**{**a.meta("rank0")["settings"], "lr": 0.01}))
     assert not v.passed and "rank0 was made with other settings (lr)" in v.check("provenance").reason
     # a profile with two window lengths needs no single; one with one length does
-    mixed = GateSettings(**{**a.meta("rank0")["settings"], "capacity": "4x32,2x64"})
+    mixed = GateSettings(**{**a.meta("rank0")["settings"], "profile": "4x32,2x64"})
     assert judge(a.out, mixed).references == ["init", "gradref", "replay"]
 
 
@@ -696,6 +696,29 @@ def test_a_fleet_that_trained_another_recipe_fails_the_config_check(tmp_path):
     assert not judge(tmp_path).passed
 
 
+def test_a_single_is_compared_with_the_fleet_through_its_global_batch(tmp_path):
+    """Normalised to the fleet's profile: a single recorded as one rank of the
+    global batch (by hand: single --batch 6) is the fleet's reference; a single
+    at another global batch is one FAIL naming both batches."""
+    def one_rank(a):
+        a["single"]["meta"]["settings"] = {**a["single"]["meta"]["settings"], "world": 1, "batch": 6,
+                                           "profile": "", "resume_world": 0}
+
+    assert check_provenance(clean_set(tmp_path / "same", one_rank), ["single"]).passed
+
+    def other(a):
+        one_rank(a)
+        a["single"]["meta"]["global_batch"] = 8
+
+    c = check_provenance(clean_set(tmp_path / "other", other), ["single"])
+    assert not c.passed and "single ran a global batch of 8 windows" in c.reason and "the fleet 6" in c.reason, c
+    # a setting outside the profile still counts
+    def lr(a):
+        one_rank(a)
+        a["single"]["meta"]["settings"]["lr"] = 0.5
+
+    c = check_provenance(clean_set(tmp_path / "lr", lr), ["single"])
+    assert not c.passed and "single was made with other settings (lr)" in c.reason, c
 # --------------------------------------------------------------------------- the logged loss
 
 

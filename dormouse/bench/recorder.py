@@ -1,0 +1,209 @@
+"""The Recorder's cost (issue 13), measured on a plain 2-rank DDP loop of a
+small GPT-like model (this module's `build_model`: a researcher's model, not
+dormouse's) with gradient accumulation, AdamW and clipping:
+
+recorder_overhead
+    step time of the loop with the Recorder over the same loop without it,
+    kinds alternating round by round in one torchrun launch (each round a
+    fresh model from build_model, so every round's recording is valid): full
+    tensors every step, CountSketch k=256 every step, and the sketch every
+    10th step. Median of per-round ratios, with spread (goal: <= 1.05 with
+    sketches); beside it `in_step_fraction`, the time spent inside rec.step()
+    over the plain step, and `cpu_ratio`, the fleet's CPU seconds per step
+    (all ranks and threads, the Recorder's writer included) with the Recorder
+    over without: both less exposed to a loaded machine than a ratio of wall
+    times.
+recorder_judge_cost
+    `dormouse gate check`'s work on a recording (the one-process reference and
+    the judge, one process) over the fleet's compute for the recorded steps,
+    in CPU seconds (the fleet's: all ranks), for the full and the sketched
+    recording (goal: <= 3), after one untimed warm-up check (imports, first
+    kernels); `wall_ratio` beside it (W x the steps' wall time).
+
+Rank side: `torchrun ... -m dormouse.bench.recorder --out DIR ...`; driver: `bench_recorder`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 256
+KINDS = {"none": None, "full": {"sketch": 0, "every": 1}, "sketch": {"sketch": 256, "every": 1},
+         "sketch_every10": {"sketch": 256, "every": 10}}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.heads = max(1, d // 32)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, d: int, layers: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(VOCAB, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        x = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def build_model(*, d: int = 128, layers: int = 2, seq: int = 128, seed: int = 0, **_) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(d, layers, seq)
+
+
+def build_optimizer(model, **_):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def _rank_main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    from dormouse.gate import Recorder
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    kw = {"d": a.width, "layers": a.layers, "seq": a.seq, "seed": 0}
+    out = Path(a.out)
+    times: dict[str, list[float]] = {k: [] for k in a.kinds.split(",")}
+    in_rec: dict[str, list[float]] = {k: [] for k in times}
+    cpu: dict[str, list[float]] = {k: [] for k in times}  # the fleet's CPU seconds per step (all ranks, all threads)
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, VOCAB, (a.batch, a.seq), generator=g) for _ in range(a.micro)]
+    for r in range(a.rounds):
+        for kind in times:
+            model = build_model(**kw)
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            opt = build_optimizer(model)
+            rec = None
+            if KINDS[kind] is not None:
+                rec = Recorder(out / f"{kind}_r{r}", net, build_model="dormouse.bench.recorder:build_model",
+                               build_optimizer="dormouse.bench.recorder:build_optimizer", objective="causal_lm",
+                               max_grad_norm=1.0, build_kwargs=kw, **KINDS[kind])
+            dist.barrier()
+            per, per_rec = [], []
+            c0 = time.process_time()
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                total = torch.zeros(())
+                for m, ids in enumerate(batches):  # equal lengths: the mean of micro-batch means is the token mean
+                    with net.no_sync() if m < a.micro - 1 else contextlib.nullcontext():
+                        logits = net(input_ids=ids, labels=ids)
+                        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+                        (loss / a.micro).backward()
+                    total += loss.detach()
+                dist.all_reduce(total)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                if rec is not None:
+                    t1 = time.perf_counter()
+                    rec.step(loss=total / (a.micro * world), optimizer=opt, grad_norm=norm)
+                    per_rec.append(time.perf_counter() - t1)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                per.append(time.perf_counter() - t0)
+            if rec is not None:
+                rec.close()  # the writer thread's work counts: it is flushed here
+            c = torch.tensor(time.process_time() - c0, dtype=torch.float64)
+            dist.all_reduce(c)
+            cpu[kind].append(float(c) / a.steps)
+            dist.barrier()
+            times[kind].append(statistics.mean(per))
+            in_rec[kind].append(statistics.mean(per_rec) if per_rec else 0.0)
+    if rank == 0:
+        (out / "times.json").write_text(json.dumps({"times": times, "in_rec": in_rec, "cpu": cpu, "world": world, "steps": a.steps,
+                                                    "tokens_per_rank_step": a.micro * a.batch * a.seq,
+                                                    "params": sum(p.numel() for p in model.parameters())}))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def bench_recorder(quick: bool, tmp: Path, log=print) -> dict:
+    """Run the rank side in one 2-rank torchrun launch, then time the gate's
+    check of the first round's full and sketched recordings (see the module docstring)."""
+    from dormouse.gate.judge.recording import judge_recording
+    from dormouse.gate.record.reference import make_reference
+
+    rounds, steps = (2, 3) if quick else (5, 4)
+    out = Path(tmp) / "recorder"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "dormouse.bench.recorder", "--out", str(out), "--rounds", str(rounds), "--steps", str(steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"recorder bench failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+    t = json.loads((out / "times.json").read_text())
+    times = t["times"]
+    res: dict = {"rounds": rounds, "steps": steps, "world": t["world"], "params": t["params"],
+                 "tokens_per_rank_step": t["tokens_per_rank_step"], "step_s_median": {}, "overhead": {}}
+    for kind, ts in times.items():
+        res["step_s_median"][kind] = statistics.median(ts)
+        if kind != "none":
+            ratios = [x / y for x, y in zip(ts, times["none"])]
+            inside = [x / y for x, y in zip(t["in_rec"][kind], times["none"])]
+            cpu = [x / y for x, y in zip(t["cpu"][kind], t["cpu"]["none"])]
+            res["overhead"][kind] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                                     "in_step_fraction": statistics.median(inside),
+                                     "cpu_ratio": statistics.median(cpu)}
+    res["judge_cost"] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        make_reference(out / "full_r0", log=lambda line: None, force=True)  # warm-up: imports, first kernels
+        for kind in ("full", "sketch"):
+            d = out / f"{kind}_r0"
+            t0, c0 = time.perf_counter(), time.process_time()
+            make_reference(d, log=lambda line: None, force=True)
+            v = judge_recording(d)
+            judge_s, judge_cpu = time.perf_counter() - t0, time.process_time() - c0
+            fleet_s = t["world"] * steps * times[kind][0]
+            fleet_cpu = steps * t["cpu"][kind][0]
+            res["judge_cost"][kind] = {"judge_s": judge_s, "fleet_rank_s": fleet_s, "wall_ratio": judge_s / fleet_s,
+                                       "judge_cpu_s": judge_cpu, "fleet_cpu_s": fleet_cpu,
+                                       "ratio": judge_cpu / fleet_cpu, "verdict": "PASS" if v.passed else "FAIL"}
+    finally:
+        torch.set_num_threads(threads)
+    log(f"recorder: overhead {res['overhead']}, judge cost {res['judge_cost']}")
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(sys.argv[1:]))

@@ -1,0 +1,538 @@
+"""The judge of a recorded training loop (issue 13): pure functions from a
+recording (record/recorder.py) and its one-process references
+(record/reference.py, already written to <out>/reference/) to typed checks and
+a Verdict. It reads artifacts only and runs no user code.
+
+Each check says in one sentence why it passed or failed:
+
+independence  fact 1: at every recorded step the per-example gradients,
+              summed with their weights, equal the batch's,
+              ||ex - g|| / ||g|| <= INDEP_RTOL, and the gradient does not change
+              with the RNG state (active dropout, per-rank RNG); BatchNorm and
+              dropout modules are named.
+gradient      fact 3: the fleet's synchronised gradient (divided by the clip
+              coefficient where the loop clipped first) against the one-process
+              gradient of the DECLARED objective over every rank's micro-batches
+              at the recorded parameters: ||g_fleet - g|| / ||g|| <= GRAD_RTOL.
+              On a failure it fits g_fleet = c g and NAMES c when it is a
+              constant (xW, xK, 1/W, ...), or names the weighting the fleet
+              computed (the mean of micro-batch means, each rank its own count).
+grad_mask     the parameters with a gradient are the ones one process gives a
+              gradient: a zero gradient where one process has none is a FAIL
+              (weight decay and the optimizer's moments move them).
+replay        fact 4: the user's optimizer and scheduler replayed in one process
+              from the initial state on the recorded gradients give the recorded
+              parameters BITWISE before every step and after the last, across
+              resumes, and the recorded lr; a resume that reset the scheduler is
+              named. (Sketch / every-k recordings: the one-process run trained
+              on the declared objective instead, within FLOOR_MULTIPLE x its
+              own drift from a copy started one ulp away.)
+data          no example read by two ranks (or twice) in one step; none twice
+              within an epoch of dataset_len examples (skipped, and said, when
+              the length is unknown).
+loss          the loss the loop reported against the declared objective
+              (LOSS_RTOL): reported apart, since a wrong metric is not a wrong
+              training; the weighting it computed instead is named.
+ranks         every rank's parameters equal before every step and after the
+              last (sha256); under FSDP2 each shard exists once (said so).
+clip          the gradient norm and clip coefficient the loop reported against
+              the one-process gradient's norm (CLIP_RTOL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.judge.checks import Check, TensorCheck, Verdict
+
+# Measured on the plain DDP/FSDP2 loop (tests/support/ddp_loop.py: 2 gloo ranks,
+# GA 3, 6 steps, fp32): fleet vs one process <= 1.4e-7 relative (L2 over all
+# tensors); per-example sum vs batch <= 6e-8; reported loss <= 3e-8. The
+# bounds are ~70x above; the faults they must catch are 1e-2 and up.
+GRAD_RTOL = 1e-5
+INDEP_RTOL = 1e-5
+LOSS_RTOL = 1e-5
+CLIP_RTOL = 1e-4
+# The one-process run (sketch or every-k recordings) drifts from the fleet by
+# float32 round-off amplified over steps: its tolerance at step k is
+# FLOOR_MULTIPLE x the running maximum of the same run's drift from a copy
+# started one ulp away (the reference's "np/", "ng/"), at least RUN_MIN_RTOL.
+RUN_MIN_RTOL = 1e-5
+FLOOR_MULTIPLE = 10.0
+FACTOR_RTOL = 1e-3  # a fitted constant within this of a named factor is that factor
+SKETCH_DELTA = 0.05  # the per-tensor, per-step failure probability the sketch bound is stated at
+
+
+def _norm(d: dict[str, torch.Tensor], names) -> float:
+    return math.sqrt(sum(float((d[n].double() ** 2).sum()) for n in names))
+
+
+def _dot(a, b, names) -> float:
+    return sum(float((a[n].double().reshape(-1) * b[n].double().reshape(-1)).sum()) for n in names)
+
+
+def rel(a: dict, b: dict, names=None) -> float:
+    """||a - b|| / ||b|| over the tensors `names` (all of b's) taken as one vector."""
+    names = sorted(b) if names is None else names
+    den = _norm(b, names)
+    num = math.sqrt(sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in names))
+    return num / den if den > 0 else num
+
+
+def fit(a: dict, b: dict, names) -> tuple[float, float]:
+    """The c minimising ||a - c b|| and the residual ||a - c b|| / ||c b||."""
+    bb = _dot(b, b, names)
+    c = _dot(a, b, names) / bb if bb > 0 else 0.0
+    scaled = {n: b[n].double() * c for n in names}
+    return c, (rel(a, scaled, names) if c else math.inf)
+
+
+def factor_name(c: float, world: int, micro: int) -> str | None:
+    """W, K, 1/W, ... : the named constant c is (None if none fits)."""
+    W, K = world, micro
+    cands = [("W", W), ("1/W", 1 / W), ("K", K), ("1/K", 1 / K), ("W·K", W * K), ("1/(W·K)", 1 / (W * K)),
+             ("W/K", W / K), ("K/W", K / W), ("W²", W * W), ("1/W²", 1 / (W * W))]
+    names = [n for n, v in cands if v != 1 and abs(c / v - 1) <= FACTOR_RTOL]
+    return " = ".join(names) if names else None
+
+
+def sketch_detection(k: int, bound: float) -> tuple[float, str]:
+    """CountSketch with k buckets: ||S d||^2 / ||d||^2 has mean 1 and variance
+    <= 2/k, so by Chebyshev it lies in [1 - e, 1 + e], e = sqrt(2 / (k delta)),
+    with probability >= 1 - delta; a relative difference r between two tensors
+    then shows as at least r sqrt((1 - e) / (1 + e)). Returns the smallest r
+    detected at `bound` and the sentence that says so."""
+    e = math.sqrt(2.0 / (k * SKETCH_DELTA))
+    if e >= 1:
+        return math.inf, (f"sketch k={k}: too few projections for a bound at {1 - SKETCH_DELTA:.0%} "
+                          "(use k >= 64)")
+    r = bound * math.sqrt((1 + e) / (1 - e))
+    return r, (f"sketch k={k}: a relative difference above {r:.2g} in any tensor is detected with probability "
+               f">= {1 - SKETCH_DELTA:.0%} per tensor and step (e = {e:.2f})")
+
+
+class _Ref:
+    """The reference artifacts of a recording, read once."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.meta = A.read_json(A.reference_meta_path(out), "reference")
+        self._cache: dict = {}
+
+    def step(self, k: int) -> tuple[dict, dict]:
+        if k not in self._cache:
+            t, _ = A.read_tensors(A.reference_step_tensors_path(self.out, k), "reference tensors")
+            self._cache = {k: (A.read_json(A.reference_step_meta_path(self.out, k), "reference step"), t)}
+        return self._cache[k]
+
+    def tensors(self, k: int, prefix: str) -> dict[str, torch.Tensor]:
+        t = self.step(k)[1]
+        return {n[len(prefix):]: v for n, v in t.items() if n.startswith(prefix)}
+
+    def final(self) -> dict[str, torch.Tensor]:
+        t, _ = A.read_tensors(A.reference_final_path(self.out), "reference final")
+        return {n[3:]: v for n, v in t.items() if n.startswith("rp/")}
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
+    per, worst, worst_k = [], 0.0, None
+    rng = False
+    for k in rec.tensor_steps():
+        info, _ = ref.step(k)
+        rng = rng or bool(info.get("rng_sensitive"))
+        g, ex = ref.tensors(k, "g/"), ref.tensors(k, "ex/")
+        x = rel(ex, g, sorted(set(g) & set(ex)))
+        per.append(x)
+        if x > worst:
+            worst, worst_k = x, k
+    bn, drop = ref.meta.get("batchnorm", []), ref.meta.get("dropout", [])
+    ok = worst <= INDEP_RTOL and not rng
+    if ok:
+        reason = (f"the per-example gradients sum to the batch's at every recorded step (worst {worst:.2g}, "
+                  f"bound {INDEP_RTOL:g}) and do not change with the RNG state")
+    elif bn:
+        reason = (f"BatchNorm ({', '.join(bn)}) computes statistics over the batch: the per-example gradients "
+                  f"differ from the batch's by {worst:.2g} (step {worst_k}; bound {INDEP_RTOL:g}), so splitting "
+                  "the batch over ranks changes the mathematics (SyncBN too: use a per-example norm)")
+    elif rng or drop:
+        reason = ("the gradient changes with the RNG state: active dropout"
+                  + (f" ({', '.join(drop)})" if drop else " or other unkeyed randomness")
+                  + f", drawn by each rank from its own generator (per-example vs batch {worst:.2g})")
+    else:
+        reason = (f"the network is not a function of each example alone: per-example gradients differ from the "
+                  f"batch's by {worst:.2g} at step {worst_k} (bound {INDEP_RTOL:g})")
+    return TensorCheck("independence", ok, reason, worst=worst, worst_step=worst_k, bound=INDEP_RTOL, per_step=per)
+
+
+def _fleet_grad(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
+    g = rec.tensors_at(k, "gs/" if rec.sketch else "g/")
+    m = rec.step_meta(0, k)
+    if m.get("clipped") and m.get("clip_coef"):
+        g = {n: v.double() / m["clip_coef"] for n, v in g.items()}
+    return g
+
+
+def run_tolerance(rec: A.RecordingSet, ref: _Ref, ours: str, nudged: str) -> dict[int, float]:
+    """Per tensor step: FLOOR_MULTIPLE x the running maximum of the one-ulp
+    floor rel(nudged, ours), at least RUN_MIN_RTOL (run mode)."""
+    out, top = {}, 0.0
+    for k in rec.tensor_steps():
+        top = max(top, rel(ref.tensors(k, nudged), ref.tensors(k, ours)))
+        out[k] = max(RUN_MIN_RTOL, FLOOR_MULTIPLE * top)
+    return out
+
+
+def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
+    run = ref.meta.get("mode") == "run"
+    tol = run_tolerance(rec, ref, "g/", "ng/") if run else {k: GRAD_RTOL for k in rec.tensor_steps()}
+    bound = max(tol.values())
+    per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
+    fits, alts = [], {"micro_mean": [], "rank_mean": []}
+    for k in rec.tensor_steps():
+        g_ref = ref.tensors(k, "g/")
+        g = _fleet_grad(rec, k)
+        names = sorted(set(g) & set(g_ref))
+        x = rel(g, g_ref, names)
+        per.append(x)
+        over = over or x > tol[k]
+        if x > worst:
+            worst, worst_k = x, k
+            worst_t = max(names, key=lambda n: rel({n: g[n]}, {n: g_ref[n]}, [n]))
+        # a constant factor is named from steps at the same parameters (all of them when replaying)
+        if run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > GRAD_RTOL:
+            continue
+        fits.append(fit(g, g_ref, names))
+        for alt in alts:
+            a = ref.tensors(k, f"{alt}/")
+            an = sorted(set(g) & set(a))
+            alts[alt].append(fit(g, a, an) if an else (0.0, math.inf))
+    ok = not over
+    bound = GRAD_RTOL
+    world, micro = rec.world_at(rec.steps[0]), rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
+    what = "one process's gradient of the declared objective"
+    stated = (f"bound {GRAD_RTOL:g}" if not run else
+              f"bound {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor, {min(tol.values()):.2g} to "
+              f"{max(tol.values()):.2g}")
+    if ok:
+        reason = (f"the fleet's gradient equals {what} ({rec.meta['objective']}) at every recorded step "
+                  f"(worst {worst:.2g}, {stated})")
+    else:
+        cs = [c for c, _ in fits]
+        constant = bool(fits) and all(r <= bound for _, r in fits) and max(cs) - min(cs) <= FACTOR_RTOL * abs(cs[0])
+        named = factor_name(cs[0], world, micro) if constant else None
+        alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)), None)
+        if constant and named:
+            reason = (f"the fleet's gradient is {what} times {cs[0]:.4g} = {named} (W = {world} ranks, "
+                      f"K = {micro} micro-batches) at every step: a normalisation applied the wrong number of times")
+        elif constant:
+            reason = f"the fleet's gradient is {what} times a constant {cs[0]:.4g} at every step"
+        elif alt_hit:
+            c = alts[alt_hit][0][0]
+            desc = {"micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
+                                  "own count, not the step's)",
+                    "rank_mean": "the mean of the ranks' own token means (each rank normalised by its own "
+                                 "token count)"}[alt_hit]
+            reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > FACTOR_RTOL else "")
+                      + f", not the global mean the objective declares (off by {worst:.2g} at step {worst_k})")
+        else:
+            reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} (tensor "
+                      f"{worst_t}; {stated}), not by a constant factor")
+            info, _ = ref.step(rec.tensor_steps()[0])
+            if info.get("rng_sensitive"):
+                reason += "; the one-process gradient itself changes with the RNG state (see independence)"
+    if rec.sketch:
+        reason += "; " + sketch_detection(rec.sketch, max(tol.values()))[1]
+    if rec.every > 1:
+        reason += f"; tensors every {rec.every} steps: a fault confined to fewer steps can be missed"
+    return TensorCheck("gradient", ok, reason, worst=worst, worst_tensor=worst_t, worst_step=worst_k,
+                       bound=max(tol.values()), per_step=per)
+
+
+def check_grad_mask(rec: A.RecordingSet, ref: _Ref) -> Check:
+    for k in rec.steps:
+        info, _ = ref.step(k)
+        fleet_none = set(rec.step_meta(0, k).get("no_grad", []))
+        ref_none = set(info.get("no_grad", []))
+        extra = sorted(ref_none - fleet_none)
+        if extra:
+            zero = ""
+            if rec.step_meta(0, k).get("tensors", True) and not rec.sketch:
+                g = rec.tensors_at(k, "g/")
+                if all(n in g and not g[n].any() for n in extra):
+                    zero = " (all zeros)"
+            return Check("grad_mask", False,
+                         f"{', '.join(extra)} had a gradient{zero} in the fleet at step {k} where one process has "
+                         "none: with weight decay or momentum the optimizer moves them (set them to None)")
+        missing = sorted(fleet_none - ref_none)
+        if missing:
+            return Check("grad_mask", False, f"{', '.join(missing)} had no gradient in the fleet at step {k} "
+                                             "where one process has one")
+    return Check("grad_mask", True, "the parameters with a gradient are the ones one process gives a gradient, "
+                                    "at every step")
+
+
+def _first_unequal(a: dict, b: dict) -> tuple[str, float] | None:
+    for n in sorted(b):
+        if n not in a or a[n].shape != b[n].shape or not torch.equal(a[n].to(b[n].dtype), b[n]):
+            return n, (rel({n: a[n]}, {n: b[n]}, [n]) if n in a and a[n].shape == b[n].shape else math.inf)
+    return None
+
+
+def check_replay(rec: A.RecordingSet, ref: _Ref) -> Check:
+    resumed = set(rec.resumed_at())
+    steps = rec.steps
+    # the lr the loop used against the uninterrupted scheduler's
+    for k in steps:
+        lr, want = rec.step_meta(0, k).get("lr"), ref.step(k)[0].get("replay_lr")
+        if lr is not None and want is not None and abs(lr - want) > 1e-12 * max(abs(want), 1e-30):
+            if k in resumed or any(s <= k for s in resumed):
+                first = min(s for s in resumed if s <= k)
+                return Check("replay", False,
+                             f"after the resume at step {first} the loop's lr at step {k} is {lr:.6g} where the "
+                             f"uninterrupted scheduler gives {want:.6g}: the resume dropped the lr scheduler's state")
+            return Check("replay", False, f"the loop's lr at step {k} is {lr:.6g} where its scheduler, replayed, "
+                                          f"gives {want:.6g}")
+    if ref.meta.get("mode") == "run":
+        tol = run_tolerance(rec, ref, "rp/", "np/")
+        worst, at, ok = 0.0, None, True
+        pre = "ps/" if rec.sketch else "p/"
+        for k in rec.tensor_steps():
+            x = rel(rec.tensors_at(k, pre), ref.tensors(k, "rp/"))
+            ok = ok and x <= tol[k]
+            if x > worst:
+                worst, at = x, k
+        last = max(tol.values())
+        x = rel(rec.final(pre), ref.final())
+        ok = ok and x <= last
+        if x > worst:
+            worst, at = x, "final"
+        why = (f"the recorded parameters {'match' if ok else 'differ from'} one process trained on the declared "
+               f"objective over the recorded micro-batches (worst {worst:.2g} at step {at}; bound "
+               f"{FLOOR_MULTIPLE:g} x that run's one-ulp floor, {min(tol.values()):.2g} to {last:.2g}; the "
+               "recording keeps no full gradients to replay, so facts 3 and 4 are judged together)")
+        if rec.sketch:
+            why += "; " + sketch_detection(rec.sketch, last)[1]
+        return Check("replay", ok, why)
+    for k in steps:
+        diff = _first_unequal(rec.tensors_at(k, "p/"), ref.tensors(k, "rp/"))
+        if diff:
+            where = ("the parameters the resume loaded" if k in resumed else
+                     f"the fleet's update at step {k - 1}" if k > steps[0] else "the recorded initial state")
+            return Check("replay", False,
+                         f"{where} differs from the replay of the user's optimizer on the recorded gradients: "
+                         f"parameters before step {k} differ (first: {diff[0]}, relative {diff[1]:.2g})")
+    diff = _first_unequal(rec.final("p/"), ref.final())
+    if diff:
+        return Check("replay", False, f"the fleet's update at step {steps[-1]} differs from the replay: final "
+                                      f"parameters differ (first: {diff[0]}, relative {diff[1]:.2g})")
+    segs = len(rec.meta["segments"])
+    return Check("replay", True, f"the user's optimizer and scheduler, replayed from the initial state on the "
+                                 f"recorded gradients, give the recorded parameters bitwise at all {len(steps)} "
+                                 f"steps" + (f", across {segs - 1} resume(s)" if segs > 1 else ""))
+
+
+def _row_ids(batch: dict[str, torch.Tensor]) -> list[str]:
+    for key in ("idx", "example_id"):
+        if key in batch:
+            return [f"id:{int(x)}" for x in batch[key].reshape(-1)]
+    ids = batch.get("input_ids", batch.get("arg0"))
+    if ids is None:
+        return []
+    mask = batch.get("attention_mask")
+    out = []
+    for i in range(ids.shape[0]):
+        row = ids[i] if mask is None else ids[i][mask[i].bool()]
+        out.append(hashlib.sha1(row.to(torch.int64).contiguous().numpy().tobytes()).hexdigest())
+    return out
+
+
+def check_data(rec: A.RecordingSet) -> Check:
+    sequence: list[tuple[str, int, int]] = []  # (example, step, rank)
+    for k in rec.steps:
+        seen: dict[str, int] = {}
+        for r in range(rec.world_at(k)):
+            given = rec.example_ids(r, k)
+            if given is not None:
+                ids = [f"id:{int(x)}" for x in given]
+            else:
+                ids = [i for rr, _, b in rec.micro_batches(k) if rr == r for i in _row_ids(b)]
+            for e in ids:
+                if e in seen:
+                    who = (f"ranks {seen[e]} and {r}" if seen[e] != r else f"rank {r} twice")
+                    return Check("data", False, f"at step {k} an example was read by {who}: every rank read the "
+                                                "same data (no DistributedSampler?)" if seen[e] != r else
+                                 f"at step {k} an example was read by {who} in one step")
+                seen[e] = r
+                sequence.append((e, k, r))
+    n = int(rec.meta.get("dataset_len", 0))
+    if not n:
+        return Check("data", True, "no example was read by two ranks in any step; dataset_len unknown: the "
+                                   "once-per-epoch check was skipped")
+    for start in range(0, len(sequence), n):
+        first: dict[str, int] = {}
+        for e, k, _ in sequence[start:start + n]:
+            if e in first:
+                return Check("data", False, f"an example was read twice within epoch {start // n} (steps "
+                                            f"{first[e]} and {k}, dataset_len {n})")
+            first[e] = k
+    return Check("data", True, f"no example was read by two ranks in any step, none twice within an epoch of "
+                               f"{n} examples ({len(sequence)} reads)")
+
+
+def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
+    worst, at, alt_hits = 0.0, None, None
+    reported_any, over, floor = False, False, 0.0
+    for k in rec.steps:
+        info, _ = ref.step(k)
+        if info.get("nudged_loss") is not None:  # run mode: the one-process run's own one-ulp floor
+            floor = max(floor, abs(info["nudged_loss"] - info["loss"]) / max(abs(info["loss"]), 1e-30))
+        tol = max(LOSS_RTOL, FLOOR_MULTIPLE * floor)
+        losses = [rec.step_meta(r, k).get("loss") for r in range(rec.world_at(k))]
+        if losses[0] is None:
+            continue
+        reported_any = True
+        x = abs(losses[0] - info["loss"]) / max(abs(info["loss"]), 1e-30)
+        if x > worst:
+            worst, at = x, k
+        if x > tol:
+            over = True
+            hits = {a for a, v in (("micro_mean", info["loss_alt"]["micro_mean"]),
+                                   ("rank_mean", info["loss_alt"]["rank_mean"]),
+                                   ("rank_local", (info["loss_alt"]["rank_local"] or [None])[0]))
+                    if v is not None and abs(losses[0] - v) <= tol * abs(v)}
+            alt_hits = hits if alt_hits is None else alt_hits & hits
+    if not reported_any:
+        return Check("loss", True, "the loop reported no loss (rec.step(loss=...)): not checked")
+    if not over:
+        return Check("loss", True, f"the logged loss equals the declared objective over the global batch at every "
+                                   f"step (worst {worst:.2g}, bound {max(LOSS_RTOL, FLOOR_MULTIPLE * floor):.2g})")
+    desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": "the mean of the ranks' own "
+            "token means", "rank_local": "rank 0's own token mean"}
+    named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)
+    reason = (f"the logged loss differs from the declared objective by {worst:.2g} at step {at}"
+              + (f": it is {named}, not the global token mean" if named else ""))
+    reason += ("; the training itself matches one process (gradient and replay pass): the logged loss is wrong, "
+               "not the training" if training_ok else "")
+    return Check("loss", False, reason)
+
+
+def check_ranks(rec: A.RecordingSet) -> Check:
+    if rec.meta.get("fsdp"):
+        return Check("ranks", True, "FSDP2: each rank holds its own shard (each parameter exists once); the "
+                                    "assembled tensors are what the other checks judge")
+    for k in rec.tensor_steps():
+        hashes = [rec.step_meta(r, k).get("param_hash") for r in range(rec.world_at(k))]
+        bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        if bad:
+            return Check("ranks", False, f"rank {bad[0]}'s parameters differ from rank 0's before step {k}")
+    w = rec.world_at(rec.steps[-1])
+    finals = [A.read_json(A.final_meta_path(rec.out, r), "final").get("param_hash") for r in range(w)]
+    if any(h != finals[0] for h in finals):
+        return Check("ranks", False, "the ranks' parameters differ after the last step")
+    return Check("ranks", True, "every rank's parameters are equal before every recorded step and after the last")
+
+
+def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
+    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    if mgn <= 0:
+        return Check("clip", True, "no clipping declared (max_grad_norm=0)")
+    seen = False
+    for k in rec.steps:
+        info, _ = ref.step(k)
+        metas = [rec.step_meta(r, k) for r in range(rec.world_at(k))]
+        norms = [m.get("grad_norm") for m in metas]
+        if norms[0] is None:
+            continue
+        seen = True
+        want = info["norm"]
+        if ref.meta.get("mode") == "run" and k not in rec.tensor_steps():
+            continue
+        bad = [(r, x) for r, x in enumerate(norms) if x is None or abs(x - want) > CLIP_RTOL * want]
+        if bad:
+            per = ", ".join(f"rank {r}: {x:.6g}" for r, x in enumerate(norms) if x is not None)
+            differ = len({x for x in norms if x is not None}) > 1
+            own = None
+            if not rec.sketch and rec.step_meta(0, k).get("tensors", True):
+                g = _fleet_grad(rec, k)
+                own = _norm(g, sorted(g))
+            coefs = f"coefficient {metas[0].get('clip_coef'):.4g}, one process {info['clip_coef']:.4g}"
+            if differ:
+                return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
+                                            f"its own, where the global gradient's norm is {want:.6g}: clipping by "
+                                            f"a local norm ({coefs})")
+            if own is None:
+                return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {norms[0]:.6g} "
+                                            f"where one process's gradient has norm {want:.6g} ({coefs}; see "
+                                            "gradient)")
+            if abs(norms[0] - own) <= CLIP_RTOL * own:
+                return Check("clip", False, f"at step {k} the loop clipped by its own synchronised gradient's norm "
+                                            f"{norms[0]:.6g}, but one process's gradient has norm {want:.6g}: the "
+                                            "gradient itself is wrong (see gradient)")
+            return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {norms[0]:.6g}, "
+                                        f"neither its synchronised gradient's ({own:.6g}) nor one process's "
+                                        f"({want:.6g}): clipping by a local or partial norm ({coefs})")
+    if not seen:
+        return Check("clip", True, f"the loop reported no gradient norm: the replay clipped by max_grad_norm "
+                                   f"{mgn:g} itself (the replay check covers it)")
+    return Check("clip", True, f"the loop's gradient norm and clip coefficient equal the one-process gradient's at "
+                               f"every step (bound {CLIP_RTOL:g})")
+
+
+def provenance(rec: A.RecordingSet) -> dict:
+    """The verdict's provenance (docs/verdict.schema.json's keys): the
+    recording's code, torch, device and threads; "corpus" the sha256 of every
+    micro-batch the fleet read (step JSONs and input tensors, in step and rank
+    order), "init" the fingerprint of the recorded initial state."""
+    import hashlib as _h
+
+    p = dict(rec.meta.get("provenance", {}))
+    h = _h.sha256()
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            for key, t in sorted(rec.step_tensors(r, k).items()):
+                if key.startswith("in/") or key == "ids":
+                    h.update(f"{k}:{r}:{key}:{tuple(t.shape)}".encode())
+                    h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    p.update({"corpus": h.hexdigest(), "init": A.fingerprint(rec.init())})
+    for key, default in (("dormouse", ""), ("source", "0" * 64), ("cpu_capability", ""), ("device", "cpu"),
+                         ("threads", 1)):
+        p.setdefault(key, default)
+    return p
+
+
+def judge_recording(out) -> Verdict:
+    """The verdict on a recording whose references are in <out>/reference/."""
+    out = Path(out)
+    rec = A.RecordingSet(out)
+    rec.validate()
+    if not A.reference_meta_path(out).exists():
+        return Verdict(str(out), False, [Check("complete", False, "no one-process reference: run "
+                                                                  "`dormouse gate check --out DIR`, which makes it")],
+                       [], provenance(rec))
+    ref = _Ref(out)
+    if ref.meta.get("run") != rec.run or ref.meta.get("steps") != rec.steps:
+        return Verdict(str(out), False, [Check("complete", False, "the reference was made from another recording:"
+                                                                  " re-run `dormouse gate check`")],
+                       [], provenance(rec))
+    checks = [Check("complete", True, f"recording of {len(rec.steps)} steps, {rec.world_at(rec.steps[-1])} ranks, "
+                                      f"{len(rec.meta['segments'])} segment(s); the one-process reference made "
+                                      f"from it ({ref.meta.get('mode')})")]
+    checks.append(check_independence(rec, ref))
+    grad = check_gradient(rec, ref)
+    checks.append(grad)
+    checks.append(check_grad_mask(rec, ref))
+    replay = check_replay(rec, ref)
+    checks.append(replay)
+    checks.append(check_data(rec))
+    checks.append(check_loss(rec, ref, grad.passed and replay.passed))
+    checks.append(check_ranks(rec))
+    checks.append(check_clip(rec, ref))
+    return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"], provenance(rec))

@@ -1,0 +1,143 @@
+"""The Recorder as a Hugging Face `transformers.TrainerCallback`.
+
+    from dormouse.gate.record.hf import RecorderCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=build_optimizer(model),
+                      callbacks=[RecorderCallback("runs/rec", build_model="mypkg.train:build_model",
+                                                  build_optimizer="mypkg.train:build_optimizer")])
+    trainer.train()          # then: dormouse gate check --out runs/rec
+
+This is the only module of dormouse that imports transformers (the `[hf]`
+extra); the rest of the gate never needs it.
+
+What the Trainer does, read from transformers 5.24's `Trainer._inner_training_loop`
+and what the callback does about it:
+
+* Per optimizer step: the micro-batches' forwards and backwards (DDP's
+  `no_sync` on all but the last, so the gradient is synchronised after the
+  last backward), then `_clip_grad_norm` (when `max_grad_norm > 0`), then
+  `on_pre_optimizer_step`, `optimizer.step()`, `on_optimizer_step`, the lr
+  scheduler's step, `zero_grad`, `on_step_end`, and the log (`on_log`).
+* So `on_pre_optimizer_step` sees the synchronised gradient ALREADY CLIPPED:
+  g' = c g with c = min(1, max_grad_norm / (||g|| + 1e-6)) (torch's
+  `clip_grad_norm_`). The callback records g' there (the gradient the
+  optimizer applies), with the parameters before the step and the lr of the
+  optimizer's first parameter group (the scheduler has set it for this step).
+* The pre-clip norm ||g|| and the loss reach no callback before the step: the
+  Trainer logs them afterwards (`logs["grad_norm"]`, `logs["loss"]`, the
+  loss gathered over ranks and averaged: `nested_gather(tr_loss).mean()`).
+  The callback asks the Trainer to log every step (`control.should_log`)
+  and hands both to the Recorder at `on_log` (`Recorder.report`), which
+  turns ||g|| into c by the rule above: the judge then compares g' with c
+  times the reference's gradient, and checks c against the reference's norm.
+* The Recorder hooks the core model the callbacks are given (the Trainer's
+  `self.model`; DDP's wrapper calls it, so every micro-batch's forward passes
+  through the hook). Its state at `on_train_begin` (after the Trainer placed
+  it, before any step) is the recording's initial state.
+* A resumed Trainer (`trainer.train(resume_from_checkpoint=...)`) starts
+  at `state.global_step = K > 0`: the callback records a new segment after K.
+
+Refused, one line each (`RecorderError`): DeepSpeed and the Trainer's FSDP
+(the recorded tensors would be the engine's shards or partitions, which the
+callback does not assemble: record an FSDP2 loop with the Recorder itself),
+a Trainer that is not data-parallel or single-process (model parallel).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dormouse.gate.record.recorder import INPUTS, Recorder, RecorderError, check_options
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # the [hf] extra is not installed
+    raise RecorderError(f"dormouse.gate.record.hf needs transformers and accelerate ({e}): "
+                        "pip install 'dormouse[hf]'") from None
+
+
+class RecorderCallback(TrainerCallback):
+    """Records a `transformers.Trainer` run for the gate (see the module docstring).
+
+    out_dir          where the recording goes (one run per directory; `dormouse gate check --out` it)
+    build_model      "pkg.mod:fn": fn() returns the same initial model in a fresh process
+    build_optimizer  "pkg.mod:fn": fn(model) returns the optimizer and lr scheduler the Trainer uses
+                     (hand the same to the Trainer: `optimizers=build_optimizer(model)`)
+    objective        what the reference differentiates: "causal_lm" (HF's convention: logits against
+                     labels shifted by one, ignore_index -100, token mean over the GLOBAL batch),
+                     "token_mean", "example_mean", or "pkg.mod:fn" with fn(model, batch) -> (loss_sum, count)
+    sketch, every    the Recorder's scale settings: k projections per tensor (0 = full), every k-th step
+    inputs           the forward keyword arguments that are the batch
+    build_kwargs     JSON-able keyword arguments for build_model and build_optimizer
+    dataset_len      examples in the dataset; None = len(train_dataset) when it has one (0 = unknown)
+    """
+
+    def __init__(self, out_dir, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
+                 sketch: int = 0, every: int = 1, inputs=INPUTS, build_kwargs: dict | None = None,
+                 dataset_len: int | None = None):
+        # bad options fail here, in one line, before the Trainer trains (not at on_train_begin on every rank)
+        check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective, sketch=sketch,
+                      every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs)
+        self.out_dir = Path(out_dir)
+        self.options = dict(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
+                            sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs)
+        self.dataset_len = dataset_len
+        self.rec: Recorder | None = None
+        self._step_logged = -1  # the Trainer's global_step whose log reached the Recorder
+
+    # ------------------------------------------------------------------ the Trainer's events
+
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if getattr(args, "deepspeed", None):
+            raise RecorderError("RecorderCallback does not record DeepSpeed runs (the gradients live in the "
+                                "engine's partitions): record a DDP run, or call the Recorder from your own loop")
+        if model is None:
+            raise RecorderError("RecorderCallback.on_train_begin was given no model: add it to a "
+                                "transformers.Trainer (callbacks=[...]), not call it by hand")
+        sharded = type(model).__name__ == "FullyShardedDataParallel" or any(
+            hasattr(p, "placements") for p in model.parameters())
+        if getattr(args, "fsdp", None) or sharded:
+            raise RecorderError("RecorderCallback does not record the Trainer's FSDP (its parameters are the "
+                                "engine's shards): record a DDP run, or an FSDP2 loop with the Recorder itself")
+        self.rec = Recorder(self.out_dir, model, max_grad_norm=float(args.max_grad_norm or 0.0),
+                            dataset_len=self._dataset_len(train_dataloader),
+                            resume=int(state.global_step) if state.global_step else False, **self.options)
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # the gradient is synchronised and (max_grad_norm > 0) already clipped: see the module docstring
+        self._live().step(optimizer=optimizer)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_log = True  # the loss and the pre-clip norm of every step come through the log
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if self.rec is None or "loss" not in logs or state.global_step == self._step_logged:
+            return control  # an eval log, or the final summary (train_loss), or a step already reported
+        self._step_logged = state.global_step
+        self.rec.report(loss=logs["loss"], grad_norm=logs.get("grad_norm"))
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.rec is not None:
+            self.rec.close()
+        return control
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _live(self) -> Recorder:
+        if self.rec is None:
+            raise RecorderError("RecorderCallback saw an optimizer step before on_train_begin: add it to the "
+                                "Trainer's callbacks before trainer.train()")
+        return self.rec
+
+    def _dataset_len(self, loader) -> int:
+        if self.dataset_len is not None:
+            return int(self.dataset_len)
+        ds = getattr(loader, "dataset", None)
+        try:
+            return len(ds) if ds is not None else 0
+        except TypeError:  # an IterableDataset without a length
+            return 0

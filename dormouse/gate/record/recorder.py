@@ -1,0 +1,515 @@
+"""The Recorder: what any training loop calls so the gate can judge it.
+
+    rec = Recorder(out_dir, model, build_model="pkg.mod:fn", build_optimizer="pkg.mod:fn",
+                   objective="causal_lm")
+    for each optimizer step:
+        ... forwards and backwards (gradient accumulation, DDP/FSDP2 synchronisation) ...
+        rec.step(loss=reported_loss, lr=current_lr, optimizer=opt)   # after the LAST backward, before opt.step()
+        opt.step(); ...
+    rec.close()
+
+Construction registers a forward PRE-hook on the model (on `model.module` under
+DDP): every forward in training mode appends its batch (positional tensor
+arguments as "arg0", "arg1", ..., and the keyword tensors named in `inputs`,
+plus "idx"/"example_id" when the loop passes them) to the current step's
+micro-batch list, detached, on the CPU. The loop's data code is untouched.
+Eval-mode forwards are ignored.
+
+Per step and rank it writes (names: dormouse.gate.artifacts) the micro-batches,
+the parameters before the step, the gradient on the parameters at rec.step()
+(synchronised; before clipping unless the loop says it clipped, by passing
+`clip_coef` or `grad_norm` with max_grad_norm > 0: then the gradient is the
+clipped one the optimizer applies and `clip_coef` says by how much), the lr,
+the loop's reported loss, the parameters with no gradient, and a sha256 of the
+parameters (ranks equal). Every file is written atomically, the JSON last.
+
+Scale: `sketch=k > 0` stores, instead of each tensor x, its CountSketch
+S x in R^k: each element i goes to bucket h(i) in [0, k) with sign s(i), both
+seeded by (seed, tensor name, global index), so (S x)_j = sum_{h(i)=j} s(i) x_i.
+It is linear (FSDP2 shards sketch to partial sums that add up to the full
+tensor's sketch) and E||S d||^2 = ||d||^2 with Var <= 2 ||d||^4 / k, so a
+relative difference r between two tensors shows in their sketches as about r.
+`every=k` stores tensors at steps 1, 1+k, 1+2k, ... (the micro-batches and
+the step's JSON at every step, so the reference can train the run itself).
+
+Under FSDP2 (DTensor parameters, Shard(0)) each rank stores its local shard
+and the placement (dim, global shape) in init.safetensors' metadata; the
+reference assembles full tensors.
+
+A loop that resumes from a checkpoint records into the same directory with
+`resume=True` (continue after the last recorded step) or `resume=K` (the
+checkpoint holds the state after step K): a new segment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import uuid
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as st_save
+
+from dormouse import atomic
+from dormouse.errors import DormouseError
+from dormouse.gate import artifacts as A
+
+OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
+EXAMPLE_ID_KEYS = ("idx", "example_id")
+INPUTS = ("input_ids", "attention_mask", "labels")
+
+
+class RecorderError(DormouseError):
+    """The Recorder was asked for something it cannot record."""
+
+
+# --------------------------------------------------------------------------- sketches
+
+
+SKETCH_CHUNK = 1 << 14  # elements summed in float32 before the float64 total (round-off ~1e-7 relative)
+
+
+def sketch_buckets(name: str, numel: int, k: int, seed: int, lo: int = 0, n: int | None = None) -> torch.Tensor:
+    """Bucket-and-sign of elements lo..lo+n of tensor `name` (flat global
+    index, numel elements in all): b in [0, 2k), b < k bucket b with sign +1,
+    b >= k bucket b-k with sign -1; returned offset by 2k per chunk of
+    SKETCH_CHUNK elements (int32), the layout `sketch` sums."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    b = torch.randint(0, 2 * k, (numel,), generator=g)
+    n = numel - lo if n is None else n
+    b = b[lo:lo + n]
+    return (b + 2 * k * (torch.arange(n) // SKETCH_CHUNK)).to(torch.int32)
+
+
+def sketch(x: torch.Tensor, buckets: torch.Tensor, k: int) -> torch.Tensor:
+    """The CountSketch S x (float64, k numbers) of a flat piece of a tensor
+    whose elements' buckets are `buckets` (from sketch_buckets): each chunk's
+    buckets summed in float32, the chunks in float64."""
+    x = x.detach().reshape(-1)
+    chunks = -(-x.numel() // SKETCH_CHUNK)
+    z = torch.zeros(max(chunks, 1) * 2 * k, dtype=x.dtype if x.dtype == torch.float64 else torch.float32)
+    z.index_add_(0, buckets, x.to(z.dtype))
+    z = z.view(-1, 2 * k).double().sum(0)
+    return z[:k] - z[k:]
+
+
+def import_path(path: str, what: str):
+    """The object an import path "pkg.mod:name" names, or one line saying why not."""
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        raise RecorderError(f"{what} {path!r} is not an import path: write it as 'package.module:function'")
+    mod, name = path.split(":")
+    try:
+        module = importlib.import_module(mod)
+    except Exception as e:
+        raise RecorderError(f"{what} {path!r} does not load: importing {mod!r} failed ({type(e).__name__}: {e}); "
+                            "put its package on PYTHONPATH") from None
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise RecorderError(f"{what} {path!r} does not load: {mod!r} has no {name!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def code_hashes(paths: list[str]) -> dict[str, str]:
+    """sha256 of the source file of each import path's module (the user's code
+    the references will run), without importing it."""
+    out = {}
+    for p in paths:
+        if not isinstance(p, str) or ":" not in p:
+            continue
+        mod = p.split(":")[0]
+        try:
+            spec = importlib.util.find_spec(mod)
+        except Exception:
+            spec = None
+        origin = getattr(spec, "origin", None)
+        if origin and Path(origin).is_file():
+            out[mod] = hashlib.sha256(Path(origin).read_bytes()).hexdigest()
+        else:
+            out[mod] = ""
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.cpu().contiguous()
+
+
+def _placement(t) -> dict | None:
+    """Shard(dim) and the global shape of a DTensor (None for a plain tensor)."""
+    if not hasattr(t, "placements"):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    shards = [p for p in t.placements if isinstance(p, Shard)]
+    if any(not isinstance(p, (Shard, Replicate)) for p in t.placements) or len(shards) > 1:
+        raise RecorderError(f"placements {t.placements} are not supported: the Recorder records FSDP2's Shard(0)")
+    if not shards:
+        return None
+    return {"dim": shards[0].dim, "shape": list(t.shape)}
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _version() -> str:
+    import dormouse
+
+    return dormouse.__version__
+
+
+def _number(x):
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        if hasattr(x, "full_tensor"):
+            x = x.full_tensor()
+        return float(x.detach().float().item())
+    return float(x)
+
+
+def check_options(*, build_model: str, build_optimizer: str, objective: str = "causal_lm", max_grad_norm: float = 0.0,
+                  dataset_len: int = 0, sketch: int = 0, every: int = 1, build_kwargs: dict | None = None) -> None:
+    """The Recorder's arguments that can be judged before any model exists
+    (the HF callback checks them when it is built, before training starts)."""
+    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"), (objective, "objective")):
+        if isinstance(value, str) and value.split(":")[0] == "__main__":
+            raise RecorderError(f"{what} {value!r} names the script being run, which the check cannot import in "
+                                "another process: name its module instead ('mytrain:fn', with its folder on "
+                                "PYTHONPATH), or move the function into an importable module")
+    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer")):
+        if not isinstance(value, str) or value.count(":") != 1:
+            raise RecorderError(f"{what} {value!r} is not an import path: write it as 'package.module:function'")
+    if objective not in OBJECTIVES and (not isinstance(objective, str) or objective.count(":") != 1):
+        raise RecorderError(f"objective {objective!r} is none of {', '.join(OBJECTIVES)} and not an import "
+                            "path 'package.module:function' of fn(model, batch) -> (loss_sum, count)")
+    if int(sketch) < 0 or int(every) < 1:
+        raise RecorderError(f"sketch={sketch}, every={every}: sketch is 0 (full tensors) or the number of "
+                            "projections per tensor, every a whole number >= 1")
+    if max_grad_norm < 0 or dataset_len < 0:
+        raise RecorderError(f"max_grad_norm={max_grad_norm}, dataset_len={dataset_len}: both must be >= 0")
+    try:
+        json.dumps(build_kwargs or {})
+    except TypeError as e:
+        raise RecorderError(f"build_kwargs must be JSON-able ({e})") from None
+
+
+# --------------------------------------------------------------------------- the Recorder
+
+
+class _Writer:
+    """Writes files atomically, in order, on a thread of its own: the loop does
+    not wait for the disk (fsync). The bytes are made by the caller (a copy
+    taken before the optimizer changes the tensors). An error is raised at the
+    next write or at flush."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.q: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="dormouse-recorder-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            item = self.q.get()
+            try:
+                if item is None:
+                    return
+                if self.error is None:
+                    atomic.write_bytes(*item)
+            except BaseException as e:  # handed to the loop's thread at the next call
+                self.error = e
+            finally:
+                self.q.task_done()
+
+    def _raise(self):
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise RecorderError(f"the Recorder could not write its files ({type(e).__name__}: {e})") from e
+
+    def write(self, path: Path, data: bytes) -> None:
+        self._raise()
+        self.q.put((path, data))
+
+    def flush(self) -> None:
+        self.q.join()
+        self._raise()
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+
+
+class Recorder:
+    """Records a training loop's steps for the gate (see the module docstring).
+
+    out_dir          where the recording goes (one run per directory)
+    model            the model the loop trains (a DDP wrapper is unwrapped; FSDP2 modules as they are)
+    build_model      "pkg.mod:fn": fn(**build_kwargs) returns the same initial model in a fresh process
+    build_optimizer  "pkg.mod:fn": fn(model, **build_kwargs) returns the optimizer, or (optimizer, lr_scheduler)
+    objective        causal_lm | token_mean | example_mean | "pkg.mod:fn" with fn(model, batch) -> (loss_sum, count)
+    max_grad_norm    the loop's clipping threshold (0 = no clipping)
+    dataset_len      examples in the dataset (0 = unknown: the epoch check is skipped, and says so)
+    sketch           0 = full tensors; k > 0 = a CountSketch of k numbers per tensor
+    every            tensors at every `every`-th step (micro-batches at every step)
+    inputs           which forward keyword arguments are the batch
+    build_kwargs     JSON-able keyword arguments for build_model and build_optimizer (a configured run)
+    resume           False = a fresh recording; True = a new segment after the last recorded step;
+                     an int K = a new segment after step K (the checkpoint's step)
+    seed             the sketches' seed
+    """
+
+    def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
+                 max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
+                 inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0):
+        check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
+                      max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
+                      build_kwargs=build_kwargs)
+        self.out = Path(out_dir)
+        ddp = torch.nn.parallel.DistributedDataParallel
+        self.module = model.module if isinstance(model, ddp) else model
+        import torch.distributed as dist
+
+        self._dist = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self._dist else (0, 1)
+        self.sketch_k, self.every, self.seed = int(sketch), int(every), int(seed)
+        self.max_grad_norm = float(max_grad_norm)
+        self.inputs = tuple(inputs) + tuple(k for k in EXAMPLE_ID_KEYS if k not in inputs)
+        self.batches: list[dict[str, torch.Tensor]] = []
+        self._buckets: dict[str, tuple[torch.Tensor, int]] = {}
+        self.closed = False
+
+        prior = self._prior(resume)
+        if prior is None:
+            run = uuid.uuid4().hex if self.rank == 0 else None
+            run = self._broadcast(run)
+            self.k = 0
+            segments = []
+            self._clear()
+        else:
+            run = prior["run"]
+            last = max(A.recording_steps(prior), default=0)
+            self.k = last if resume is True else int(resume)
+            if resume is not True and self.k > last:
+                raise RecorderError(f"resume={resume} but the recording in {self.out} ends at step {last}")
+            segments = prior["segments"]
+        self.run = run
+        self.segment = len(segments)
+        placements = {n: _placement(t) for n, t in self.module.state_dict().items()}
+        self.placements = {n: p for n, p in placements.items() if p}
+        self.meta = {
+            "schema": A.RECORDING_SCHEMA, "kind": "recording", "run": run, "world": self.world,
+            "segments": segments + [{"start": self.k + 1, "end": None, "world": self.world,
+                                     "resumed": prior is not None}],
+            "build_model": build_model, "build_optimizer": build_optimizer, "build_kwargs": build_kwargs or {},
+            "objective": objective, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
+            "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
+            "fsdp": bool(self.placements), "closed": False,
+            "provenance": {"torch": torch.__version__, "dormouse": _version(), "source": A.source_hash(),
+                           "device": self._device(), "threads": torch.get_num_threads(),
+                           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "code": code_hashes([build_model, build_optimizer, objective])},
+        }
+        if prior is None:
+            # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
+            # which safetensors refuses to store as shared memory
+            state = {n: _local(t).clone() for n, t in self.module.state_dict().items()}
+            atomic.write_bytes(A.init_path(self.out, self.rank),
+                               st_save(state, metadata={"placements": json.dumps(self.placements)}))
+        self._write_recording()
+        if self.sketch_k:  # the buckets once, here, so that no step pays for them
+            named = list(self.module.named_parameters())
+            self._sketch_all({n: _local(p) for n, p in named}, {n: p.numel() for n, p in named})
+        self._writer = _Writer()
+        self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _device(self) -> str:
+        p = next(self.module.parameters(), None)
+        dev = p.device.type if p is not None else "cpu"
+        return dev if dev != "cuda" else f"cuda:{torch.cuda.get_device_name()}"
+
+    def _broadcast(self, obj):
+        if not self._dist:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _barrier(self):
+        if self._dist:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def _prior(self, resume) -> dict | None:
+        if resume is False or resume is None:
+            return None
+        path = A.recording_path(self.out)
+        if not path.exists():
+            raise RecorderError(f"resume={resume} but {self.out} holds no recording.json: record the first "
+                                "segment there (resume=False)")
+        prior = A.read_json(path, "recording")
+        segs = prior["segments"]
+        if segs and segs[-1].get("end") is None:  # that segment crashed: its steps are the files it left
+            done = [json.loads(p.read_text()) for p in A.step_files(self.out, 0)]
+            ends = [m["step"] for m in done if m.get("segment") == len(segs) - 1]
+            segs[-1]["end"] = max(ends, default=segs[-1]["start"] - 1)
+        return prior
+
+    def _clear(self):
+        """A fresh recording: this rank's earlier files (and rank 0: the recording's) go."""
+        d = A.rank_dir(self.out, self.rank)
+        if d.exists():
+            for p in list(d.glob("step*")) + list(d.glob("final.*")):
+                p.unlink()
+        if self.rank == 0:
+            A.recording_path(self.out).unlink(missing_ok=True)
+        self._barrier()
+
+    def _write_recording(self):
+        self.meta["steps"] = A.recording_steps(self.meta)
+        if self.rank == 0:
+            atomic.write_text(A.recording_path(self.out), json.dumps(self.meta, indent=1))
+
+    def _pre(self, module, args, kwargs):
+        if not module.training:
+            return None
+        batch = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                batch[f"arg{i}"] = a.detach().cpu().clone()
+        for key in self.inputs:
+            v = kwargs.get(key)
+            if isinstance(v, torch.Tensor):
+                batch[key] = v.detach().cpu().clone()
+        self.batches.append(batch)
+        return None
+
+    def _sketch_all(self, tensors: dict[str, torch.Tensor], full_numel: dict[str, int]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in tensors.items():
+            if name not in self._buckets:
+                n, lo = full_numel[name], 0
+                pl = self.placements.get(name)
+                if pl:  # this rank's rows of the global tensor: torch.chunk's split along dim 0
+                    row = n // pl["shape"][0] if pl["shape"][0] else 0
+                    rows = -(-pl["shape"][0] // self.world)
+                    lo = min(self.rank * rows, pl["shape"][0]) * row
+                self._buckets[name] = sketch_buckets(name, n, self.sketch_k, self.seed, lo, t.numel())
+            out[name] = sketch(t, self._buckets[name], self.sketch_k)
+        return out
+
+    def _tensor_step(self, k: int) -> bool:
+        return (k - 1) % self.every == 0
+
+    # ------------------------------------------------------------------ the loop's calls
+
+    def step(self, *, loss=None, lr=None, optimizer=None, clip_coef=None, grad_norm=None, example_ids=None) -> None:
+        """Record the step about to be taken: call after the last backward
+        (gradients synchronised), before optimizer.step(). `clip_coef` or
+        `grad_norm` (with max_grad_norm > 0) say the gradients were already
+        clipped, by clip_coef = min(1, max_grad_norm / (grad_norm + 1e-6))."""
+        if self.closed:
+            raise RecorderError("rec.step() after rec.close()")
+        self.k += 1
+        k = self.k
+        batches, self.batches = self.batches, []
+        if lr is None and optimizer is not None:
+            lr = optimizer.param_groups[0]["lr"]
+        grad_norm = _number(grad_norm)
+        if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
+            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        clip_coef = _number(clip_coef)
+        tensors: dict[str, torch.Tensor] = {}
+        for m, b in enumerate(batches):
+            for key, t in b.items():
+                tensors[f"in/{m}/{key}"] = t
+        if example_ids is not None:
+            tensors["ids"] = torch.as_tensor(example_ids).detach().cpu().reshape(-1)
+        named = list(self.module.named_parameters())
+        no_grad = [n for n, p in named if p.grad is None]
+        param_hash = None
+        if self._tensor_step(k):
+            params = {n: _local(p) for n, p in named}
+            grads = {n: _local(p.grad) for n, p in named if p.grad is not None}
+            if self.sketch_k:
+                numel = {n: p.numel() for n, p in named}
+                ps, gs = self._sketch_all(params, numel), self._sketch_all(grads, numel)
+                tensors.update({f"ps/{n}": v for n, v in ps.items()})
+                tensors.update({f"gs/{n}": v for n, v in gs.items()})
+                param_hash = _digest(ps)
+            else:
+                tensors.update({f"p/{n}": v for n, v in params.items()})
+                tensors.update({f"g/{n}": v for n, v in grads.items()})
+                param_hash = _digest(params)
+        meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
+                "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
+                "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
+                "tensors": self._tensor_step(k), "param_hash": param_hash}
+        self._writer.write(A.step_tensors_path(self.out, self.rank, k), st_save(tensors))
+        self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
+        self._last_meta = meta
+
+    def report(self, *, loss=None, grad_norm=None, clip_coef=None) -> None:
+        """The loss and the clipping of the step just recorded, where the loop
+        learns them only after optimizer.step() (HF's Trainer clips before its
+        callbacks see the gradient and logs the loss and the pre-clip norm after
+        the step): they replace the step's values, by step()'s rule."""
+        meta = getattr(self, "_last_meta", None)
+        if self.closed or meta is None:
+            raise RecorderError("rec.report() with no recorded step to report on: call it after rec.step()")
+        grad_norm = _number(grad_norm)
+        if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
+            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        clip_coef = _number(clip_coef)
+        if loss is not None:
+            meta["loss"] = _number(loss)
+        if grad_norm is not None:
+            meta["grad_norm"] = grad_norm
+        if clip_coef is not None:
+            meta["clip_coef"], meta["clipped"] = clip_coef, True
+        # through the writer, after the step's own JSON (its queue keeps the order)
+        self._writer.write(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1).encode())
+
+    def close(self) -> None:
+        """The parameters after the last step, then (rank 0, once every rank is
+        done: a barrier, so every rank must call it) the recording's JSON."""
+        if self.closed:
+            return
+        self._hook.remove()
+        self._writer.flush()
+        self._writer.stop()
+        named = list(self.module.named_parameters())
+        params = {n: _local(p) for n, p in named}
+        if self.sketch_k:
+            params = {f"ps/{n}": v for n, v in self._sketch_all(params, {n: p.numel() for n, p in named}).items()}
+        else:
+            params = {f"p/{n}": v for n, v in params.items()}
+        atomic.write_bytes(A.final_tensors_path(self.out, self.rank), st_save(params))
+        atomic.write_text(A.final_meta_path(self.out, self.rank),
+                          json.dumps({"step": self.k, "run": self.run, "segment": self.segment,
+                                      "param_hash": _digest(params)}, indent=1))
+        self._barrier()
+        self.meta["segments"][-1]["end"] = self.k
+        self.meta["closed"] = True
+        self._write_recording()
+        self.closed = True

@@ -1,0 +1,414 @@
+"""The one-process references for a recording (record/recorder.py): what one
+process computes from the recorded micro-batches, never from the loop's own
+loss code. It WRITES artifacts (<out>/reference/...); the judge
+(judge/recording.py) compares them with the recording.
+
+Rebuild: `build_model(**build_kwargs)` must give the recorded initial state
+bitwise; `build_optimizer(model, **build_kwargs)` the optimizer (and scheduler).
+
+The declared objective, for a micro-batch b with model outputs z (logits):
+  causal_lm     loss_sum(b) = sum_{i,t: y_{i,t+1} != -100} CE(z_{i,t}, y_{i,t+1}),
+                count(b) = #{(i,t): y_{i,t+1} != -100}   (labels shifted by one: HF's convention)
+  token_mean    the same without the shift (labels already aligned)
+  example_mean  loss_sum(b) = sum_i mean_t CE(z_{i,t}, y_{i,t}) (or CE(z_i, y_i) for (B, C) logits), count = B
+  "pkg.mod:fn"  fn(model, batch) -> (loss_sum, count)
+The objective of a step over every rank r's micro-batches m is the GLOBAL mean
+    L = sum_{r,m} loss_sum(b_rm) / sum_{r,m} count(b_rm),
+and its gradient g = sum_{r,m} grad loss_sum(b_rm) / sum_{r,m} count(b_rm), each
+micro-batch's gradient in float32 (as the fleet computes it) summed in float64.
+Beside it, the weightings the famous bugs compute (so the judge can NAME them):
+    micro_mean  (1/M) sum_{r,m} grad loss_sum(b_rm) / count(b_rm)       (mean of micro-batch means)
+    rank_mean   (1/W) sum_r (sum_m grad loss_sum(b_rm)) / (sum_m count(b_rm))   (each rank its own count)
+and fact 1's per-example sum ex = sum over rows i alone of grad loss_sum(row i) / sum count,
+equal to g when the network is a function of each example alone.
+
+Replay (full tensors at every step): from the initial state, the user's
+optimizer (and scheduler) applied to the RECORDED gradients, clipped by
+max_grad_norm when the loop's gradients were recorded before clipping; the
+parameters before each step and after the last are written for the judge to
+compare bitwise with the recorded ones. One uninterrupted optimizer and
+scheduler run across a resume: what a correct resume equals.
+
+Run (sketches, or tensors every k-th step): the recorded gradients are not all
+there to replay, so the reference trains the run itself in one process on the
+declared objective over the recorded micro-batches, clipping by the global
+norm, and writes (sketches of) its parameters and gradients at the recorded
+steps: facts 3 and 4 together, within a bound. The bound is measured: the same
+run from an initial state one ulp away ("np/", "ng/", "nudged_loss") shows how
+far float32 round-off alone carries a run.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dormouse import atomic
+from dormouse.errors import DormouseError
+from dormouse.gate import artifacts as A
+from dormouse.gate.record.recorder import OBJECTIVES, code_hashes, import_path, sketch, sketch_buckets
+from safetensors.torch import save as st_save
+
+REFERENCE_SCHEMA = 1
+
+
+class ReferenceError(DormouseError):
+    """The recording cannot be rebuilt or judged as it stands (bad input)."""
+
+
+# --------------------------------------------------------------------------- the objective
+
+
+def _logits(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits") and isinstance(getattr(out, "logits"), torch.Tensor):
+        return out.logits
+    if isinstance(out, dict) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise ReferenceError(f"the model's output ({type(out).__name__}) holds no logits the declared objective "
+                         "can read: return a tensor, or an object with .logits, or declare objective='pkg.mod:fn'")
+
+
+def _call(model, batch: dict[str, torch.Tensor]):
+    args = [batch[f"arg{i}"] for i in range(len(batch)) if f"arg{i}" in batch]
+    kwargs = {k: v for k, v in batch.items() if not k.startswith("arg")}
+    return model(*args, **kwargs)
+
+
+def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's labels; without a "labels" input, the input ids (or arg0)
+    with -100 where attention_mask is 0."""
+    if "labels" in batch:
+        return batch["labels"]
+    ids = batch.get("input_ids", batch.get("arg0"))
+    if ids is None:
+        raise ReferenceError("the recorded batch has no labels, input_ids or positional tensor: declare "
+                             "objective='pkg.mod:fn' or pass labels to the model")
+    mask = batch.get("attention_mask")
+    return ids.masked_fill(mask == 0, -100) if mask is not None else ids
+
+
+def objective_sum(objective: str, model, batch: dict[str, torch.Tensor], user=None):
+    """(loss_sum, count) of one micro-batch under the declared objective (see the module docstring)."""
+    if objective not in OBJECTIVES:
+        try:
+            loss_sum, count = user(model, batch)
+        except DormouseError:
+            raise
+        except Exception as e:
+            raise ReferenceError(f"objective {objective!r} failed on a recorded batch ({type(e).__name__}: {e})")
+        return loss_sum, float(count)
+    z = _logits(_call(model, batch)).float()
+    y = _labels(batch)
+    if objective == "causal_lm":
+        z, y = z[..., :-1, :], y[..., 1:]
+    if objective == "example_mean" and z.dim() == 2:
+        if y.shape != z.shape[:1]:
+            raise ReferenceError(f"objective 'example_mean' does not fit the model's outputs: logits of shape "
+                                 f"{tuple(z.shape)} against labels of shape {tuple(y.shape)}")
+        return F.cross_entropy(z, y, reduction="sum"), float(z.shape[0])
+    if z.dim() < 2 or tuple(z.shape[:-1]) != tuple(y.shape):
+        raise ReferenceError(f"objective {objective!r} does not fit the model's outputs: logits of shape "
+                             f"{tuple(z.shape)} against labels of shape {tuple(y.shape)}"
+                             + (" (after the shift by one)" if objective == "causal_lm" else ""))
+    ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="none")
+    if objective == "example_mean":
+        ce, valid = ce.view(y.shape), (y != -100)
+        per = (ce * valid).flatten(1).sum(1) / valid.flatten(1).sum(1).clamp_min(1)
+        return per.sum(), float(y.shape[0])
+    return ce.sum(), float((y != -100).sum())
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Each example of a micro-batch alone (tensors whose first dim is the batch's)."""
+    b = next(iter(batch.values())).shape[0] if batch else 0
+    return [{k: (v[i:i + 1] if v.dim() and v.shape[0] == b else v) for k, v in batch.items()} for i in range(b)]
+
+
+# --------------------------------------------------------------------------- the rebuild
+
+
+def rebuild(rec: A.RecordingSet):
+    """The user's model (checked against the recorded initial state), optimizer and scheduler."""
+    meta = rec.meta
+    kw = meta.get("build_kwargs", {})
+    fn = import_path(meta["build_model"], "build_model")
+    try:
+        model = fn(**kw)
+    except Exception as e:
+        raise ReferenceError(f"build_model {meta['build_model']!r}(**{kw}) failed ({type(e).__name__}: {e})")
+    if not isinstance(model, torch.nn.Module):
+        raise ReferenceError(f"build_model {meta['build_model']!r} returned a {type(model).__name__}, not a module")
+    init = rec.init()
+    state = model.state_dict()
+    if set(state) != set(init):
+        extra, missing = sorted(set(state) - set(init)), sorted(set(init) - set(state))
+        raise ReferenceError(f"build_model {meta['build_model']!r} builds other tensors than the recording's "
+                             f"(not recorded: {extra[:3]}, not built: {missing[:3]}): it must build the loop's model")
+    for n in sorted(init):
+        a, b = state[n].detach().cpu(), init[n]
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
+                                 f"recorded initial ones (first: {n}): seed it as the loop does")
+    return model
+
+
+def build_optimizer(rec: A.RecordingSet, model):
+    meta = rec.meta
+    fn = import_path(meta["build_optimizer"], "build_optimizer")
+    try:
+        built = fn(model, **meta.get("build_kwargs", {}))
+    except Exception as e:
+        raise ReferenceError(f"build_optimizer {meta['build_optimizer']!r} failed ({type(e).__name__}: {e})")
+    opt, sched = built if isinstance(built, (tuple, list)) else (built, None)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ReferenceError(f"build_optimizer {meta['build_optimizer']!r} returned no optimizer")
+    return opt, sched
+
+
+def check_provenance(rec: A.RecordingSet) -> None:
+    """The code that would rebuild the run is the code that recorded it."""
+    prov = rec.meta.get("provenance", {})
+    if prov.get("torch") != torch.__version__:
+        raise ReferenceError(f"the recording was made with torch {prov.get('torch')}, this is {torch.__version__}:"
+                             " judge it where it was recorded")
+    m = rec.meta
+    now = code_hashes([m["build_model"], m["build_optimizer"], m["objective"]])
+    for mod, h in prov.get("code", {}).items():
+        if now.get(mod) != h:
+            raise ReferenceError(f"module {mod!r} changed since the recording (its source differs): "
+                                 "re-record with the code the references will run")
+
+
+def staleness_key(rec: A.RecordingSet) -> str:
+    from dormouse.gate.artifacts import source_hash
+
+    files = [A.recording_path(rec.out)]
+    for k in rec.steps:
+        files += [A.step_meta_path(rec.out, r, k) for r in range(rec.world_at(k))]
+    return hashlib.sha256((A.file_digest(files) + source_hash()).encode()).hexdigest()
+
+
+def is_current(out) -> bool:
+    """The reference in `out` was made from this recording by this code."""
+    path = A.reference_meta_path(out)
+    if not path.exists():
+        return False
+    try:
+        ref = json.loads(path.read_text())
+        return ref.get("schema") == REFERENCE_SCHEMA and ref.get("key") == staleness_key(A.RecordingSet(out))
+    except (ValueError, DormouseError):
+        return False
+
+
+# --------------------------------------------------------------------------- one step's gradients
+
+
+def _scan(model) -> dict:
+    """Modules that break fact 1 by construction: active dropout, batch statistics."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+
+    return {"dropout": [n for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0],
+            "batchnorm": [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]}
+
+
+def _grads(model, objective, batch, user):
+    model.zero_grad(set_to_none=True)
+    ls, c = objective_sum(objective, model, batch, user)
+    if not isinstance(ls, torch.Tensor) or not ls.requires_grad:
+        raise ReferenceError(f"objective {objective!r} gives a loss with no gradient: it must be computed from "
+                             "the model's outputs")
+    ls.backward()
+    return float(ls.detach()), c, {n: (p.grad.detach().clone() if p.grad is not None else None)
+                                   for n, p in model.named_parameters()}
+
+
+def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: bool, probe: bool) -> tuple[dict, dict]:
+    """The declared objective's gradient over every rank's micro-batches at
+    the model's current parameters, with its alternatives and fact 1's
+    per-example sum (see the module docstring)."""
+    objective = rec.meta["objective"]
+    names = [n for n, _ in model.named_parameters()]
+    acc = {key: {} for key in ("g", "micro_mean", "ex")}
+    rank_acc: dict[int, dict] = {}
+    rank_n: dict[int, float] = {}
+    rank_loss: dict[int, float] = {}
+    n_total, loss_total, micro_means, counts = 0.0, 0.0, [], {}
+    present: set[str] = set()
+
+    def add(d, grads, w=1.0):
+        for n, g in grads.items():
+            if g is not None:
+                d[n] = d.get(n, 0) + g.double() * w
+
+    mbs = rec.micro_batches(step)
+    if not mbs:
+        raise ReferenceError(f"step {step} recorded no micro-batch: the model's forward never ran in training mode "
+                             "between two rec.step() calls (is the Recorder on the model the loop calls?)")
+    rng_sensitive = None
+    for r, m, batch in mbs:
+        torch.random.default_generator.manual_seed(0)
+        ls, c, grads = _grads(model, objective, batch, user)
+        present |= {n for n, g in grads.items() if g is not None}
+        add(acc["g"], grads)
+        rank_acc.setdefault(r, {})
+        add(rank_acc[r], grads)
+        rank_n[r] = rank_n.get(r, 0.0) + c
+        rank_loss[r] = rank_loss.get(r, 0.0) + ls
+        counts.setdefault(r, []).append(c)
+        n_total += c
+        loss_total += ls
+        if c > 0:
+            add(acc["micro_mean"], grads, 1.0 / c)
+            micro_means.append(ls / c)
+        if probe and rng_sensitive is None:  # the same micro-batch under another RNG state
+            torch.random.default_generator.manual_seed(1)
+            _, _, again = _grads(model, objective, batch, user)
+            rng_sensitive = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
+                                for a, b in zip(grads.values(), again.values()))
+        if examples:
+            for row in _rows(batch):
+                torch.random.default_generator.manual_seed(0)
+                _, _, g1 = _grads(model, objective, row, user)
+                add(acc["ex"], g1)
+    model.zero_grad(set_to_none=True)
+    if n_total <= 0:
+        raise ReferenceError(f"step {step}: the declared objective {objective!r} counts no tokens/examples in the "
+                             "recorded micro-batches (every label -100?)")
+    out = {"g": {n: acc["g"][n] / n_total for n in names if n in acc["g"]},
+           "micro_mean": {n: v / max(len(micro_means), 1) for n, v in acc["micro_mean"].items()},
+           "rank_mean": {}}
+    world = len(rank_acc)
+    for r, d in rank_acc.items():
+        if rank_n[r] > 0:
+            for n, v in d.items():
+                out["rank_mean"][n] = out["rank_mean"].get(n, 0) + v / rank_n[r] / world
+    if examples:
+        out["ex"] = {n: v / n_total for n, v in acc["ex"].items()}
+    norm = float(torch.sqrt(sum((v * v).sum() for v in out["g"].values())))
+    info = {"loss": loss_total / n_total, "loss_sum": loss_total, "count": n_total,
+            "loss_alt": {"micro_mean": sum(micro_means) / max(len(micro_means), 1),
+                         "rank_mean": sum(rank_loss[r] / rank_n[r] for r in rank_loss if rank_n[r] > 0) / world,
+                         "rank_local": [rank_loss[r] / rank_n[r] if rank_n[r] else None for r in sorted(rank_loss)]},
+            "counts": [counts[r] for r in sorted(counts)], "no_grad": [n for n in names if n not in present],
+            "norm": norm, "rng_sensitive": rng_sensitive}
+    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    info["clip_coef"] = min(1.0, mgn / (norm + 1e-6)) if mgn > 0 else None
+    return out, info
+
+
+# --------------------------------------------------------------------------- the reference as a whole
+
+
+def _load_params(model, params: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(params[n])
+
+
+def _sketched(tensors: dict[str, torch.Tensor], numel: dict[str, int], k: int, seed: int, cache: dict):
+    out = {}
+    for n, t in tensors.items():
+        if n not in cache:
+            cache[n] = sketch_buckets(n, numel[n], k, seed)
+        out[n] = sketch(t, cache[n], k)
+    return out
+
+
+def _train_step(model, opt, sched, grads: dict, mgn: float, *, clipped: bool) -> None:
+    """One optimizer step on the given gradients (None where absent), clipped
+    by the global norm max_grad_norm unless they already were."""
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone().to(p.dtype) if n in grads else None
+    if mgn > 0 and not clipped:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], mgn)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def make_reference(out, *, log=print, force: bool = False) -> Path:
+    """Write <out>/reference/ for the recording in `out` (skipped when current)."""
+    rec = A.RecordingSet(out)
+    rec.validate()
+    if not force and is_current(out):
+        return A.reference_meta_path(out)
+    check_provenance(rec)
+    user = import_path(rec.meta["objective"], "objective") if rec.meta["objective"] not in OBJECTIVES else None
+    model = rebuild(rec)
+    model.train()
+    replay = rec.sketch == 0 and rec.every == 1
+    probe_model = copy.deepcopy(model) if replay else model
+    opt, sched = build_optimizer(rec, model)
+    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    buckets: dict = {}
+    scan = _scan(model)
+    tensor_steps = set(rec.tensor_steps())
+    mode = "replay" if replay else "run"
+    nudged = None
+    if not replay:  # the run's own floor: the same run from an initial state one ulp away
+        nudged = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in nudged.parameters():
+                if p.is_floating_point():
+                    p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+        nopt, nsched = build_optimizer(rec, nudged)
+    log(f"reference for {out}: {len(rec.steps)} steps, mode {mode}")
+    for i, k in enumerate(rec.steps):
+        tensors: dict[str, torch.Tensor] = {}
+        lr = opt.param_groups[0]["lr"]
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if replay:
+            _load_params(probe_model, rec.tensors_at(k, "p/"))
+            gmodel = probe_model
+        else:
+            gmodel = model
+        want = k in tensor_steps
+        ref, info = step_gradients(gmodel, rec, k, user, examples=want, probe=(i == 0))
+        if nudged is not None:
+            nbefore = {n: p.detach().clone() for n, p in nudged.named_parameters()}
+            nref, ninfo = step_gradients(nudged, rec, k, user, examples=False, probe=False)
+            info["nudged_loss"] = ninfo["loss"]
+            _train_step(nudged, nopt, nsched, {n: v.float() for n, v in nref["g"].items()}, mgn, clipped=False)
+            if want:
+                ref = {**ref, "ng": nref["g"], "np": nbefore}
+        info.update({"step": k, "replay_lr": lr, "mode": mode, **scan})
+        if want:
+            if rec.sketch:
+                for key, d in (("rp", before), *ref.items()):
+                    tensors.update({f"{key}/{n}": v for n, v in _sketched(d, numel, rec.sketch, rec.seed,
+                                                                          buckets).items()})
+            else:
+                tensors.update({f"rp/{n}": v for n, v in before.items()})
+                for key, d in ref.items():
+                    tensors.update({f"{key}/{n}": v for n, v in d.items()})
+        # the step: recorded gradients (replay) or the declared objective's (run)
+        if replay:
+            grads = rec.tensors_at(k, "g/")
+            clipped = rec.step_meta(0, k).get("clipped", False)
+        else:
+            grads = {n: v.float() for n, v in ref["g"].items()}
+            clipped = False
+        _train_step(model, opt, sched, grads, mgn, clipped=clipped)
+        atomic.write_bytes(A.reference_step_tensors_path(out, k), st_save({k2: v.contiguous() for k2, v in
+                                                                           tensors.items()}))
+        atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if rec.sketch:
+        final = _sketched(final, numel, rec.sketch, rec.seed, buckets)
+    atomic.write_bytes(A.reference_final_path(out), st_save({f"rp/{n}": v for n, v in final.items()}))
+    meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,
+            "mode": mode, "steps": rec.steps, "scheduler": sched is not None, **scan}
+    return atomic.write_text(A.reference_meta_path(out), json.dumps(meta, indent=1))

@@ -1,0 +1,252 @@
+"""The Recorder on a real client (issue 13): a plain DDP loop with gradient
+accumulation over variable-length padded sequences (tests/support/ddp_loop.py),
+2 gloo ranks under real torchrun, recorded, referenced in one process and
+judged. Clean runs pass (several seeds, a resume, FSDP2, sketches); each
+planted fault fails for its NAMED reason. One torchrun launch records every
+run's first leg, a second the resumed legs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dormouse.errors import DormouseError
+from dormouse.gate import Recorder
+from dormouse.gate.judge.recording import judge_recording
+from dormouse.gate.record.reference import make_reference
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+ROOT = Path(__file__).resolve().parents[2]
+QUIET = lambda line: None  # noqa: E731
+
+# name -> the run's settings (ddp_loop.RUN); "leg": 1 runs are resumed in a second launch.
+RUNS = {
+    "clean0": {"seed": 0, "steps": 6},
+    "clean1": {"seed": 1},
+    "clean2": {"seed": 2},
+    "clean_resume": {"seed": 3, "stop_at": 2, "leg": 1},
+    "fsdp": {"seed": 4, "fsdp": True},
+    "sketch": {"seed": 5, "sketch": 64, "every": 2, "steps": 5},
+    "fsdp_sketch": {"seed": 6, "fsdp": True, "sketch": 64},
+    "micro_mean": {"fault": "micro_mean"},
+    "comp_twice": {"fault": "comp_twice"},
+    "comp_none": {"fault": "comp_none"},
+    "local_count": {"fault": "local_count"},
+    "same_data": {"fault": "same_data"},
+    "bn": {"fault": "bn"},
+    "dropout": {"fault": "dropout"},
+    "clip_local": {"fault": "clip_local"},
+    "unused_zero": {"fault": "unused_zero"},
+    "resume_drop_sched": {"fault": "resume_drop_sched", "stop_at": 2, "leg": 1},
+    "loss_rank_mean": {"fault": "loss_rank_mean"},
+    "sketch_comp_twice": {"fault": "comp_twice", "sketch": 64, "every": 2, "steps": 5},
+    "resume_data": {"fault": "resume_data", "stop_at": 2, "leg": 1},
+    "rank_lr": {"fault": "rank_lr"},
+}
+DEFAULTS = {"steps": 4}
+
+
+def _launch(plan: list[dict], where: Path) -> None:
+    path = where / f"plan{len(list(where.glob('plan*.json')))}.json"
+    path.write_text(json.dumps(plan))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(SUPPORT / "ddp_loop.py"), "--plan", str(path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("recordings")
+    plan = [{**DEFAULTS, **cfg, "out": str(root / name)} for name, cfg in RUNS.items()]
+    _launch(plan, root)
+    _launch([{**p, "leg": 2} for p in plan if p.get("leg") == 1], root)
+    return {name: root / name for name in RUNS}
+
+
+_VERDICTS: dict = {}
+
+
+def verdict(recordings, name):
+    if name not in _VERDICTS:
+        make_reference(recordings[name], log=QUIET)
+        _VERDICTS[name] = judge_recording(recordings[name])
+    return _VERDICTS[name]
+
+
+@pytest.mark.parametrize("name", ["clean0", "clean1", "clean2", "clean_resume", "fsdp", "sketch", "fsdp_sketch"])
+def test_clean_runs_pass(recordings, name):
+    v = verdict(recordings, name)
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
+    names = {c.name for c in v.checks}
+    assert {"independence", "gradient", "grad_mask", "replay", "data", "loss", "ranks", "clip"} <= names
+    if name == "clean_resume":
+        assert "across 1 resume" in v.check("replay").reason
+    if "sketch" in name:
+        assert "sketch k=64" in v.check("gradient").reason and "detected with probability" in v.check("gradient").reason
+
+
+# fault -> (the check that fails, words of its reason)
+FAULTS = {
+    "micro_mean": ("gradient", "mean of per-micro-batch token means"),
+    "comp_twice": ("gradient", "= W "),
+    "comp_none": ("gradient", "= 1/W "),
+    "local_count": ("gradient", "each rank normalised by its own token count"),
+    "same_data": ("data", "every rank read the same data"),
+    "bn": ("independence", "BatchNorm (bn)"),
+    "dropout": ("independence", "active dropout (drop)"),
+    "clip_local": ("clip", "local norm"),
+    "unused_zero": ("grad_mask", "spare.bias, spare.weight had a gradient (all zeros)"),
+    "resume_drop_sched": ("replay", "the resume dropped the lr scheduler's state"),
+    "loss_rank_mean": ("loss", "the mean of the ranks' own token means"),
+    "sketch_comp_twice": ("gradient", "= W "),
+    "resume_data": ("data", "an example was read twice within epoch 0 (steps 1 and 3"),
+    "rank_lr": ("ranks", "rank 1's parameters differ from rank 0's before step 2"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_each_fault_fails_for_its_named_reason(recordings, fault):
+    v = verdict(recordings, fault)
+    name, words = FAULTS[fault]
+    c = v.check(name)
+    assert not v.passed and not c.passed, c.reason
+    assert words in c.reason, c.reason
+
+
+def test_wrong_logged_loss_is_not_wrong_training(recordings):
+    v = verdict(recordings, "loss_rank_mean")
+    assert v.check("gradient").passed and v.check("replay").passed
+    assert "the logged loss is wrong, not the training" in v.check("loss").reason
+    assert [c.name for c in v.checks if not c.passed] == ["loss"]
+
+
+def test_same_data_gradient_still_matches(recordings):
+    """Every rank reading the same batch computes the one-process gradient of
+    that (duplicated) batch: only the data check can see it."""
+    v = verdict(recordings, "same_data")
+    assert v.check("gradient").passed and not v.check("data").passed
+
+
+# --------------------------------------------------------------------------- bad input: one line, exit 2
+
+
+def _copy(recordings, tmp_path, name="clean1") -> Path:
+    verdict(recordings, name)
+    dst = tmp_path / name
+    shutil.copytree(recordings[name], dst)
+    shutil.rmtree(dst / "reference")
+    return dst
+
+
+def _edit(path: Path, **fields):
+    meta = json.loads(path.read_text())
+    meta.update(fields)
+    path.write_text(json.dumps(meta))
+
+
+def test_bad_recordings_are_one_line(recordings, tmp_path):
+    d = _copy(recordings, tmp_path)
+    _edit(d / "recording.json", build_model="nosuch_pkg.mod:build")
+    with pytest.raises(DormouseError, match="'nosuch_pkg.mod:build' does not load"):
+        make_reference(d, log=QUIET)
+    _edit(d / "recording.json", build_model="loopmodel:build_model", build_kwargs={"seed": 99})
+    with pytest.raises(DormouseError, match="differ from the recorded initial ones"):
+        make_reference(d, log=QUIET)
+    _edit(d / "recording.json", build_kwargs={"seed": 1})
+    (d / "rank1" / "step000002.json").unlink()
+    with pytest.raises(DormouseError, match="rank 1 has no step 2"):
+        make_reference(d, log=QUIET)
+    shutil.copy(recordings["clean2"] / "rank1" / "step000002.json", d / "rank1" / "step000002.json")
+    with pytest.raises(DormouseError, match="belongs to another run"):
+        make_reference(d, log=QUIET)
+    shutil.copy(recordings["clean1"] / "rank1" / "step000002.json", d / "rank1" / "step000002.json")
+    shutil.rmtree(d / "rank1")
+    with pytest.raises(DormouseError, match="has no rank1/"):
+        make_reference(d, log=QUIET)
+    shutil.copytree(recordings["clean1"] / "rank1", d / "rank1")
+    meta = json.loads((d / "recording.json").read_text())
+    meta["provenance"]["code"]["loopmodel"] = "0" * 64
+    (d / "recording.json").write_text(json.dumps(meta))
+    with pytest.raises(DormouseError, match="module 'loopmodel' changed since the recording"):
+        make_reference(d, log=QUIET)
+
+
+def test_objective_that_does_not_fit_the_outputs(tmp_path):
+    """A one-process recording (no torchrun) of a classifier declared causal_lm."""
+    from loopmodel import build_classifier, collate, dataset
+
+    model = build_classifier(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(tmp_path / "r", model, build_model="loopmodel:build_classifier",
+                   build_optimizer="loopmodel:build_optimizer", objective="causal_lm", build_kwargs={})
+    batch = collate(dataset(4, 0))
+    model(**batch).sum().backward()
+    rec.step(loss=0.0, optimizer=opt)
+    opt.step()
+    rec.close()
+    with pytest.raises(DormouseError, match="objective 'causal_lm' does not fit the model's outputs: logits of shape"):
+        make_reference(tmp_path / "r", log=QUIET)
+
+
+def test_recorder_bad_arguments_are_one_line(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(DormouseError, match="is not an import path"):
+        Recorder(tmp_path, model, build_model="no_colon", build_optimizer="a:b")
+    with pytest.raises(DormouseError, match="objective 'mse' is none of"):
+        Recorder(tmp_path, model, build_model="a:b", build_optimizer="a:b", objective="mse")
+    with pytest.raises(DormouseError, match="holds no recording.json"):
+        Recorder(tmp_path / "empty", model, build_model="a:b", build_optimizer="a:b", resume=True)
+
+
+def test_user_objective_one_process(tmp_path):
+    """objective="pkg.mod:fn" and world 1 without torch.distributed: a one-process loop passes its own gate."""
+    from loopmodel import build_model, build_optimizer, collate, dataset
+
+    model = build_model(seed=7)
+    opt, sched = build_optimizer(model)
+    rec = Recorder(tmp_path / "r", model, build_model="loopmodel:build_model",
+                   build_optimizer="loopmodel:build_optimizer", objective="loopmodel:token_sum",
+                   build_kwargs={"seed": 7}, dataset_len=8)
+    data = dataset(8, 0)
+    for s in range(2):
+        batch = collate(data[4 * s:4 * s + 4])
+        logits = model(**batch)
+        y = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                 ignore_index=-100)
+        loss.backward()
+        rec.step(loss=loss, optimizer=opt)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    rec.close()
+    make_reference(tmp_path / "r", log=QUIET)
+    v = judge_recording(tmp_path / "r")
+    assert v.passed, [c.reason for c in v.checks if not c.passed]
+
+
+def test_cli_exit_codes(recordings, tmp_path, capsys):
+    from dormouse.__main__ import main
+
+    assert main(["gate", "check", "--out", str(recordings["clean2"])]) == 0
+    assert "PASS" in capsys.readouterr().out
+    written = json.loads((recordings["clean2"] / "verdict.json").read_text())
+    assert written["pass"] is True
+    import jsonschema
+
+    jsonschema.validate(written, json.loads((ROOT / "docs" / "verdict.schema.json").read_text()))
+    assert main(["gate", "check", "--out", str(recordings["comp_none"])]) == 1
+    assert "[FAIL] gradient" in capsys.readouterr().out
+    assert main(["gate", "check", "--out", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "holds no recording" in err[-1]

@@ -1,0 +1,267 @@
+"""The gate on a real Hugging Face Trainer fleet (issue 13): a tiny random-init
+GPT-2 trained by `transformers.Trainer` under `torchrun --nproc_per_node=2`
+(gloo, CPU, gradient accumulation 2, max_grad_norm 1.0, variable-length padded
+sequences), recorded by `RecorderCallback` and judged by the recording judge.
+
+One launch trains every run below in turn (tests/support/hf_client.py; the
+imports and the process group are paid once); each test judges its own.
+Faults enter through HF's own extension points in the client (a Trainer
+subclass, a Trainer attribute), never by patching."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_client
+from gatekit import SUPPORT
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.judge.recording import fit, judge_recording
+from dormouse.gate.record.reference import make_reference
+
+FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)
+RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstring says what each field does)
+    f"clean:avg=1:{FIX}",                     # HF's default average_tokens_across_devices=True
+    f"clean_s1:avg=1:seed=1:eval=2:gc=1:{FIX}",  # another seed, an eval every 2 steps, gradient checkpointing
+    f"clean_s2:avg=1:seed=2:unused=1:{FIX}",       # another seed, a parameter the forward never uses
+    "stock:avg=1",                            # HF's defaults with GPT2LMHeadModel as it comes
+    f"local:avg=0:{FIX}",                     # average_tokens_across_devices=False
+    f"mean_of_means:fault=mean_of_means:{FIX}",
+    f"no_world_comp:ga=3:fault=no_world_comp:{FIX}",  # GA 3 so that W and K differ: the factor is named alone
+    f"world_comp_x2:ga=3:fault=world_comp_x2:{FIX}",
+    f"logged_rank_means:fault=logged_rank_means:{FIX}",
+    f"unused_zero:unused=1:fault=unused_zero:{FIX}",
+    f"resume:leg=1:{FIX}", f"resume:leg=2:{FIX}",  # a checkpoint after step 2, resumed to step 4
+    f"resume_no_sched:leg=1:{FIX}", f"resume_no_sched:leg=2:fault=no_sched_file:{FIX}",
+]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(SUPPORT / "hf_client.py"), "--out", str(out), *RUNS]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+_VERDICTS: dict = {}
+
+
+def verdict(fleet, name):
+    if name not in _VERDICTS:
+        make_reference(fleet / name, log=lambda line: None)
+        _VERDICTS[name] = judge_recording(fleet / name)
+    return _VERDICTS[name]
+
+
+def checks(v) -> dict:
+    return {c.name: c for c in v.checks}
+
+
+def failed(v) -> set[str]:
+    return {c.name for c in v.checks if not c.passed}
+
+
+def gradient_wrong(v) -> None:
+    """A wrong gradient fails gradient and loss; clip, when it fails, points at the gradient."""
+    assert not v.passed and {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    if "clip" in failed(v):
+        assert "the gradient itself is wrong (see gradient)" in checks(v)["clip"].reason
+
+
+# --------------------------------------------------------------------------- what the callback records
+
+
+def test_callback_records_the_trainer_step(fleet):
+    """Per step and rank: HF's micro-batches (GA 2), the lr its scheduler set,
+    the loss it logged, its pre-clip norm and the clip coefficient it applied
+    (clipping is active at some steps, so the judge's un-clipping is exercised)."""
+    rec = A.RecordingSet(fleet / "clean")
+    assert rec.meta["world"] == 2 and rec.steps == [1, 2, 3, 4]
+    assert rec.meta["max_grad_norm"] == 1.0 and rec.meta["dataset_len"] == hf_client.EXAMPLES
+    assert rec.meta["build_model"] == "hf_client:build_model"
+    coefs = []
+    for k in rec.steps:
+        for r in range(2):
+            m = rec.step_meta(r, k)
+            assert m["micro_batches"] == 2 and m["clipped"] and m["loss"] is not None
+            assert m["lr"] == pytest.approx(hf_client.LR * (1 - (k - 1) / hf_client.MAX_STEPS), rel=1e-12)
+            assert m["clip_coef"] == pytest.approx(min(1.0, 1.0 / (m["grad_norm"] + 1e-6)), rel=1e-12)
+        coefs.append(m["clip_coef"])
+        # the recorded gradient is the clipped one: its norm is clip_coef times the logged pre-clip norm
+        g = rec.tensors_at(k, "g/")
+        norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in g.values())))
+        assert norm == pytest.approx(m["clip_coef"] * m["grad_norm"], rel=1e-5)
+    assert min(coefs) < 0.9 and max(coefs) == 1.0
+    # the run that evaluates every 2 steps recorded its training micro-batches only
+    evaluated = A.RecordingSet(fleet / "clean_s1")
+    assert [evaluated.step_meta(0, k)["micro_batches"] for k in evaluated.steps] == [2, 2, 2, 2]
+    logged = {r["name"]: r["logged"] for r in json.loads((fleet / "hf_client.json").read_text())}
+    assert sum("eval_loss" in x for x in logged["clean_s1"]) == 2
+
+
+# --------------------------------------------------------------------------- clean runs pass
+
+
+@pytest.mark.parametrize("name", ["clean", "clean_s1", "clean_s2"])
+def test_average_tokens_across_devices_true_passes(fleet, name):
+    """HF's default (average_tokens_across_devices=True, the Trainer counting
+    the shifted labels): the fleet trains what one process trains at the
+    global batch, every check passing, at three data seeds (clean_s1 also
+    evaluates and uses gradient checkpointing; clean_s2 holds a parameter
+    its forward never uses: DDP, with accelerate's find_unused_parameters=True,
+    leaves its gradient None)."""
+    v = verdict(fleet, name)
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    c = checks(v)
+    assert c["gradient"].worst <= 1e-5 and "equals one process" in c["gradient"].reason
+    assert "bitwise" in c["replay"].reason and "equals the declared objective" in c["loss"].reason
+
+
+# --------------------------------------------------------------------------- HF's settings that fail
+
+
+def test_gpt2_as_it_comes_overcounts_tokens(fleet):
+    """transformers 5.24 with GPT2LMHeadModel as it comes: its loss_type is None,
+    so the Trainer counts num_items_in_batch over the unshifted labels (one
+    target per row too many) and divides the shifted loss sum by it. The
+    gradient is the global token mean's scaled, at each step, by
+    N / (N + rows): not a constant, so no named factor; the logged loss is low
+    by the same factor."""
+    v = verdict(fleet, "stock")
+    gradient_wrong(v)
+    assert "not by a constant factor" in checks(v)["gradient"].reason
+    rec = A.RecordingSet(fleet / "stock")
+    for k in rec.steps:
+        labels = [b["labels"] for _, _, b in rec.micro_batches(k)]
+        n = sum(int(y[:, 1:].ne(-100).sum()) for y in labels)
+        rows = sum(int(y[:, 0].ne(-100).sum()) for y in labels)
+        m = rec.step_meta(0, k)
+        g = {n_: t.double() / m["clip_coef"] for n_, t in rec.tensors_at(k, "g/").items()}
+        ref, _ = A.read_tensors(A.reference_step_tensors_path(fleet / "stock", k), "reference")
+        g_ref = {n_[2:]: t for n_, t in ref.items() if n_.startswith("g/")}
+        c, resid = fit(g, g_ref, sorted(g_ref))
+        assert c == pytest.approx(n / (n + rows), rel=1e-5) and resid < 1e-5
+
+
+def test_average_tokens_across_devices_false_fails_rank_means(fleet):
+    """average_tokens_across_devices=False: each rank divides by its own token
+    count and DDP averages the ranks: the mean of the ranks' token means,
+    not the global token mean (equal only at steps whose ranks hold as many
+    tokens). The logged loss is the same mean of rank means."""
+    v = verdict(fleet, "local")
+    gradient_wrong(v)
+    assert "each rank normalised by its own token count" in checks(v)["gradient"].reason
+    assert "mean of the ranks' own token means" in checks(v)["loss"].reason
+
+
+# --------------------------------------------------------------------------- planted faults
+
+
+def test_mean_of_micro_batch_means_fails(fleet):
+    """HF's pre-fix (2024) gradient accumulation: each micro-batch's own token
+    mean, averaged over micro-batches and ranks."""
+    v = verdict(fleet, "mean_of_means")
+    gradient_wrong(v)
+    assert "mean of per-micro-batch token means" in checks(v)["gradient"].reason
+    assert "mean of per-micro-batch token means" in checks(v)["loss"].reason
+
+
+@pytest.mark.parametrize("name, factor", [("no_world_comp", "1/W"), ("world_comp_x2", "W")])
+def test_world_size_compensation_fails_with_its_factor(fleet, name, factor):
+    """The loss's world-size compensation (HF multiplies by W to undo DDP's
+    average) left out, or applied twice: the gradient is 1/W or W times the
+    objective's, and the factor is named (W = 2, K = 3 here)."""
+    v = verdict(fleet, name)
+    gradient_wrong(v)
+    reason = checks(v)["gradient"].reason
+    assert f"= {factor} (W = 2 ranks, K = 3 micro-batches)" in reason
+
+
+def test_zero_gradients_for_unused_parameters_fail_the_mask(fleet):
+    """A callback that gives the unused parameter a zero gradient (what DDP
+    once did): AdamW's weight decay moves it where one process leaves it."""
+    v = verdict(fleet, "unused_zero")
+    assert failed(v) == {"grad_mask"}
+    assert "extra.bias, extra.weight had a gradient (all zeros)" in checks(v)["grad_mask"].reason
+    assert set(A.RecordingSet(fleet / "clean_s2").step_meta(0, 1)["no_grad"]) == {"extra.weight", "extra.bias"}
+
+
+def test_resume_from_a_trainer_checkpoint_passes(fleet):
+    """trainer.train(resume_from_checkpoint=...) after step 2: the callback
+    records a second segment into the same directory; the replay of one
+    uninterrupted optimizer and scheduler equals it bitwise, and the data
+    check sees no example of the epoch read twice (HF skips the batches
+    already trained)."""
+    v = verdict(fleet, "resume")
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    assert "across 1 resume(s)" in checks(v)["replay"].reason
+    assert [s["start"] for s in A.RecordingSet(fleet / "resume").meta["segments"]] == [1, 3]
+
+
+def test_resume_without_the_scheduler_file_fails_the_replay(fleet):
+    """A checkpoint without scheduler.pt: transformers 5.24 then loads neither
+    the optimizer's nor the scheduler's state, without a word, and the lr
+    restarts; the replay names the dropped scheduler state."""
+    v = verdict(fleet, "resume_no_sched")
+    assert failed(v) == {"replay"}
+    assert "the resume dropped the lr scheduler's state" in checks(v)["replay"].reason
+
+
+def test_logged_loss_of_rank_means_fails_the_loss_alone(fleet):
+    """The gradient is right, the logged loss is the mean of the ranks' own
+    token means: the loss check fails and says the training is right."""
+    v = verdict(fleet, "logged_rank_means")
+    assert failed(v) == {"loss"}
+    reason = checks(v)["loss"].reason
+    assert "mean of the ranks' own token means" in reason and "not the training" in reason
+
+
+# --------------------------------------------------------------------------- bad input, one line
+
+
+def test_bad_callback_input_is_one_line(tmp_path, capsys):
+    from transformers import TrainingArguments
+
+    from dormouse.errors import DormouseError
+    from dormouse.gate.record.hf import RecorderCallback
+
+    ok = {"build_model": "hf_client:build_model", "build_optimizer": "hf_client:build_optimizer"}
+    for bad, match in (({"build_model": "hf_client.build_model"}, "is not an import path"),
+                       ({"build_optimizer": "__main__:build_optimizer"}, "names the script being run"),
+                       ({"objective": "mse"}, "objective 'mse' is none of"),
+                       ({"every": 0}, "every a whole number >= 1")):
+        with pytest.raises(DormouseError, match=match) as e:
+            RecorderCallback(tmp_path, **{**ok, **bad})
+        assert "\n" not in str(e.value)
+    cb = RecorderCallback(tmp_path, **ok)
+    args = TrainingArguments(str(tmp_path / "hf"), use_cpu=True, report_to="none")
+    with pytest.raises(DormouseError, match="before on_train_begin"):
+        cb.on_pre_optimizer_step(args, None, None, optimizer=None)
+    args.fsdp = True  # set after construction: TrainingArguments(fsdp=...) would switch accelerate's env to FSDP
+    with pytest.raises(DormouseError, match="does not record the Trainer's FSDP"):
+        cb.on_train_begin(args, None, None, model=hf_client.build_model())
+    # the client script, as a researcher's script should: the one line, exit 2, before any training
+    assert hf_client.main(["--out", str(tmp_path / "c"), "bad:build=main"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: build_model '__main__:build_model' names the script being run")
+    assert not (tmp_path / "c" / "bad" / "recording.json").exists()
+
+
+def test_callback_without_transformers_is_one_line():
+    """Without the [hf] extra, importing the callback says what to install."""
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from dormouse.errors import DormouseError\n"
+            "try:\n    import dormouse.gate.record.hf\nexcept DormouseError as e:\n    print(e); sys.exit(2)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pip install 'dormouse[hf]'" in done.stdout, done.stdout + done.stderr

@@ -1,0 +1,80 @@
+"""The seed's by-hand recipe, exactly as the seed writes it (`--mode` spelling,
+`--batch 4` for the single process's GLOBAL batch, then `--batch 2` for each of
+two ranks under torchrun), then gradref, replay and verdict with `--out`
+alone, taking their settings from the fleet's artifacts: the gate PASSES. A
+single process at another global batch is one clear FAIL naming both batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = "20"
+
+
+def _env() -> dict:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+
+
+def _run(*cmd: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, *cmd], cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=400)
+    if check:
+        assert done.returncode == 0, (cmd, done.stdout[-3000:], done.stderr[-3000:])
+    return done
+
+
+def _gate(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    return _run("-m", "dormouse.gate", *args, cwd=cwd, check=check)
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The seed's two commands, then gradref, replay and verdict with --out only."""
+    d = tmp_path_factory.mktemp("seed")
+    g = str(d / "g")
+    _gate("--mode", "single", "--out", g, "--steps", STEPS, "--batch", "4", cwd=d)
+    _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "dormouse.gate", "--mode", "rank", "--out", g, "--steps", STEPS, "--batch", "2", cwd=d)
+    _gate("gradref", "--out", g, cwd=d)
+    _gate("replay", "--out", g, cwd=d)
+    return d / "g", _gate("verdict", "--out", g, "--json", cwd=d, check=False)
+
+
+def test_the_seeds_recipe_runs_as_written_and_passes(recipe):
+    g, verdict = recipe
+    assert verdict.returncode == 0, verdict.stdout[-3000:] + verdict.stderr[-3000:]
+    v = json.loads((g / "verdict.json").read_text())
+    assert v["pass"], v
+    names = set(v["checks"])
+    assert {"complete", "provenance", "gradref", "replay", "curve"} <= names, names
+    # what the flags meant: single ran the global batch of 4, each of the two ranks its own 2
+    single = json.loads((g / "single.json").read_text())
+    ranks = [json.loads((g / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert single["global_batch"] == 4 and len(single["losses"]) == int(STEPS)
+    assert [m["rank_shapes"] for m in ranks] == [[[2, 64], [2, 64]]] * 2
+    assert all(m["world_size"] == 2 and m["legs"] == [[2, ""]] for m in ranks)  # one launch, no --leg
+    # gradref and replay took the fleet's settings from its artifacts (no flag said them)
+    for name in ("gradref", "replay"):
+        assert json.loads((g / f"{name}.json").read_text())["settings"] == ranks[0]["settings"], name
+
+
+def test_a_single_at_another_global_batch_is_one_fail_naming_both_batches(recipe, tmp_path):
+    g, _ = recipe
+    other = tmp_path / "g"
+    shutil.copytree(g, other)
+    _gate("--mode", "single", "--out", str(other), "--steps", STEPS, "--batch", "6", cwd=tmp_path)
+    verdict = _gate("verdict", "--out", str(other), "--json", cwd=tmp_path, check=False)
+    assert verdict.returncode == 1, verdict.stdout + verdict.stderr
+    v = json.loads((other / "verdict.json").read_text())
+    failed = [c for c in v["checks"].values() if not c["pass"]]
+    assert [c["name"] for c in failed] == ["provenance"], failed
+    assert "global batch of 6 windows" in failed[0]["reason"] and "the fleet 4" in failed[0]["reason"], failed[0]

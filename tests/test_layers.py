@@ -1,0 +1,171 @@
+"""The package's layers hold in its imports, read statically (every import
+statement, at module level or inside a function, relative ones resolved):
+
+    dormouse.gate -> dormouse.train -> dormouse.model -> dormouse.config
+
+and inside the gate: record -> artifacts <- judge <- show. The gate's settings
+are the running side's (record): what a run is asked to do; the judge and the
+show read settings only as the artifacts record them. Only the drivers
+(gate/__main__.py, gate/pipeline.py, dormouse/__main__.py, dormouse/bench/*)
+import more than one of record, judge and show.
+
+The judge's one allowed reach into dormouse.train is dormouse.train.tensors:
+pure tensor helpers (plain copies, fingerprints, relative differences) that
+know nothing of training; a test below keeps it that way.
+
+gradref (gate/record/modes.py) re-derives the fleet's bytes by its own
+arithmetic: it must not touch the trainer's FleetPlan or data rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import dormouse
+
+PKG = Path(dormouse.__file__).resolve().parent
+
+DRIVERS = {"dormouse.__main__", "dormouse.gate.__main__", "dormouse.gate.pipeline"}
+TENSORS = "dormouse.train.tensors"  # pure tensor helpers, the judge's one allowed train module
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, me: str | None = None) -> set[str]:
+    """Every dormouse module `path` (module `me`) imports (from X import Y gives X and X.Y)."""
+    me = me or module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.add(name)
+            out.update(f"{name}.{a.name}" for a in node.names)
+    return {m for m in out if m == "dormouse" or m.startswith("dormouse.")}
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+GRAPH = {m: imports(p) for m, p in MODULES.items()}
+
+
+def real(names: set[str]) -> set[str]:
+    """Imported names that are modules of the package (drop `from m import func`'s func)."""
+    return {n for n in names if n in MODULES}
+
+
+def layer(module: str) -> str | None:
+    """config | model | train | gate.record | gate.artifacts | gate.judge | gate.show |
+    driver | base (errors, atomic, the package itself) | None (others: infer)."""
+    if module in DRIVERS or module.startswith("dormouse.bench"):
+        return "driver"
+    for prefix, name in (("dormouse.gate.record", "gate.record"), ("dormouse.gate.settings", "gate.record"),
+                         ("dormouse.gate.artifacts", "gate.artifacts"), ("dormouse.gate.judge", "gate.judge"),
+                         ("dormouse.gate.show", "gate.show"), ("dormouse.gate", "gate"),
+                         ("dormouse.train", "train"), ("dormouse.model", "model"), ("dormouse.config", "config")):
+        if module == prefix or module.startswith(prefix + "."):
+            return name
+    if module in ("dormouse", "dormouse.errors", "dormouse.atomic"):
+        return "base"
+    return None
+
+
+def violations(importer_layer: str, forbidden: tuple[str, ...], allow: tuple[str, ...] = ()) -> list[str]:
+    bad = []
+    for m, deps in GRAPH.items():
+        if layer(m) != importer_layer:
+            continue
+        for d in sorted(real(deps)):
+            if d in allow:
+                continue
+            if any(d == f or d.startswith(f + ".") for f in forbidden):
+                bad.append(f"{m} imports {d}")
+    return bad
+
+
+def test_the_static_reader_sees_function_level_and_relative_imports(tmp_path):
+    src = tmp_path / "probe.py"
+    src.write_text("from ..record import produce\n\ndef f():\n    import dormouse.train.loop\n")
+    found = imports(src, "dormouse.gate.show.probe")
+    assert {"dormouse.gate.record", "dormouse.gate.record.produce", "dormouse.train.loop"} <= found
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in MODULES if layer(m) is None] == ["dormouse.infer"]  # beside train: inference over a model
+
+
+@pytest.mark.parametrize("importer, forbidden", [
+    ("config", ("dormouse.model", "dormouse.train", "dormouse.gate", "dormouse.bench", "dormouse.infer")),
+    ("model", ("dormouse.train", "dormouse.gate", "dormouse.bench", "dormouse.infer")),
+    ("train", ("dormouse.gate", "dormouse.bench", "dormouse.infer", "dormouse.__main__")),
+    ("base", ("dormouse.config", "dormouse.model", "dormouse.train", "dormouse.gate", "dormouse.bench")),
+])
+def test_the_library_layers_point_one_way(importer, forbidden):
+    assert violations(importer, forbidden) == []
+
+
+def test_the_gates_layers_point_one_way():
+    assert violations("gate.record", ("dormouse.gate.judge", "dormouse.gate.show", "dormouse.gate.pipeline",
+                                      "dormouse.gate.__main__")) == []
+    assert violations("gate.artifacts", ("dormouse.gate.record", "dormouse.gate.settings", "dormouse.gate.judge",
+                                         "dormouse.gate.show")) == []
+    assert violations("gate.judge", ("dormouse.gate.record", "dormouse.gate.settings", "dormouse.gate.show",
+                                     "dormouse.train"), allow=(TENSORS,)) == []
+    assert violations("gate.show", ("dormouse.gate.record", "dormouse.gate.settings")) == []
+
+
+def test_only_drivers_import_more_than_one_of_record_judge_and_show():
+    many = {}
+    for m, deps in GRAPH.items():
+        own = layer(m)
+        reached = {layer(d) for d in real(deps)} & {"gate.record", "gate.judge", "gate.show"} - {own}
+        if own in ("gate.record", "gate.judge", "gate.show"):
+            reached.add(own)
+        if len(reached) > 1 and layer(m) != "driver":
+            many[m] = sorted(reached)
+    # show reads the judge's results: show -> judge is one of the arrows, not a second layer
+    many = {m: r for m, r in many.items() if r != ["gate.judge", "gate.show"]}
+    assert many == {}
+
+
+def test_the_pure_tensor_helpers_the_judge_may_use_know_nothing_of_training():
+    assert real(GRAPH[TENSORS]) == set()
+
+
+def test_a_planted_violation_is_seen():
+    GRAPH["dormouse.gate.judge.checks"].add("dormouse.gate.record.modes")
+    try:
+        assert violations("gate.judge", ("dormouse.gate.record",)) == [
+            "dormouse.gate.judge.checks imports dormouse.gate.record.modes"]
+    finally:
+        GRAPH["dormouse.gate.judge.checks"].discard("dormouse.gate.record.modes")
+
+
+GRADREF = ("profile", "span_index", "step_windows", "run_gradref")
+TRAINERS_DATA = {"FleetPlan", "plan", "parse_capacity", "rank_byte_offset", "span_bytes", "step_span_start",
+                 "epoch_permutation", "EpochCache", "_windows", "ByteCorpus", "RankShape", "fleet_plan"}
+
+
+def test_gradref_reads_the_bytes_by_its_own_arithmetic_not_the_trainers_plan():
+    path = MODULES["dormouse.gate.record.modes"]
+    assert not {d for d in GRAPH["dormouse.gate.record.modes"] if d.startswith("dormouse.train.data")}
+    tree = ast.parse(path.read_text())
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert set(GRADREF) <= set(funcs)
+    used = {}
+    for name in GRADREF:
+        names = {n.id for n in ast.walk(funcs[name]) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(funcs[name]) if isinstance(n, ast.Attribute)}
+        used[name] = sorted(names & TRAINERS_DATA)
+    assert used == {name: [] for name in GRADREF}
