@@ -23,7 +23,7 @@ def _failed(v) -> str:
 
 
 def test_a_fleet_logging_the_plain_mean_of_its_ranks_losses_fails_as_a_wrong_logged_loss(tmp_path):
-    s = GateSettings(out=str(tmp_path), capacity="4x32,1x64", resume_world=0, steps=3).validate()
+    s = GateSettings(out=str(tmp_path), profile="4x32,1x64", resume_world=0, steps=3).validate()
     v = gate(s, "mean_of_ranks_loss")
     loss = v.check("loss")
     assert not v.passed and not loss.passed, _failed(v)

@@ -362,8 +362,8 @@ def mean_of_ranks_loss() -> None:
     reduce = distributed.FleetSync.reduce
 
     def plain(self, model, loss_share, loads):
-        total = sum(sh.tokens for sh in self.shapes)
-        return reduce(self, model, loss_share * (total / (self.world_size * self.shapes[self.rank].tokens)), loads)
+        plan = self.plan
+        return reduce(self, model, loss_share * (plan.tokens / (plan.world * plan.shapes[self.rank].tokens)), loads)
 
     distributed.FleetSync.reduce = plain
 
@@ -372,6 +372,8 @@ def stale_weights() -> None:
     """At step STALE_STEP rank 1 runs its forward and backward on the weights
     after step STALE_STEP - 2 (the previous step's), then the current ones
     are put back before the optimizer step: one step's local gradient is stale."""
+    import dormouse.gate.record.trace as trace
+
     call, record_grads = trace.Trace.__call__, trace.Trace.record_grads
 
     def after_step(self, step, model, info):

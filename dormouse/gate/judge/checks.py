@@ -337,7 +337,9 @@ def check_provenance(a: ArtifactSet, names: list[str], s: GateSettings | None = 
     if diffs:
         return Check("provenance", False, "not comparable: " + "; ".join(diffs[:4])
                      + (" (artifacts from other code: re-run every mode)" if any("source" in d for d in diffs)
-                        else ""))
+                        else "")
+                     + (" (give the verdict the settings the run was made with)"
+                        if s is not None and any(d.startswith("rank0 was made") for d in diffs) else ""))
     return Check("provenance", True, f"{len(names)} artifacts made by the same code, torch, device, threads, "
                  "corpus and initial parameters, with the same settings")
 
