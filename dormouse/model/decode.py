@@ -21,10 +21,10 @@ they are a function of:
   apply_rope's (x1 cos - x2 sin, x1 sin + x2 cos);
 - rms(k_t) of Engram's key is computed once per position, not per iteration;
 - MoE: with one sequence, its k experts run directly and the weighted sum is
-  one product w (1, k) @ y (k, D); with B > 1 sequences every expert runs on
-  all B rows (one product per expert reads its weights once for the batch)
-  and y = sum_e c_e * y_e with c_e = w_e for the k chosen, 0 otherwise (an
-  exact zero for the others).
+  one product w (1, k) @ y (k, D); with B > 1 sequences the assignments are
+  grouped by expert as MoE.forward groups them, each expert one product over
+  the rows that chose it (its weights read once for the batch), and
+  y_b = sum over b's k choices of w_e * expert_e(z_b), added in expert order.
 
 The cache is DormouseModel's KVCache (fill it with a forward over the prompt,
 then step); positions past the rope table get rows from the same formula.
@@ -169,10 +169,21 @@ class Decoder:
                 g, u = torch.mm(z, self.gate_up[e]).split(f, dim=1)
                 ys.append(torch.mm(F.silu(g) * u, self.down[e]))
             return torch.mm(w, torch.cat(ys))  # (1, k) @ (k, d)
-        c = torch.zeros(z.shape[0], self.E, dtype=z.dtype, device=z.device).scatter_(1, chosen, w)  # (B, E)
-        y = None
-        for e in range(self.E):  # every expert on every row: one read of its weights for the batch
-            g, u = torch.mm(z, self.gate_up[e]).split(f, dim=1)
-            ye = torch.mm(F.silu(g) * u, self.down[e])
-            y = c[:, e:e + 1] * ye if y is None else torch.addcmul(y, c[:, e:e + 1], ye)
+        # Several rows: assignments grouped by expert, each expert one product
+        # over the rows that chose it, added back weighted (a row's k terms in
+        # expert order).
+        k = self.topk
+        expert_of = chosen.reshape(-1)  # (B k,)
+        order = torch.argsort(expert_of, stable=True)
+        counts = torch.bincount(expert_of, minlength=self.E).tolist()
+        rows = order // k
+        xs, ws = z[rows], w.reshape(-1, 1)[order]
+        y = torch.zeros_like(z)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                g, u = torch.mm(xs[start:start + n], self.gate_up[e]).split(f, dim=1)
+                ye = torch.mm(F.silu(g) * u, self.down[e])
+                y.index_add_(0, rows[start:start + n], ye * ws[start:start + n])
+                start += n
         return y
