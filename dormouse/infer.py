@@ -159,13 +159,18 @@ def file_loss(model: DormouseModel, path: str | Path, *, seq_len: int, batch: in
 
 
 def sample_text(ckpt: str | Path, prompt: str, *, tokens: int, temperature: float = 1.0, top_k: int = 0,
-                seed: int = 0, use_cache: bool = True) -> str:
+                seed: int = 0, use_cache: bool = True, samples: int = 1) -> str:
     """`dormouse sample`: the continuation of `prompt` (UTF-8 bytes) by the
-    checkpoint's model, decoded as UTF-8 (invalid sequences replaced)."""
+    checkpoint's model, decoded as UTF-8 (invalid sequences replaced); with
+    samples > 1, that many continuations drawn as one batch (generate_many),
+    each under a line `--- sample i ---`."""
     model, _, _ = load_trained(ckpt)
-    out = generate(model, prompt.encode(), tokens=tokens, temperature=temperature, top_k=top_k, seed=seed,
-                   use_cache=use_cache)
-    return out.decode("utf-8", errors="replace")
+    outs = generate_many(model, prompt.encode(), samples=samples, tokens=tokens, temperature=temperature,
+                         top_k=top_k, seed=seed, use_cache=use_cache)
+    texts = [out.decode("utf-8", errors="replace") for out in outs]
+    if samples == 1:
+        return texts[0]
+    return "\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts))
 
 
 def score_file(ckpt: str | Path, data: str | Path, *, part: str = "whole", seq_len: int | None = None,

@@ -11,7 +11,7 @@ import torch
 
 from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.errors import CheckpointError, ConfigError
-from dormouse.infer import file_loss, generate, generate_many, load_trained
+from dormouse.infer import file_loss, generate, generate_many, load_trained, sample_text
 from dormouse.model import DormouseModel
 from dormouse.train.data import _windows
 from dormouse.train.loop import build_model, train
@@ -158,6 +158,11 @@ def test_load_trained_reads_a_run_checkpoint_and_refuses_others(tmp_path):
     trained = build_model(run)
     train(trained, run, log=lambda _: None)
     model, loaded_run, step = load_trained(tmp_path / "o" / "dormouse.pt")
+    ckpt = str(tmp_path / "o" / "dormouse.pt")  # `dormouse sample`: one text, or a batch under headers
+    one = sample_text(ckpt, "ab", tokens=12, seed=1)
+    three = sample_text(ckpt, "ab", tokens=12, seed=1, samples=3).split("\n")
+    assert one == generate(model, b"ab", tokens=12, seed=1).decode("utf-8", errors="replace")
+    assert three[0::2] == [f"--- sample {i} ---" for i in range(3)] and len(three) == 6
     assert step == 2 and loaded_run.model == run.model and not model.training
     for (name, a), b in zip(trained.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
