@@ -312,11 +312,12 @@ def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
     return meta
 
 
-def load_plan(path: str) -> list[GateSettings]:
-    """A JSON list of GateSettings fields, one fleet run each."""
+def load_plan(path: str, *, validated: bool = False) -> list[GateSettings]:
+    """A JSON list of GateSettings fields, one fleet run each (`validated`:
+    the launcher wrote it from validated settings)."""
     try:
         items = json.loads(Path(path).read_text())
-        return [from_dict(item) for item in items]
+        return [from_dict(item, validated=validated) for item in items]
     except (OSError, ValueError, TypeError) as e:
         raise DormouseError(f"plan {path!r} is not a JSON list of gate settings ({e})") from e
 
