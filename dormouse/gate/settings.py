@@ -109,10 +109,14 @@ class GateSettings:
         return max(1, self.steps // 2)
 
     def record(self) -> dict:
-        """What an artifact records (everything that changes the mathematics)."""
+        """What an artifact records (everything that changes the mathematics),
+        with the fleet's global batch in windows (None: the profile mixes
+        window lengths): what the judge needs to know which references apply
+        (artifacts.references)."""
         d = dataclasses.asdict(self)
         for k in ("out", "timeout_s", "produce"):
             d.pop(k)
+        d["global_batch"] = self.plan.global_batch
         return d
 
     @property
@@ -396,6 +400,12 @@ def from_dict(d: dict, *, validated: bool = False) -> GateSettings:
     if validated:
         return _trusted(GateSettings(**_unalias(d)))
     return GateSettings(**_unalias(d)).validate()
+
+
+def from_record(record: dict, **over) -> GateSettings:
+    """The settings an artifact recorded (GateSettings.record(), its derived
+    global_batch dropped), with `over` on top; not validated."""
+    return GateSettings(**{**{k: v for k, v in _unalias(record).items() if k in FIELDS}, **over})
 
 
 def _unalias(given: dict) -> dict:
