@@ -418,7 +418,16 @@ def _unflat(flat: torch.Tensor, params) -> list[torch.Tensor]:
 
 def run_gradref(s: GateSettings, log=print) -> dict:
     """The hand-computed reference at every step of the fleet's run (needs
-    init and rank0's trace in out)."""
+    init and rank0's trace in out).
+
+    Each window's gradient is its own forward and backward over a (1, T)
+    batch: batching the windows into one forward would assume the very
+    independence (fact 1) that g/ against b/ checks. torch.func.vmap, which
+    would keep each window alone, does not apply here (torch 2.13, CPU): the
+    dropless MoE's dispatch (bincount, then a loop over its counts) fails under
+    vmap ("Cannot access data pointer of Tensor that doesn't have storage"),
+    and scaled_dot_product_attention has no CPU batching rule for its forward
+    or backward (vmap falls back to a per-example loop)."""
     fleet, init, trace = _fleet_record(s)
     run = mode_run(s, name="gradref", dist=False)
     device = _device(s)
