@@ -71,7 +71,7 @@ def test_the_greedy_comparison_sees_a_fault_of_one_adapter_by_1e_2():
     # entries are 1e-2 away already gives other greedy bytes (the logits are
     # peaked on purpose; tests/model/test_decode.py catches a fault of 1e-3
     # in the decoder's logits).
-    model = _model("small")
+    model = _model()
     want = generate(model, b"hello there", tokens=40, temperature=0, use_cache=False)
     with torch.no_grad():
         model.block.attn.lora_qkv_b[1].add_(1e-2)  # iteration 1's adapter (B starts at zero)
@@ -80,7 +80,7 @@ def test_the_greedy_comparison_sees_a_fault_of_one_adapter_by_1e_2():
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_a_batch_of_samples_is_generate_row_by_row_when_greedy_and_deterministic_when_sampled(use_cache):
-    model = _model("small")
+    model = _model()  # 5 + 30 bytes: past the window of 16
     greedy = generate(model, b"hello", tokens=30, temperature=0)
     assert generate_many(model, b"hello", samples=3, tokens=30, temperature=0, use_cache=use_cache) == [greedy] * 3
     rows = generate_many(model, b"hello", samples=4, tokens=30, temperature=1.0, seed=7, use_cache=use_cache)
