@@ -120,12 +120,14 @@ def test_clean_loop_over_duplicate_rows_passes(recordings):
     assert v.passed, failing(v)
 
 
-@pytest.mark.xfail(strict=True, reason="false alarm: the forward pre-hook records train-mode forwards run under "
-                   "torch.no_grad() (a probe loss for logging), so the reference differentiates a micro-batch the "
-                   "loop never backpropagated and gradient/data/loss/clip all FAIL a clean loop")
 def test_clean_loop_with_a_no_grad_forward_passes(recordings):
+    """A train-mode forward under torch.no_grad() (a probe loss for logging)
+    is no micro-batch of the step: the hook skips forwards with gradients
+    disabled, so the recording holds the loop's 3 micro-batches and passes."""
     v = verdict(recordings, "nograd_log")
     assert v.passed, failing(v)
+    meta = json.loads((recordings["nograd_log"] / "rank0" / "step000001.json").read_text())
+    assert meta["micro_batches"] == 3
 
 
 @pytest.mark.xfail(strict=True, reason="false pass: the sketch verdict says 'a relative difference above 2.9e-05 in "

@@ -13,7 +13,8 @@ DDP): every forward in training mode appends its batch (positional tensor
 arguments as "arg0", "arg1", ..., and the keyword tensors named in `inputs`,
 plus "idx"/"example_id" when the loop passes them) to the current step's
 micro-batch list, detached, on the CPU. The loop's data code is untouched.
-Eval-mode forwards are ignored.
+Eval-mode forwards, and forwards with gradients disabled (torch.no_grad(),
+inference_mode: a metric or a logged probe loss), are ignored.
 
 Per step and rank it writes (names: dormouse.gate.artifacts) the micro-batches,
 the parameters before the step, the gradient on the parameters at rec.step()
@@ -391,7 +392,9 @@ class Recorder:
             atomic.write_text(A.recording_path(self.out), json.dumps(self.meta, indent=1))
 
     def _pre(self, module, args, kwargs):
-        if not module.training:
+        # eval-mode forwards and forwards under torch.no_grad()/inference_mode (a metric, a probe
+        # loss) are not the step's micro-batches: no gradient can come of them
+        if not module.training or not torch.is_grad_enabled():
             return None
         batch = {}
         for i, a in enumerate(args):
