@@ -15,8 +15,9 @@ gradient      fact 3: the fleet's synchronised gradient (divided by the clip
               gradient of the DECLARED objective over every rank's micro-batches
               at the recorded parameters: ||g_fleet - g|| / ||g|| <= GRAD_RTOL.
               On a failure it fits g_fleet = c g and NAMES c when it is a
-              constant (xW, xK, 1/W, ...), or names the weighting the fleet
-              computed (the mean of micro-batch means, each rank its own count).
+              constant clearly away from 1 (|c - 1| > FACTOR_AWAY x bound:
+              xW, xK, 1/W, ...), or names the weighting the fleet computed
+              (the mean of micro-batch means, each rank its own count).
 grad_mask     the parameters with a gradient are the ones one process gives a
               gradient: a zero gradient where one process has none is a FAIL
               (weight decay and the optimizer's moments move them).
@@ -65,6 +66,10 @@ CLIP_RTOL = 1e-4
 RUN_MIN_RTOL = 1e-5
 FLOOR_MULTIPLE = 10.0
 FACTOR_RTOL = 1e-3  # a fitted constant within this of a named factor is that factor
+# A fitted constant c is a factor only when it is clearly away from 1:
+# |c - 1| > FACTOR_AWAY x the gradient check's bound. A ratio within that of 1
+# says the fleet is right at the fitted steps, not that it is off by a factor.
+FACTOR_AWAY = 10.0
 SKETCH_DELTA = 0.05  # the per-tensor, per-step failure probability the sketch bound is stated at
 
 
@@ -227,9 +232,16 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     else:
         cs = [c for c, _ in fits]
         constant = bool(fits) and all(r <= bound for _, r in fits) and max(cs) - min(cs) <= FACTOR_RTOL * abs(cs[0])
+        unit = constant and abs(cs[0] - 1) <= FACTOR_AWAY * bound  # equal at the fitted steps: no factor
+        constant = constant and not unit
         named = factor_name(cs[0], world, micro) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)), None)
-        if constant and named:
+        if unit:
+            reason = (f"the fleet's gradient equals {what} at the {len(fits)} recorded step(s) where the fleet's "
+                      f"parameters equal the one-process run's, but differs by {worst:.2g} at step {worst_k} "
+                      f"(tensor {worst_t}; {stated}), after the parameters parted: the fault is in a step between "
+                      "(see replay)")
+        elif constant and named:
             reason = (f"the fleet's gradient is {what} times {cs[0]:.4g} = {named} (W = {world} ranks, "
                       f"K = {micro} micro-batches) at every step: a normalisation applied the wrong number of times")
         elif constant:
