@@ -130,13 +130,19 @@ def test_clean_loop_with_a_no_grad_forward_passes(recordings):
     assert meta["micro_batches"] == 3
 
 
-@pytest.mark.xfail(strict=True, reason="false pass: the sketch verdict says 'a relative difference above 2.9e-05 in "
-                   "ANY tensor is detected', but the gradient check is one L2 over all tensors together: ln1.bias's "
-                   "gradient off by 1e-4 (relative, in that tensor) shows as ~3e-6 overall and PASSES")
 def test_sketch_bound_holds_per_tensor(recordings):
-    v = verdict(recordings, "bias_eps_sketch")
-    assert "in any tensor is detected" in v.check("gradient").reason
-    assert not v.passed, "the stated per-tensor bound is 2.9e-05; the planted per-tensor difference is 1e-04"
+    """ln1.bias's gradient off by 1e-4 (relative, in that tensor; ~3e-6 over
+    all tensors together) under sketches k=64: each tensor's sketch is held to
+    its own bound, so the stated per-tensor detection bound (~2.9e-5) holds and
+    the fault is caught in that tensor. The clean sketch runs pass
+    (test_clean_at_other_settings_passes, test_recorder's sketch runs)."""
+    c = verdict(recordings, "bias_eps_sketch").check("gradient")
+    assert "in any one tensor is detected" in c.reason and "each tensor's sketch against its own bound" in c.reason
+    assert not c.passed and "in tensor ln1.bias" in c.reason, c.reason
+    import re
+
+    stated = float(re.search(r"a relative difference above (\S+) in any one tensor", c.reason).group(1))
+    assert stated < 1e-4, c.reason
 
 
 def test_gradient_reason_does_not_name_a_constant_one(recordings):

@@ -13,7 +13,10 @@ independence  fact 1: at every recorded step the per-example gradients,
 gradient      fact 3: the fleet's synchronised gradient (divided by the clip
               coefficient where the loop clipped first) against the one-process
               gradient of the DECLARED objective over every rank's micro-batches
-              at the recorded parameters: ||g_fleet - g|| / ||g|| <= GRAD_RTOL.
+              at the recorded parameters: ||g_fleet - g|| / ||g|| <= GRAD_RTOL
+              (all tensors together); sketch / every-k recordings hold EACH
+              tensor to its own bound (run_tolerance), the bound a sketch's
+              detection statement is per tensor for.
               On a failure it fits g_fleet = c g and NAMES c when it is a
               constant clearly away from 1 (|c - 1| > FACTOR_AWAY x bound:
               xW, xK, 1/W, ...), or names the weighting the fleet computed
@@ -110,15 +113,17 @@ def sketch_detection(k: int, bound: float) -> tuple[float, str]:
     """CountSketch with k buckets: ||S d||^2 / ||d||^2 has mean 1 and variance
     <= 2/k, so by Chebyshev it lies in [1 - e, 1 + e], e = sqrt(2 / (k delta)),
     with probability >= 1 - delta; a relative difference r between two tensors
-    then shows as at least r sqrt((1 - e) / (1 + e)). Returns the smallest r
-    detected at `bound` and the sentence that says so."""
+    then shows as at least r sqrt((1 - e) / (1 + e)). The checks hold each
+    tensor's sketch to its own bound, so `bound` is the largest tensor bound.
+    Returns the smallest r detected at `bound` and the sentence that says so."""
     e = math.sqrt(2.0 / (k * SKETCH_DELTA))
     if e >= 1:
         return math.inf, (f"sketch k={k}: too few projections for a bound at {1 - SKETCH_DELTA:.0%} "
                           "(use k >= 64)")
     r = bound * math.sqrt((1 + e) / (1 - e))
-    return r, (f"sketch k={k}: a relative difference above {r:.2g} in any tensor is detected with probability "
-               f">= {1 - SKETCH_DELTA:.0%} per tensor and step (e = {e:.2f})")
+    return r, (f"sketch k={k}, each tensor's sketch against its own bound: a relative difference above {r:.2g} "
+               f"in any one tensor is detected with probability >= {1 - SKETCH_DELTA:.0%} per tensor and step "
+               f"(e = {e:.2f}; the largest tensor bound {bound:.2g} x sqrt((1 + e) / (1 - e)))")
 
 
 class _Ref:
@@ -185,36 +190,84 @@ def _fleet_grad(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
     return g
 
 
-def run_tolerance(rec: A.RecordingSet, ref: _Ref, ours: str, nudged: str) -> dict[int, float]:
-    """Per tensor step: FLOOR_MULTIPLE x the running maximum of the one-ulp
-    floor rel(nudged, ours), at least RUN_MIN_RTOL (run mode)."""
-    out, top = {}, 0.0
+def run_tolerance(rec: A.RecordingSet, ref: _Ref, ours: str, nudged: str) -> dict[int, dict[str, float]]:
+    """Per tensor step and per tensor n (run mode): FLOOR_MULTIPLE x the
+    running maximum over steps <= k of that tensor's one-ulp floor
+    rel(nudged[n], ours[n]), at least RUN_MIN_RTOL. Each tensor is held to its
+    own floor, so a fault confined to one small tensor is not diluted by the
+    others (a sketch's detection bound is per tensor)."""
+    out, top = {}, {}
     for k in rec.tensor_steps():
-        top = max(top, rel(ref.tensors(k, nudged), ref.tensors(k, ours)))
-        out[k] = max(RUN_MIN_RTOL, FLOOR_MULTIPLE * top)
+        a, b = ref.tensors(k, nudged), ref.tensors(k, ours)
+        for n in b:
+            top[n] = max(top.get(n, 0.0), rel({n: a[n]}, {n: b[n]}, [n]) if n in a else 0.0)
+        out[k] = {n: max(RUN_MIN_RTOL, FLOOR_MULTIPLE * x) for n, x in top.items()}
     return out
 
 
-def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
+def _per_tensor(a: dict, b: dict, names, tol: dict[str, float]) -> tuple[float, str | None, float, float]:
+    """The tensor nearest its own bound: (its rel, its name, its bound, rel / bound)."""
+    best = (0.0, None, 0.0, -1.0)
+    for n in names:
+        x = rel({n: a[n]}, {n: b[n]}, [n])
+        t = tol.get(n, RUN_MIN_RTOL)
+        if x / t > best[3]:
+            best = (x, n, t, x / t)
+    return best
+
+
+def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
+    """Per recorded tensor step, the fleet's gradient (divided by the clip
+    coefficient where the loop clipped first) against one process's gradient
+    of the declared objective: "error" ||g_fleet - g|| / ||g|| over all tensors
+    together; replay mode holds that to "bound" = GRAD_RTOL. Run mode (sketch
+    or every-k) holds EACH tensor n to its own bound (run_tolerance); "tensor",
+    "tensor_error", "tensor_bound" are the tensor nearest its bound. "ok"
+    whether the step passes."""
     run = ref.meta.get("mode") == "run"
-    tol = run_tolerance(rec, ref, "g/", "ng/") if run else {k: GRAD_RTOL for k in rec.tensor_steps()}
-    bound = max(tol.values())
-    per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
-    fits, alts = [], {"micro_mean": [], "rank_mean": []}
+    tol = run_tolerance(rec, ref, "g/", "ng/") if run else {}
+    rows = []
     for k in rec.tensor_steps():
         g_ref = ref.tensors(k, "g/")
         g = _fleet_grad(rec, k)
         names = sorted(set(g) & set(g_ref))
         x = rel(g, g_ref, names)
+        if run:
+            tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol[k])
+            ok = ratio <= 1.0
+        else:
+            tn = max(names, key=lambda n: rel({n: g[n]}, {n: g_ref[n]}, [n])) if names else None
+            tx = rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0
+            tb, ok = GRAD_RTOL, x <= GRAD_RTOL
+        rows.append({"step": k, "error": x, "bound": GRAD_RTOL if not run else None, "tensor": tn,
+                     "tensor_error": tx, "tensor_bound": tb, "ok": ok})
+    return rows
+
+
+def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
+    run = ref.meta.get("mode") == "run"
+    rows = gradient_rows(rec, ref)
+    tbounds = [r["tensor_bound"] for r in rows] if run else [GRAD_RTOL]
+    per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
+    fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": []}
+    first_bad = None
+    for row in rows:
+        k = row["step"]
+        g_ref = ref.tensors(k, "g/")
+        g = _fleet_grad(rec, k)
+        names = sorted(set(g) & set(g_ref))
+        x = row["error"]
         per.append(x)
-        over = over or x > tol[k]
+        if not row["ok"] and first_bad is None:
+            first_bad = row
+        over = over or not row["ok"]
         if x > worst:
-            worst, worst_k = x, k
-            worst_t = max(names, key=lambda n: rel({n: g[n]}, {n: g_ref[n]}, [n]))
+            worst, worst_k, worst_t = x, k, row["tensor"]
         # a constant factor is named from steps at the same parameters (all of them when replaying)
         if run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > GRAD_RTOL:
             continue
         fits.append(fit(g, g_ref, names))
+        fitted.append(k)
         for alt in alts:
             a = ref.tensors(k, f"{alt}/")
             an = sorted(set(g) & set(a))
@@ -224,18 +277,24 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     world, micro = rec.world_at(rec.steps[0]), rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
     what = "one process's gradient of the declared objective"
     stated = (f"bound {GRAD_RTOL:g}" if not run else
-              f"bound {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor, {min(tol.values()):.2g} to "
-              f"{max(tol.values()):.2g}")
+              f"each tensor against its own bound, {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor of "
+              f"that tensor, {min(tbounds):.2g} to {max(tbounds):.2g}")
+    if run and first_bad is not None:  # the per-tensor finding: which tensor, by how much, against what
+        worst_k, worst_t = first_bad["step"], first_bad["tensor"]
     if ok:
+        top = max(rows, key=lambda r: r["tensor_error"] / r["tensor_bound"]) if run else None
         reason = (f"the fleet's gradient equals {what} ({rec.meta['objective']}) at every recorded step "
-                  f"(worst {worst:.2g}, {stated})")
+                  f"(worst {worst:.2g}" + (f"; per tensor, worst {top['tensor_error']:.2g} in {top['tensor']} "
+                                          f"at step {top['step']} against its {top['tensor_bound']:.2g}"
+                                          if top else "") + f"; {stated})")
     else:
         cs = [c for c, _ in fits]
         constant = bool(fits) and all(r <= bound for _, r in fits) and max(cs) - min(cs) <= FACTOR_RTOL * abs(cs[0])
         near_one = constant and abs(cs[0] - 1) <= FACTOR_AWAY * bound  # no factor
         constant = constant and not near_one
-        # run mode fits only the steps where the parameters still agree: a ratio of 1 there puts the fault between
-        unit = near_one and len(fits) < len(per)
+        # run mode fits only the steps where the parameters still agree: a ratio of 1 there, and the
+        # first failing step not among them, puts the fault in a step between
+        unit = near_one and worst_k not in fitted
         named = factor_name(cs[0], world, micro) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)), None)
         if unit:
@@ -256,6 +315,11 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                                  "token count)"}[alt_hit]
             reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > FACTOR_RTOL else "")
                       + f", not the global mean the objective declares (off by {worst:.2g} at step {worst_k})")
+        elif run and first_bad is not None:
+            reason = (f"the fleet's gradient differs from {what} in tensor {first_bad['tensor']} by "
+                      f"{first_bad['tensor_error']:.2g} at step {first_bad['step']}, above that tensor's bound "
+                      f"{first_bad['tensor_bound']:.2g} (all tensors together: {worst:.2g}; {stated})"
+                      + ("" if near_one else ", not by a constant factor"))
         else:
             reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} (tensor "
                       f"{worst_t}; {stated})" + ("" if near_one else ", not by a constant factor"))
@@ -263,11 +327,11 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
             if info.get("rng_sensitive"):
                 reason += "; the one-process gradient itself changes with the RNG state (see independence)"
     if rec.sketch:
-        reason += "; " + sketch_detection(rec.sketch, max(tol.values()))[1]
+        reason += "; " + sketch_detection(rec.sketch, max(tbounds))[1]
     if rec.every > 1:
         reason += f"; tensors every {rec.every} steps: a fault confined to fewer steps can be missed"
     return TensorCheck("gradient", ok, reason, worst=worst, worst_tensor=worst_t, worst_step=worst_k,
-                       bound=max(tol.values()), per_step=per)
+                       bound=max(tbounds), per_step=per, first_step=first_bad["step"] if first_bad else None)
 
 
 def check_grad_mask(rec: A.RecordingSet, ref: _Ref) -> Check:
@@ -316,24 +380,28 @@ def check_replay(rec: A.RecordingSet, ref: _Ref) -> Check:
                                           f"gives {want:.6g}")
     if ref.meta.get("mode") == "run":
         tol = run_tolerance(rec, ref, "rp/", "np/")
-        worst, at, ok = 0.0, None, True
+        worst, at, name, ok = (0.0, 0.0), None, None, True
         pre = "ps/" if rec.sketch else "p/"
         for k in rec.tensor_steps():
-            x = rel(rec.tensors_at(k, pre), ref.tensors(k, "rp/"))
-            ok = ok and x <= tol[k]
-            if x > worst:
-                worst, at = x, k
-        last = max(tol.values())
-        x = rel(rec.final(pre), ref.final())
-        ok = ok and x <= last
-        if x > worst:
-            worst, at = x, "final"
+            a, b = rec.tensors_at(k, pre), ref.tensors(k, "rp/")
+            x, n, t, ratio = _per_tensor(a, b, sorted(set(a) & set(b)), tol[k])
+            ok = ok and ratio <= 1.0
+            if ratio > worst[1]:
+                worst, at, name = (x, ratio), k, n
+        last = tol[rec.tensor_steps()[-1]]
+        a, b = rec.final(pre), ref.final()
+        x, n, t, ratio = _per_tensor(a, b, sorted(set(a) & set(b)), last)
+        ok = ok and ratio <= 1.0
+        if ratio > worst[1]:
+            worst, at, name = (x, ratio), "final", n
+        bounds = [v for d in tol.values() for v in d.values()]
         why = (f"the recorded parameters {'match' if ok else 'differ from'} one process trained on the declared "
-               f"objective over the recorded micro-batches (worst {worst:.2g} at step {at}; bound "
-               f"{FLOOR_MULTIPLE:g} x that run's one-ulp floor, {min(tol.values()):.2g} to {last:.2g}; the "
-               "recording keeps no full gradients to replay, so facts 3 and 4 are judged together)")
+               f"objective over the recorded micro-batches (each tensor against its own bound, {FLOOR_MULTIPLE:g} "
+               f"x that run's one-ulp floor of the tensor, {min(bounds):.2g} to {max(bounds):.2g}; nearest its "
+               f"bound: {name} at step {at}, {worst[0]:.2g}, {worst[1]:.2g} x its bound; the recording keeps no "
+               "full gradients to replay, so facts 3 and 4 are judged together)")
         if rec.sketch:
-            why += "; " + sketch_detection(rec.sketch, last)[1]
+            why += "; " + sketch_detection(rec.sketch, max(bounds))[1]
         return Check("replay", ok, why)
     for k in steps:
         diff = _first_unequal(rec.tensors_at(k, "p/"), ref.tensors(k, "rp/"))
