@@ -38,7 +38,8 @@ from loopmodel import VOCAB, build_model, build_optimizer, collate, dataset  # n
 from dormouse.gate import Recorder  # noqa: E402
 
 RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 4, "micro": 3, "batch": 2, "n": 48,
-       "max_grad_norm": 1.0, "sketch": 0, "every": 1, "lr": 1e-2, "eps": 0.0, "drop_last": True}
+       "max_grad_norm": 1.0, "sketch": 0, "every": 1, "lr": 1e-2, "eps": 0.0, "drop_last": True,
+       "ids": False, "epoch": False}  # ids / epoch: pass rec.step(example_ids=...) / rec.step(epoch=...)
 
 
 def shift_of(fault: str) -> int:
@@ -120,7 +121,8 @@ def run(cfg: dict) -> None:
         reported = reported / n_global
         after_sync(fault, model, cfg["eps"])
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), mgn) if mgn else None
-        rec.step(loss=reported, optimizer=opt, grad_norm=norm)
+        rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=torch.tensor(idx) if cfg["ids"] else None,
+                 epoch=epoch if cfg["epoch"] else None)
         opt.step()
         sched.step()
         if fault == "sched_twice":

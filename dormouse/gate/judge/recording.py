@@ -32,8 +32,10 @@ replay        fact 4: the user's optimizer and scheduler replayed in one process
               on the declared objective instead, within FLOOR_MULTIPLE x its
               own drift from a copy started one ulp away.)
 data          no example read by two ranks (or twice) in one step; none twice
-              within an epoch of dataset_len examples (skipped, and said, when
-              the length is unknown).
+              within an epoch: the loop's (rec.step(epoch=...)) or inferred
+              from dataset_len (check_data states the rule; skipped, and said,
+              when neither is known). Examples are their ids when given, else
+              their tokens' hash: identical rows are then named as such.
 loss          the loss the loop reported against the declared objective
               (LOSS_RTOL): reported apart, since a wrong metric is not a wrong
               training; the weighting it computed instead is named.
@@ -422,6 +424,8 @@ def check_replay(rec: A.RecordingSet, ref: _Ref) -> Check:
 
 
 def _row_ids(batch: dict[str, torch.Tensor]) -> list[str]:
+    """Each row's identity: its "idx"/"example_id" (exact), else a sha1 of its
+    tokens (input_ids where attention_mask is 1): identical content, one id."""
     for key in ("idx", "example_id"):
         if key in batch:
             return [f"id:{int(x)}" for x in batch[key].reshape(-1)]
@@ -436,37 +440,110 @@ def _row_ids(batch: dict[str, torch.Tensor]) -> list[str]:
     return out
 
 
+def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bool]:
+    """Step k's reads: (rank, the row ids it read in the step, micro-batches
+    in order) per rank, and whether every id is exact (given) rather than a
+    content hash."""
+    groups, exact = [], True
+    for r in range(rec.world_at(k)):
+        given = rec.example_ids(r, k)
+        if given is not None:
+            groups.append((r, [f"id:{int(x)}" for x in given]))
+            continue
+        ids = [i for rr, _, b in rec.micro_batches(k) if rr == r for i in _row_ids(b)]
+        exact = exact and all(i.startswith("id:") for i in ids)
+        groups.append((r, ids))
+    return groups, exact
+
+
+IDENTICAL = ("the data check identifies examples by a hash of their tokens, so identical rows (duplicates in "
+             "the dataset) cannot be told from one example read twice: identical rows: pass example_ids=... to "
+             "rec.step (the sampler's indices) to tell them apart")
+
+
 def check_data(rec: A.RecordingSet) -> Check:
-    sequence: list[tuple[str, int, int]] = []  # (example, step, rank)
-    for k in rec.steps:
-        seen: dict[str, int] = {}
-        for r in range(rec.world_at(k)):
-            given = rec.example_ids(r, k)
-            if given is not None:
-                ids = [f"id:{int(x)}" for x in given]
-            else:
-                ids = [i for rr, _, b in rec.micro_batches(k) if rr == r for i in _row_ids(b)]
+    """No example read twice in one step (by two ranks, or one rank twice),
+    none twice within an epoch.
+
+    Identity: example ids (rec.step(example_ids=...) or an "idx"/"example_id"
+    input) are exact; without them a row is its tokens' hash. A repeat of
+    content is then called a double read (a data-order bug) only when all of
+    a rank's rows in a step, in order, repeat another rank's in that step or
+    a rank's in an earlier step of the epoch (every rank reading the same
+    data, an epoch replayed after a resume); a repeat of single rows is named as
+    identical rows, which the hash cannot tell from one example read twice.
+
+    Epochs: the loop's own (rec.step(epoch=...)) when every step carries one;
+    else inferred from dataset_len n: an epoch runs from its first step while
+    its reads stay within n, and the next epoch begins at the first step whose
+    reads would take it past n. A DataLoader with drop_last (and a
+    DistributedSampler with drop_last) leaves fewer than one step's reads R of
+    an epoch unread (at most (W - 1) + W (K B - 1) = R - 1), so each epoch's
+    reads plus the next step's exceed n and the rule finds the loop's epochs;
+    a loop that leaves more unread must pass epoch=."""
+    n = int(rec.meta.get("dataset_len", 0))
+    epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
+    given_epochs = all(e is not None for e in epochs)
+    all_exact, reads = True, 0
+    cur: dict[str, int] = {}  # id -> step, within the current epoch
+    cur_groups: set[tuple[str, ...]] = set()
+    cur_reads, epoch, prev = 0, 0, None
+    for k, ep in zip(rec.steps, epochs):
+        groups, exact = _reads(rec, k)
+        all_exact = all_exact and exact
+        step_n = sum(len(ids) for _, ids in groups)
+        reads += step_n
+        if given_epochs:
+            if prev is not None and ep != prev:
+                cur, cur_groups, cur_reads = {}, set(), 0
+            epoch, prev = ep, ep
+        elif n and cur_reads and cur_reads + step_n > n:
+            cur, cur_groups, cur_reads, epoch = {}, set(), 0, epoch + 1
+        seen: dict[str, int] = {}  # id -> rank, within this step
+        step_groups: dict[tuple[str, ...], int] = {}
+        for r, ids in groups:
+            whole = tuple(ids)
+            replayed = exact or whole in step_groups or whole in cur_groups
             for e in ids:
                 if e in seen:
-                    who = (f"ranks {seen[e]} and {r}" if seen[e] != r else f"rank {r} twice")
-                    return Check("data", False, f"at step {k} an example was read by {who}: every rank read the "
-                                                "same data (no DistributedSampler?)" if seen[e] != r else
-                                 f"at step {k} an example was read by {who} in one step")
+                    if not replayed:
+                        return Check("data", False, f"at step {k} ranks {seen[e]} and {r} read identical rows "
+                                                    f"(equal tokens); {IDENTICAL}")
+                    if seen[e] != r:
+                        ident = "" if exact else " (all its rows, in order: the same step's reads)"
+                        return Check("data", False, f"at step {k} an example was read by ranks {seen[e]} and {r}"
+                                                    f"{ident}: every rank read the same data (no "
+                                                    "DistributedSampler?)")
+                    return Check("data", False, f"at step {k} an example was read by rank {r} twice in one step")
+                if e in cur:
+                    if not replayed:
+                        return Check("data", False, f"rows read at steps {cur[e]} and {k} are identical (equal "
+                                                    f"tokens) within epoch {epoch}; {IDENTICAL}")
+                    src = "the loop's epochs" if given_epochs else f"dataset_len {n}"
+                    return Check("data", False, f"an example was read twice within epoch {epoch} (steps {cur[e]} "
+                                                f"and {k}, {src})")
                 seen[e] = r
-                sequence.append((e, k, r))
-    n = int(rec.meta.get("dataset_len", 0))
+            step_groups[whole] = r
+        for r, ids in groups:
+            for e in ids:
+                cur[e] = k
+            cur_groups.add(tuple(ids))
+        cur_reads += step_n
+        if given_epochs and n and cur_reads > n:
+            return Check("data", False, f"epoch {ep} read {cur_reads} examples by step {k}, more than dataset_len "
+                                        f"{n}")
+    how = "by the example ids given" if all_exact else "by their tokens' hash (no example_ids given)"
+    if given_epochs:
+        return Check("data", True, f"no example was read by two ranks in any step, none twice within any of the "
+                                   f"loop's epochs (rec.step(epoch=...): {len(set(epochs))} epoch(s), {reads} reads; "
+                                   f"examples identified {how})")
     if not n:
-        return Check("data", True, "no example was read by two ranks in any step; dataset_len unknown: the "
-                                   "once-per-epoch check was skipped")
-    for start in range(0, len(sequence), n):
-        first: dict[str, int] = {}
-        for e, k, _ in sequence[start:start + n]:
-            if e in first:
-                return Check("data", False, f"an example was read twice within epoch {start // n} (steps "
-                                            f"{first[e]} and {k}, dataset_len {n})")
-            first[e] = k
-    return Check("data", True, f"no example was read by two ranks in any step, none twice within an epoch of "
-                               f"{n} examples ({len(sequence)} reads)")
+        return Check("data", True, f"no example was read by two ranks in any step (examples identified {how}); "
+                                   "dataset_len unknown and no rec.step(epoch=...): the once-per-epoch check was "
+                                   "skipped")
+    return Check("data", True, f"no example was read by two ranks in any step, none twice within an epoch of at "
+                               f"most {n} examples ({reads} reads; epochs inferred from dataset_len: a new one at "
+                               f"the first step that would pass it; examples identified {how})")
 
 
 def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:

@@ -426,11 +426,16 @@ class Recorder:
 
     # ------------------------------------------------------------------ the loop's calls
 
-    def step(self, *, loss=None, lr=None, optimizer=None, clip_coef=None, grad_norm=None, example_ids=None) -> None:
+    def step(self, *, loss=None, lr=None, optimizer=None, clip_coef=None, grad_norm=None, example_ids=None,
+             epoch=None) -> None:
         """Record the step about to be taken: call after the last backward
         (gradients synchronised), before optimizer.step(). `clip_coef` or
         `grad_norm` (with max_grad_norm > 0) say the gradients were already
-        clipped, by clip_coef = min(1, max_grad_norm / (grad_norm + 1e-6))."""
+        clipped, by clip_coef = min(1, max_grad_norm / (grad_norm + 1e-6)).
+        `example_ids` (this rank's examples in this step, e.g. the sampler's
+        indices) make the data check exact; `epoch` (the loop's epoch, e.g.
+        what it passed to sampler.set_epoch) gives the data check the loop's
+        own epochs instead of ones inferred from dataset_len."""
         if self.closed:
             raise RecorderError("rec.step() after rec.close()")
         self.k += 1
@@ -467,7 +472,8 @@ class Recorder:
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
-                "tensors": self._tensor_step(k), "param_hash": param_hash}
+                "tensors": self._tensor_step(k), "param_hash": param_hash,
+                "epoch": None if epoch is None else int(epoch)}
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), st_save(tensors))
         self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
         self._last_meta = meta
