@@ -8,23 +8,18 @@ run's first leg, a second the resumed legs."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import looprec
 import pytest
 import torch
+from looprec import QUIET, ROOT, failing, launch
 
 from dormouse.errors import DormouseError
 from dormouse.gate import Recorder
 from dormouse.gate.judge.recording import judge_recording
 from dormouse.gate.record.reference import make_reference
-
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
-ROOT = Path(__file__).resolve().parents[2]
-QUIET = lambda line: None  # noqa: E731
 
 # name -> the run's settings (ddp_loop.RUN); "leg": 1 runs are resumed in a second launch.
 RUNS = {
@@ -53,40 +48,23 @@ RUNS = {
 DEFAULTS = {"steps": 4}
 
 
-def _launch(plan: list[dict], where: Path) -> None:
-    path = where / f"plan{len(list(where.glob('plan*.json')))}.json"
-    path.write_text(json.dumps(plan))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(SUPPORT / "ddp_loop.py"), "--plan", str(path)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("recordings")
     plan = [{**DEFAULTS, **cfg, "out": str(root / name)} for name, cfg in RUNS.items()]
-    _launch(plan, root)
-    _launch([{**p, "leg": 2} for p in plan if p.get("leg") == 1], root)
+    launch(plan, root)
+    launch([{**p, "leg": 2} for p in plan if p.get("leg") == 1], root)
     return {name: root / name for name in RUNS}
 
 
-_VERDICTS: dict = {}
-
-
 def verdict(recordings, name):
-    if name not in _VERDICTS:
-        make_reference(recordings[name], log=QUIET)
-        _VERDICTS[name] = judge_recording(recordings[name])
-    return _VERDICTS[name]
+    return looprec.verdict(recordings[name])
 
 
 @pytest.mark.parametrize("name", ["clean0", "clean1", "clean2", "clean_resume", "fsdp", "sketch", "fsdp_sketch"])
 def test_clean_runs_pass(recordings, name):
     v = verdict(recordings, name)
-    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
+    assert v.passed, failing(v)
     names = {c.name for c in v.checks}
     assert {"independence", "gradient", "grad_mask", "replay", "data", "loss", "ranks", "clip"} <= names
     if name == "clean_resume":

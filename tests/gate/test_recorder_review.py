@@ -1,27 +1,20 @@
 """A reviewer's attacks on the recording gate (issue 13): faults that
 tests/gate/test_recorder.py does not plant, and clean loops at settings it
-does not try, through tests/support/review_loop.py (a plain DDP loop, 2 gloo
-ranks, real torchrun: ONE launch records every run). Attacks the gate catches
+does not try, through tests/support/ddp_loop.py (the same plain DDP loop, 2
+gloo ranks, real torchrun: ONE launch records every run). Attacks the gate catches
 are plain tests; a false pass or a false alarm is an xfail(strict=True) that
 documents the gap and turns red when it is fixed."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import looprec
 import pytest
+from looprec import failing, launch
 
-from dormouse.gate.judge.recording import judge_recording
-from dormouse.gate.record.reference import make_reference
-
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
-ROOT = Path(__file__).resolve().parents[2]
-
-# name -> review_loop.RUN settings
+# name -> ddp_loop.RUN settings (the review runs 4 steps each unless said)
 RUNS = {
     "clean_lowlr_noclip": {"seed": 12, "max_grad_norm": 0, "lr": 1e-3},
     "clean_sketch_every3": {"seed": 13, "sketch": 64, "every": 3, "lr": 3e-2, "steps": 7},
@@ -46,29 +39,12 @@ RUNS = {
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("review")
-    plan = [{**cfg, "out": str(root / name)} for name, cfg in RUNS.items()]
-    (root / "plan.json").write_text(json.dumps(plan))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(SUPPORT / "review_loop.py"), "--plan", str(root / "plan.json")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    launch([{"steps": 4, **cfg, "out": str(root / name)} for name, cfg in RUNS.items()], root)
     return {name: root / name for name in RUNS}
 
 
-_VERDICTS: dict = {}
-
-
 def verdict(recordings, name):
-    if name not in _VERDICTS:
-        make_reference(recordings[name], log=lambda line: None)
-        _VERDICTS[name] = judge_recording(recordings[name])
-    return _VERDICTS[name]
-
-
-def failing(v) -> str:
-    return "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
+    return looprec.verdict(recordings[name])
 
 
 # --------------------------------------------------------------------------- caught (or clean and passing)

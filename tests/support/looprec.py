@@ -1,0 +1,47 @@
+"""Recording tests' kit: ddp_loop.py's runs under one real torchrun launch
+(2 gloo ranks), and the verdict of a recording (reference made in this process,
+then judged), cached per directory: tests/gate/test_recorder*.py share it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SUPPORT = Path(__file__).resolve().parent
+ROOT = SUPPORT.parents[1]
+QUIET = lambda line: None  # noqa: E731
+
+
+def launch(plan: list[dict], where: Path, script: str = "ddp_loop.py", world: int = 2) -> None:
+    """Every run of `plan` (ddp_loop.RUN dicts), one after another, in ONE torchrun launch."""
+    path = where / f"plan{len(list(where.glob('plan*.json')))}.json"
+    path.write_text(json.dumps(plan))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={world}", str(SUPPORT / script), "--plan", str(path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+_VERDICTS: dict = {}
+
+
+def verdict(out: Path):
+    """The verdict on the recording in `out` (its reference made first)."""
+    from dormouse.gate.judge.recording import judge_recording
+    from dormouse.gate.record.reference import make_reference
+
+    key = str(out)
+    if key not in _VERDICTS:
+        make_reference(out, log=QUIET)
+        _VERDICTS[key] = judge_recording(out)
+    return _VERDICTS[key]
+
+
+def failing(v) -> str:
+    """The failing checks' reasons, one a line."""
+    return "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
