@@ -2,7 +2,8 @@
 accumulation over variable-length padded sequences (tests/support/ddp_loop.py),
 2 gloo ranks under real torchrun, recorded, referenced in one process and
 judged. Clean runs pass (several seeds, a resume, FSDP2, sketches); each
-planted fault fails for its NAMED reason. One torchrun launch records every
+planted fault fails for its NAMED reason, under DDP and (local token counts,
+clipping by the local shards' norm, the compensation twice) FSDP2. One torchrun launch records every
 run's first leg, a second the resumed legs."""
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ RUNS = {
     "sketch_comp_twice": {"fault": "comp_twice", "sketch": 64, "every": 2, "steps": 5},
     "resume_data": {"fault": "resume_data", "stop_at": 2, "leg": 1},
     "rank_lr": {"fault": "rank_lr"},
+    # FSDP2 (fully_shard, Shard(0) DTensors): faults of a sharded loop
+    "fsdp_local_count": {"fault": "local_count", "fsdp": True},
+    "fsdp_clip_local": {"fault": "clip_local", "fsdp": True},
+    "fsdp_comp_twice": {"fault": "comp_twice", "fsdp": True},
 }
 DEFAULTS = {"steps": 4}
 
@@ -89,6 +94,9 @@ FAULTS = {
     "sketch_comp_twice": ("gradient", "= W "),
     "resume_data": ("data", "an example was read twice within epoch 0 (steps 1 and 3"),
     "rank_lr": ("ranks", "rank 1's parameters differ from rank 0's before step 2"),
+    "fsdp_local_count": ("gradient", "each rank normalised by its own token count"),
+    "fsdp_clip_local": ("clip", "each rank its own, where the global gradient's norm is"),
+    "fsdp_comp_twice": ("gradient", "= W "),
 }
 
 
@@ -188,29 +196,10 @@ def test_recorder_bad_arguments_are_one_line(tmp_path):
 
 def test_user_objective_one_process(tmp_path):
     """objective="pkg.mod:fn" and world 1 without torch.distributed: a one-process loop passes its own gate."""
-    from loopmodel import build_model, build_optimizer, collate, dataset
-
-    model = build_model(seed=7)
-    opt, sched = build_optimizer(model)
-    rec = Recorder(tmp_path / "r", model, build_model="loopmodel:build_model",
-                   build_optimizer="loopmodel:build_optimizer", objective="loopmodel:token_sum",
-                   build_kwargs={"seed": 7}, dataset_len=8)
-    data = dataset(8, 0)
-    for s in range(2):
-        batch = collate(data[4 * s:4 * s + 4])
-        logits = model(**batch)
-        y = batch["labels"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                                 ignore_index=-100)
-        loss.backward()
-        rec.step(loss=loss, optimizer=opt)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    rec.close()
+    looprec.one_process(tmp_path / "r", objective="loopmodel:token_sum")
     make_reference(tmp_path / "r", log=QUIET)
     v = judge_recording(tmp_path / "r")
-    assert v.passed, [c.reason for c in v.checks if not c.passed]
+    assert v.passed, failing(v)
 
 
 def test_cli_exit_codes(recordings, tmp_path, capsys):

@@ -45,3 +45,32 @@ def verdict(out: Path):
 def failing(v) -> str:
     """The failing checks' reasons, one a line."""
     return "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
+
+
+def one_process(out: Path, *, objective: str = "causal_lm", seed: int = 7, steps: int = 2, n: int = 8) -> Path:
+    """A one-process recording (world 1, no torch.distributed) of loopmodel's
+    TinyLM: `steps` steps of 4 rows each, AdamW + LambdaLR, the global token
+    mean backpropagated (the loop right: its gate passes)."""
+    import torch
+
+    from dormouse.gate import Recorder
+    from loopmodel import build_model, build_optimizer, collate, dataset
+
+    model = build_model(seed=seed)
+    opt, sched = build_optimizer(model)
+    rec = Recorder(out, model, build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
+                   objective=objective, build_kwargs={"seed": seed}, dataset_len=n)
+    data = dataset(n, 0)
+    for s in range(steps):
+        batch = collate(data[4 * s:4 * s + 4])
+        logits = model(**batch)
+        y = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                 ignore_index=-100)
+        loss.backward()
+        rec.step(loss=loss, optimizer=opt)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    rec.close()
+    return Path(out)
