@@ -246,6 +246,17 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
     return rows
 
 
+def gradient_series(out) -> list[dict]:
+    """gradient_rows of the recording in `out`, whose reference is made (what
+    notebook 04 plots: the per-step gradient error against its bound)."""
+    out = Path(out)
+    if not A.reference_meta_path(out).exists():
+        from dormouse.errors import DormouseError
+
+        raise DormouseError(f"{out} holds no one-process reference: run `dormouse gate check --out {out}`")
+    return gradient_rows(A.RecordingSet(out), _Ref(out))
+
+
 def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     run = ref.meta.get("mode") == "run"
     rows = gradient_rows(rec, ref)
