@@ -202,6 +202,20 @@ def test_user_objective_one_process(tmp_path):
     assert v.passed, failing(v)
 
 
+def test_data_check_epochs_one_process(tmp_path):
+    """The same 4 rows at steps 1 and 2: with dataset_len 8 that is a read
+    twice within epoch 0 (FAIL); with dataset_len unknown only each step is
+    checked (PASS, the epoch check said skipped); with dataset_len 4 the
+    second step starts epoch 1 (PASS)."""
+    same = [[0, 1, 2, 3], [0, 1, 2, 3]]
+    for name, n, ok, words in (("n8", 8, False, "read twice within epoch 0 (steps 1 and 2, dataset_len 8)"),
+                               ("n0", 0, True, "the once-per-epoch check was skipped"),
+                               ("n4", 4, True, "epochs inferred from dataset_len")):
+        d = looprec.one_process(tmp_path / name, n=8, dataset_len=n, order=same)
+        c = looprec.verdict(d).check("data")
+        assert c.passed == ok and words in c.reason, (name, c.reason)
+
+
 def test_cli_exit_codes(recordings, tmp_path, capsys):
     from dormouse.__main__ import main
 

@@ -47,10 +47,13 @@ def failing(v) -> str:
     return "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
 
 
-def one_process(out: Path, *, objective: str = "causal_lm", seed: int = 7, steps: int = 2, n: int = 8) -> Path:
+def one_process(out: Path, *, objective: str = "causal_lm", seed: int = 7, steps: int = 2, n: int = 8,
+                dataset_len: int | None = None, order: list[list[int]] | None = None) -> Path:
     """A one-process recording (world 1, no torch.distributed) of loopmodel's
-    TinyLM: `steps` steps of 4 rows each, AdamW + LambdaLR, the global token
-    mean backpropagated (the loop right: its gate passes)."""
+    TinyLM: `steps` steps of 4 rows each (step s reads rows order[s], by
+    default 4s..4s+3 of n), AdamW + LambdaLR, the global token mean
+    backpropagated (the loop right: its gate passes). dataset_len: what the
+    Recorder is told (default n)."""
     import torch
 
     from dormouse.gate import Recorder
@@ -59,10 +62,11 @@ def one_process(out: Path, *, objective: str = "causal_lm", seed: int = 7, steps
     model = build_model(seed=seed)
     opt, sched = build_optimizer(model)
     rec = Recorder(out, model, build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
-                   objective=objective, build_kwargs={"seed": seed}, dataset_len=n)
+                   objective=objective, build_kwargs={"seed": seed}, dataset_len=n if dataset_len is None else dataset_len)
     data = dataset(n, 0)
+    order = order or [list(range(4 * s, 4 * s + 4)) for s in range(steps)]
     for s in range(steps):
-        batch = collate(data[4 * s:4 * s + 4])
+        batch = collate([data[i] for i in order[s]])
         logits = model(**batch)
         y = batch["labels"][:, 1:]
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y.reshape(-1),

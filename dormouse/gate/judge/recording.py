@@ -508,7 +508,9 @@ def check_data(rec: A.RecordingSet) -> Check:
             if prev is not None and ep != prev:
                 cur, cur_groups, cur_reads = {}, set(), 0
             epoch, prev = ep, ep
-        elif n and cur_reads and cur_reads + step_n > n:
+        elif not n:  # no epochs known: only the step itself is checked
+            cur, cur_groups, cur_reads = {}, set(), 0
+        elif cur_reads and cur_reads + step_n > n:
             cur, cur_groups, cur_reads, epoch = {}, set(), 0, epoch + 1
         seen: dict[str, int] = {}  # id -> rank, within this step
         step_groups: dict[tuple[str, ...], int] = {}
