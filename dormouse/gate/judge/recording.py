@@ -5,9 +5,10 @@ a Verdict. It reads artifacts only and runs no user code.
 
 Each check says in one sentence why it passed or failed:
 
-independence  fact 1: at every recorded step the per-example gradients,
-              summed with their weights, equal the batch's,
-              ||ex - g|| / ||g|| <= INDEP_RTOL, and the gradient does not change
+independence  fact 1: at every recorded step the per-example gradients of a
+              sample of micro-batches (reference.example_sample), summed
+              with their weights, equal those micro-batches' gradient,
+              ||ex - exb|| / ||exb|| <= INDEP_RTOL, and the gradient does not change
               with the RNG state (active dropout, per-rank RNG); BatchNorm and
               dropout modules are named.
 gradient      fact 3: the fleet's synchronised gradient (divided by the clip
@@ -156,20 +157,25 @@ class _Ref:
 
 def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     per, worst, worst_k = [], 0.0, None
-    rng = False
+    rng, sampled, total = False, 0, 0
     for k in rec.tensor_steps():
         info, _ = ref.step(k)
         rng = rng or bool(info.get("rng_sensitive"))
-        g, ex = ref.tensors(k, "g/"), ref.tensors(k, "ex/")
+        ex = ref.tensors(k, "ex/")
+        g = ref.tensors(k, "exb/") or ref.tensors(k, "g/")  # the sampled micro-batches' own gradient
         x = rel(ex, g, sorted(set(g) & set(ex)))
+        sampled += len(info.get("ex_micro") or [])
+        total += sum(len(c) for c in info.get("counts", []))
         per.append(x)
         if x > worst:
             worst, worst_k = x, k
     bn, drop = ref.meta.get("batchnorm", []), ref.meta.get("dropout", [])
     ok = worst <= INDEP_RTOL and not rng
     if ok:
-        reason = (f"the per-example gradients sum to the batch's at every recorded step (worst {worst:.2g}, "
-                  f"bound {INDEP_RTOL:g}) and do not change with the RNG state")
+        reason = (f"the per-example gradients sum to their micro-batch's at every recorded step (worst "
+                  f"{worst:.2g}, bound {INDEP_RTOL:g}; {sampled} of {total} micro-batches differentiated row by "
+                  "row: every rank's first at the first step, one a step after, rotating) and do not change with "
+                  "the RNG state")
     elif bn:
         reason = (f"BatchNorm ({', '.join(bn)}) computes statistics over the batch: the per-example gradients "
                   f"differ from the batch's by {worst:.2g} (step {worst_k}; bound {INDEP_RTOL:g}), so splitting "
