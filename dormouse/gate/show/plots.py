@@ -242,6 +242,8 @@ def recording_gradient(rows: list[dict], title: str = ""):
     all tensors, against its bound (replay: GRAD_RTOL); sketch / every-k
     recordings hold each tensor to its own bound, so there the tensor nearest
     its bound is drawn with that bound. Steps over their bound are crossed."""
+    from dormouse.gate.judge.recording import FLOOR_MULTIPLE, RUN_MIN_RTOL
+
     if not rows:
         return None
     fig = _figure(6.5, 3.6)
@@ -254,7 +256,7 @@ def recording_gradient(rows: list[dict], title: str = ""):
         ax.semilogy(steps, [max(r["tensor_error"], FLOOR) for r in rows], "s-", ms=3, color="tab:green",
                     label="the tensor nearest its bound")
         ax.step(steps, [r["tensor_bound"] for r in rows], where="mid", color="crimson", ls="--",
-                label="that tensor's bound (one-ulp floor x 10)")
+                label=f"that tensor's bound ({FLOOR_MULTIPLE:g} x its one-ulp floor, at least {RUN_MIN_RTOL:g})")
     bad = [r for r in rows if not r["ok"]]
     if bad:
         y = [max(r["error"] if r.get("bound") is not None else r["tensor_error"], FLOOR) for r in bad]
