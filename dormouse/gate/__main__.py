@@ -110,23 +110,20 @@ def check_main(argv: list[str]) -> int:
 def _check(args) -> int:
     import torch
 
-    from dormouse.gate.judge.recording import judge_recording
-    from dormouse.gate.record.reference import make_reference
-    from dormouse.gate.show.text import format_verdict, write_verdict
+    from dormouse.gate.pipeline import check_recording
+    from dormouse.gate.show.text import format_verdict
 
     torch.set_num_threads(args.threads)
-    make_reference(args.out, force=args.force, log=lambda line: print(line, file=sys.stderr, flush=True))
-    v = judge_recording(args.out)
-    write_verdict(v, args.out)
+    v = check_recording(args.out, force=args.force, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_verdict(v))
-    try:  # the figure, where matplotlib is installed (the [notebooks] extra)
+    try:  # the figures, where matplotlib is installed (the [notebooks] extra)
         import matplotlib  # noqa: F401
     except ImportError:
         pass
     else:
-        from dormouse.gate.show.plots import render
+        from dormouse.gate.show.plots import render_recording
 
-        for path in render(v, args.out):
+        for path in render_recording(v, args.out):
             print(f"  figure: {path}")
     return 0 if v.passed else 1
 

@@ -62,6 +62,19 @@ def gate(s: GateSettings, *, log: Log = print) -> Verdict:
     return v
 
 
+def check_recording(out, *, force: bool = False, log: Log = print) -> Verdict:
+    """`dormouse gate check` and notebook 04 on a recording: the one-process
+    reference (made when missing or stale), the verdict, verdict.json; the
+    caller draws the figures (show.plots.render_recording)."""
+    from dormouse.gate.judge.recording import judge_recording
+    from dormouse.gate.record.reference import make_reference
+
+    make_reference(out, force=force, log=log)
+    v = judge_recording(out)
+    write_verdict(v, out)
+    return v
+
+
 def raise_if_failed(v: Verdict) -> None:
     """Raise GateFailed (so papermill and nbmake fail) unless the gate passed."""
     if not v.passed:

@@ -42,6 +42,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DEFAULTS = {f.name: f.default for f in fields(GateSettings)}
 SETS = ("single", "fleet", "gradref", "replay")
 NOT_IN = {"01": {"shard", "bucket_mb", "timeout_s", "produce"}, "02": {"produce"}}  # parameters a notebook lacks
+# a notebook's parameters that are no gate setting: 04's recording (a Recorder's directory, judged instead)
+NOTEBOOK_ONLY = {"04": {"recording"}}
 
 
 def run_nb(name: str, out_nb: Path, *, cwd: Path, **params) -> nbformat.NotebookNode:
@@ -98,7 +100,7 @@ def test_notebook_is_clean(name):
     # the first code cell after the parameters checks every one of them
     assert "settings.check(" in code[1].source
     for k in pipeline.notebook_parameters(NB / name):
-        assert f"{k}={k}" in code[1].source, (name, k)
+        assert f"{k}={k}" in code[1].source or k in NOTEBOOK_ONLY.get(name[:2], set()), (name, k)
 
 
 @pytest.mark.parametrize("name", pipeline.NOTEBOOKS)
@@ -106,6 +108,7 @@ def test_notebook_parameters_are_gate_settings_fields_with_their_defaults_and_co
     """Derived, no drift: every parameter is a GateSettings field, with the
     field's default and the field's comment; their order is the fields'."""
     found = pm.inspect_notebook(str(NB / name))
+    found = {k: v for k, v in found.items() if k not in NOTEBOOK_ONLY.get(name[:2], set())}
     comments = settings._field_comments()
     assert list(found) == [f for f in settings.FIELDS if f in found], name
     for k, v in found.items():
@@ -476,6 +479,27 @@ def test_verdict_notebook_alone_produces_what_is_missing(tmp_path):
     text = all_text(tmp_path / "04.ipynb")
     assert [f"{name}: producing" in text for name in SETS] == [True] * 4
     assert text.count("producing") == 4
+
+
+def test_verdict_notebook_presents_a_recording(tmp_path, monkeypatch):
+    """04 with `recording` set: a one-process recording of a user's loop
+    (loopmodel's TinyLM, world 1, made here: no torchrun) is referenced,
+    judged and shown: the verdict's table and the per-step gradient error
+    against its bound (recording_gradient.png). The gate's own parameters are
+    not used: nothing is produced in `out`."""
+    import looprec
+
+    rec = looprec.one_process(tmp_path / "rec", steps=3, n=12)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(looprec.SUPPORT), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "never"
+    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=tmp_path, recording=str(rec), out=str(out))
+    v = json.loads((rec / "verdict.json").read_text())
+    assert v["pass"], v["checks"]
+    assert (rec / "recording_gradient.png").stat().st_size > 1000
+    text = all_text(tmp_path / "04.ipynb")
+    assert f"gate verdict for {rec}: PASS" in text and "the fleet's gradient equals one process's" in text
+    assert "recording_gradient.png" in text or "image/png" in (tmp_path / "04.ipynb").read_text()
+    assert not out.exists()
 
 
 def _restamp(path: Path, **edit) -> None:

@@ -2,29 +2,25 @@
 accumulation over variable-length padded sequences (tests/support/ddp_loop.py),
 2 gloo ranks under real torchrun, recorded, referenced in one process and
 judged. Clean runs pass (several seeds, a resume, FSDP2, sketches); each
-planted fault fails for its NAMED reason. One torchrun launch records every
+planted fault fails for its NAMED reason, under DDP and (local token counts,
+clipping by the local shards' norm, the compensation twice) FSDP2. One torchrun launch records every
 run's first leg, a second the resumed legs."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import looprec
 import pytest
 import torch
+from looprec import QUIET, ROOT, failing, launch
 
 from dormouse.errors import DormouseError
 from dormouse.gate import Recorder
 from dormouse.gate.judge.recording import judge_recording
 from dormouse.gate.record.reference import make_reference
-
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
-ROOT = Path(__file__).resolve().parents[2]
-QUIET = lambda line: None  # noqa: E731
 
 # name -> the run's settings (ddp_loop.RUN); "leg": 1 runs are resumed in a second launch.
 RUNS = {
@@ -49,46 +45,35 @@ RUNS = {
     "sketch_comp_twice": {"fault": "comp_twice", "sketch": 64, "every": 2, "steps": 5},
     "resume_data": {"fault": "resume_data", "stop_at": 2, "leg": 1},
     "rank_lr": {"fault": "rank_lr"},
+    # FSDP2 (fully_shard, Shard(0) DTensors): faults of a sharded loop
+    "fsdp_local_count": {"fault": "local_count", "fsdp": True},
+    "fsdp_clip_local": {"fault": "clip_local", "fsdp": True},
+    "fsdp_comp_twice": {"fault": "comp_twice", "fsdp": True},
 }
 DEFAULTS = {"steps": 4}
-
-
-def _launch(plan: list[dict], where: Path) -> None:
-    path = where / f"plan{len(list(where.glob('plan*.json')))}.json"
-    path.write_text(json.dumps(plan))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(SUPPORT / "ddp_loop.py"), "--plan", str(path)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("recordings")
     plan = [{**DEFAULTS, **cfg, "out": str(root / name)} for name, cfg in RUNS.items()]
-    _launch(plan, root)
-    _launch([{**p, "leg": 2} for p in plan if p.get("leg") == 1], root)
+    launch(plan, root)
+    launch([{**p, "leg": 2} for p in plan if p.get("leg") == 1], root)
     return {name: root / name for name in RUNS}
 
 
-_VERDICTS: dict = {}
-
-
 def verdict(recordings, name):
-    if name not in _VERDICTS:
-        make_reference(recordings[name], log=QUIET)
-        _VERDICTS[name] = judge_recording(recordings[name])
-    return _VERDICTS[name]
+    return looprec.verdict(recordings[name])
 
 
 @pytest.mark.parametrize("name", ["clean0", "clean1", "clean2", "clean_resume", "fsdp", "sketch", "fsdp_sketch"])
 def test_clean_runs_pass(recordings, name):
     v = verdict(recordings, name)
-    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
+    assert v.passed, failing(v)
     names = {c.name for c in v.checks}
     assert {"independence", "gradient", "grad_mask", "replay", "data", "loss", "ranks", "clip"} <= names
+    if name == "clean1":  # fact 1's sample: both ranks' first micro-batch at step 1, one at each of steps 2-4
+        assert "5 of 24 micro-batches differentiated row by row" in v.check("independence").reason
     if name == "clean_resume":
         assert "across 1 resume" in v.check("replay").reason
     if "sketch" in name:
@@ -111,6 +96,9 @@ FAULTS = {
     "sketch_comp_twice": ("gradient", "= W "),
     "resume_data": ("data", "an example was read twice within epoch 0 (steps 1 and 3"),
     "rank_lr": ("ranks", "rank 1's parameters differ from rank 0's before step 2"),
+    "fsdp_local_count": ("gradient", "each rank normalised by its own token count"),
+    "fsdp_clip_local": ("clip", "each rank its own, where the global gradient's norm is"),
+    "fsdp_comp_twice": ("gradient", "= W "),
 }
 
 
@@ -210,29 +198,24 @@ def test_recorder_bad_arguments_are_one_line(tmp_path):
 
 def test_user_objective_one_process(tmp_path):
     """objective="pkg.mod:fn" and world 1 without torch.distributed: a one-process loop passes its own gate."""
-    from loopmodel import build_model, build_optimizer, collate, dataset
-
-    model = build_model(seed=7)
-    opt, sched = build_optimizer(model)
-    rec = Recorder(tmp_path / "r", model, build_model="loopmodel:build_model",
-                   build_optimizer="loopmodel:build_optimizer", objective="loopmodel:token_sum",
-                   build_kwargs={"seed": 7}, dataset_len=8)
-    data = dataset(8, 0)
-    for s in range(2):
-        batch = collate(data[4 * s:4 * s + 4])
-        logits = model(**batch)
-        y = batch["labels"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                                 ignore_index=-100)
-        loss.backward()
-        rec.step(loss=loss, optimizer=opt)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    rec.close()
+    looprec.one_process(tmp_path / "r", objective="loopmodel:token_sum")
     make_reference(tmp_path / "r", log=QUIET)
     v = judge_recording(tmp_path / "r")
-    assert v.passed, [c.reason for c in v.checks if not c.passed]
+    assert v.passed, failing(v)
+
+
+def test_data_check_epochs_one_process(tmp_path):
+    """The same 4 rows at steps 1 and 2: with dataset_len 8 that is a read
+    twice within epoch 0 (FAIL); with dataset_len unknown only each step is
+    checked (PASS, the epoch check said skipped); with dataset_len 4 the
+    second step starts epoch 1 (PASS)."""
+    same = [[0, 1, 2, 3], [0, 1, 2, 3]]
+    for name, n, ok, words in (("n8", 8, False, "read twice within epoch 0 (steps 1 and 2, dataset_len 8)"),
+                               ("n0", 0, True, "the once-per-epoch check was skipped"),
+                               ("n4", 4, True, "epochs inferred from dataset_len")):
+        d = looprec.one_process(tmp_path / name, n=8, dataset_len=n, order=same)
+        c = looprec.verdict(d).check("data")
+        assert c.passed == ok and words in c.reason, (name, c.reason)
 
 
 def test_cli_exit_codes(recordings, tmp_path, capsys):

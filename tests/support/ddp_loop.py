@@ -6,7 +6,7 @@ where PLAN is a JSON list of runs, each a dict (see RUN), run one after another
 in the same process group.
 
 The gate's lines are the three `rec.` calls. Faults enter through the explicit
-hooks below (`loss_of`, `reported_of`, ...) selected by each run's "fault":
+hooks below (`loss_of`, `scale_of`, `after_sync`, ...) selected by each run's "fault":
   clean            the global token mean: loss_sum * W / N_global (DDP averages over ranks)
   micro_mean       the mean of per-micro-batch token means (HF, 2024)
   comp_twice       world-size compensation applied twice (loss * W * W / N)
@@ -15,12 +15,26 @@ hooks below (`loss_of`, `reported_of`, ...) selected by each run's "fault":
   same_data        every rank reads the same data (no DistributedSampler)
   bn               BatchNorm without SyncBN
   dropout          dropout active, each rank its own RNG
-  clip_local       clipping by each rank's local norm (before a hand-written all-reduce)
+  clip_local       clipping by each rank's local norm (DDP: before a hand-written all-reduce;
+                   FSDP2: by the norm of this rank's gradient shards alone)
   unused_zero      zero gradients written for an unused parameter, with weight decay
   resume_drop_sched  the resume drops the lr scheduler's state
   loss_rank_mean   the logged loss is a mean of rank means (the gradient is right)
   resume_data      the resume restarts the epoch's data order from its beginning
   rank_lr          rank 1's optimizer has another lr (the ranks drift apart)
+The reviewer's faults (tests/gate/test_recorder_review.py):
+  rank1_eps        rank 1 scales its loss by 1 + eps (cfg "eps")
+  bias_x2          after the all-reduce, one small tensor's gradient (ln1.bias) doubled on every rank
+  bias_eps         ... ln1.bias's gradient scaled by 1 + eps (cfg "eps") on every rank
+  row_x2           after the all-reduce, one row of tok.weight's gradient doubled on every rank
+  no_shift         the loop's loss compares logits with UNshifted labels (objective declared causal_lm)
+  double_shift     ... with labels shifted by two
+  sched_twice      the scheduler stepped twice per optimizer step
+  wd_wrong         the loop's optimizer has weight decay x1.001 (build_optimizer's not)
+  fwd_no_bwd       the last micro-batch is forwarded but its loss is never backpropagated
+  late_x15         at step 2 only, every rank scales its loss by 1.5 (non-tensor step when every > 1)
+  dup_data         a clean loop over a dataset with duplicate rows (data[2j+1] == data[2j])
+  nograd_log       a clean loop that also runs a no_grad forward in train mode to log a probe loss
 """
 
 from __future__ import annotations
@@ -43,7 +57,8 @@ from loopmodel import VOCAB, build_model, build_optimizer, collate, dataset  # n
 from dormouse.gate import Recorder  # noqa: E402
 
 RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 0, "fsdp": False,
-       "micro": 3, "batch": 2, "n": 48, "max_grad_norm": 1.0, "sketch": 0, "every": 1}
+       "micro": 3, "batch": 2, "n": 48, "max_grad_norm": 1.0, "sketch": 0, "every": 1, "lr": 1e-2, "eps": 0.0,
+       "ids": False, "epoch": False}  # ids / epoch: pass rec.step(example_ids=...) / rec.step(epoch=...)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -70,6 +85,59 @@ def reported_of(fault: str, local_sum, n_local, n_global, world: int):
     return x / n_global
 
 
+def shift_of(fault: str) -> int:
+    """How far the loop shifts the labels against the logits (causal LM: 1)."""
+    return {"no_shift": 0, "double_shift": 2}.get(fault, 1)
+
+
+def scale_of(fault: str, rank: int, step: int, eps: float) -> float:
+    """A factor on this rank's loss at this step (1: none)."""
+    if fault == "rank1_eps" and rank == 1:
+        return 1.0 + eps
+    if fault == "late_x15" and step == 2:
+        return 1.5
+    return 1.0
+
+
+def after_sync(fault: str, model, eps: float) -> None:
+    """What the loop does to the synchronised gradients, before clipping."""
+    if fault == "bias_x2":
+        model.ln1.bias.grad *= 2
+    if fault == "bias_eps":
+        model.ln1.bias.grad *= 1 + eps
+    if fault == "row_x2":
+        model.tok.weight.grad[3] *= 2
+    if fault == "unused_zero":
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
+def data_of(fault: str, n: int, seed: int) -> list[torch.Tensor]:
+    """The dataset the loop reads."""
+    d = dataset(n, seed)
+    if fault == "dup_data":
+        d = [d[2 * (i // 2)] for i in range(n)]
+    return d
+
+
+def clip_local(model, mgn: float, fsdp: bool, world: int):
+    """Clip by this rank's own norm: DDP, before the hand-written all-reduce
+    (then averaged); FSDP2, by the norm of this rank's gradient shards."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not fsdp:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), mgn)
+        for g in grads:
+            dist.all_reduce(g)
+            g /= world
+        return norm
+    norm = torch.sqrt(sum((g.to_local().double() ** 2).sum() for g in grads)).float()
+    coef = min(1.0, mgn / (float(norm) + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+    return norm
+
+
 def order_of(fault: str, n: int, world: int, rank: int, seed: int, epoch: int) -> list[int]:
     """This rank's example order in `epoch`."""
     if fault == "same_data":
@@ -86,7 +154,7 @@ def run(cfg: dict) -> None:
     fault, K, B, n, mgn = cfg["fault"], cfg["micro"], cfg["batch"], cfg["n"], cfg["max_grad_norm"]
     out = Path(cfg["out"])
     kw = {"seed": cfg["seed"], "bn": fault == "bn", "dropout": 0.1 if fault == "dropout" else 0.0,
-          "unused": fault == "unused_zero"}
+          "unused": fault == "unused_zero", "lr": cfg["lr"]}
     model = build_model(**kw)
     if cfg["fsdp"]:
         from torch.distributed.device_mesh import init_device_mesh
@@ -97,6 +165,9 @@ def run(cfg: dict) -> None:
     else:
         net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=kw["unused"])
     opt, sched = build_optimizer(model, **kw)
+    if fault == "wd_wrong":
+        for group in opt.param_groups:
+            group["weight_decay"] *= 1.001
     start, stop = 0, cfg["steps"]
     if cfg["leg"] == 1:
         stop = cfg["stop_at"]
@@ -115,18 +186,20 @@ def run(cfg: dict) -> None:
     rec = Recorder(out, net, build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
                    objective="causal_lm", max_grad_norm=mgn, dataset_len=n, build_kwargs=kw,
                    sketch=cfg["sketch"], every=cfg["every"], resume=start if cfg["leg"] == 2 else False)
-    data = dataset(n, cfg["seed"])
-    per_epoch = n // (world * K * B)
+    data = data_of(fault, n, cfg["seed"])
+    per_epoch = n // (world * K * B)  # DistributedSampler and DataLoader with drop_last
+    sh = shift_of(fault)
     for s in range(start, stop):
         epoch, j = divmod(s - start if fault == "resume_data" else s, per_epoch)
         idx = order_of(fault, n, world, rank, cfg["seed"], epoch)[j * K * B:(j + 1) * K * B]
         mbs = [collate([data[i] for i in idx[m * B:(m + 1) * B]]) for m in range(K)]
-        counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs]
+        counts = [int((mb["labels"][:, sh:] != -100).sum()) for mb in mbs]
         n_local = sum(counts)
         n_global = torch.tensor(n_local)
         dist.all_reduce(n_global)
         n_global = int(n_global)
         manual = fault == "clip_local"
+        c = scale_of(fault, rank, s + 1, cfg["eps"])
         local_sum = torch.zeros(())
         for m, mb in enumerate(mbs):
             last = m == K - 1
@@ -137,27 +210,30 @@ def run(cfg: dict) -> None:
                 ctx = net.no_sync() if (manual or not last) else contextlib.nullcontext()
             with ctx:
                 logits = net(**mb)
-                loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), mb["labels"][:, 1:].reshape(-1),
+                T = logits.shape[1]
+                loss_sum = F.cross_entropy(logits[:, :T - sh].reshape(-1, VOCAB), mb["labels"][:, sh:].reshape(-1),
                                            ignore_index=-100, reduction="sum")
-                loss_of(fault, loss_sum, counts[m], n_local, n_global, world, K).backward()
+                if fault == "fwd_no_bwd" and last:  # its backward is lost, but DDP must still sync: a zero one
+                    (logits.sum() * 0).backward()
+                else:
+                    (loss_of(fault, loss_sum, counts[m], n_local, n_global, world, K) * c).backward()
             local_sum += loss_sum.detach()
+        if fault == "nograd_log":  # a probe loss for the log: a train-mode forward without gradients
+            with torch.no_grad():
+                net(**mbs[0])
         reported = reported_of(fault, local_sum, n_local, n_global, world)
+        after_sync(fault, model, cfg["eps"])
         norm = None
-        if manual:  # clip this rank's own gradient by its own norm, then all-reduce by hand
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), mgn)
-            for p in model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
+        if manual:
+            norm = clip_local(model, mgn, cfg["fsdp"], world)
         elif mgn:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), mgn)
-        if fault == "unused_zero":
-            for p in model.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        rec.step(loss=reported, optimizer=opt, grad_norm=norm)
+        rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=torch.tensor(idx) if cfg["ids"] else None,
+                 epoch=epoch if cfg["epoch"] else None)
         opt.step()
         sched.step()
+        if fault == "sched_twice":
+            sched.step()
         opt.zero_grad(set_to_none=True)
     if cfg["leg"] == 1 and rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),

@@ -5,18 +5,23 @@ a Verdict. It reads artifacts only and runs no user code.
 
 Each check says in one sentence why it passed or failed:
 
-independence  fact 1: at every recorded step the per-example gradients,
-              summed with their weights, equal the batch's,
-              ||ex - g|| / ||g|| <= INDEP_RTOL, and the gradient does not change
+independence  fact 1: at every recorded step the per-example gradients of a
+              sample of micro-batches (reference.example_sample), summed
+              with their weights, equal those micro-batches' gradient,
+              ||ex - exb|| / ||exb|| <= INDEP_RTOL, and the gradient does not change
               with the RNG state (active dropout, per-rank RNG); BatchNorm and
               dropout modules are named.
 gradient      fact 3: the fleet's synchronised gradient (divided by the clip
               coefficient where the loop clipped first) against the one-process
               gradient of the DECLARED objective over every rank's micro-batches
-              at the recorded parameters: ||g_fleet - g|| / ||g|| <= GRAD_RTOL.
+              at the recorded parameters: ||g_fleet - g|| / ||g|| <= GRAD_RTOL
+              (all tensors together); sketch / every-k recordings hold EACH
+              tensor to its own bound (run_tolerance), the bound a sketch's
+              detection statement is per tensor for.
               On a failure it fits g_fleet = c g and NAMES c when it is a
-              constant (xW, xK, 1/W, ...), or names the weighting the fleet
-              computed (the mean of micro-batch means, each rank its own count).
+              constant clearly away from 1 (|c - 1| > FACTOR_AWAY x bound:
+              xW, xK, 1/W, ...), or names the weighting the fleet computed
+              (the mean of micro-batch means, each rank its own count).
 grad_mask     the parameters with a gradient are the ones one process gives a
               gradient: a zero gradient where one process has none is a FAIL
               (weight decay and the optimizer's moments move them).
@@ -28,8 +33,10 @@ replay        fact 4: the user's optimizer and scheduler replayed in one process
               on the declared objective instead, within FLOOR_MULTIPLE x its
               own drift from a copy started one ulp away.)
 data          no example read by two ranks (or twice) in one step; none twice
-              within an epoch of dataset_len examples (skipped, and said, when
-              the length is unknown).
+              within an epoch: the loop's (rec.step(epoch=...)) or inferred
+              from dataset_len (check_data states the rule; skipped, and said,
+              when neither is known). Examples are their ids when given, else
+              their tokens' hash: identical rows are then named as such.
 loss          the loss the loop reported against the declared objective
               (LOSS_RTOL): reported apart, since a wrong metric is not a wrong
               training; the weighting it computed instead is named.
@@ -65,6 +72,10 @@ CLIP_RTOL = 1e-4
 RUN_MIN_RTOL = 1e-5
 FLOOR_MULTIPLE = 10.0
 FACTOR_RTOL = 1e-3  # a fitted constant within this of a named factor is that factor
+# A fitted constant c is a factor only when it is clearly away from 1:
+# |c - 1| > FACTOR_AWAY x the gradient check's bound. A ratio within that of 1
+# says the fleet is right at the fitted steps, not that it is off by a factor.
+FACTOR_AWAY = 10.0
 SKETCH_DELTA = 0.05  # the per-tensor, per-step failure probability the sketch bound is stated at
 
 
@@ -105,15 +116,17 @@ def sketch_detection(k: int, bound: float) -> tuple[float, str]:
     """CountSketch with k buckets: ||S d||^2 / ||d||^2 has mean 1 and variance
     <= 2/k, so by Chebyshev it lies in [1 - e, 1 + e], e = sqrt(2 / (k delta)),
     with probability >= 1 - delta; a relative difference r between two tensors
-    then shows as at least r sqrt((1 - e) / (1 + e)). Returns the smallest r
-    detected at `bound` and the sentence that says so."""
+    then shows as at least r sqrt((1 - e) / (1 + e)). The checks hold each
+    tensor's sketch to its own bound, so `bound` is the largest tensor bound.
+    Returns the smallest r detected at `bound` and the sentence that says so."""
     e = math.sqrt(2.0 / (k * SKETCH_DELTA))
     if e >= 1:
         return math.inf, (f"sketch k={k}: too few projections for a bound at {1 - SKETCH_DELTA:.0%} "
                           "(use k >= 64)")
     r = bound * math.sqrt((1 + e) / (1 - e))
-    return r, (f"sketch k={k}: a relative difference above {r:.2g} in any tensor is detected with probability "
-               f">= {1 - SKETCH_DELTA:.0%} per tensor and step (e = {e:.2f})")
+    return r, (f"sketch k={k}, each tensor's sketch against its own bound: a relative difference above {r:.2g} "
+               f"in any one tensor is detected with probability >= {1 - SKETCH_DELTA:.0%} per tensor and step "
+               f"(e = {e:.2f}; the largest tensor bound {bound:.2g} x sqrt((1 + e) / (1 - e)))")
 
 
 class _Ref:
@@ -144,20 +157,25 @@ class _Ref:
 
 def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     per, worst, worst_k = [], 0.0, None
-    rng = False
+    rng, sampled, total = False, 0, 0
     for k in rec.tensor_steps():
         info, _ = ref.step(k)
         rng = rng or bool(info.get("rng_sensitive"))
-        g, ex = ref.tensors(k, "g/"), ref.tensors(k, "ex/")
+        ex = ref.tensors(k, "ex/")
+        g = ref.tensors(k, "exb/") or ref.tensors(k, "g/")  # the sampled micro-batches' own gradient
         x = rel(ex, g, sorted(set(g) & set(ex)))
+        sampled += len(info.get("ex_micro") or [])
+        total += sum(len(c) for c in info.get("counts", []))
         per.append(x)
         if x > worst:
             worst, worst_k = x, k
     bn, drop = ref.meta.get("batchnorm", []), ref.meta.get("dropout", [])
     ok = worst <= INDEP_RTOL and not rng
     if ok:
-        reason = (f"the per-example gradients sum to the batch's at every recorded step (worst {worst:.2g}, "
-                  f"bound {INDEP_RTOL:g}) and do not change with the RNG state")
+        reason = (f"the per-example gradients sum to their micro-batch's at every recorded step (worst "
+                  f"{worst:.2g}, bound {INDEP_RTOL:g}; {sampled} of {total} micro-batches differentiated row by "
+                  "row: every rank's first at the first step, one a step after, rotating) and do not change with "
+                  "the RNG state")
     elif bn:
         reason = (f"BatchNorm ({', '.join(bn)}) computes statistics over the batch: the per-example gradients "
                   f"differ from the batch's by {worst:.2g} (step {worst_k}; bound {INDEP_RTOL:g}), so splitting "
@@ -180,36 +198,96 @@ def _fleet_grad(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
     return g
 
 
-def run_tolerance(rec: A.RecordingSet, ref: _Ref, ours: str, nudged: str) -> dict[int, float]:
-    """Per tensor step: FLOOR_MULTIPLE x the running maximum of the one-ulp
-    floor rel(nudged, ours), at least RUN_MIN_RTOL (run mode)."""
-    out, top = {}, 0.0
+def run_tolerance(rec: A.RecordingSet, ref: _Ref, ours: str, nudged: str) -> dict[int, dict[str, float]]:
+    """Per tensor step and per tensor n (run mode): FLOOR_MULTIPLE x the
+    running maximum over steps <= k of that tensor's one-ulp floor
+    rel(nudged[n], ours[n]), at least RUN_MIN_RTOL. Each tensor is held to its
+    own floor, so a fault confined to one small tensor is not diluted by the
+    others (a sketch's detection bound is per tensor)."""
+    out, top = {}, {}
     for k in rec.tensor_steps():
-        top = max(top, rel(ref.tensors(k, nudged), ref.tensors(k, ours)))
-        out[k] = max(RUN_MIN_RTOL, FLOOR_MULTIPLE * top)
+        a, b = ref.tensors(k, nudged), ref.tensors(k, ours)
+        for n in b:
+            top[n] = max(top.get(n, 0.0), rel({n: a[n]}, {n: b[n]}, [n]) if n in a else 0.0)
+        out[k] = {n: max(RUN_MIN_RTOL, FLOOR_MULTIPLE * x) for n, x in top.items()}
     return out
 
 
-def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
+def _per_tensor(a: dict, b: dict, names, tol: dict[str, float]) -> tuple[float, str | None, float, float]:
+    """The tensor nearest its own bound: (its rel, its name, its bound, rel / bound)."""
+    best = (0.0, None, 0.0, -1.0)
+    for n in names:
+        x = rel({n: a[n]}, {n: b[n]}, [n])
+        t = tol.get(n, RUN_MIN_RTOL)
+        if x / t > best[3]:
+            best = (x, n, t, x / t)
+    return best
+
+
+def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
+    """Per recorded tensor step, the fleet's gradient (divided by the clip
+    coefficient where the loop clipped first) against one process's gradient
+    of the declared objective: "error" ||g_fleet - g|| / ||g|| over all tensors
+    together; replay mode holds that to "bound" = GRAD_RTOL. Run mode (sketch
+    or every-k) holds EACH tensor n to its own bound (run_tolerance); "tensor",
+    "tensor_error", "tensor_bound" are the tensor nearest its bound (replay:
+    the tensor that differs most, tensor_bound None). "ok" whether the step
+    passes."""
     run = ref.meta.get("mode") == "run"
-    tol = run_tolerance(rec, ref, "g/", "ng/") if run else {k: GRAD_RTOL for k in rec.tensor_steps()}
-    bound = max(tol.values())
-    per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
-    fits, alts = [], {"micro_mean": [], "rank_mean": []}
+    tol = run_tolerance(rec, ref, "g/", "ng/") if run else {}
+    rows = []
     for k in rec.tensor_steps():
         g_ref = ref.tensors(k, "g/")
         g = _fleet_grad(rec, k)
         names = sorted(set(g) & set(g_ref))
         x = rel(g, g_ref, names)
+        if run:
+            tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol[k])
+            ok = ratio <= 1.0
+        else:
+            tn = max(names, key=lambda n: rel({n: g[n]}, {n: g_ref[n]}, [n])) if names else None
+            tx = rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0
+            tb, ok = None, x <= GRAD_RTOL  # replay: the tensors are bounded together, not one by one
+        rows.append({"step": k, "error": x, "bound": GRAD_RTOL if not run else None, "tensor": tn,
+                     "tensor_error": tx, "tensor_bound": tb, "ok": ok})
+    return rows
+
+
+def gradient_series(out) -> list[dict]:
+    """gradient_rows of the recording in `out`, whose reference is made (what
+    notebook 04 plots: the per-step gradient error against its bound)."""
+    out = Path(out)
+    if not A.reference_meta_path(out).exists():
+        from dormouse.errors import DormouseError
+
+        raise DormouseError(f"{out} holds no one-process reference: run `dormouse gate check --out {out}`")
+    return gradient_rows(A.RecordingSet(out), _Ref(out))
+
+
+def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
+    run = ref.meta.get("mode") == "run"
+    rows = gradient_rows(rec, ref)
+    tbounds = [r["tensor_bound"] for r in rows] if run else [GRAD_RTOL]
+    per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
+    fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": []}
+    first_bad = None
+    for row in rows:
+        k = row["step"]
+        g_ref = ref.tensors(k, "g/")
+        g = _fleet_grad(rec, k)
+        names = sorted(set(g) & set(g_ref))
+        x = row["error"]
         per.append(x)
-        over = over or x > tol[k]
+        if not row["ok"] and first_bad is None:
+            first_bad = row
+        over = over or not row["ok"]
         if x > worst:
-            worst, worst_k = x, k
-            worst_t = max(names, key=lambda n: rel({n: g[n]}, {n: g_ref[n]}, [n]))
+            worst, worst_k, worst_t = x, k, row["tensor"]
         # a constant factor is named from steps at the same parameters (all of them when replaying)
         if run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > GRAD_RTOL:
             continue
         fits.append(fit(g, g_ref, names))
+        fitted.append(k)
         for alt in alts:
             a = ref.tensors(k, f"{alt}/")
             an = sorted(set(g) & set(a))
@@ -219,17 +297,32 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     world, micro = rec.world_at(rec.steps[0]), rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
     what = "one process's gradient of the declared objective"
     stated = (f"bound {GRAD_RTOL:g}" if not run else
-              f"bound {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor, {min(tol.values()):.2g} to "
-              f"{max(tol.values()):.2g}")
+              f"each tensor against its own bound, {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor of "
+              f"that tensor, {min(tbounds):.2g} to {max(tbounds):.2g}")
+    if run and first_bad is not None:  # the per-tensor finding: which tensor, by how much, against what
+        worst_k, worst_t = first_bad["step"], first_bad["tensor"]
     if ok:
+        top = max(rows, key=lambda r: r["tensor_error"] / r["tensor_bound"]) if run else None
         reason = (f"the fleet's gradient equals {what} ({rec.meta['objective']}) at every recorded step "
-                  f"(worst {worst:.2g}, {stated})")
+                  f"(worst {worst:.2g}" + (f"; per tensor, worst {top['tensor_error']:.2g} in {top['tensor']} "
+                                          f"at step {top['step']} against its {top['tensor_bound']:.2g}"
+                                          if top else "") + f"; {stated})")
     else:
         cs = [c for c, _ in fits]
         constant = bool(fits) and all(r <= bound for _, r in fits) and max(cs) - min(cs) <= FACTOR_RTOL * abs(cs[0])
+        near_one = constant and abs(cs[0] - 1) <= FACTOR_AWAY * bound  # no factor
+        constant = constant and not near_one
+        # run mode fits only the steps where the parameters still agree: a ratio of 1 there, and the
+        # first failing step not among them, puts the fault in a step between
+        unit = near_one and worst_k not in fitted
         named = factor_name(cs[0], world, micro) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)), None)
-        if constant and named:
+        if unit:
+            reason = (f"the fleet's gradient equals {what} at the {len(fits)} recorded step(s) where the fleet's "
+                      f"parameters equal the one-process run's, but differs by {worst:.2g} at step {worst_k} "
+                      f"(tensor {worst_t}; {stated}), after the parameters parted: the fault is in a step between "
+                      "(see replay)")
+        elif constant and named:
             reason = (f"the fleet's gradient is {what} times {cs[0]:.4g} = {named} (W = {world} ranks, "
                       f"K = {micro} micro-batches) at every step: a normalisation applied the wrong number of times")
         elif constant:
@@ -242,18 +335,23 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                                  "token count)"}[alt_hit]
             reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > FACTOR_RTOL else "")
                       + f", not the global mean the objective declares (off by {worst:.2g} at step {worst_k})")
+        elif run and first_bad is not None:
+            reason = (f"the fleet's gradient differs from {what} in tensor {first_bad['tensor']} by "
+                      f"{first_bad['tensor_error']:.2g} at step {first_bad['step']}, above that tensor's bound "
+                      f"{first_bad['tensor_bound']:.2g} (all tensors together: {worst:.2g}; {stated})"
+                      + ("" if near_one else ", not by a constant factor"))
         else:
             reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} (tensor "
-                      f"{worst_t}; {stated}), not by a constant factor")
+                      f"{worst_t}; {stated})" + ("" if near_one else ", not by a constant factor"))
             info, _ = ref.step(rec.tensor_steps()[0])
             if info.get("rng_sensitive"):
                 reason += "; the one-process gradient itself changes with the RNG state (see independence)"
     if rec.sketch:
-        reason += "; " + sketch_detection(rec.sketch, max(tol.values()))[1]
+        reason += "; " + sketch_detection(rec.sketch, max(tbounds))[1]
     if rec.every > 1:
         reason += f"; tensors every {rec.every} steps: a fault confined to fewer steps can be missed"
     return TensorCheck("gradient", ok, reason, worst=worst, worst_tensor=worst_t, worst_step=worst_k,
-                       bound=max(tol.values()), per_step=per)
+                       bound=max(tbounds), per_step=per, first_step=first_bad["step"] if first_bad else None)
 
 
 def check_grad_mask(rec: A.RecordingSet, ref: _Ref) -> Check:
@@ -302,24 +400,28 @@ def check_replay(rec: A.RecordingSet, ref: _Ref) -> Check:
                                           f"gives {want:.6g}")
     if ref.meta.get("mode") == "run":
         tol = run_tolerance(rec, ref, "rp/", "np/")
-        worst, at, ok = 0.0, None, True
+        worst, at, name, ok = (0.0, 0.0), None, None, True
         pre = "ps/" if rec.sketch else "p/"
         for k in rec.tensor_steps():
-            x = rel(rec.tensors_at(k, pre), ref.tensors(k, "rp/"))
-            ok = ok and x <= tol[k]
-            if x > worst:
-                worst, at = x, k
-        last = max(tol.values())
-        x = rel(rec.final(pre), ref.final())
-        ok = ok and x <= last
-        if x > worst:
-            worst, at = x, "final"
+            a, b = rec.tensors_at(k, pre), ref.tensors(k, "rp/")
+            x, n, t, ratio = _per_tensor(a, b, sorted(set(a) & set(b)), tol[k])
+            ok = ok and ratio <= 1.0
+            if ratio > worst[1]:
+                worst, at, name = (x, ratio), k, n
+        last = tol[rec.tensor_steps()[-1]]
+        a, b = rec.final(pre), ref.final()
+        x, n, t, ratio = _per_tensor(a, b, sorted(set(a) & set(b)), last)
+        ok = ok and ratio <= 1.0
+        if ratio > worst[1]:
+            worst, at, name = (x, ratio), "final", n
+        bounds = [v for d in tol.values() for v in d.values()]
         why = (f"the recorded parameters {'match' if ok else 'differ from'} one process trained on the declared "
-               f"objective over the recorded micro-batches (worst {worst:.2g} at step {at}; bound "
-               f"{FLOOR_MULTIPLE:g} x that run's one-ulp floor, {min(tol.values()):.2g} to {last:.2g}; the "
-               "recording keeps no full gradients to replay, so facts 3 and 4 are judged together)")
+               f"objective over the recorded micro-batches (each tensor against its own bound, {FLOOR_MULTIPLE:g} "
+               f"x that run's one-ulp floor of the tensor, {min(bounds):.2g} to {max(bounds):.2g}; nearest its "
+               f"bound: {name} at step {at}, {worst[0]:.2g}, {worst[1]:.2g} x its bound; the recording keeps no "
+               "full gradients to replay, so facts 3 and 4 are judged together)")
         if rec.sketch:
-            why += "; " + sketch_detection(rec.sketch, last)[1]
+            why += "; " + sketch_detection(rec.sketch, max(bounds))[1]
         return Check("replay", ok, why)
     for k in steps:
         diff = _first_unequal(rec.tensors_at(k, "p/"), ref.tensors(k, "rp/"))
@@ -340,6 +442,8 @@ def check_replay(rec: A.RecordingSet, ref: _Ref) -> Check:
 
 
 def _row_ids(batch: dict[str, torch.Tensor]) -> list[str]:
+    """Each row's identity: its "idx"/"example_id" (exact), else a sha1 of its
+    tokens (input_ids where attention_mask is 1): identical content, one id."""
     for key in ("idx", "example_id"):
         if key in batch:
             return [f"id:{int(x)}" for x in batch[key].reshape(-1)]
@@ -354,37 +458,112 @@ def _row_ids(batch: dict[str, torch.Tensor]) -> list[str]:
     return out
 
 
+def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bool]:
+    """Step k's reads: (rank, the row ids it read in the step, micro-batches
+    in order) per rank, and whether every id is exact (given) rather than a
+    content hash."""
+    groups, exact = [], True
+    for r in range(rec.world_at(k)):
+        given = rec.example_ids(r, k)
+        if given is not None:
+            groups.append((r, [f"id:{int(x)}" for x in given]))
+            continue
+        ids = [i for rr, _, b in rec.micro_batches(k) if rr == r for i in _row_ids(b)]
+        exact = exact and all(i.startswith("id:") for i in ids)
+        groups.append((r, ids))
+    return groups, exact
+
+
+IDENTICAL = ("the data check identifies examples by a hash of their tokens, so identical rows (duplicates in "
+             "the dataset) cannot be told from one example read twice: identical rows: pass example_ids=... to "
+             "rec.step (the sampler's indices) to tell them apart")
+
+
 def check_data(rec: A.RecordingSet) -> Check:
-    sequence: list[tuple[str, int, int]] = []  # (example, step, rank)
-    for k in rec.steps:
-        seen: dict[str, int] = {}
-        for r in range(rec.world_at(k)):
-            given = rec.example_ids(r, k)
-            if given is not None:
-                ids = [f"id:{int(x)}" for x in given]
-            else:
-                ids = [i for rr, _, b in rec.micro_batches(k) if rr == r for i in _row_ids(b)]
+    """No example read twice in one step (by two ranks, or one rank twice),
+    none twice within an epoch.
+
+    Identity: example ids (rec.step(example_ids=...) or an "idx"/"example_id"
+    input) are exact; without them a row is its tokens' hash. A repeat of
+    content is then called a double read (a data-order bug) only when all of
+    a rank's rows in a step, in order, repeat another rank's in that step or
+    a rank's in an earlier step of the epoch (every rank reading the same
+    data, an epoch replayed after a resume); a repeat of single rows is named as
+    identical rows, which the hash cannot tell from one example read twice.
+
+    Epochs: the loop's own (rec.step(epoch=...)) when every step carries one;
+    else inferred from dataset_len n: an epoch runs from its first step while
+    its reads stay within n, and the next epoch begins at the first step whose
+    reads would take it past n. A DataLoader with drop_last (and a
+    DistributedSampler with drop_last) leaves fewer than one step's reads R of
+    an epoch unread (at most (W - 1) + W (K B - 1) = R - 1), so each epoch's
+    reads plus the next step's exceed n and the rule finds the loop's epochs;
+    a loop that leaves more unread must pass epoch=."""
+    n = int(rec.meta.get("dataset_len", 0))
+    epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
+    given_epochs = all(e is not None for e in epochs)
+    all_exact, reads = True, 0
+    cur: dict[str, int] = {}  # id -> step, within the current epoch
+    cur_groups: set[tuple[str, ...]] = set()
+    cur_reads, epoch, prev = 0, 0, None
+    for k, ep in zip(rec.steps, epochs):
+        groups, exact = _reads(rec, k)
+        all_exact = all_exact and exact
+        step_n = sum(len(ids) for _, ids in groups)
+        reads += step_n
+        if given_epochs:
+            if prev is not None and ep != prev:
+                cur, cur_groups, cur_reads = {}, set(), 0
+            epoch, prev = ep, ep
+        elif not n:  # no epochs known: only the step itself is checked
+            cur, cur_groups, cur_reads = {}, set(), 0
+        elif cur_reads and cur_reads + step_n > n:
+            cur, cur_groups, cur_reads, epoch = {}, set(), 0, epoch + 1
+        seen: dict[str, int] = {}  # id -> rank, within this step
+        step_groups: dict[tuple[str, ...], int] = {}
+        for r, ids in groups:
+            whole = tuple(ids)
+            replayed = exact or whole in step_groups or whole in cur_groups
             for e in ids:
                 if e in seen:
-                    who = (f"ranks {seen[e]} and {r}" if seen[e] != r else f"rank {r} twice")
-                    return Check("data", False, f"at step {k} an example was read by {who}: every rank read the "
-                                                "same data (no DistributedSampler?)" if seen[e] != r else
-                                 f"at step {k} an example was read by {who} in one step")
+                    if not replayed:
+                        return Check("data", False, f"at step {k} ranks {seen[e]} and {r} read identical rows "
+                                                    f"(equal tokens); {IDENTICAL}")
+                    if seen[e] != r:
+                        ident = "" if exact else " (all its rows, in order: the same step's reads)"
+                        return Check("data", False, f"at step {k} an example was read by ranks {seen[e]} and {r}"
+                                                    f"{ident}: every rank read the same data (no "
+                                                    "DistributedSampler?)")
+                    return Check("data", False, f"at step {k} an example was read by rank {r} twice in one step")
+                if e in cur:
+                    if not replayed:
+                        return Check("data", False, f"rows read at steps {cur[e]} and {k} are identical (equal "
+                                                    f"tokens) within epoch {epoch}; {IDENTICAL}")
+                    src = "the loop's epochs" if given_epochs else f"dataset_len {n}"
+                    return Check("data", False, f"an example was read twice within epoch {epoch} (steps {cur[e]} "
+                                                f"and {k}, {src})")
                 seen[e] = r
-                sequence.append((e, k, r))
-    n = int(rec.meta.get("dataset_len", 0))
+            step_groups[whole] = r
+        for r, ids in groups:
+            for e in ids:
+                cur[e] = k
+            cur_groups.add(tuple(ids))
+        cur_reads += step_n
+        if given_epochs and n and cur_reads > n:
+            return Check("data", False, f"epoch {ep} read {cur_reads} examples by step {k}, more than dataset_len "
+                                        f"{n}")
+    how = "by the example ids given" if all_exact else "by their tokens' hash (no example_ids given)"
+    if given_epochs:
+        return Check("data", True, f"no example was read by two ranks in any step, none twice within any of the "
+                                   f"loop's epochs (rec.step(epoch=...): {len(set(epochs))} epoch(s), {reads} reads; "
+                                   f"examples identified {how})")
     if not n:
-        return Check("data", True, "no example was read by two ranks in any step; dataset_len unknown: the "
-                                   "once-per-epoch check was skipped")
-    for start in range(0, len(sequence), n):
-        first: dict[str, int] = {}
-        for e, k, _ in sequence[start:start + n]:
-            if e in first:
-                return Check("data", False, f"an example was read twice within epoch {start // n} (steps "
-                                            f"{first[e]} and {k}, dataset_len {n})")
-            first[e] = k
-    return Check("data", True, f"no example was read by two ranks in any step, none twice within an epoch of "
-                               f"{n} examples ({len(sequence)} reads)")
+        return Check("data", True, f"no example was read by two ranks in any step (examples identified {how}); "
+                                   "dataset_len unknown and no rec.step(epoch=...): the once-per-epoch check was "
+                                   "skipped")
+    return Check("data", True, f"no example was read by two ranks in any step, none twice within an epoch of at "
+                               f"most {n} examples ({reads} reads; epochs inferred from dataset_len: a new one at "
+                               f"the first step that would pass it; examples identified {how})")
 
 
 def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:

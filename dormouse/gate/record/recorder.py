@@ -13,7 +13,8 @@ DDP): every forward in training mode appends its batch (positional tensor
 arguments as "arg0", "arg1", ..., and the keyword tensors named in `inputs`,
 plus "idx"/"example_id" when the loop passes them) to the current step's
 micro-batch list, detached, on the CPU. The loop's data code is untouched.
-Eval-mode forwards are ignored.
+Eval-mode forwards, and forwards with gradients disabled (torch.no_grad(),
+inference_mode: a metric or a logged probe loss), are ignored.
 
 Per step and rank it writes (names: dormouse.gate.artifacts) the micro-batches,
 the parameters before the step, the gradient on the parameters at rec.step()
@@ -391,7 +392,9 @@ class Recorder:
             atomic.write_text(A.recording_path(self.out), json.dumps(self.meta, indent=1))
 
     def _pre(self, module, args, kwargs):
-        if not module.training:
+        # eval-mode forwards and forwards under torch.no_grad()/inference_mode (a metric, a probe
+        # loss) are not the step's micro-batches: no gradient can come of them
+        if not module.training or not torch.is_grad_enabled():
             return None
         batch = {}
         for i, a in enumerate(args):
@@ -423,11 +426,16 @@ class Recorder:
 
     # ------------------------------------------------------------------ the loop's calls
 
-    def step(self, *, loss=None, lr=None, optimizer=None, clip_coef=None, grad_norm=None, example_ids=None) -> None:
+    def step(self, *, loss=None, lr=None, optimizer=None, clip_coef=None, grad_norm=None, example_ids=None,
+             epoch=None) -> None:
         """Record the step about to be taken: call after the last backward
         (gradients synchronised), before optimizer.step(). `clip_coef` or
         `grad_norm` (with max_grad_norm > 0) say the gradients were already
-        clipped, by clip_coef = min(1, max_grad_norm / (grad_norm + 1e-6))."""
+        clipped, by clip_coef = min(1, max_grad_norm / (grad_norm + 1e-6)).
+        `example_ids` (this rank's examples in this step, e.g. the sampler's
+        indices) make the data check exact; `epoch` (the loop's epoch, e.g.
+        what it passed to sampler.set_epoch) gives the data check the loop's
+        own epochs instead of ones inferred from dataset_len."""
         if self.closed:
             raise RecorderError("rec.step() after rec.close()")
         self.k += 1
@@ -464,7 +472,8 @@ class Recorder:
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
-                "tensors": self._tensor_step(k), "param_hash": param_hash}
+                "tensors": self._tensor_step(k), "param_hash": param_hash,
+                "epoch": None if epoch is None else int(epoch)}
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), st_save(tensors))
         self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
         self._last_meta = meta

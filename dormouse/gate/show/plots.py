@@ -19,7 +19,8 @@ from dormouse import atomic
 FLOOR = 1e-12  # where an exact zero difference is drawn on a log axis
 
 FILES = {"loss_curves": "loss_curves.png", "loss_delta": "loss_delta.png",
-         "param_divergence": "param_divergence.png", "references": "references.png", "exact": "exact.png"}
+         "param_divergence": "param_divergence.png", "references": "references.png", "exact": "exact.png",
+         "recording_gradient": "recording_gradient.png"}
 
 
 def _figure(width: float, height: float):
@@ -235,6 +236,51 @@ FIGURES = {"loss_curves": loss_curves, "loss_delta": loss_delta, "param_divergen
            "references": references, "exact": exact}
 
 
+def recording_gradient(rows: list[dict], title: str = ""):
+    """A recording's gradient check per step (judge.recording.gradient_rows):
+    the fleet's gradient against one process's, ||g_fleet - g|| / ||g|| over
+    all tensors, against its bound (replay: GRAD_RTOL); sketch / every-k
+    recordings hold each tensor to its own bound, so there the tensor nearest
+    its bound is drawn with that bound. Steps over their bound are crossed."""
+    from dormouse.gate.judge.recording import FLOOR_MULTIPLE, RUN_MIN_RTOL
+
+    if not rows:
+        return None
+    fig = _figure(6.5, 3.6)
+    ax = fig.add_subplot()
+    steps = [r["step"] for r in rows]
+    ax.semilogy(steps, [max(r["error"], FLOOR) for r in rows], "o-", ms=4, label="fleet vs one process, all tensors")
+    if rows[0].get("bound") is not None:
+        ax.step(steps, [r["bound"] for r in rows], where="mid", color="crimson", ls="--", label="bound")
+    else:
+        ax.semilogy(steps, [max(r["tensor_error"], FLOOR) for r in rows], "s-", ms=3, color="tab:green",
+                    label="the tensor nearest its bound")
+        ax.step(steps, [r["tensor_bound"] for r in rows], where="mid", color="crimson", ls="--",
+                label=f"that tensor's bound ({FLOOR_MULTIPLE:g} x its one-ulp floor, at least {RUN_MIN_RTOL:g})")
+    bad = [r for r in rows if not r["ok"]]
+    if bad:
+        y = [max(r["error"] if r.get("bound") is not None else r["tensor_error"], FLOOR) for r in bad]
+        ax.semilogy([r["step"] for r in bad], y, "x", color="crimson", ms=10, mew=2, label="over its bound")
+    ax.set(xlabel="step", ylabel="relative gradient difference",
+           title=title or f"gradient per step [{'ok' if not bad else 'FAIL'}]")
+    _integer_steps(ax)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def render_recording(v, out: Path | None = None) -> list[Path]:
+    """render(v) for a recording's verdict, and the per-step gradient figure
+    (recording_gradient) from the recording and its reference in `out`."""
+    from dormouse.gate.judge.recording import gradient_series
+
+    v = v.to_dict() if hasattr(v, "to_dict") else v
+    out = Path(out or v["out"])
+    paths = render(v, out)
+    fig = recording_gradient(gradient_series(out))
+    return paths + (save({"recording_gradient": fig}, out) if fig is not None else [])
+
+
 def figures(v) -> dict:
     """Every figure the verdict has data for, by name."""
     v = v.to_dict() if hasattr(v, "to_dict") else v
@@ -258,7 +304,7 @@ def render(v, out: Path | None = None) -> list[Path]:
     out = Path(out or v["out"])
     figs = figures(v)
     for k, name in FILES.items():  # a figure this verdict has no data for must not linger from an older one
-        if k not in figs:
+        if k not in figs and k in FIGURES:
             (out / name).unlink(missing_ok=True)
     return save(figs, out)
 

@@ -92,3 +92,13 @@ def verdict_table(v: Verdict | dict) -> Table:
     return Table(["check", "result", "reason"],
                  [[k, "ok" if c["pass"] else "FAIL", c["reason"]] for k, c in d["checks"].items()],
                  f"gate verdict for {d['out']}: {'PASS' if d['pass'] else 'FAIL'}")
+
+
+def recording_gradient_table(rows: list[dict]) -> Table:
+    """A recording's gradient check per step (judge.recording.gradient_rows):
+    the error over all tensors, the tensor nearest its bound and that bound
+    (replay: the tensor that differs most; the bound is on all tensors together)."""
+    return Table(["step", "all tensors", "tensor", "its difference", "its bound", "result"],
+                 [[r["step"], r["error"], r["tensor"], r["tensor_error"],
+                   r["tensor_bound"] if r["tensor_bound"] is not None else f"(all: {r['bound']:g})",
+                   "ok" if r["ok"] else "FAIL"] for r in rows], "gradient per step: fleet vs one process")

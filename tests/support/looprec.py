@@ -1,0 +1,80 @@
+"""Recording tests' kit: ddp_loop.py's runs under one real torchrun launch
+(2 gloo ranks), and the verdict of a recording (reference made in this process,
+then judged), cached per directory: tests/gate/test_recorder*.py share it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SUPPORT = Path(__file__).resolve().parent
+ROOT = SUPPORT.parents[1]
+QUIET = lambda line: None  # noqa: E731
+
+
+def launch(plan: list[dict], where: Path, script: str = "ddp_loop.py", world: int = 2) -> None:
+    """Every run of `plan` (ddp_loop.RUN dicts), one after another, in ONE torchrun launch."""
+    path = where / f"plan{len(list(where.glob('plan*.json')))}.json"
+    path.write_text(json.dumps(plan))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={world}", str(SUPPORT / script), "--plan", str(path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+_VERDICTS: dict = {}
+
+
+def verdict(out: Path):
+    """The verdict on the recording in `out` (its reference made first)."""
+    from dormouse.gate.judge.recording import judge_recording
+    from dormouse.gate.record.reference import make_reference
+
+    key = str(out)
+    if key not in _VERDICTS:
+        make_reference(out, log=QUIET)
+        _VERDICTS[key] = judge_recording(out)
+    return _VERDICTS[key]
+
+
+def failing(v) -> str:
+    """The failing checks' reasons, one a line."""
+    return "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
+
+
+def one_process(out: Path, *, objective: str = "causal_lm", seed: int = 7, steps: int = 2, n: int = 8,
+                dataset_len: int | None = None, order: list[list[int]] | None = None) -> Path:
+    """A one-process recording (world 1, no torch.distributed) of loopmodel's
+    TinyLM: `steps` steps of 4 rows each (step s reads rows order[s], by
+    default 4s..4s+3 of n), AdamW + LambdaLR, the global token mean
+    backpropagated (the loop right: its gate passes). dataset_len: what the
+    Recorder is told (default n)."""
+    import torch
+
+    from dormouse.gate import Recorder
+    from loopmodel import build_model, build_optimizer, collate, dataset
+
+    model = build_model(seed=seed)
+    opt, sched = build_optimizer(model)
+    rec = Recorder(out, model, build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
+                   objective=objective, build_kwargs={"seed": seed}, dataset_len=n if dataset_len is None else dataset_len)
+    data = dataset(n, 0)
+    order = order or [list(range(4 * s, 4 * s + 4)) for s in range(steps)]
+    for s in range(steps):
+        batch = collate([data[i] for i in order[s]])
+        logits = model(**batch)
+        y = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                 ignore_index=-100)
+        loss.backward()
+        rec.step(loss=loss, optimizer=opt)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    rec.close()
+    return Path(out)
