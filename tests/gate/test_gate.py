@@ -4,7 +4,7 @@ the reasons stated, and planted faults fail each for its own named reason.
 
 The clean world-2 fleets share ONE torchrun launch (a plan: several runs one
 after another in the same process group, the same code path as one run per
-launch); every faulty fleet has a launch of its own.
+launch), and so do the faulty ones (each run with its own fault).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dormouse.gate.record import modes
 from dormouse.gate.artifacts import load_meta, load_tensors
 from dormouse.gate.judge.checks import BIAS_FLOOR, BIAS_SIGMAS, GRAD_RTOL, LOSS_RTOL, WINDOW_RTOL, judge
 from dormouse.gate.settings import GateSettings
-from gatekit import fleets, gate, references
+from gatekit import faulty_fleets, fleets, references
 
 CLEAN = {
     # profile "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval;
@@ -174,9 +174,41 @@ def test_a_nan_in_a_compared_series_fails_by_name(clean, tmp_path):
 
 # --------------------------------------------------------------------------- planted faults
 
+# Every faulty fleet here runs in ONE torchrun launch (a plan, each run with its
+# own fault: fleet_faults.scoped undoes a fault after its run), without the
+# stop-and-resume (resume_world 0: no fault here is about the resume), and a
+# clean run last in the same launch shows that no fault leaks into the next run.
+FAULTY = {
+    "grad_x2": ("grad_x2", {"steps": 6}),
+    "window_weights": ("window_weights", {"profile": "4x32,2x64", "steps": 6}),
+    "plain_mean": ("plain_mean", {"steps": 5}),
+    "wrong_step": ("wrong_step", {"steps": 6}),
+    "batch_stats": ("batch_stats", {"steps": 5}),
+    "skip_param": ("skip_param", {"steps": 3}),
+    "seeds": ("seeds", {"steps": 3}),
+    "capacity_moe": ("capacity_moe", {"steps": 3}),
+    "clean_after": (None, {"steps": 3}),
+}
+EVERYWHERE = {"batch_stats", "capacity_moe"}  # faults in the network itself: the references run it too
 
-def test_gradient_times_two_fails_gradref_and_the_curve_at_step_one(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path)).validate(), "grad_x2")
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("faulty")
+    plan = {name: GateSettings(out=str(base / name), resume_world=0, **extra).validate()
+            for name, (_, extra) in FAULTY.items()}
+    faulty_fleets([(plan[name], fault) for name, (fault, _) in FAULTY.items()])
+    return plan
+
+
+def faulty_gate(faulty, name):
+    s, fault = faulty[name], FAULTY[name][0]
+    references(s, fault if name in EVERYWHERE else None)
+    return judge(s.out_dir, s)
+
+
+def test_gradient_times_two_fails_gradref_and_the_curve_at_step_one(faulty):
+    v = faulty_gate(faulty, "grad_x2")
     assert not v.passed
     g = v.check("gradref")
     assert not g.passed and "at step 1" in g.reason and g.worst > 0.5
@@ -185,47 +217,52 @@ def test_gradient_times_two_fails_gradref_and_the_curve_at_step_one(tmp_path):
     assert v.check("replay").passed  # the fleet applied its (wrong) gradient faithfully
 
 
-def test_window_weighting_under_mixed_window_lengths_fails_gradref(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), profile="4x32,2x64", resume_world=0).validate(), "window_weights")
+def test_window_weighting_under_mixed_window_lengths_fails_gradref(faulty):
+    v = faulty_gate(faulty, "window_weights")
     g = v.check("gradref")
     assert not v.passed and not g.passed and "at step 1" in g.reason and g.worst > 1e-2
     assert v.check("window").passed  # the network is fine; the fleet's weights are not
 
 
-def test_plain_mean_instead_of_token_weighting_fails_gradref(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), steps=5).validate(), "plain_mean")
+def test_plain_mean_instead_of_token_weighting_fails_gradref(faulty):
+    v = faulty_gate(faulty, "plain_mean")
     assert not v.passed and not v.check("gradref").passed and v.check("ranks").passed
 
 
-def test_a_fleet_reading_step_k_plus_8s_bytes_fails_gradref(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), steps=10).validate(), "wrong_step")
+def test_a_fleet_reading_step_k_plus_8s_bytes_fails_gradref(faulty):
+    v = faulty_gate(faulty, "wrong_step")
     g = v.check("gradref")
     assert not v.passed and not g.passed and "at step 1" in g.reason
 
 
-def test_a_batch_dependent_layer_fails_the_window_check_naming_the_reason(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), steps=5).validate(), "batch_stats", everywhere=True)
+def test_a_batch_dependent_layer_fails_the_window_check_naming_the_reason(faulty):
+    v = faulty_gate(faulty, "batch_stats")
     w = v.check("window")
     assert not v.passed and not w.passed
     assert "depends on which windows share a batch" in w.reason and "at step 1" in w.reason
 
 
-def test_a_parameter_left_out_of_the_reduce_is_named(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), steps=3).validate(), "skip_param")
+def test_a_parameter_left_out_of_the_reduce_is_named(faulty):
+    v = faulty_gate(faulty, "skip_param")
     assert not v.passed
     assert not v.check("ranks").passed and "rank0: head.weight," in v.check("ranks").reason  # named first
 
 
-def test_ranks_from_different_seeds_are_refused_as_not_comparable_when_the_start_check_is_off(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), steps=3).validate(), "seeds")
+def test_ranks_from_different_seeds_are_refused_as_not_comparable_when_the_start_check_is_off(faulty):
+    v = faulty_gate(faulty, "seeds")
     c = v.check("provenance")
     assert not v.passed and not c.passed and "rank1's init" in c.reason
 
 
-def test_capacity_dropping_moe_forced_past_the_refusal_fails(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), steps=3).validate(), "capacity_moe", everywhere=True)
+def test_capacity_dropping_moe_forced_past_the_refusal_fails(faulty):
+    v = faulty_gate(faulty, "capacity_moe")
     assert not v.passed
     assert not v.check("window").passed and "depends on which windows share a batch" in v.check("window").reason
+
+
+def test_a_clean_run_after_faulty_ones_in_the_same_launch_passes_no_fault_leaks(faulty):
+    v = faulty_gate(faulty, "clean_after")
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
 
 
 def test_verdict_json_follows_its_published_schema_and_the_schema_rejects_a_broken_one(clean, tmp_path):

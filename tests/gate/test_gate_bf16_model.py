@@ -18,7 +18,8 @@ import pytest
 from dormouse.gate.judge.checks import BF16_MODEL_RTOL
 from dormouse.gate.record.fixtures import base_run
 from dormouse.gate.settings import GateSettings
-from gatekit import gate
+from dormouse.gate.judge.checks import judge
+from gatekit import faulty_fleets, references
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def bf16_config(tmp_path_factory):
 def test_dormouse_pipeline_gates_a_bf16_model_from_its_run_json(bf16_config, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "dormouse", "pipeline", "--config", str(bf16_config), "--steps", "2",
-                           "--out", str(tmp_path / "gate"), "--quiet"], env=env, capture_output=True, text=True,
+                           "--out", str(tmp_path / "gate"), "--resume-world", "0", "--only", "04", "--quiet"],
+                          env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     verdict = json.loads((tmp_path / "gate" / "verdict.json").read_text())
@@ -44,19 +46,31 @@ def test_dormouse_pipeline_gates_a_bf16_model_from_its_run_json(bf16_config, tmp
     assert str(load_tensors(tmp_path / "gate", "init")["head.weight"].dtype) == "torch.bfloat16"
 
 
-def test_a_bf16_model_passes_the_exact_gate_bitwise(bf16_config, tmp_path):
+@pytest.fixture(scope="module")
+def bf16_fleets(bf16_config, tmp_path_factory):
+    """The exact gate of the bf16 model and a bf16 fleet that averages its ranks, in one torchrun launch."""
+    base = tmp_path_factory.mktemp("bf16_fleets")
+    exact = GateSettings(out=str(base / "exact"), config=str(bf16_config), reduce="exact", profile="3,3", steps=4,
+                         resume_world=0).validate()
+    mean = GateSettings(out=str(base / "mean"), config=str(bf16_config), steps=2, resume_world=0).validate()
+    faulty_fleets([(exact, None), (mean, "plain_mean")])
+    for s in (exact, mean):
+        references(s)
+    return exact, mean
+
+
+def test_a_bf16_model_passes_the_exact_gate_bitwise(bf16_fleets):
     # (FSDP2 in bfloat16 passes too: docs/gate.md's sweep; its clipping norm, a bfloat16 number
     # summed from shard norms, is within BF16_MODEL_RTOL of the replay's own.)
-    s = GateSettings(out=str(tmp_path), config=str(bf16_config), reduce="exact", profile="3,3", steps=4).validate()
-    v = gate(s)
+    v = judge(bf16_fleets[0].out_dir)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     assert "bitwise equal at all 4 steps" in v.check("replay").reason
     assert "bitwise equal at all 4 steps" in v.check("exact").reason
     assert f"within {BF16_MODEL_RTOL:.0e}" in v.check("gradref").reason
 
 
-def test_a_bf16_fleet_that_averages_its_ranks_fails_gradref(bf16_config, tmp_path):
-    s = GateSettings(out=str(tmp_path), config=str(bf16_config), steps=2, resume_world=0).validate()
-    v = gate(s, "plain_mean")
+def test_a_bf16_fleet_that_averages_its_ranks_fails_gradref(bf16_fleets):
+    s = bf16_fleets[1]
+    v = judge(s.out_dir, s)
     assert not v.passed and not v.check("gradref").passed, v.check("gradref").reason
     assert "at step 1" in v.check("gradref").reason

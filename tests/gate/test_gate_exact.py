@@ -1,7 +1,8 @@
 """The exact gate: with reduce="exact", a fleet is bitwise the exact reference
 (one process computing the same slices) at every step, at lr 1e-2 over 20
-steps, at worlds 2, 3 and 4 with uneven profiles, stopped midway and resumed
-in one process; and one ulp in one tensor of one rank at one step fails it."""
+steps, at worlds 2 and 3 with uneven profiles, stopped midway and resumed in
+one process (four ranks: tests/train/test_exact.py); and one ulp in one
+tensor of one rank at one step fails it."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from dormouse.gate.record import modes
 from dormouse.gate.artifacts import ArtifactSet
 from dormouse.gate.judge.checks import check_exact, judge
 from dormouse.gate.settings import GateSettings, ParameterError
-from gatekit import QUIET, fleets, gate, references
+from gatekit import QUIET, faulty_fleets, fleets, references
 
-PROFILES = {2: "3,1", 3: "2,1,1", 4: "1,2,1,2"}
+PROFILES = {2: "3,1", 3: "2,1,1"}
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +38,29 @@ def test_an_exact_fleet_is_bitwise_the_exact_reference_at_every_step(exact_runs,
     assert a.meta("rank0")["resumed_at"] == 10 and a.meta("rank0")["world_size"] == 1  # stopped, resumed alone
 
 
-def test_one_ulp_in_one_tensor_of_one_rank_at_one_step_fails_the_exact_check(tmp_path):
-    s = GateSettings(out=str(tmp_path), reduce="exact", micro_batch=1, steps=5, resume_world=0).validate()
-    fleets([s], "one_ulp")
-    modes.run_exact(s, log=QUIET)
-    c = check_exact(ArtifactSet(s.out_dir))
+@pytest.fixture(scope="module")
+def one_launch(tmp_path_factory):
+    """A whole exact gate at the default profile in slices of one window, and
+    the same fleet with one ulp planted, in one torchrun launch."""
+    base = tmp_path_factory.mktemp("exact_one")
+    whole = GateSettings(out=str(base / "whole"), reduce="exact", micro_batch=1, steps=8, resume_world=0).validate()
+    ulp = GateSettings(out=str(base / "ulp"), reduce="exact", micro_batch=1, steps=5, resume_world=0).validate()
+    faulty_fleets([(whole, None), (ulp, "one_ulp")])
+    references(whole)
+    modes.run_exact(ulp, log=QUIET)
+    return whole, ulp
+
+
+def test_one_ulp_in_one_tensor_of_one_rank_at_one_step_fails_the_exact_check(one_launch):
+    c = check_exact(ArtifactSet(one_launch[1].out_dir))
     assert not c.passed
     assert c.first_step == 3 and c.first_tensor == "g/head.weight" and c.ulps >= 1
     assert c.steps_equal[:2] == [True, True] and not c.steps_equal[2]
     assert "first differs at step 3, g/head.weight element" in c.reason
 
 
-def test_a_whole_exact_gate_passes_every_check(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), reduce="exact", micro_batch=1, steps=8).validate())
+def test_a_whole_exact_gate_passes_every_check(one_launch):
+    v = judge(one_launch[0].out_dir)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     assert "exact" in v.references and v.check("exact").passed
 

@@ -13,18 +13,42 @@ fleet_faults.py that once PASSED the gate or was excused by it:
 
 from __future__ import annotations
 
+import pytest
+
+from dormouse.gate.judge.checks import judge
 from dormouse.gate.settings import GateSettings
 from fleet_faults import STALE_STEP
-from gatekit import gate
+from gatekit import faulty_fleets, references
+
+# the four wrong fleets in ONE torchrun launch, each run with its own fault
+RUNS = {
+    "mean_of_ranks_loss": {"profile": "4x32,1x64", "steps": 3},
+    "eval_wrong": {"steps": 5},
+    "stale_weights": {"steps": 4},
+    "fsdp_stale_shard": {"shard": "fsdp", "steps": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def wrong(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("trust")
+    plan = {f: GateSettings(out=str(base / f), resume_world=0, **extra).validate() for f, extra in RUNS.items()}
+    faulty_fleets([(s, f) for f, s in plan.items()])
+    return plan
+
+
+def gate(wrong, fault):
+    s = wrong[fault]
+    references(s)
+    return judge(s.out_dir, s)
 
 
 def _failed(v) -> str:
     return "; ".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
 
 
-def test_a_fleet_logging_the_plain_mean_of_its_ranks_losses_fails_as_a_wrong_logged_loss(tmp_path):
-    s = GateSettings(out=str(tmp_path), profile="4x32,1x64", resume_world=0, steps=3).validate()
-    v = gate(s, "mean_of_ranks_loss")
+def test_a_fleet_logging_the_plain_mean_of_its_ranks_losses_fails_as_a_wrong_logged_loss(wrong):
+    v = gate(wrong, "mean_of_ranks_loss")
     loss = v.check("loss")
     assert not v.passed and not loss.passed, _failed(v)
     assert loss.reason.startswith("the logged loss is wrong: at step 1") and loss.worst > 1e-4
@@ -33,9 +57,8 @@ def test_a_fleet_logging_the_plain_mean_of_its_ranks_losses_fails_as_a_wrong_log
     assert [c.name for c in v.checks if not c.passed] == ["loss"]
 
 
-def test_an_eval_that_reports_a_constant_fails_as_a_wrong_logged_eval_loss(tmp_path):
-    s = GateSettings(out=str(tmp_path), resume_world=0, steps=5).validate()
-    v = gate(s, "eval_wrong")
+def test_an_eval_that_reports_a_constant_fails_as_a_wrong_logged_eval_loss(wrong):
+    v = gate(wrong, "eval_wrong")
     loss = v.check("loss")
     assert not v.passed and not loss.passed
     assert loss.reason.startswith("the logged eval loss is wrong: at step 5"), loss.reason
@@ -51,14 +74,13 @@ def _blames_the_first_failing_check(v, name: str = "gradref"):
     assert f"first failing check: {name} at step {STALE_STEP}" in curve.summary, curve.summary
 
 
-def test_a_rank_computing_on_the_previous_steps_weights_is_not_excused_as_round_off(tmp_path):
-    v = gate(GateSettings(out=str(tmp_path), resume_world=0, steps=4).validate(), "stale_weights")
+def test_a_rank_computing_on_the_previous_steps_weights_is_not_excused_as_round_off(wrong):
+    v = gate(wrong, "stale_weights")
     _blames_the_first_failing_check(v)
 
 
-def test_an_fsdp_shard_keeping_last_steps_gradient_is_not_excused_as_round_off(tmp_path):
-    s = GateSettings(out=str(tmp_path), shard="fsdp", resume_world=0, steps=4).validate()
-    _blames_the_first_failing_check(gate(s, "fsdp_stale_shard"))
+def test_an_fsdp_shard_keeping_last_steps_gradient_is_not_excused_as_round_off(wrong):
+    _blames_the_first_failing_check(gate(wrong, "fsdp_stale_shard"))
 
 
 def test_the_bf16_floor_runs_round_gradients_as_the_wire_does():

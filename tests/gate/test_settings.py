@@ -236,29 +236,58 @@ CLI_BAD = {
 UNWRITABLE = {"single_unwritable_out": "single", "gradref_unwritable_out": "gradref"}
 
 
+# the cases run as real processes (`python -m dormouse.gate ...`); the others through the same
+# main() in this process (one interpreter start-up each saved: the parsing, the checks and the
+# exit-code map are the same code)
+IN_A_PROCESS = {"gradref_batch_0", "rank_outside_torchrun_with_bad_lr", "steps_not_a_number", "single_unwritable_out"}
+
+
+def _in_process(args: list[str], cwd: Path) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from dormouse.gate.__main__ import main
+
+    err, here = io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = main(args)
+            except SystemExit as e:  # argparse's own exit (status 2 for a bad flag value)
+                code = e.code
+    finally:
+        os.chdir(here)
+    return code, err.getvalue()
+
+
 def test_bad_inputs_through_the_cli_exit_2_with_one_line_and_write_nothing(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    procs, outs = {}, {}
+    cases, outs = {}, {}
     for case, (args, _) in CLI_BAD.items():
         out = tmp_path / case / "out"
         out.mkdir(parents=True)  # exists and empty: nothing may appear in it
         outs[case] = out
-        procs[case] = _popen(*args, "--out", str(out), cwd=tmp_path / case)
+        cases[case] = ([*args, "--out", str(out)], tmp_path / case)
     fresh = tmp_path / "fresh" / "out"  # does not exist: it must not be created either
-    procs["gradref_batch_0_fresh"] = _popen("gradref", "--batch", "0", "--profile", "", "--out", str(fresh),
-                                           cwd=tmp_path)
+    cases["gradref_batch_0_fresh"] = (["gradref", "--batch", "0", "--profile", "", "--out", str(fresh)], tmp_path)
     for case, mode in UNWRITABLE.items():
-        procs[case] = _popen(mode, "--out", str(blocker / "sub"), cwd=tmp_path)
+        cases[case] = ([mode, "--out", str(blocker / "sub")], tmp_path)
     expect = {**{c: s for c, (_, s) in CLI_BAD.items()}, "gradref_batch_0_fresh": "batch",
               **{c: "out" for c in UNWRITABLE}}
-    failures = []
+    procs = {case: _popen(*args, cwd=cwd) for case, (args, cwd) in cases.items() if case in IN_A_PROCESS}
+    results = {case: _in_process(args, cwd) for case, (args, cwd) in cases.items() if case not in IN_A_PROCESS}
     for case, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=180)
+        results[case] = (proc.returncode, stderr)
+    assert set(results) == set(cases)
+    failures = []
+    for case, (returncode, stderr) in results.items():
         lines = stderr.strip().splitlines()
         problems = []
-        if proc.returncode != 2:
-            problems.append(f"exit {proc.returncode}")
+        if returncode != 2:
+            problems.append(f"exit {returncode}")
         if "Traceback" in stderr:
             problems.append("traceback")
         if len(lines) != 1 or not lines[0].startswith("error:"):

@@ -53,6 +53,12 @@ How a fault enters, through explicit seams first:
   `seeds` switches off a private check (the ranks' start-up identity check,
   which is not part of a step).
 
+Several faulted fleets share one torchrun launch (a plan, as clean fleets
+do): DORMOUSE_TEST_FAULTS maps each run's out dir to its fault, and
+`scoped` undoes a fault's replaced attributes and hooks after its run, so
+the next run of the plan trains clean (gatekit.faulty_fleets; a clean run
+after a faulted one in the same launch shows it).
+
 To add a fault: add a function here that installs the hooks (or replaces the
 builder) it needs and name it in FAULTS.
 """
@@ -433,8 +439,79 @@ def bf16_decay_scaled() -> None:
 
 FAULTS.update({f.__name__: f for f in (mean_of_ranks_loss, stale_weights, fsdp_stale_shard, bf16_decay_scaled)})
 
+# ----------------------------------------------------------------- several faults in one launch
+
+
+def _snapshot() -> list:
+    """What a fault may change: every dormouse module's and class's attributes,
+    and the installed hooks."""
+    import dormouse.train.hooks as hooks
+
+    saved = [(hooks._INSTALLED, list(hooks._INSTALLED)), (modes._RUN_HOOKS, list(modes._RUN_HOOKS))]
+    for name, mod in list(sys.modules.items()):
+        if name == "dormouse" or name.startswith("dormouse."):
+            saved.append((mod, dict(vars(mod))))
+            for obj in list(vars(mod).values()):
+                if isinstance(obj, type) and obj.__module__ == name:
+                    saved.append((obj, {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}))
+    return saved
+
+
+def _restore(saved: list) -> None:
+    for owner, attrs in saved:
+        if isinstance(owner, list):
+            owner[:] = attrs
+            continue
+        now = vars(owner)
+        for k in [k for k in now if k not in attrs and k not in ("__dict__", "__weakref__")]:
+            delattr(owner, k)
+        for k, v in attrs.items():
+            if now.get(k) is not v:
+                setattr(owner, k, v)
+
+
+class scoped:
+    """`with scoped(fault):` the fault (or none) for one run, undone after it:
+    every attribute it replaced is put back and its hooks removed."""
+
+    def __init__(self, fault: str | None):
+        self.fault = fault
+
+    def __enter__(self):
+        self.saved = _snapshot()
+        if self.fault:
+            FAULTS[self.fault]()
+        return self
+
+    def __exit__(self, *exc):
+        _restore(self.saved)
+        return False
+
+
+def per_run(table: dict[str, str | None]) -> None:
+    """DORMOUSE_TEST_FAULTS: {out dir: fault or null} for the runs of one
+    launch's plan; each run gets its own fault, none leaks into the next."""
+    one = modes.rank_run
+
+    def run(s, log=print, leg=0):
+        with scoped(table.get(str(s.out_dir))):
+            return one(s, log, leg)
+
+    modes.rank_run = run
+
+
 if __name__ == "__main__":
-    FAULTS[os.environ["DORMOUSE_TEST_FAULT"]]()
+    if "DORMOUSE_TEST_FAULTS" in os.environ:
+        import json
+
+        per_run(json.loads(os.environ["DORMOUSE_TEST_FAULTS"]))
+    else:
+        FAULTS[os.environ["DORMOUSE_TEST_FAULT"]]()
     from dormouse.gate.__main__ import main
 
+    if "," in sys.argv[1]:  # several in-process modes one after another ("single,gradref,replay"): one start-up
+        for mode in sys.argv[1].split(","):
+            if main([mode, *sys.argv[2:]]):
+                sys.exit(f"{mode} failed")
+        sys.exit(0)
     sys.exit(main())

@@ -3,6 +3,7 @@ references, optionally with a fault from fleet_faults.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,19 +30,32 @@ def fleets(plan: list[GateSettings], fault: str | None = None) -> None:
         launch_plan(group, timeout_s=400, stream=QUIET, **extra)
 
 
+def faulty_fleets(runs: list[tuple[GateSettings, str | None]]) -> None:
+    """Fleets each with its own fault (None: clean), one torchrun launch per
+    leg for all runs with the same world sizes: each fault acts on its run
+    only (fleet_faults.scoped), as if the run had a launch of its own."""
+    groups: dict[tuple, list[tuple[GateSettings, str | None]]] = {}
+    for s, fault in runs:
+        groups.setdefault(tuple(x.world for x in s.legs()), []).append((s, fault))
+    for group in groups.values():
+        table = json.dumps({str(s.out_dir): fault for s, fault in group})
+        launch_plan([s for s, _ in group], timeout_s=600, stream=QUIET, entry=[FAULTS],
+                    env={"DORMOUSE_TEST_FAULTS": table})
+
+
 def references(s: GateSettings, fault: str | None = None, *, single: bool = True) -> None:
     """single (when the profile has one global batch), then gradref and the
     replay of the fleet already in s.out; with a fault, each in a process of
     its own with the fault injected (for faults in the network itself)."""
     names = (["single"] if single and s.plan.global_batch is not None else []) + ["gradref", "replay"]
+    if fault:  # all of them in one process of their own (one start-up), the fault injected
+        env = {**os.environ, "DORMOUSE_TEST_FAULT": fault, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, FAULTS, ",".join(names), *s.to_argv()], env=env, capture_output=True,
+                              text=True, timeout=400)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return
     for mode in names:
-        if fault:
-            env = {**os.environ, "DORMOUSE_TEST_FAULT": fault, "OMP_NUM_THREADS": "1"}
-            done = subprocess.run([sys.executable, FAULTS, mode, *s.to_argv()], env=env, capture_output=True,
-                                  text=True, timeout=400)
-            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        else:
-            modes.MODES[mode](s, log=QUIET)
+        modes.MODES[mode](s, log=QUIET)
 
 
 def gate(s: GateSettings, fault: str | None = None, *, everywhere: bool = False) -> Verdict:

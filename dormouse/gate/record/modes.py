@@ -279,7 +279,7 @@ def run_rank_plan(plan: list[GateSettings], log=print, leg: int = 0) -> list[dic
     metas = []
     try:
         for s in plan:
-            metas.append(_one_rank_run(s, log, leg))
+            metas.append(rank_run(s, log, leg))  # looked up at call time: a test or the bench may wrap it
     finally:
         close_fleet()
     return metas
@@ -288,7 +288,11 @@ def run_rank_plan(plan: list[GateSettings], log=print, leg: int = 0) -> list[dic
 LEG1 = "leg1_"  # prefix of the first leg's artifacts (a fleet that stops and resumes)
 
 
-def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
+def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
+    """One fleet run of this rank in the process group it has joined (the
+    unit of a plan); run_rank_plan calls it once per run and leaves the fleet
+    at the end. The seam where a benchmark or a test's fault acts on one run
+    of a plan (keyed by s.out_dir)."""
     legs = s.legs()
     if (len(legs) == 2) != (leg in (1, 2)):
         raise DormouseError(f"resume_world = {s.resume_world}: this fleet runs in {len(legs)} launch(es); "
