@@ -43,7 +43,7 @@ from dormouse.errors import CheckpointError, DivergedError
 from dormouse.model import DormouseModel
 from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
 from dormouse.train.data import ByteCorpus, FleetPlan, builtin_corpus
-from dormouse.train.hooks import Hooks, LocalGrads, Reduced, for_call
+from dormouse.train.hooks import Hooks, LocalGrads, Reduced, Start, for_call
 from dormouse.train.exact import put_grads, split_stats, stats_row, take_grads, tree_sum
 from dormouse.train.optim import MixOptimizer
 
@@ -218,6 +218,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
             log(f"resumed from {path} at step {start}"
                 + (f": nothing to do, train.steps is {cfg.steps}" if start >= cfg.steps else ""))
     sync.agree_on_start(start)
+    hooks.started(Start(start, sync.rank, sync.world_size, model, run, plan))
     metrics = Path(cfg.out_dir) / f"{cfg.ckpt_name}.metrics.jsonl"
     if sync.is_main and start == 0 and metrics.exists():
         metrics.unlink(missing_ok=True)  # a fresh run starts a fresh log
@@ -290,7 +291,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
 
     wall = time.perf_counter() - t0
     steps_run = end - start
-    return {
+    report = {
         "rank": sync.rank,
         "world_size": sync.world_size,
         "start_step": start,
@@ -303,15 +304,24 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         "tokens_per_s": total_tokens * steps_run / wall if wall > 0 else 0.0,
         "checkpoint": str(ckpt) if ckpt else None,
     }
+    hooks.ended(report)
+    return report
 
 
 @torch.no_grad()
 def evaluate(model, corpus: ByteCorpus, run: RunConfig) -> float:
-    """Token-mean loss over the held-out tail (every process computes the same)."""
+    """Token-mean loss over the held-out tail (every process computes the same).
+    The model is in eval mode meanwhile (the network has no train/eval
+    difference; a Recorder's forward hook takes only training forwards)."""
     total, count = 0.0, 0
     device = next(model.parameters()).device
-    for x, y in corpus.eval_batches(run.train.batch, run.train.seq_len):
-        _, loss, _ = model(x.to(device), y.to(device))
-        total += float(loss) * y.numel()
-        count += y.numel()
+    was = model.training
+    model.eval()
+    try:
+        for x, y in corpus.eval_batches(run.train.batch, run.train.seq_len):
+            _, loss, _ = model(x.to(device), y.to(device))
+            total += float(loss) * y.numel()
+            count += y.numel()
+    finally:
+        model.train(was)
     return total / count

@@ -20,8 +20,10 @@ the parameters before the step, the gradient on the parameters at rec.step()
 (synchronised; before clipping unless the loop says it clipped, by passing
 `clip_coef` or `grad_norm` with max_grad_norm > 0: then the gradient is the
 clipped one the optimizer applies and `clip_coef` says by how much), the lr,
-the loop's reported loss, the parameters with no gradient, and a sha256 of the
-parameters (ranks equal). Every file is written atomically, the JSON last.
+the loop's reported loss, the parameters with no gradient, a sha256 of the
+parameters (ranks equal), and (full-tensor steps) the module's persistent
+buffers before the step ("b/": state outside the optimizer, e.g. a routing
+bias, which the reference loads with the parameters). Every file is written atomically, the JSON last.
 
 Scale: `sketch=k > 0` stores, instead of each tensor x, its CountSketch
 S x in R^k: each element i goes to bucket h(i) in [0, k) with sign s(i), both
@@ -310,6 +312,9 @@ class Recorder:
             segments = prior["segments"]
         self.run = run
         self.segment = len(segments)
+        params = {n for n, _ in self.module.named_parameters()}
+        # persistent buffers (state outside the optimizer, e.g. a routing bias): "b/" at tensor steps
+        self._buffers = [n for n in self.module.state_dict() if n not in params]
         placements = {n: _placement(t) for n, t in self.module.state_dict().items()}
         self.placements = {n: p for n, p in placements.items() if p}
         self.meta = {
@@ -460,6 +465,8 @@ class Recorder:
             else:
                 tensors.update({f"p/{n}": v for n, v in params.items()})
                 tensors.update({f"g/{n}": v for n, v in grads.items()})
+                state = self.module.state_dict()
+                tensors.update({f"b/{n}": _local(state[n]).clone() for n in self._buffers})
                 param_hash = _digest(params)
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
