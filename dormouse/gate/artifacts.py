@@ -168,6 +168,11 @@ def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
 RECORDING_SCHEMA = 1
 
 
+def fleet_recording_dir(out: Path) -> Path:
+    """Where a gate's fleet writes its recording (GateSettings.recording = 1)."""
+    return Path(out) / "recording"
+
+
 def recording_path(out: Path) -> Path:
     return Path(out) / "recording.json"
 

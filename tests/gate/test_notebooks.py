@@ -41,7 +41,8 @@ REPO = settings.REPO_ROOT
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DEFAULTS = {f.name: f.default for f in fields(GateSettings)}
 SETS = ("single", "fleet", "gradref", "replay")
-NOT_IN = {"01": {"shard", "bucket_mb", "timeout_s", "produce"}, "02": {"produce"}}  # parameters a notebook lacks
+NOT_IN = {"01": {"shard", "bucket_mb", "timeout_s", "produce", "recording"}, "02": {"produce", "recording"},
+          "03": {"recording"}, "04": {"recording"}}  # parameters a notebook lacks (recording: the fleet's CLI)
 
 
 def run_nb(name: str, out_nb: Path, *, cwd: Path, **params) -> nbformat.NotebookNode:
