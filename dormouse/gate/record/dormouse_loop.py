@@ -41,7 +41,7 @@ the Recorder stores the model's persistent buffers ("b/", full-tensor steps)
 and the reference loads them with the parameters. The replay of the
 optimizer does not need the bias (it steps on the recorded gradients); the
 bias's own update is checked by `check_routing_bias` below (a dormouse-only
-addition: the loads counted by one process over every rank's recorded
+addition, not yet part of the verdict: the loads counted by one process over every rank's recorded
 micro-batches, the documented rule applied, against the recorded bias).
 Engram memory is parameters only (its hash multipliers are a constant,
 non-persistent buffer): the optimizer and the gradient check cover it.
@@ -169,3 +169,39 @@ class LoopRecorder:
     def _end(self, report: dict) -> None:
         if self.rec is not None:
             self.rec.close()
+
+
+@torch.no_grad()
+def check_routing_bias(out) -> tuple[bool, str]:
+    """The routing bias's update, a dormouse-only addition to a recording's
+    verdict (not yet part of `dormouse gate check`): at every recorded step k
+    but the last, the loads L_k counted by one process over every rank's
+    recorded micro-batches at the recorded parameters and bias before k
+    (summed over iterations' experts, exact counts), and the documented rule
+    b_{k+1} = b_k + rate * sign(mean(L_k) - L_k) (MoE.balance), against the
+    recorded bias before k+1, bitwise. Returns (ok, one line)."""
+    rec = A.RecordingSet(out)
+    run = _run(rec.meta["build_kwargs"]["run"])
+    model = loop.build_model(run)
+    if model.block.moe is None or run.model.moe_bias_rate == 0:
+        return True, "no routing bias moves in this model (no MoE, or moe_bias_rate 0): nothing to check"
+    model.train()
+    steps = [k for k in rec.steps if (k - 1) % rec.every == 0]
+    for k, nxt in zip(steps, steps[1:]):
+        if nxt != k + 1:
+            continue
+        params, buffers = rec.tensors_at(k, "p/"), rec.tensors_at(k, "b/")
+        for n, t in model.named_parameters():
+            t.copy_(params[n])
+        for n, b in model.named_buffers():
+            if n in buffers:
+                b.copy_(buffers[n])
+        loads = sum(model(batch["arg0"], batch["arg1"])[2]["loads"] for _, _, batch in rec.micro_batches(k))
+        model.balance_experts(loads)
+        want, got = model.block.moe.router_bias, rec.tensors_at(nxt, "b/")["block.moe.router_bias"]
+        if not torch.equal(want, got):
+            return False, (f"the routing bias before step {nxt} is not the documented update of step {k}'s "
+                           f"global loads (max difference {float((want - got).abs().max()):.3g}): the fleet "
+                           "moved it by other loads (a rank's own?) or by another rule")
+    return True, (f"the routing bias follows b += rate * sign(mean load - load) from the loads of every rank's "
+                  f"recorded micro-batches, bitwise, over {max(len(steps) - 1, 0)} steps")
