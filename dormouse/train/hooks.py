@@ -16,7 +16,11 @@ The loop and every synchroniser call them at fixed places of each step
                                  .grad), loss and expert loads, before clipping
                                  and the optimizer; a hook may change the
                                  gradients in place or replace `loads`
-    on_grads / clip / optimizer step / routing bias / on_step   (train()'s arguments)
+    on_grads                     (train()'s argument)
+    clip (train.grad_clip)
+    on_clipped(Clipped)          the gradient the optimizer is about to apply
+                                 (clipped; as reduced when clipping is off)
+    optimizer step / routing bias / on_step
     on_end(report)               once, after the last step, with train()'s report
                                  (every rank reaches it: a hook may synchronise)
 
@@ -70,6 +74,17 @@ class Reduced:
 
 
 @dataclass
+class Clipped:
+    """The step after clipping, just before the optimizer applies the model's .grad."""
+
+    step: int  # the step (from 1)
+    rank: int  # this process's rank (0 alone)
+    model: torch.nn.Module  # its .grad hold the gradient the optimizer applies
+    clip_coef: float  # what clipping multiplied the gradient by (1.0: clipping off or not binding)
+    grad_norm: float | None  # the global norm clipping computed (None: clipping off)
+
+
+@dataclass
 class Start:
     """The run as train() is about to step it."""
 
@@ -90,6 +105,11 @@ class Hooks:
     on_step: list[Callable[[int, torch.nn.Module, dict], None]] = field(default_factory=list)
     on_start: list[Callable[[Start], None]] = field(default_factory=list)
     on_end: list[Callable[[dict], None]] = field(default_factory=list)
+    on_clipped: list[Callable[[Clipped], None]] = field(default_factory=list)
+
+    def clipped(self, state: Clipped) -> None:
+        for h in self.on_clipped:
+            h(state)
 
     def started(self, state: Start) -> None:
         for h in self.on_start:
@@ -113,7 +133,8 @@ class Hooks:
 
     def __add__(self, other: "Hooks") -> "Hooks":
         return Hooks(self.on_local_grads + other.on_local_grads, self.on_reduced + other.on_reduced,
-                     self.on_step + other.on_step, self.on_start + other.on_start, self.on_end + other.on_end)
+                     self.on_step + other.on_step, self.on_start + other.on_start, self.on_end + other.on_end,
+                     self.on_clipped + other.on_clipped)
 
 
 _INSTALLED: list[Hooks] = []

@@ -14,7 +14,8 @@ alone, its own on a rank of a fleet):
     sync.reduce(...)                            # combine the slices' gradients (on_local_grads
                                                 #   sees each contribution before it is read)
     hooks.on_reduced, on_grads                  # the combined gradient, before clipping
-    clip, step the optimizer, then move the routing bias by the step's expert loads
+    clip, hooks.on_clipped                      # the gradient the optimizer applies
+    step the optimizer, then move the routing bias by the step's expert loads
 
 so every process ends the step holding g = sum_i t_i g_i / T, the gradient of the
 token-weighted mean loss over the global batch (for one slice, t_i / T = 1 and
@@ -43,7 +44,7 @@ from dormouse.errors import CheckpointError, DivergedError
 from dormouse.model import DormouseModel
 from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
 from dormouse.train.data import ByteCorpus, FleetPlan, builtin_corpus
-from dormouse.train.hooks import Hooks, LocalGrads, Reduced, Start, for_call
+from dormouse.train.hooks import Clipped, Hooks, LocalGrads, Reduced, Start, for_call
 from dormouse.train.exact import put_grads, split_stats, stats_row, take_grads, tree_sum
 from dormouse.train.optim import MixOptimizer
 
@@ -266,6 +267,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
             norm = sync.clip([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             clip_coef = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))  # what clip_grad_norm_ multiplied by
+        hooks.clipped(Clipped(step + 1, sync.rank, model, clip_coef, grad_norm))
         opt.step()
         model.balance_experts(loads)
         losses.append(loss_value)

@@ -31,7 +31,7 @@ CLEAN = {
     # the fleet stops at step 10 and resumes in one process (resume_world 1)
     "default": {},
     "resume3": {"resume_world": 3},  # ... or at three ranks of 2 windows
-    "fsdp": {"shard": "fsdp", "steps": 10},
+    "fsdp": {"shard": "fsdp", "steps": 10, "recording": 1},  # recorded: FSDP2's clip norm is its own order
     "adamw": {"opt": "adamw", "steps": 10},
     "bf16": {"reduce": "bf16", "steps": 10},
     "buckets": {"bucket_mb": 0.05},  # ~13 buckets instead of one
@@ -197,13 +197,15 @@ def test_window_weighting_under_mixed_window_lengths_fails_gradref(tmp_path):
     assert v.check("window").passed  # the network is fine; the fleet's weights are not
 
 
-def test_the_fleets_recording_passes_the_recording_judge_across_its_resume(clean):
-    out = fleet_recording_dir(clean["sequential"])
+@pytest.mark.parametrize("name", ["sequential", "fsdp"])
+def test_the_fleets_recording_passes_the_recording_judge_across_its_resume(clean, name):
+    out = fleet_recording_dir(clean[name])
     make_reference(out, log=QUIET)
     v = judge_recording(out)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     assert [seg["world"] for seg in A.RecordingSet(out).meta["segments"]] == [2, 1]  # stopped at 5, resumed alone
     assert "bitwise at all 10 steps, across 1 resume(s)" in v.check("replay").reason
+    assert "equal the one-process gradient's at every step" in v.check("clip").reason  # the loop's own norm
 
 
 def test_plain_mean_instead_of_token_weighting_fails_gradref(tmp_path):

@@ -11,11 +11,18 @@ It enters train() only through its explicit hooks (dormouse.train.hooks):
                 sees every training forward and its init is the state before
                 the first step this call trains (resumed: a new segment after
                 the checkpoint's step, in the same directory)
-    on_reduced  rec.step(loss, lr): the step's combined gradient, BEFORE the
-                loop clips it (max_grad_norm = train.grad_clip, so the
-                reference clips by torch's clip_grad_norm_, as the loop does)
-                and before the optimizer; loss is the step's global
-                token-weighted loss, lr = lr_at(step) (the loop's one schedule)
+    on_reduced  the step's global token-weighted loss (the loop's reported loss)
+    on_clipped  rec.step(loss, lr, clip_coef, grad_norm): the gradient the
+                optimizer is about to apply, after the loop's clipping
+                (max_grad_norm = train.grad_clip; the loop's own norm and
+                coefficient are passed, so the Recorder takes the gradient as
+                clipped: the replay steps on exactly what the optimizer
+                applied, the gradient check divides by clip_coef, the clip
+                check compares the loop's norm with one process's). Under
+                FSDP2 the loop's norm sums per-shard partial norms in another
+                order than one process (ulps), which a replay that re-clipped
+                would carry through Muon's Newton-Schulz to 1e-4; lr =
+                lr_at(step) (the loop's one schedule)
     on_end      rec.close() (every rank: it synchronises)
 
 How one process rebuilds the run (build_kwargs = {"run": the RunConfig as a dict}):
@@ -64,7 +71,7 @@ from dormouse.config import RunConfig
 from dormouse.gate import artifacts as A
 from dormouse.gate.record.recorder import Recorder, RecorderError
 from dormouse.train import loop
-from dormouse.train.hooks import Hooks, Reduced, Start
+from dormouse.train.hooks import Clipped, Hooks, Reduced, Start
 
 HERE = __name__
 BUILD_MODEL = f"{HERE}:build_model"
@@ -143,9 +150,11 @@ class LoopRecorder:
         self.out = Path(out_dir)
         self.rec: Recorder | None = None
         self.run: RunConfig | None = None
+        self.loss: float | None = None
 
     def hooks(self) -> Hooks:
-        return Hooks(on_start=[self._start], on_reduced=[self._reduced], on_end=[self._end])
+        return Hooks(on_start=[self._start], on_reduced=[self._reduced], on_clipped=[self._clipped],
+                     on_end=[self._end])
 
     def _start(self, st: Start) -> None:
         run = st.run
@@ -161,7 +170,12 @@ class LoopRecorder:
                             build_kwargs={"run": rebuild.to_dict()}, resume=st.step if st.step else False)
 
     def _reduced(self, st: Reduced) -> None:
-        self.rec.step(loss=st.loss, lr=loop.lr_at(st.step - 1, self.run))
+        self.loss = st.loss
+
+    def _clipped(self, st: Clipped) -> None:
+        clipping = self.run.train.grad_clip > 0
+        self.rec.step(loss=self.loss, lr=loop.lr_at(st.step - 1, self.run),
+                      clip_coef=st.clip_coef if clipping else None, grad_norm=st.grad_norm if clipping else None)
         if self.rec.k != st.step:
             raise RecorderError(f"the recording's step {self.rec.k} is not the loop's step {st.step}: "
                                 "record each run into its own directory")
