@@ -6,10 +6,11 @@ writes `artifacts/bench.json` (at the repository root, found from the
 package's location) atomically, one key per figure:
 
 tokens_per_s_tiny, tokens_per_s_small
-    forward + backward + optimizer step of the tiny and small presets, one
-    thread: THE loop's step (dormouse.train.loop: a fresh batch, backward of
-    loss * t / T, MixOptimizer from make_optimizer with TrainConfig's defaults,
-    then balance_experts) on random byte batches; tiny 4 x 64, small 8 x 256.
+    steps of the tiny and small presets, one thread: THE loop itself,
+    dormouse.train.loop.train() (LocalSync, TrainConfig's defaults, the
+    built-in corpus), timed between its on_step hooks and split into compute /
+    reduce / optimizer by its on_local_grads and on_reduced hooks (StepClock;
+    each train() call's first step untimed); tiny 4 x 64, small 8 x 256.
 matmul_rate_gflops, matmul_fraction_small
     the one-thread float32 matmul rate (square n = 512, 768, 1024), measured in
     rounds interleaved with the small preset's steps, and the small step's
@@ -70,6 +71,7 @@ fleet_launch_fixed_s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -80,6 +82,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -184,54 +187,108 @@ def newton_schulz_flops(m: ModelConfig, t: TrainConfig) -> int:
 # ---- one process -------------------------------------------------------------------
 
 
-class Stepper:
-    """THE loop's step for one process (dormouse.train.loop.train, LocalSync),
-    on random byte batches made before timing starts."""
+class StepClock:
+    """Times the steps of dormouse.train.loop.train() through its hooks
+    (dormouse.train.hooks), never through a copy of the step. For step k,
+    with t(on_step of k-1) its start (the previous step's end):
 
-    def __init__(self, name: str, batch: int, seq_len: int, seed: int = 0, n_batches: int = 4, **train):
-        from dormouse.train.loop import build_model, make_optimizer
+        compute   = t(first on_local_grads of k) - t(on_step of k-1)
+                    (lr, zero_grad, the step's bytes, every slice's forward and backward)
+        reduce    = t(on_reduced of k) - t(first on_local_grads of k)     (the synchroniser's reduce)
+        optimizer = t(on_step of k) - t(on_reduced of k)
+                    (on_grads, clipping, the optimizer step, the routing bias)
+        step      = compute + reduce + optimizer
+
+    The first step of a train() call has no previous on_step: it is not timed
+    (it also builds the optimizer's state). Under FSDP2 on_local_grads is not
+    called: compute then holds the reduce."""
+
+    def __init__(self):
+        self.steps: list[float] = []
+        self.parts: dict[str, list[float]] = {"compute": [], "reduce": [], "optimizer": []}
+        self._end: float | None = None  # the previous step's on_step
+        self._local: float | None = None
+        self._reduced: float | None = None
+
+    def hooks(self, *also: Callable[[int, object, dict], None]):
+        """The hooks for one train() call; `also`: more on_step callables, called after the clock's stamp."""
+        from dormouse.train.hooks import Hooks
+
+        self._end = self._local = self._reduced = None
+        return Hooks(on_local_grads=[self._on_local], on_reduced=[self._on_reduced], on_step=[self._on_step, *also])
+
+    def _on_local(self, piece) -> None:
+        if self._local is None:
+            self._local = time.perf_counter()
+
+    def _on_reduced(self, state) -> None:
+        self._reduced = time.perf_counter()
+
+    def _on_step(self, step, model, info) -> None:
+        now = time.perf_counter()
+        if self._end is not None:
+            local = self._local if self._local is not None else self._reduced
+            self.steps.append(now - self._end)
+            self.parts["compute"].append(local - self._end)
+            self.parts["reduce"].append(self._reduced - local)
+            self.parts["optimizer"].append(now - self._reduced)
+        self._end, self._local, self._reduced = now, None, None
+
+
+class Stepper:
+    """One process's training on one preset, timed: every step is a step of
+    THE loop, dormouse.train.loop.train() with LocalSync on the built-in
+    corpus, timed by a StepClock through train()'s hooks. The model persists
+    across calls (built once by build_model); each call is one train() of
+    one untimed warm-up step and `n` timed steps (a fresh MixOptimizer from
+    make_optimizer, as every train() makes). TrainConfig's defaults but for
+    batch, seq_len, seed and `train`; no eval, no checkpoint, no log lines."""
+
+    def __init__(self, name: str, batch: int, seq_len: int, seed: int = 0, **train):
+        from dormouse.train.loop import build_model
 
         self.name, self.batch, self.seq_len = name, batch, seq_len
-        self.run = RunConfig(source="bench", model=preset(name),
-                             train=TrainConfig(seed=seed, batch=batch, seq_len=seq_len, **train)).validate()
+        self._dir = tempfile.TemporaryDirectory(prefix=f"dormouse-bench-{name}-")
+        self.run = RunConfig(source="bench", model=preset(name), train=TrainConfig(
+            seed=seed, batch=batch, seq_len=seq_len, steps=2, log_every=10**6, eval_every=0, ckpt_every=0,
+            out_dir=self._dir.name, **train)).validate()
         self.model = build_model(self.run)
-        self.opt = make_optimizer(self.model, self.run)
-        g = torch.Generator().manual_seed(seed)
-        self.batches = []
-        for _ in range(n_batches):
-            xy = torch.randint(0, 256, (batch, seq_len + 1), generator=g)
-            self.batches.append((xy[:, :-1].contiguous(), xy[:, 1:].contiguous()))
-        self.k = 0
+        self.clock = StepClock()
         self.losses: list[float] = []
-        self.opt_s: list[float] = []  # seconds of each step's optimizer.step() (Newton-Schulz lives there)
+        self.ns_kernel = ns_kernel(self.run.train)  # what the optimizer of every train() call runs
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
 
-    def step(self) -> float:
-        x, y = self.batches[self.k % len(self.batches)]
-        self.k += 1
-        self.opt.set_lr(self.run.train.lr)
-        self.opt.zero_grad()
-        share = 1.0  # t / T: the whole step's batch is this process's
-        _, loss, aux = self.model(x, y)
-        (loss * share).backward()
-        loss_value = float(loss.detach().double() * share)
-        t0 = time.perf_counter()
-        self.opt.step()
-        self.opt_s.append(time.perf_counter() - t0)
-        self.model.balance_experts(aux["loads"])
-        self.losses.append(loss_value)
-        return loss_value
+    @property
+    def opt_s(self) -> list[float]:
+        """Seconds of each timed step's optimizer part (clip, optimizer.step, routing bias)."""
+        return self.clock.parts["optimizer"]
+
+    def train(self, n: int, *also) -> list[float]:
+        """One train() of 1 + n steps; returns the n timed steps' seconds."""
+        from dormouse.train.loop import train
+
+        run = dataclasses.replace(self.run, train=dataclasses.replace(self.run.train, steps=1 + n))
+        before = len(self.clock.steps)
+        report = train(self.model, run, log=lambda line: None, hooks=self.clock.hooks(*also))
+        self.losses += report["losses"]
+        return self.clock.steps[before:]
+
+    def warm(self) -> None:
+        """One untimed step."""
+        self.train(0)
 
     def timed(self, n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            self.step()
-            out.append(time.perf_counter() - t0)
-        return out
+        return self.train(n)
+
+
+def ns_kernel(t: TrainConfig) -> str:
+    """The Newton-Schulz kernel MixOptimizer resolves t.ns_kernel to here ("auto" included)."""
+    from dormouse.train.newton_schulz import resolve_kernel
+
+    return resolve_kernel(t.ns_kernel, {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.ns_dtype])
 
 
 def matmul_rate(sizes=MATMUL_SIZES, min_s: float = 0.12, dtype: torch.dtype = torch.float32) -> dict[int, float]:
@@ -330,17 +387,18 @@ def _category(name: str) -> str:
 
 
 def profile_steps(stepper: Stepper, steps: int, flops_per_step: float, rate_gflops: float) -> dict:
-    """torch.profiler over `steps` steps: top ops by self CPU time, and a
-    breakdown by kind of work."""
-    from torch.profiler import ProfilerActivity, profile
+    """torch.profiler over `steps` steps of one train() call (its first step,
+    with train()'s set-up, the profiler's warm-up; it steps the profiler from
+    train()'s on_step hook): top ops by self CPU time, and a breakdown by
+    kind of work."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    stepper.step()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            stepper.step()
-    wall = time.perf_counter() - t0
-    rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()]
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=steps),
+                 acc_events=True) as prof:
+        timed = stepper.train(steps, lambda step, model, info: prof.step())
+    wall = sum(timed)
+    rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()
+            if not e.key.startswith("ProfilerStep")]  # the schedule's own step annotations
     total = sum(s for _, s, _ in rows) or 1e-12
     rows.sort(key=lambda r: -r[1])
     top = [{"op": k, "share": s / total, "ms_per_step": 1e3 * s / steps, "calls_per_step": c / steps}
@@ -372,13 +430,9 @@ def bench_single(quick: bool, log) -> dict:
     small = Stepper("small", *SHAPES["small"])
     small_f32 = Stepper("small", *SHAPES["small"], ns_dtype="float32")
     small_native = None if quick else Stepper("small", *SHAPES["small"], ns_kernel="native")
-    for _ in range(3):
-        tiny.step()
-    for _ in range(1 if quick else 2):
-        small.step()
-        small_f32.step()
-    if small_native is not None:
-        small_native.step()
+    for stepper in (tiny, small, small_f32, small_native):
+        if stepper is not None:
+            stepper.warm()
     rates, bf16_rates, small_t, tiny_t, f32_t, native_t, per_round = [], [], [], [], [], [], []
     cliff, native_cliff = [], []
     for r in range(rounds):
@@ -423,7 +477,7 @@ def bench_single(quick: bool, log) -> dict:
         "matmul_fraction_small": achieved / rate,
         "matmul_fraction_by_dtype": at_rates["matmul_fraction"],
         "step_parts_at_rates": at_rates,
-        "ns_kernel": small.opt.ns_kernel,
+        "ns_kernel": small.ns_kernel,
         "ns_cliff_small": _ratio_summary(cliff),
         "ns_native_cliff_small": _ratio_summary(native_cliff) if native_cliff else None,
         "small_ns_float32_step_s": statistics.median(f32_t),
@@ -434,6 +488,9 @@ def bench_single(quick: bool, log) -> dict:
         "small_achieved_gflops": achieved,
         "small_step_s": small_s,
         "tiny_step_s": tiny_s,
+        "timed": "train() steps, between on_step calls (StepClock)",
+        "step_parts_s": {k.name: {part: statistics.median(v) for part, v in k.clock.parts.items()}
+                         for k in (tiny, small)},
         "tiny_flops": step_flops(tiny.run.model, tiny.run.train, tiny.batch, tiny.seq_len)["total"],
         "rounds": per_round,
         "shapes": {"tiny": SHAPES["tiny"], "small": SHAPES["small"]},

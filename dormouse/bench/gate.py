@@ -35,9 +35,11 @@ STEP = 3  # the perturbed step (1-based)
 ENV = "DORMOUSE_BENCH_PERTURB"  # JSON {out dir: eps} for the rank entry point
 
 
-def _patch() -> None:
+def _install_perturbation() -> None:
     """Inside a rank: perturb rank 1's local gradient at STEP, through the
-    loop's explicit hook after the local gradient (dormouse.train.hooks)."""
+    loop's explicit hook after the local gradient (dormouse.train.hooks), by
+    the eps of the fleet run the rank trains (told by the modes' run seam,
+    modes.install_run_hook)."""
     from dormouse.train.hooks import Hooks, install
 
     table = json.loads(os.environ[ENV])
@@ -54,15 +56,13 @@ def _patch() -> None:
                 at += g.numel()
 
     install(Hooks(on_local_grads=[perturbed]))
-    import dormouse.gate.record.modes as modes
+    from dormouse.gate.record.modes import install_run_hook
 
-    one = modes._one_rank_run
+    def this_fleet(s, run):  # which fleet run of the plan this rank now trains: its eps
+        if run.train.dist:
+            state["eps"] = table.get(str(s.out_dir))
 
-    def run(s, log, leg=0):
-        state["eps"] = table.get(str(s.out_dir))
-        return one(s, log, leg)
-
-    modes._one_rank_run = run
+    install_run_hook(this_fleet)
 
 
 def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
@@ -162,7 +162,7 @@ def pipeline_timing(log=print) -> dict:
 
 if __name__ == "__main__":
     if os.environ.get(ENV) and "RANK" in os.environ:
-        _patch()
+        _install_perturbation()
         from dormouse.gate.__main__ import main
 
         sys.exit(main())

@@ -41,7 +41,7 @@ MODES = ("single", "rank", "gradref", "replay", "verdict")
 
 
 def parser() -> argparse.ArgumentParser:
-    from dormouse.gate.settings import _NOT_FLAGS, BY_HAND_RESUME_WORLD, add_arguments
+    from dormouse.gate.settings import _NOT_FLAGS, BY_HAND_RESUME_WORLD, VALIDATED_FLAG, add_arguments
 
     p = OneLineParser(prog="dormouse gate", description=__doc__.splitlines()[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -55,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
     p.add_argument("--leg", type=int, choices=(0, 1, 2), default=0,
                    help="rank mode, a fleet that stops and resumes (resume_world): which launch this is")
+    # The launcher's mark: the rank's flags (or --plan) come from validated settings (settings.VALIDATED_FLAG).
+    p.add_argument(VALIDATED_FLAG, dest="validated", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="verdict: also write <out>/verdict.json")
     p.add_argument("--tensorboard", default="", metavar="DIR",
                    help="verdict: also write the per-step divergences and bounds as TensorBoard scalars")
@@ -76,7 +78,7 @@ def settings_for(mode: str, args: argparse.Namespace):
     if mode in ("gradref", "replay", "verdict") and fleet.has("rank0"):
         recorded = fleet.meta("rank0").get("settings")
     world = int(os.environ["WORLD_SIZE"]) if mode == "rank" and "WORLD_SIZE" in os.environ else None
-    return by_hand(mode, given, recorded=recorded, world_size=world)
+    return by_hand(mode, given, recorded=recorded, world_size=world, validated=args.validated)
 
 
 def _argv(argv: list[str]) -> list[str]:
@@ -168,7 +170,7 @@ def _run(mode: str, args) -> int:
         prefix = f"[rank{os.environ.get('RANK', '?')}] "
         log = lambda line: print(prefix + line, flush=True)  # noqa: E731
         if args.plan:
-            modes.run_rank_plan(modes.load_plan(args.plan), log=log, leg=args.leg)
+            modes.run_rank_plan(modes.load_plan(args.plan, validated=args.validated), log=log, leg=args.leg)
         else:
             modes.run_rank(s, log=log, leg=args.leg)
         return 0

@@ -40,6 +40,25 @@ ONE_PROCESS = ("single", "exact")  # the references that run the global batch in
 PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "ns_kernel", "corpus", "init")
 
 
+def references(settings: dict) -> list[str]:
+    """The artifacts a verdict needs, from a gate run's settings as every
+    artifact records them (GateSettings.record()): init, gradref and the
+    replay always; single when the fleet's profile has one global batch
+    (`global_batch` not None: one window length, so one process can hold it;
+    a run from resume_from resumes it too); exact under reduce "exact" beside
+    single. From the settings alone, never from the other artifacts under
+    judgement (a rank artifact that lost its profile must not make a
+    reference optional)."""
+    if not isinstance(settings, dict) or "global_batch" not in settings or "reduce" not in settings:
+        raise DormouseError("the settings record no global_batch or reduce (made by older code): re-run every mode")
+    need = ["init", "gradref", "replay"]
+    if settings["global_batch"] is not None:
+        need.insert(0, "single")
+    if settings["reduce"] == "exact" and "single" in need:
+        need.append("exact")
+    return need
+
+
 @functools.lru_cache(maxsize=1)
 def source_hash() -> str:
     """sha256 over the dormouse package's Python source, file by file in path order."""

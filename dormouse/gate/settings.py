@@ -10,6 +10,15 @@ comments are the command line's help and the notebooks' parameter comments,
 so they hold no '=' or quotes (papermill's parameter parser reads them).
 `validate()` returns a normalised copy, or raises ParameterError: one sentence
 naming the setting, its value and what it may be.
+
+Settings are validated ONCE, where they are made (check, from_args, by_hand,
+from_dict, or an explicit validate()): the copy validate() returns is marked
+`validated`, and validate() of a validated object returns it unchanged. A
+changed copy (dataclasses.replace) is unmarked and checked again. The launcher
+relies on the mark, and carries it to the ranks: to_argv (and the launcher's
+plan file) add `--validated`, and a rank given it builds its settings from the
+flags without checking them again. By hand, without the flag, a rank checks
+its flags like every other mode (every bad-input message is validate()'s).
 """
 
 from __future__ import annotations
@@ -101,14 +110,24 @@ class GateSettings:
         return max(1, self.steps // 2)
 
     def record(self) -> dict:
-        """What an artifact records (everything that changes the mathematics)."""
+        """What an artifact records (everything that changes the mathematics),
+        with the fleet's global batch in windows (None: the profile mixes
+        window lengths): what the judge needs to know which references apply
+        (artifacts.references)."""
         d = dataclasses.asdict(self)
         for k in ("out", "timeout_s", "produce", "recording"):  # recording: a copy of the run, not its mathematics
             d.pop(k)
+        d["global_batch"] = self.plan.global_batch
         return d
 
+    @property
+    def validated(self) -> bool:
+        """Whether these settings came out of validate() (or were carried from such an object to a rank)."""
+        return self.__dict__.get("_validated", False)
+
     def to_argv(self) -> list[str]:
-        """These settings as `dormouse.gate` command-line arguments (a fleet's ranks)."""
+        """These settings as `dormouse.gate` command-line arguments (a fleet's
+        ranks), with VALIDATED_FLAG when they are validated."""
         argv = []
         for f in fields(self):
             if f.name in _NOT_FLAGS:
@@ -116,12 +135,15 @@ class GateSettings:
             v = str(self.out_dir) if f.name == "out" else getattr(self, f.name)
             argv.append(f"--{f.name.replace('_', '-')}={v!r}" if isinstance(v, float) else
                         f"--{f.name.replace('_', '-')}={v}")
-        return argv
+        return argv + ([VALIDATED_FLAG] if self.validated else [])
 
     # ------------------------------------------------------------------ checking
 
     def validate(self) -> "GateSettings":
-        """A normalised copy (profile '4, 2' -> '4,2'), or ParameterError."""
+        """A normalised copy (profile '4, 2' -> '4,2'), marked validated, or
+        ParameterError; a validated object itself (checked once)."""
+        if self.validated:
+            return self
         v = {}
         for name, low, eg in (("steps", 1, 20), ("batch", 1, 2), ("world", 1, 2), ("seed", 0, 7),
                               ("threads", 1, 1), ("micro_batch", 0, 1), ("resume_world", 0, 1),
@@ -198,7 +220,7 @@ class GateSettings:
         if why:
             raise ParameterError(f"out = {s.out!r} cannot be written ({why}): out must be a writable "
                                  "directory, or '' for the repository's artifacts/gate.")
-        return s
+        return _trusted(s)
 
     def resume_path(self) -> str:
         if not self.resume_from:
@@ -211,6 +233,12 @@ class GateSettings:
         from dormouse.gate.record.fixtures import make_run
 
         return make_run(self, name=name, dist=dist, **over)
+
+
+def _trusted(s: GateSettings) -> GateSettings:
+    """`s` marked validated: only validate() and what carries its mark (to_argv, a plan file) call this."""
+    s.__dict__["_validated"] = True
+    return s
 
 
 def _exact_micro_batch(s: GateSettings, plan) -> int:
@@ -254,6 +282,9 @@ def refuse_fleet(run, world: int) -> None:
 
 
 _NOT_FLAGS = ("timeout_s", "produce")
+# The launcher's mark on a rank's command line: the flags (or --plan file) come
+# from validated settings (GateSettings.validated), so the rank does not check them again.
+VALIDATED_FLAG = "--validated"
 ALIASES = {"capacity": "profile"}  # old name -> field: flags, notebook parameters and plan files
 DEFAULTS = GateSettings()
 FIELDS = tuple(f.name for f in fields(GateSettings))
@@ -306,6 +337,8 @@ def add_arguments(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), giv
 def from_args(args: argparse.Namespace, explicit: set[str] | None = None) -> GateSettings:
     """Settings from parsed flags; `explicit`: the fields the command line named."""
     given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
+    if getattr(args, "validated", False):
+        return _trusted(GateSettings(**given))
     return GateSettings(**_defaults_follow(given, explicit if explicit is not None else set())).validate()
 
 
@@ -316,7 +349,8 @@ BY_HAND_RESUME_WORLD = 0
 REFERENCE_MODES = ("gradref", "replay", "verdict")  # modes that follow the fleet they check
 
 
-def by_hand(mode: str, given: dict, *, recorded: dict | None = None, world_size: int | None = None) -> GateSettings:
+def by_hand(mode: str, given: dict, *, recorded: dict | None = None, world_size: int | None = None,
+            validated: bool = False) -> GateSettings:
     """The settings of one mode launched by hand, from the flags the user gave
     (`given`: only those) -- a default never overrides a flag:
 
@@ -330,11 +364,15 @@ def by_hand(mode: str, given: dict, *, recorded: dict | None = None, world_size:
     - under torchrun, `world` is torchrun's WORLD_SIZE (`world_size`) unless given;
     - the fleet runs in one launch (resume_world 0) unless --resume-world is given;
     - gradref, replay and verdict start from the settings the fleet recorded
-      (`recorded`: rank0's), so `--out` alone names the gate they check.
+      (`recorded`: rank0's), so `--out` alone names the gate they check;
+    - `validated` (the launcher's VALIDATED_FLAG on a rank): `given` is every
+      flag of validated settings (to_argv), taken as they are.
     """
     unknown = sorted(set(given) - set(FIELDS))
     if unknown:
         raise ParameterError(f"unknown setting {unknown[0]!r}: use {', '.join(FIELDS)}.")
+    if validated and mode == "rank" and set(given) >= set(FIELDS) - set(_NOT_FLAGS):
+        return _trusted(GateSettings(**given))
     if mode in REFERENCE_MODES and recorded:
         base = {k: v for k, v in _unalias(recorded).items() if k in FIELDS}
         return GateSettings(**{**base, **given}).validate()
@@ -363,9 +401,19 @@ def explicit_fields(argv: list[str]) -> set[str]:
     return {ALIASES.get(n, n) for n in named} & set(FIELDS)
 
 
-def from_dict(d: dict) -> GateSettings:
-    """Settings from a dict of fields (a plan file, an artifact's record), old names read as new ones."""
+def from_dict(d: dict, *, validated: bool = False) -> GateSettings:
+    """Settings from a dict of fields (a plan file, an artifact's record), old
+    names read as new ones; `validated`: the dict holds validated settings
+    (the launcher's plan file), taken as they are."""
+    if validated:
+        return _trusted(GateSettings(**_unalias(d)))
     return GateSettings(**_unalias(d)).validate()
+
+
+def from_record(record: dict, **over) -> GateSettings:
+    """The settings an artifact recorded (GateSettings.record(), its derived
+    global_batch dropped), with `over` on top; not validated."""
+    return GateSettings(**{**{k: v for k, v in _unalias(record).items() if k in FIELDS}, **over})
 
 
 def _unalias(given: dict) -> dict:

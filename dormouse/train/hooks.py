@@ -15,7 +15,8 @@ The loop and every synchroniser call them at fixed places of each step
     on_reduced(Reduced)          the step's combined gradient (in the model's
                                  .grad), loss and expert loads, before clipping
                                  and the optimizer; a hook may change the
-                                 gradients in place or replace `loads`
+                                 gradients in place or replace `loads` or
+                                 `loss` (the step's logged loss)
     on_grads                     (train()'s argument)
     clip (train.grad_clip)
     on_clipped(Clipped)          the gradient the optimizer is about to apply
@@ -71,6 +72,7 @@ class Reduced:
     loads: torch.Tensor | None  # the step's global expert loads (a hook may replace them)
     local_loads: torch.Tensor | None  # this process's own slices' loads, before the reduce
     plan: object  # the step's FleetPlan
+    local_loss: float | None = None  # this process's share of the loss, sum over its slices of t_i L_i / T
 
 
 @dataclass

@@ -257,9 +257,9 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 f"loss is {loss_value} at step {step + 1}: training stopped before the bad "
                 f"update; {kept}. Lower train.lr or set train.grad_clip"
             )
-        reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, local_loads, plan)
+        reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, local_loads, plan, float(loss_share))
         hooks.reduced(reduced)
-        loads = reduced.loads
+        loss_value, loads = reduced.loss, reduced.loads
         if on_grads is not None:
             on_grads(step + 1, model)
         clip_coef, grad_norm = 1.0, None

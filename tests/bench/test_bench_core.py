@@ -43,3 +43,30 @@ def test_each_part_of_the_step_is_held_against_its_own_dtype_rate():
 def test_sampling_rate_reports_both_kinds_of_prompt():
     rates = sampling_rate("tiny", tokens=4)
     assert set(rates) == {"within_window", "sliding"} and all(r > 0 for r in rates.values())
+
+
+def test_the_benchmark_times_train_itself_part_by_part_through_its_hooks():
+    """Stepper's steps are train()'s (no copy of the step): each timed call is
+    one train() of a warm-up step and n timed ones, and StepClock splits each
+    step at the loop's hooks. A delay planted after the reduce (an installed
+    on_reduced hook, run before the clock's) lands in the reduce part only."""
+    from dormouse.bench.core import Stepper
+    from dormouse.train.hooks import Hooks, install
+
+    s = Stepper("tiny", 2, 16)
+    assert s.timed(2) and len(s.losses) == 3  # 1 warm-up + 2 timed steps of one train()
+    parts = s.clock.parts
+    assert [len(v) for v in parts.values()] == [2, 2, 2]
+    for i, step in enumerate(s.clock.steps):
+        assert sum(p[i] for p in parts.values()) == pytest.approx(step)
+    assert max(parts["reduce"]) < 0.1  # LocalSync has nothing to exchange
+    import time
+
+    DELAY = 0.4  # s, far above a tiny step's compute even on a loaded machine
+    remove = install(Hooks(on_reduced=[lambda state: time.sleep(DELAY)]))
+    try:
+        timed = s.timed(2)
+    finally:
+        remove()
+    assert all(r >= DELAY for r in parts["reduce"][-2:]) and all(t >= DELAY for t in timed)
+    assert all(c < DELAY for c in parts["compute"][-2:])

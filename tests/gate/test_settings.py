@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from dormouse.errors import ConfigError, DormouseError
 from dormouse.gate.__main__ import parser
-from dormouse.gate.settings import (_NOT_FLAGS, FIELDS, GateSettings, ParameterError, add_arguments, by_hand, check,
-                                    from_args)
+from dormouse.gate.settings import (_NOT_FLAGS, FIELDS, VALIDATED_FLAG, GateSettings, ParameterError, add_arguments,
+                                    by_hand, check, from_args)
 
 
 def _flag(name: str) -> str:
@@ -173,11 +173,40 @@ def test_to_argv_round_trips_through_the_parser(tmp_path, over):
     over = {k: v for k, v in over.items() if k not in _NOT_FLAGS}
     s = GateSettings(out=str(tmp_path / "rt"), **over).validate()
     argv = s.to_argv()
+    assert argv[-1] == VALIDATED_FLAG  # validated settings carry the mark
+    argv = argv[:-1]
     assert all(a.startswith("--") and "=" in a for a in argv)
     assert len(argv) == len(FIELDS) - len(_NOT_FLAGS)
-    back = from_args(parser().parse_args(["rank", *argv]))
-    assert back == s
-    assert back.record() == s.record()
+    for marked in ([], [VALIDATED_FLAG]):  # checked again, or relied on: the same settings
+        back = from_args(parser().parse_args(["rank", *argv, *marked]))
+        assert back == s and back.validated
+        assert back.record() == s.record()
+
+
+def test_settings_are_validated_once_and_a_rank_relies_on_the_launchers_mark(tmp_path):
+    """validate() of validated settings is the object itself; a changed copy
+    is checked again; a rank given to_argv's mark builds the settings without
+    checking them (a corpus removed after the check does not stop it), and
+    the same flags without the mark are checked, with the one-line error."""
+    from dormouse.gate.__main__ import settings_for
+    from dormouse.gate.record.launcher import rank_command
+
+    corpus = tmp_path / "corpus.bin"
+    corpus.write_bytes(bytes(range(256)) * 40)
+    s = GateSettings(out=str(tmp_path / "o"), data=str(corpus), steps=3, resume_world=0).validate()
+    assert s.validated and s.validate() is s
+    assert not GateSettings().validated and not dataclasses.replace(s, steps=4).validated
+    with pytest.raises(ParameterError, match=r"^steps = 0 is not allowed"):
+        dataclasses.replace(s, steps=0).validate()
+    cmd = rank_command(s)
+    assert cmd[-1] == VALIDATED_FLAG and cmd[:3] == ["-m", "dormouse.gate", "rank"]
+    corpus.unlink()  # validate() would now refuse data
+    args = parser().parse_args(cmd[2:])
+    assert args.validated and settings_for("rank", args) == s and settings_for("rank", args).validated
+    with pytest.raises(ParameterError, match=r"^data = .* is not a file"):
+        settings_for("rank", parser().parse_args(cmd[2:-1]))
+    with pytest.raises(ParameterError, match=r"^data = .* is not a file"):  # the mark is the rank's only
+        settings_for("single", parser().parse_args(["single", *cmd[3:]]))
 
 
 # --------------------------------------------------------------------------- the real CLI

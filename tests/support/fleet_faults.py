@@ -38,14 +38,20 @@ Issue 16 (tests/gate/test_gate_trust.py):
   fsdp_stale_shard     at step 3, rank 1's FSDP2 gradient shard is the one of step 2
   bf16_decay_scaled    bf16_decay at DORMOUSE_TEST_FAULT_SCALE x W u |g| sign(p) (measuring the smallest caught)
 
-How a fault enters: a fault in the training step (the gradient a rank
-contributes, the reduced gradient, the loads, a rank dying after a step) is
-an explicit hook of dormouse.train.hooks, `install`ed for every train() of the
-process (on_local_grads: after the local gradient; on_reduced: after the
-reduce; on_step: after the step). The others change what the step is given
-(the run's config, the model, the corpus, the schedule) and replace the public
-module attribute that builds it; only `seeds` switches off a private check
-(the ranks' start-up identity check, which is not part of a step).
+How a fault enters, through explicit seams first:
+- a fault in the training step (the gradient a rank contributes, the reduced
+  gradient, the loads, the logged loss, the weights a step computes on, a
+  rank dying after a step) is a hook of dormouse.train.hooks, `install`ed for
+  every train() of the process (on_local_grads: after the local gradient;
+  on_reduced: after the reduce; on_step: after the step);
+- a fault in the run a mode trains (the fleet's recipe, its checkpoints) is a
+  run hook of the gate's modes (modes.install_run_hook), which the artifacts
+  then record as the mode's config;
+- the rest change what has no seam (the model's construction and network,
+  the corpus's reading, the schedule, the exact tree, the eval, the final
+  model) and replace the public module attribute that builds it; only
+  `seeds` switches off a private check (the ranks' start-up identity check,
+  which is not part of a step).
 
 To add a fault: add a function here that installs the hooks (or replaces the
 builder) it needs and name it in FAULTS.
@@ -69,8 +75,7 @@ from dormouse.train.hooks import Hooks, install
 
 
 def kill_rank1() -> None:
-    make_run = modes.make_run
-    modes.make_run = lambda *a, **k: _with_ckpt_every(make_run(*a, **k), 2)
+    modes.install_run_hook(lambda s, run: _with_ckpt_every(run, 2))
 
     def die(step, model, info):
         if step == 3 and os.environ.get("RANK") == "1":
@@ -187,17 +192,14 @@ FAULTS = {f.__name__: f for f in (kill_rank1, plain_mean, window_weights, grad_x
 def _fleet_run_tweak(**train_fields):
     """The fleet builds its run with other train fields; the rank artifacts
     record that (wrong) config, which the replay then trusts."""
-    make_run = modes.make_run
-
-    def tweaked(*a, **k):
-        run = make_run(*a, **k)
-        if k.get("dist"):
+    def tweaked(s, run):
+        if run.train.dist:
             t = run.train
-            run = dataclasses.replace(run, train=dataclasses.replace(
+            return dataclasses.replace(run, train=dataclasses.replace(
                 t, **{f: (v(t) if callable(v) else v) for f, v in train_fields.items()}))
-        return run
+        return None
 
-    modes.make_run = tweaked
+    modes.install_run_hook(tweaked)
 
 
 def lr_x1_5() -> None:
@@ -357,76 +359,75 @@ STALE_STEP = 3  # the step the stale faults hit
 
 def mean_of_ranks_loss() -> None:
     """The fleet logs the plain mean of its ranks' losses, sum_r L_r / W, instead
-    of the token-weighted mean: each rank's loss share t_r L_r / T is replaced
-    by L_r / W before the reduce. Its gradients stay right."""
-    reduce = distributed.FleetSync.reduce
+    of the token-weighted mean: after the reduce, the step's loss is replaced
+    by sum_r L_r / W, each rank's L_r = (its share t_r L_r / T) * T / t_r,
+    summed over the ranks. Its gradients stay right."""
+    import torch.distributed as dist
 
-    def plain(self, model, loss_share, loads):
-        plan = self.plan
-        return reduce(self, model, loss_share * (plan.tokens / (plan.world * plan.shapes[self.rank].tokens)), loads)
+    def plain(state):
+        plan = state.plan
+        mine = torch.tensor(state.local_loss * plan.tokens / (plan.world * plan.shapes[state.rank].tokens),
+                            dtype=torch.float64)
+        dist.all_reduce(mine)
+        state.loss = float(mine)
 
-    distributed.FleetSync.reduce = plain
+    install(Hooks(on_reduced=[plain]))
 
 
 def stale_weights() -> None:
     """At step STALE_STEP rank 1 runs its forward and backward on the weights
     after step STALE_STEP - 2 (the previous step's), then the current ones
-    are put back before the optimizer step: one step's local gradient is stale."""
-    import dormouse.gate.record.trace as trace
+    are put back before the optimizer step: one step's local gradient is stale.
+    (Rank 1 records no snapshots, so its trace is not changed by the swap.)"""
+    kept = {}
 
-    call, record_grads = trace.Trace.__call__, trace.Trace.record_grads
-
-    def after_step(self, step, model, info):
-        call(self, step, model, info)
+    def after_step(step, model, info):
         if os.environ.get("RANK") != "1":
             return
         params = dict(model.named_parameters())
         if step == STALE_STEP - 2:
-            self._fault_prev = {n: p.detach().clone() for n, p in params.items()}
+            kept["prev"] = {n: p.detach().clone() for n, p in params.items()}
         elif step == STALE_STEP - 1:
-            self._fault_now = {n: p.detach().clone() for n, p in params.items()}
+            kept["now"] = {n: p.detach().clone() for n, p in params.items()}
             with torch.no_grad():
                 for n, p in params.items():
-                    p.copy_(self._fault_prev[n])
+                    p.copy_(kept["prev"][n])
 
-    def after_reduce(self, step, model):
-        if step == STALE_STEP and os.environ.get("RANK") == "1":
+    def after_reduce(state):
+        if state.step == STALE_STEP and state.rank == 1:
             with torch.no_grad():
-                for n, p in model.named_parameters():
-                    p.copy_(self._fault_now[n])
-        record_grads(self, step, model)
+                for n, p in state.model.named_parameters():
+                    p.copy_(kept["now"][n])
 
-    trace.Trace.__call__, trace.Trace.record_grads = after_step, after_reduce
+    install(Hooks(on_step=[after_step], on_reduced=[after_reduce]))
 
 
 def fsdp_stale_shard() -> None:
     """Under shard='fsdp': at step STALE_STEP rank 1's shard of every reduced
     gradient is the one it held at the step before (a shard that kept last
-    step's gradient)."""
-    from torch.distributed.tensor import DTensor
+    step's gradient), put in place after the reduce."""
+    kept = {}
 
-    reduce = distributed.FleetSync.reduce
+    def stale(state):
+        if state.rank != 1:
+            return
+        grads = {n: p.grad for n, p in state.model.named_parameters() if p.grad is not None}
+        now = {n: g.to_local().detach().clone() for n, g in grads.items()}
+        if state.step == STALE_STEP:
+            with torch.no_grad():
+                for n, g in grads.items():
+                    if n in kept:
+                        g.to_local().copy_(kept[n])
+        kept.clear()
+        kept.update(now)
 
-    def stale(self, model, loss_share, loads):
-        out = reduce(self, model, loss_share, loads)
-        self._fault_steps = getattr(self, "_fault_steps", 0) + 1
-        if self.rank == 1:
-            now = {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-            if self._fault_steps == STALE_STEP:
-                for n, p in model.named_parameters():
-                    if n in self._fault_prev:
-                        p.grad = DTensor.from_local(self._fault_prev[n], p.grad.device_mesh, p.grad.placements,
-                                                    shape=p.grad.shape, stride=p.grad.stride())
-            self._fault_prev = now
-        return out
-
-    distributed.FleetSync.reduce = stale
+    install(Hooks(on_reduced=[stale]))
 
 
 def bf16_decay_scaled() -> None:
     """bf16_decay at DORMOUSE_TEST_FAULT_SCALE x W u |g| sign(p)."""
     f = float(os.environ["DORMOUSE_TEST_FAULT_SCALE"])
-    _after_reduce(lambda self, n, p, g: f * self.world_size * 2.0**-8 * g.abs()
+    _after_reduce(lambda state, n, p, g: f * state.plan.world * 2.0**-8 * g.abs()
                   * torch.sign(p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
 
 

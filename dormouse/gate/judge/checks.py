@@ -10,7 +10,8 @@ complete   every reference that applies is present: gradref, replay, init;
            single when the profile has one global batch; exact under
            reduce="exact". A missing one is a FAIL ("incomplete: no gradref").
            Which apply comes from the settings (the caller's, else those rank 0
-           was launched with), never from what the artifacts say of themselves.
+           was launched with) by artifacts.references, never from what the
+           other artifacts say of themselves.
 provenance every artifact was made by the same code (source hash), torch,
            device, threads, CPU capability, corpus and initial parameters,
            with the same settings.
@@ -69,8 +70,7 @@ from pathlib import Path
 import torch
 
 from dormouse.errors import DormouseError
-from dormouse.gate.artifacts import ONE_PROCESS, PROFILE_FIELDS, PROVENANCE, ArtifactSet
-from dormouse.gate.settings import GateSettings
+from dormouse.gate.artifacts import ONE_PROCESS, PROFILE_FIELDS, PROVENANCE, ArtifactSet, references
 from dormouse.gate.judge.steps import routing_flips
 from dormouse.train.tensors import rel_per_step
 
@@ -250,42 +250,34 @@ def _tolerance(envelope: list[float], multiple: float = FLOOR_MULTIPLE) -> list[
     return [max(multiple * e, MIN_RTOL) for e in envelope]
 
 
-def required(s: GateSettings) -> list[str]:
-    """The references a verdict for settings `s` needs: init, gradref and the
-    replay always; single when the profile has one window length (one process
-    can hold that global batch; a run from resume_from resumes it too); exact under
-    reduce="exact" beside single. From the settings alone, never from the
-    artifacts under judgement (a rank artifact that lost its profile must not
-    make a reference optional)."""
-    need = ["init", "gradref", "replay"]
-    if s.plan.global_batch is not None:
-        need.insert(0, "single")
-    if s.reduce == "exact" and "single" in need:
-        need.append("exact")
-    return need
+# `settings` below: the gate's settings (a dormouse.gate.settings.GateSettings,
+# or anything whose .record() gives what its artifacts record); the judge
+# reads them only as that record.
 
 
-def settings_of(a: ArtifactSet, settings: GateSettings | None) -> GateSettings:
-    """The settings a verdict judges against: the caller's (the drivers pass
-    the settings the run was asked for), else those the fleet's rank 0 was
-    launched with. Every artifact's recorded settings must equal them
-    (the provenance check)."""
+def required(settings) -> list[str]:
+    """The references a verdict for `settings` needs (artifacts.references of their record)."""
+    return references(settings.record())
+
+
+def settings_of(a: ArtifactSet, settings=None) -> dict:
+    """The settings a verdict judges against, as artifacts record them: the
+    caller's (the drivers pass the settings the run was asked for), else
+    those the fleet's rank 0 was launched with. Every artifact's recorded
+    settings must equal them (the provenance check)."""
     if settings is not None:
-        return settings
+        return settings.record()
     record = a.meta("rank0").get("settings")
     if not isinstance(record, dict):
         raise DormouseError("rank0.json records no settings: re-run the rank mode")
-    try:
-        return GateSettings(out=str(a.out), **record)
-    except TypeError as e:
-        raise DormouseError(f"rank0.json records settings this code does not know ({e}): re-run every mode") from None
+    return record
 
 
 # --------------------------------------------------------------------------- checks
 
 
-def check_complete(a: ArtifactSet, s: GateSettings | None = None) -> Check:
-    need = required(settings_of(a, s))
+def check_complete(a: ArtifactSet, s=None) -> Check:
+    need = references(settings_of(a, s))
     missing = [n for n in need if not a.has(n)]
     if missing:
         return Check("complete", False, "incomplete: no " + ", no ".join(missing)
@@ -304,7 +296,7 @@ def _global_batch(a: ArtifactSet, name: str) -> tuple[int, list[int]]:
     return sum(b for b, _ in shapes), sorted({t for _, t in shapes})
 
 
-def check_provenance(a: ArtifactSet, names: list[str], s: GateSettings | None = None) -> Check:
+def check_provenance(a: ArtifactSet, names: list[str], s=None) -> Check:
     """Every artifact's provenance equal to rank0's, and its recorded settings
     equal to the settings judged against (`s`; None: rank0's own); the
     one-process references' normalised to the fleet's profile (compared
@@ -867,10 +859,11 @@ STEPWISE = ("window", "gradref", "bias", "loss", "replay", "exact")  # checks a 
 # --------------------------------------------------------------------------- the verdict
 
 
-def judge(out, settings: GateSettings | None = None) -> Verdict:
+def judge(out, settings=None) -> Verdict:
     """Every check that applies, over what `out` holds, for `settings` (the
     drivers pass the settings the run was asked for; None: those rank 0 was
-    launched with). Which references apply comes from the settings. A
+    launched with). Which references apply comes from the settings
+    (artifacts.references of their record). A
     missing fleet or reference fails; a PASS needs every check to pass."""
     a = ArtifactSet(Path(out))
     if not a.has("rank0"):
@@ -878,11 +871,11 @@ def judge(out, settings: GateSettings | None = None) -> Verdict:
         return Verdict(str(out), False, [c], [])
     try:
         s = settings_of(a, settings)
-        need = required(s)
+        need = references(s)
     except DormouseError as e:
         c = Check("complete", False, f"cannot tell which references apply: {e}")
         return Verdict(str(out), False, [c], [])
-    checks = [check_complete(a, s)]
+    checks = [check_complete(a, settings)]
     present = [n for n in need if a.has(n)]
     names = a.ranks("leg1_") + a.ranks() + present
     checks.append(check_provenance(a, names, settings))
@@ -894,7 +887,7 @@ def judge(out, settings: GateSettings | None = None) -> Verdict:
         if a.has("gradref"):
             checks.append(check_window(a))
             checks.append(check_gradref(a))
-            if s.reduce == "bf16" and not a.meta("gradref").get("config", {}).get("model", {}).get("bf16"):
+            if s["reduce"] == "bf16" and not a.meta("gradref").get("config", {}).get("model", {}).get("bf16"):
                 checks.append(check_bias(a))  # (a bfloat16 model's own arithmetic is no wire rounding)
             checks.append(check_loss(a))
         if a.has("replay"):

@@ -25,15 +25,17 @@ from pathlib import Path
 from dormouse import atomic
 from dormouse.errors import FleetError
 from dormouse.gate.artifacts import load_meta
-from dormouse.gate.settings import GateSettings
+from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 
 
 def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None,
                  leg: int = 0) -> list[str]:
-    """The `dormouse.gate rank` arguments for settings `s` (or a plan file)."""
+    """The `dormouse.gate rank` arguments for settings `s` (or a plan file of
+    settings validated with it), with the mark of validated settings (the
+    ranks then rely on it, settings.VALIDATED_FLAG)."""
     cmd = [*(entry or ["-m", "dormouse.gate"]), "rank", f"--leg={leg}"]
     if plan is not None:
-        return [*cmd, f"--out={s.out_dir}", "--plan", str(plan)]
+        return [*cmd, f"--out={s.out_dir}", "--plan", str(plan), *([VALIDATED_FLAG] if s.validated else [])]
     return [*cmd, *s.to_argv()]
 
 
@@ -63,7 +65,10 @@ def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=prin
     one after another in the same process group; returns each run's rank
     metadata. A fleet that stops and resumes at another world size
     (resume_world) is two launches, --leg 1 and --leg 2."""
-    plan = [s.validate() for s in plan]  # bad settings are refused before any process starts
+    # Checked once, before any process starts: validated settings (every
+    # driver's: check, from_args, by_hand) are relied on as they are, and the
+    # ranks are told so (rank_command).
+    plan = [s.validate() for s in plan]
     if not plan or len({tuple(x.world for x in s.legs()) for s in plan}) != 1:
         raise FleetError("a plan needs at least one run, all with the same world sizes (and legs)")
     for s in plan:

@@ -34,10 +34,12 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from dormouse.config import RunConfig
 from dormouse.errors import DormouseError
 from dormouse.gate.artifacts import (fleet_recording_dir, load_meta, load_tensors, load_trace, provenance,
                                      save_artifact)
@@ -51,6 +53,33 @@ from dormouse.train.tensors import fingerprint, named_state, rel_per_step
 ULP_RUNS = 3  # one-ulp nudges of the reference whose maximum is the floor
 WIRE_RUNS = 3  # under reduce="bf16": floor runs whose gradients are rounded as the wire rounds (independent draws)
 QUIET = lambda line: None  # noqa: E731
+
+
+# --------------------------------------------------------------------------- the run seam
+
+RunHook = Callable[[GateSettings, RunConfig], "RunConfig | None"]
+_RUN_HOOKS: list[RunHook] = []
+
+
+def install_run_hook(hook: RunHook) -> Callable[[], None]:
+    """Add `hook` to every mode of this process: each mode's RunConfig, as
+    fixtures.make_run builds it from the settings (the fleet's in every rank
+    and leg, single's, exact's, gradref's, the replay's), is passed to
+    hook(settings, run), which may return another RunConfig: the one the mode
+    then trains and records (None: unchanged). The explicit seam for what a
+    torchrun rank cannot be handed as an argument -- a benchmark's choice per
+    fleet run of a plan, a test's planted fault; nothing here installs one.
+    Returns the function that removes it."""
+    _RUN_HOOKS.append(hook)
+    return lambda: _RUN_HOOKS.remove(hook)
+
+
+def mode_run(s: GateSettings, **kw) -> RunConfig:
+    """The RunConfig a mode runs: fixtures.make_run(s, **kw), then every installed run hook."""
+    run = make_run(s, **kw)
+    for hook in _RUN_HOOKS:
+        run = hook(s, run) or run
+    return run
 
 
 def _device(s: GateSettings) -> torch.device:
@@ -94,7 +123,7 @@ def run_single(s: GateSettings, log=print) -> dict:
         raise DormouseError(f"profile {s.profile!r} mixes window lengths: one process cannot hold that "
                             "global batch as one batch; gradref and the replay are this fleet's references")
     out = s.out_dir
-    run = make_run(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
+    run = mode_run(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
     model = build(s).to(_device(s))
     init = fingerprint(start_state(s)[0])
     report, trace = _traced(s, model, run, "single", log)
@@ -222,7 +251,7 @@ def run_exact(s: GateSettings, log=print) -> dict:
     """The exact reference: one process computing the fleet's own slices
     (micro_batch windows each, in global slice order) summed in the fixed
     order of reduce="exact": a fleet must equal it bitwise."""
-    run = make_run(s, name="exact", dist=False, reduce="exact", micro_batch=_exact_slice(s),
+    run = mode_run(s, name="exact", dist=False, reduce="exact", micro_batch=_exact_slice(s),
                    resume_from=s.resume_path())
     model = build(s).to(_device(s))
     init = fingerprint(start_state(s)[0])
@@ -272,12 +301,12 @@ def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
     k = s.stop_step()
     ckpt = str(s.out_dir / "ckpts" / ("fleet.dcp" if s.shard == "fsdp" else "fleet.pt"))
     if leg == 1:
-        run = make_run(me, name="fleet", dist=True)
+        run = mode_run(me, name="fleet", dist=True)
         run.train.stop_at, run.train.ckpt_every = k, k
     elif leg == 2:
-        run = make_run(me, name="fleet", dist=True, resume_from=ckpt)
+        run = mode_run(me, name="fleet", dist=True, resume_from=ckpt)
     else:
-        run = make_run(me, name="fleet", dist=True, resume_from=s.resume_path())
+        run = mode_run(me, name="fleet", dist=True, resume_from=s.resume_path())
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the references build it too); train_dist checks it.
     model = build(s)
@@ -319,11 +348,12 @@ def _one_rank_run(s: GateSettings, log, leg: int = 0) -> dict:
     return meta
 
 
-def load_plan(path: str) -> list[GateSettings]:
-    """A JSON list of GateSettings fields, one fleet run each."""
+def load_plan(path: str, *, validated: bool = False) -> list[GateSettings]:
+    """A JSON list of GateSettings fields, one fleet run each (`validated`:
+    the launcher wrote it from validated settings)."""
     try:
         items = json.loads(Path(path).read_text())
-        return [from_dict(item) for item in items]
+        return [from_dict(item, validated=validated) for item in items]
     except (OSError, ValueError, TypeError) as e:
         raise DormouseError(f"plan {path!r} is not a JSON list of gate settings ({e})") from e
 
@@ -385,7 +415,7 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     """The hand-computed reference at every step of the fleet's run (needs
     init and rank0's trace in out)."""
     fleet, init, trace = _fleet_record(s)
-    run = make_run(s, name="gradref", dist=False)
+    run = mode_run(s, name="gradref", dist=False)
     device = _device(s)
     steps = len(fleet["losses"])
     first = fleet.get("start_step", 0)  # a fleet resumed from resume_from: its steps are first + k
@@ -513,7 +543,7 @@ def run_replay(s: GateSettings, log=print) -> dict:
     fleet, init, trace = _fleet_record(s)
     # The recipe the SETTINGS give (not the one the fleet recorded): a fleet
     # at another lr, schedule or clip must not be replayed at its own.
-    run = make_run(s, name="replay", dist=False)
+    run = mode_run(s, name="replay", dist=False)
     device = _device(s)
     gradref = load_tensors(s.out_dir, "gradref")
     model = build(s)

@@ -20,7 +20,7 @@ from dormouse.gate.judge.checks import (BF16_UNIT_ROUNDOFF, BIAS_SIGMAS, GRAD_RT
                                         check_complete, check_config, check_curve, check_exact, check_finite,
                                         check_gradref, check_loss, check_provenance, check_ranks, check_replay,
                                         check_window, first_difference, judge, relative, required, ulps)
-from dormouse.gate.settings import GateSettings
+from dormouse.gate.settings import GateSettings, from_record
 
 STEPS, T, ITERS, TOPK, EXPERTS = 3, 3, 2, 2, 4
 W = "w"  # an ordinary parameter
@@ -261,14 +261,23 @@ def test_which_references_apply_comes_from_the_settings_not_the_artifacts(tmp_pa
     assert not v.passed and v.check("complete").reason.startswith("incomplete: no single")
 
 
+def test_settings_recorded_without_their_global_batch_cannot_say_which_references_apply(tmp_path):
+    """artifacts.references reads the recorded settings' global batch; a
+    record made before it was recorded is a FAIL that says so, not a guess."""
+    a = clean_set(tmp_path, lambda arts: arts["rank0"]["meta"]["settings"].pop("global_batch"))
+    v = judge(a.out)
+    assert not v.passed and v.checks[0].reason.startswith(
+        "cannot tell which references apply: the settings record no global_batch"), v.checks[0].reason
+
+
 def test_the_settings_the_verdict_is_asked_for_are_the_ones_judged(tmp_path):
     a = clean_set(tmp_path)
-    recorded = GateSettings(**a.meta("rank0")["settings"])
+    recorded = from_record(a.meta("rank0")["settings"])
     assert judge(a.out, recorded).passed
-    v = judge(a.out, GateSettings(**{**a.meta("rank0")["settings"], "lr": 0.01}))
+    v = judge(a.out, from_record(a.meta("rank0")["settings"], lr=0.01))
     assert not v.passed and "rank0 was made with other settings (lr)" in v.check("provenance").reason
     # a profile with two window lengths needs no single; one with one length does
-    mixed = GateSettings(**{**a.meta("rank0")["settings"], "profile": "4x32,2x64"})
+    mixed = from_record(a.meta("rank0")["settings"], profile="4x32,2x64")
     assert judge(a.out, mixed).references == ["init", "gradref", "replay"]
 
 
