@@ -137,10 +137,14 @@ def code_hashes(paths: list[str]) -> dict[str, str]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of t on the CPU, always a copy: the digest's .numpy()
+    marks a storage non-resizable, and FSDP2 resizes the storage of its
+    unsharded parameters (a live one, after a no-grad forward at world 1)."""
     t = t.detach()
     if hasattr(t, "to_local"):
         t = t.to_local()
-    return t.cpu().contiguous()
+    out = t.cpu().contiguous()
+    return out.clone() if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else out
 
 
 def _placement(t) -> dict | None:
@@ -465,8 +469,9 @@ class Recorder:
             else:
                 tensors.update({f"p/{n}": v for n, v in params.items()})
                 tensors.update({f"g/{n}": v for n, v in grads.items()})
-                state = self.module.state_dict()
-                tensors.update({f"b/{n}": _local(state[n]).clone() for n in self._buffers})
+                # named_buffers, not state_dict(): under FSDP2 a state_dict mid-step reshards (its hook)
+                bufs = dict(self.module.named_buffers())
+                tensors.update({f"b/{n}": _local(bufs[n]).clone() for n in self._buffers if n in bufs})
                 param_hash = _digest(params)
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
