@@ -196,6 +196,8 @@ def _add_sample_parser(sub) -> None:
     s.add_argument("--temperature", type=finite_float, default=1.0, help="softmax temperature (0 = greedy)")
     s.add_argument("--top-k", type=non_negative_int, default=0, help="draw among the k most likely bytes (0 = all)")
     s.add_argument("--seed", type=int, default=0, help="seeds the draws")
+    s.add_argument("--samples", type=positive_int, default=1,
+                   help="continuations drawn together as one batch (a step reads the weights once for all of them)")
     s.add_argument("--no-cache", action="store_true", help="recompute the whole text every byte (the reference: much slower; same text)")
     s.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
 
@@ -207,7 +209,7 @@ def _sample(args) -> int:
 
     torch.set_num_threads(args.threads)
     text = sample_text(args.ckpt, args.prompt, tokens=args.tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
+                       top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache, samples=args.samples)
     sys.stdout.write(text + "\n")
     return EXIT_OK
 

@@ -5,13 +5,17 @@ loss on a file.
     text = generate(model, b"def ", tokens=200, temperature=0.8, top_k=40, seed=0)
     nats, count = file_loss(model, "held_out.txt", seq_len=run.train.seq_len)
 
-Generation continues the prompt's last max_seq_len bytes. It keeps a KV cache
-(one entry per iteration of the shared block) and costs one position's forward
-per byte, before and after the text outgrows the window: the cache is a ring of
-max_seq_len positions, and every position attends to the window ending at it
+Generation continues the prompt's last max_seq_len bytes. The prompt goes
+through the forward once, filling a KV cache (one entry per iteration of the
+shared block); then each byte costs one position's step of
+dormouse.model.decode.Decoder (the same function with fewer, larger tensor
+operations), before and after the text outgrows the window: the cache is a ring
+of max_seq_len positions, and every position attends to the window ending at it
 (sliding-window attention, at every iteration; see DormouseModel.forward,
 sliding=True). use_cache=False recomputes that same function over the whole
 text at every byte (the reference; slow): the bytes are the same.
+generate_many draws several continuations as one batch: a step of B rows reads
+the weights once for all of them, which is where a CPU's time goes at B = 1.
 
 Past the window this is not what the generator did before (it recomputed the
 last max_seq_len bytes as a fresh window, positions from 0, every byte): with a
@@ -32,6 +36,7 @@ import torch
 from dormouse.config import RunConfig
 from dormouse.errors import ConfigError
 from dormouse.model import DormouseModel
+from dormouse.model.decode import Decoder
 from dormouse.train.checkpoint import load_model_weights
 from dormouse.train.data import ByteCorpus, _windows
 
@@ -53,7 +58,6 @@ def cached_generation_ok(model: DormouseModel) -> bool:
     return not (model.cfg.n_experts > 0 and model.cfg.moe_capacity > 0)
 
 
-@torch.no_grad()
 def generate(model: DormouseModel, prompt: bytes, *, tokens: int, temperature: float = 1.0,
              top_k: int = 0, seed: int = 0, use_cache: bool = True) -> bytes:
     """`tokens` bytes continuing `prompt` (the prompt is not included).
@@ -61,46 +65,66 @@ def generate(model: DormouseModel, prompt: bytes, *, tokens: int, temperature: f
     temperature 0 is greedy (argmax); otherwise each byte is drawn from
     softmax(logits / temperature), restricted to the top_k most likely (0 = all),
     by a generator seeded with `seed`: the same arguments give the same bytes."""
+    return generate_many(model, prompt, samples=1, tokens=tokens, temperature=temperature, top_k=top_k,
+                         seed=seed, use_cache=use_cache)[0]
+
+
+@torch.inference_mode()
+def generate_many(model: DormouseModel, prompt: bytes, *, samples: int, tokens: int, temperature: float = 1.0,
+                  top_k: int = 0, seed: int = 0, use_cache: bool = True) -> list[bytes]:
+    """`samples` continuations of `prompt`, `tokens` bytes each, generated as
+    one batch (each row its own text; one step of the batch reads the weights
+    once for all of them). Greedy rows all equal generate()'s greedy bytes;
+    sampled rows are drawn together, row by row, from one generator seeded with
+    `seed`, so they depend on `samples` (samples=1 is generate())."""
     if not prompt:
         raise ConfigError("the prompt is empty: give at least one byte of text to continue")
     if temperature < 0 or not math.isfinite(temperature):
         raise ConfigError(f"temperature = {temperature} must be a finite number >= 0 (0 = greedy)")
     if top_k < 0:
         raise ConfigError(f"top_k = {top_k} must be >= 0 (0 = no limit)")
+    if samples < 1:
+        raise ConfigError(f"samples = {samples} must be >= 1")
     model.eval()
     window = model.cfg.max_seq_len
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    text = list(prompt[-window:])  # the context: the prompt's last window, then what we generate
-    out: list[int] = []
-    if not cached_generation_ok(model):  # the whole window afresh at every byte
-        for _ in range(tokens):
-            logits = model(torch.tensor([text[-window:]], device=device))[0]
-            out.append(_pick(logits[0, -1].float(), temperature, top_k, gen))
-            text.append(out[-1])
-        return bytes(out)
-    cache = model.new_cache() if use_cache else None
-    step_in = torch.tensor([text], device=device)  # the first forward reads the whole prompt
-    for _ in range(tokens):
-        if cache is not None:
-            logits = model(step_in, cache=cache)[0]
-        else:  # the reference: the same function of the whole text, recomputed
-            logits = model(torch.tensor([text], device=device), sliding=True)[0]
-        nxt = _pick(logits[0, -1].float(), temperature, top_k, gen)
-        out.append(nxt)
-        text.append(nxt)
-        step_in = torch.tensor([[nxt]], device=device)
-    return bytes(out)
+    out = torch.empty(samples, tokens, dtype=torch.int64, device=device)
+    # The context: the prompt's last window, then what we generate (one row per sample).
+    text = torch.tensor([list(prompt[-window:])], device=device).expand(samples, -1)
+    if not cached_generation_ok(model):  # each row's window afresh at every byte (its drops are its own)
+        for i in range(tokens):
+            logits = torch.cat([model(row[None, -window:])[0][:, -1] for row in text])
+            out[:, i] = _pick(logits.float(), temperature, top_k, gen)
+            text = torch.cat([text, out[:, i:i + 1]], dim=1)
+        return [bytes(row.tolist()) for row in out]
+    if use_cache:  # the prompt through the forward once, then one position a step
+        cache = model.new_cache()
+        logits = model(text[:1], cache=cache)[0][:, -1].expand(samples, -1)
+        cache.expand(samples)
+        decoder = Decoder(model)
+    for i in range(tokens):
+        if not use_cache:  # the reference: the same function of the whole text, recomputed
+            logits = model(text, sliding=True)[0][:, -1]
+        nxt = _pick(logits.float(), temperature, top_k, gen)
+        out[:, i] = nxt
+        if use_cache:
+            if i + 1 < tokens:
+                logits = decoder.step(nxt, cache)
+        else:
+            text = torch.cat([text, nxt[:, None]], dim=1)
+    return [bytes(row.tolist()) for row in out]
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """The next byte of each row of logits (B, vocab): (B,) ids."""
     if temperature == 0:
-        return int(logits.argmax())
+        return logits.argmax(-1)
     logits = logits / temperature
-    if 0 < top_k < logits.numel():
-        cut = torch.topk(logits, top_k).values[-1]
+    if 0 < top_k < logits.shape[-1]:
+        cut = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < cut, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)[:, 0]
 
 
 @torch.no_grad()
@@ -135,13 +159,18 @@ def file_loss(model: DormouseModel, path: str | Path, *, seq_len: int, batch: in
 
 
 def sample_text(ckpt: str | Path, prompt: str, *, tokens: int, temperature: float = 1.0, top_k: int = 0,
-                seed: int = 0, use_cache: bool = True) -> str:
+                seed: int = 0, use_cache: bool = True, samples: int = 1) -> str:
     """`dormouse sample`: the continuation of `prompt` (UTF-8 bytes) by the
-    checkpoint's model, decoded as UTF-8 (invalid sequences replaced)."""
+    checkpoint's model, decoded as UTF-8 (invalid sequences replaced); with
+    samples > 1, that many continuations drawn as one batch (generate_many),
+    each under a line `--- sample i ---`."""
     model, _, _ = load_trained(ckpt)
-    out = generate(model, prompt.encode(), tokens=tokens, temperature=temperature, top_k=top_k, seed=seed,
-                   use_cache=use_cache)
-    return out.decode("utf-8", errors="replace")
+    outs = generate_many(model, prompt.encode(), samples=samples, tokens=tokens, temperature=temperature,
+                         top_k=top_k, seed=seed, use_cache=use_cache)
+    texts = [out.decode("utf-8", errors="replace") for out in outs]
+    if samples == 1:
+        return texts[0]
+    return "\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts))
 
 
 def score_file(ckpt: str | Path, data: str | Path, *, part: str = "whole", seq_len: int | None = None,

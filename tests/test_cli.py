@@ -221,6 +221,7 @@ BAD_SUBCOMMAND_INPUT = [
     (["sample", "--ckpt", "{ckpt}", "--prompt", ""], "prompt is empty"),
     (["sample", "--ckpt", "{ckpt}", "--prompt", "a", "--temperature", "-1"], "temperature"),
     (["sample", "--ckpt", "{ckpt}", "--prompt", "a", "--tokens", "0"], "--tokens"),
+    (["sample", "--ckpt", "{ckpt}", "--prompt", "a", "--samples", "0"], "--samples"),
     (["sample", "--prompt", "a"], "--ckpt"),
     (["eval", "--ckpt", "{ckpt}", "--data", "{dir}/nope.txt"], "does not exist"),
     (["eval", "--ckpt", "{ckpt}", "--data", "{data}", "--part", "tail"], "eval_frac"),

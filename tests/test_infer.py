@@ -11,7 +11,7 @@ import torch
 
 from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.errors import CheckpointError, ConfigError
-from dormouse.infer import file_loss, generate, load_trained
+from dormouse.infer import file_loss, generate, generate_many, load_trained, sample_text
 from dormouse.model import DormouseModel
 from dormouse.train.data import _windows
 from dormouse.train.loop import build_model, train
@@ -66,6 +66,30 @@ def test_greedy_generation_with_the_cache_equals_the_uncached_recompute_and_slid
     assert len(set(cached)) > 3  # not a constant run, which would match trivially
 
 
+def test_the_greedy_comparison_sees_a_fault_of_one_adapter_by_1e_2():
+    # The byte-for-byte comparison above could fail: a network whose adapter
+    # entries are 1e-2 away already gives other greedy bytes (the logits are
+    # peaked on purpose; tests/model/test_decode.py catches a fault of 1e-3
+    # in the decoder's logits).
+    model = _model()
+    want = generate(model, b"hello there", tokens=40, temperature=0, use_cache=False)
+    with torch.no_grad():
+        model.block.attn.lora_qkv_b[1].add_(1e-2)  # iteration 1's adapter (B starts at zero)
+    assert generate(model, b"hello there", tokens=40, temperature=0) != want
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_batch_of_samples_is_generate_row_by_row_when_greedy_and_deterministic_when_sampled(use_cache):
+    model = _model()  # 5 + 30 bytes: past the window of 16
+    greedy = generate(model, b"hello", tokens=30, temperature=0)
+    assert generate_many(model, b"hello", samples=3, tokens=30, temperature=0, use_cache=use_cache) == [greedy] * 3
+    rows = generate_many(model, b"hello", samples=4, tokens=30, temperature=1.0, seed=7, use_cache=use_cache)
+    assert rows == generate_many(model, b"hello", samples=4, tokens=30, temperature=1.0, seed=7)  # cached
+    assert len(set(rows)) == 4 and all(len(r) == 30 for r in rows)
+    assert generate_many(model, b"hello", samples=1, tokens=30, seed=7, use_cache=use_cache) == [
+        generate(model, b"hello", tokens=30, seed=7)]
+
+
 def test_greedy_generation_within_the_window_is_what_the_plain_forward_picks():
     # Within max_seq_len the cached generator is the plain forward (no sliding):
     # each byte is the argmax of the plain forward over prompt + bytes so far.
@@ -99,12 +123,13 @@ def test_a_capacity_dropping_moe_generates_without_a_cache():
     (dict(prompt=b""), "prompt is empty"),
     (dict(temperature=-1.0), "temperature"),
     (dict(top_k=-2), "top_k"),
+    (dict(samples=0), "samples"),
 ])
 def test_bad_generation_arguments_are_config_errors(kw, fragment):
     args = dict(prompt=b"a", tokens=3, temperature=1.0, top_k=0)
     args.update(kw)
     with pytest.raises(ConfigError, match=fragment):
-        generate(_model(), args.pop("prompt"), **args)
+        generate_many(_model(), args.pop("prompt"), samples=args.pop("samples", 1), **args)
 
 
 def test_file_loss_is_the_token_mean_over_consecutive_windows(tmp_path):
@@ -133,6 +158,11 @@ def test_load_trained_reads_a_run_checkpoint_and_refuses_others(tmp_path):
     trained = build_model(run)
     train(trained, run, log=lambda _: None)
     model, loaded_run, step = load_trained(tmp_path / "o" / "dormouse.pt")
+    ckpt = str(tmp_path / "o" / "dormouse.pt")  # `dormouse sample`: one text, or a batch under headers
+    one = sample_text(ckpt, "ab", tokens=12, seed=1)
+    three = sample_text(ckpt, "ab", tokens=12, seed=1, samples=3).split("\n")
+    assert one == generate(model, b"ab", tokens=12, seed=1).decode("utf-8", errors="replace")
+    assert three[0::2] == [f"--- sample {i} ---" for i in range(3)] and len(three) == 6
     assert step == 2 and loaded_run.model == run.model and not model.training
     for (name, a), b in zip(trained.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name

@@ -29,7 +29,9 @@ ns_cliff_small
 sample_bytes_per_s_small
     bytes/s of dormouse.infer.generate on the small preset, one thread, from a
     4-byte prompt (within the window) and from a prompt of max_seq_len bytes
-    (every byte slides the window).
+    (every byte slides the window), side by side with the uncached reference,
+    the forward with the KV cache per byte, and a batch of 16 samples
+    (generate_many), in alternating rounds: ratios with their spread.
 profile_small_top
     the top ops of the small step by self CPU time (torch.profiler) and their
     share; the printed table adds a "where the time goes" breakdown.
@@ -337,25 +339,63 @@ def parts_at_rates(flops: dict[str, float], m: ModelConfig, t: TrainConfig, rate
     return {"parts": parts, "ideal_s": sum(p["ideal_s"] for p in parts.values())}
 
 
-def sampling_rate(name: str = "small", tokens: int = 100, seed: int = 0) -> dict:
-    """Bytes per second of dormouse.infer.generate (temperature 1, one thread,
-    random-init weights: the speed does not depend on what was learnt), from a
-    4-byte prompt (within the window) and from a prompt of max_seq_len bytes
-    (every byte slides the window)."""
-    from dormouse.infer import generate
+def sampling_rate(name: str = "small", tokens: int = 100, seed: int = 0, rounds: int = 5, batch: int = 16) -> dict:
+    """Bytes per second of dormouse.infer's generators on random-init weights
+    (temperature 1, one thread: the speed does not depend on what was learnt),
+    in `rounds` rounds, the kinds alternating inside each round:
+
+    within_window  generate() from a 4-byte prompt (cached: the prompt through
+                   the forward, then the Decoder's one-position step per byte);
+    uncached       the same bytes recomputed over the whole text every byte
+                   (use_cache=False, the reference the cache must equal);
+    forward_cache  the same, one position per byte through DormouseModel.forward
+                   with the KV cache (the previous round's generator);
+    sliding        generate() from a prompt of max_seq_len bytes (every byte
+                   slides the window);
+    batch          generate_many(samples=batch): all rows' bytes per second.
+
+    Each figure is the median over rounds, and each ratio the median of the
+    per-round ratios with its spread (min..max)."""
+    from dormouse.infer import generate, generate_many
     from dormouse.model import DormouseModel
 
     torch.manual_seed(seed)
     model = DormouseModel(preset(name)).eval()
     window = model.cfg.max_seq_len
-    prompts = {"within_window": b"def ", "sliding": (bytes(range(32, 127)) * (window // 95 + 1))[:window]}
-    generate(model, b"ab", tokens=2)  # warm-up
-    out = {}
-    for kind, prompt in prompts.items():
-        n = min(tokens, window - len(prompt)) if kind == "within_window" else tokens
-        t0 = time.perf_counter()
-        generate(model, prompt, tokens=n, temperature=1.0, seed=seed)
-        out[kind] = n / (time.perf_counter() - t0)
+    short, full = b"def ", (bytes(range(32, 127)) * (window // 95 + 1))[:window]
+    n = min(tokens, window - len(short))
+
+    def forward_cache() -> None:  # the previous generator: forward(cache=...) per byte
+        with torch.no_grad():
+            cache, x = model.new_cache(), torch.tensor([list(short)])
+            for _ in range(n):
+                x = model(x, cache=cache)[0][:, -1].argmax(-1, keepdim=True)
+
+    kinds = {
+        "within_window": (n, lambda: generate(model, short, tokens=n, temperature=1.0, seed=seed)),
+        "uncached": (n, lambda: generate(model, short, tokens=n, temperature=1.0, seed=seed, use_cache=False)),
+        "forward_cache": (n, forward_cache),
+        "sliding": (tokens, lambda: generate(model, full, tokens=tokens, temperature=1.0, seed=seed)),
+        "batch": (batch * n, lambda: generate_many(model, short, samples=batch, tokens=n, temperature=1.0,
+                                                   seed=seed)),
+    }
+    generate_many(model, b"ab", samples=2, tokens=2)  # warm-up
+    per_round = {k: [] for k in kinds}
+    for _ in range(rounds):
+        for kind, (count, fn) in kinds.items():
+            t0 = time.perf_counter()
+            fn()
+            per_round[kind].append(count / (time.perf_counter() - t0))
+    out = {k: statistics.median(v) for k, v in per_round.items()}
+    out["batch_size"], out["tokens"], out["per_round"] = batch, n, per_round
+
+    def ratio(a: str, b: str) -> dict:
+        return _ratio_summary([x / y for x, y in zip(per_round[a], per_round[b])])
+
+    out["ratios"] = {"cached_vs_uncached": ratio("within_window", "uncached"),
+                     "cached_vs_forward_cache": ratio("within_window", "forward_cache"),
+                     "batch_vs_uncached": ratio("batch", "uncached"),
+                     "batch_vs_forward_cache": ratio("batch", "forward_cache")}
     return out
 
 
@@ -468,7 +508,7 @@ def bench_single(quick: bool, log) -> dict:
     mm_flops = flops["total"] - flops["train_attention"]
     prof["matmul_kernel_gflops"] = mm_flops / prof["matmul_kernel_s_per_step"] / 1e9 if prof["matmul_kernel_s_per_step"] else None
     log("  sampling (dormouse.infer.generate, small) ...")
-    sampling = sampling_rate("small", tokens=40 if quick else 100)
+    sampling = sampling_rate("small", tokens=40 if quick else 100, rounds=3 if quick else 5)
     return {
         "tokens_per_s_tiny": tiny.tokens / tiny_s,
         "tokens_per_s_small": small.tokens / small_s,
@@ -610,9 +650,18 @@ def format_table(res: dict) -> str:
             f"{_spread(c)} (goal <= 1.3)"
             + (f"; native bf16 kernel {nat['median']:.2f}x, spread {_spread(nat)}" if nat else ""))
         sb = res["sample_bytes_per_s_small"]
+        sr = sb.get("ratios")
         row("sample_bytes_per_s_small", _fmt(sb["within_window"], ".0f"),
             f"generate(), small, one thread: within the window; sliding (prompt of max_seq_len) "
-            f"{sb['sliding']:.0f} bytes/s")
+            f"{sb['sliding']:.0f} bytes/s"
+            + (f"; uncached {sb['uncached']:.0f}, forward with cache {sb['forward_cache']:.0f}, a batch of "
+               f"{sb['batch_size']} samples {sb['batch']:.0f} bytes/s. Cached / uncached "
+               f"{sr['cached_vs_uncached']['median']:.2f}x (spread {_spread(sr['cached_vs_uncached'])}), "
+               f"/ forward with cache {sr['cached_vs_forward_cache']['median']:.2f}x "
+               f"({_spread(sr['cached_vs_forward_cache'])}); batch / uncached "
+               f"{sr['batch_vs_uncached']['median']:.2f}x ({_spread(sr['batch_vs_uncached'])}), / forward with "
+               f"cache {sr['batch_vs_forward_cache']['median']:.2f}x ({_spread(sr['batch_vs_forward_cache'])}); "
+               f"medians of {len(sb['per_round']['batch'])} rounds" if sr else ""))
     if res.get("fleet_vs_ddp") is not None:
         med, r = fl["step_s_median"], fl["ratios"]
         row("fleet_vs_ddp", _fmt(res["fleet_vs_ddp"], ".3f"),

@@ -125,6 +125,14 @@ class KVCache:
         self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_iter
         self.tail: torch.Tensor | None = None  # the last input bytes (Engram's n-gram context)
 
+    def expand(self, batch: int) -> "KVCache":
+        """This cache of one sequence repeated for `batch` sequences (each then
+        continues on its own): the same keys, values and Engram tail per row."""
+        self.kv = [None if e is None else tuple(t.expand(batch, *t.shape[1:]).clone() for t in e) for e in self.kv]
+        if self.tail is not None:
+            self.tail = self.tail.expand(batch, -1).clone()
+        return self
+
     def extend(self, it: int, k: torch.Tensor, v: torch.Tensor):
         """Add iteration `it`'s keys and values (B, H, T, hd) of positions
         length .. length + T - 1; return the keys and values those positions

@@ -40,9 +40,12 @@ def test_each_part_of_the_step_is_held_against_its_own_dtype_rate():
     assert fp32["parts"]["newton_schulz"]["ideal_s"] == pytest.approx(flops["newton_schulz"] / 80e9)
 
 
-def test_sampling_rate_reports_both_kinds_of_prompt():
-    rates = sampling_rate("tiny", tokens=4)
-    assert set(rates) == {"within_window", "sliding"} and all(r > 0 for r in rates.values())
+def test_sampling_rate_reports_every_kind_side_by_side_with_ratios_per_round():
+    rates = sampling_rate("tiny", tokens=4, rounds=2, batch=2)
+    kinds = {"within_window", "uncached", "forward_cache", "sliding", "batch"}
+    assert all(rates[k] > 0 and len(rates["per_round"][k]) == 2 for k in kinds)
+    r = rates["ratios"]["cached_vs_uncached"]
+    assert r["n"] == 2 and r["min"] <= r["median"] <= r["max"]
 
 
 def test_the_benchmark_times_train_itself_part_by_part_through_its_hooks():

@@ -411,9 +411,30 @@ def _fleet_record(s: GateSettings) -> tuple[dict, dict, dict]:
     return load_meta(s.out_dir, "rank0"), load_tensors(s.out_dir, "init"), trace
 
 
+def _flat_grad(params) -> torch.Tensor:
+    """Every parameter's gradient in float64, flattened and concatenated in
+    order; a parameter without one (an expert no token chose) counts as zero."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params]).double()
+
+
+def _unflat(flat: torch.Tensor, params) -> list[torch.Tensor]:
+    """A flat vector cut back into tensors of the parameters' shapes."""
+    return [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in params]), params)]
+
+
 def run_gradref(s: GateSettings, log=print) -> dict:
     """The hand-computed reference at every step of the fleet's run (needs
-    init and rank0's trace in out)."""
+    init and rank0's trace in out).
+
+    Each window's gradient is its own forward and backward over a (1, T)
+    batch: batching the windows into one forward would assume the very
+    independence (fact 1) that g/ against b/ checks. torch.func.vmap, which
+    would keep each window alone, does not apply here (torch 2.13, CPU): the
+    dropless MoE's dispatch (bincount, then a loop over its counts) fails under
+    vmap ("Cannot access data pointer of Tensor that doesn't have storage"),
+    and scaled_dot_product_attention has no CPU batching rule for its forward
+    or backward (vmap falls back to a per-example loop)."""
     fleet, init, trace = _fleet_record(s)
     run = mode_run(s, name="gradref", dist=False)
     device = _device(s)
@@ -421,6 +442,8 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     first = fleet.get("start_step", 0)  # a fleet resumed from resume_from: its steps are first + k
     model = build(s).to(device)
     names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    n_flat = sum(p.numel() for p in params)
     t = run.train
     prof = profile(s.profile, s.world, s.batch, t.seq_len)
     corpus = Path(t.data).read_bytes()
@@ -438,9 +461,10 @@ def run_gradref(s: GateSettings, log=print) -> dict:
         flat = [w for r in windows for w in r]
         total = sum(int(y.numel()) for _, y in flat)  # tokens counted from the targets
         tokens.append(total)
-        # Each window alone, weighted by its tokens, summed in float64.
-        acc = {n: torch.zeros(p.shape, dtype=torch.float64, device=device) for n, p in model.named_parameters()}
-        absacc = {n: torch.zeros_like(a) for n, a in acc.items()}  # sum_w t_w |g_w| / T: bf16 wire bound
+        # Each window alone, weighted by its tokens, summed in float64 (every
+        # parameter's gradient as one flat vector: the same sums, element by element).
+        acc = torch.zeros(n_flat, dtype=torch.float64, device=device)
+        absacc = torch.zeros_like(acc)  # sum_w t_w |g_w| / T: bf16 wire bound
         w_losses = []
         for x, y in flat:
             model.zero_grad(set_to_none=True)
@@ -448,18 +472,17 @@ def run_gradref(s: GateSettings, log=print) -> dict:
             loss.backward()
             w_losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(),
                                             reduction="none").detach().cpu())
-            for n, p in model.named_parameters():
-                if p.grad is not None:
-                    acc[n] += p.grad.double() * (y.numel() / total)
-                    absacc[n] += p.grad.double().abs() * (y.numel() / total)
-        for n in names:
-            ref[n].append(acc[n].cpu())
-            absref[n].append(absacc[n].float().cpu())
+            g = _flat_grad(params)
+            acc += g * (y.numel() / total)
+            absacc += g.abs() * (y.numel() / total)
+        for n, a, b in zip(names, _unflat(acc, params), _unflat(absacc.float(), params)):
+            ref[n].append(a.cpu())
+            absref[n].append(b.cpu())
         wl.append(torch.cat(w_losses))
         # The batch's own gradient at the same parameters: the global batch as
         # one batch (equal window lengths), else each rank's batch weighted.
         groups = [flat] if len({tt for _, tt in prof}) == 1 else windows
-        bacc = {n: torch.zeros(p.shape, dtype=torch.float64, device=device) for n, p in model.named_parameters()}
+        bacc = torch.zeros(n_flat, dtype=torch.float64, device=device)
         b_losses = []
         for g in groups:
             x = torch.cat([w[0] for w in g]).to(device)
@@ -469,11 +492,9 @@ def run_gradref(s: GateSettings, log=print) -> dict:
             loss.backward()
             b_losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
                             .detach().cpu())
-            for n, p in model.named_parameters():
-                if p.grad is not None:
-                    bacc[n] += p.grad.double() * (y.numel() / total)
-        for n in names:
-            batch_grad[n].append(bacc[n].cpu())
+            bacc += _flat_grad(params) * (y.numel() / total)
+        for n, b in zip(names, _unflat(bacc, params)):
+            batch_grad[n].append(b.cpu())
         bl.append(torch.cat(b_losses))
         # Expert loads as the fleet's slices see them (its routing is per
         # token; counting over its own slices keeps near-ties as the fleet
