@@ -142,6 +142,10 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--tensorboard", default="", metavar="DIR",
                    help="write loss, lr, tokens/s and eval loss per step as TensorBoard events to DIR "
                         "(rank 0; needs the tracking extra; default: none)")
+    t.add_argument("--record", default="", metavar="DIR",
+                   help="record every step for the gate (dormouse.gate.Recorder: micro-batches, parameters, "
+                        "gradients, lr, loss; every rank into DIR/rank<r>/); judge it with "
+                        "`dormouse gate check --out DIR` (default: no recording)")
     t.add_argument("--set", action="append", default=[], metavar="[model.|train.]FIELD=VALUE",
                    help="any ModelConfig or TrainConfig field, e.g. --set model.max_iter=3 "
                         "--set train.opt=adamw (a bare FIELD is a TrainConfig field)")
@@ -168,8 +172,15 @@ def _train(args) -> int:
 
     torch.set_num_threads(args.threads)
     describe = f"config={args.config}" if args.config else f"preset={args.preset or 'tiny'}"
-    run(run_from_args(args), device=args.device, log_dir=args.log_dir, tensorboard=args.tensorboard,
-        describe=describe)
+    hooks = None
+    if args.record:
+        from dormouse.gate.record.dormouse_loop import LoopRecorder
+
+        hooks = LoopRecorder(args.record).hooks()
+    report = run(run_from_args(args), device=args.device, log_dir=args.log_dir, tensorboard=args.tensorboard,
+                 describe=describe, hooks=hooks)
+    if args.record and report.get("rank", 0) == 0 and report["final_loss"] is not None:
+        print(f"recording in {args.record}: judge it with `dormouse gate check --out {args.record}`", flush=True)
     return EXIT_OK
 
 

@@ -283,10 +283,10 @@ FLEET_ARGS = ["--profile", "2,1", "--seq-len", "32", "--steps", "6", "--ckpt-eve
 @pytest.fixture(scope="module")
 def fleet_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """A 2-rank `torchrun -m dormouse train` fleet (gloo), 6 steps: no --dist,
-    torchrun alone makes it a fleet."""
+    torchrun alone makes it a fleet; it records itself (--record) for the gate."""
     d = tmp_path_factory.mktemp("fleet")
     proc = _finish(_torchrun("-m", "dormouse", "train", *FLEET_ARGS, "--out", str(d / "run"),
-                             "--log-dir", str(d / "logs"), cwd=d))
+                             "--log-dir", str(d / "logs"), "--record", str(d / "rec"), cwd=d))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return d, proc
 
@@ -305,6 +305,20 @@ def test_torchrun_trains_a_fleet_with_rank_0_logging_and_per_rank_logs(fleet_run
     run = RunConfig.from_json((d / "run" / "run.json").read_text())
     assert run.train.dist and run.train.dist_profile == "2,1" and run.train.data_order == "shuffle"
     assert (d / "run" / "dormouse.pt").is_file()
+
+
+def test_the_fleets_recording_passes_the_recording_judge(fleet_run):
+    # (the command `dormouse gate check` itself: tests/gate/test_own_trainer_recording.py, one process)
+    from dormouse.gate.judge.recording import judge_recording
+    from dormouse.gate.record.reference import make_reference
+
+    d, proc = fleet_run
+    assert proc.stdout.count(f"judge it with `dormouse gate check --out {d / 'rec'}`") == 1
+    make_reference(d / "rec", log=lambda line: None)
+    v = judge_recording(d / "rec")
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    assert v.check("complete").reason.startswith("recording of 6 steps, 2 ranks")
+    assert v.check("gradient").worst < 1e-6 and "bitwise at all 6 steps" in v.check("replay").reason
 
 
 def test_sample_and_eval_read_the_fleets_checkpoint(fleet_run):

@@ -178,13 +178,18 @@ def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
 #   <out>/recording.json                     the run: world, segments, import paths, objective, provenance
 #   <out>/rank{r}/init.safetensors           rank r's initial state (local shards under FSDP2; placements in
 #                                            the file's metadata)
-#   <out>/rank{r}/step{k:06d}.safetensors    in/{m}/{key}, p/ g/ (full) or ps/ gs/ (sketched)
+#   <out>/rank{r}/step{k:06d}.safetensors    in/{m}/{key}, p/ g/ b/ (full; b/ persistent buffers) or ps/ gs/ (sketched)
 #   <out>/rank{r}/step{k:06d}.json           lr, loss, clip, no-grad names, param hash, ...
 #   <out>/rank{r}/final.safetensors|.json    the parameters after the last step
 #   <out>/reference/step{k:06d}.safetensors|.json  the references at step k
 #   <out>/reference/reference.json           what the references were made from (their staleness key)
 
 RECORDING_SCHEMA = 1
+
+
+def fleet_recording_dir(out: Path) -> Path:
+    """Where a gate's fleet writes its recording (GateSettings.recording = 1)."""
+    return Path(out) / "recording"
 
 
 def recording_path(out: Path) -> Path:

@@ -3,6 +3,10 @@
 The loop and every synchroniser call them at fixed places of each step
 (steps numbered from 1, as `on_step` numbers them):
 
+    on_start(Start)              once, before the first step this call trains
+                                 (after any resume: `Start.step` steps are done);
+                                 the model is the one the loop calls (sharded
+                                 under FSDP2), not yet stepped
     for each slice of this process: forward, backward
     on_local_grads(LocalGrads)   the gradient this process contributes, before
                                  any reduce reads it: `grads` are the very
@@ -13,7 +17,13 @@ The loop and every synchroniser call them at fixed places of each step
                                  and the optimizer; a hook may change the
                                  gradients in place or replace `loads` or
                                  `loss` (the step's logged loss)
-    on_grads / clip / optimizer step / routing bias / on_step   (train()'s arguments)
+    on_grads                     (train()'s argument)
+    clip (train.grad_clip)
+    on_clipped(Clipped)          the gradient the optimizer is about to apply
+                                 (clipped; as reduced when clipping is off)
+    optimizer step / routing bias / on_step
+    on_end(report)               once, after the last step, with train()'s report
+                                 (every rank reaches it: a hook may synchronise)
 
 A fleet's synchroniser sends a rank's gradient in pieces (buckets, overlapped
 with backward; under the exact reduce one contribution per slice), so
@@ -66,12 +76,50 @@ class Reduced:
 
 
 @dataclass
+class Clipped:
+    """The step after clipping, just before the optimizer applies the model's .grad."""
+
+    step: int  # the step (from 1)
+    rank: int  # this process's rank (0 alone)
+    model: torch.nn.Module  # its .grad hold the gradient the optimizer applies
+    clip_coef: float  # what clipping multiplied the gradient by (1.0: clipping off or not binding)
+    grad_norm: float | None  # the global norm clipping computed (None: clipping off)
+
+
+@dataclass
+class Start:
+    """The run as train() is about to step it."""
+
+    step: int  # steps already done (0 fresh; the checkpoint's step when resumed)
+    rank: int  # this process's rank (0 alone)
+    world: int  # processes in the fleet (1 alone)
+    model: torch.nn.Module  # the module the loop calls (an FSDP2 module under sharding)
+    run: object  # the RunConfig being trained
+    plan: object  # the steps' FleetPlan
+
+
+@dataclass
 class Hooks:
     """The hooks of one train() call: lists of callables, called in order."""
 
     on_local_grads: list[Callable[[LocalGrads], None]] = field(default_factory=list)
     on_reduced: list[Callable[[Reduced], None]] = field(default_factory=list)
     on_step: list[Callable[[int, torch.nn.Module, dict], None]] = field(default_factory=list)
+    on_start: list[Callable[[Start], None]] = field(default_factory=list)
+    on_end: list[Callable[[dict], None]] = field(default_factory=list)
+    on_clipped: list[Callable[[Clipped], None]] = field(default_factory=list)
+
+    def clipped(self, state: Clipped) -> None:
+        for h in self.on_clipped:
+            h(state)
+
+    def started(self, state: Start) -> None:
+        for h in self.on_start:
+            h(state)
+
+    def ended(self, report: dict) -> None:
+        for h in self.on_end:
+            h(report)
 
     def local_grads(self, piece: LocalGrads) -> None:
         for h in self.on_local_grads:
@@ -87,7 +135,8 @@ class Hooks:
 
     def __add__(self, other: "Hooks") -> "Hooks":
         return Hooks(self.on_local_grads + other.on_local_grads, self.on_reduced + other.on_reduced,
-                     self.on_step + other.on_step)
+                     self.on_step + other.on_step, self.on_start + other.on_start, self.on_end + other.on_end,
+                     self.on_clipped + other.on_clipped)
 
 
 _INSTALLED: list[Hooks] = []

@@ -14,7 +14,8 @@ alone, its own on a rank of a fleet):
     sync.reduce(...)                            # combine the slices' gradients (on_local_grads
                                                 #   sees each contribution before it is read)
     hooks.on_reduced, on_grads                  # the combined gradient, before clipping
-    clip, step the optimizer, then move the routing bias by the step's expert loads
+    clip, hooks.on_clipped                      # the gradient the optimizer applies
+    step the optimizer, then move the routing bias by the step's expert loads
 
 so every process ends the step holding g = sum_i t_i g_i / T, the gradient of the
 token-weighted mean loss over the global batch (for one slice, t_i / T = 1 and
@@ -43,7 +44,7 @@ from dormouse.errors import CheckpointError, DivergedError
 from dormouse.model import DormouseModel
 from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
 from dormouse.train.data import ByteCorpus, FleetPlan, builtin_corpus
-from dormouse.train.hooks import Hooks, LocalGrads, Reduced, for_call
+from dormouse.train.hooks import Clipped, Hooks, LocalGrads, Reduced, Start, for_call
 from dormouse.train.exact import put_grads, split_stats, stats_row, take_grads, tree_sum
 from dormouse.train.optim import MixOptimizer
 
@@ -218,6 +219,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
             log(f"resumed from {path} at step {start}"
                 + (f": nothing to do, train.steps is {cfg.steps}" if start >= cfg.steps else ""))
     sync.agree_on_start(start)
+    hooks.started(Start(start, sync.rank, sync.world_size, model, run, plan))
     metrics = Path(cfg.out_dir) / f"{cfg.ckpt_name}.metrics.jsonl"
     if sync.is_main and start == 0 and metrics.exists():
         metrics.unlink(missing_ok=True)  # a fresh run starts a fresh log
@@ -265,6 +267,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
             norm = sync.clip([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             clip_coef = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))  # what clip_grad_norm_ multiplied by
+        hooks.clipped(Clipped(step + 1, sync.rank, model, clip_coef, grad_norm))
         opt.step()
         model.balance_experts(loads)
         losses.append(loss_value)
@@ -290,7 +293,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
 
     wall = time.perf_counter() - t0
     steps_run = end - start
-    return {
+    report = {
         "rank": sync.rank,
         "world_size": sync.world_size,
         "start_step": start,
@@ -303,15 +306,24 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         "tokens_per_s": total_tokens * steps_run / wall if wall > 0 else 0.0,
         "checkpoint": str(ckpt) if ckpt else None,
     }
+    hooks.ended(report)
+    return report
 
 
 @torch.no_grad()
 def evaluate(model, corpus: ByteCorpus, run: RunConfig) -> float:
-    """Token-mean loss over the held-out tail (every process computes the same)."""
+    """Token-mean loss over the held-out tail (every process computes the same).
+    The model is in eval mode meanwhile (the network has no train/eval
+    difference; a Recorder's forward hook takes only training forwards)."""
     total, count = 0.0, 0
     device = next(model.parameters()).device
-    for x, y in corpus.eval_batches(run.train.batch, run.train.seq_len):
-        _, loss, _ = model(x.to(device), y.to(device))
-        total += float(loss) * y.numel()
-        count += y.numel()
+    was = model.training
+    model.eval()
+    try:
+        for x, y in corpus.eval_batches(run.train.batch, run.train.seq_len):
+            _, loss, _ = model(x.to(device), y.to(device))
+            total += float(loss) * y.numel()
+            count += y.numel()
+    finally:
+        model.train(was)
     return total / count

@@ -76,10 +76,11 @@ def tokens_per_step(config: RunConfig) -> int:
 
 
 def run(config: RunConfig, *, device: str = "cpu", log_dir: str = "", tensorboard: str = "",
-        describe: str = "") -> dict:
+        describe: str = "", hooks=None) -> dict:
     """Train `config` in this process, or as this process's rank of the fleet
     torchrun started; returns the loop's report. `describe` names where the
-    run came from in the first log line (e.g. "preset=tiny"). DormouseError
+    run came from in the first log line (e.g. "preset=tiny"); `hooks`
+    (dormouse.train.hooks.Hooks) go to the loop, e.g. a recording's. DormouseError
     for bad input (said before any rank joins a fleet where it can be); any
     other exception is a crash: its traceback goes to the rank's log file
     (the caller maps both to an exit status: errors.command_status)."""
@@ -103,7 +104,7 @@ def run(config: RunConfig, *, device: str = "cpu", log_dir: str = "", tensorboar
             from dormouse.train.tracking import TensorBoardTracker
 
             tracker = TensorBoardTracker(tensorboard, tokens_per_step=per_step, run=config)
-        return _train(config, device, log, tracker, describe)
+        return _train(config, device, log, tracker, describe, hooks)
     except DormouseError as e:
         if log.file is not None:  # a rank other than 0 says it here (rank 0 on stderr too)
             log.file.write(f"error: {' '.join(str(e).split())}\n")
@@ -118,7 +119,7 @@ def run(config: RunConfig, *, device: str = "cpu", log_dir: str = "", tensorboar
         log.close()
 
 
-def _train(config: RunConfig, device: str, log: RankLog, tracker, describe: str) -> dict:
+def _train(config: RunConfig, device: str, log: RankLog, tracker, describe: str, hooks=None) -> dict:
     from dormouse.model import DormouseModel
 
     n_params = sum(p.numel() for p in DormouseModel(config.model).parameters())
@@ -140,14 +141,14 @@ def _train(config: RunConfig, device: str, log: RankLog, tracker, describe: str)
     if config.train.dist:
         from dormouse.train.distributed import close_fleet, train_dist
 
-        report = train_dist(config, log=line_log, device_type=device, on_step=on_step, close=False)
+        report = train_dist(config, log=line_log, device_type=device, on_step=on_step, close=False, hooks=hooks)
         del report["model"]  # the last holder of a sharded model: gone before the group is destroyed
         close_fleet()
     else:
         from dormouse.train.loop import build_model, train
 
         model = build_model(config).to(device)
-        report = train(model, config, log=line_log, on_step=on_step)
+        report = train(model, config, log=line_log, on_step=on_step, hooks=hooks)
     if report["final_loss"] is None:
         log(f"done: nothing to train, the checkpoint is already at step {report['start_step']} "
             f"(--steps {config.train.steps}); raise --steps to continue")

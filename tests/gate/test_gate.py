@@ -20,19 +20,24 @@ from dormouse.gate.record import modes
 from dormouse.gate.artifacts import load_meta, load_tensors
 from dormouse.gate.judge.checks import BIAS_FLOOR, BIAS_SIGMAS, GRAD_RTOL, LOSS_RTOL, WINDOW_RTOL, judge
 from dormouse.gate.settings import GateSettings
-from gatekit import faulty_fleets, fleets, references
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import fleet_recording_dir
+from dormouse.gate.judge.recording import judge_recording
+from dormouse.gate.record.reference import make_reference
+from gatekit import QUIET, faulty_fleets, fleets, references
 
 CLEAN = {
     # profile "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval;
     # the fleet stops at step 10 and resumes in one process (resume_world 1)
     "default": {},
     "resume3": {"resume_world": 3},  # ... or at three ranks of 2 windows
-    "fsdp": {"shard": "fsdp", "steps": 10},
+    "fsdp": {"shard": "fsdp", "steps": 10, "recording": 1},  # recorded: FSDP2's clip norm is its own order
     "adamw": {"opt": "adamw", "steps": 10},
     "bf16": {"reduce": "bf16", "steps": 10},
     "buckets": {"bucket_mb": 0.05},  # ~13 buckets instead of one
     "mixed": {"profile": "4x32,2x64", "resume_world": 0, "steps": 10},  # no single process holds this batch
-    "sequential": {"data_order": "sequential", "profile": "", "steps": 10},
+    # ... and records itself through the Recorder too (judged by `dormouse gate check`)
+    "sequential": {"data_order": "sequential", "profile": "", "steps": 10, "recording": 1},
 }
 
 
@@ -181,7 +186,7 @@ def test_a_nan_in_a_compared_series_fails_by_name(clean, tmp_path):
 FAULTY = {
     "grad_x2": ("grad_x2", {"steps": 6}),
     "window_weights": ("window_weights", {"profile": "4x32,2x64", "steps": 6}),
-    "plain_mean": ("plain_mean", {"steps": 5}),
+    "plain_mean": ("plain_mean", {"steps": 5, "recording": 1}),  # recorded through the Recorder too
     "wrong_step": ("wrong_step", {"steps": 6}),
     "batch_stats": ("batch_stats", {"steps": 5}),
     "skip_param": ("skip_param", {"steps": 3}),
@@ -224,9 +229,28 @@ def test_window_weighting_under_mixed_window_lengths_fails_gradref(faulty):
     assert v.check("window").passed  # the network is fine; the fleet's weights are not
 
 
+@pytest.mark.parametrize("name", ["sequential", "fsdp"])
+def test_the_fleets_recording_passes_the_recording_judge_across_its_resume(clean, name):
+    out = fleet_recording_dir(clean[name])
+    make_reference(out, log=QUIET)
+    v = judge_recording(out)
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    assert [seg["world"] for seg in A.RecordingSet(out).meta["segments"]] == [2, 1]  # stopped at 5, resumed alone
+    assert "bitwise at all 10 steps, across 1 resume(s)" in v.check("replay").reason
+    assert "equal the one-process gradient's at every step" in v.check("clip").reason  # the loop's own norm
+
+
 def test_plain_mean_instead_of_token_weighting_fails_gradref(faulty):
     v = faulty_gate(faulty, "plain_mean")
     assert not v.passed and not v.check("gradref").passed and v.check("ranks").passed
+    # the same fleet's recording: the gradient check names the weighting (one slice per rank, so each
+    # rank's own token mean is its micro-batch's), the replay holds (it applied what it computed)
+    out = fleet_recording_dir(faulty["plain_mean"].out_dir)
+    make_reference(out, log=QUIET)
+    r = judge_recording(out)
+    g = r.check("gradient")
+    assert not r.passed and not g.passed and "not the global mean the objective declares" in g.reason
+    assert "at step 1" in g.reason and r.check("replay").passed and r.check("ranks").passed
 
 
 def test_a_fleet_reading_step_k_plus_8s_bytes_fails_gradref(faulty):

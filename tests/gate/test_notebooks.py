@@ -41,9 +41,10 @@ REPO = settings.REPO_ROOT
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DEFAULTS = {f.name: f.default for f in fields(GateSettings)}
 SETS = ("single", "fleet", "gradref", "replay")
-NOT_IN = {"01": {"shard", "bucket_mb", "timeout_s", "produce"}, "02": {"produce"}}  # parameters a notebook lacks
-# a notebook's parameters that are no gate setting: 04's recording (a Recorder's directory, judged instead)
-NOTEBOOK_ONLY = {"04": {"recording"}}
+NOT_IN = {"01": {"shard", "bucket_mb", "timeout_s", "produce", "recording"}, "02": {"produce", "recording"},
+          "03": {"recording"}, "04": {"recording"}}  # parameters a notebook lacks (recording: the fleet's CLI)
+# a notebook's parameters that are no gate setting: 04's recording_dir (a Recorder's directory, judged instead)
+NOTEBOOK_ONLY = {"04": {"recording_dir"}}
 
 
 def run_nb(name: str, out_nb: Path, *, cwd: Path, **params) -> nbformat.NotebookNode:
@@ -485,7 +486,7 @@ def test_verdict_notebook_presents_a_recording(tmp_path, monkeypatch):
     rec = looprec.one_process(tmp_path / "rec", steps=3, n=12)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(looprec.SUPPORT), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "never"
-    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=tmp_path, recording=str(rec), out=str(out))
+    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=tmp_path, recording_dir=str(rec), out=str(out))
     v = json.loads((rec / "verdict.json").read_text())
     assert v["pass"], v["checks"]
     assert (rec / "recording_gradient.png").stat().st_size > 1000

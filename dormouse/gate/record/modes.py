@@ -10,7 +10,8 @@ single  - one process at the GLOBAL batch: the reference curve, with every
           summed in the fixed order (`exact`).
 rank    - one process per rank under torchrun: the fleet (rank<r>), with the
           initial parameters (init) and, on rank 0, every step's parameters
-          and reduced gradients.
+          and reduced gradients; with settings.recording also a Recorder
+          recording of the same run (out/recording: `dormouse gate check`).
 gradref - from the fleet's parameters before each step (init, then rank 0's
           trace) and that step's bytes, read by its OWN arithmetic from the
           documented data rule: each window's gradient computed alone and
@@ -40,7 +41,8 @@ import torch.nn.functional as F
 
 from dormouse.config import RunConfig
 from dormouse.errors import DormouseError
-from dormouse.gate.artifacts import load_meta, load_tensors, load_trace, provenance, save_artifact
+from dormouse.gate.artifacts import (fleet_recording_dir, load_meta, load_tensors, load_trace, provenance,
+                                     save_artifact)
 from dormouse.gate.record.fixtures import build, corpus_path, make_run
 from dormouse.gate.settings import GateSettings, from_dict
 from dormouse.gate.record.trace import Trace
@@ -329,8 +331,13 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
             trace.extend(first)
         leg1 = load_meta(s.out_dir, f"{LEG1}rank{rank if rank < s.world else 0}")
         earlier, earlier_evals = leg1["losses"], leg1.get("evals", [])
+    hooks = None
+    if s.recording:  # the same run through the Recorder (leg 2: a new segment after the checkpoint's step)
+        from dormouse.gate.record.dormouse_loop import LoopRecorder
+
+        hooks = LoopRecorder(fleet_recording_dir(s.out_dir)).hooks()
     report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace,
-                        on_grads=trace.record_grads)
+                        on_grads=trace.record_grads, hooks=hooks)
     state = named_state(report["model"], gather=gather)
     plan = me.plan
     name = f"{LEG1 if leg == 1 else ''}rank{rank}"

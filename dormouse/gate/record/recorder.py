@@ -21,8 +21,10 @@ the parameters before the step, the gradient on the parameters at rec.step()
 (synchronised; before clipping unless the loop says it clipped, by passing
 `clip_coef` or `grad_norm` with max_grad_norm > 0: then the gradient is the
 clipped one the optimizer applies and `clip_coef` says by how much), the lr,
-the loop's reported loss, the parameters with no gradient, and a sha256 of the
-parameters (ranks equal). Every file is written atomically, the JSON last.
+the loop's reported loss, the parameters with no gradient, a sha256 of the
+parameters (ranks equal), and (full-tensor steps) the module's persistent
+buffers before the step ("b/": state outside the optimizer, e.g. a routing
+bias, which the reference loads with the parameters). Every file is written atomically, the JSON last.
 
 Scale: `sketch=k > 0` stores, instead of each tensor x, its CountSketch
 S x in R^k: each element i goes to bucket h(i) in [0, k) with sign s(i), both
@@ -136,10 +138,14 @@ def code_hashes(paths: list[str]) -> dict[str, str]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of t on the CPU, always a copy: the digest's .numpy()
+    marks a storage non-resizable, and FSDP2 resizes the storage of its
+    unsharded parameters (a live one, after a no-grad forward at world 1)."""
     t = t.detach()
     if hasattr(t, "to_local"):
         t = t.to_local()
-    return t.cpu().contiguous()
+    out = t.cpu().contiguous()
+    return out.clone() if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else out
 
 
 def _placement(t) -> dict | None:
@@ -311,6 +317,9 @@ class Recorder:
             segments = prior["segments"]
         self.run = run
         self.segment = len(segments)
+        params = {n for n, _ in self.module.named_parameters()}
+        # persistent buffers (state outside the optimizer, e.g. a routing bias): "b/" at tensor steps
+        self._buffers = [n for n in self.module.state_dict() if n not in params]
         placements = {n: _placement(t) for n, t in self.module.state_dict().items()}
         self.placements = {n: p for n, p in placements.items() if p}
         self.meta = {
@@ -468,6 +477,9 @@ class Recorder:
             else:
                 tensors.update({f"p/{n}": v for n, v in params.items()})
                 tensors.update({f"g/{n}": v for n, v in grads.items()})
+                # named_buffers, not state_dict(): under FSDP2 a state_dict mid-step reshards (its hook)
+                bufs = dict(self.module.named_buffers())
+                tensors.update({f"b/{n}": _local(bufs[n]).clone() for n in self._buffers if n in bufs})
                 param_hash = _digest(params)
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,

@@ -333,10 +333,15 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
 # --------------------------------------------------------------------------- the reference as a whole
 
 
-def _load_params(model, params: dict[str, torch.Tensor]) -> None:
+def _load_params(model, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None) -> None:
+    """The recorded parameters (and persistent buffers, "b/", where recorded: state
+    outside the optimizer, e.g. a routing bias, that the step's forward reads)."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(params[n])
+        for n, b in model.named_buffers():
+            if buffers and n in buffers:
+                b.copy_(buffers[n])
 
 
 def _sketched(tensors: dict[str, torch.Tensor], numel: dict[str, int], k: int, seed: int, cache: dict):
@@ -395,7 +400,7 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         lr = opt.param_groups[0]["lr"]
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         if replay:
-            _load_params(probe_model, rec.tensors_at(k, "p/"))
+            _load_params(probe_model, rec.tensors_at(k, "p/"), rec.tensors_at(k, "b/"))
             gmodel = probe_model
         else:
             gmodel = model

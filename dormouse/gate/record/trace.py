@@ -12,6 +12,14 @@ Stored as `<name>_trace.safetensors`:
     "p/<tensor>"  (steps, *shape): the tensor after each step (snapshots on)
     "g/<tensor>"  (steps, *shape): the step's reduced gradient, before clipping
                   and the optimizer (snapshots on)
+
+Beside it, a fleet asked to (GateSettings.recording) records the same run
+through the public Recorder (record/dormouse_loop.py), the one format every
+loop's recording has, judged by `dormouse gate check`. What only dormouse's
+gate needs stays here: topk and loads (a routing flip explains where two runs
+part; gradref's loads drive the replay's routing bias), the clip series, and
+the p/ g/ snapshots that gradref and the replay of modes.py still read (not
+yet the recording's).
 """
 
 from __future__ import annotations

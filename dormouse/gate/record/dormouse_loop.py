@@ -1,0 +1,221 @@
+"""dormouse's own trainer as a client of the Recorder (record/recorder.py):
+one recording format and one judge for every loop, this one included.
+
+    rec = LoopRecorder(out_dir)                  # e.g. `dormouse train --record DIR`
+    train(model, run, hooks=rec.hooks())         # or train_dist(run, hooks=rec.hooks())
+
+It enters train() only through its explicit hooks (dormouse.train.hooks):
+
+    on_start    builds the Recorder on the module the loop calls (an FSDP2
+                module's local shards under sharding), so its forward pre-hook
+                sees every training forward and its init is the state before
+                the first step this call trains (resumed: a new segment after
+                the checkpoint's step, in the same directory)
+    on_reduced  the step's global token-weighted loss (the loop's reported loss)
+    on_clipped  rec.step(loss, lr, clip_coef, grad_norm): the gradient the
+                optimizer is about to apply, after the loop's clipping
+                (max_grad_norm = train.grad_clip; the loop's own norm and
+                coefficient are passed, so the Recorder takes the gradient as
+                clipped: the replay steps on exactly what the optimizer
+                applied, the gradient check divides by clip_coef, the clip
+                check compares the loop's norm with one process's). Under
+                FSDP2 the loop's norm sums per-shard partial norms in another
+                order than one process (ulps), which a replay that re-clipped
+                would carry through Muon's Newton-Schulz to 1e-4; lr =
+                lr_at(step) (the loop's one schedule)
+    on_end      rec.close() (every rank: it synchronises)
+
+How one process rebuilds the run (build_kwargs = {"run": the RunConfig as a dict}):
+
+    build_model      loop.build_model(run): seeded by train.seed, the same init
+    build_optimizer  MixOptimizer (Muon for hidden matrices, AdamW for the rest;
+                     loop.make_optimizer) behind torch.optim.Optimizer's
+                     interface, and the loop's lr schedule as an LRScheduler:
+                     lr of step k (0-based) = lr_at(k, run)
+    objective        next_byte: the model's loss, a token mean of next-byte
+                     cross-entropy over the GLOBAL batch, declared as
+                     loss_sum(b) = sum_{i,t} CE(z_{i,t}, y_{i,t}), count(b) = |y|,
+                     z = model(x) logits, (x, y) = the forward's positional
+                     (arg0, arg1): targets already aligned (the built-in
+                     "token_mean" reads a "labels" keyword, which dormouse's
+                     forward(x, y) does not take)
+
+State outside the optimizer: the MoE's routing bias (a buffer) moves after
+every step by b += rate * sign(mean(load) - load) from the step's global
+expert loads. It changes which experts each token chooses, so the
+one-process gradient at step k must be taken at the fleet's bias before k:
+the Recorder stores the model's persistent buffers ("b/", full-tensor steps)
+and the reference loads them with the parameters. The replay of the
+optimizer does not need the bias (it steps on the recorded gradients); the
+bias's own update is checked by `check_routing_bias` below (a dormouse-only
+addition, not yet part of the verdict: the loads counted by one process over every rank's recorded
+micro-batches, the documented rule applied, against the recorded bias).
+Engram memory is parameters only (its hash multipliers are a constant,
+non-persistent buffer): the optimizer and the gradient check cover it.
+
+Not in a recording (dormouse-only, the gate's trace keeps them): every
+token's expert choice per iteration (`topk`) and the step's loads, which
+explain a difference by a routing flip; gradref re-deriving the bytes by its
+own arithmetic; the exact reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dormouse.config import RunConfig
+from dormouse.gate import artifacts as A
+from dormouse.gate.record.recorder import Recorder, RecorderError
+from dormouse.train import loop
+from dormouse.train.hooks import Clipped, Hooks, Reduced, Start
+
+HERE = __name__
+BUILD_MODEL = f"{HERE}:build_model"
+BUILD_OPTIMIZER = f"{HERE}:build_optimizer"
+OBJECTIVE = f"{HERE}:next_byte"
+
+
+def _run(run) -> RunConfig:
+    return run if isinstance(run, RunConfig) else RunConfig.from_dict(run)
+
+
+def build_model(run: dict, **_) -> torch.nn.Module:
+    """The run's initial model in a fresh process (loop.build_model)."""
+    return loop.build_model(_run(run))
+
+
+class MixAsTorch(torch.optim.Optimizer):
+    """loop.make_optimizer's MixOptimizer behind torch.optim.Optimizer: one
+    param group whose "lr" an LRScheduler sets; step() hands it to
+    MixOptimizer.set_lr and steps (the very update the loop applies)."""
+
+    def __init__(self, model: torch.nn.Module, run: RunConfig):
+        self.mix = loop.make_optimizer(model, run)
+        super().__init__(list(model.parameters()), {"lr": run.train.lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.mix.set_lr(self.param_groups[0]["lr"])
+        self.mix.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.mix.zero_grad()
+
+    def state_dict(self):
+        return self.mix.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.mix.load_state_dict(state_dict)
+
+
+class LoopSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """The loop's schedule: the lr of step k (0-based) is lr_at(k, run)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, run: RunConfig):
+        self.run = run
+        super().__init__(optimizer)
+
+    def get_lr(self):
+        return [loop.lr_at(self.last_epoch, self.run) for _ in self.optimizer.param_groups]
+
+
+def build_optimizer(model: torch.nn.Module, run: dict, **_):
+    """(optimizer, scheduler) as the loop steps them, for `model`."""
+    run = _run(run)
+    opt = MixAsTorch(model, run)
+    return opt, LoopSchedule(opt, run)
+
+
+def next_byte(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """The declared objective of one micro-batch: (sum of next-byte
+    cross-entropies, number of targets), from the logits of model(x) against
+    the aligned targets y; x, y are the forward's positional arguments."""
+    if "arg0" not in batch or "arg1" not in batch:
+        raise RecorderError("the recorded batch has no positional (x, y): dormouse's model is called as "
+                            "model(x, y); record the loop that calls it so")
+    x, y = batch["arg0"], batch["arg1"]
+    z = model(x)[0].float()
+    return F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="sum"), int(y.numel())
+
+
+class LoopRecorder:
+    """Records one train() (or train_dist()) call into `out_dir` through the
+    Recorder, by the hooks of `hooks()` (see the module docstring)."""
+
+    def __init__(self, out_dir):
+        self.out = Path(out_dir)
+        self.rec: Recorder | None = None
+        self.run: RunConfig | None = None
+        self.loss: float | None = None
+
+    def hooks(self) -> Hooks:
+        return Hooks(on_start=[self._start], on_reduced=[self._reduced], on_clipped=[self._clipped],
+                     on_end=[self._end])
+
+    def _start(self, st: Start) -> None:
+        run = st.run
+        if st.step and not A.recording_path(self.out).exists():
+            raise RecorderError(f"the run resumed at step {st.step} but {self.out} holds no recording of its first "
+                                "steps: record from step 0 into that directory, or drop --record")
+        # what rebuilds the run: its recipe, not this launch's resuming or stopping
+        rebuild = dataclasses.replace(run, train=dataclasses.replace(run.train, resume=False, resume_from="",
+                                                                     stop_at=0))
+        self.run = run
+        self.rec = Recorder(self.out, st.model, build_model=BUILD_MODEL, build_optimizer=BUILD_OPTIMIZER,
+                            objective=OBJECTIVE, max_grad_norm=run.train.grad_clip,
+                            build_kwargs={"run": rebuild.to_dict()}, resume=st.step if st.step else False)
+
+    def _reduced(self, st: Reduced) -> None:
+        self.loss = st.loss
+
+    def _clipped(self, st: Clipped) -> None:
+        clipping = self.run.train.grad_clip > 0
+        self.rec.step(loss=self.loss, lr=loop.lr_at(st.step - 1, self.run),
+                      clip_coef=st.clip_coef if clipping else None, grad_norm=st.grad_norm if clipping else None)
+        if self.rec.k != st.step:
+            raise RecorderError(f"the recording's step {self.rec.k} is not the loop's step {st.step}: "
+                                "record each run into its own directory")
+
+    def _end(self, report: dict) -> None:
+        if self.rec is not None:
+            self.rec.close()
+
+
+@torch.no_grad()
+def check_routing_bias(out) -> tuple[bool, str]:
+    """The routing bias's update, a dormouse-only addition to a recording's
+    verdict (not yet part of `dormouse gate check`): at every recorded step k
+    but the last, the loads L_k counted by one process over every rank's
+    recorded micro-batches at the recorded parameters and bias before k
+    (summed over iterations' experts, exact counts), and the documented rule
+    b_{k+1} = b_k + rate * sign(mean(L_k) - L_k) (MoE.balance), against the
+    recorded bias before k+1, bitwise. Returns (ok, one line)."""
+    rec = A.RecordingSet(out)
+    run = _run(rec.meta["build_kwargs"]["run"])
+    model = loop.build_model(run)
+    if model.block.moe is None or run.model.moe_bias_rate == 0:
+        return True, "no routing bias moves in this model (no MoE, or moe_bias_rate 0): nothing to check"
+    model.train()
+    steps = [k for k in rec.steps if (k - 1) % rec.every == 0]
+    for k, nxt in zip(steps, steps[1:]):
+        if nxt != k + 1:
+            continue
+        params, buffers = rec.tensors_at(k, "p/"), rec.tensors_at(k, "b/")
+        for n, t in model.named_parameters():
+            t.copy_(params[n])
+        for n, b in model.named_buffers():
+            if n in buffers:
+                b.copy_(buffers[n])
+        loads = sum(model(batch["arg0"], batch["arg1"])[2]["loads"] for _, _, batch in rec.micro_batches(k))
+        model.balance_experts(loads)
+        want, got = model.block.moe.router_bias, rec.tensors_at(nxt, "b/")["block.moe.router_bias"]
+        if not torch.equal(want, got):
+            return False, (f"the routing bias before step {nxt} is not the documented update of step {k}'s "
+                           f"global loads (max difference {float((want - got).abs().max()):.3g}): the fleet "
+                           "moved it by other loads (a rank's own?) or by another rule")
+    return True, (f"the routing bias follows b += rate * sign(mean load - load) from the loads of every rank's "
+                  f"recorded micro-batches, bitwise, over {max(len(steps) - 1, 0)} steps")

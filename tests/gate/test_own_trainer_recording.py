@@ -1,0 +1,111 @@
+"""dormouse's own trainer records through the public Recorder (issue 13):
+`dormouse train --record DIR` and `dormouse gate check --out DIR`, one
+process here (the fleet's recording rides in test_gate.py's launches)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dormouse.__main__ import main
+from dormouse.config import RunConfig, TrainConfig, preset
+from dormouse.gate import artifacts as A
+from dormouse.gate.judge.recording import judge_recording
+from dormouse.gate.record.dormouse_loop import LoopRecorder
+from dormouse.gate.record.reference import make_reference
+from dormouse.gate.settings import GateSettings, ParameterError
+from dormouse.train import loop
+from dormouse.train.hooks import Hooks
+
+SMALL = ["--steps", "5", "--set", "seq_len=32", "--set", "batch=3", "--set", "grad_clip=0.05",
+         "--set", "eval_every=2", "--set", "eval_frac=0.1", "--set", "warmup=2", "--set", "schedule=cosine",
+         "--set", "wd=0.01", "--set", "ns_dtype=float32"]
+
+
+def reasons(v) -> str:
+    return "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+
+
+def test_dormouse_train_record_then_gate_check_passes_in_one_process(tmp_path, capsys):
+    rec = tmp_path / "rec"
+    assert main(["train", "--out", str(tmp_path / "run"), "--record", str(rec), *SMALL]) == 0
+    assert "dormouse gate check --out" in capsys.readouterr().out
+    assert main(["gate", "check", "--out", str(rec)]) == 0
+    v = judge_recording(rec)
+    assert v.passed, reasons(v)
+    assert v.check("gradient").worst < 1e-6
+    assert "bitwise at all 5 steps" in v.check("replay").reason
+    # eval forwards (every 2 steps, eval mode) are not recorded as training micro-batches
+    assert all(json.loads(A.step_meta_path(rec, 0, k).read_text())["micro_batches"] == 1 for k in range(1, 6))
+    # the routing bias (a buffer outside the optimizer) moved, and every step recorded it
+    s = A.RecordingSet(rec)
+    first, last = s.tensors_at(1, "b/"), s.tensors_at(5, "b/")
+    assert set(first) == {"block.moe.router_bias"}
+    assert first["block.moe.router_bias"].abs().max() == 0 and last["block.moe.router_bias"].abs().max() > 0
+
+
+def test_a_doubled_reduced_gradient_fails_the_recordings_gradient_check_by_its_factor(tmp_path):
+    run = RunConfig(model=preset("tiny"), train=TrainConfig(
+        steps=3, batch=2, seq_len=32, lr=1e-3, grad_clip=0.05, out_dir=str(tmp_path / "run"), log_every=10))
+
+    def doubled(state):  # planted before the Recorder sees the step (installed hooks run first, as here)
+        for p in state.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(2)
+
+    rec = LoopRecorder(tmp_path / "rec")
+    loop.train(loop.build_model(run), run, log=lambda line: None, hooks=Hooks(on_reduced=[doubled]) + rec.hooks())
+    make_reference(tmp_path / "rec", log=lambda line: None)
+    v = judge_recording(tmp_path / "rec")
+    g = v.check("gradient")
+    assert not v.passed and not g.passed and "times a constant 2" in g.reason, reasons(v)
+    assert v.check("replay").passed and v.check("loss").passed  # it applied its (wrong) gradient faithfully
+
+
+def test_record_refuses_a_resumed_run_without_its_first_steps_and_the_gate_with_resume_from(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", "--out", out, "--steps", "1", "--set", "seq_len=16", "--set", "batch=1"]) == 0
+    capsys.readouterr()
+    status = main(["train", "--out", out, "--steps", "2", "--resume", "--set", "seq_len=16", "--set", "batch=1",
+                   "--record", str(tmp_path / "rec")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "resumed at step 1" in err[0] and "holds no recording" in err[0]
+    try:
+        GateSettings(out=str(tmp_path / "g"), recording=1, resume_world=0, resume_from="x.pt").validate()
+    except ParameterError as e:
+        assert "recording = 1 is not allowed with resume_from" in str(e)
+    else:
+        raise AssertionError("recording with resume_from was accepted")
+
+
+def test_the_rebuilt_optimizer_and_schedule_are_the_loops():
+    run = RunConfig(model=preset("tiny"), train=TrainConfig(steps=6, warmup=2, schedule="cosine", lr=1e-3))
+    from dormouse.gate.record.dormouse_loop import build_model, build_optimizer
+
+    opt, sched = build_optimizer(build_model(run.to_dict()), run.to_dict())
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == [loop.lr_at(k, run) for k in range(6)]
+    a, b = build_model(run.to_dict()).state_dict(), loop.build_model(run).state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_the_routing_bias_update_is_checked_from_the_recorded_micro_batches(tmp_path):
+    from dormouse.gate.record.dormouse_loop import check_routing_bias
+
+    run = RunConfig(model=preset("tiny"), train=TrainConfig(
+        steps=4, batch=2, seq_len=32, lr=1e-3, out_dir=str(tmp_path / "run"), log_every=10))
+    for name, fault in (("clean", False), ("other_loads", True)):
+        def other(state):  # the bias moved by other loads than the step's (a hook may replace them)
+            state.loads = state.loads.flip(-1)  # (any positive rescaling keeps every sign: caught by nothing)
+
+        rec = LoopRecorder(tmp_path / name)
+        extra = Hooks(on_reduced=[other]) if fault else Hooks()
+        loop.train(loop.build_model(run), run, log=lambda line: None, hooks=extra + rec.hooks())
+        ok, why = check_routing_bias(tmp_path / name)
+        assert ok != fault, why
+        assert ("bitwise, over 3 steps" if ok else "not the documented update of step 1") in why
