@@ -30,6 +30,7 @@ from dormouse.train.newton_schulz import resolve_kernel
 from dormouse.train.tensors import fingerprint
 
 SCHEMA = 2
+LEG1 = "leg1_"  # prefix of the first leg's rank artifacts (a fleet that stops and resumes at another world)
 # Settings that say how the global batch is cut among the fleet's ranks (and
 # whether the fleet stops and resumes at another world): the one-process
 # references (single, exact) depend on them only through the global batch, so

@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 
 from dormouse.errors import DormouseError
-from dormouse.gate.artifacts import ONE_PROCESS, PROFILE_FIELDS, PROVENANCE, ArtifactSet, references
+from dormouse.gate.artifacts import LEG1, ONE_PROCESS, PROFILE_FIELDS, PROVENANCE, ArtifactSet, references
 from dormouse.gate.judge.steps import routing_flips
 from dormouse.train.tensors import rel_per_step
 
@@ -347,7 +347,7 @@ def check_config(a: ArtifactSet, reference: str) -> Check:
     recorded configuration (every leg) against the reference's, field by field."""
     want = a.meta(reference)["config"]
     diffs = []
-    for n in ["rank0"] + a.ranks("leg1_")[:1]:
+    for n in ["rank0"] + a.ranks(LEG1)[:1]:
         have = a.meta(n)["config"]
         for section in ("model", "train"):
             for k, v in want[section].items():
@@ -376,7 +376,7 @@ def check_finite(a: ArtifactSet, names: list[str]) -> Check:
 def check_ranks(a: ArtifactSet) -> Check:
     legs = a.meta("rank0").get("legs") or [[a.meta("rank0").get("world_size"), None]]
     bad, worlds = [], []
-    for prefix, (world, _) in zip(["leg1_", ""] if len(legs) == 2 else [""], legs):
+    for prefix, (world, _) in zip([LEG1, ""] if len(legs) == 2 else [""], legs):
         names = a.ranks(prefix)
         worlds.append(len(names))
         if len(names) != world:
@@ -806,7 +806,7 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE,
 def _flips(a: ArtifactSet, st: dict):
     """Routing flips per step and iteration, single vs the fleet's ranks
     joined in rank order (leg by leg for a fleet that stopped and resumed)."""
-    legs = ["leg1_", ""] if a.ranks("leg1_") else [""]
+    legs = [LEG1, ""] if a.ranks(LEG1) else [""]
     parts, start = [], 0
     for prefix in legs:
         traces = [a.trace(n) for n in a.ranks(prefix)]
@@ -877,7 +877,7 @@ def judge(out, settings=None) -> Verdict:
         return Verdict(str(out), False, [c], [])
     checks = [check_complete(a, settings)]
     present = [n for n in need if a.has(n)]
-    names = a.ranks("leg1_") + a.ranks() + present
+    names = a.ranks(LEG1) + a.ranks() + present
     checks.append(check_provenance(a, names, settings))
     if checks[-1].passed and present and (a.has("gradref") or a.has("single")):
         checks.append(check_config(a, "gradref" if a.has("gradref") else "single"))

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from dormouse.config import RunConfig
 from dormouse.errors import DormouseError
-from dormouse.gate.artifacts import (fleet_recording_dir, load_meta, load_tensors, load_trace, provenance,
+from dormouse.gate.artifacts import (LEG1, fleet_recording_dir, load_meta, load_tensors, load_trace, provenance,
                                      save_artifact)
 from dormouse.gate.record.fixtures import build, corpus_path, make_run
 from dormouse.gate.settings import GateSettings, from_dict
@@ -287,7 +287,6 @@ def run_rank_plan(plan: list[GateSettings], log=print, leg: int = 0) -> list[dic
     return metas
 
 
-LEG1 = "leg1_"  # prefix of the first leg's artifacts (a fleet that stops and resumes)
 
 
 def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:

@@ -24,7 +24,7 @@ import torch
 
 from dormouse.errors import DormouseError
 from dormouse.gate.record import modes
-from dormouse.gate.artifacts import ArtifactSet, load_meta, source_hash
+from dormouse.gate.artifacts import LEG1, ArtifactSet, load_meta, source_hash
 from dormouse.gate.record.launcher import launch_fleet
 from dormouse.gate.settings import GateSettings
 
@@ -157,7 +157,7 @@ def run_single(s: GateSettings, *, force: bool = True, log: Log = print) -> str:
 def run_fleet(s: GateSettings, *, force: bool = True, stream: Log = print) -> str:
     """02: the fleet under torchrun (rank output streamed)."""
     def make():
-        _drop(s.out_dir, r"((leg1_)?rank\d+(_trace)?|init)\.(json|safetensors)")  # never two launches' ranks
+        _drop(s.out_dir, rf"(({LEG1})?rank\d+(_trace)?|init)\.(json|safetensors)")  # never two launches' ranks
         launch_fleet(s, timeout_s=s.timeout_s, stream=stream)
 
     return _ensure(s, "fleet", make, force=force, log=stream, hint="02_fleet_launcher.ipynb")
@@ -204,7 +204,7 @@ def fleet_set(s: GateSettings) -> ArtifactSet:
     lock, so no producer replaces them while they are shown."""
     with locked(s.out_dir, "fleet"):
         a = ArtifactSet(s.out_dir)
-        for n in a.ranks("leg1_") + a.ranks():
+        for n in a.ranks(LEG1) + a.ranks():
             a.meta(n), a.tensors(n)
     return a
 
