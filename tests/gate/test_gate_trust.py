@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from dormouse.gate.judge.checks import judge
 from dormouse.gate.settings import GateSettings
 from fleet_faults import STALE_STEP
-from gatekit import faulty_fleets, references
+from gatekit import faulty_fleets, judged
 
 # the four wrong fleets in ONE torchrun launch, each run with its own fault
 RUNS = {
@@ -38,9 +37,7 @@ def wrong(tmp_path_factory) -> dict:
 
 
 def gate(wrong, fault):
-    s = wrong[fault]
-    references(s)
-    return judge(s.out_dir, s)
+    return judged(wrong[fault])
 
 
 def _failed(v) -> str:

@@ -72,11 +72,7 @@ CAUGHT = {
 
 @pytest.mark.parametrize("fault", list(CAUGHT))
 def test_attack_is_caught(recordings, fault):
-    v = verdict(recordings, fault)
-    name, words = CAUGHT[fault]
-    c = v.check(name)
-    assert not v.passed and not c.passed, c.reason
-    assert words in c.reason, c.reason
+    looprec.fails_for(verdict(recordings, fault), *CAUGHT[fault])
 
 
 # --------------------------------------------------------------------------- gaps

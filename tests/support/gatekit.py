@@ -19,25 +19,26 @@ FAULTS = str(SUPPORT / "fleet_faults.py")
 QUIET = lambda line: None  # noqa: E731
 
 
-def fleets(plan: list[GateSettings], fault: str | None = None) -> None:
-    """The fleet runs of `plan`, one torchrun launch per leg for all runs with
-    the same world sizes (the fault in every rank)."""
-    extra = {"entry": [FAULTS], "env": {"DORMOUSE_TEST_FAULT": fault}} if fault else {}
-    groups: dict[tuple, list[GateSettings]] = {}
-    for s in plan:
-        groups.setdefault(tuple(x.world for x in s.legs()), []).append(s)
-    for group in groups.values():
-        launch_plan(group, timeout_s=400, stream=QUIET, **extra)
+def _by_worlds(runs: list[tuple[GateSettings, str | None]]) -> list[list[tuple[GateSettings, str | None]]]:
+    """The runs grouped by their legs' world sizes: one torchrun launch per leg per group."""
+    groups: dict[tuple, list] = {}
+    for s, fault in runs:
+        groups.setdefault(tuple(x.world for x in s.legs()), []).append((s, fault))
+    return list(groups.values())
+
+
+def fleets(plan: list[GateSettings]) -> None:
+    """The clean fleet runs of `plan` (dormouse.gate's own entry point), one
+    torchrun launch per leg for all runs with the same world sizes."""
+    for group in _by_worlds([(s, None) for s in plan]):
+        launch_plan([s for s, _ in group], timeout_s=400, stream=QUIET)
 
 
 def faulty_fleets(runs: list[tuple[GateSettings, str | None]]) -> None:
     """Fleets each with its own fault (None: clean), one torchrun launch per
     leg for all runs with the same world sizes: each fault acts on its run
     only (fleet_faults.scoped), as if the run had a launch of its own."""
-    groups: dict[tuple, list[tuple[GateSettings, str | None]]] = {}
-    for s, fault in runs:
-        groups.setdefault(tuple(x.world for x in s.legs()), []).append((s, fault))
-    for group in groups.values():
+    for group in _by_worlds(runs):
         table = json.dumps({str(s.out_dir): fault for s, fault in group})
         launch_plan([s for s, _ in group], timeout_s=600, stream=QUIET, entry=[FAULTS],
                     env={"DORMOUSE_TEST_FAULTS": table})
@@ -58,9 +59,8 @@ def references(s: GateSettings, fault: str | None = None, *, single: bool = True
         modes.MODES[mode](s, log=QUIET)
 
 
-def gate(s: GateSettings, fault: str | None = None, *, everywhere: bool = False) -> Verdict:
-    """A whole gate in s.out: the fleet (with the fault), then the references
-    (with the fault too when `everywhere`), then the verdict."""
-    fleets([s], fault)
-    references(s, fault if everywhere else None)
+def judged(s: GateSettings, fault: str | None = None) -> Verdict:
+    """The references of the fleet already in s.out (with `fault` injected:
+    for faults in the network itself), then the verdict on it against s."""
+    references(s, fault)
     return judge(s.out_dir, s)

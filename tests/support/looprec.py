@@ -42,6 +42,13 @@ def verdict(out: Path):
     return _VERDICTS[key]
 
 
+def fails_for(v, check: str, words: str) -> None:
+    """The verdict fails, its `check` fails, and that check's reason says `words`."""
+    c = v.check(check)
+    assert not v.passed and not c.passed, c.reason
+    assert words in c.reason, c.reason
+
+
 def failing(v) -> str:
     """The failing checks' reasons, one a line."""
     return "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
