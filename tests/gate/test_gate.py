@@ -282,37 +282,6 @@ def test_capacity_dropping_moe_forced_past_the_refusal_fails(faulty):
     assert not v.check("window").passed and "depends on which windows share a batch" in v.check("window").reason
 
 
-def test_every_fault_scoped_to_one_run_is_undone_after_it_and_unscoped_it_stays(monkeypatch):
-    """The mechanism behind the shared launch, in this process: after
-    `scoped(fault)` every dormouse attribute and installed hook is the one
-    before it; planted without the scope, the fault's changes stay (what a
-    leak into the next run would be)."""
-    import fleet_faults
-
-    monkeypatch.setenv("DORMOUSE_TEST_FAULT_SCALE", "1")
-
-    def state():  # (owner, its attributes by name, or a hook list's items by position)
-        return [(o, dict(enumerate(a)) if isinstance(a, list) else a) for o, a in fleet_faults._snapshot()]
-
-    def same(a, b):
-        return len(a) == len(b) and all(oa is ob and da.keys() == db.keys() and all(da[k] is db[k] for k in da)
-                                        for (oa, da), (ob, db) in zip(a, b))
-
-    before = state()
-    for fault in fleet_faults.FAULTS:
-        with fleet_faults.scoped(fault):
-            pass
-        assert same(state(), before), f"{fault} left a change behind"
-    saved = fleet_faults._snapshot()
-    try:
-        fleet_faults.FAULTS["grad_x2"]()  # an installed hook
-        fleet_faults.FAULTS["capacity_moe"]()  # a replaced builder and a replaced module constant
-        assert not same(state(), before)
-    finally:
-        fleet_faults._restore(saved)
-    assert same(state(), before)
-
-
 def test_a_clean_run_after_faulty_ones_in_the_same_launch_passes_no_fault_leaks(faulty):
     v = faulty_gate(faulty, "clean_after")
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)

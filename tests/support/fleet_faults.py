@@ -442,18 +442,50 @@ FAULTS.update({f.__name__: f for f in (mean_of_ranks_loss, stale_weights, fsdp_s
 # ----------------------------------------------------------------- several faults in one launch
 
 
+# Imported before the first snapshot: a module a run imports lazily (the
+# Recorder's, when a run records) would otherwise first enter sys.modules
+# after the snapshot, so a fault on it would outlive its run.
+_PRELOAD = ("dormouse.gate.record.dormouse_loop", "dormouse.gate.record.recorder", "dormouse.gate.record.reference")
+# Non-dormouse modules whose attributes a fault may replace (torch's functions the network calls).
+_FOREIGN = ("torch", "torch.nn.functional", "torch.nn.utils", "torch.nn.init", "torch.distributed")
+_CONTAINERS = (dict, list, set)
+
+
 def _snapshot() -> list:
-    """What a fault may change: every dormouse module's and class's attributes,
-    and the installed hooks."""
+    """What a fault may change: every dormouse module's and class's attributes
+    (the modules imported first, _PRELOAD), torch's public functions
+    (_FOREIGN, torch.nn.Module, torch.Tensor), the installed hooks, and a deep
+    copy of every module-level container and dataclass instance of dormouse
+    (a fault that edits fixtures.RECIPE or fixtures.TINY in place)."""
+    import copy
+    import importlib
+    import pkgutil
+
+    import dormouse.model
+    import dormouse.train
     import dormouse.train.hooks as hooks
 
+    for pkg in (dormouse.train, dormouse.model):
+        for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+            importlib.import_module(m.name)
+    for name in _PRELOAD:
+        importlib.import_module(name)
     saved = [(hooks._INSTALLED, list(hooks._INSTALLED)), (modes._RUN_HOOKS, list(modes._RUN_HOOKS))]
+    for name in _FOREIGN:
+        saved.append((sys.modules[name], dict(vars(sys.modules[name]))))
+    for cls in (torch.nn.Module, torch.Tensor):
+        saved.append((cls, {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}))
     for name, mod in list(sys.modules.items()):
         if name == "dormouse" or name.startswith("dormouse."):
             saved.append((mod, dict(vars(mod))))
             for obj in list(vars(mod).values()):
                 if isinstance(obj, type) and obj.__module__ == name:
                     saved.append((obj, {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}))
+                elif isinstance(obj, _CONTAINERS) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+                    try:
+                        saved.append((("contents", obj), copy.deepcopy(obj)))
+                    except Exception:  # noqa: BLE001 (not copyable: left as it is)
+                        pass
     return saved
 
 
@@ -461,6 +493,17 @@ def _restore(saved: list) -> None:
     for owner, attrs in saved:
         if isinstance(owner, list):
             owner[:] = attrs
+            continue
+        if isinstance(owner, tuple):  # ("contents", obj): put its contents back in place
+            obj = owner[1]
+            if isinstance(obj, list):
+                obj[:] = attrs
+            elif isinstance(obj, (dict, set)):
+                obj.clear()
+                obj.update(attrs)
+            else:
+                for f in dataclasses.fields(obj):
+                    object.__setattr__(obj, f.name, getattr(attrs, f.name))
             continue
         now = vars(owner)
         for k in [k for k in now if k not in attrs and k not in ("__dict__", "__weakref__")]:
@@ -491,13 +534,58 @@ class scoped:
 def per_run(table: dict[str, str | None]) -> None:
     """DORMOUSE_TEST_FAULTS: {out dir: fault or null} for the runs of one
     launch's plan; each run gets its own fault, none leaks into the next."""
-    one = modes.rank_run
+    one, plan_of = modes.rank_run, modes.run_rank_plan
 
     def run(s, log=print, leg=0):
-        with scoped(table.get(str(s.out_dir))):
+        with scoped(table[str(s.out_dir)]):
             return one(s, log, leg)
 
-    modes.rank_run = run
+    def checked(plan, log=print, leg=0):  # a fault keyed by a path no run has would silently train clean
+        if set(table) != {str(s.out_dir) for s in plan}:
+            raise SystemExit(f"DORMOUSE_TEST_FAULTS names {sorted(table)}, the plan "
+                             f"{[str(s.out_dir) for s in plan]}")
+        return plan_of(plan, log, leg)
+
+    modes.rank_run, modes.run_rank_plan = run, checked
+
+
+# ----------------------------------------------------------------- faults the scoping once let leak (tests/gate/test_fault_scoping.py)
+
+
+def recipe_inplace() -> None:
+    """No clipping, written as an in-place edit of the fixture's recipe dict
+    (fixtures.RECIPE["grad_clip"] = 0): the same object stays bound, so
+    `scoped` (a shallow snapshot of module attributes) cannot undo it."""
+    fixtures.RECIPE["grad_clip"] = 0.0
+
+
+def recorder_lr_patch() -> None:
+    """The Recorder records lr x 1.001 at step 2 (a lazily imported module:
+    not in the snapshot taken before the fault)."""
+    import dormouse.gate.record.recorder as recorder
+
+    step = recorder.Recorder.step
+
+    def patched(self, *, lr=None, **k):
+        if lr is not None and self.k == 1:
+            lr = lr * 1.001
+        return step(self, lr=lr, **k)
+
+    recorder.Recorder.step = patched
+
+
+FAULTS.update({f.__name__: f for f in (recipe_inplace, recorder_lr_patch)})
+
+
+def torch_ce_patch() -> None:
+    """The loss with label smoothing 0.01: torch.nn.functional.cross_entropy replaced
+    (a torch attribute: not in the snapshot of dormouse modules)."""
+    import functools
+    import torch.nn.functional as F
+    F.cross_entropy = functools.partial(F.cross_entropy, label_smoothing=0.01)
+
+
+FAULTS.update({f.__name__: f for f in (torch_ce_patch,)})
 
 
 if __name__ == "__main__":
