@@ -187,6 +187,7 @@ FAULTY = {
     "grad_x2": ("grad_x2", {"steps": 6}),
     "window_weights": ("window_weights", {"profile": "4x32,2x64", "steps": 6}),
     "plain_mean": ("plain_mean", {"steps": 5, "recording": 1}),  # recorded through the Recorder too
+    "loads_reversed": ("loads_reversed", {"steps": 3, "recording": 1}),  # the routing bias by the loads reversed
     "wrong_step": ("wrong_step", {"steps": 6}),
     "batch_stats": ("batch_stats", {"steps": 5}),
     "skip_param": ("skip_param", {"steps": 3}),
@@ -236,6 +237,7 @@ def test_the_fleets_recording_passes_the_recording_judge_across_its_resume(clean
     assert [seg["world"] for seg in A.RecordingSet(out).meta["segments"]] == [2, 1]  # stopped at 5, resumed alone
     assert "bitwise at all 10 steps, across 1 resume(s)" in v.check("replay").reason
     assert "equal the one-process gradient's at every step" in v.check("clip").reason  # the loop's own norm
+    assert "block.moe.router_bias follows the declared update" in v.check("buffers").reason  # across the resume
 
 
 def test_plain_mean_instead_of_token_weighting_fails_gradref(faulty):
@@ -249,6 +251,19 @@ def test_plain_mean_instead_of_token_weighting_fails_gradref(faulty):
     g = r.check("gradient")
     assert not r.passed and not g.passed and "not the global mean the objective declares" in g.reason
     assert "at step 1" in g.reason and r.check("replay").passed and r.check("ranks").passed
+
+
+def test_a_routing_bias_moved_by_the_loads_reversed_fails_gradref_and_the_recordings_buffers_check(faulty):
+    v = faulty_gate(faulty, "loads_reversed")
+    g = v.check("gradref")
+    assert not v.passed and not g.passed and "expert loads the fleet applied differ" in g.reason
+    # the same fleet's recording: its gradients and update are right, the bias alone moved wrongly
+    out = fleet_recording_dir(faulty["loads_reversed"].out_dir)
+    make_reference(out, log=QUIET)
+    r = judge_recording(out)
+    b = r.check("buffers")
+    assert not r.passed and not b.passed and b.reason.startswith("block.moe.router_bias before step 2 is not")
+    assert all(c.passed for c in r.checks if c.name != "buffers"), "\n".join(f"{c.name}: {c.reason}" for c in r.checks)
 
 
 def test_a_fleet_reading_step_k_plus_8s_bytes_fails_gradref(faulty):

@@ -4,6 +4,7 @@ process here (the fleet's recording rides in test_gate.py's launches)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -94,18 +95,35 @@ def test_the_rebuilt_optimizer_and_schedule_are_the_loops():
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_the_routing_bias_update_is_checked_from_the_recorded_micro_batches(tmp_path):
-    from dormouse.gate.record.dormouse_loop import check_routing_bias
+def test_a_routing_bias_moved_by_the_loads_reversed_fails_the_recordings_buffers_check(tmp_path):
+    from fleet_faults import scoped  # the gate's own fault (its gradref loads catch it in a fleet)
 
     run = RunConfig(model=preset("tiny"), train=TrainConfig(
         steps=4, batch=2, seq_len=32, lr=1e-3, out_dir=str(tmp_path / "run"), log_every=10))
-    for name, fault in (("clean", False), ("other_loads", True)):
-        def other(state):  # the bias moved by other loads than the step's (a hook may replace them)
-            state.loads = state.loads.flip(-1)  # (any positive rescaling keeps every sign: caught by nothing)
-
+    verdicts = {}
+    for name, fault in (("clean", None), ("loads_reversed", "loads_reversed")):
         rec = LoopRecorder(tmp_path / name)
-        extra = Hooks(on_reduced=[other]) if fault else Hooks()
-        loop.train(loop.build_model(run), run, log=lambda line: None, hooks=extra + rec.hooks())
-        ok, why = check_routing_bias(tmp_path / name)
-        assert ok != fault, why
-        assert ("bitwise, over 3 steps" if ok else "not the documented update of step 1") in why
+        with scoped(fault):
+            loop.train(loop.build_model(run), run, log=lambda line: None, hooks=rec.hooks())
+        make_reference(tmp_path / name, log=lambda line: None)
+        verdicts[name] = judge_recording(tmp_path / name)
+    clean, bad = verdicts["clean"], verdicts["loads_reversed"]
+    assert clean.passed, reasons(clean)
+    assert "block.moe.router_bias follows the declared update (the routing bias's update" in \
+        clean.check("buffers").reason and "at all 4 steps" in clean.check("buffers").reason
+    b = bad.check("buffers")
+    assert not bad.passed and not b.passed, reasons(bad)
+    assert b.reason.startswith("block.moe.router_bias before step 2 is not its declared update of step 1 "
+                               "(the routing bias's update b += rate * sign(mean(L) - L)"), b.reason
+    # the gradient (at the recorded bias) and the optimizer's update are right: the bias alone is caught
+    assert all(c.passed for c in bad.checks if c.name != "buffers"), reasons(bad)
+
+
+def test_a_model_without_a_moving_routing_bias_has_no_buffers_check(tmp_path):
+    run = RunConfig(model=dataclasses.replace(preset("tiny"), moe_bias_rate=0.0), train=TrainConfig(
+        steps=2, batch=2, seq_len=16, lr=1e-3, out_dir=str(tmp_path / "run"), log_every=10))
+    rec = LoopRecorder(tmp_path / "rec")
+    loop.train(loop.build_model(run), run, log=lambda line: None, hooks=rec.hooks())
+    make_reference(tmp_path / "rec", log=lambda line: None)
+    v = judge_recording(tmp_path / "rec")
+    assert v.passed and "buffers" not in [c.name for c in v.checks], reasons(v)

@@ -30,7 +30,7 @@ Review attacks (tests/gate/test_gate_review.py; see the section at the end):
   sustained_5e6/8e6  g += eps max|g| * fixed sign pattern, every step
   bf16_bias, bf16_decay, bf16_decay_small  systematic bias inside the bf16 wire bound
   eval_wrong       the eval reports 0
-  exact_reversed_tree, loads_rank0
+  exact_reversed_tree, loads_rank0, loads_reversed (the routing bias moved by the loads reversed)
 
 Issue 16 (tests/gate/test_gate_trust.py):
   mean_of_ranks_loss   the fleet logs the plain mean of its ranks' losses (gradients right)
@@ -325,7 +325,18 @@ def loads_rank0() -> None:
     install(Hooks(on_reduced=[local]))
 
 
-FAULTS.update({f.__name__: f for f in (exact_reversed_tree, loads_rank0)})
+def loads_reversed() -> None:
+    """The routing bias moves by the step's global expert loads REVERSED
+    (expert e by expert E-1-e's load): ranks stay equal, the gradients and
+    the optimizer's update are right; only the bias moves wrongly (the gate's
+    gradref loads and the recording's buffers check catch it)."""
+    def reversed_loads(state):
+        state.loads = state.loads.flip(-1)
+
+    install(Hooks(on_reduced=[reversed_loads]))
+
+
+FAULTS.update({f.__name__: f for f in (exact_reversed_tree, loads_rank0, loads_reversed)})
 
 
 def ns_bf16() -> None:

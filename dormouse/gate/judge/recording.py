@@ -32,6 +32,12 @@ replay        fact 4: the user's optimizer and scheduler replayed in one process
               named. (Sketch / every-k recordings: the one-process run trained
               on the declared objective instead, within FLOOR_MULTIPLE x its
               own drift from a copy started one ulp away.)
+buffers       (when the loop declared buffer_update: state outside the optimizer
+              that moves by a rule of its own, dormouse's routing bias) the
+              rule applied in one process at the recorded state before every
+              step k to every rank's micro-batches of k gives the buffers
+              recorded before k + 1 (after the last step: the final ones)
+              BITWISE; the buffer and the rule are named.
 data          no example read by two ranks (or twice) in one step; none twice
               within an epoch: the loop's (rec.step(epoch=...)) or inferred
               from dataset_len (check_data states the rule; skipped, and said,
@@ -441,6 +447,36 @@ def check_replay(rec: A.RecordingSet, ref: _Ref) -> Check:
                                  f"steps" + (f", across {segs - 1} resume(s)" if segs > 1 else ""))
 
 
+def check_buffers(rec: A.RecordingSet, ref: _Ref) -> Check | None:
+    """None when the recording declares no buffer_update (the check is not part of its verdict)."""
+    path = rec.meta.get("buffer_update")
+    if not path:
+        return None
+    rule = ref.meta.get("buffer_rule")
+    if ref.meta.get("mode") != "replay" or rule is None:
+        return Check("buffers", True, f"the buffers' declared update ({path}) is not checked: the recording keeps "
+                                      "no full tensors at every step (sketch or every > 1)")
+    steps, names = rec.steps, set()
+    for i, k in enumerate(steps):
+        want = ref.tensors(k, "bu/")
+        after = f"before step {steps[i + 1]}" if i + 1 < len(steps) else "after the last step"
+        got = rec.tensors_at(steps[i + 1], "b/") if i + 1 < len(steps) else rec.final("b/")
+        for n in sorted(want):
+            names.add(n)
+            if n not in got:
+                return Check("buffers", False, f"the recording holds no buffer {n} {after}, which its declared "
+                                               f"update ({rule}) moves: record the model's persistent buffers")
+            if got[n].shape != want[n].shape or not torch.equal(got[n].to(want[n].dtype), want[n]):
+                d = (float((got[n].double() - want[n].double()).abs().max()) if got[n].shape == want[n].shape
+                     else math.inf)
+                return Check("buffers", False, f"{n} {after} is not its declared update of step {k} ({rule}; max "
+                                               f"difference {d:.3g}): the loop moved it by other inputs or by "
+                                               "another rule")
+    shown = ", ".join(sorted(names)) or "no buffer"
+    return Check("buffers", True, f"{shown} follow{'s' if len(names) < 2 else ''} the declared update ({rule}) from every rank's recorded "
+                                  f"micro-batches, bitwise, at all {len(steps)} steps")
+
+
 def _row_ids(batch: dict[str, torch.Tensor]) -> list[str]:
     """Each row's identity: its "idx"/"example_id" (exact), else a sha1 of its
     tokens (input_ids where attention_mask is 1): identical content, one id."""
@@ -710,6 +746,8 @@ def judge_recording(out) -> Verdict:
     checks.append(check_grad_mask(rec, ref))
     replay = check_replay(rec, ref)
     checks.append(replay)
+    buffers = check_buffers(rec, ref)
+    checks.extend([buffers] if buffers is not None else [])
     checks.append(check_data(rec))
     checks.append(check_loss(rec, ref, grad.passed and replay.passed))
     checks.append(check_ranks(rec))

@@ -44,12 +44,15 @@ State outside the optimizer: the MoE's routing bias (a buffer) moves after
 every step by b += rate * sign(mean(load) - load) from the step's global
 expert loads. It changes which experts each token chooses, so the
 one-process gradient at step k must be taken at the fleet's bias before k:
-the Recorder stores the model's persistent buffers ("b/", full-tensor steps)
-and the reference loads them with the parameters. The replay of the
-optimizer does not need the bias (it steps on the recorded gradients); the
-bias's own update is checked by `check_routing_bias` below (a dormouse-only
-addition, not yet part of the verdict: the loads counted by one process over every rank's recorded
-micro-batches, the documented rule applied, against the recorded bias).
+the Recorder stores the model's persistent buffers ("b/", full-tensor steps,
+and after the last) and the reference loads them with the parameters. The
+replay of the optimizer does not need the bias (it steps on the recorded
+gradients); the bias's own update is the recording's declared buffer_update,
+`routing_bias_update` below, when the bias moves (moving_bias): the
+reference counts the loads in one process over every rank's recorded
+micro-batches at the recorded state before each step and applies the
+documented rule, and the verdict's "buffers" check holds the recorded bias
+before the next step to it bitwise.
 Engram memory is parameters only (its hash multipliers are a constant,
 non-persistent buffer): the optimizer and the gradient check cover it.
 
@@ -77,6 +80,8 @@ HERE = __name__
 BUILD_MODEL = f"{HERE}:build_model"
 BUILD_OPTIMIZER = f"{HERE}:build_optimizer"
 OBJECTIVE = f"{HERE}:next_byte"
+BUFFER_UPDATE = f"{HERE}:routing_bias_update"
+BIAS = "block.moe.router_bias"
 
 
 def _run(run) -> RunConfig:
@@ -142,6 +147,11 @@ def next_byte(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
     return F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="sum"), int(y.numel())
 
 
+def moving_bias(run: RunConfig) -> bool:
+    """The model has a routing bias that moves (an MoE with moe_bias_rate > 0)."""
+    return run.model.moe_on and run.model.moe_bias_rate > 0
+
+
 class LoopRecorder:
     """Records one train() (or train_dist()) call into `out_dir` through the
     Recorder, by the hooks of `hooks()` (see the module docstring)."""
@@ -167,7 +177,8 @@ class LoopRecorder:
         self.run = run
         self.rec = Recorder(self.out, st.model, build_model=BUILD_MODEL, build_optimizer=BUILD_OPTIMIZER,
                             objective=OBJECTIVE, max_grad_norm=run.train.grad_clip,
-                            build_kwargs={"run": rebuild.to_dict()}, resume=st.step if st.step else False)
+                            build_kwargs={"run": rebuild.to_dict()}, resume=st.step if st.step else False,
+                            buffer_update=BUFFER_UPDATE if moving_bias(run) else None)
 
     def _reduced(self, st: Reduced) -> None:
         self.loss = st.loss
@@ -186,36 +197,16 @@ class LoopRecorder:
 
 
 @torch.no_grad()
-def check_routing_bias(out) -> tuple[bool, str]:
-    """The routing bias's update, a dormouse-only addition to a recording's
-    verdict (not yet part of `dormouse gate check`): at every recorded step k
-    but the last, the loads L_k counted by one process over every rank's
-    recorded micro-batches at the recorded parameters and bias before k
-    (summed over iterations' experts, exact counts), and the documented rule
-    b_{k+1} = b_k + rate * sign(mean(L_k) - L_k) (MoE.balance), against the
-    recorded bias before k+1, bitwise. Returns (ok, one line)."""
-    rec = A.RecordingSet(out)
-    run = _run(rec.meta["build_kwargs"]["run"])
-    model = loop.build_model(run)
-    if model.block.moe is None or run.model.moe_bias_rate == 0:
-        return True, "no routing bias moves in this model (no MoE, or moe_bias_rate 0): nothing to check"
+def routing_bias_update(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], **_) -> dict[str, torch.Tensor]:
+    """the routing bias's update b += rate * sign(mean(L) - L), L the step's expert loads over every rank's
+    micro-batches
+
+    The Recorder's buffer_update rule (MoE.balance through
+    model.balance_experts, the loop's own call): L = sum over the micro-batches
+    of model(x, y)'s loads (max_iter, E), exact counts, at the parameters and
+    bias `model` holds (the recorded ones before the step); returns the bias
+    after the step."""
     model.train()
-    steps = [k for k in rec.steps if (k - 1) % rec.every == 0]
-    for k, nxt in zip(steps, steps[1:]):
-        if nxt != k + 1:
-            continue
-        params, buffers = rec.tensors_at(k, "p/"), rec.tensors_at(k, "b/")
-        for n, t in model.named_parameters():
-            t.copy_(params[n])
-        for n, b in model.named_buffers():
-            if n in buffers:
-                b.copy_(buffers[n])
-        loads = sum(model(batch["arg0"], batch["arg1"])[2]["loads"] for _, _, batch in rec.micro_batches(k))
-        model.balance_experts(loads)
-        want, got = model.block.moe.router_bias, rec.tensors_at(nxt, "b/")["block.moe.router_bias"]
-        if not torch.equal(want, got):
-            return False, (f"the routing bias before step {nxt} is not the documented update of step {k}'s "
-                           f"global loads (max difference {float((want - got).abs().max()):.3g}): the fleet "
-                           "moved it by other loads (a rank's own?) or by another rule")
-    return True, (f"the routing bias follows b += rate * sign(mean load - load) from the loads of every rank's "
-                  f"recorded micro-batches, bitwise, over {max(len(steps) - 1, 0)} steps")
+    loads = sum(model(b["arg0"], b["arg1"])[2]["loads"] for b in batches)
+    model.balance_experts(loads)
+    return {BIAS: model.block.moe.router_bias.detach().clone()}

@@ -24,7 +24,17 @@ clipped one the optimizer applies and `clip_coef` says by how much), the lr,
 the loop's reported loss, the parameters with no gradient, a sha256 of the
 parameters (ranks equal), and (full-tensor steps) the module's persistent
 buffers before the step ("b/": state outside the optimizer, e.g. a routing
-bias, which the reference loads with the parameters). Every file is written atomically, the JSON last.
+bias, which the reference loads with the parameters; after the last step
+too, in final.safetensors). Every file is written atomically, the JSON last.
+
+State outside the optimizer that moves by a rule of its own (dormouse's MoE
+routing bias, moved after each step by that step's expert loads) is judged
+when the loop declares the rule, `buffer_update="pkg.mod:fn"`:
+fn(model, batches, **build_kwargs) gets the model holding the recorded
+parameters and buffers before a step and every rank's micro-batches of that
+step (rank then micro order) and returns {buffer name: its value after the
+step}; the reference writes that, and the judge compares it bitwise with the
+buffers recorded before the next step (full-tensor recordings).
 
 Scale: `sketch=k > 0` stores, instead of each tensor x, its CountSketch
 S x in R^k: each element i goes to bucket h(i) in [0, k) with sign s(i), both
@@ -188,15 +198,18 @@ def _number(x):
 
 
 def check_options(*, build_model: str, build_optimizer: str, objective: str = "causal_lm", max_grad_norm: float = 0.0,
-                  dataset_len: int = 0, sketch: int = 0, every: int = 1, build_kwargs: dict | None = None) -> None:
+                  dataset_len: int = 0, sketch: int = 0, every: int = 1, build_kwargs: dict | None = None,
+                  buffer_update: str | None = None) -> None:
     """The Recorder's arguments that can be judged before any model exists
     (the HF callback checks them when it is built, before training starts)."""
-    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"), (objective, "objective")):
+    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"), (objective, "objective"),
+                        (buffer_update, "buffer_update")):
         if isinstance(value, str) and value.split(":")[0] == "__main__":
             raise RecorderError(f"{what} {value!r} names the script being run, which the check cannot import in "
                                 "another process: name its module instead ('mytrain:fn', with its folder on "
                                 "PYTHONPATH), or move the function into an importable module")
-    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer")):
+    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"),
+                        *(((buffer_update, "buffer_update"),) if buffer_update is not None else ())):
         if not isinstance(value, str) or value.count(":") != 1:
             raise RecorderError(f"{what} {value!r} is not an import path: write it as 'package.module:function'")
     if objective not in OBJECTIVES and (not isinstance(objective, str) or objective.count(":") != 1):
@@ -279,14 +292,17 @@ class Recorder:
     resume           False = a fresh recording; True = a new segment after the last recorded step;
                      an int K = a new segment after step K (the checkpoint's step)
     seed             the sketches' seed
+    buffer_update    None, or "pkg.mod:fn": the rule that moves persistent buffers after a step,
+                     fn(model, batches, **build_kwargs) -> {name: buffer after the step} (module docstring)
     """
 
     def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
-                 inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0):
+                 inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
+                 buffer_update: str | None = None):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
-                      build_kwargs=build_kwargs)
+                      build_kwargs=build_kwargs, buffer_update=buffer_update)
         self.out = Path(out_dir)
         ddp = torch.nn.parallel.DistributedDataParallel
         self.module = model.module if isinstance(model, ddp) else model
@@ -327,13 +343,13 @@ class Recorder:
             "segments": segments + [{"start": self.k + 1, "end": None, "world": self.world,
                                      "resumed": prior is not None}],
             "build_model": build_model, "build_optimizer": build_optimizer, "build_kwargs": build_kwargs or {},
-            "objective": objective, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
+            "objective": objective, "buffer_update": buffer_update, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
             "fsdp": bool(self.placements), "closed": False,
             "provenance": {"torch": torch.__version__, "dormouse": _version(), "source": A.source_hash(),
                            "device": self._device(), "threads": torch.get_num_threads(),
                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                           "code": code_hashes([build_model, build_optimizer, objective])},
+                           "code": code_hashes([build_model, build_optimizer, objective, buffer_update])},
         }
         if prior is None:
             # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
@@ -523,9 +539,12 @@ class Recorder:
         params = {n: _local(p) for n, p in named}
         if self.sketch_k:
             params = {f"ps/{n}": v for n, v in self._sketch_all(params, {n: p.numel() for n, p in named}).items()}
+            bufs = {}
         else:
             params = {f"p/{n}": v for n, v in params.items()}
-        atomic.write_bytes(A.final_tensors_path(self.out, self.rank), st_save(params))
+            named_bufs = dict(self.module.named_buffers())
+            bufs = {f"b/{n}": _local(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
+        atomic.write_bytes(A.final_tensors_path(self.out, self.rank), st_save({**params, **bufs}))
         atomic.write_text(A.final_meta_path(self.out, self.rank),
                           json.dumps({"step": self.k, "run": self.run, "segment": self.segment,
                                       "param_hash": _digest(params)}, indent=1))

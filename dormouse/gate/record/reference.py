@@ -36,6 +36,13 @@ parameters before each step and after the last are written for the judge to
 compare bitwise with the recorded ones. One uninterrupted optimizer and
 scheduler run across a resume: what a correct resume equals.
 
+Buffers (a recording with buffer_update, full tensors at every step): at
+every step k, the declared rule applied in one process to the model holding
+the recorded parameters and buffers before k and to every rank's recorded
+micro-batches of k; its result ("bu/", the buffers after k) is written for the
+judge to compare bitwise with the buffers recorded before k + 1 (or after the
+last step). The rule's first docstring line names it in the verdict.
+
 Run (sketches, or tensors every k-th step): the recorded gradients are not all
 there to replay, so the reference trains the run itself in one process on the
 declared objective over the recorded micro-batches, clipping by the global
@@ -344,6 +351,33 @@ def _load_params(model, params: dict[str, torch.Tensor], buffers: dict[str, torc
                 b.copy_(buffers[n])
 
 
+def buffer_rule(rec: A.RecordingSet):
+    """The recording's declared buffer_update rule and its description (None, "" when none)."""
+    path = rec.meta.get("buffer_update")
+    if not path:
+        return None, ""
+    fn = import_path(path, "buffer_update")
+    doc = (fn.__doc__ or "").strip().split("\n\n")[0]
+    return fn, " ".join(doc.split()) or path
+
+
+@torch.no_grad()
+def updated_buffers(fn, path: str, model, rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
+    """The declared rule's buffers after step k, from the model as it stands
+    (the recorded state before k) and every rank's micro-batches of k."""
+    batches = [b for _, _, b in rec.micro_batches(k)]
+    try:
+        out = fn(model, batches, **rec.meta.get("build_kwargs", {}))
+    except DormouseError:
+        raise
+    except Exception as e:
+        raise ReferenceError(f"buffer_update {path!r} failed at step {k} ({type(e).__name__}: {e})")
+    if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) for v in out.values()):
+        raise ReferenceError(f"buffer_update {path!r} returned a {type(out).__name__}, not a dict of buffer name to "
+                             "tensor")
+    return {n: v.detach().cpu().clone() for n, v in out.items()}
+
+
 def _sketched(tensors: dict[str, torch.Tensor], numel: dict[str, int], k: int, seed: int, cache: dict):
     out = {}
     for n, t in tensors.items():
@@ -393,6 +427,8 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
                 if p.is_floating_point():
                     p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
         nopt, nsched = build_optimizer(rec, nudged)
+    rule, rule_text = buffer_rule(rec)
+    rule = rule if replay else None  # the recorded buffers before every step: full tensors at every step
     log(f"reference for {out}: {len(rec.steps)} steps, mode {mode}")
     done: list[int] = []  # the tensor steps so far (their count picks fact 1's sample)
     for i, k in enumerate(rec.steps):
@@ -406,6 +442,9 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
             gmodel = model
         want = k in tensor_steps
         ref, info = step_gradients(gmodel, rec, k, user, examples=len(done) if want else None, probe=(i == 0))
+        if rule is not None:  # after the gradients: the rule may move the probe's buffers (reloaded each step)
+            tensors.update({f"bu/{n}": v for n, v in updated_buffers(rule, rec.meta["buffer_update"], probe_model,
+                                                                      rec, k).items()})
         done.extend([k] if want else [])
         if nudged is not None:
             nbefore = {n: p.detach().clone() for n, p in nudged.named_parameters()}
@@ -440,5 +479,6 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         final = _sketched(final, numel, rec.sketch, rec.seed, buckets)
     atomic.write_bytes(A.reference_final_path(out), st_save({f"rp/{n}": v for n, v in final.items()}))
     meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,
-            "mode": mode, "steps": rec.steps, "scheduler": sched is not None, **scan}
+            "mode": mode, "steps": rec.steps, "scheduler": sched is not None,
+            "buffer_rule": rule_text if rule is not None else None, **scan}
     return atomic.write_text(A.reference_meta_path(out), json.dumps(meta, indent=1))
