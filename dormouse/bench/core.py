@@ -702,11 +702,12 @@ def format_table(res: dict) -> str:
     if rb:
         o, j = rb["overhead"], rb["judge_cost"]
         row("recorder_overhead", _fmt(res["recorder_overhead"], ".3f"),
-            f"sketch k=256 every step, median of {rb['rounds']} rounds, spread {_spread(o['sketch'])}; CPU "
-            f"{o['sketch']['cpu_ratio']:.3f}, inside rec.step {o['sketch']['in_step_fraction']:.1%} of the step; "
-            f"full tensors {o['full']['median']:.3f} (CPU {o['full']['cpu_ratio']:.3f}), "
-            f"sketch every 10th {o['sketch_every10']['median']:.3f} ({rb['params']} params, "
-            f"{rb['tokens_per_rank_step']} tokens/rank/step; goal <= 1.05)")
+            f"sketch k=256 every step, median of {rb['rounds']} rounds of {rb['steps']} timed steps (after one "
+            f"warm-up), spread {_spread(o['sketch'])}; CPU {o['sketch']['cpu_ratio']:.3f}, inside rec.step "
+            f"{o['sketch']['in_step_fraction']:.1%} of the step; full tensors {o['full']['median']:.3f} (CPU "
+            f"{o['full']['cpu_ratio']:.3f}, inside {o['full']['in_step_fraction']:.1%}), sketch every 10th "
+            f"{o['sketch_every10']['median']:.3f} (inside {o['sketch_every10']['in_step_fraction']:.1%}; "
+            f"{rb['params']} params, {rb['tokens_per_rank_step']} tokens/rank/step; goal <= 1.05)")
         row("recorder_judge_cost", _fmt(res["recorder_judge_cost"], ".2f"),
             f"gate check {j['sketch']['judge_cpu_s']:.1f} CPU s / fleet {j['sketch']['fleet_cpu_s']:.1f} CPU s "
             f"(sketched, {j['sketch']['verdict']}); full tensors {j['full']['ratio']:.2f} ({j['full']['verdict']}); "

@@ -97,16 +97,71 @@ def sketch_buckets(name: str, numel: int, k: int, seed: int, lo: int = 0, n: int
     return (b + 2 * k * (torch.arange(n) // SKETCH_CHUNK)).to(torch.int32)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor's buckets are summed in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunks(numel: int) -> int:
+    return max(-(-numel // SKETCH_CHUNK), 1)
+
+
 def sketch(x: torch.Tensor, buckets: torch.Tensor, k: int) -> torch.Tensor:
     """The CountSketch S x (float64, k numbers) of a flat piece of a tensor
     whose elements' buckets are `buckets` (from sketch_buckets): each chunk's
-    buckets summed in float32, the chunks in float64."""
-    x = x.detach().reshape(-1)
-    chunks = -(-x.numel() // SKETCH_CHUNK)
-    z = torch.zeros(max(chunks, 1) * 2 * k, dtype=x.dtype if x.dtype == torch.float64 else torch.float32)
-    z.index_add_(0, buckets, x.to(z.dtype))
-    z = z.view(-1, 2 * k).double().sum(0)
-    return z[:k] - z[k:]
+    buckets summed in float32 (float64 for a float64 x) in element order,
+    then the chunks in float64 in chunk order. One tensor through Sketcher."""
+    one = Sketcher(k)
+    one.buckets["x"] = buckets
+    return one({"x": x})["x"]
+
+
+class Sketcher:
+    """CountSketches of many tensors at once (the Recorder's and the
+    reference's per-step sketches; `sketch` is one tensor through it).
+    `buckets[name]` are the tensor's (or piece's) buckets from sketch_buckets.
+    The tensors summed in the same dtype are laid end to end, each chunk of
+    each tensor with its own 2k buckets, so one index_add_ sums every chunk's
+    buckets (float32, or float64 for float64 tensors; each bucket's elements
+    in element order) and a second one each tensor's chunks (float64, in chunk
+    order): per tensor the same additions in the same order whichever tensors
+    share the call, so the same numbers, in a few operations for all tensors
+    instead of a dozen per tensor. The sketch itself, S x with
+    (S x)_j = sum_{h(i)=j} s(i) x_i, is the module docstring's."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.buckets: dict[str, torch.Tensor] = {}
+        self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def _layout(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if names not in self._layouts:
+            index, owner, off = [], [], 0
+            for j, n in enumerate(names):
+                b = self.buckets[n]
+                chunks = _chunks(b.numel())
+                index.append(b.to(torch.int64) + off)
+                owner += [j] * chunks
+                off += chunks * 2 * self.k
+            idx = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
+            self._layouts[names] = (idx.to(torch.int32) if off < 2**31 else idx, torch.tensor(owner), off)
+        return self._layouts[names]
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        k, groups, out = self.k, {}, {}
+        for n, t in tensors.items():
+            groups.setdefault(_acc(t.dtype), []).append(n)
+        for acc, names in groups.items():
+            index, owner, size = self._layout(tuple(names))
+            # the one copy of the tensors (on their device, then to the CPU), read before the optimizer steps
+            x = torch.cat([tensors[n].detach().reshape(-1).to(acc) for n in names]).cpu()
+            z = torch.zeros(size, dtype=acc)
+            z.index_add_(0, index, x)
+            s = torch.zeros(len(names), 2 * k, dtype=torch.float64)
+            s.index_add_(0, owner, z.view(-1, 2 * k).double())
+            s = s[:, :k] - s[:, k:]
+            out.update({n: s[j].clone() for j, n in enumerate(names)})  # each its own storage (safetensors)
+        return {n: out[n] for n in tensors}
 
 
 def import_path(path: str, what: str):
@@ -156,6 +211,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         t = t.to_local()
     out = t.cpu().contiguous()
     return out.clone() if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else out
+
+
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of t as it is (a view: a DTensor's local shard), for
+    sketching, which reads it once into a copy of its own."""
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _placement(t) -> dict | None:
@@ -231,9 +293,10 @@ def check_options(*, build_model: str, build_optimizer: str, objective: str = "c
 
 class _Writer:
     """Writes files atomically, in order, on a thread of its own: the loop does
-    not wait for the disk (fsync). The bytes are made by the caller (a copy
-    taken before the optimizer changes the tensors). An error is raised at the
-    next write or at flush."""
+    not wait for the serialisation or the disk (fsync). `data` is bytes, or a
+    dict of tensors that the thread serialises (safetensors): the caller's
+    own copies, taken before the optimizer changes the tensors, which nothing
+    changes afterwards. An error is raised at the next write or at flush."""
 
     def __init__(self):
         import queue
@@ -251,7 +314,8 @@ class _Writer:
                 if item is None:
                     return
                 if self.error is None:
-                    atomic.write_bytes(*item)
+                    path, data = item
+                    atomic.write_bytes(path, data if isinstance(data, bytes) else st_save(data))
             except BaseException as e:  # handed to the loop's thread at the next call
                 self.error = e
             finally:
@@ -262,7 +326,7 @@ class _Writer:
             e, self.error = self.error, None
             raise RecorderError(f"the Recorder could not write its files ({type(e).__name__}: {e})") from e
 
-    def write(self, path: Path, data: bytes) -> None:
+    def write(self, path: Path, data: bytes | dict[str, torch.Tensor]) -> None:
         self._raise()
         self.q.put((path, data))
 
@@ -314,7 +378,7 @@ class Recorder:
         self.max_grad_norm = float(max_grad_norm)
         self.inputs = tuple(inputs) + tuple(k for k in EXAMPLE_ID_KEYS if k not in inputs)
         self.batches: list[dict[str, torch.Tensor]] = []
-        self._buckets: dict[str, tuple[torch.Tensor, int]] = {}
+        self._sketcher = Sketcher(int(sketch))
         self.closed = False
 
         prior = self._prior(resume)
@@ -360,7 +424,7 @@ class Recorder:
         self._write_recording()
         if self.sketch_k:  # the buckets once, here, so that no step pays for them
             named = list(self.module.named_parameters())
-            self._sketch_all({n: _local(p) for n, p in named}, {n: p.numel() for n, p in named})
+            self._sketch_all({n: _shard(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = _Writer()
         self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
@@ -433,18 +497,17 @@ class Recorder:
         return None
 
     def _sketch_all(self, tensors: dict[str, torch.Tensor], full_numel: dict[str, int]) -> dict[str, torch.Tensor]:
-        out = {}
+        buckets = self._sketcher.buckets
         for name, t in tensors.items():
-            if name not in self._buckets:
+            if name not in buckets:
                 n, lo = full_numel[name], 0
                 pl = self.placements.get(name)
                 if pl:  # this rank's rows of the global tensor: torch.chunk's split along dim 0
                     row = n // pl["shape"][0] if pl["shape"][0] else 0
                     rows = -(-pl["shape"][0] // self.world)
                     lo = min(self.rank * rows, pl["shape"][0]) * row
-                self._buckets[name] = sketch_buckets(name, n, self.sketch_k, self.seed, lo, t.numel())
-            out[name] = sketch(t, self._buckets[name], self.sketch_k)
-        return out
+                buckets[name] = sketch_buckets(name, n, self.sketch_k, self.seed, lo, t.numel())
+        return self._sketcher(tensors)
 
     def _tensor_step(self, k: int) -> bool:
         return (k - 1) % self.every == 0
@@ -477,32 +540,34 @@ class Recorder:
             for key, t in b.items():
                 tensors[f"in/{m}/{key}"] = t
         if example_ids is not None:
-            tensors["ids"] = torch.as_tensor(example_ids).detach().cpu().reshape(-1)
+            tensors["ids"] = torch.as_tensor(example_ids).detach().cpu().reshape(-1).clone()
         named = list(self.module.named_parameters())
         no_grad = [n for n, p in named if p.grad is None]
         param_hash = None
-        if self._tensor_step(k):
+        if self._tensor_step(k) and self.sketch_k:  # read in place: the sketches are the copies
+            numel = {n: p.numel() for n, p in named}
+            ps = self._sketch_all({n: _shard(p) for n, p in named}, numel)
+            gs = self._sketch_all({n: _shard(p.grad) for n, p in named if p.grad is not None}, numel)
+            tensors.update({f"ps/{n}": v for n, v in ps.items()})
+            tensors.update({f"gs/{n}": v for n, v in gs.items()})
+            param_hash = _digest(ps)
+        elif self._tensor_step(k):
             params = {n: _local(p) for n, p in named}
             grads = {n: _local(p.grad) for n, p in named if p.grad is not None}
-            if self.sketch_k:
-                numel = {n: p.numel() for n, p in named}
-                ps, gs = self._sketch_all(params, numel), self._sketch_all(grads, numel)
-                tensors.update({f"ps/{n}": v for n, v in ps.items()})
-                tensors.update({f"gs/{n}": v for n, v in gs.items()})
-                param_hash = _digest(ps)
-            else:
-                tensors.update({f"p/{n}": v for n, v in params.items()})
-                tensors.update({f"g/{n}": v for n, v in grads.items()})
-                # named_buffers, not state_dict(): under FSDP2 a state_dict mid-step reshards (its hook)
-                bufs = dict(self.module.named_buffers())
-                tensors.update({f"b/{n}": _local(bufs[n]).clone() for n in self._buffers if n in bufs})
-                param_hash = _digest(params)
+            tensors.update({f"p/{n}": v for n, v in params.items()})
+            tensors.update({f"g/{n}": v for n, v in grads.items()})
+            # named_buffers, not state_dict(): under FSDP2 a state_dict mid-step reshards (its hook)
+            bufs = dict(self.module.named_buffers())
+            tensors.update({f"b/{n}": _local(bufs[n]).clone() for n in self._buffers if n in bufs})
+            param_hash = _digest(params)
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
                 "tensors": self._tensor_step(k), "param_hash": param_hash,
                 "epoch": None if epoch is None else int(epoch)}
-        self._writer.write(A.step_tensors_path(self.out, self.rank, k), st_save(tensors))
+        # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
+        # by the pre-hook, parameters and gradients by _local or the sketches, ids below)
+        self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
         self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
         self._last_meta = meta
 

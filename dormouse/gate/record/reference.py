@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
-from dormouse.gate.record.recorder import OBJECTIVES, code_hashes, import_path, sketch, sketch_buckets
+from dormouse.gate.record.recorder import OBJECTIVES, Sketcher, code_hashes, import_path, sketch_buckets
 from safetensors.torch import save as st_save
 
 REFERENCE_SCHEMA = 1
@@ -378,13 +378,11 @@ def updated_buffers(fn, path: str, model, rec: A.RecordingSet, k: int) -> dict[s
     return {n: v.detach().cpu().clone() for n, v in out.items()}
 
 
-def _sketched(tensors: dict[str, torch.Tensor], numel: dict[str, int], k: int, seed: int, cache: dict):
-    out = {}
-    for n, t in tensors.items():
-        if n not in cache:
-            cache[n] = sketch_buckets(n, numel[n], k, seed)
-        out[n] = sketch(t, cache[n], k)
-    return out
+def _sketched(tensors: dict[str, torch.Tensor], numel: dict[str, int], seed: int, sketcher: Sketcher):
+    for n in tensors:
+        if n not in sketcher.buckets:
+            sketcher.buckets[n] = sketch_buckets(n, numel[n], sketcher.k, seed)
+    return sketcher(tensors)
 
 
 def _train_step(model, opt, sched, grads: dict, mgn: float, *, clipped: bool) -> None:
@@ -415,7 +413,7 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
     opt, sched = build_optimizer(rec, model)
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     numel = {n: p.numel() for n, p in model.named_parameters()}
-    buckets: dict = {}
+    sketcher = Sketcher(rec.sketch)
     scan = _scan(model)
     tensor_steps = set(rec.tensor_steps())
     mode = "replay" if replay else "run"
@@ -457,8 +455,7 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         if want:
             if rec.sketch:
                 for key, d in (("rp", before), *ref.items()):
-                    tensors.update({f"{key}/{n}": v for n, v in _sketched(d, numel, rec.sketch, rec.seed,
-                                                                          buckets).items()})
+                    tensors.update({f"{key}/{n}": v for n, v in _sketched(d, numel, rec.seed, sketcher).items()})
             else:
                 tensors.update({f"rp/{n}": v for n, v in before.items()})
                 for key, d in ref.items():
@@ -476,7 +473,7 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     if rec.sketch:
-        final = _sketched(final, numel, rec.sketch, rec.seed, buckets)
+        final = _sketched(final, numel, rec.seed, sketcher)
     atomic.write_bytes(A.reference_final_path(out), st_save({f"rp/{n}": v for n, v in final.items()}))
     meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,
             "mode": mode, "steps": rec.steps, "scheduler": sched is not None,
