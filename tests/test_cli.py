@@ -336,6 +336,7 @@ def test_the_fleets_recording_passes_the_recording_judge(fleet_run):
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     assert v.check("complete").reason.startswith("recording of 6 steps, 2 ranks")
     assert v.check("gradient").worst < 1e-6 and "bitwise at all 6 steps" in v.check("replay").reason
+    assert "block.moe.router_bias follows the declared update" in v.check("buffers").reason  # the routing bias
 
 
 def test_sample_and_eval_read_the_fleets_checkpoint(fleet_run):

@@ -96,15 +96,14 @@ def test_the_rebuilt_optimizer_and_schedule_are_the_loops():
 
 
 def test_a_routing_bias_moved_by_the_loads_reversed_fails_the_recordings_buffers_check(tmp_path):
-    from fleet_faults import scoped  # the gate's own fault (its gradref loads catch it in a fleet)
+    from fleet_faults import reverse_loads  # the gate's own fault loads_reversed, as this train()'s own hook
 
     run = RunConfig(model=preset("tiny"), train=TrainConfig(
         steps=4, batch=2, seq_len=32, lr=1e-3, out_dir=str(tmp_path / "run"), log_every=10))
     verdicts = {}
-    for name, fault in (("clean", None), ("loads_reversed", "loads_reversed")):
+    for name, fault in (("clean", Hooks()), ("loads_reversed", Hooks(on_reduced=[reverse_loads]))):
         rec = LoopRecorder(tmp_path / name)
-        with scoped(fault):
-            loop.train(loop.build_model(run), run, log=lambda line: None, hooks=rec.hooks())
+        loop.train(loop.build_model(run), run, log=lambda line: None, hooks=fault + rec.hooks())
         make_reference(tmp_path / name, log=lambda line: None)
         verdicts[name] = judge_recording(tmp_path / name)
     clean, bad = verdicts["clean"], verdicts["loads_reversed"]

@@ -325,15 +325,18 @@ def loads_rank0() -> None:
     install(Hooks(on_reduced=[local]))
 
 
+def reverse_loads(state) -> None:
+    """An on_reduced hook: the step's global expert loads reversed (expert e gets expert E-1-e's load)."""
+    state.loads = state.loads.flip(-1)
+
+
 def loads_reversed() -> None:
     """The routing bias moves by the step's global expert loads REVERSED
-    (expert e by expert E-1-e's load): ranks stay equal, the gradients and
-    the optimizer's update are right; only the bias moves wrongly (the gate's
-    gradref loads and the recording's buffers check catch it)."""
-    def reversed_loads(state):
-        state.loads = state.loads.flip(-1)
-
-    install(Hooks(on_reduced=[reversed_loads]))
+    (reverse_loads): ranks stay equal, the gradients and the optimizer's
+    update are right; only the bias moves wrongly (the gate's gradref loads
+    and the recording's buffers check catch it; in one process a test passes
+    reverse_loads to train() as its own hook)."""
+    install(Hooks(on_reduced=[reverse_loads]))
 
 
 FAULTS.update({f.__name__: f for f in (exact_reversed_tree, loads_rank0, loads_reversed)})

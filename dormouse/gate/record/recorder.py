@@ -120,31 +120,32 @@ class Sketcher:
     """CountSketches of many tensors at once (the Recorder's and the
     reference's per-step sketches; `sketch` is one tensor through it).
     `buckets[name]` are the tensor's (or piece's) buckets from sketch_buckets.
-    The tensors summed in the same dtype are laid end to end, each chunk of
-    each tensor with its own 2k buckets, so one index_add_ sums every chunk's
-    buckets (float32, or float64 for float64 tensors; each bucket's elements
-    in element order) and a second one each tensor's chunks (float64, in chunk
-    order): per tensor the same additions in the same order whichever tensors
-    share the call, so the same numbers, in a few operations for all tensors
-    instead of a dozen per tensor. The sketch itself, S x with
-    (S x)_j = sum_{h(i)=j} s(i) x_i, is the module docstring's."""
+    The tensors summed in the same dtype share one buffer, each chunk of each
+    tensor with its own 2k buckets: one index_add_ per tensor sums its chunks'
+    buckets (float32, or float64 for float64 tensors; each bucket's elements in
+    element order), then one index_add_ sums each tensor's chunks (float64, in
+    chunk order) for all of them: per tensor the same additions in the same
+    order whichever tensors share the call, so the same numbers, in about two
+    operations per tensor instead of a dozen, and no copy of the tensors
+    first (index_add_ reads them where they are, before the optimizer steps;
+    from another device, through one copy to the CPU each). The sketch itself,
+    S x with (S x)_j = sum_{h(i)=j} s(i) x_i, is the module docstring's."""
 
     def __init__(self, k: int):
         self.k = k
         self.buckets: dict[str, torch.Tensor] = {}
-        self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._layouts: dict[tuple, tuple[list[int], torch.Tensor, int]] = {}
 
-    def _layout(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _layout(self, names: tuple[str, ...]) -> tuple[list[int], torch.Tensor, int]:
+        """Each tensor's offset in the shared buffer, each chunk's tensor, the buffer's size."""
         if names not in self._layouts:
-            index, owner, off = [], [], 0
+            offsets, owner, off = [], [], 0
             for j, n in enumerate(names):
-                b = self.buckets[n]
-                chunks = _chunks(b.numel())
-                index.append(b.to(torch.int64) + off)
+                chunks = _chunks(self.buckets[n].numel())
+                offsets.append(off)
                 owner += [j] * chunks
                 off += chunks * 2 * self.k
-            idx = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
-            self._layouts[names] = (idx.to(torch.int32) if off < 2**31 else idx, torch.tensor(owner), off)
+            self._layouts[names] = (offsets, torch.tensor(owner, dtype=torch.int64), off)
         return self._layouts[names]
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -152,11 +153,11 @@ class Sketcher:
         for n, t in tensors.items():
             groups.setdefault(_acc(t.dtype), []).append(n)
         for acc, names in groups.items():
-            index, owner, size = self._layout(tuple(names))
-            # the one copy of the tensors (on their device, then to the CPU), read before the optimizer steps
-            x = torch.cat([tensors[n].detach().reshape(-1).to(acc) for n in names]).cpu()
+            offsets, owner, size = self._layout(tuple(names))
             z = torch.zeros(size, dtype=acc)
-            z.index_add_(0, index, x)
+            for n, off in zip(names, offsets):
+                b, x = self.buckets[n], tensors[n].detach().reshape(-1).to("cpu", acc)
+                z[off:off + _chunks(b.numel()) * 2 * k].index_add_(0, b, x)
             s = torch.zeros(len(names), 2 * k, dtype=torch.float64)
             s.index_add_(0, owner, z.view(-1, 2 * k).double())
             s = s[:, :k] - s[:, k:]
