@@ -83,8 +83,8 @@ class Decoder:
         for it in range(cfg.max_iter):
             qkv, out = f32(att.qkv), f32(att.out)
             if att.rank:
-                qkv = qkv + f32(att.lora_qkv_b[it]) @ f32(att.lora_qkv_a[it])  # (3I, d)
-                out = out + f32(att.lora_out_b[it]) @ f32(att.lora_out_a[it])  # (d, I)
+                qkv = torch.addmm(qkv, f32(att.lora_qkv_b[it]), f32(att.lora_qkv_a[it]))  # (3I, d)
+                out = torch.addmm(out, f32(att.lora_out_b[it]), f32(att.lora_out_a[it]))  # (d, I)
             self.iters.append({"qkv": _io(qkv * g_attn, dt), "out": _io(out, dt)})
         # sum h^2 + d eps of each norm, as the (1, 1) input of an addmm
         self.c_attn = torch.full((1, 1), d * blk.attn_norm.eps, dtype=dt)
@@ -101,7 +101,7 @@ class Decoder:
             self.front_split = ([self.E] if self.E else []) + ([self.sr, self.sr] if self.sr else [])
         if moe is not None:
             self.topk, self.bias, self.f = moe.topk, moe.router_bias.float(), moe.expert_w_gate.shape[1]
-            self.gate_up = [_io(torch.cat([f32(moe.expert_w_gate[e]), f32(moe.expert_w_up[e])]) * g_ffn, dt)
+            self.gate_up = [_io(torch.cat([f32(moe.expert_w_gate[e]), f32(moe.expert_w_up[e])]).mul_(g_ffn), dt)
                             for e in range(self.E)]  # (d, 2F)
             self.down = [_io(f32(moe.expert_w_down[e]), dt) for e in range(self.E)]  # (F, d)
         if sh is not None:
