@@ -168,7 +168,7 @@ class Decoder:
             kb[:, :, slot] = k
             vb[:, :, slot] = v
             z = F.scaled_dot_product_attention(q.unsqueeze(2), kb.narrow(2, 0, n), vb.narrow(2, 0, n))
-            h = torch.addmm(h, z.view(B, I), p["out"])
+            h = torch.addmm(h, z.reshape(B, I), p["out"])
             if not self.ffn:
                 continue
             z = h * self._inv_rms(h, self.c_ffn)  # rms(h) / sqrt(d) without the gain: folded
