@@ -32,6 +32,23 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def _main(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`dormouse ARGS` through the same main() in this process (its output
+    captured), for the commands whose process start-up is not the point: the
+    process-level behaviour (exit status, stderr, no traceback) is _cli's."""
+    import contextlib
+    import io
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
 def _torchrun(*args: str, cwd: Path, nproc: int = 2, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     return subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -324,11 +341,11 @@ def test_the_fleets_recording_passes_the_recording_judge(fleet_run):
 def test_sample_and_eval_read_the_fleets_checkpoint(fleet_run):
     d, _ = fleet_run
     ckpt = str(d / "run" / "dormouse.pt")
-    a = _cli("sample", "--ckpt", ckpt, "--prompt", "def ", "--tokens", "50", "--seed", "1", cwd=d)
-    b = _cli("sample", "--ckpt", ckpt, "--prompt", "def ", "--tokens", "50", "--seed", "1", cwd=d)
+    a = _main("sample", "--ckpt", ckpt, "--prompt", "def ", "--tokens", "50", "--seed", "1", cwd=d)
+    b = _main("sample", "--ckpt", ckpt, "--prompt", "def ", "--tokens", "50", "--seed", "1", cwd=d)
     assert a.returncode == 0 and a.stderr == "", a.stderr
     assert a.stdout == b.stdout and len(a.stdout.encode()) >= 50  # deterministic; replacement chars may widen
-    ev = _cli("eval", "--ckpt", ckpt, "--data", str(d / "run" / "builtin_corpus.bin"), "--part", "tail", cwd=d)
+    ev = _main("eval", "--ckpt", ckpt, "--data", str(d / "run" / "builtin_corpus.bin"), "--part", "tail", cwd=d)
     assert ev.returncode == 0, ev.stderr
     words = ev.stdout.split()
     nats, bits = float(words[1]), float(words[3])
@@ -340,7 +357,7 @@ def test_sample_and_eval_read_the_fleets_checkpoint(fleet_run):
 
 def test_a_fleets_run_resumes_in_one_process_from_its_run_json(fleet_run, tmp_path):
     d, _ = fleet_run
-    proc = _cli("train", "--config", str(d / "run" / "run.json"), "--set", "train.dist=false",
+    proc = _main("train", "--config", str(d / "run" / "run.json"), "--set", "train.dist=false",
                 "--capacity", "", "--batch", "3", "--steps", "8", "--resume", cwd=d)  # --capacity: --profile's old name
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {d / 'run' / 'dormouse.pt'} at step 6" in proc.stdout and "step=8/8" in proc.stdout
@@ -382,14 +399,14 @@ def test_a_sharded_fleets_dcp_checkpoint_samples_evaluates_and_resumes_alone(tmp
     assert proc.returncode == 0, proc.stderr
     dcp = tmp_path / "run" / "dormouse.dcp"
     assert dcp.is_dir()
-    a = _cli("sample", "--ckpt", str(dcp), "--prompt", "x", "--tokens", "10", "--temperature", "0", cwd=tmp_path)
+    a = _main("sample", "--ckpt", str(dcp), "--prompt", "x", "--tokens", "10", "--temperature", "0", cwd=tmp_path)
     assert a.returncode == 0 and a.stderr == "", a.stderr
     head = tmp_path / "head.bin"  # the corpus's first 8 KB: a whole-file eval in seconds, not the 0.5 MB corpus
     head.write_bytes((tmp_path / "run" / "builtin_corpus.bin").read_bytes()[:8192])
-    ev = _cli("eval", "--ckpt", str(dcp), "--data", str(head), cwd=tmp_path)
+    ev = _main("eval", "--ckpt", str(dcp), "--data", str(head), cwd=tmp_path)
     assert ev.returncode == 0 and "bits/byte" in ev.stdout and "whole file" in ev.stdout, ev.stderr
     # --resume CKPT: a different out dir continues from the fleet's checkpoint, in one process
-    res = _cli("train", "--config", str(tmp_path / "run" / "run.json"), "--set", "train.dist=false",
+    res = _main("train", "--config", str(tmp_path / "run" / "run.json"), "--set", "train.dist=false",
                "--steps", "3", "--resume", str(dcp), "--out", str(tmp_path / "alone"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert f"resumed from {dcp} at step 2" in res.stdout and "step=3/3" in res.stdout

@@ -167,7 +167,8 @@ def _run(mode: str, args) -> int:
         prefix = f"[rank{os.environ.get('RANK', '?')}] "
         log = lambda line: print(prefix + line, flush=True)  # noqa: E731
         if args.plan:
-            modes.run_rank_plan(modes.load_plan(args.plan, validated=args.validated), log=log, leg=args.leg)
+            plan, legs = modes.load_plan(args.plan, validated=args.validated)
+            modes.run_rank_plan(plan, log=log, leg=legs if legs is not None else args.leg)
         else:
             modes.run_rank(s, log=log, leg=args.leg)
         return 0

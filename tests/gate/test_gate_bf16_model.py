@@ -31,17 +31,26 @@ def bf16_config(tmp_path_factory):
     return path
 
 
-def test_dormouse_pipeline_gates_a_bf16_model_from_its_run_json(bf16_config, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "dormouse", "pipeline", "--config", str(bf16_config), "--steps", "2",
-                           "--out", str(tmp_path / "gate"), "--resume-world", "0", "--only", "04", "--quiet"],
-                          env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    verdict = json.loads((tmp_path / "gate" / "verdict.json").read_text())
-    assert verdict["pass"], done.stdout[-3000:]
-    from dormouse.gate.artifacts import load_tensors
+def test_dormouse_pipeline_gates_the_bf16_config_a_training_run_wrote(tmp_path, capsys):
+    """`dormouse train` writes run.json (a bf16 model, the block applied three
+    times: not the gate fixture's network), then `dormouse pipeline --config`
+    gates that network and recipe, to PASS."""
+    from dormouse.__main__ import main
+    from dormouse.gate.artifacts import load_meta, load_tensors
 
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--out", str(tmp_path / "run"),
+                 "--set", "model.max_iter=3", "--set", "model.bf16=true"]) == 0, capsys.readouterr().err
+    config = tmp_path / "run" / "run.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "dormouse", "pipeline", "--config", str(config), "--steps", "2",
+                           "--out", str(tmp_path / "gate"), "--resume-world", "0", "--only", "04", "--quiet"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "gate verdict" in done.stdout and ": PASS" in done.stdout
+    verdict = json.loads((tmp_path / "gate" / "verdict.json").read_text())
+    assert verdict["pass"] and verdict["settings"]["config"] == str(config)
+    model = load_meta(tmp_path / "gate", "rank0")["config"]["model"]
+    assert model["max_iter"] == 3 and model["bf16"] is True
     assert load_tensors(tmp_path / "gate", "rank0")["head.weight"].dtype.is_floating_point
     assert str(load_tensors(tmp_path / "gate", "init")["head.weight"].dtype) == "torch.bfloat16"
 

@@ -17,15 +17,33 @@ from gatekit import QUIET, faulty_fleets, fleets, references
 PROFILES = {2: "3,1", 3: "2,1,1"}
 
 
+def _even(base):
+    """`--reduce exact --capacity 3,3` without a micro-batch, replicated and
+    under FSDP2, stopped at step 3 and resumed alone (the default): the
+    clipping binds at every step."""
+    return {shard: GateSettings(out=str(base / shard), profile="3,3", reduce="exact", shard=shard,
+                                steps=6).validate() for shard in ("none", "fsdp")}
+
+
 @pytest.fixture(scope="module")
-def exact_runs(tmp_path_factory):
+def clean_runs(tmp_path_factory):
+    """The clean exact fleets of this file in one plan (three launches: the
+    first legs at worlds 2 and 3, then every second leg at one rank)."""
     base = tmp_path_factory.mktemp("exact_gate")
     plan = {w: GateSettings(out=str(base / f"w{w}"), world=w, profile=c, reduce="exact", micro_batch=1, lr=1e-2,
                             steps=20).validate() for w, c in PROFILES.items()}
-    fleets(list(plan.values()))
+    even = _even(base)
+    fleets([*plan.values(), *even.values()])
     for s in plan.values():
         modes.run_exact(s, log=QUIET)
-    return plan
+    for s in even.values():
+        references(s)
+    return plan, even
+
+
+@pytest.fixture(scope="module")
+def exact_runs(clean_runs):
+    return clean_runs[0]
 
 
 @pytest.mark.parametrize("world", list(PROFILES))
@@ -66,17 +84,8 @@ def test_a_whole_exact_gate_passes_every_check(one_launch):
 
 
 @pytest.fixture(scope="module")
-def even_runs(tmp_path_factory):
-    """`--reduce exact --capacity 3,3` without a micro-batch, replicated and
-    under FSDP2, stopped at step 3 and resumed alone (the default): the
-    clipping binds at every step."""
-    base = tmp_path_factory.mktemp("exact_even")
-    plan = {shard: GateSettings(out=str(base / shard), profile="3,3", reduce="exact", shard=shard,
-                                steps=6).validate() for shard in ("none", "fsdp")}
-    fleets(list(plan.values()))
-    for s in plan.values():
-        references(s)
-    return plan
+def even_runs(clean_runs):
+    return clean_runs[1]
 
 
 @pytest.mark.parametrize("shard", ["none", "fsdp"])

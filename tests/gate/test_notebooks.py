@@ -1,7 +1,8 @@
 """The notebook pipeline: clean notebooks whose parameters are GateSettings'
 fields, real papermill and nbmake runs from the repository root and from
-elsewhere, the verdict notebook failing on planted faults and passing on clean
-artifacts, one-sentence errors for bad parameters.
+elsewhere, the verdict failing on planted faults (notebook 04's own calls in
+this process; its kernel failing once, through the pipeline's command) and
+passing on clean artifacts, one-sentence errors for bad parameters.
 
 No mocks: every notebook run starts a real kernel and (where the notebook does)
 a real torchrun fleet. One session-scoped pipeline run at the defaults serves
@@ -286,13 +287,18 @@ def test_lock_serialises_producers_and_force_reuses_what_was_made_while_waiting(
         produce.run_single(other, force=False, log=lambda _: None)
 
 
-def test_pipeline_cli_bad_input_exits_2_with_one_line(tmp_path):
-    for args in (["-p", "world", "0"], ["-p", "world", "two"], ["-p", "bogus", "1"],
-                 ["-p", "world", "2", "-p", "profile", "4,2,1"], ["--only", "05"]):
-        r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "-p", "out", str(tmp_path), *args],
-                           cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=120)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: "), r.stderr
+def test_pipeline_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    # one case as the command a user types (a process of its own: its stderr and exit status) ...
+    r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "-p", "out", str(tmp_path), "-p", "world", "0"],
+                       cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: "), r.stderr
+    # ... the others through the same main(), in this process
+    for args in (["-p", "world", "two"], ["-p", "bogus", "1"], ["-p", "world", "2", "-p", "profile", "4,2,1"],
+                 ["--only", "05"]):
+        assert pipeline.main(["-p", "out", str(tmp_path), *args]) == 2, args
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), (args, err)
     assert not (tmp_path / "notebooks").exists()  # nothing ran
 
 
@@ -509,19 +515,22 @@ def _restamp(path: Path, **edit) -> None:
     ("single", {"settings": {"seed": 8}}, "single made with seed=8 (want 7)", ("fleet", "gradref", "replay")),
     ("gradref", {"provenance": {"source": "0" * 64}}, "gradref made by other code", ("single", "fleet", "replay")),
 ])
-def test_verdict_notebook_replaces_an_artifact_from_another_configuration_or_other_code(
+def test_the_verdict_replaces_an_artifact_from_another_configuration_or_other_code(
         gate_run, tmp_path, artifact, edit, why, kept):
+    # notebook 04's own call, in this process (its kernel runs exactly this: pipeline.gate of the
+    # parameters' settings; 04 producing in a kernel: test_verdict_notebook_alone_produces_what_is_missing)
     out = copy_of(gate_run[2], tmp_path / "out")
     _restamp(out / f"{artifact}.json", **edit)
     before = mtimes(out)
-    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=tmp_path, out=str(out))
-    text = all_text(tmp_path / "04.ipynb")
+    lines: list[str] = []
+    v = pipeline.gate(settings.check(out=str(out)), log=lines.append)
+    text = "\n".join(lines)
     assert f"{artifact}: producing in {out} ({why})" in text, text
     assert text.count("producing") == 1 and all(f"{k}: using" in text for k in kept)
     after = mtimes(out)
     assert after[f"{artifact}.json"] > before[f"{artifact}.json"]
     assert all(after[n] == before[n] for n in before if n.split(".")[0].split("_")[0] not in (artifact,))
-    assert json.loads((out / "verdict.json").read_text())["pass"]
+    assert v.passed and json.loads((out / "verdict.json").read_text())["pass"]
 
 
 # --------------------------------------------------------------------------- planted faults
@@ -576,29 +585,33 @@ def plant_curve_step(out: Path) -> None:
     (plant_replay_step, "replay", "first differs at step 5, p/head.weight"),
     (plant_curve_step, "curve", "the loss exceeds its tolerance first at step 10"),
 ])
-def test_verdict_notebook_fails_on_a_planted_fault(gate_run, tmp_path, plant, failed, words):
+def test_the_verdict_fails_on_a_planted_fault_for_its_reason_alone(gate_run, tmp_path, plant, failed, words):
+    # notebook 04's calls, in this process: the gate, then the raise (04 failing in a kernel, its
+    # figures drawn first, through the pipeline's command: test_pipeline_exits_1_and_the_notebook_fails_...)
     out = copy_of(gate_run[2], tmp_path / "out")
     plant(out)
-    e = failing("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=tmp_path, out=str(out))
-    assert e.ename == "GateFailed"
-    assert f"gate verdict for {out}: FAIL" in e.evalue and f"[FAIL] {failed}:" in e.evalue
-    v = json.loads((out / "verdict.json").read_text())
-    assert not v["pass"] and not v["checks"][failed]["pass"] and words in v["checks"][failed]["reason"]
+    lines: list[str] = []
+    v = pipeline.gate(settings.check(out=str(out)), log=lines.append)
+    with pytest.raises(pipeline.GateFailed) as e:
+        pipeline.raise_if_failed(v)
+    assert f"gate verdict for {out}: FAIL" in str(e.value) and f"[FAIL] {failed}:" in str(e.value)
+    j = json.loads((out / "verdict.json").read_text())
+    assert not j["pass"] and not j["checks"][failed]["pass"] and words in j["checks"][failed]["reason"]
     also = {"curve": ["loss"]}.get(failed, [])  # a logged loss planted off is the loss check's finding too
-    assert sorted(k for k, c in v["checks"].items() if not c["pass"]) == sorted([failed, *also])  # for its reason alone
-    assert (out / "loss_delta.png").exists() and (out / "references.png").exists()  # drawn before it raised
+    assert sorted(k for k, c in j["checks"].items() if not c["pass"]) == sorted([failed, *also])  # for its reason alone
     # the fault was judged, not "repaired" by producing the artifact again
-    assert "producing" not in all_text(tmp_path / "04.ipynb")
+    assert not any("producing" in line for line in lines), lines
 
 
-def test_verdict_notebook_passes_on_clean_artifacts_without_producing(gate_run, tmp_path):
+def test_the_verdict_passes_on_clean_artifacts_without_producing(gate_run, tmp_path):
     out = copy_of(gate_run[2], tmp_path / "out")
-    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=tmp_path, out=str(out), produce=False)
+    lines: list[str] = []
+    assert pipeline.gate(settings.check(out=str(out), produce=False), log=lines.append).passed
     assert json.loads((out / "verdict.json").read_text())["pass"]
-    assert "producing" not in all_text(tmp_path / "04.ipynb")
+    assert not any("producing" in line for line in lines), lines
 
 
-def test_pipeline_exits_1_and_prints_the_verdict_when_the_gate_fails(gate_run, tmp_path):
+def test_pipeline_exits_1_and_the_notebook_fails_when_the_gate_fails(gate_run, tmp_path):
     out = copy_of(gate_run[2], tmp_path / "out")
     plant_rank_params(out)
     r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "--only", "04",
@@ -606,7 +619,14 @@ def test_pipeline_exits_1_and_prints_the_verdict_when_the_gate_fails(gate_run, t
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"gate verdict for {out}: FAIL" in r.stdout and "[FAIL] ranks: ranks differ" in r.stdout
     assert "[ok] curve:" in r.stdout
-    assert (out / "notebooks" / "04_compare_plots.ipynb").exists()
+    # the executed notebook: its last cell raised GateFailed with the verdict, after drawing the figures
+    executed = out / "notebooks" / "04_compare_plots.ipynb"
+    i, cell = error_cell(executed)
+    err = next(o for o in cell.outputs if o.output_type == "error")
+    assert err.ename == "GateFailed" and "[FAIL] ranks:" in err.evalue
+    assert "raise_if_failed" in cell.source
+    assert (out / "loss_delta.png").exists() and (out / "references.png").exists()
+    assert "producing" not in all_text(executed)
 
 
 # --------------------------------------------------------------------------- bad parameters in notebooks
@@ -614,14 +634,12 @@ def test_pipeline_exits_1_and_prints_the_verdict_when_the_gate_fails(gate_run, t
 
 @pytest.mark.parametrize("name, params, ename, words", [
     ("02_fleet_launcher.ipynb", {"world": "two"}, "ParameterError", ("world = 'two'", "whole number")),
-    ("03_gradref.ipynb", {"world": 3, "profile": "3,1"}, "ParameterError",
-     ("profile = '3,1' is not allowed: it has 2 entries but world = 3",)),
-    ("01_single.ipynb", {"steps": 0}, "ParameterError", ("steps = 0", "1 or more")),
     ("04_compare_plots.ipynb", {"produce": False}, "MissingArtifactError", ("single missing", "produce = False")),
 ])
 def test_bad_parameter_fails_the_first_cell_in_one_sentence(tmp_path, name, params, ename, words):
-    # (one case per notebook, and 04's missing artifact: the other bad values, world = 0 and an
-    # unwritable out among them, are the same settings.check, tested in-process above)
+    # (a kernel's ParameterError once, and 04's missing artifact: every notebook's first cell after
+    # its parameters is settings.check of all of them (test_notebook_is_clean), and the bad values
+    # themselves, world = 0 and an unwritable out among them, are tested in-process above)
     params = {"out": str(tmp_path / "out"), **params}
     e = failing(name, tmp_path / "run.ipynb", cwd=tmp_path, **params)
     assert e.ename == ename

@@ -36,17 +36,39 @@ def _gate(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProc
     return _run("-m", "dormouse.gate", *args, cwd=cwd, check=check)
 
 
+def _gate_here(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """The same command through dormouse.gate's main() in this process (its
+    output captured): for the steps after the seed's two launches, whose
+    process start-up is not what the recipe tests."""
+    import contextlib
+    import io
+
+    from dormouse.gate.__main__ import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(here)
+    if check:
+        assert code == 0, (args, out.getvalue()[-3000:], err.getvalue()[-3000:])
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The seed's two commands, then gradref, replay and verdict with --out only."""
+    """The seed's two commands (processes of their own, as typed), then
+    gradref, replay and verdict with --out only."""
     d = tmp_path_factory.mktemp("seed")
     g = str(d / "g")
     _gate("--mode", "single", "--out", g, "--steps", STEPS, "--batch", "4", cwd=d)
     _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "-m", "dormouse.gate", "--mode", "rank", "--out", g, "--steps", STEPS, "--batch", "2", cwd=d)
-    _gate("gradref", "--out", g, cwd=d)
-    _gate("replay", "--out", g, cwd=d)
-    return d / "g", _gate("verdict", "--out", g, "--json", cwd=d, check=False)
+    _gate_here("gradref", "--out", g, cwd=d)
+    _gate_here("replay", "--out", g, cwd=d)
+    return d / "g", _gate_here("verdict", "--out", g, "--json", cwd=d, check=False)
 
 
 def test_the_seeds_recipe_runs_as_written_and_passes(recipe):
@@ -71,8 +93,8 @@ def test_a_single_at_another_global_batch_is_one_fail_naming_both_batches(recipe
     g, _ = recipe
     other = tmp_path / "g"
     shutil.copytree(g, other)
-    _gate("--mode", "single", "--out", str(other), "--steps", STEPS, "--batch", "6", cwd=tmp_path)
-    verdict = _gate("verdict", "--out", str(other), "--json", cwd=tmp_path, check=False)
+    _gate_here("--mode", "single", "--out", str(other), "--steps", STEPS, "--batch", "6", cwd=tmp_path)
+    verdict = _gate_here("verdict", "--out", str(other), "--json", cwd=tmp_path, check=False)
     assert verdict.returncode == 1, verdict.stdout + verdict.stderr
     v = json.loads((other / "verdict.json").read_text())
     failed = [c for c in v["checks"].values() if not c["pass"]]

@@ -19,29 +19,20 @@ FAULTS = str(SUPPORT / "fleet_faults.py")
 QUIET = lambda line: None  # noqa: E731
 
 
-def _by_worlds(runs: list[tuple[GateSettings, str | None]]) -> list[list[tuple[GateSettings, str | None]]]:
-    """The runs grouped by their legs' world sizes: one torchrun launch per leg per group."""
-    groups: dict[tuple, list] = {}
-    for s, fault in runs:
-        groups.setdefault(tuple(x.world for x in s.legs()), []).append((s, fault))
-    return list(groups.values())
-
-
 def fleets(plan: list[GateSettings]) -> None:
-    """The clean fleet runs of `plan` (dormouse.gate's own entry point), one
-    torchrun launch per leg for all runs with the same world sizes."""
-    for group in _by_worlds([(s, None) for s in plan]):
-        launch_plan([s for s, _ in group], timeout_s=400, stream=QUIET)
+    """The clean fleet runs of `plan` (dormouse.gate's own entry point), in as
+    few torchrun launches as their world sizes allow (launcher.launches)."""
+    launch_plan(plan, timeout_s=400, stream=QUIET)
 
 
 def faulty_fleets(runs: list[tuple[GateSettings, str | None]]) -> None:
-    """Fleets each with its own fault (None: clean), one torchrun launch per
-    leg for all runs with the same world sizes: each fault acts on its run
-    only (fleet_faults.scoped), as if the run had a launch of its own."""
-    for group in _by_worlds(runs):
-        table = json.dumps({str(s.out_dir): fault for s, fault in group})
-        launch_plan([s for s, _ in group], timeout_s=600, stream=QUIET, entry=[FAULTS],
-                    env={"DORMOUSE_TEST_FAULTS": table})
+    """Fleets each with its own fault (None: clean), in as few torchrun
+    launches as their world sizes allow: each fault acts on its run only
+    (fleet_faults.scoped), as if the run had a launch of its own."""
+    table = {str(s.out_dir): fault for s, fault in runs}
+    assert len(table) == len(runs), "two runs of the plan share an out dir"
+    launch_plan([s for s, _ in runs], timeout_s=600, stream=QUIET, entry=[FAULTS],
+                env={"DORMOUSE_TEST_FAULTS": json.dumps(table)})
 
 
 def references(s: GateSettings, fault: str | None = None, *, single: bool = True) -> None:

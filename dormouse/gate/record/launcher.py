@@ -61,31 +61,52 @@ def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry
 def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=print,
                 entry: list[str] | None = None, torchrun_args: list[str] | None = None,
                 env: dict | None = None) -> list[list[dict]]:
-    """Several fleet runs (same world sizes) in ONE torchrun launch per leg,
-    one after another in the same process group; returns each run's rank
-    metadata. A fleet that stops and resumes at another world size
-    (resume_world) is two launches, --leg 1 and --leg 2."""
+    """Several fleet runs in as few torchrun launches as their world sizes
+    allow: the runs of one launch run one after another in the same process
+    group (the same code path as one run per launch); returns each run's rank
+    metadata, in the plan's order. A fleet that stops and resumes at another
+    world size (resume_world) runs its two legs in two launches (--leg 1,
+    then --leg 2): every first leg, and every run in one launch, goes before
+    any second leg, so one launch holds the second legs of every run that
+    resumes at that world size (`launches`)."""
     # Checked once, before any process starts: validated settings (every
     # driver's: check, from_args, by_hand) are relied on as they are, and the
     # ranks are told so (rank_command).
     plan = [s.validate() for s in plan]
-    if not plan or len({tuple(x.world for x in s.legs()) for s in plan}) != 1:
-        raise FleetError("a plan needs at least one run, all with the same world sizes (and legs)")
+    if not plan:
+        raise FleetError("a plan needs at least one run")
+    if torchrun_args and (len({s.world for s in plan}) > 1 or any(len(s.legs()) == 2 for s in plan)):
+        raise FleetError("custom torchrun arguments launch one world size in one leg: set resume_world = 0")
     for s in plan:
         s.out_dir.mkdir(parents=True, exist_ok=True)
-    plan_file = None
-    if len(plan) > 1:
-        plan_file = plan[0].out_dir / "plan.json"
-        atomic.write_text(plan_file, json.dumps([dataclasses.asdict(s) for s in plan], indent=1))
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(plan[0].threads), **(env or {})}
-    legs = len(plan[0].legs())
-    for leg in ([1, 2] if legs == 2 else [0]):
-        if torchrun_args and legs == 2:
-            raise FleetError("custom torchrun arguments launch one leg: set resume_world = 0")
-        cmd = torchrun_command(plan[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args, leg=leg)
+    for legs, runs in launches(plan):
+        plan_file = None
+        if len(runs) > 1:
+            plan_file = runs[0].out_dir / f"plan_leg{max(legs)}.json"
+            atomic.write_text(plan_file, json.dumps([{"leg": leg, "settings": dataclasses.asdict(s)}
+                                                     for leg, s in zip(legs, runs)], indent=1))
+        cmd = torchrun_command(runs[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args, leg=legs[0])
         stream(f"$ {' '.join(cmd)}")
         _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
     return [[load_meta(s.out_dir, f"rank{r}") for r in range(s.legs()[-1].world)] for s in plan]
+
+
+def launches(plan: list[GateSettings]) -> list[tuple[list[int], list[GateSettings]]]:
+    """The torchrun launches of a plan, in order: (each run's leg, the runs),
+    one world size each (leg 0: a run in one launch; 1 and 2: the two legs
+    of a stop-and-resume). One launch per world size holds every one-launch
+    run and first leg at that size; then one per world size the second legs
+    (each resumes its own first leg's checkpoint). The plan's order is kept
+    inside each launch."""
+    groups: dict[tuple[int, int], list[tuple[int, GateSettings]]] = {}
+    for s in plan:
+        legs = s.legs()
+        for leg in ([1, 2] if len(legs) == 2 else [0]):
+            world = legs[leg - 1].world if leg else s.world
+            groups.setdefault((2 if leg == 2 else 1, world), []).append((leg, s))
+    return [([leg for leg, _ in runs], [s for _, s in runs])
+            for _, runs in sorted(groups.items(), key=lambda kv: kv[0][0])]
 
 
 def _run_streaming(cmd: list[str], *, env: dict, timeout_s: float, stream) -> list[str]:

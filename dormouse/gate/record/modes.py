@@ -275,18 +275,20 @@ def run_rank(s: GateSettings, log=print, leg: int = 0) -> dict:
     return run_rank_plan([s], log=log, leg=leg)[-1]
 
 
-def run_rank_plan(plan: list[GateSettings], log=print, leg: int = 0) -> list[dict]:
+def run_rank_plan(plan: list[GateSettings], log=print, leg: int | list[int] = 0) -> list[dict]:
     """Several fleet runs in one process group, one after another (each into
-    its own out dir): the same code path as one run per launch."""
+    its own out dir): the same code path as one run per launch. `leg`: the
+    leg of every run, or one per run (a plan file's, load_plan)."""
+    legs = list(leg) if isinstance(leg, (list, tuple)) else [leg] * len(plan)
+    if len(legs) != len(plan):
+        raise DormouseError(f"a plan of {len(plan)} runs with {len(legs)} legs")
     metas = []
     try:
-        for s in plan:
-            metas.append(rank_run(s, log, leg))  # looked up at call time: a test or the bench may wrap it
+        for s, one in zip(plan, legs):
+            metas.append(rank_run(s, log, one))  # looked up at call time: a test or the bench may wrap it
     finally:
         close_fleet()
     return metas
-
-
 
 
 def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
@@ -351,13 +353,19 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
     return meta
 
 
-def load_plan(path: str, *, validated: bool = False) -> list[GateSettings]:
+def load_plan(path: str, *, validated: bool = False) -> tuple[list[GateSettings], list[int] | None]:
     """A JSON list of GateSettings fields, one fleet run each (`validated`:
-    the launcher wrote it from validated settings)."""
+    the launcher wrote it from validated settings), and each run's leg where
+    the file says it (an item {"leg": N, "settings": {...}}; None: the
+    command line's --leg for every run)."""
     try:
         items = json.loads(Path(path).read_text())
-        return [from_dict(item, validated=validated) for item in items]
-    except (OSError, ValueError, TypeError) as e:
+        legs = [item["leg"] for item in items if "settings" in item]
+        if legs and len(legs) != len(items):
+            raise ValueError("every item or none gives its leg")
+        plan = [from_dict(item["settings"] if legs else item, validated=validated) for item in items]
+        return plan, [int(x) for x in legs] if legs else None
+    except (OSError, ValueError, TypeError, KeyError) as e:
         raise DormouseError(f"plan {path!r} is not a JSON list of gate settings ({e})") from e
 
 

@@ -1,0 +1,53 @@
+"""The launcher's plan: which runs share a torchrun launch (launcher.launches),
+and the plan file that tells each rank every run's leg (modes.load_plan).
+Pure functions: the launches themselves run in every gate test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dormouse.errors import DormouseError
+from dormouse.gate.record import modes
+from dormouse.gate.record.launcher import launches
+from dormouse.gate.settings import GateSettings
+
+
+def _gs(tmp_path, name, **kw):
+    return GateSettings(out=str(tmp_path / name), **kw).validate()
+
+
+def test_first_legs_and_one_launch_runs_share_a_launch_per_world_then_the_second_legs(tmp_path):
+    a = _gs(tmp_path, "a")  # the default: world 2, resumed at 1 rank
+    b = _gs(tmp_path, "b", resume_world=0)  # one launch at world 2
+    c = _gs(tmp_path, "c", resume_world=3)  # world 2, resumed at 3 ranks
+    d = _gs(tmp_path, "d", world=3, profile="2,1,1", micro_batch=1)  # world 3, resumed at 1 rank
+    e = _gs(tmp_path, "e", shard="fsdp")  # world 2, resumed at 1 rank
+    got = [(legs, [s.out_dir.name for s in runs], {s.legs()[leg - 1].world if leg else s.world
+                                                    for leg, s in zip(legs, runs)})
+           for legs, runs in launches([a, b, c, d, e])]
+    assert got == [
+        ([1, 0, 1, 1], ["a", "b", "c", "e"], {2}),  # every first leg and one-launch run at world 2
+        ([1], ["d"], {3}),
+        ([2, 2, 2], ["a", "d", "e"], {1}),  # the second legs at one rank, after every first leg
+        ([2], ["c"], {3}),
+    ]
+
+
+def test_a_plan_file_gives_each_run_its_leg_and_a_broken_one_is_one_line(tmp_path):
+    a, b = _gs(tmp_path, "a"), _gs(tmp_path, "b", resume_world=0)
+    import dataclasses
+
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps([{"leg": 1, "settings": dataclasses.asdict(a)},
+                             {"leg": 0, "settings": dataclasses.asdict(b)}]))
+    plan, legs = modes.load_plan(str(f), validated=True)
+    assert [s.out_dir for s in plan] == [a.out_dir, b.out_dir] and legs == [1, 0]
+    f.write_text(json.dumps([dataclasses.asdict(a)]))  # no legs: the command line's --leg for every run
+    assert modes.load_plan(str(f))[1] is None
+    f.write_text(json.dumps([{"leg": 1, "settings": dataclasses.asdict(a)}, dataclasses.asdict(b)]))
+    with pytest.raises(DormouseError, match="is not a JSON list of gate settings .every item or none gives its leg"):
+        modes.load_plan(str(f))
+    with pytest.raises(DormouseError, match="a plan of 1 runs with 2 legs"):
+        modes.run_rank_plan([a], leg=[1, 2])
