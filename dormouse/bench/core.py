@@ -68,6 +68,12 @@ fleet_launch_fixed_s
     the fixed costs of a fleet launch: `python -c "import torch"` and a 2-rank
     torchrun --standalone launch that only joins the fleet (init_process_group,
     barrier, destroy).
+
+The table ends with the run's own wall time and each section's seconds
+(meta.wall_s, meta.sections_s): a full run must fit in 10 minutes on a 2-core
+machine. Its rounds are sized for that (NATIVE_ROUNDS, FLEET_ROUNDS,
+bench_single, sampling_rate's rounds), each noisy ratio keeping 4 rounds or
+more and its spread.
 """
 
 from __future__ import annotations
@@ -312,6 +318,13 @@ def matmul_rate(sizes=MATMUL_SIZES, min_s: float = 0.12, dtype: torch.dtype = to
     return rates
 
 
+# What the full run costs here (2 cores; each figure's time in its section,
+# printed with the run's wall time, goal <= 10 minutes): a small step ~1.7 s,
+# the native bf16 kernel's ~7 s, a 2-rank fleet step ~1.9 s, a 4-rank one ~4 s.
+NATIVE_ROUNDS = 3  # rounds of bench_single (of 4) that time the native bf16 kernel's step
+# (is 4 ranks, quick) -> (rounds, timed steps per train() call); each call adds one untimed step.
+FLEET_ROUNDS = {(False, True): (3, 1), (False, False): (5, 2), (True, True): (2, 1), (True, False): (4, 1)}
+
 BF16_MATMUL_SIZES = (512,)  # a CPU without native bf16 runs these at ~1 GFLOP/s: one size keeps the bench short
 
 
@@ -464,15 +477,19 @@ def bench_single(quick: bool, log) -> dict:
     """tiny and small steps, interleaved round by round with the fp32 and bf16
     matmul rates and with the small step at ns_dtype=float32 (the cliff ratio:
     TrainConfig's default over it, per round); full runs also time the small
-    step on the native bf16 Newton-Schulz kernel, one step a round."""
-    rounds, n_small, n_tiny = (2, 2, 8) if quick else (4, 3, 12)
+    step on the native bf16 Newton-Schulz kernel, one step in each of the
+    first NATIVE_ROUNDS rounds (a step there costs ~4 small steps; its own
+    train() call's untimed first step warms it, so it has no separate warm-up).
+    `sections` (name -> seconds) receives the wall time of the steps' rounds,
+    the profile and the sampling."""
+    t0 = time.perf_counter()
+    rounds, n_small, n_tiny = (2, 2, 8) if quick else (4, 2, 12)
     tiny = Stepper("tiny", *SHAPES["tiny"])
     small = Stepper("small", *SHAPES["small"])
     small_f32 = Stepper("small", *SHAPES["small"], ns_dtype="float32")
     small_native = None if quick else Stepper("small", *SHAPES["small"], ns_kernel="native")
-    for stepper in (tiny, small, small_f32, small_native):
-        if stepper is not None:
-            stepper.warm()
+    for stepper in (tiny, small, small_f32):
+        stepper.warm()
     rates, bf16_rates, small_t, tiny_t, f32_t, native_t, per_round = [], [], [], [], [], [], []
     cliff, native_cliff = [], []
     for r in range(rounds):
@@ -480,7 +497,7 @@ def bench_single(quick: bool, log) -> dict:
         rb = matmul_rate(BF16_MATMUL_SIZES, dtype=torch.bfloat16)
         st = small.timed(n_small)
         sf = small_f32.timed(n_small)
-        sn = small_native.timed(1) if small_native is not None else []
+        sn = small_native.timed(1) if small_native is not None and r < NATIVE_ROUNDS else []
         tt = tiny.timed(n_tiny)
         rates.append(statistics.median(rr.values()))
         bf16_rates.append(statistics.median(rb.values()))
@@ -503,12 +520,17 @@ def bench_single(quick: bool, log) -> dict:
     at_rates = parts_at_rates(flops, small.run.model, small.run.train, {"float32": rate, "bfloat16": bf16_rate})
     at_rates["parts"]["newton_schulz"]["optimizer_step_s"] = statistics.median(small.opt_s[-len(small_t):])
     at_rates["matmul_fraction"] = at_rates["ideal_s"] / small_s
+    sections = {"single_steps": time.perf_counter() - t0}
     log("  profiling the small step ...")
+    t0 = time.perf_counter()
     prof = profile_steps(small, 1 if quick else 3, flops["total"], rate)
     mm_flops = flops["total"] - flops["train_attention"]
     prof["matmul_kernel_gflops"] = mm_flops / prof["matmul_kernel_s_per_step"] / 1e9 if prof["matmul_kernel_s_per_step"] else None
+    sections["profile"] = time.perf_counter() - t0
     log("  sampling (dormouse.infer.generate, small) ...")
-    sampling = sampling_rate("small", tokens=40 if quick else 100, rounds=3 if quick else 5)
+    t0 = time.perf_counter()
+    sampling = sampling_rate("small", tokens=40 if quick else 100, rounds=3 if quick else 4)
+    sections["sampling"] = time.perf_counter() - t0
     return {
         "tokens_per_s_tiny": tiny.tokens / tiny_s,
         "tokens_per_s_small": small.tokens / small_s,
@@ -535,6 +557,7 @@ def bench_single(quick: bool, log) -> dict:
         "rounds": per_round,
         "shapes": {"tiny": SHAPES["tiny"], "small": SHAPES["small"]},
         "losses_finite": all(math.isfinite(v) for v in small.losses + tiny.losses + small_f32.losses),
+        "sections_s": sections,
     }
 
 
@@ -559,10 +582,10 @@ def _run(cmd: list[str], timeout: float, cwd: Path | None = None) -> tuple[float
 
 def bench_fleet(quick: bool, tmp: Path, log, *, world: int = 2, kinds: str = "ours,ddp,both,solo",
                 micro_batch: int = 0, name: str = "fleet") -> dict:
-    """One torchrun launch of bench_fleet: `kinds` alternating for some rounds."""
-    rounds, steps = (3, 1) if quick else (10, 2)
-    if world > 2:
-        rounds = 2 if quick else 6
+    """One torchrun launch of bench_fleet: `kinds` alternating for some
+    rounds, each kind's train() call one untimed and `steps` timed steps (see
+    FLEET_ROUNDS)."""
+    rounds, steps = FLEET_ROUNDS[(world > 2, quick)]
     out = tmp / f"{name}.json"
     b, t = SHAPES["small"]
     cmd = _torchrun(["--mode", "compare", "--out", str(out), "--preset", "small", "--batch", str(b),
@@ -742,6 +765,11 @@ def format_table(res: dict) -> str:
         if la:
             L.append(f"load average (1 min) before/after the {what} rounds: {la[0][0]:.2f} / {la[1][0]:.2f} "
                      f"on {res['meta']['cpus']} CPUs")
+    wall, sec = res["meta"].get("wall_s"), res["meta"].get("sections_s")
+    if wall is not None:
+        L.append(f"wall time of this run: {wall:.0f} s = {int(wall // 60)} min {wall % 60:.0f} s"
+                 + (" (goal for a full run: <= 10 min)" if res["mode"] == "full" else "")
+                 + ("; by section: " + ", ".join(f"{k} {v:.0f} s" for k, v in sec.items()) if sec else ""))
     for n in res.get("notes", []):
         L.append(f"note: {n}")
     L.append(f"written: {res['meta']['json']}")
@@ -803,6 +831,7 @@ def main(argv: list[str] | None = None) -> int:
                      "the ratios were taken side by side")
     log(f"dormouse bench ({mode}): single process, one thread ...")
     single = bench_single(args.quick, log)
+    sections = dict(single["sections_s"])  # section -> wall seconds, in run order
     details: dict = {"single": single}
     res: dict = {
         "mode": mode,
@@ -826,8 +855,14 @@ def main(argv: list[str] | None = None) -> int:
         "recorder_overhead": None,
         "recorder_judge_cost": None,
     }
+    def timed(name: str, t0: float) -> None:
+        sections[name] = time.perf_counter() - t0
+        log(f"  ({name}: {sections[name]:.0f} s; {time.perf_counter() - t_start:.0f} s since the start)")
+
+    timed_at = time.perf_counter
     with tempfile.TemporaryDirectory(prefix="dormouse-bench-") as tmp:
         log("fleet: one torchrun launch of 2 ranks (ours / DDP / both / solo, alternating) ...")
+        t0 = timed_at()
         try:
             fleet = bench_fleet(args.quick, Path(tmp), log)
             details["fleet"] = fleet
@@ -836,7 +871,9 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             details["fleet_error"] = str(e)
             notes.append(f"fleet bench failed: {str(e)[:300]}")
+        timed("fleet", t0)
         log("exact reduce: one torchrun launch of 4 ranks (ring / exact, alternating) ...")
+        t0 = timed_at()
         try:
             exact = bench_fleet(args.quick, Path(tmp), log, world=4, kinds="ring,exact", micro_batch=4, name="exact")
             details["exact"] = exact
@@ -844,7 +881,9 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             details["exact_error"] = str(e)
             notes.append(f"exact bench failed: {str(e)[:300]}")
+        timed("exact", t0)
         log("recorder: a plain 2-rank DDP loop with and without the Recorder, then gate check ...")
+        t0 = timed_at()
         try:
             from dormouse.bench.recorder import bench_recorder
 
@@ -855,12 +894,16 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a measurement that failed is a note, not a crash of the bench
             details["recorder_error"] = str(e)
             notes.append(f"recorder bench failed: {str(e)[:300]}")
+        timed("recorder", t0)
         log("launch fixed costs ...")
+        t0 = timed_at()
         try:
             res["fleet_launch_fixed_s"] = bench_launch(args.quick, Path(tmp))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             notes.append(f"launch timing failed: {str(e)[:300]}")
+        timed("launch", t0)
     log("gate sensitivity: the smallest one-rank, one-step gradient perturbation the verdict catches ...")
+    t0 = timed_at()
     try:
         from dormouse.bench.gate import sensitivity
 
@@ -868,7 +911,9 @@ def main(argv: list[str] | None = None) -> int:
         res["gate_smallest_caught_eps"] = details["sensitivity"]["smallest_caught"]
     except Exception as e:  # a measurement that failed is a note, not a crash of the bench
         notes.append(f"gate sensitivity failed: {str(e)[:300]}")
+    timed("sensitivity", t0)
     log("pipeline: the tiny `dormouse pipeline`, whole and by parts ...")
+    t0 = timed_at()
     try:
         from dormouse.bench.gate import pipeline_timing
 
@@ -878,6 +923,7 @@ def main(argv: list[str] | None = None) -> int:
         res["pipeline_parts_s"] = details["pipeline"]["parts_s"]
     except Exception as e:  # a measurement that failed is a note, not a crash of the bench
         notes.append(f"pipeline timing failed: {str(e)[:300]}")
+    timed("pipeline", t0)
     notes.append("FLOPs count matrix products only (see dormouse.bench.core.step_flops); Newton-Schulz runs in "
                  f"{TrainConfig.ns_dtype} (TrainConfig's default) on the {single['ns_kernel']!r} kernel here "
                  f"(float32 matmuls unless 'native'): matmul_fraction_by_dtype holds each part against "
@@ -886,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     res["details"] = details
     res["meta"] = {
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-        "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start,
+        "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start, "sections_s": sections,
         "unix_time": time.time(), "json": str(out),
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
     }

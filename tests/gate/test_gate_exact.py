@@ -12,7 +12,7 @@ from dormouse.gate.record import modes
 from dormouse.gate.artifacts import ArtifactSet
 from dormouse.gate.judge.checks import check_exact, judge
 from dormouse.gate.settings import GateSettings, ParameterError
-from gatekit import QUIET, faulty_fleets, fleets, references
+from gatekit import QUIET, faulty_fleets, references
 
 PROFILES = {2: "3,1", 3: "2,1,1"}
 
@@ -26,19 +26,29 @@ def _even(base):
 
 
 @pytest.fixture(scope="module")
-def clean_runs(tmp_path_factory):
-    """The clean exact fleets of this file in one plan (three launches: the
-    first legs at worlds 2 and 3, then every second leg at one rank)."""
+def runs(tmp_path_factory):
+    """Every exact fleet of this file in one plan, three launches (the first
+    legs and one-launch runs at worlds 2 and 3, then every second leg at one
+    rank): the clean fleets, a whole exact gate at the default profile in
+    slices of one window, and the same fleet with one ulp planted."""
     base = tmp_path_factory.mktemp("exact_gate")
     plan = {w: GateSettings(out=str(base / f"w{w}"), world=w, profile=c, reduce="exact", micro_batch=1, lr=1e-2,
                             steps=20).validate() for w, c in PROFILES.items()}
     even = _even(base)
-    fleets([*plan.values(), *even.values()])
+    whole = GateSettings(out=str(base / "whole"), reduce="exact", micro_batch=1, steps=8, resume_world=0).validate()
+    ulp = GateSettings(out=str(base / "ulp"), reduce="exact", micro_batch=1, steps=5, resume_world=0).validate()
+    faulty_fleets([*((s, None) for s in [*plan.values(), *even.values(), whole]), (ulp, "one_ulp")])
     for s in plan.values():
         modes.run_exact(s, log=QUIET)
-    for s in even.values():
+    for s in [*even.values(), whole]:
         references(s)
-    return plan, even
+    modes.run_exact(ulp, log=QUIET)
+    return plan, even, (whole, ulp)
+
+
+@pytest.fixture(scope="module")
+def clean_runs(runs):
+    return runs[0], runs[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +67,8 @@ def test_an_exact_fleet_is_bitwise_the_exact_reference_at_every_step(exact_runs,
 
 
 @pytest.fixture(scope="module")
-def one_launch(tmp_path_factory):
-    """A whole exact gate at the default profile in slices of one window, and
-    the same fleet with one ulp planted, in one torchrun launch."""
-    base = tmp_path_factory.mktemp("exact_one")
-    whole = GateSettings(out=str(base / "whole"), reduce="exact", micro_batch=1, steps=8, resume_world=0).validate()
-    ulp = GateSettings(out=str(base / "ulp"), reduce="exact", micro_batch=1, steps=5, resume_world=0).validate()
-    faulty_fleets([(whole, None), (ulp, "one_ulp")])
-    references(whole)
-    modes.run_exact(ulp, log=QUIET)
-    return whole, ulp
+def one_launch(runs):
+    return runs[2]
 
 
 def test_one_ulp_in_one_tensor_of_one_rank_at_one_step_fails_the_exact_check(one_launch):

@@ -25,7 +25,7 @@ import pytest
 
 from dormouse.gate.settings import GateSettings
 from dormouse.gate.judge.checks import judge
-from gatekit import faulty_fleets, fleets, references
+from gatekit import faulty_fleets, references
 
 FALSE_PASSES = {
     # fleet trains at 1.5 x lr (recorded in its config); no single process for mixed lengths
@@ -50,14 +50,25 @@ BIAS = ("bf16_decay_small", {"steps": 10, "reduce": "bf16"})
 
 
 @pytest.fixture(scope="module")
-def wrong(tmp_path_factory) -> dict:
-    base = tmp_path_factory.mktemp("review_wrong")
+def review(tmp_path_factory) -> tuple[dict, dict]:
+    """Every fleet of this file in one plan: the wrong fleets (each with its
+    fault, without the stop-and-resume) and the clean ones of the false alarms
+    (no fault; stopped and resumed at one rank): two launches, the first legs
+    and the wrong fleets, then the second legs."""
+    base = tmp_path_factory.mktemp("review")
     runs = {**FALSE_PASSES, "bias": BIAS}
     plan = {name: GateSettings(out=str(base / name), **{"steps": 6, "resume_world": 0, **extra}).validate()
             for name, (_, extra) in runs.items()}
-    faulty_fleets([(plan[name], fault) for name, (fault, _) in runs.items()])
-    for s in plan.values():
+    clean = {name: GateSettings(out=str(base / name), **extra).validate() for name, extra in FALSE_ALARMS.items()}
+    faulty_fleets([(plan[name], fault) for name, (fault, _) in runs.items()] + [(s, None) for s in clean.values()])
+    for s in [*plan.values(), *clean.values()]:
         references(s)
+    return plan, clean
+
+
+@pytest.fixture(scope="module")
+def wrong(review) -> dict:
+    plan = review[0]
     return plan
 
 
@@ -86,13 +97,8 @@ FALSE_ALARMS = {
 
 
 @pytest.fixture(scope="module")
-def alarms(tmp_path_factory) -> dict:
-    base = tmp_path_factory.mktemp("review_clean")
-    plan = {name: GateSettings(out=str(base / name), **extra).validate() for name, extra in FALSE_ALARMS.items()}
-    fleets(list(plan.values()))  # one launch per leg for all three
-    for s in plan.values():
-        references(s)
-    return plan
+def alarms(review) -> dict:
+    return review[1]
 
 
 @pytest.mark.parametrize("name", list(FALSE_ALARMS))

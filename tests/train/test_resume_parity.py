@@ -4,8 +4,8 @@ cross topologies (2-rank fleet -> one process, one process -> 2-rank fleet,
 replicated and FSDP2 .dcp) and stay within the curve tolerance the judge
 derives from the uninterrupted single process's one-ulp floor.
 
-Real torchrun fleets (two launches: the runs that write checkpoints, then the
-resumed ones) and the gate's own modes. The gate writes no checkpoints
+Real torchrun fleets (three launches: the runs that write checkpoints and the
+first legs of the gate's own stop-and-resume, its second legs, then the resumed ones) and the gate's own modes. The gate writes no checkpoints
 (fixtures.make_run: ckpt_every=0), so the runs that must leave one run through
 tests/support/ckpt_rank.py: ckpt_every=AT and the step-AT checkpoint kept beside the
 final one, which is what a run stopped after step AT leaves. The uninterrupted
@@ -52,8 +52,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     # The runs that leave a step-AT checkpoint: one launch for the fleets, the
     # single process in this process (patched here, undone by the monkeypatch).
     ckpt_outs = [str(d[n]) for n in ("fleet_ckpt", "fsdp_ckpt", "single_ckpt")]
+    # With them, the gate's own stop and resume (resume_world) at the same world and shapes: its
+    # first legs share the launch, its second legs run in one more (launcher.launches).
     launch_plan([gs("fleet"), gs("fleet_ckpt"), gs("fsdp", shard="fsdp"), gs("fsdp_ckpt", shard="fsdp"),
-                 gs("even", profile=""), gs("fsdp_even", profile="", shard="fsdp")],
+                 gs("even", profile=""), gs("fsdp_even", profile="", shard="fsdp"),
+                 gs("even_legs", profile="", resume_world=2),
+                 gs("fsdp_even_legs", profile="", resume_world=2, shard="fsdp")],
                 timeout_s=400, stream=QUIET, entry=[ENTRY],
                 env={"DORMOUSE_TEST_CKPT_AT": str(AT), "DORMOUSE_TEST_CKPT_OUTS": os.pathsep.join(ckpt_outs)})
     modes.run_single(gs("single"), log=QUIET)  # the uninterrupted reference, with its ulp floor
@@ -70,9 +74,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         gs("fleet_from_single", resume_from=ckpt("single_ckpt", ".pt")),
         gs("fsdp_from_single", shard="fsdp", resume_from=ckpt("single_ckpt", ".pt")),
     ], timeout_s=400, stream=QUIET)
-    # The gate's own stop and resume (resume_world) at the same world and shapes: two launches.
-    launch_plan([gs("even_legs", profile="", resume_world=2),
-                 gs("fsdp_even_legs", profile="", resume_world=2, shard="fsdp")], timeout_s=400, stream=QUIET)
     # The resumed single processes: only their tensors and losses are compared (the
     # tolerance is the uninterrupted single's floor), so they measure no floor of their own.
     with pytest.MonkeyPatch.context() as mp:
