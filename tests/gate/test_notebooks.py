@@ -406,10 +406,11 @@ def test_papermill_fleet_notebook_alone_with_only_a_world_runs_the_batch_on_ever
     table says the judge's word, and nothing but the fleet is made."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "papermill", str(NB / "02_fleet_launcher.ipynb"),
-                        str(tmp_path / "out.ipynb"), "-p", "world", "3", "-p", "steps", "2", "-p", "out", str(out)],
+                        str(tmp_path / "out.ipynb"), "-p", "world", "3", "-p", "steps", "2", "-p", "out", str(out),
+                        "-p", "resume_world", "0"],  # one launch at world 3
                        cwd=REPO, capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    metas = fleet_ranks(out, "leg1_") or fleet_ranks(out)  # the launch at world 3
+    metas = fleet_ranks(out)  # the launch at world 3
     assert [m["world_size"] for m in metas] == [3, 3, 3]
     assert [m["settings"]["profile"] for m in metas] == ["", "", ""]
     assert metas[0]["rank_shapes"] == [[2, 64]] * 3
@@ -460,7 +461,7 @@ def test_single_notebook_alone_from_elsewhere_writes_under_the_repository(tmp_pa
 def test_gradref_notebook_alone_from_elsewhere_launches_the_fleet_first(tmp_path):
     out, cwd = tmp_path / "out", tmp_path / "cwd"
     cwd.mkdir()
-    run_nb("03_gradref.ipynb", tmp_path / "03.ipynb", cwd=cwd, out=str(out), steps=3)
+    run_nb("03_gradref.ipynb", tmp_path / "03.ipynb", cwd=cwd, out=str(out), steps=3, resume_world=0)  # one launch
     assert {"init.json", "rank0.json", "gradref.json", "replay.json"} <= set(mtimes(out))
     assert not (out / "single.json").exists()
     text = all_text(tmp_path / "03.ipynb")
@@ -473,7 +474,8 @@ def test_verdict_notebook_alone_produces_what_is_missing(tmp_path):
     """04 first, on an empty out, from the repository root: it produces every
     artifact set through the library, then passes."""
     out = tmp_path / "out"
-    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=REPO, out=str(out), steps=4)
+    run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=REPO, out=str(out), steps=4,
+           resume_world=0)  # one launch: the stop-and-resume is the pipeline run's (gate_run)
     v = json.loads((out / "verdict.json").read_text())
     assert v["pass"], v["checks"]
     text = all_text(tmp_path / "04.ipynb")
