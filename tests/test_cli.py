@@ -17,6 +17,7 @@ import torch
 
 from dormouse.__main__ import main
 from dormouse.config import RunConfig
+from inproc import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,20 +34,8 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _main(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`dormouse ARGS` through the same main() in this process (its output
-    captured), for the commands whose process start-up is not the point: the
-    process-level behaviour (exit status, stderr, no traceback) is _cli's."""
-    import contextlib
-    import io
-
-    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
-    finally:
-        os.chdir(here)
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+    """`dormouse ARGS` through the same main() in this process (inproc.run_main)."""
+    return run_main(main, list(args), cwd=cwd)
 
 
 def _torchrun(*args: str, cwd: Path, nproc: int = 2, env: dict | None = None) -> subprocess.Popen:

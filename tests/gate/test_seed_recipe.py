@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from inproc import run_main
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = "20"
 
@@ -37,24 +39,15 @@ def _gate(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProc
 
 
 def _gate_here(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    """The same command through dormouse.gate's main() in this process (its
-    output captured): for the steps after the seed's two launches, whose
+    """The same command through dormouse.gate's main() in this process
+    (inproc.run_main): for the steps after the seed's two launches, whose
     process start-up is not what the recipe tests."""
-    import contextlib
-    import io
-
     from dormouse.gate.__main__ import main
 
-    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
-    finally:
-        os.chdir(here)
+    done = run_main(main, list(args), cwd=cwd)
     if check:
-        assert code == 0, (args, out.getvalue()[-3000:], err.getvalue()[-3000:])
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+        assert done.returncode == 0, (args, done.stdout[-3000:], done.stderr[-3000:])
+    return done
 
 
 @pytest.fixture(scope="module")
