@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                   shown={"resume_world": f"{BY_HAND_RESUME_WORLD} by hand, one launch",
                          "world": "torchrun's WORLD_SIZE for rank, else 2",
                          "profile": "'4,2' unless --batch or --world is given"})
-    p.add_argument("--plan", default="", help="rank mode: a JSON list of settings, run one after another")
+    p.add_argument("--plan", default="", help="rank mode: the launcher's JSON list of {leg, settings}, run one after another")
     p.add_argument("--leg", type=int, choices=(0, 1, 2), default=0,
                    help="rank mode, a fleet that stops and resumes (resume_world): which launch this is")
     # The launcher's mark: the rank's flags (or --plan) come from validated settings (settings.VALIDATED_FLAG).
@@ -168,7 +168,7 @@ def _run(mode: str, args) -> int:
         log = lambda line: print(prefix + line, flush=True)  # noqa: E731
         if args.plan:
             plan, legs = modes.load_plan(args.plan, validated=args.validated)
-            modes.run_rank_plan(plan, log=log, leg=legs if legs is not None else args.leg)
+            modes.run_rank_plan(plan, log=log, leg=legs)
         else:
             modes.run_rank(s, log=log, leg=args.leg)
         return 0

@@ -44,10 +44,8 @@ def test_a_plan_file_gives_each_run_its_leg_and_a_broken_one_is_one_line(tmp_pat
                              {"leg": 0, "settings": dataclasses.asdict(b)}]))
     plan, legs = modes.load_plan(str(f), validated=True)
     assert [s.out_dir for s in plan] == [a.out_dir, b.out_dir] and legs == [1, 0]
-    f.write_text(json.dumps([dataclasses.asdict(a)]))  # no legs: the command line's --leg for every run
-    assert modes.load_plan(str(f))[1] is None
     f.write_text(json.dumps([{"leg": 1, "settings": dataclasses.asdict(a)}, dataclasses.asdict(b)]))
-    with pytest.raises(DormouseError, match="is not a JSON list of gate settings .every item or none gives its leg"):
+    with pytest.raises(DormouseError, match="is not a JSON list of legs and gate settings"):
         modes.load_plan(str(f))
     with pytest.raises(DormouseError, match="a plan of 1 runs with 2 legs"):
         modes.run_rank_plan([a], leg=[1, 2])

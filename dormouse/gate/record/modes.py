@@ -353,20 +353,16 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
     return meta
 
 
-def load_plan(path: str, *, validated: bool = False) -> tuple[list[GateSettings], list[int] | None]:
-    """A JSON list of GateSettings fields, one fleet run each (`validated`:
-    the launcher wrote it from validated settings), and each run's leg where
-    the file says it (an item {"leg": N, "settings": {...}}; None: the
-    command line's --leg for every run)."""
+def load_plan(path: str, *, validated: bool = False) -> tuple[list[GateSettings], list[int]]:
+    """The launcher's plan file: a JSON list of {"leg": N, "settings": {GateSettings
+    fields}}, one fleet run each (`validated`: written from validated settings);
+    returns the runs and each run's leg."""
     try:
         items = json.loads(Path(path).read_text())
-        legs = [item["leg"] for item in items if "settings" in item]
-        if legs and len(legs) != len(items):
-            raise ValueError("every item or none gives its leg")
-        plan = [from_dict(item["settings"] if legs else item, validated=validated) for item in items]
-        return plan, [int(x) for x in legs] if legs else None
+        return ([from_dict(item["settings"], validated=validated) for item in items],
+                [int(item["leg"]) for item in items])
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise DormouseError(f"plan {path!r} is not a JSON list of gate settings ({e})") from e
+        raise DormouseError(f"plan {path!r} is not a JSON list of legs and gate settings ({e})") from e
 
 
 # --------------------------------------------------------------------------- gradref
