@@ -95,7 +95,7 @@ FAULTS = {
     "loss_rank_mean": ("loss", "the mean of the ranks' own token means"),
     "sketch_comp_twice": ("gradient", "= W "),
     "resume_data": ("data", "an example was read twice within epoch 0 (steps 1 and 3"),
-    "rank_lr": ("ranks", "rank 1's parameters differ from rank 0's before step 2"),
+    "rank_lr": ("ranks", "rank 1's parameters or persistent buffers differ from rank 0's before step 2"),
     "fsdp_local_count": ("gradient", "each rank normalised by its own token count"),
     "fsdp_clip_local": ("clip", "each rank its own, where the global gradient's norm is"),
     "fsdp_comp_twice": ("gradient", "= W "),

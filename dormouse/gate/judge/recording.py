@@ -647,12 +647,14 @@ def check_ranks(rec: A.RecordingSet) -> Check:
         hashes = [rec.step_meta(r, k).get("param_hash") for r in range(rec.world_at(k))]
         bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
         if bad:
-            return Check("ranks", False, f"rank {bad[0]}'s parameters differ from rank 0's before step {k}")
+            return Check("ranks", False, f"rank {bad[0]}'s parameters or persistent buffers differ from rank 0's "
+                                         f"before step {k}")
     w = rec.world_at(rec.steps[-1])
     finals = [A.read_json(A.final_meta_path(rec.out, r), "final").get("param_hash") for r in range(w)]
     if any(h != finals[0] for h in finals):
-        return Check("ranks", False, "the ranks' parameters differ after the last step")
-    return Check("ranks", True, "every rank's parameters are equal before every recorded step and after the last")
+        return Check("ranks", False, "the ranks' parameters or persistent buffers differ after the last step")
+    return Check("ranks", True, "every rank's parameters and persistent buffers are equal before every "
+                                "recorded step and after the last")
 
 
 def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:

@@ -558,9 +558,10 @@ class Recorder:
             tensors.update({f"p/{n}": v for n, v in params.items()})
             tensors.update({f"g/{n}": v for n, v in grads.items()})
             # named_buffers, not state_dict(): under FSDP2 a state_dict mid-step reshards (its hook)
-            bufs = dict(self.module.named_buffers())
-            tensors.update({f"b/{n}": _local(bufs[n]).clone() for n in self._buffers if n in bufs})
-            param_hash = _digest(params)
+            named_bufs = dict(self.module.named_buffers())
+            bufs = {f"b/{n}": _local(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
+            tensors.update(bufs)
+            param_hash = _digest({**params, **bufs})  # the ranks' state: parameters and persistent buffers
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
@@ -613,7 +614,7 @@ class Recorder:
         atomic.write_bytes(A.final_tensors_path(self.out, self.rank), st_save({**params, **bufs}))
         atomic.write_text(A.final_meta_path(self.out, self.rank),
                           json.dumps({"step": self.k, "run": self.run, "segment": self.segment,
-                                      "param_hash": _digest(params)}, indent=1))
+                                      "param_hash": _digest({**params, **bufs})}, indent=1))
         self._barrier()
         self.meta["segments"][-1]["end"] = self.k
         self.meta["closed"] = True
