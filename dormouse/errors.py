@@ -109,7 +109,25 @@ def command_status(command: str, call, *, traceback: bool = False) -> int:
         print(f"error: {where}dormouse {command}: the run crashed: {type(e).__name__}: {_first_line(e)}",
               file=sys.stderr, flush=True)
         _leave_fleet()
+        if rank is not None and lost_a_peer(e):
+            # Not this rank's own failure: a peer went away mid-collective. torchrun's
+            # report on ranks forked from its agent names the FIRST rank it sees exit,
+            # so this one waits that report out (many times its 0.1 s poll) and the
+            # report names the rank that failed first.
+            import time
+
+            time.sleep(PEER_LOST_GRACE_S)
         return EXIT_CRASHED
+
+
+PEER_LOST_GRACE_S = 2.0  # how long a rank whose peer vanished waits before it exits (see command_status)
+
+
+def lost_a_peer(e: BaseException) -> bool:
+    """Whether `e` is a collective that failed because a peer's connection
+    went away (gloo's words for a peer process that died)."""
+    text = str(e)
+    return any(w in text for w in ("Connection reset by peer", "Connection closed by peer", "Broken pipe"))
 
 
 def _leave_fleet() -> None:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+
+from dormouse.gate.record.launcher import torchrun
 
 
 def test_bench_fleet_ddp_equals_fleetsync_and_two_slice_ring_equals_exact_at_two_ranks(tmp_path):
     out = tmp_path / "fleet.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "dormouse.bench.fleet", "--out", str(out), "--preset", "tiny", "--batch", "4", "--seq-len", "64",
-           "--kinds", "ours,ddp,ring,exact", "--micro-batch", "2", "--rounds", "2", "--steps", "1"]
+    cmd = torchrun(["-m", "dormouse.bench.fleet", "--out", str(out), "--preset", "tiny", "--batch", "4", "--seq-len", "64",
+                    "--kinds", "ours,ddp,ring,exact", "--micro-batch", "2", "--rounds", "2", "--steps", "1"], world=2)
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

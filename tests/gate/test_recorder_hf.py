@@ -23,6 +23,7 @@ from gatekit import SUPPORT
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.recording import fit, judge_recording
+from dormouse.gate.record.launcher import torchrun
 from dormouse.gate.record.reference import make_reference
 
 FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)
@@ -47,8 +48,7 @@ def fleet(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(SUPPORT / "hf_client.py"), "--out", str(out), *RUNS]
+    cmd = torchrun([str(SUPPORT / "hf_client.py"), "--out", str(out), *RUNS], world=2)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out

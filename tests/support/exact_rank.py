@@ -16,9 +16,10 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from runs import make_run
-from dormouse.train.distributed import close_fleet, train_dist
-from dormouse.train.tensors import named_state
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/support, however the script is run
+from runs import make_run  # noqa: E402
+from dormouse.train.distributed import close_fleet, train_dist  # noqa: E402
+from dormouse.train.tensors import named_state  # noqa: E402
 
 
 def fleet_run(entry: dict):

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from dormouse.gate.record.launcher import torchrun
 
 SUPPORT = Path(__file__).resolve().parent
 ROOT = SUPPORT.parents[1]
@@ -21,8 +22,7 @@ def launch(plan: list[dict], where: Path, script: str = "ddp_loop.py", world: in
     path.write_text(json.dumps(plan))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={world}", str(SUPPORT / script), "--plan", str(path)], env=env,
+    done = subprocess.run(torchrun([str(SUPPORT / script), "--plan", str(path)], world=world), env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 

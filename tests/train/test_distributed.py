@@ -8,9 +8,7 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import torch.distributed as dist
 from dormouse.config import ModelConfig
 from dormouse.errors import DormouseError, FleetError
 from dormouse.gate.record.fixtures import make_run
-from dormouse.gate.record.launcher import failure_summary, launch_fleet, torchrun_command
+from dormouse.gate.record.launcher import failure_summary, launch_fleet, torchrun, torchrun_command
 from dormouse.gate.settings import GateSettings
 from dormouse.model import DormouseModel
 from dormouse.train.distributed import parse_capacity, refuse_incompatible, train_dist
@@ -55,7 +53,7 @@ def test_fleetsync_overlaps_backward_and_a_missing_gradient_keeps_collectives_in
     # inside backward; rank 1 never gets b's gradient, so bucket [b] and the
     # one after it wait for reduce() and go out as zeros, in the same order.
     script = str(SUPPORT / "fleetsync_rank.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, str(tmp_path)]
+    cmd = torchrun([script, str(tmp_path)], world=2)
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from safetensors.torch import load_file
 
 from gatekit import SUPPORT
 from runs import make_run
+from dormouse.gate.record.launcher import torchrun
 from dormouse.train.data import FleetPlan, RankShape
 from dormouse.train.exact import tree_sum
 from dormouse.train.loop import LocalSync, build_model, train
@@ -58,8 +58,7 @@ def fleet_result(out: Path, rank: int = 0) -> dict:
 def launch(world: int, plan: list[dict], base: Path) -> None:
     plan_file = base / f"plan{world}.json"
     plan_file.write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", RANK,
-           str(plan_file)]
+    cmd = torchrun([RANK, str(plan_file)], world=world)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -224,7 +223,7 @@ def test_fleetsync_exact_sums_five_uneven_slices_by_the_tree_with_missing_gradie
     # completes all three; on ranks 1 and 2 the last slice lacks b, so [b] and
     # [a] after it wait for reduce() (b as zeros), in the same order everywhere.
     script = str(SUPPORT / "exact_sync_rank.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", script, str(tmp_path)]
+    cmd = torchrun([script, str(tmp_path)], world=3)
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
