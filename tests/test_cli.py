@@ -17,6 +17,7 @@ import torch
 
 from dormouse.__main__ import main
 from dormouse.config import RunConfig
+from dormouse.gate.record.launcher import torchrun
 from inproc import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,18 @@ def _main(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _torchrun(*args: str, cwd: Path, nproc: int = 2, env: dict | None = None) -> subprocess.Popen:
+    """`torchrun --standalone --nproc_per_node=N ARGS` as a user types it (a fresh interpreter per rank)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return _popen(cmd, cwd=cwd, env=env)
+
+
+def _torchrun_forked(*entry: str, cwd: Path, env: dict | None = None, launch: tuple[str, ...] = ()) -> subprocess.Popen:
+    """The same fleet of 2, its ranks forked from torchrun's agent (launcher.torchrun, as the gate
+    launches): where what is tested is the fleet, not the command line."""
+    return _popen(torchrun(list(entry), launch=["--standalone", "--nproc_per_node=2", *launch]), cwd=cwd, env=env)
+
+
+def _popen(cmd: list[str], *, cwd: Path, env: dict | None) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -356,10 +368,10 @@ def test_a_fleets_run_resumes_in_one_process_from_its_run_json(fleet_run, tmp_pa
 def test_a_fleet_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_bitwise_equal(tmp_path):
     args = ["train", "--dist", "--resume", "--seq-len", "16", "--batch", "2", "--steps", "8",
             "--ckpt-every", "3", "--log-every", "1"]
-    plain = _torchrun("-m", "dormouse", *args, "--out", str(tmp_path / "plain"), cwd=tmp_path)
-    killed = _torchrun("--max-restarts", "1", str(ROOT / "tests" / "support" / "kill_rank_train.py"), *args,
-                       "--out", str(tmp_path / "killed"), cwd=tmp_path,
-                       env=_env(DORMOUSE_TEST_KILL_RANK="1", DORMOUSE_TEST_KILL_AT_STEP="5"))
+    plain = _torchrun_forked("-m", "dormouse", *args, "--out", str(tmp_path / "plain"), cwd=tmp_path)
+    killed = _torchrun_forked(str(ROOT / "tests" / "support" / "kill_rank_train.py"), *args,
+                              "--out", str(tmp_path / "killed"), cwd=tmp_path, launch=("--max-restarts", "1"),
+                              env=_env(DORMOUSE_TEST_KILL_RANK="1", DORMOUSE_TEST_KILL_AT_STEP="5"))
     plain, killed = _finish(plain), _finish(killed)
     assert plain.returncode == 0, plain.stderr
     assert killed.returncode == 0, killed.stderr
@@ -383,7 +395,7 @@ def _flatten(tree, prefix: str = "") -> dict:
 
 
 def test_a_sharded_fleets_dcp_checkpoint_samples_evaluates_and_resumes_alone(tmp_path):
-    proc = _finish(_torchrun("-m", "dormouse", "train", "--dist", "--shard", "fsdp", "--seq-len", "16",
+    proc = _finish(_torchrun_forked("-m", "dormouse", "train", "--dist", "--shard", "fsdp", "--seq-len", "16",
                              "--batch", "2", "--steps", "2", "--ckpt-every", "2", "--out", str(tmp_path / "run"),
                              cwd=tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -403,8 +415,8 @@ def test_a_sharded_fleets_dcp_checkpoint_samples_evaluates_and_resumes_alone(tmp
     # ... and a replicated fleet of 2 continues what that one process wrote
     alone = tmp_path / "alone"
     assert not RunConfig.from_json((alone / "run.json").read_text()).train.resume_from  # one launch's, not the run's
-    fleet = _finish(_torchrun("-m", "dormouse", "train", "--config", str(alone / "run.json"), "--dist",
-                              "--steps", "4", "--resume", cwd=tmp_path))
+    fleet = _finish(_torchrun_forked("-m", "dormouse", "train", "--config", str(alone / "run.json"), "--dist",
+                                     "--steps", "4", "--resume", cwd=tmp_path))
     assert fleet.returncode == 0, fleet.stderr
     assert f"resumed from {alone / 'dormouse.pt'} at step 3" in fleet.stdout and "step=4/4" in fleet.stdout
 

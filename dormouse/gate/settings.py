@@ -487,10 +487,12 @@ def _defaults_follow(given: dict, explicit: set[str] | None = None) -> dict:
 
 
 def _field_comments() -> dict[str, str]:
-    """Each field's trailing comment in this file: the help text."""
-    import inspect
-
-    src = inspect.getsource(GateSettings)
+    """Each field's trailing comment in this file: the help text. (The file
+    is read as text: inspect.getsource parses the whole module, a quarter of
+    a second in every process that builds the parser, each rank included.)"""
+    text = Path(__file__).read_text(encoding="utf-8")
+    start = text.index("\nclass GateSettings")
+    src = text[start:text.index("\n    def ", start)]  # the fields come before the first method
     return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+): [^=]+=[^#\n]+#(.*)$", src, re.M)}
 
 

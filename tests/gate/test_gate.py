@@ -30,7 +30,7 @@ CLEAN = {
     # profile "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval;
     # the fleet stops at step 10 and resumes in one process (resume_world 1)
     "default": {},
-    "resume3": {"resume_world": 3},  # ... or at three ranks of 2 windows
+    "resume3": {"resume_world": 3, "steps": 10},  # ... or at three ranks of 2 windows (after step 5)
     "fsdp": {"shard": "fsdp", "steps": 10, "recording": 1},  # recorded: FSDP2's clip norm is its own order
     "adamw": {"opt": "adamw", "steps": 10},
     "bf16": {"reduce": "bf16", "steps": 10},
@@ -79,10 +79,10 @@ def test_the_default_gate_exercises_clipping_the_schedule_and_a_data_wrap(clean)
 
 
 def test_the_fleet_stops_midway_and_resumes_at_another_world_size(clean):
-    for name, worlds in (("default", [2, 1]), ("resume3", [2, 3])):
+    for name, worlds, steps in (("default", [2, 1], 20), ("resume3", [2, 3], 10)):
         meta = load_meta(clean[name], "rank0")
-        assert meta["resumed_at"] == 10 and [w for w, _ in meta["legs"]] == worlds
-        assert meta["world_size"] == worlds[1] and len(meta["losses"]) == 20
+        assert meta["resumed_at"] == steps // 2 and [w for w, _ in meta["legs"]] == worlds
+        assert meta["world_size"] == worlds[1] and len(meta["losses"]) == steps
         assert load_meta(clean[name], "leg1_rank1")["world_size"] == 2
 
 

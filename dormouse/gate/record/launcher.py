@@ -49,6 +49,8 @@ def torchrun(entry: list[str], *, world: int = 2, launch: list[str] | None = Non
     arguments `launch`), its ranks forked (FORKED_RANKS)."""
     if entry[:1] == ["-m"]:
         spec = importlib.util.find_spec(entry[1])
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__, as -m runs
+            spec = importlib.util.find_spec(f"{entry[1]}.__main__")
         if spec is None or not spec.origin:
             raise FleetError(f"no module named {entry[1]!r} to run on the ranks")
         entry = [spec.origin, *entry[2:]]
