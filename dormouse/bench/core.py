@@ -97,6 +97,7 @@ import torch
 import dormouse
 from dormouse import atomic
 from dormouse.config import ModelConfig, RunConfig, TrainConfig, preset
+from dormouse.gate.record.launcher import torchrun
 
 SHAPES = {"tiny": (4, 64), "small": (8, 256)}  # (batch, seq_len) of each preset's bench step
 MATMUL_SIZES = (512, 768, 1024)
@@ -568,7 +569,12 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _torchrun(args: list[str], world: int = 2) -> list[str]:
+def _torchrun(args: list[str], world: int = 2, *, forked: bool = True) -> list[str]:
+    """bench_fleet under torchrun: its ranks forked from the agent, as every
+    fleet of ours starts (launcher.torchrun), or (forked=False) a fresh
+    interpreter per rank, as a plain `torchrun -m` starts them."""
+    if forked:
+        return torchrun(["-m", "dormouse.bench.fleet", *args], world=world)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
             "-m", "dormouse.bench.fleet", *args]
 
@@ -604,18 +610,20 @@ def bench_launch(quick: bool, tmp: Path) -> dict:
     reps = 1 if quick else 3
     bare = [_run([sys.executable, "-c", "pass"], 60)[0] for _ in range(reps)]
     imp = [_run([sys.executable, "-c", "import torch"], 120)[0] for _ in range(reps)]
-    rdzv, inner = [], []
-    for i in range(1 if quick else 2):
-        out = tmp / f"rdzv{i}.json"
-        wall, proc = _run(_torchrun(["--mode", "rendezvous", "--out", str(out)]), 120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"rendezvous launch failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
-        rdzv.append(wall)
-        inner.append(json.loads(out.read_text()))
+    rdzv, rdzv_exec, inner = [], [], []
+    for i in range(1 if quick else 2):  # the two ways of starting ranks, alternating
+        for forked, walls in ((True, rdzv), (False, rdzv_exec)):
+            out = tmp / f"rdzv{i}_{forked}.json"
+            wall, proc = _run(_torchrun(["--mode", "rendezvous", "--out", str(out)], forked=forked), 120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"rendezvous launch failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+            walls.append(wall)
+            inner.append(json.loads(out.read_text()))
     return {
         "python_bare_s": statistics.median(bare),
         "import_torch_s": statistics.median(imp),
         "torchrun_rendezvous_s": statistics.median(rdzv),
+        "torchrun_rendezvous_exec_s": statistics.median(rdzv_exec),
         "rank_init_and_barrier_s": statistics.median(x["init_and_barrier_s"] for x in inner),
         "reps": {"import_torch": len(imp), "torchrun_rendezvous": len(rdzv)},
     }
@@ -742,7 +750,9 @@ def format_table(res: dict) -> str:
         row("  import_torch_s", _fmt(lf["import_torch_s"], ".2f"),
             f"python -c 'import torch' (bare interpreter {lf['python_bare_s']:.2f} s)")
         row("  torchrun_rendezvous_s", _fmt(lf["torchrun_rendezvous_s"], ".2f"),
-            f"2 ranks: init_process_group + barrier + destroy (in-rank {lf['rank_init_and_barrier_s']:.2f} s)")
+            f"2 ranks forked from torchrun's agent (--run-path --start-method fork, how our fleets start): "
+            f"init_process_group + barrier + destroy (in-rank {lf['rank_init_and_barrier_s']:.2f} s); "
+            f"a fresh interpreter per rank: {_fmt(lf.get('torchrun_rendezvous_exec_s'), '.2f')} s")
     L.append("")
     L.append(f"where the time goes (small step, torch.profiler, {prof['profiled_step_s'] * 1e3:.0f} ms/step "
              f"profiled, ops' self time {prof['ops_self_s_per_step'] * 1e3:.0f} ms):")

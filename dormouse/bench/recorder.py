@@ -46,6 +46,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dormouse.gate.record.launcher import torchrun
+
 VOCAB = 256
 KINDS = {"none": None, "full": {"sketch": 0, "every": 1}, "sketch": {"sketch": 256, "every": 1},
          "sketch_every10": {"sketch": 256, "every": 10}}
@@ -180,8 +182,8 @@ def bench_recorder(quick: bool, tmp: Path, log=print) -> dict:
     # timed steps per kind and round, after one warm-up step: 4 x (1 + 4) x 4 kinds = the 80 steps 5 x 4 x 4 were
     rounds, steps = (2, 3) if quick else (4, 4)
     out = Path(tmp) / "recorder"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "dormouse.bench.recorder", "--out", str(out), "--rounds", str(rounds), "--steps", str(steps)]
+    cmd = torchrun(["-m", "dormouse.bench.recorder", "--out", str(out), "--rounds", str(rounds),
+                    "--steps", str(steps)], world=2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:

@@ -24,7 +24,7 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import fleet_recording_dir
 from dormouse.gate.judge.recording import judge_recording
 from dormouse.gate.record.reference import make_reference
-from gatekit import QUIET, faulty_fleets, fleets, judged, references
+from gatekit import QUIET, copy_of, faulty_fleets, fleets, judged, references
 
 CLEAN = {
     # profile "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval;
@@ -42,13 +42,21 @@ CLEAN = {
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory) -> dict[str, Path]:
+def clean(tmp_path_factory, request) -> dict[str, Path]:
+    """Every clean gate of this file. The default one is the session's
+    pipeline run at the defaults (gate_run: the same settings, so the same
+    gate; computed once for the suite), taken after this file's own fleets so
+    that a worker rarely waits for the other's pipeline."""
     base = tmp_path_factory.mktemp("clean")
-    plan = {name: GateSettings(out=str(base / name), **extra).validate() for name, extra in CLEAN.items()}
+    plan = {name: GateSettings(out=str(base / name), **extra).validate()
+            for name, extra in CLEAN.items() if name != "default"}
     fleets(list(plan.values()))
     for s in plan.values():
         references(s)
-    return {name: s.out_dir for name, s in plan.items()}
+    _, _, pipeline_out = request.getfixturevalue("gate_run")
+    default = copy_of(pipeline_out, base / "default")
+    assert load_meta(default, "rank0")["settings"] == GateSettings(out=str(default)).validate().record()
+    return {"default": default, **{name: s.out_dir for name, s in plan.items()}}
 
 
 def passed(out: Path):

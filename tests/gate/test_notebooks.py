@@ -36,6 +36,7 @@ from dormouse.gate.artifacts import ArtifactSet, load_meta, load_tensors, save_a
 from dormouse.gate.judge.checks import CurveCheck, Verdict, check_ranks
 from dormouse.gate.settings import GateSettings, ParameterError
 from dormouse.gate.artifacts import load_trace
+from gatekit import copy_of
 
 NB = pipeline.NOTEBOOK_DIR
 REPO = settings.REPO_ROOT
@@ -302,51 +303,17 @@ def test_pipeline_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
     assert not (tmp_path / "notebooks").exists()  # nothing ran
 
 
-def test_pipeline_checks_its_overrides_against_the_profile_the_notebooks_run(tmp_path):
+def test_pipeline_checks_its_overrides_against_the_profile_the_notebooks_run(tmp_path, capsys):
     """-p micro_batch 4 does not divide the default profile's rank 1 batch (2):
     bad input, refused before any notebook runs (exit 2), as the notebooks
     themselves would refuse it."""
-    r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "-p", "out", str(tmp_path),
-                        "-p", "micro_batch", "4"], cwd=tmp_path, capture_output=True, text=True, env=ENV,
-                       timeout=300)
-    assert r.returncode == 2, (r.stdout + r.stderr)[-2000:]
-    assert r.stderr.startswith("error: micro_batch = 4 is not allowed: it does not divide every rank's batch (4, 2)"), r.stderr
+    assert pipeline.main(["--quiet", "-p", "out", str(tmp_path), "-p", "micro_batch", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: micro_batch = 4 is not allowed: it does not divide every rank's batch (4, 2)"), err
     assert not (tmp_path / "notebooks").exists()  # nothing ran
 
 
 # --------------------------------------------------------------------------- the whole pipeline, once
-
-
-@pytest.fixture(scope="session")
-def gate_run(tmp_path_factory):
-    """The whole pipeline at the defaults from a directory that is not the
-    repository: `cd elsewhere && python -m dormouse.gate.pipeline -p out <tmp>`.
-    Run once per session even under xdist: the workers share it through a flock."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # this session's directory, shared by its workers
-    base = root / "notebook-pipeline"
-    cwd, out, result = base / "elsewhere", base / "out", base / "result.json"
-    with produce.locked(base, "fixture"):
-        if not result.exists():
-            cwd.mkdir(parents=True)
-            r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "-p", "out", str(out)],
-                               cwd=cwd, capture_output=True, text=True, env=ENV, timeout=500)
-            atomic.write_text(result, json.dumps({"returncode": r.returncode, "stdout": r.stdout,
-                                                  "stderr": r.stderr}))
-    r = subprocess.CompletedProcess([], **json.loads(result.read_text()))
-    if r.returncode != 0:
-        pytest.fail(f"the pipeline failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r, cwd, out
-
-
-def copy_of(clean: Path, to: Path) -> Path:
-    """The clean run's artifacts (not its notebooks, checkpoints, figures or
-    verdict), hard-linked: every writer replaces files atomically (a new
-    inode), so the session's run is never touched."""
-    shutil.copytree(clean, to, copy_function=os.link,
-                    ignore=shutil.ignore_patterns("notebooks", "ckpts", ".*.lock", "*.png", "verdict.json"))
-    return to
 
 
 def test_pipeline_runs_all_four_in_order_from_elsewhere(gate_run):
@@ -383,6 +350,8 @@ def test_pipeline_runs_all_four_in_order_from_elsewhere(gate_run):
     text = all_text(out / "notebooks" / "04_compare_plots.ipynb")
     assert "producing" not in text and text.count(": using ") == 4, text
     assert curve["summary"] in text
+    # 03 judged the references it made: its table says the replay's word
+    assert "bitwise equal at all 20 steps" in all_text(out / "notebooks" / "03_gradref.ipynb")
 
 
 def test_plots_draw_every_figure_from_the_verdicts_json(gate_run):
@@ -458,21 +427,11 @@ def test_single_notebook_alone_from_elsewhere_writes_under_the_repository(tmp_pa
         shutil.rmtree(out, ignore_errors=True)
 
 
-def test_gradref_notebook_alone_from_elsewhere_launches_the_fleet_first(tmp_path):
-    out, cwd = tmp_path / "out", tmp_path / "cwd"
-    cwd.mkdir()
-    run_nb("03_gradref.ipynb", tmp_path / "03.ipynb", cwd=cwd, out=str(out), steps=3, resume_world=0)  # one launch
-    assert {"init.json", "rank0.json", "gradref.json", "replay.json"} <= set(mtimes(out))
-    assert not (out / "single.json").exists()
-    text = all_text(tmp_path / "03.ipynb")
-    assert "fleet: producing" in text and "gradref: producing" in text and "replay: producing" in text
-    assert "bitwise equal at all 3 steps" in text  # the replay's verdict, in the table
-    assert list(cwd.iterdir()) == []
-
-
 def test_verdict_notebook_alone_produces_what_is_missing(tmp_path):
     """04 first, on an empty out, from the repository root: it produces every
-    artifact set through the library, then passes."""
+    artifact set through the library (produce.run_fleet and run_references,
+    which 02 and 03 call: a notebook run alone launches the fleet it needs
+    first), then passes."""
     out = tmp_path / "out"
     run_nb("04_compare_plots.ipynb", tmp_path / "04.ipynb", cwd=REPO, out=str(out), steps=4,
            resume_world=0)  # one launch: the stop-and-resume is the pipeline run's (gate_run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,12 @@ def judged(s: GateSettings, fault: str | None = None) -> Verdict:
     for faults in the network itself), then the verdict on it against s."""
     references(s, fault)
     return judge(s.out_dir, s)
+
+
+def copy_of(clean: Path, to: Path) -> Path:
+    """A clean run's artifacts (not its notebooks, checkpoints, figures or
+    verdict), hard-linked: every writer replaces files atomically (a new
+    inode), so the run copied is never touched."""
+    shutil.copytree(clean, to, copy_function=os.link,
+                    ignore=shutil.ignore_patterns("notebooks", "ckpts", ".*.lock", "*.png", "verdict.json"))
+    return to

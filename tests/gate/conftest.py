@@ -1,0 +1,41 @@
+"""The gate tests' session fixture: one run of the whole pipeline at the
+defaults, shared by every test file that reads a default gate (the notebooks'
+tests, tests/gate/test_gate.py's default fleet)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dormouse import atomic
+from dormouse.gate.record import produce
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="session")
+def gate_run(tmp_path_factory):
+    """The whole pipeline at the defaults from a directory that is not the
+    repository: `cd elsewhere && python -m dormouse.gate.pipeline -p out <tmp>`.
+    Run once per session even under xdist: the workers share it through a
+    flock. Read it, or work on gatekit.copy_of its out dir."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's directory, shared by its workers
+    base = root / "notebook-pipeline"
+    cwd, out, result = base / "elsewhere", base / "out", base / "result.json"
+    with produce.locked(base, "fixture"):
+        if not result.exists():
+            cwd.mkdir(parents=True)
+            r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "-p", "out", str(out)],
+                               cwd=cwd, capture_output=True, text=True, env=ENV, timeout=500)
+            atomic.write_text(result, json.dumps({"returncode": r.returncode, "stdout": r.stdout,
+                                                  "stderr": r.stderr}))
+    r = subprocess.CompletedProcess([], **json.loads(result.read_text()))
+    if r.returncode != 0:
+        pytest.fail(f"the pipeline failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r, cwd, out
