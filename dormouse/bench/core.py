@@ -573,10 +573,7 @@ def _torchrun(args: list[str], world: int = 2, *, forked: bool = True) -> list[s
     """bench_fleet under torchrun: its ranks forked from the agent, as every
     fleet of ours starts (launcher.torchrun), or (forked=False) a fresh
     interpreter per rank, as a plain `torchrun -m` starts them."""
-    if forked:
-        return torchrun(["-m", "dormouse.bench.fleet", *args], world=world)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-            "-m", "dormouse.bench.fleet", *args]
+    return torchrun(["-m", "dormouse.bench.fleet", *args], world=world, forked=forked)
 
 
 def _run(cmd: list[str], timeout: float, cwd: Path | None = None) -> tuple[float, subprocess.CompletedProcess]:

@@ -49,3 +49,27 @@ def test_a_plan_file_gives_each_run_its_leg_and_a_broken_one_is_one_line(tmp_pat
         modes.load_plan(str(f))
     with pytest.raises(DormouseError, match="a plan of 1 runs with 2 legs"):
         modes.run_rank_plan([a], leg=[1, 2])
+
+
+def test_cpu_fleets_fork_their_ranks_from_torchruns_agent_and_cuda_fleets_do_not(tmp_path):
+    """The command of a launch: torchrun's own CLI, the ranks forked from its
+    agent (--run-path, dormouse.gate's entry point as the script) on CPU; on
+    CUDA one interpreter per rank (a process forked from one that touched CUDA
+    cannot use it)."""
+    import dataclasses
+    import sys
+
+    from dormouse.gate.record.launcher import FORKED_RANKS, GATE_MAIN, torchrun, torchrun_command
+
+    s = _gs(tmp_path, "a", resume_world=0)
+    cmd = torchrun_command(s)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc_per_node=2" in cmd
+    i = cmd.index(FORKED_RANKS[0])
+    assert cmd[i:i + 4] == [*FORKED_RANKS, str(GATE_MAIN)] and cmd[i + 4] == "rank"
+    cuda = torchrun_command(dataclasses.replace(s, device="cuda"))
+    assert not set(FORKED_RANKS) & set(cuda)
+    assert cuda[cuda.index("--nproc_per_node=2") + 1:][:3] == ["-m", "dormouse.gate", "rank"]
+    # -m MODULE becomes the module's file (a package: its __main__), as `python -m` would run it
+    assert torchrun(["-m", "dormouse", "train"])[-2:] == [str(GATE_MAIN.parents[1] / "__main__.py"), "train"]
+    with pytest.raises(DormouseError, match="no module named 'no_such_module'"):
+        torchrun(["-m", "no_such_module"])

@@ -189,7 +189,7 @@ def test_settings_are_validated_once_and_a_rank_relies_on_the_launchers_mark(tmp
     checking them (a corpus removed after the check does not stop it), and
     the same flags without the mark are checked, with the one-line error."""
     from dormouse.gate.__main__ import settings_for
-    from dormouse.gate.record.launcher import GATE_MAIN, rank_command
+    from dormouse.gate.record.launcher import rank_command
 
     corpus = tmp_path / "corpus.bin"
     corpus.write_bytes(bytes(range(256)) * 40)
@@ -199,14 +199,14 @@ def test_settings_are_validated_once_and_a_rank_relies_on_the_launchers_mark(tmp
     with pytest.raises(ParameterError, match=r"^steps = 0 is not allowed"):
         dataclasses.replace(s, steps=0).validate()
     cmd = rank_command(s)
-    assert cmd[-1] == VALIDATED_FLAG and cmd[:2] == [str(GATE_MAIN), "rank"] and GATE_MAIN.is_file()
+    assert cmd[-1] == VALIDATED_FLAG and cmd[:3] == ["-m", "dormouse.gate", "rank"]
     corpus.unlink()  # validate() would now refuse data
-    args = parser().parse_args(cmd[1:])
+    args = parser().parse_args(cmd[2:])
     assert args.validated and settings_for("rank", args) == s and settings_for("rank", args).validated
     with pytest.raises(ParameterError, match=r"^data = .* is not a file"):
-        settings_for("rank", parser().parse_args(cmd[1:-1]))
+        settings_for("rank", parser().parse_args(cmd[2:-1]))
     with pytest.raises(ParameterError, match=r"^data = .* is not a file"):  # the mark is the rank's only
-        settings_for("single", parser().parse_args(["single", *cmd[2:]]))
+        settings_for("single", parser().parse_args(["single", *cmd[3:]]))
 
 
 # --------------------------------------------------------------------------- the real CLI

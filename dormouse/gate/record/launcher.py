@@ -38,15 +38,22 @@ from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 # one interpreter per rank (`dormouse bench`'s fleet_launch_fixed_s measures
 # both). The ranks are still separate processes with their own memory: what
 # they share is the agent's imported modules, before any of them trains.
+# CUDA fleets keep one interpreter per rank: CUDA cannot be used in a process
+# forked from one that touched it, and nothing here proves the agent never does.
 FORKED_RANKS = ["--run-path", "--start-method", "fork"]
-GATE_MAIN = Path(__file__).resolve().parents[1] / "__main__.py"  # dormouse.gate's entry point, as a script
+GATE_MAIN = Path(__file__).resolve().parents[1] / "__main__.py"  # what forked ranks run for `-m dormouse.gate`
 
 
-def torchrun(entry: list[str], *, world: int = 2, launch: list[str] | None = None) -> list[str]:
+def torchrun(entry: list[str], *, world: int = 2, launch: list[str] | None = None,
+             forked: bool = True) -> list[str]:
     """The command that runs `entry` (`[script, *args]`, or `["-m", module,
     *args]`: the module's file runs as the script) on every rank of a
     one-machine torchrun fleet of `world` ranks (or under the torchrun
-    arguments `launch`), its ranks forked (FORKED_RANKS)."""
+    arguments `launch`), its ranks forked (FORKED_RANKS) unless `forked` is
+    False (then `-m` stays torchrun's own)."""
+    if not forked:
+        return [sys.executable, "-m", "torch.distributed.run",
+                *(launch or ["--standalone", f"--nproc_per_node={world}"]), *entry]
     if entry[:1] == ["-m"]:
         spec = importlib.util.find_spec(entry[1])
         if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__, as -m runs
@@ -63,7 +70,7 @@ def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path 
     """The `dormouse.gate rank` arguments for settings `s` (or a plan file of
     settings validated with it), with the mark of validated settings (the
     ranks then rely on it, settings.VALIDATED_FLAG)."""
-    cmd = [*(entry or [str(GATE_MAIN)]), "rank", f"--leg={leg}"]
+    cmd = [*(entry or ["-m", "dormouse.gate"]), "rank", f"--leg={leg}"]
     if plan is not None:
         return [*cmd, f"--out={s.out_dir}", "--plan", str(plan), *([VALIDATED_FLAG] if s.validated else [])]
     return [*cmd, *s.to_argv()]
@@ -72,7 +79,8 @@ def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path 
 def torchrun_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None,
                      torchrun_args: list[str] | None = None, leg: int = 0) -> list[str]:
     world = s.legs()[leg - 1].world if leg else s.world
-    return torchrun(rank_command(s, entry=entry, plan=plan, leg=leg), world=world, launch=torchrun_args)
+    return torchrun(rank_command(s, entry=entry, plan=plan, leg=leg), world=world, launch=torchrun_args,
+                    forked=s.device != "cuda")
 
 
 def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry: list[str] | None = None,
