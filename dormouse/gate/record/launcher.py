@@ -2,9 +2,10 @@
 
 `launch_fleet` starts `python -m torch.distributed.run --standalone
 --nproc_per_node=W --run-path --start-method fork .../dormouse/gate/__main__.py
-rank ...` (`torchrun`) in a process group of its own, streams every output line to `stream` as it arrives (into a notebook cell,
-say), and on timeout or interrupt kills the whole group (agent and ranks), so
-no rank outlives the call. On success it returns the ranks' artifact metadata;
+rank ...` (`torchrun` below) in a process group of its own, streams every
+output line to `stream` as it arrives (into a notebook cell, say), and on
+timeout or interrupt kills the whole group (agent and ranks), so no rank
+outlives the call. On success it returns the ranks' artifact metadata;
 on failure it raises FleetError with the failing rank and the output's tail.
 """
 
