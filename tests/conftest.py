@@ -16,10 +16,12 @@ if str(SUPPORT) not in sys.path:
 
 
 # The files that take longest, longest first (their test time in one run of
-# the suite, seconds): pytest-xdist's --dist loadfile hands files to the two
-# workers in collection order, so starting with the long ones leaves short
-# ones for the end instead of one worker finishing a long file alone. Only
-# the order changes; a file missing here runs after these, in collection order.
+# the suite, seconds). pytest-xdist's --dist loadfile deals files to the two
+# workers from the front of the collection order (a few each, then one per
+# finished file), so the long ones start early and the end is left to short
+# ones; in one timestamped run of the suite the two workers finished 5 s
+# apart. Only the order changes; a file not named here runs after these, in
+# collection order.
 LONGEST_FIRST = (
     "tests/gate/test_notebooks.py",  # 200 (the session's pipeline run, gate_run)
     "tests/test_cli.py",  # 100

@@ -17,14 +17,6 @@ from gatekit import QUIET, faulty_fleets, references
 PROFILES = {2: "3,1", 3: "2,1,1"}
 
 
-def _even(base):
-    """`--reduce exact --capacity 3,3` without a micro-batch, replicated and
-    under FSDP2, stopped at step 3 and resumed alone (the default): the
-    clipping binds at every step."""
-    return {shard: GateSettings(out=str(base / shard), profile="3,3", reduce="exact", shard=shard,
-                                steps=6).validate() for shard in ("none", "fsdp")}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every exact fleet of this file in one plan, three launches (the first
@@ -34,7 +26,10 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("exact_gate")
     plan = {w: GateSettings(out=str(base / f"w{w}"), world=w, profile=c, reduce="exact", micro_batch=1, lr=1e-2,
                             steps=12).validate() for w, c in PROFILES.items()}
-    even = _even(base)
+    # `--reduce exact --capacity 3,3` without a micro-batch, replicated and under FSDP2, stopped at
+    # step 3 and resumed alone (the default): the clipping binds at every step
+    even = {shard: GateSettings(out=str(base / shard), profile="3,3", reduce="exact", shard=shard,
+                                steps=6).validate() for shard in ("none", "fsdp")}
     whole = GateSettings(out=str(base / "whole"), reduce="exact", micro_batch=1, steps=8, resume_world=0).validate()
     ulp = GateSettings(out=str(base / "ulp"), reduce="exact", micro_batch=1, steps=5, resume_world=0).validate()
     faulty_fleets([*((s, None) for s in [*plan.values(), *even.values(), whole]), (ulp, "one_ulp")])
@@ -47,13 +42,8 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def clean_runs(runs):
-    return runs[0], runs[1]
-
-
-@pytest.fixture(scope="module")
-def exact_runs(clean_runs):
-    return clean_runs[0]
+def exact_runs(runs):
+    return runs[0]
 
 
 @pytest.mark.parametrize("world", list(PROFILES))
@@ -86,8 +76,8 @@ def test_a_whole_exact_gate_passes_every_check(one_launch):
 
 
 @pytest.fixture(scope="module")
-def even_runs(clean_runs):
-    return clean_runs[1]
+def even_runs(runs):
+    return runs[1]
 
 
 @pytest.mark.parametrize("shard", ["none", "fsdp"])

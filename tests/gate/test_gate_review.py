@@ -68,8 +68,7 @@ def review(tmp_path_factory) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def wrong(review) -> dict:
-    plan = review[0]
-    return plan
+    return review[0]
 
 
 @pytest.mark.parametrize("name", list(FALSE_PASSES))

@@ -59,17 +59,21 @@ def test_cpu_fleets_fork_their_ranks_from_torchruns_agent_and_cuda_fleets_do_not
     import dataclasses
     import sys
 
-    from dormouse.gate.record.launcher import FORKED_RANKS, GATE_MAIN, torchrun, torchrun_command
+    import dormouse.__main__
+    import dormouse.gate.__main__
+    from dormouse.gate.record.launcher import FORKED_RANKS, torchrun, torchrun_command
+
+    gate_main = dormouse.gate.__main__.__file__
 
     s = _gs(tmp_path, "a", resume_world=0)
     cmd = torchrun_command(s)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc_per_node=2" in cmd
     i = cmd.index(FORKED_RANKS[0])
-    assert cmd[i:i + 4] == [*FORKED_RANKS, str(GATE_MAIN)] and cmd[i + 4] == "rank"
+    assert cmd[i:i + 4] == [*FORKED_RANKS, gate_main] and cmd[i + 4] == "rank"
     cuda = torchrun_command(dataclasses.replace(s, device="cuda"))
     assert not set(FORKED_RANKS) & set(cuda)
     assert cuda[cuda.index("--nproc_per_node=2") + 1:][:3] == ["-m", "dormouse.gate", "rank"]
     # -m MODULE becomes the module's file (a package: its __main__), as `python -m` would run it
-    assert torchrun(["-m", "dormouse", "train"])[-2:] == [str(GATE_MAIN.parents[1] / "__main__.py"), "train"]
+    assert torchrun(["-m", "dormouse", "train"])[-2:] == [dormouse.__main__.__file__, "train"]
     with pytest.raises(DormouseError, match="no module named 'no_such_module'"):
         torchrun(["-m", "no_such_module"])

@@ -42,7 +42,6 @@ from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 # CUDA fleets keep one interpreter per rank: CUDA cannot be used in a process
 # forked from one that touched it, and nothing here proves the agent never does.
 FORKED_RANKS = ["--run-path", "--start-method", "fork"]
-GATE_MAIN = Path(__file__).resolve().parents[1] / "__main__.py"  # what forked ranks run for `-m dormouse.gate`
 
 
 def torchrun(entry: list[str], *, world: int = 2, launch: list[str] | None = None,
