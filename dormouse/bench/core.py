@@ -570,9 +570,9 @@ def _env() -> dict:
 
 
 def _torchrun(args: list[str], world: int = 2, *, forked: bool = True) -> list[str]:
-    """bench_fleet under torchrun: its ranks forked from the agent, as every
-    fleet of ours starts (launcher.torchrun), or (forked=False) a fresh
-    interpreter per rank, as a plain `torchrun -m` starts them."""
+    """bench_fleet under torchrun: its ranks forked from the agent
+    (launcher.torchrun; what is timed is inside the ranks), or (forked=False)
+    a fresh interpreter per rank, as the gate and a plain `torchrun -m` start them."""
     return torchrun(["-m", "dormouse.bench.fleet", *args], world=world, forked=forked)
 
 
@@ -747,7 +747,7 @@ def format_table(res: dict) -> str:
         row("  import_torch_s", _fmt(lf["import_torch_s"], ".2f"),
             f"python -c 'import torch' (bare interpreter {lf['python_bare_s']:.2f} s)")
         row("  torchrun_rendezvous_s", _fmt(lf["torchrun_rendezvous_s"], ".2f"),
-            f"2 ranks forked from torchrun's agent (--run-path --start-method fork, how our fleets start): "
+            f"2 ranks forked from torchrun's agent (--run-path --start-method fork: the tests' fleets, the bench's): "
             f"init_process_group + barrier + destroy (in-rank {lf['rank_init_and_barrier_s']:.2f} s); "
             f"a fresh interpreter per rank: {_fmt(lf.get('torchrun_rendezvous_exec_s'), '.2f')} s")
     L.append("")

@@ -51,11 +51,11 @@ def test_a_plan_file_gives_each_run_its_leg_and_a_broken_one_is_one_line(tmp_pat
         modes.run_rank_plan([a], leg=[1, 2])
 
 
-def test_cpu_fleets_fork_their_ranks_from_torchruns_agent_and_cuda_fleets_do_not(tmp_path):
-    """The command of a launch: torchrun's own CLI, the ranks forked from its
-    agent (--run-path, dormouse.gate's entry point as the script) on CPU; on
-    CUDA one interpreter per rank (a process forked from one that touched CUDA
-    cannot use it)."""
+def test_a_gate_fleet_has_an_interpreter_per_rank_unless_forked_ranks_are_asked_for_on_cpu(tmp_path):
+    """The command of a launch: torchrun's own CLI. By default one interpreter
+    per rank (`-m dormouse.gate rank`); with fork_ranks the ranks forked from
+    its agent (--run-path, dormouse.gate's entry point as the script), on CPU
+    only (a process forked from one that touched CUDA cannot use it)."""
     import dataclasses
     import sys
 
@@ -63,17 +63,35 @@ def test_cpu_fleets_fork_their_ranks_from_torchruns_agent_and_cuda_fleets_do_not
     import dormouse.gate.__main__
     from dormouse.gate.record.launcher import FORKED_RANKS, torchrun, torchrun_command
 
-    gate_main = dormouse.gate.__main__.__file__
-
     s = _gs(tmp_path, "a", resume_world=0)
-    cmd = torchrun_command(s)
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc_per_node=2" in cmd
-    i = cmd.index(FORKED_RANKS[0])
-    assert cmd[i:i + 4] == [*FORKED_RANKS, gate_main] and cmd[i + 4] == "rank"
-    cuda = torchrun_command(dataclasses.replace(s, device="cuda"))
-    assert not set(FORKED_RANKS) & set(cuda)
-    assert cuda[cuda.index("--nproc_per_node=2") + 1:][:3] == ["-m", "dormouse.gate", "rank"]
+    fresh = torchrun_command(s)
+    assert fresh[:3] == [sys.executable, "-m", "torch.distributed.run"] and not set(FORKED_RANKS) & set(fresh)
+    assert fresh[fresh.index("--nproc_per_node=2") + 1:][:3] == ["-m", "dormouse.gate", "rank"]
+    forked = torchrun_command(s, fork_ranks=True)
+    i = forked.index(FORKED_RANKS[0])
+    assert forked[i:i + 4] == [*FORKED_RANKS, dormouse.gate.__main__.__file__] and forked[i + 4] == "rank"
+    assert torchrun_command(dataclasses.replace(s, device="cuda"), fork_ranks=True) == \
+        torchrun_command(dataclasses.replace(s, device="cuda"))
     # -m MODULE becomes the module's file (a package: its __main__), as `python -m` would run it
     assert torchrun(["-m", "dormouse", "train"])[-2:] == [dormouse.__main__.__file__, "train"]
     with pytest.raises(DormouseError, match="no module named 'no_such_module'"):
         torchrun(["-m", "no_such_module"])
+
+
+def test_a_fault_only_separate_interpreters_show_fails_the_default_gate_and_passes_forked_ranks(tmp_path):
+    """hash_order (fleet_faults): each rank lays its gradients out for the
+    reduce in an order set by Python's string hash, per interpreter. With an
+    interpreter per rank (the gate's default) the ranks disagree and the gate
+    fails; ranks forked from one agent share its hash secret and agree, and the
+    gate passes: why verdicts come from fresh interpreters (a review found it)."""
+    import os
+
+    from gatekit import faulty_fleets, judged
+
+    assert "PYTHONHASHSEED" not in os.environ, "a fixed PYTHONHASHSEED makes every interpreter hash alike"
+    fresh, forked = (_gs(tmp_path, name, steps=4, resume_world=0) for name in ("fresh", "forked"))
+    faulty_fleets([(fresh, "hash_order")], fork_ranks=False)
+    faulty_fleets([(forked, "hash_order")], fork_ranks=True)
+    v = judged(fresh)
+    assert not v.passed and not v.check("gradref").passed and not v.check("ranks").passed
+    assert judged(forked).passed  # the limit of forked ranks

@@ -38,6 +38,9 @@ Issue 16 (tests/gate/test_gate_trust.py):
   fsdp_stale_shard     at step 3, rank 1's FSDP2 gradient shard is the one of step 2
   bf16_decay_scaled    bf16_decay at DORMOUSE_TEST_FAULT_SCALE x W u |g| sign(p) (measuring the smallest caught)
 
+Review 4 (tests/gate/test_launcher.py):
+  hash_order           each rank orders its gradients for the reduce by Python's string hash
+
 How a fault enters, through explicit seams first:
 - a fault in the training step (the gradient a rank contributes, the reduced
   gradient, the loads, the logged loss, the weights a step computes on, a
@@ -452,6 +455,26 @@ def bf16_decay_scaled() -> None:
 
 
 FAULTS.update({f.__name__: f for f in (mean_of_ranks_loss, stale_weights, fsdp_stale_shard, bf16_decay_scaled)})
+
+
+def hash_order() -> None:
+    """Each rank lays a gradient out for the reduce in an order set by Python's
+    string hash (reversed where hash(name) is odd) and back after it, as code
+    iterating a set of names would: harmless where every rank's interpreter
+    hashes alike (ranks forked from one agent share its hash secret), a mix of
+    elements across ranks where not (an interpreter per rank, as on separate
+    machines; with ~20 parameters the ranks agree on all by chance 1 in 10^6)."""
+    def flip(grads) -> None:
+        for name, g in grads.items():
+            if hash(name) % 2:
+                g.copy_(g.flatten().flip(0).view_as(g))
+
+    install(Hooks(on_local_grads=[lambda piece: flip(piece.grads)],
+                  on_reduced=[lambda state: flip({n: p.grad for n, p in state.model.named_parameters()
+                                                  if p.grad is not None})]))
+
+
+FAULTS.update({f.__name__: f for f in (hash_order,)})
 
 # ----------------------------------------------------------------- several faults in one launch
 

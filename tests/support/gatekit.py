@@ -20,20 +20,28 @@ FAULTS = str(SUPPORT / "fleet_faults.py")
 QUIET = lambda line: None  # noqa: E731
 
 
+# The tests' fleets fork their ranks from torchrun's agent (launcher.FORKED_RANKS):
+# torch imported once a launch, not once a rank. Their subject is the judge and
+# the fleet's mathematics, not per-interpreter state; the gate's default (an
+# interpreter per rank) runs in the pipeline, the notebooks, the seed's recipe
+# and tests/gate/test_launcher.py, which shows what only it sees.
+FORK_RANKS = True
+
+
 def fleets(plan: list[GateSettings]) -> None:
     """The clean fleet runs of `plan` (dormouse.gate's own entry point), in as
     few torchrun launches as their world sizes allow (launcher.launches)."""
-    launch_plan(plan, timeout_s=400, stream=QUIET)
+    launch_plan(plan, timeout_s=400, stream=QUIET, fork_ranks=FORK_RANKS)
 
 
-def faulty_fleets(runs: list[tuple[GateSettings, str | None]]) -> None:
+def faulty_fleets(runs: list[tuple[GateSettings, str | None]], *, fork_ranks: bool = FORK_RANKS) -> None:
     """Fleets each with its own fault (None: clean), in as few torchrun
     launches as their world sizes allow: each fault acts on its run only
     (fleet_faults.scoped), as if the run had a launch of its own."""
     table = {str(s.out_dir): fault for s, fault in runs}
     assert len(table) == len(runs), "two runs of the plan share an out dir"
     launch_plan([s for s, _ in runs], timeout_s=600, stream=QUIET, entry=[FAULTS],
-                env={"DORMOUSE_TEST_FAULTS": json.dumps(table)})
+                env={"DORMOUSE_TEST_FAULTS": json.dumps(table)}, fork_ranks=fork_ranks)
 
 
 def references(s: GateSettings, fault: str | None = None, *, single: bool = True) -> None:

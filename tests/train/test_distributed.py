@@ -131,7 +131,7 @@ def test_a_killed_rank_fails_the_fleet_fast_naming_it_and_leaves_no_torn_files(t
     t0 = time.monotonic()
     lines: list[str] = []
     with pytest.raises(FleetError) as info:
-        launch_fleet(s, timeout_s=120, stream=lines.append, entry=[FAULTS],
+        launch_fleet(s, timeout_s=120, stream=lines.append, entry=[FAULTS], fork_ranks=True,  # torchrun reports one rank
                      env={"DORMOUSE_TEST_FAULT": "kill_rank1"})
     assert time.monotonic() - t0 < 60
     assert "rank 1 exited with -9" in str(info.value), failure_summary(lines)

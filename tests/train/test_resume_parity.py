@@ -27,6 +27,7 @@ from dormouse.gate.record.launcher import launch_plan
 from dormouse.gate.settings import GateSettings
 
 import ckpt_rank
+from gatekit import FORK_RANKS
 
 ENTRY = str(Path(ckpt_rank.__file__))
 AT, STEPS = 5, 10  # stop after step AT of STEPS
@@ -58,7 +59,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                  gs("even", profile=""), gs("fsdp_even", profile="", shard="fsdp"),
                  gs("even_legs", profile="", resume_world=2),
                  gs("fsdp_even_legs", profile="", resume_world=2, shard="fsdp")],
-                timeout_s=400, stream=QUIET, entry=[ENTRY],
+                timeout_s=400, stream=QUIET, fork_ranks=FORK_RANKS, entry=[ENTRY],
                 env={"DORMOUSE_TEST_CKPT_AT": str(AT), "DORMOUSE_TEST_CKPT_OUTS": os.pathsep.join(ckpt_outs)})
     modes.run_single(gs("single"), log=QUIET)  # the uninterrupted reference, with its ulp floor
     with pytest.MonkeyPatch.context() as mp:
@@ -73,7 +74,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         gs("fsdp_resumed", shard="fsdp", resume_from=ckpt("fsdp_ckpt", ".dcp")),
         gs("fleet_from_single", resume_from=ckpt("single_ckpt", ".pt")),
         gs("fsdp_from_single", shard="fsdp", resume_from=ckpt("single_ckpt", ".pt")),
-    ], timeout_s=400, stream=QUIET)
+    ], timeout_s=400, stream=QUIET, fork_ranks=FORK_RANKS)
     # The resumed single processes: only their tensors and losses are compared (the
     # tolerance is the uninterrupted single's floor), so they measure no floor of their own.
     with pytest.MonkeyPatch.context() as mp:

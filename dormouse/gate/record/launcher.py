@@ -1,8 +1,8 @@
 """Launch a torchrun fleet of gate ranks as a subprocess and watch it.
 
 `launch_fleet` starts `python -m torch.distributed.run --standalone
---nproc_per_node=W --run-path --start-method fork .../dormouse/gate/__main__.py
-rank ...` (`torchrun` below) in a process group of its own, streams every
+--nproc_per_node=W -m dormouse.gate rank ...` (`torchrun` below; its ranks
+forked from the agent on request) in a process group of its own, streams every
 output line to `stream` as it arrives (into a notebook cell, say), and on
 timeout or interrupt kills the whole group (agent and ranks), so no rank
 outlives the call. On success it returns the ranks' artifact metadata;
@@ -30,17 +30,23 @@ from dormouse.gate.artifacts import load_meta
 from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 
 
-# How every fleet of ours starts its ranks: torchrun's own elastic agent,
-# rendezvous, restarts and failure report, with each rank forked from the agent
-# (torchrun's --run-path --start-method fork: the rank script runs through
-# runpy in the forked process) instead of a fresh interpreter that imports
-# torch again. `import torch` costs ~3 CPU-s; a 2-rank launch that only joins
-# the group takes 3.7 s and 3.5 CPU-s forked against 7.4 s and 10 CPU-s with
-# one interpreter per rank (`dormouse bench`'s fleet_launch_fixed_s measures
-# both). The ranks are still separate processes with their own memory: what
-# they share is the agent's imported modules, before any of them trains.
-# CUDA fleets keep one interpreter per rank: CUDA cannot be used in a process
-# forked from one that touched it, and nothing here proves the agent never does.
+# Two ways to start a fleet's ranks, both torchrun's own CLI, elastic agent,
+# rendezvous, restarts and failure report:
+# - one fresh interpreter per rank (the gate's default, what a user's torchrun
+#   and separate machines give);
+# - forked (FORKED_RANKS: torchrun's --run-path --start-method fork; the rank
+#   script runs through runpy in a process forked from the agent after its
+#   `import torch`): a 2-rank launch that only joins the group takes 3.7 s and
+#   3.5 CPU-s against 7.4 s and 10 CPU-s (`dormouse bench`'s
+#   fleet_launch_fixed_s measures both). But forked ranks share the agent's
+#   interpreter state: Python's string-hash secret above all, which no forked
+#   process can change. A fleet whose ranks agree only because they hash alike
+#   (code ordering its gradients by iterating a set of names) passes forked and
+#   fails with an interpreter per rank (tests/gate/test_launcher.py), so the
+#   gate's verdicts come from fresh interpreters, and forked ranks are for runs
+#   whose subject is not that (the tests' many fleets, the bench).
+# CUDA fleets are never forked: CUDA cannot be used in a process forked from
+# one that touched it, and nothing here proves the agent never does.
 FORKED_RANKS = ["--run-path", "--start-method", "fork"]
 
 
@@ -77,26 +83,29 @@ def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path 
 
 
 def torchrun_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None,
-                     torchrun_args: list[str] | None = None, leg: int = 0) -> list[str]:
+                     torchrun_args: list[str] | None = None, leg: int = 0, fork_ranks: bool = False) -> list[str]:
     world = s.legs()[leg - 1].world if leg else s.world
     return torchrun(rank_command(s, entry=entry, plan=plan, leg=leg), world=world, launch=torchrun_args,
-                    forked=s.device != "cuda")
+                    forked=fork_ranks and s.device != "cuda")
 
 
 def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry: list[str] | None = None,
-                 torchrun_args: list[str] | None = None, env: dict | None = None) -> list[dict]:
+                 torchrun_args: list[str] | None = None, env: dict | None = None,
+                 fork_ranks: bool = False) -> list[dict]:
     """Run the fleet for settings `s`; returns rank0..rank{W-1}'s artifact metadata.
 
     entry: what each rank runs instead of dormouse.gate's entry point (tests pass a
     script that injects a fault, then calls dormouse.gate's main).
+    fork_ranks: fork the ranks from torchrun's agent (see FORKED_RANKS) instead
+    of one fresh interpreter per rank.
     """
     return launch_plan([s], timeout_s=timeout_s, stream=stream, entry=entry,
-                       torchrun_args=torchrun_args, env=env)[0]
+                       torchrun_args=torchrun_args, env=env, fork_ranks=fork_ranks)[0]
 
 
 def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=print,
                 entry: list[str] | None = None, torchrun_args: list[str] | None = None,
-                env: dict | None = None) -> list[list[dict]]:
+                env: dict | None = None, fork_ranks: bool = False) -> list[list[dict]]:
     """Several fleet runs in as few torchrun launches as their world sizes
     allow: the runs of one launch run one after another in the same process
     group (the same code path as one run per launch); returns each run's rank
@@ -122,7 +131,8 @@ def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=prin
             plan_file = runs[0].out_dir / f"plan_leg{max(legs)}.json"
             atomic.write_text(plan_file, json.dumps([{"leg": leg, "settings": dataclasses.asdict(s)}
                                                      for leg, s in zip(legs, runs)], indent=1))
-        cmd = torchrun_command(runs[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args, leg=legs[0])
+        cmd = torchrun_command(runs[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args, leg=legs[0],
+                               fork_ranks=fork_ranks)
         stream(f"$ {' '.join(cmd)}")
         _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
     return [[load_meta(s.out_dir, f"rank{r}") for r in range(s.legs()[-1].world)] for s in plan]
