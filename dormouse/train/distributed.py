@@ -490,12 +490,16 @@ def _tree_reduce_scatter():
     return TreeReduceScatter()
 
 
-def close_fleet() -> None:
+def close_fleet(*, wait: bool = True) -> None:
     """Leave the fleet cleanly: wait for every rank, drop what holds the process
     group, destroy it. A gloo process that exits without this can abort in
-    C++ teardown ("terminate called without an active exception")."""
+    C++ teardown ("terminate called without an active exception").
+    wait=False: a rank leaving on an error does not wait for its peers (they
+    may be inside a collective this rank will never join: a barrier would
+    hang them all); its exit ends their collective with an error instead."""
     if not dist.is_initialized():
         return
-    dist.barrier()
+    if wait:
+        dist.barrier()
     gc.collect()
     dist.destroy_process_group()

@@ -7,6 +7,7 @@ The production path has no fault switches.
 The fault is named by DORMOUSE_TEST_FAULT:
 
   kill_rank1       rank 1 SIGKILLs itself after step 3 (checkpoints every 2 steps)
+  raise_rank1      rank 1 raises RuntimeError after step 2 (its peer is then in step 3's reduce)
   plain_mean       the reduce averages gradients (1/W each) instead of weighting them by tokens
   window_weights   the fleet weights ranks by windows instead of tokens
   grad_x2          the fleet's reduced gradient is doubled (a double or missing division)
@@ -91,6 +92,14 @@ def kill_rank1() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     install(Hooks(on_step=[die]))
+
+
+def raise_rank1() -> None:
+    def fail(step, model, info):
+        if step == 2 and os.environ.get("RANK") == "1":
+            raise RuntimeError("planted failure on rank 1")
+
+    install(Hooks(on_step=[fail]))
 
 
 def _with_ckpt_every(run, every):
@@ -191,7 +200,7 @@ def one_ulp() -> None:
     install(Hooks(on_local_grads=[nudged]))
 
 
-FAULTS = {f.__name__: f for f in (kill_rank1, plain_mean, window_weights, grad_x2, wrong_step, skip_param, seeds,
+FAULTS = {f.__name__: f for f in (kill_rank1, raise_rank1, plain_mean, window_weights, grad_x2, wrong_step, skip_param, seeds,
                                   seeds_checked, capacity_moe, batch_stats, one_ulp)}
 
 

@@ -142,3 +142,17 @@ def test_a_killed_rank_fails_the_fleet_fast_naming_it_and_leaves_no_torn_files(t
     # so the fleet never finished writing step 4's, and atomically so).
     payload = torch.load(tmp_path / "ckpts" / "fleet.pt", weights_only=True)
     assert json.loads(payload["meta"])["step"] == 2
+
+
+def test_a_rank_that_raises_mid_run_is_named_with_its_reason_not_a_timeout(tmp_path):
+    """Rank 1 raises after step 2 while rank 0 is in step 3's reduce: rank 1
+    leaves the group without waiting for its peers (a barrier there hung the
+    fleet until the launcher's timeout: a review found it), rank 0's reduce
+    then fails, and the error names rank 1 and its reason."""
+    s = GateSettings(out=str(tmp_path), steps=4, profile="", resume_world=0)
+    t0 = time.monotonic()
+    with pytest.raises(FleetError) as info:
+        launch_fleet(s, timeout_s=60, stream=lambda line: None, entry=[FAULTS],
+                     env={"DORMOUSE_TEST_FAULT": "raise_rank1"})
+    assert time.monotonic() - t0 < 45, str(info.value)
+    assert "rank 1: dormouse gate: the run crashed: RuntimeError: planted failure on rank 1" in str(info.value)

@@ -286,8 +286,10 @@ def run_rank_plan(plan: list[GateSettings], log=print, leg: int | list[int] = 0)
     try:
         for s, one in zip(plan, legs):
             metas.append(rank_run(s, log, one))  # looked up at call time: a test or the bench may wrap it
-    finally:
-        close_fleet()
+    except BaseException:
+        close_fleet(wait=False)  # the peers may be in a step this rank never reaches (close_fleet)
+        raise
+    close_fleet()
     return metas
 
 
