@@ -105,6 +105,62 @@ def notebook_parameters(path: Path) -> list[str]:
     return []
 
 
+_KERNEL_MANAGER = None
+
+
+def kernel_manager_class():
+    """The kernel manager every notebook run of ours uses (papermill's and
+    nbmake's, through notebooks/conftest.py): jupyter_client's, with its five
+    sockets on Unix-domain files in a fresh private directory instead of TCP
+    ports on 127.0.0.1. The client picks those ports by binding port 0 and
+    closing it, and the kernel binds them a second or two later; any process
+    that binds port 0 in between (torchrun's rendezvous store, gloo's pair
+    listeners: a fleet beside the notebook) may be given the same port, and
+    the kernel dies with "Address already in use" (it did, once, in the CI
+    suite). A file name cannot be taken that way. Plain TCP where Unix
+    sockets are not to be had (Windows) or the private directory's path is
+    too long for one (about 100 bytes)."""
+    global _KERNEL_MANAGER
+    if _KERNEL_MANAGER is None:
+        import os
+        import shutil
+        import tempfile
+
+        from jupyter_client.manager import AsyncKernelManager
+        from traitlets import default
+
+        class PrivateSocketKernelManager(AsyncKernelManager):
+            @default("transport")
+            def _transport_default(self) -> str:
+                return "ipc" if self._socket_dir() is not None else "tcp"
+
+            @default("ip")
+            def _ip_default(self) -> str:
+                # ipc: the sockets are <ip>-<port>; absolute, so a kernel in another cwd finds them
+                return os.path.join(self._socket_dir(), "kernel") if self.transport == "ipc" else "127.0.0.1"
+
+            def _socket_dir(self) -> str | None:
+                if not hasattr(self, "_dormouse_socket_dir"):
+                    path = None
+                    if os.name == "posix":
+                        path = tempfile.mkdtemp(prefix="dormouse-kernel-")
+                        if len(path) > 90:  # sun_path holds 108 bytes; ours add "/kernel-N"
+                            os.rmdir(path)
+                            path = None
+                    self._dormouse_socket_dir = path
+                return self._dormouse_socket_dir
+
+            async def _async_cleanup_resources(self, restart: bool = False) -> None:
+                await super()._async_cleanup_resources(restart=restart)  # removes the socket files
+                if not restart and getattr(self, "_dormouse_socket_dir", None):
+                    shutil.rmtree(self._dormouse_socket_dir, ignore_errors=True)
+
+            cleanup_resources = _async_cleanup_resources  # AsyncKernelManager's own spelling
+
+        _KERNEL_MANAGER = PrivateSocketKernelManager
+    return _KERNEL_MANAGER
+
+
 def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOTEBOOKS,
                  log: Log = print, log_output: bool = True, on_verdict=None) -> dict | None:
     """Run the notebooks under papermill (the kernel in the caller's working
@@ -157,7 +213,8 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
     def execute(name: str, params: dict, echo: bool) -> None:
         try:
             pm.execute_notebook(str(NOTEBOOK_DIR / name), str(executed / name), parameters=params,
-                                kernel_name="python3", progress_bar=False, log_output=echo)
+                                kernel_name="python3", progress_bar=False, log_output=echo,
+                                kernel_manager_class=kernel_manager_class())
         except pm.PapermillExecutionError as e:
             if e.ename == GateFailed.__name__:
                 raise GateFailed(format_verdict(json.loads((p.out_dir / VERDICT_FILE).read_text()))) from None

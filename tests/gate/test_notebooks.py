@@ -52,7 +52,8 @@ NOTEBOOK_ONLY = {"04": {"recording_dir"}}
 def run_nb(name: str, out_nb: Path, *, cwd: Path, **params) -> nbformat.NotebookNode:
     """papermill with the kernel in `cwd` (as `cd cwd && papermill ...` does)."""
     return pm.execute_notebook(str(NB / name), str(out_nb), parameters=params, cwd=str(cwd),
-                               kernel_name="python3", progress_bar=False)
+                               kernel_name="python3", progress_bar=False,
+                               kernel_manager_class=pipeline.kernel_manager_class())
 
 
 def failing(name: str, out_nb: Path, *, cwd: Path, **params) -> pm.PapermillExecutionError:
@@ -286,6 +287,38 @@ def test_lock_serialises_producers_and_force_reuses_what_was_made_while_waiting(
     with pytest.raises(produce.MissingArtifactError,
                        match=r"single made with steps=2 \(want 3\).*produce = False.*produce = True\.$"):
         produce.run_single(other, force=False, log=lambda _: None)
+
+
+def test_notebook_kernels_listen_on_private_socket_files_not_tcp_ports():
+    """The kernel manager of every notebook run (the pipeline's, nbmake's):
+    a started kernel's five sockets are Unix-domain files in a private
+    directory (no TCP port that a fleet's rendezvous could take before the
+    kernel binds it), and the directory goes with the kernel."""
+    import asyncio
+    import stat
+
+    async def start_and_stop():
+        km = pipeline.kernel_manager_class()(kernel_name="python3")
+        await km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        try:
+            await kc.wait_for_ready(timeout=60)
+            info = km.get_connection_info()
+            folder = Path(km.ip).parent
+            files = {f.name: stat.S_ISSOCK(f.stat().st_mode) for f in folder.iterdir()}
+            mode = stat.S_IMODE(folder.stat().st_mode)
+        finally:
+            kc.stop_channels()
+            await km.shutdown_kernel(now=True)
+        return info, folder, files, mode
+
+    info, folder, files, mode = asyncio.run(start_and_stop())
+    assert info["transport"] == "ipc" and Path(info["ip"]).is_absolute()
+    ports = [info[k] for k in ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")]
+    assert files == {f"kernel-{port}": True for port in ports}, files  # five sockets, nothing else
+    assert mode == 0o700, oct(mode)  # only the user's processes can connect
+    assert not folder.exists()
 
 
 def test_pipeline_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
