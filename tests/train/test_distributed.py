@@ -22,7 +22,7 @@ from dormouse.gate.settings import GateSettings
 from dormouse.model import DormouseModel
 from dormouse.train.distributed import parse_capacity, refuse_incompatible, train_dist
 from dormouse.gate.judge.checks import judge
-from gatekit import FAULTS, QUIET, SUPPORT, references
+from gatekit import FAULTS, FORK_RANKS, QUIET, SUPPORT, references
 
 # 6 --------------------------------------------------------------------------------------------
 
@@ -33,12 +33,12 @@ def _free_port() -> int:
 
 
 def test_two_torchrun_agents_with_c10d_rendezvous_form_one_fleet(tmp_path):
-    s = GateSettings(out=str(tmp_path), steps=10, profile="", resume_world=0)  # one launch: two agents
+    s = GateSettings(out=str(tmp_path), steps=4, profile="", resume_world=0)  # one launch: two agents
     port = _free_port()
     args = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=dormouse-gate-test", "--max-restarts=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [subprocess.Popen(torchrun_command(s, torchrun_args=args), env=env, stdout=subprocess.PIPE,
+    agents = [subprocess.Popen(torchrun_command(s, torchrun_args=args, fork_ranks=FORK_RANKS), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [a.communicate(timeout=240)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)

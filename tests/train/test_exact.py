@@ -3,10 +3,10 @@
 With dist_reduce="exact" and micro_batch=1 a run depends only on the global
 batch (4 windows) and the micro-batch: one process (LocalSync, 4 slices),
 2 ranks x 2 and 4 ranks x 1 end bitwise equal, every parameter, buffer and
-logged loss, at lr 1e-2 over 12 steps (where the fp32 ring's round-off has
+logged loss, at lr 1e-2 over 8 steps (where the fp32 ring's round-off has
 grown far beyond one ulp) (3 uneven ranks "2,1,1": the exact gate,
 tests/gate/test_gate_exact.py, bitwise at every step). An uneven profile "3,1" equals "2,2", and a
-checkpoint written by 4 ranks at step 6 resumes on 2 ranks to the same bits.
+checkpoint written by 4 ranks at step 4 resumes on 2 ranks to the same bits.
 FSDP2 with one slice per rank is exact too. The fp32 ring at 4 ranks over the
 same slices is NOT bitwise equal: the check can fail. One torchrun launch per world size carries all its runs (a plan).
 """
@@ -32,7 +32,7 @@ from dormouse.train.loop import LocalSync, build_model, train
 from dormouse.train.tensors import named_state
 
 RANK = str(SUPPORT / "exact_rank.py")
-LR, STEPS = 1e-2, 12
+LR, STEPS = 1e-2, 8
 AT = STEPS // 2  # the 4-rank fleet that stops, checkpoints and is resumed on 2 ranks
 NS = ("float32", "bfloat16")  # Newton-Schulz dtype: the gate's and torch's
 

@@ -1,4 +1,4 @@
-"""Resume parity: a run stopped after step 5 of 10 and resumed is the uninterrupted
+"""Resume parity: a run stopped after step 3 of 6 and resumed is the uninterrupted
 run, bit for bit (a replicated fleet, an FSDP2 fleet, one process); checkpoints
 cross topologies (2-rank fleet -> one process, one process -> 2-rank fleet,
 replicated and FSDP2 .dcp) and stay within the curve tolerance the judge
@@ -30,7 +30,7 @@ import ckpt_rank
 from gatekit import FORK_RANKS
 
 ENTRY = str(Path(ckpt_rank.__file__))
-AT, STEPS = 5, 10  # stop after step AT of STEPS
+AT, STEPS = 3, 6  # stop after step AT of STEPS
 QUIET = lambda line: None  # noqa: E731
 
 
