@@ -198,7 +198,7 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
     side_by_side = set(notebooks) == set(NOTEBOOKS)
     if side_by_side:
         log("== producing and judging (single, fleet, gradref, replay), then the four notebooks side by side")
-        v = gate(p, log=log)
+        gate(p, log=log)
         if on_verdict is not None:
             on_verdict(json.loads((p.out_dir / VERDICT_FILE).read_text()))
     runs = []
