@@ -400,6 +400,7 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
         raise FleetError(f"device_type = {device_type!r} is not one of 'cpu', 'cuda'")
 
     if not dist.is_initialized():
+        _stop_quietly_on_sigterm()
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=timedelta(minutes=5), **_attempt_store(rank, world_size), **kwargs)
     model = build_model(run) if model is None else model
@@ -422,6 +423,21 @@ def train_dist(run: RunConfig, *, log=print, device_type: str = "cpu", model=Non
     if close:
         close_fleet()
     return report
+
+
+def _stop_quietly_on_sigterm() -> None:
+    """A torchrun worker ends on SIGTERM as the signal's default does: the
+    agent sends it to stop the other ranks when one has failed. A rank started
+    as its own interpreter has that default already; a rank forked from the
+    agent (launcher.FORKED_RANKS) inherits the agent's handler instead, which
+    raises SignalException, so such a rank printed a traceback and reported
+    itself crashed ("SignalException: Process N got signal: 15") beside the rank
+    that did fail. Only in the main thread, where signal handlers are set."""
+    import signal
+    import threading
+
+    if "TORCHELASTIC_RUN_ID" in os.environ and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _attempt_store(rank: int, world_size: int) -> dict:
