@@ -10,6 +10,7 @@ tables (tables), figures (plots), and here the verdict of one out dir.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -105,9 +106,7 @@ def notebook_parameters(path: Path) -> list[str]:
     return []
 
 
-_KERNEL_MANAGER = None
-
-
+@functools.cache
 def kernel_manager_class():
     """The kernel manager every notebook run of ours uses (papermill's and
     nbmake's, through notebooks/conftest.py): jupyter_client's, with its five
@@ -117,48 +116,40 @@ def kernel_manager_class():
     that binds port 0 in between (torchrun's rendezvous store, gloo's pair
     listeners: a fleet beside the notebook) may be given the same port, and
     the kernel dies with "Address already in use" (it did, once, in the CI
-    suite). A file name cannot be taken that way. Plain TCP where Unix
-    sockets are not to be had (Windows) or the private directory's path is
-    too long for one (about 100 bytes)."""
-    global _KERNEL_MANAGER
-    if _KERNEL_MANAGER is None:
-        import os
-        import shutil
-        import tempfile
+    suite). A file name cannot be taken that way. jupyter_client's own ipc
+    default is the relative path "kernel-ipc", shared by every kernel started
+    in one directory, so the path is set here. Plain TCP where Unix sockets
+    are not to be had (Windows) or the temporary directory's path is too long
+    for one (sun_path: 108 bytes)."""
+    import os
+    import shutil
+    import tempfile
 
-        from jupyter_client.manager import AsyncKernelManager
-        from traitlets import default
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
 
-        class PrivateSocketKernelManager(AsyncKernelManager):
-            @default("transport")
-            def _transport_default(self) -> str:
-                return "ipc" if self._socket_dir() is not None else "tcp"
+    prefix = "dormouse-kernel-"
 
-            @default("ip")
-            def _ip_default(self) -> str:
-                # ipc: the sockets are <ip>-<port>; absolute, so a kernel in another cwd finds them
-                return os.path.join(self._socket_dir(), "kernel") if self.transport == "ipc" else "127.0.0.1"
+    class PrivateSocketKernelManager(AsyncKernelManager):
+        @default("transport")
+        def _transport_default(self) -> str:
+            # mkdtemp adds "/<prefix><8 chars>", the sockets "/kernel-<n>"
+            return "ipc" if os.name == "posix" and len(tempfile.gettempdir()) <= 70 else "tcp"
 
-            def _socket_dir(self) -> str | None:
-                if not hasattr(self, "_dormouse_socket_dir"):
-                    path = None
-                    if os.name == "posix":
-                        path = tempfile.mkdtemp(prefix="dormouse-kernel-")
-                        if len(path) > 90:  # sun_path holds 108 bytes; ours add "/kernel-N"
-                            os.rmdir(path)
-                            path = None
-                    self._dormouse_socket_dir = path
-                return self._dormouse_socket_dir
+        def _ip_default(self) -> str:  # jupyter_client's dynamic default, by its name
+            if self.transport != "ipc":
+                return super()._ip_default()
+            return os.path.join(tempfile.mkdtemp(prefix=prefix), "kernel")  # absolute: any kernel cwd finds it
 
-            async def _async_cleanup_resources(self, restart: bool = False) -> None:
-                await super()._async_cleanup_resources(restart=restart)  # removes the socket files
-                if not restart and getattr(self, "_dormouse_socket_dir", None):
-                    shutil.rmtree(self._dormouse_socket_dir, ignore_errors=True)
+        async def _async_cleanup_resources(self, restart: bool = False) -> None:
+            await super()._async_cleanup_resources(restart=restart)  # removes the socket files
+            folder = os.path.dirname(self.ip)
+            if not restart and self.transport == "ipc" and os.path.basename(folder).startswith(prefix):
+                shutil.rmtree(folder, ignore_errors=True)
 
-            cleanup_resources = _async_cleanup_resources  # AsyncKernelManager's own spelling
+        cleanup_resources = _async_cleanup_resources  # AsyncKernelManager's own spelling
 
-        _KERNEL_MANAGER = PrivateSocketKernelManager
-    return _KERNEL_MANAGER
+    return PrivateSocketKernelManager
 
 
 def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOTEBOOKS,
