@@ -194,6 +194,8 @@ def test_a_nan_in_a_compared_series_fails_by_name(clean, tmp_path):
 FAULTY = {
     "grad_x2": ("grad_x2", {"steps": 6}),
     "window_weights": ("window_weights", {"profile": "4x32,2x64", "steps": 6}),
+    # made-up gradient where every window's is exactly zero, under mixed lengths (no curve)
+    "zero_fill": ("zero_fill", {"profile": "4x32,1x64", "steps": 6}),
     "plain_mean": ("plain_mean", {"steps": 5, "recording": 1}),  # recorded through the Recorder too
     "loads_reversed": ("loads_reversed", {"steps": 3, "recording": 1}),  # the routing bias by the loads reversed
     "wrong_step": ("wrong_step", {"steps": 6}),
@@ -246,6 +248,16 @@ def test_the_fleets_recording_passes_the_recording_judge_across_its_resume(clean
     assert "bitwise at all 10 steps, across 1 resume(s)" in v.check("replay").reason
     assert "equal the one-process gradient's at every step" in v.check("clip").reason  # the loop's own norm
     assert "block.moe.router_bias follows the declared update" in v.check("buffers").reason  # across the resume
+
+
+def test_gradient_made_up_where_every_window_has_none_fails_gradref_exactly(faulty):
+    """Within the relative bound (4e-6 of the tensor's largest element), so
+    only the exact zeros check sees it (a review's false pass)."""
+    v = faulty_gate(faulty, "zero_fill")
+    assert not v.passed
+    g = v.check("gradref")
+    assert not g.passed and g.first_step == 1 and g.worst <= g.bound  # the relative bound alone passes it
+    assert "where every window's gradient is exactly zero" in g.reason and "embed.weight" in g.reason, g.reason
 
 
 def test_plain_mean_instead_of_token_weighting_fails_gradref(faulty):

@@ -135,6 +135,22 @@ def grad_x2() -> None:
     install(Hooks(on_reduced=[doubled]))
 
 
+def zero_fill() -> None:
+    """After the reduce, every exactly-zero gradient element (an embedding row of a byte
+    absent from the step's batch; LoRA A while B is 0) gets 4e-6 max|g| sign(p): inside
+    gradref's bound relative to the tensor's largest element, but Adam moves each such
+    element by ~lr every step (a review's false pass under mixed window lengths, where
+    no single process and so no curve applies)."""
+    def filled(state):
+        with torch.no_grad():
+            for p in state.model.parameters():
+                if p.grad is not None:
+                    g = p.grad
+                    g.add_(torch.where(g == 0, 4e-6 * g.abs().max() * torch.sign(p), torch.zeros_like(g)))
+
+    install(Hooks(on_reduced=[filled]))
+
+
 def wrong_step() -> None:
     step_batch = data.ByteCorpus.step_batch
     data.ByteCorpus.step_batch = lambda self, step, shapes, mine: step_batch(self, step + 8, shapes, mine)
@@ -200,7 +216,7 @@ def one_ulp() -> None:
     install(Hooks(on_local_grads=[nudged]))
 
 
-FAULTS = {f.__name__: f for f in (kill_rank1, raise_rank1, plain_mean, window_weights, grad_x2, wrong_step, skip_param, seeds,
+FAULTS = {f.__name__: f for f in (kill_rank1, raise_rank1, plain_mean, window_weights, grad_x2, zero_fill, wrong_step, skip_param, seeds,
                                   seeds_checked, capacity_moe, batch_stats, one_ulp)}
 
 

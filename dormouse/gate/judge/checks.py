@@ -486,6 +486,8 @@ def check_gradref(a: ArtifactSet) -> Check:
             return rtol
     c = _per_step_tensor("gradref", fg, gg, names, bound,
                          what="the fleet's reduced gradient against the hand-computed token-weighted gradient")
+    if c.passed and all(f"a/{n}" in g for n in names):
+        _check_structural_zeros(c, fg, {n: g[f"a/{n}"] for n in names}, names)
     if c.passed and "loads" in g and "loads" in fleet:
         diff = [k + 1 for k in range(min(len(g["loads"]), len(fleet["loads"])))
                 if not torch.equal(g["loads"][k], fleet["loads"][k])]
@@ -496,6 +498,32 @@ def check_gradref(a: ArtifactSet) -> Check:
         else:
             c.reason += "; expert loads equal at every step"
     return c
+
+
+def _check_structural_zeros(c: TensorCheck, fleet: dict, absref: dict, names: list[str]) -> None:
+    """Exactly, beside the relative bound: wherever every window's gradient is
+    exactly zero (gradref's sum of |t g| over the windows is 0: an embedding
+    row of a byte the step never read, LoRA A while B is 0, an expert no
+    token chose), the fleet's reduced gradient must be exactly zero too, since
+    any reduce of zeros, in any order, at any width, gives zero. The relative
+    bound is scaled by the tensor's largest element and lets a small made-up
+    value through there, and Adam turns any nonzero into a step of ~lr (a
+    review's fleet that filled zeros with 4e-6 max|g| sign(p) passed under
+    mixed window lengths, where no curve applies). Fails `c` at the first
+    step and tensor where it does not hold."""
+    zeros = 0
+    for k in range(len(fleet[names[0]])):
+        for n in names:
+            mask = absref[n][k] == 0
+            stray = int((fleet[n][k][mask] != 0).sum())
+            if stray:
+                c.passed, c.first_step = False, k + 1
+                c.reason = (f"the fleet's reduced gradient is nonzero at {stray} element(s) of {n} at step {k + 1} "
+                            f"where every window's gradient is exactly zero (nothing there to reduce: the fleet "
+                            f"made gradient up)")
+                return
+            zeros += int(mask.sum())
+    c.reason += f"; exactly zero wherever every window's gradient is ({zeros} element-steps)"
 
 
 def check_loss(a: ArtifactSet) -> Check:
