@@ -112,6 +112,16 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> Fleet
             "rank several slices, which FSDP2 adds with += before its reduce-scatter, off the fixed slice "
             "tree: use micro_batch = 0 (one slice per rank), or dist_shard = 'none' for micro-batches"
         )
+    # Every FSDP2 forward and backward is a collective (all-gather, reduce-scatter) of all ranks:
+    # a rank with more slices than another waits for it in a gather that never comes.
+    if t.dist_shard == "fsdp" and world_size > 1 and len(set(plan.counts)) > 1:
+        counts = ", ".join(f"rank {r} {c}" for r, c in enumerate(plan.counts))
+        raise FleetError(
+            f"dist_shard = 'fsdp' with micro_batch = {t.micro_batch} gives the ranks different numbers of "
+            f"slices ({counts}), and every FSDP2 forward and backward is a collective of all ranks: use "
+            "micro_batch = 0 (one slice per rank), a micro-batch that cuts every rank's batch into as many "
+            "slices, or dist_shard = 'none'"
+        )
     return plan
 
 

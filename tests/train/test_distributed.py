@@ -113,6 +113,16 @@ def test_incompatible_configurations_are_refused_before_joining_the_fleet(tmp_pa
         refuse_incompatible(run, world_size=2, model=other)
 
 
+@pytest.mark.parametrize("profile, micro, counts", [("4,2", 1, "rank 0 4, rank 1 2"), ("4,2", 2, "rank 0 2, rank 1 1")])
+def test_fsdp_with_ranks_of_unequal_slice_counts_is_refused_not_a_hang(tmp_path, profile, micro, counts):
+    # every FSDP2 forward and backward is a collective: a review's 4,2 fleet at micro_batch 1 hung
+    # until the launcher's timeout (rank 0 in its third slice's all-gather, rank 1 in the reduce)
+    with pytest.raises(DormouseError, match=f"different numbers of slices \\({counts}\\)"):
+        GateSettings(out=str(tmp_path), shard="fsdp", profile=profile, micro_batch=micro).validate()
+    GateSettings(out=str(tmp_path), shard="fsdp", profile="4,4", micro_batch=2).validate()  # 2 slices each
+    GateSettings(out=str(tmp_path), shard="fsdp", profile=profile).validate()  # one slice each: the default
+
+
 def test_a_refused_fleet_launch_fails_fast_and_trains_nothing(tmp_path):
     s = GateSettings(out=str(tmp_path), steps=5, profile="4,x")  # refused before any process starts
     lines: list[str] = []
