@@ -133,8 +133,8 @@ def kernel_manager_class():
     class PrivateSocketKernelManager(AsyncKernelManager):
         @default("transport")
         def _transport_default(self) -> str:
-            # mkdtemp adds "/<prefix><8 chars>", the sockets "/kernel-<n>"
-            return "ipc" if os.name == "posix" and len(tempfile.gettempdir()) <= 70 else "tcp"
+            # in bytes: mkdtemp adds "/<prefix><8 chars>", the sockets "/kernel-<n>"
+            return "ipc" if os.name == "posix" and len(os.fsencode(tempfile.gettempdir())) <= 70 else "tcp"
 
         def _ip_default(self) -> str:  # jupyter_client's dynamic default, by its name
             if self.transport != "ipc":
