@@ -487,7 +487,11 @@ def check_gradref(a: ArtifactSet) -> Check:
     c = _per_step_tensor("gradref", fg, gg, names, bound,
                          what="the fleet's reduced gradient against the hand-computed token-weighted gradient")
     if c.passed and all(f"a/{n}" in g for n in names):
-        _check_structural_zeros(c, fg, {n: g[f"a/{n}"] for n in names}, names)
+        if a.meta("gradref").get("config", {}).get("model", {}).get("bf16"):
+            c.reason += ("; exact zeros not checked (a bfloat16 model: a window's gradient can round to an "
+                         "exact zero where the fleet's batched one does not)")
+        else:
+            _check_structural_zeros(c, fg, {n: g[f"a/{n}"] for n in names}, names)
     if c.passed and "loads" in g and "loads" in fleet:
         diff = [k + 1 for k in range(min(len(g["loads"]), len(fleet["loads"])))
                 if not torch.equal(g["loads"][k], fleet["loads"][k])]
@@ -505,7 +509,11 @@ def _check_structural_zeros(c: TensorCheck, fleet: dict, absref: dict, names: li
     exactly zero (gradref's sum of |t g| over the windows is 0: an embedding
     row of a byte the step never read, LoRA A while B is 0, an expert no
     token chose), the fleet's reduced gradient must be exactly zero too, since
-    any reduce of zeros, in any order, at any width, gives zero. The relative
+    any reduce of zeros, in any order, at any width, gives zero. In float32
+    arithmetic only: in a clean bfloat16-model fleet 2 elements of
+    embed.weight were exactly zero in every window's gradient at step 1 and
+    not in the fleet's batched one (bfloat16 rounding; the mechanism not
+    pinned down), so a bfloat16 model is not held to it. The relative
     bound is scaled by the tensor's largest element and lets a small made-up
     value through there, and Adam turns any nonzero into a step of ~lr (a
     review's fleet that filled zeros with 4e-6 max|g| sign(p) passed under
