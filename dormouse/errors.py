@@ -101,6 +101,18 @@ def command_status(command: str, call, *, traceback: bool = False) -> int:
         print(f"interrupted: dormouse {command} stopped (with any fleet it launched)", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # a bug or a broken environment: one line, and a status of its own
+        if rank is not None and lost_a_peer(e):
+            # Not this rank's own failure: a peer went away mid-collective. torchrun's
+            # report on ranks forked from its agent names the FIRST rank it sees exit,
+            # so this one waits that report out (many times its 0.1 s poll) and the
+            # report names the rank that failed first.
+            import time
+
+            print(f"error: rank {rank}: dormouse {command}: {PEER_LOST}: {_first_line(e)}", file=sys.stderr,
+                  flush=True)
+            _leave_fleet()
+            time.sleep(PEER_LOST_GRACE_S)
+            return EXIT_CRASHED
         if traceback:
             import traceback as tb
 
@@ -109,17 +121,10 @@ def command_status(command: str, call, *, traceback: bool = False) -> int:
         print(f"error: {where}dormouse {command}: the run crashed: {type(e).__name__}: {_first_line(e)}",
               file=sys.stderr, flush=True)
         _leave_fleet()
-        if rank is not None and lost_a_peer(e):
-            # Not this rank's own failure: a peer went away mid-collective. torchrun's
-            # report on ranks forked from its agent names the FIRST rank it sees exit,
-            # so this one waits that report out (many times its 0.1 s poll) and the
-            # report names the rank that failed first.
-            import time
-
-            time.sleep(PEER_LOST_GRACE_S)
         return EXIT_CRASHED
 
 
+PEER_LOST = "a peer rank went away mid-collective (not this rank's failure)"
 PEER_LOST_GRACE_S = 2.0  # how long a rank whose peer vanished waits before it exits (see command_status)
 
 

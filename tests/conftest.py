@@ -14,6 +14,16 @@ SUPPORT = Path(__file__).resolve().parent / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
+import warm  # noqa: E402  (tests/support: warm interpreters for the suite's child processes)
+
+
+def pytest_configure(config):
+    warm.install(config)
+
+
+def pytest_unconfigure(config):
+    warm.uninstall()
+
 
 # The files that take longest, longest first (their test time in one run of
 # the suite, seconds). pytest-xdist's --dist loadfile deals files to the two

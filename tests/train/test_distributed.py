@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dormouse.config import ModelConfig
-from dormouse.errors import DormouseError, FleetError
+from dormouse.errors import PEER_LOST, DormouseError, FleetError
 from dormouse.gate.record.fixtures import make_run
 from dormouse.gate.record.launcher import failure_summary, launch_fleet, torchrun, torchrun_command
 from dormouse.gate.settings import GateSettings
@@ -144,10 +144,12 @@ def test_a_killed_rank_fails_the_fleet_fast_naming_it_and_leaves_no_torn_files(t
         launch_fleet(s, timeout_s=120, stream=lines.append, entry=[FAULTS], fork_ranks=True,  # torchrun reports one rank
                      env={"DORMOUSE_TEST_FAULT": "kill_rank1"})
     assert time.monotonic() - t0 < 60
-    assert "rank 1 exited with -9" in str(info.value), failure_summary(lines)
+    assert str(info.value).endswith("rank 1 exited with -9"), failure_summary(lines)
     # the rank the agent then stopped (SIGTERM) is not reported as crashed: forked from the agent,
-    # it once inherited the agent's handler and printed a SignalException traceback
-    assert not [line for line in lines if "SignalException" in line or "rank 0: dormouse" in line], lines
+    # it once inherited the agent's handler and printed a SignalException traceback; and if its
+    # reduce saw the peer's socket close first, it says that, not that it crashed
+    assert not [line for line in lines if "SignalException" in line or "rank 0: dormouse gate: the run crashed" in line
+                or ("rank 0" in line and PEER_LOST not in line and "error: " in line)], lines
     # No rank artifact (they are written only at the end), no temporary files.
     assert not list(tmp_path.glob("rank*"))
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]

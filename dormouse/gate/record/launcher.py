@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from dormouse import atomic
-from dormouse.errors import FleetError
+from dormouse.errors import PEER_LOST, FleetError
 from dormouse.gate.artifacts import load_meta
 from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 
@@ -207,7 +207,10 @@ def failure_summary(lines: list[str]) -> str:
             code = next((re.search(r"exitcode\s*:\s*(-?\d+)", x) for x in lines[i:i + 4]
                          if re.search(r"exitcode\s*:\s*(-?\d+)", x)), None)
             failed.append(f"rank {m.group(1)} exited with {code.group(1) if code else '?'}")
-    parts = sorted(set(ours)) + sorted(set(failed))
+    # A rank whose peer vanished says so; it is named only when nothing else is.
+    lost = sorted({l for l in ours if PEER_LOST in l})
+    parts = sorted(set(ours) - set(lost)) + sorted(set(failed))
+    parts = parts or lost
     return "; ".join(parts) if parts else " | ".join(lines[-5:])
 
 

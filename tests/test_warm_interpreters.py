@@ -1,0 +1,74 @@
+"""The suite's warm interpreters (tests/support/warm.py): a child started
+through the zygote behaves, to everything a test looks at, as a fresh
+interpreter would; and a torchrun agent's ranks are fresh interpreters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import warm
+
+pytestmark = pytest.mark.skipif(not warm._INSTALLED, reason="warm interpreters are off (DORMOUSE_TEST_WARM=0)")
+
+
+def run(args, **kw):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_a_warm_child_has_the_callers_argv_cwd_env_streams_and_exit_status(tmp_path):
+    code = "import os, sys; print(sys.argv[1:], os.getcwd(), os.environ['W_PROBE']); print('e', file=sys.stderr); sys.exit(3)"
+    r = run(["-c", code, "a", "b"], cwd=tmp_path, env={**os.environ, "W_PROBE": "x1"})
+    assert (r.returncode, r.stdout, r.stderr) == (3, f"['a', 'b'] {tmp_path} x1\n", "e\n")
+    r = run(["-c", "raise ValueError('boom')"])
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == "ValueError: boom"
+    assert "warm.py" not in r.stderr  # the traceback is the program's own
+    r = run(["-m", "dormouse", "--version"])
+    assert r.returncode == 0 and r.stdout.startswith("dormouse ")
+
+
+def test_a_signal_to_the_clients_group_ends_the_child_and_a_killed_client_takes_it_along(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert p.stdout.readline() == "up\n"
+    os.killpg(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=30) == -signal.SIGTERM
+    pidfile = tmp_path / "pid"
+    p = subprocess.Popen([sys.executable, "-c", f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+                          "time.sleep(60)"])
+    while not pidfile.exists() or not pidfile.read_text():
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    assert child != p.pid  # the program runs in the zygote's fork, not in the client
+    p.kill()
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}")
+
+
+def test_what_the_zygote_cannot_reproduce_runs_in_the_real_interpreter():
+    r = run(["-X", "importtime", "-c", "import sys; print(sys.executable)"])
+    assert r.returncode == 0 and "import time:" in r.stderr and r.stdout.strip() == warm.REAL
+    r = run(["-c", "import sys; print(sys.flags.hash_randomization, hash('dormouse'))"],
+            env={**os.environ, "PYTHONHASHSEED": "0"})
+    assert r.stdout.split()[0] == "0"  # PYTHONHASHSEED=0 took effect: a fresh interpreter ran it
+
+
+def test_warm_children_share_the_hash_secret_and_a_torchrun_agents_ranks_do_not(tmp_path):
+    # the limit the gate's fleets must not inherit: ranks exec'd by the agent are real interpreters
+    hashes = {run(["-c", "print(hash('dormouse'))"]).stdout for _ in range(2)}
+    assert len(hashes) == 1
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys; print('R', os.environ['RANK'], sys.executable, hash('dormouse'), flush=True)\n")
+    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    ranks = {w[-3]: (w[-2], w[-1]) for w in (line.split() for line in r.stdout.splitlines()) if len(w) >= 4 and w[-4] == "R"}
+    assert sorted(ranks) == ["0", "1"] and {exe for exe, _ in ranks.values()} == {warm.REAL}
+    assert ranks["0"][1] != ranks["1"][1]  # a secret of their own each
