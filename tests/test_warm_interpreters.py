@@ -1,6 +1,7 @@
 """The suite's warm interpreters (tests/support/warm.py): a child started
 through the zygote behaves, to everything a test looks at, as a fresh
-interpreter would; and a torchrun agent's ranks are fresh interpreters."""
+interpreter would, but for the hash secret they share; and a command can
+ask for the real interpreter."""
 
 from __future__ import annotations
 
@@ -61,14 +62,21 @@ def test_what_the_zygote_cannot_reproduce_runs_in_the_real_interpreter():
     assert r.stdout.split()[0] == "0"  # PYTHONHASHSEED=0 took effect: a fresh interpreter ran it
 
 
-def test_warm_children_share_the_hash_secret_and_a_torchrun_agents_ranks_do_not(tmp_path):
-    # the limit the gate's fleets must not inherit: ranks exec'd by the agent are real interpreters
+def test_warm_children_share_the_hash_secret_and_a_cold_fleets_ranks_do_not(tmp_path):
+    # the limit of warm children, as of forked ranks: one secret; a command whose environment
+    # says DORMOUSE_TEST_WARM=0 runs in the real interpreter, and so do the ranks it starts
     hashes = {run(["-c", "print(hash('dormouse'))"]).stdout for _ in range(2)}
     assert len(hashes) == 1
     script = tmp_path / "rank.py"
     script.write_text("import os, sys; print('R', os.environ['RANK'], sys.executable, hash('dormouse'), flush=True)\n")
-    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)])
-    assert r.returncode == 0, r.stderr[-2000:]
-    ranks = {w[-3]: (w[-2], w[-1]) for w in (line.split() for line in r.stdout.splitlines()) if len(w) >= 4 and w[-4] == "R"}
-    assert sorted(ranks) == ["0", "1"] and {exe for exe, _ in ranks.values()} == {warm.REAL}
-    assert ranks["0"][1] != ranks["1"][1]  # a secret of their own each
+
+    def ranks(env):
+        r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)], env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return {w[-3]: (w[-2], w[-1]) for w in (line.split() for line in r.stdout.splitlines())
+                if len(w) >= 4 and w[-4] == "R"}
+
+    warm_ranks, cold_ranks = ranks(None), ranks({**os.environ, "DORMOUSE_TEST_WARM": "0"})
+    assert sorted(warm_ranks) == sorted(cold_ranks) == ["0", "1"]
+    assert {exe for exe, _ in warm_ranks.values()} == {sys.executable} and warm_ranks["0"][1] == warm_ranks["1"][1]
+    assert {exe for exe, _ in cold_ranks.values()} == {warm.REAL} and cold_ranks["0"][1] != cold_ranks["1"][1]

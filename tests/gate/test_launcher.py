@@ -90,7 +90,7 @@ def test_a_fault_only_separate_interpreters_show_fails_the_default_gate_and_pass
 
     assert "PYTHONHASHSEED" not in os.environ, "a fixed PYTHONHASHSEED makes every interpreter hash alike"
     fresh, forked = (_gs(tmp_path, name, steps=4, resume_world=0) for name in ("fresh", "forked"))
-    faulty_fleets([(fresh, "hash_order")], fork_ranks=False)
+    faulty_fleets([(fresh, "hash_order")], fork_ranks=False, cold=True)  # not the suite's warm interpreters
     faulty_fleets([(forked, "hash_order")], fork_ranks=True)
     v = judged(fresh)
     assert not v.passed and not v.check("gradref").passed and not v.check("ranks").passed

@@ -34,14 +34,17 @@ def fleets(plan: list[GateSettings]) -> None:
     launch_plan(plan, timeout_s=400, stream=QUIET, fork_ranks=FORK_RANKS)
 
 
-def faulty_fleets(runs: list[tuple[GateSettings, str | None]], *, fork_ranks: bool = FORK_RANKS) -> None:
+def faulty_fleets(runs: list[tuple[GateSettings, str | None]], *, fork_ranks: bool = FORK_RANKS,
+                  cold: bool = False) -> None:
     """Fleets each with its own fault (None: clean), in as few torchrun
     launches as their world sizes allow: each fault acts on its run only
-    (fleet_faults.scoped), as if the run had a launch of its own."""
+    (fleet_faults.scoped), as if the run had a launch of its own. cold: the
+    agent and its ranks fresh interpreters even in the suite (warm.py)."""
     table = {str(s.out_dir): fault for s, fault in runs}
     assert len(table) == len(runs), "two runs of the plan share an out dir"
     launch_plan([s for s, _ in runs], timeout_s=600, stream=QUIET, entry=[FAULTS],
-                env={"DORMOUSE_TEST_FAULTS": json.dumps(table)}, fork_ranks=fork_ranks)
+                env={"DORMOUSE_TEST_FAULTS": json.dumps(table), **({"DORMOUSE_TEST_WARM": "0"} if cold else {})},
+                fork_ranks=fork_ranks)
 
 
 def references(s: GateSettings, fault: str | None = None, *, single: bool = True) -> None:

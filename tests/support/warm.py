@@ -21,17 +21,24 @@ What the child shares with a fresh interpreter, and what it does not:
   would reach it; a client killed outright (SIGKILL) makes the child's
   group be killed the same way (its supervisor sees the connection close);
 - NOT shared: the string-hash secret. Every child of one zygote hashes
-  strings alike, as forked ranks do. So a torchrun agent's own children
-  are real interpreters: the agent's `sys.executable` is the real Python,
-  and the gate's fleets of one interpreter per rank stay exactly that
-  (tests/gate/test_launcher.py shows a fault only they see);
+  strings alike, as ranks forked from one torchrun agent do, and that
+  includes the ranks of the gate's fleets of "one interpreter per rank"
+  (an agent's children start warm too). The one test about what only
+  separate interpreters show (tests/gate/test_launcher.py, a fault that
+  orders gradients by string hash) starts its fleet with
+  DORMOUSE_TEST_WARM=0 in the fleet's environment: the zygote declines a
+  command whose environment says so, and the real Python runs it and,
+  from it, every rank;
 - a command the zygote cannot reproduce exactly (another option, or an
   environment that changes how an interpreter starts: PYTHON* variables
   other than PYTHONPATH / PYTHONUNBUFFERED / PYTHONDONTWRITEBYTECODE, a
-  different OMP_NUM_THREADS, TORCH_*/LD_*/MKL_* settings) is executed by
+  different OMP_NUM_THREADS, TORCH_*/LD_*/MKL_* settings but for
+  TORCH_NCCL_*, which torchrun sets for its ranks and NCCL reads when a
+  process group starts) is executed by
   the real Python instead, as is every command when the zygote is gone.
 
-DORMOUSE_TEST_WARM=0 turns it off (every child a fresh interpreter).
+DORMOUSE_TEST_WARM=0 turns it off: in the suite's environment, for every
+child; in one command's environment, for that command and its children.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ def _startup_env(env: dict) -> dict:
     """The variables that change how an interpreter (or torch's import) starts."""
     return {k: v for k, v in env.items()
             if (k.startswith("PYTHON") and k not in APPLIED) or k == "OMP_NUM_THREADS"
-            or k.startswith(("TORCH_", "LD_", "MKL_", "KMP_", "GOMP_"))}
+            or (k.startswith(("TORCH_", "LD_", "MKL_", "KMP_", "GOMP_")) and not k.startswith("TORCH_NCCL_"))}
 
 
 def client_source(sock: str, real: str = REAL) -> str:
@@ -173,7 +180,7 @@ def serve(sock: str, client: str) -> dict:
             continue
         cmd = _parse(body["argv"]) if body else None
         if (cmd is None or len(fds) != 3 or _startup_env(body["env"]) != _startup_env(base_env)
-                or body["env"].get("PYTHONHASHSEED")):
+                or body["env"].get("PYTHONHASHSEED") or body["env"].get("DORMOUSE_TEST_WARM") == "0"):
             try:
                 conn.sendall(b"no\n")
             except OSError:
@@ -266,10 +273,7 @@ def run_child(job: dict) -> None:
         warnings._setoption(w)  # noqa: SLF001  as -W does
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     kind, what = job["kind"], job["what"]
-    # torchrun's agent starts its ranks with sys.executable: real interpreters
-    # (a secret of their own each); everything else starts warm children too.
-    agent = kind == "m" and what == "torch.distributed.run"
-    sys.executable = REAL if agent else job["client"]
+    sys.executable = job["client"]  # its own children start warm too (torchrun's ranks among them)
     sys._base_executable = REAL  # noqa: SLF001
     try:
         if kind == "m":
