@@ -42,7 +42,7 @@ LONGEST_FIRST = (
     "tests/gate/test_recorder_hf.py",  # 48
     "tests/gate/test_gate_exact.py",  # 45
     "tests/gate/test_gate_bf16_model.py",  # 45
-    "notebooks/",  # 41 (nbmake: the four notebooks at their defaults)
+    "notebooks/",  # 13 (nbmake: the four notebooks at their defaults, presenting gate_run's gate in a fresh clone)
     "tests/gate/test_recorder.py",  # 39
     "tests/gate/test_gate_configs.py",  # 32
     "tests/train/test_distributed.py",  # 29
