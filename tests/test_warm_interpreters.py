@@ -54,6 +54,22 @@ def test_a_signal_to_the_clients_group_ends_the_child_and_a_killed_client_takes_
     assert not os.path.exists(f"/proc/{child}")
 
 
+def test_exit_statuses_and_the_path_are_a_fresh_interpreters(tmp_path):
+    # (a review's findings: a SIGKILLed child was reported as status 1 with the client's traceback,
+    # sys.exit(-1) as SIGHUP, and the zygote's '' put the working directory on a script's path)
+    kill = run(["-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert (kill.returncode, kill.stderr) == (-signal.SIGKILL, "")
+    assert run(["-c", "import sys; sys.exit(-1)"]).returncode == 255
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "here.py").write_text("")
+    (tmp_path / "sub" / "s.py").write_text("import sys\ntry:\n    import here\nexcept ImportError:\n    print('no')\n"
+                                           "print(__file__, sys.path[0])\n")
+    r = run(["sub/s.py"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": "rel"})
+    assert r.stdout.split() == ["no", str(tmp_path / "sub" / "s.py"), str(tmp_path / "sub")], r.stderr
+    missing = run(["no_such_script.py"], cwd=tmp_path)
+    assert missing.returncode == 2 and "can't open file" in missing.stderr  # the interpreter's own words
+
+
 def test_what_the_zygote_cannot_reproduce_runs_in_the_real_interpreter():
     r = run(["-X", "importtime", "-c", "import sys; print(sys.executable)"])
     assert r.returncode == 0 and "import time:" in r.stderr and r.stdout.strip() == warm.REAL

@@ -37,6 +37,20 @@ What the child shares with a fresh interpreter, and what it does not:
   process group starts) is executed by
   the real Python instead, as is every command when the zygote is gone.
 
+Other known differences (a review's; none is something a test here looks at):
+- a client killed outright returns from wait() a moment before its child
+  is gone (the supervisor kills it when it sees the connection close): a
+  lock the child held may still be held just after;
+- the caller's ignored signals, signal mask, CPU affinity, rlimits and nice
+  value are not the child's (it starts with a fresh interpreter's); SIGSTOP
+  and SIGCONT sent to the client do not reach the child; a signal sent to
+  the client's pid reaches the child's whole process group;
+- /proc/<pid>/cmdline of a child is the zygote's, sys.flags and
+  sys.orig_argv are the zygote's, and a program run by path or -m gains
+  runpy's frames in its tracebacks;
+- a Jupyter kernel's client dies with the kernel's manager (as ipykernel's
+  own watchdog makes a fresh kernel do), so its kernel does too.
+
 DORMOUSE_TEST_WARM=0 turns it off: in the suite's environment, for every
 child; in one command's environment, for that command and its children.
 """
@@ -69,7 +83,8 @@ def _startup_env(env: dict) -> dict:
     """The variables that change how an interpreter (or torch's import) starts."""
     return {k: v for k, v in env.items()
             if (k.startswith("PYTHON") and k not in APPLIED) or k == "OMP_NUM_THREADS"
-            or (k.startswith(("TORCH_", "LD_", "MKL_", "KMP_", "GOMP_")) and not k.startswith("TORCH_NCCL_"))}
+            or (k.startswith(("TORCH_", "PYTORCH_", "LD_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO_", "NPY_",
+                              "TQDM_")) and not k.startswith("TORCH_NCCL_"))}
 
 
 def client_source(sock: str, real: str = REAL) -> str:
@@ -96,6 +111,17 @@ line = f.readline()
 if not line.startswith(b"pid "):
     cold()  # the zygote declined: a command it cannot start as the interpreter would
 child = int(line.split()[1])
+if os.environ.get("JPY_PARENT_PID") == str(os.getppid()):
+    # a Jupyter kernel ends with its manager (ipykernel's watchdog compares its
+    # parent with JPY_PARENT_PID; the warm kernel's parent is its supervisor):
+    # this client dies with the manager, and its supervisor then kills the kernel
+    import ctypes
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    if os.getppid() != int(os.environ["JPY_PARENT_PID"]):
+        os._exit(1)
+devnull = os.open(os.devnull, os.O_RDWR)
+for fd in (0, 1, 2):  # the child holds the streams now: EOF when IT closes them
+    os.dup2(devnull, fd)
 def forward(sig, _frame):
     try:
         os.killpg(child, sig)
@@ -105,14 +131,18 @@ for sig in {[int(s) for s in FORWARDED]!r}:
     signal.signal(sig, forward)
 line = f.readline()
 if not line.startswith(b"rc "):
-    sys.stderr.write("warm python: the zygote went away before its child ended\\n")
-    os._exit(1)
+    os._exit(1)  # the zygote went away before its child ended
 rc = int(line.split()[1])
-if rc < 0:
-    signal.signal(-rc, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [-rc])
-    os.kill(os.getpid(), -rc)
-os._exit(rc if rc >= 0 else 128 - rc)
+if rc < 0:  # ended by a signal: so does this client
+    if -rc not in (signal.SIGKILL, signal.SIGSTOP):
+        try:
+            signal.signal(-rc, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [-rc])
+            os.kill(os.getpid(), -rc)
+        except (OSError, ValueError):
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+os._exit(rc)
 """
 
 
@@ -128,7 +158,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 def _parse(argv: list[str]) -> dict | None:
     """python's command line -> what to run, or None (not reproducible here)."""
-    opts = {"unbuffered": False, "nobytecode": False, "warnings": []}
+    opts = {"unbuffered": False}
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
         a = argv[i]
@@ -136,13 +166,8 @@ def _parse(argv: list[str]) -> dict | None:
             if i + 1 >= len(argv):
                 return None
             return {**opts, "kind": a[1], "what": argv[i + 1], "args": argv[i + 2:]}
-        if a == "-u":
+        if a == "-u":  # the one option torchrun gives its ranks; others show in sys.flags: the real Python
             opts["unbuffered"] = True
-        elif a == "-B":
-            opts["nobytecode"] = True
-        elif a == "-W" and i + 1 < len(argv):
-            opts["warnings"].append(argv[i + 1])
-            i += 1
         else:
             return None
         i += 1
@@ -154,7 +179,8 @@ def _parse(argv: list[str]) -> dict | None:
 def serve(sock: str, client: str) -> dict:
     """The zygote's loop; returns only in a forked child, with the command to run."""
     base_env = dict(os.environ)
-    base_path = sys.path[1:]  # without the zygote's own first entry (its -c '')
+    # without the zygote's own entries (the support folder, its -c's '')
+    base_path = [p for p in sys.path if p and p != str(Path(__file__).resolve().parent)]
     import gc
 
     for mod in PRELOAD:
@@ -238,10 +264,11 @@ def _supervise(conn: socket.socket, fds: list[int], body: dict, cmd: dict, base_
 def run_child(job: dict) -> None:
     """In the forked child: become the interpreter the client was asked to
     be, and run its program as __main__ (exits as that program exits)."""
+    import importlib.util
     import io
     import runpy
+    import logging
     import types
-    import warnings
 
     for sig in range(1, signal.NSIG):  # the dispositions a fresh interpreter starts with
         if sig in (signal.SIGKILL, signal.SIGSTOP):
@@ -256,22 +283,30 @@ def run_child(job: dict) -> None:
     os.chdir(job["cwd"])
     os.umask(job["umask"])
     unbuffered = job["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
-    _KEEP.extend((sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__))
+    old = {name: getattr(sys, name) for name in ("stdin", "stdout", "stderr")}
+    _KEEP.extend((*old.values(), sys.__stdin__, sys.__stdout__, sys.__stderr__))
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
-        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
-        if fd == 0:
-            stream = io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8", errors="strict")
-        else:
-            tty = raw.isatty()
-            stream = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding="utf-8",
-                                      errors="backslashreplace" if fd == 2 else "strict",
-                                      line_buffering=(fd == 2 or tty) and not unbuffered, write_through=unbuffered)
+        # as the interpreter's create_stdio: the file's own buffer size, the
+        # zygote's encoding and error handlers (the same locale and variables)
+        binary = io.open(fd, "rb" if fd == 0 else "wb", buffering=0 if unbuffered and fd else -1, closefd=False)
+        raw = binary if isinstance(binary, io.FileIO) else binary.raw
+        try:
+            raw.name = f"<{name}>"
+        except AttributeError:
+            pass
+        stream = io.TextIOWrapper(binary, encoding=old[name].encoding, errors=old[name].errors,
+                                  line_buffering=fd > 0 and not unbuffered and (fd == 2 or raw.isatty()),
+                                  write_through=unbuffered and fd > 0)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-    sys.dont_write_bytecode = job["nobytecode"] or bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
-    for w in job["warnings"]:
-        warnings._setoption(w)  # noqa: SLF001  as -W does
-    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:  # torch's own handlers
+        for handler in getattr(logger, "handlers", ()):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is old["stderr"]:
+                handler.setStream(sys.stderr)
+            elif isinstance(handler, logging.StreamHandler) and handler.stream is old["stdout"]:
+                handler.setStream(sys.stdout)
+    sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
+    extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     kind, what = job["kind"], job["what"]
     sys.executable = job["client"]  # its own children start warm too (torchrun's ranks among them)
     sys._base_executable = REAL  # noqa: SLF001
@@ -279,6 +314,8 @@ def run_child(job: dict) -> None:
         if kind == "m":
             sys.path[:] = [os.getcwd(), *extra, *job["base_path"]]
             sys.argv = [what, *job["args"]]
+            if importlib.util.find_spec(what) is None:
+                _cold(job)  # the interpreter's own "No module named" and status
             runpy.run_module(what, run_name="__main__", alter_sys=True)
         elif kind == "c":
             sys.path[:] = ["", *extra, *job["base_path"]]
@@ -288,9 +325,11 @@ def run_child(job: dict) -> None:
             sys.modules["__main__"] = main
             exec(compile(what, "<string>", "exec"), main.__dict__)
         else:
+            if not os.path.isfile(what):
+                _cold(job)  # the interpreter's own "can't open file" and status
             sys.path[:] = [str(Path(what).resolve().parent), *extra, *job["base_path"]]
             sys.argv = [what, *job["args"]]
-            runpy.run_path(what, run_name="__main__")
+            runpy.run_path(os.path.abspath(what), run_name="__main__")
         code = 0
     except SystemExit as e:  # as the interpreter reads it
         code = e.code
@@ -302,11 +341,19 @@ def run_child(job: dict) -> None:
     except BaseException as e:  # printed as the interpreter prints it, without this function's frame
         e.__traceback__ = e.__traceback__.tb_next
         sys.excepthook(type(e), e, e.__traceback__)
-        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
+        if isinstance(e, KeyboardInterrupt):
+            _exit(1, by_signal=signal.SIGINT)  # an uncaught Ctrl-C ends the interpreter by the signal
+        code = 1
     _exit(code)
 
 
-def _exit(code: int) -> None:
+def _cold(job: dict) -> None:
+    """Become the real interpreter with the same command (environment,
+    directory and streams are already the client's)."""
+    os.execv(REAL, [REAL, *job["argv"]])
+
+
+def _exit(code: int, by_signal: int = 0) -> None:
     """The interpreter's exit without its module teardown: a forked child's
     teardown touches every object the zygote made (a copy of each page, ~1 s);
     what a program can see of an exit is kept: non-daemon threads joined,
@@ -317,14 +364,24 @@ def _exit(code: int) -> None:
 
     threading._shutdown()  # noqa: SLF001  what Py_FinalizeEx calls first
     atexit._run_exitfuncs()  # noqa: SLF001
+    import gc
+    import io
+
+    for obj in gc.get_objects():  # files the program left open (the zygote's are frozen, not listed)
+        if isinstance(obj, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)) and obj not in _KEEP:
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:  # noqa: BLE001  a broken or detached stream: nothing more to write
+                pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001  a closed or broken stream: nothing more to write
-            pass
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
+        except Exception:  # noqa: BLE001  as the interpreter: a failed flush of the streams is status 120
+            code = code or 120
+    if by_signal:
+        signal.signal(by_signal, signal.SIG_DFL)
+        os.kill(os.getpid(), by_signal)
     os._exit(code & 0xFF)
 
 
