@@ -6,6 +6,7 @@ ask for the real interpreter."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,13 +85,13 @@ def test_warm_children_share_the_hash_secret_and_a_cold_fleets_ranks_do_not(tmp_
     hashes = {run(["-c", "print(hash('dormouse'))"]).stdout for _ in range(2)}
     assert len(hashes) == 1
     script = tmp_path / "rank.py"
-    script.write_text("import os, sys; print('R', os.environ['RANK'], sys.executable, hash('dormouse'), flush=True)\n")
+    # one write a line (print writes the line and its end apart: two ranks' lines could interleave)
+    script.write_text("import os, sys; sys.stdout.write(f\"R {os.environ['RANK']} {sys.executable} {hash('dormouse')}\\n\")\n")
 
     def ranks(env):
         r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)], env=env)
         assert r.returncode == 0, r.stderr[-2000:]
-        return {w[-3]: (w[-2], w[-1]) for w in (line.split() for line in r.stdout.splitlines())
-                if len(w) >= 4 and w[-4] == "R"}
+        return {rank: (exe, h) for rank, exe, h in re.findall(r"R (\d) (\S+) (-?\d+)", r.stdout)}
 
     warm_ranks, cold_ranks = ranks(None), ranks({**os.environ, "DORMOUSE_TEST_WARM": "0"})
     assert sorted(warm_ranks) == sorted(cold_ranks) == ["0", "1"]

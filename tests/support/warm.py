@@ -429,9 +429,13 @@ def install(config) -> None:
 
 def uninstall() -> None:
     """pytest_unconfigure: the real interpreter back, and the zygote told to end."""
-    if _INSTALLED.pop("client", None):
+    client = _INSTALLED.pop("client", None)
+    if client:
         sys.executable = REAL
         proc = getattr(start, "_proc", None)
         if proc is not None:
             proc.stdin.close()
             proc.wait(timeout=10)
+        import shutil
+
+        shutil.rmtree(os.path.dirname(client), ignore_errors=True)  # the client and the socket's folder
