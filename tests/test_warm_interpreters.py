@@ -16,7 +16,7 @@ import pytest
 
 import warm
 
-pytestmark = pytest.mark.skipif(not warm._INSTALLED, reason="warm interpreters are off (DORMOUSE_TEST_WARM=0)")
+pytestmark = pytest.mark.skipif("client" not in warm._INSTALLED, reason="warm interpreters are off (DORMOUSE_TEST_WARM=0)")
 
 
 def run(args, **kw):

@@ -76,6 +76,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 # descriptors are the child's now) until the interpreter's end, after it has
 # flushed the child's streams.
 _KEEP: list = []
+_INSTALLED: dict = {}  # this process's zygote ("zygote": its Popen) and client ("client": its path)
 APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
 
 
@@ -403,7 +404,7 @@ def start(folder: str | None = None) -> str | None:
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import warm; "
             f"job = warm.serve({sock!r}, {client!r}); del sys.path[0]; warm.run_child(job)")
     proc = subprocess.Popen([REAL, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, cwd=folder)
-    start._proc = proc  # its stdin is the pipe it watches: closed when this process ends
+    _INSTALLED["zygote"] = proc  # its stdin is the pipe it watches: closed when this process ends
     import time
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):
@@ -413,13 +414,11 @@ def start(folder: str | None = None) -> str | None:
     return client
 
 
-_INSTALLED: dict = {}
-
 
 def install(config) -> None:
     """pytest_configure: in a process that runs tests (an xdist worker, or a
     run without xdist), start the zygote and point sys.executable at its client."""
-    if _INSTALLED or (getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")):
+    if "client" in _INSTALLED or (getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")):
         return
     client = start()
     if client:
@@ -432,7 +431,7 @@ def uninstall() -> None:
     client = _INSTALLED.pop("client", None)
     if client:
         sys.executable = REAL
-        proc = getattr(start, "_proc", None)
+        proc = _INSTALLED.pop("zygote", None)
         if proc is not None:
             proc.stdin.close()
             proc.wait(timeout=10)
