@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dormouse.errors import EXIT_BAD_INPUT, DormouseError, OneLineParser, command_status
+from dormouse.errors import EXIT_BAD_INPUT, DormouseError, OneLineParser, command_status, end_rank_process
 
 MODES = ("single", "rank", "gradref", "replay", "verdict")
 
@@ -179,4 +179,6 @@ def _run(mode: str, args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    end_rank_process(status)  # a rank in an interpreter of its own ends without module teardown
+    sys.exit(status)

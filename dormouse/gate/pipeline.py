@@ -171,7 +171,6 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
     if not NOTEBOOK_DIR.is_dir():
         raise DormouseError(f"no notebooks at {NOTEBOOK_DIR}: the pipeline runs from a checkout of the "
                             "repository installed with `pip install -e .` (a plain install has no notebooks)")
-    import papermill as pm
 
     # The validated values (profile normalised, out absolute, old names as
     # new), and the defaults that followed them (settings._defaults_follow:
@@ -192,6 +191,8 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
         gate(p, log=log)
         if on_verdict is not None:
             on_verdict(json.loads((p.out_dir / VERDICT_FILE).read_text()))
+    import papermill as pm  # after the verdict: its import (~3 s) is not on the verdict's path
+
     runs = []
     for name in notebooks:
         declared = notebook_parameters(NOTEBOOK_DIR / name)

@@ -53,9 +53,10 @@ def test_a_plan_file_gives_each_run_its_leg_and_a_broken_one_is_one_line(tmp_pat
 
 def test_a_gate_fleet_has_an_interpreter_per_rank_unless_forked_ranks_are_asked_for_on_cpu(tmp_path):
     """The command of a launch: torchrun's own CLI. By default one interpreter
-    per rank (`-m dormouse.gate rank`); with fork_ranks the ranks forked from
-    its agent (--run-path, dormouse.gate's entry point as the script), on CPU
-    only (a process forked from one that touched CUDA cannot use it)."""
+    per rank (`-m dormouse.gate rank`); with fork_ranks, or a launch of one
+    rank, the ranks forked from its agent (--run-path, dormouse.gate's entry
+    point as the script), on CPU only (a process forked from one that touched
+    CUDA cannot use it)."""
     import dataclasses
     import sys
 
@@ -72,6 +73,12 @@ def test_a_gate_fleet_has_an_interpreter_per_rank_unless_forked_ranks_are_asked_
     assert forked[i:i + 4] == [*FORKED_RANKS, dormouse.gate.__main__.__file__] and forked[i + 4] == "rank"
     assert torchrun_command(dataclasses.replace(s, device="cuda"), fork_ranks=True) == \
         torchrun_command(dataclasses.replace(s, device="cuda"))
+    # A launch of one rank (the default stop-and-resume's second leg) is forked: no peer to hash alike with.
+    d = _gs(tmp_path, "d")  # world 2, resumed at 1 rank
+    assert not set(FORKED_RANKS) & set(torchrun_command(d, leg=1))
+    second = torchrun_command(d, leg=2)
+    assert "--nproc_per_node=1" in second and second[second.index(FORKED_RANKS[0]):][:3] == FORKED_RANKS
+    assert not set(FORKED_RANKS) & set(torchrun_command(dataclasses.replace(d, device="cuda"), leg=2))
     # -m MODULE becomes the module's file (a package: its __main__), as `python -m` would run it
     assert torchrun(["-m", "dormouse", "train"])[-2:] == [dormouse.__main__.__file__, "train"]
     with pytest.raises(DormouseError, match="no module named 'no_such_module'"):

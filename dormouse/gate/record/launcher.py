@@ -44,7 +44,9 @@ from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 #   (code ordering its gradients by iterating a set of names) passes forked and
 #   fails with an interpreter per rank (tests/gate/test_launcher.py), so the
 #   gate's verdicts come from fresh interpreters, and forked ranks are for runs
-#   whose subject is not that (the tests' many fleets, the bench).
+#   whose subject is not that (the tests' many fleets, the bench) and for a
+#   launch of one rank (the default stop-and-resume's second leg): with no
+#   peer, no rank can agree with another by hashing alike.
 # CUDA fleets are never forked: CUDA cannot be used in a process forked from
 # one that touched it, and nothing here proves the agent never does.
 FORKED_RANKS = ["--run-path", "--start-method", "fork"]
@@ -85,8 +87,9 @@ def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path 
 def torchrun_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None,
                      torchrun_args: list[str] | None = None, leg: int = 0, fork_ranks: bool = False) -> list[str]:
     world = s.legs()[leg - 1].world if leg else s.world
+    # A launch of one rank has no peer to share a hash secret with: forked (one import of torch, not two).
     return torchrun(rank_command(s, entry=entry, plan=plan, leg=leg), world=world, launch=torchrun_args,
-                    forked=fork_ranks and s.device != "cuda")
+                    forked=(fork_ranks or (world == 1 and not torchrun_args)) and s.device != "cuda")
 
 
 def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry: list[str] | None = None,

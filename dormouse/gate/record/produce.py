@@ -190,11 +190,18 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
     else:
         # The fleet (torchrun's processes) runs while this process computes the
         # single run and its floors: they share nothing but the corpus file.
+        import threading
         from concurrent.futures import ThreadPoolExecutor
 
+        lock = threading.Lock()
+
+        def said(line: str) -> None:  # one line at a time from both (print writes a line and its end apart)
+            with lock:
+                log(line)
+
         with ThreadPoolExecutor(max_workers=1) as pool:
-            fleet = pool.submit(run_fleet, s, force=False, stream=log)
-            run_single(s, force=False, log=log)
+            fleet = pool.submit(run_fleet, s, force=False, stream=said)
+            run_single(s, force=False, log=said)
             fleet.result()
     run_references(s, force=False, log=log)
 
