@@ -345,6 +345,18 @@ class ByteCorpus:
             out.append(_windows(self.read(start + rank_byte_offset(shapes, r), s.nbytes), s.batch, s.seq_len))
         return out
 
+    def step_windows(self, step: int, shapes: list[RankShape], mine: list[int]) -> list[int]:
+        """Where each window step_batch reads for the slices in `mine` starts
+        in the corpus, in step_batch's order: the examples' identities (no
+        two windows of one epoch start at the same byte, whatever their text)."""
+        start = self.span_start(step, span_bytes(shapes))
+        return [start + rank_byte_offset(shapes, r) + i * (shapes[r].seq_len + 1)
+                for r in mine for i in range(shapes[r].batch)]
+
+    def epoch_of(self, step: int, span: int) -> int:
+        """The epoch step `step` belongs to (an epoch reads each whole span once)."""
+        return step // whole_spans(span, self.train_bytes)
+
     def eval_batches(self, batch: int, seq_len: int, max_windows: int = 64):
         """Consecutive windows of the held-out tail, in batches of at most `batch`."""
         n = min(self.eval_bytes // (seq_len + 1), max_windows)

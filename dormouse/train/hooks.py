@@ -73,6 +73,8 @@ class Reduced:
     local_loads: torch.Tensor | None  # this process's own slices' loads, before the reduce
     plan: object  # the step's FleetPlan
     local_loss: float | None = None  # this process's share of the loss, sum over its slices of t_i L_i / T
+    examples: list[int] | None = None  # where each window this process read starts in the corpus (their identities)
+    epoch: int | None = None  # the data's epoch this step belongs to (data.py: each whole span once an epoch)
 
 
 @dataclass

@@ -257,7 +257,8 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 f"loss is {loss_value} at step {step + 1}: training stopped before the bad "
                 f"update; {kept}. Lower train.lr or set train.grad_clip"
             )
-        reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, local_loads, plan, float(loss_share))
+        reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, local_loads, plan, float(loss_share),
+                          corpus.step_windows(step, plan.shapes, sync.mine), corpus.epoch_of(step, plan.span))
         hooks.reduced(reduced)
         loss_value, loads = reduced.loss, reduced.loads
         if on_grads is not None:

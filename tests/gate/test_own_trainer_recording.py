@@ -126,3 +126,33 @@ def test_a_model_without_a_moving_routing_bias_has_no_buffers_check(tmp_path):
     make_reference(tmp_path / "rec", log=lambda line: None)
     v = judge_recording(tmp_path / "rec")
     assert v.passed and "buffers" not in [c.name for c in v.checks], reasons(v)
+
+
+def test_the_loops_windows_are_its_example_ids_so_repeated_text_passes_and_a_span_read_twice_fails(
+        tmp_path, monkeypatch):
+    """The loop tells the Recorder where each window starts (Reduced.examples)
+    and the data's epoch: a corpus whose text repeats (every window the same
+    bytes) passes the data check by exact ids, where a hash of the tokens
+    could not tell its windows apart; a loop that reads the same span at every
+    step fails it, by the same ids."""
+    corpus = tmp_path / "periodic.txt"
+    corpus.write_bytes(b"abcdefghijklmnopq" * 400)  # windows of 16 + 1 bytes, 17 apart: every one the same text
+
+    def recorded(name):
+        run = RunConfig(model=preset("tiny"), train=TrainConfig(
+            steps=3, batch=2, seq_len=16, lr=1e-3, out_dir=str(tmp_path / name), log_every=10, data=str(corpus)))
+        rec = LoopRecorder(tmp_path / f"{name}_rec")
+        loop.train(loop.build_model(run), run, log=lambda line: None, hooks=rec.hooks())
+        make_reference(tmp_path / f"{name}_rec", log=lambda line: None)
+        return judge_recording(tmp_path / f"{name}_rec")
+
+    v = recorded("clean")
+    assert v.passed, reasons(v)
+    assert "examples identified by the example ids given" in v.check("data").reason
+    assert "the loop's epochs" in v.check("data").reason
+    from dormouse.train.data import ByteCorpus
+
+    monkeypatch.setattr(ByteCorpus, "span_start", lambda self, step, span: 0)  # every step reads the first span
+    bad = recorded("same_span").check("data")
+    assert not bad.passed and bad.reason.startswith("an example was read twice within epoch 0 (steps 1 and 2"), \
+        bad.reason

@@ -11,8 +11,12 @@ It enters train() only through its explicit hooks (dormouse.train.hooks):
                 sees every training forward and its init is the state before
                 the first step this call trains (resumed: a new segment after
                 the checkpoint's step, in the same directory)
-    on_reduced  the step's global token-weighted loss (the loop's reported loss)
-    on_clipped  rec.step(loss, lr, clip_coef, grad_norm): the gradient the
+    on_reduced  the step's global token-weighted loss (the loop's reported loss),
+                and where each window this process read starts in the corpus
+                and the data's epoch (Reduced.examples, .epoch): the data
+                check's exact example ids and the loop's own epochs, so text
+                that repeats in the corpus is not taken for a window read twice
+    on_clipped  rec.step(loss, lr, clip_coef, grad_norm, example_ids, epoch): the gradient the
                 optimizer is about to apply, after the loop's clipping
                 (max_grad_norm = train.grad_clip; the loop's own norm and
                 coefficient are passed, so the Recorder takes the gradient as
@@ -161,6 +165,8 @@ class LoopRecorder:
         self.rec: Recorder | None = None
         self.run: RunConfig | None = None
         self.loss: float | None = None
+        self.examples: list[int] | None = None  # the windows' byte offsets: the data check's exact ids
+        self.epoch: int | None = None
 
     def hooks(self) -> Hooks:
         return Hooks(on_start=[self._start], on_reduced=[self._reduced], on_clipped=[self._clipped],
@@ -181,12 +187,13 @@ class LoopRecorder:
                             buffer_update=BUFFER_UPDATE if moving_bias(run) else None)
 
     def _reduced(self, st: Reduced) -> None:
-        self.loss = st.loss
+        self.loss, self.examples, self.epoch = st.loss, st.examples, st.epoch
 
     def _clipped(self, st: Clipped) -> None:
         clipping = self.run.train.grad_clip > 0
         self.rec.step(loss=self.loss, lr=loop.lr_at(st.step - 1, self.run),
-                      clip_coef=st.clip_coef if clipping else None, grad_norm=st.grad_norm if clipping else None)
+                      clip_coef=st.clip_coef if clipping else None, grad_norm=st.grad_norm if clipping else None,
+                      example_ids=self.examples, epoch=self.epoch)
         if self.rec.k != st.step:
             raise RecorderError(f"the recording's step {self.rec.k} is not the loop's step {st.step}: "
                                 "record each run into its own directory")
