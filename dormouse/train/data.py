@@ -336,22 +336,21 @@ class ByteCorpus:
         """Where step `step`'s span of `span` bytes starts (the module doc's rule)."""
         return step_span_start(step, span, self.train_bytes, self.order, self.seed, cache=self._epochs)
 
-    def step_batch(self, step: int, shapes: list[RankShape], mine: list[int]):
-        """(x, y) of each slice in `mine` (indices into `shapes`) at step `step`."""
+    def step_batch(self, step: int, shapes: list[RankShape], mine: list[int], windows: list[int] | None = None):
+        """(x, y) of each slice in `mine` (indices into `shapes`) at step `step`.
+        `windows`, when given, receives where each window read starts in the
+        corpus, in order, from the offsets the reads used: the examples'
+        identities (no two windows of one epoch start at the same byte,
+        whatever their text)."""
         start = self.span_start(step, span_bytes(shapes))
         out = []
         for r in mine:
             s = shapes[r]
-            out.append(_windows(self.read(start + rank_byte_offset(shapes, r), s.nbytes), s.batch, s.seq_len))
+            at = start + rank_byte_offset(shapes, r)
+            out.append(_windows(self.read(at, s.nbytes), s.batch, s.seq_len))
+            if windows is not None:
+                windows.extend(at + i * (s.seq_len + 1) for i in range(s.batch))
         return out
-
-    def step_windows(self, step: int, shapes: list[RankShape], mine: list[int]) -> list[int]:
-        """Where each window step_batch reads for the slices in `mine` starts
-        in the corpus, in step_batch's order: the examples' identities (no
-        two windows of one epoch start at the same byte, whatever their text)."""
-        start = self.span_start(step, span_bytes(shapes))
-        return [start + rank_byte_offset(shapes, r) + i * (shapes[r].seq_len + 1)
-                for r in mine for i in range(shapes[r].batch)]
 
     def epoch_of(self, step: int, span: int) -> int:
         """The epoch step `step` belongs to (an epoch reads each whole span once)."""

@@ -238,7 +238,8 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         loss_share = torch.zeros((), dtype=torch.float64, device=device)
         loads = None
         topk = []
-        for r, (x, y) in zip(sync.mine, corpus.step_batch(step, plan.shapes, sync.mine)):
+        windows: list[int] = []  # where each window read starts: the examples' identities (hooks.Reduced)
+        for r, (x, y) in zip(sync.mine, corpus.step_batch(step, plan.shapes, sync.mine, windows)):
             m = plan.slice_batch(r)
             for j, (xs, ys) in enumerate(zip(x.split(m), y.split(m))):
                 share = ys.numel() / total_tokens  # t_i / T
@@ -258,7 +259,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 f"update; {kept}. Lower train.lr or set train.grad_clip"
             )
         reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, local_loads, plan, float(loss_share),
-                          corpus.step_windows(step, plan.shapes, sync.mine), corpus.epoch_of(step, plan.span))
+                          windows, corpus.epoch_of(step, plan.span))
         hooks.reduced(reduced)
         loss_value, loads = reduced.loss, reduced.loads
         if on_grads is not None:
