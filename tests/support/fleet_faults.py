@@ -153,7 +153,7 @@ def zero_fill() -> None:
 
 def wrong_step() -> None:
     step_batch = data.ByteCorpus.step_batch
-    data.ByteCorpus.step_batch = lambda self, step, shapes, mine: step_batch(self, step + 8, shapes, mine)
+    data.ByteCorpus.step_batch = lambda self, step, *rest: step_batch(self, step + 8, *rest)
 
 
 def skip_param() -> None:
