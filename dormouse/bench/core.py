@@ -69,6 +69,12 @@ fleet_launch_fixed_s
     torchrun --standalone launch that only joins the fleet (init_process_group,
     barrier, destroy).
 
+On a machine with a GPU, `python -m dormouse.bench.device --docs
+docs/benchmarks.md` is the accelerator's check (dormouse.bench.device): the
+small preset's tokens/s and model FLOP utilisation in float32 and bfloat16,
+the gate micro-batched and exact on the device; it writes the page's last
+section, which `--docs` here keeps.
+
 The table ends with the run's own wall time and each section's seconds
 (meta.wall_s, meta.sections_s): a full run must fit in 10 minutes on a 2-core
 machine. Its rounds are sized for that (NATIVE_ROUNDS, FLEET_ROUNDS,
@@ -253,15 +259,16 @@ class Stepper:
     make_optimizer, as every train() makes). TrainConfig's defaults but for
     batch, seq_len, seed and `train`; no eval, no checkpoint, no log lines."""
 
-    def __init__(self, name: str, batch: int, seq_len: int, seed: int = 0, **train):
+    def __init__(self, name: str, batch: int, seq_len: int, seed: int = 0, *, device: str = "cpu",
+                 bf16: bool = False, **train):
         from dormouse.train.loop import build_model
 
         self.name, self.batch, self.seq_len = name, batch, seq_len
         self._dir = tempfile.TemporaryDirectory(prefix=f"dormouse-bench-{name}-")
-        self.run = RunConfig(source="bench", model=preset(name), train=TrainConfig(
+        self.run = RunConfig(source="bench", model=dataclasses.replace(preset(name), bf16=bf16), train=TrainConfig(
             seed=seed, batch=batch, seq_len=seq_len, steps=2, log_every=10**6, eval_every=0, ckpt_every=0,
             out_dir=self._dir.name, **train)).validate()
-        self.model = build_model(self.run)
+        self.model = build_model(self.run).to(device)  # train() casts to bf16 itself (model.bf16)
         self.clock = StepClock()
         self.losses: list[float] = []
         self.ns_kernel = ns_kernel(self.run.train)  # what the optimizer of every train() call runs
@@ -300,18 +307,22 @@ def ns_kernel(t: TrainConfig) -> str:
     return resolve_kernel(t.ns_kernel, {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.ns_dtype])
 
 
-def matmul_rate(sizes=MATMUL_SIZES, min_s: float = 0.12, dtype: torch.dtype = torch.float32) -> dict[int, float]:
-    """GFLOP/s of C = A @ B (square n x n) in `dtype`, current thread setting."""
+def matmul_rate(sizes=MATMUL_SIZES, min_s: float = 0.12, dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> dict[int, float]:
+    """GFLOP/s of C = A @ B (square n x n) in `dtype` on `device`, current thread setting."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     rates = {}
     for n in sizes:
         g = torch.Generator().manual_seed(n)
-        a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
-        c = torch.empty(n, n, dtype=dtype)
+        a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
+        c = torch.empty(n, n, dtype=dtype, device=device)
         torch.mm(a, b, out=c)
+        sync()
         reps, t0 = 0, time.perf_counter()
         while True:
             torch.mm(a, b, out=c)
             reps += 1
+            sync()
             dt = time.perf_counter() - t0
             if dt >= min_s and reps >= 2:
                 break
@@ -804,6 +815,14 @@ def docs_page(res: dict) -> str:
     ])
 
 
+def write_docs(page: Path, res: dict) -> None:
+    """The page from one bench.json, keeping its accelerator section (bench.device writes that one)."""
+    from dormouse.bench.device import kept_section
+
+    keep = kept_section(page)
+    atomic.write_text(page, docs_page(res) + ("\n" + keep if keep else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     from dormouse.errors import OneLineParser
 
@@ -818,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         res = json.loads(Path(args.render).read_text())
         if args.docs:
-            atomic.write_text(Path(args.docs), docs_page(res))
+            write_docs(Path(args.docs), res)
         print(format_table(res))
         return 0
     torch.set_num_threads(1)
@@ -945,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     atomic.write_text(out, json.dumps(res, indent=1, default=str) + "\n")
     if args.docs:
-        atomic.write_text(Path(args.docs), docs_page(res))
+        write_docs(Path(args.docs), res)
     print(format_table(res))
     return 0
 

@@ -74,8 +74,28 @@ def install_run_hook(hook: RunHook) -> Callable[[], None]:
     return lambda: _RUN_HOOKS.remove(hook)
 
 
+def deterministic_kernels(s: GateSettings) -> bool:
+    """Under reduce exact on CUDA, every process of the gate runs with
+    torch's deterministic algorithms (and cuBLAS's fixed workspace,
+    CUBLAS_WORKSPACE_CONFIG=:4096:8, set before its first use): the exact
+    mode's bitwise claim needs kernels whose results do not depend on the
+    order their atomics land in (index_add_'s and scatter's backward, the
+    MoE's). An operation with no deterministic kernel then raises, naming
+    itself, rather than failing a fleet the gate built. On the CPU every
+    kernel used is deterministic already. Returns whether it switched them on."""
+    if s.device != "cuda" or s.reduce != "exact":
+        return False
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    return True
+
+
 def mode_run(s: GateSettings, **kw) -> RunConfig:
-    """The RunConfig a mode runs: fixtures.make_run(s, **kw), then every installed run hook."""
+    """The RunConfig a mode runs: fixtures.make_run(s, **kw), then every
+    installed run hook; deterministic kernels where the settings need them."""
+    deterministic_kernels(s)
     run = make_run(s, **kw)
     for hook in _RUN_HOOKS:
         run = hook(s, run) or run

@@ -1,0 +1,61 @@
+"""dormouse.bench.device, the accelerator check, run as its CPU dry run: the
+same code a GPU machine runs once (throughput in both dtypes, the
+micro-batched gate and the exact gate), its page section, and the
+deterministic kernels the exact mode asks for on CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from dormouse.bench.core import write_docs
+from dormouse.bench.device import SECTION, main
+from dormouse.gate.record.modes import deterministic_kernels
+from dormouse.gate.settings import GateSettings
+
+
+def test_the_device_check_dry_run_measures_both_dtypes_passes_both_gates_and_owns_its_section(
+        tmp_path, capsys, monkeypatch):
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\nthe CPU bench's table\n")
+    out = tmp_path / "device.json"
+    assert main(["--device", "cpu", "--quick", "--preset", "tiny", "--out", str(out), "--docs", str(page)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["throughput"]) == {"float32", "bfloat16"}
+    assert all(r["tokens_per_s"] > 0 and r["losses_finite"] and r["mfu_vs_matmul"] > 0
+               for r in res["throughput"].values())
+    micro, exact = res["gates"]["gate_micro"], res["gates"]["gate_exact"]
+    assert micro["passed"] and exact["passed"]
+    assert {c["name"] for c in micro["checks"]} >= {"gradref", "replay", "curve", "window"}
+    assert [c["reason"] for c in exact["checks"] if c["name"] == "exact"][0].endswith("bitwise equal at all 20 steps")
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n\nthe CPU bench's table\n") and SECTION in text and "gate_exact: PASS" in text
+    # the CPU bench's --docs rewrites the page and keeps the accelerator section as it was
+    section = SECTION + text.split(SECTION, 1)[1]
+    import dormouse.bench.core as core
+
+    monkeypatch.setattr(core, "docs_page", lambda res: "# Benchmarks\n\na new CPU table\n")  # no full bench here
+    write_docs(page, {})
+    assert page.read_text() == "# Benchmarks\n\na new CPU table\n\n" + section
+
+
+def test_the_device_check_without_cuda_is_one_line_and_status_2(capsys):
+    if torch.cuda.is_available():
+        return
+    assert main(["--device", "cuda", "--out", os.devnull]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --device cuda but CUDA is not available")
+
+
+def test_the_exact_mode_on_cuda_asks_for_deterministic_kernels_and_nothing_else_does(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not deterministic_kernels(GateSettings(reduce="exact"))  # CPU: every kernel is deterministic already
+    assert not deterministic_kernels(GateSettings(device="cuda", reduce="fp32"))
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    try:
+        assert deterministic_kernels(GateSettings(device="cuda", reduce="exact"))
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
