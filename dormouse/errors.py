@@ -75,14 +75,23 @@ def end_rank_process(status: int) -> None:
     and checkpoints are written and closed before its command returns
     (dormouse.atomic). A rank forked from torchrun's agent (multiprocessing's
     child) returns to the agent, which collects it, so it is left alone, and
-    so is every other process."""
+    so is every process torchrun did not start (TORCHELASTIC_RUN_ID unset:
+    WORLD_SIZE alone is set by cluster wrappers too), one under a profiler or
+    tracer, and one with a non-daemon thread still running. Files a caller
+    left open without closing are not flushed: the rank's own writes close
+    theirs."""
     import atexit
     import multiprocessing
     import os
     import sys
+    import threading
 
-    if "WORLD_SIZE" not in os.environ or multiprocessing.parent_process() is not None:
-        return
+    if "TORCHELASTIC_RUN_ID" not in os.environ or multiprocessing.parent_process() is not None:
+        return  # not started by torchrun, or forked by its agent
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        return  # a profiler or debugger writes its output at teardown
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        return  # teardown would join it first
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

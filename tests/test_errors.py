@@ -36,18 +36,19 @@ def _run(env: dict) -> subprocess.CompletedProcess:
 
 
 def test_a_rank_in_an_interpreter_of_its_own_ends_at_its_status_without_teardown_after_atexit_and_flush():
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    rank = _run({**env, "WORLD_SIZE": "2", "RANK": "1"})
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    rank = _run({**env, "WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "test"})
     assert rank.returncode == 3, rank.stderr
     assert rank.stdout == "left in the buffer; atexit ran\n"  # flushed, atexit run, no teardown, not returned
     assert rank.stderr.endswith("stderr left in the buffer")
-    other = _run(env)  # not a torchrun rank: returns, and the interpreter ends as usual
-    assert other.returncode == 0, other.stderr
-    assert other.stdout == "left in the buffer; returned: not a rank\natexit ran\nmodule teardown ran\n"
+    expected = "left in the buffer; returned: not a rank\natexit ran\nmodule teardown ran\n"
+    for not_torchrun in (env, {**env, "WORLD_SIZE": "2"}):  # a cluster wrapper's WORLD_SIZE alone is not torchrun
+        other = _run(not_torchrun)  # returns, and the interpreter ends as usual
+        assert other.returncode == 0 and other.stdout == expected, other.stderr
 
 
 def _forked_rank(q) -> None:
-    os.environ["WORLD_SIZE"] = "2"
+    os.environ["WORLD_SIZE"], os.environ["TORCHELASTIC_RUN_ID"] = "2", "test"
     end_rank_process(0)
     q.put("returned to the parent's multiprocessing")
 

@@ -180,5 +180,6 @@ def _run(mode: str, args) -> int:
 
 if __name__ == "__main__":
     status = main()
-    end_rank_process(status)  # a rank in an interpreter of its own ends without module teardown
+    if sys.argv[1:2] == ["rank"] or "--mode=rank" in sys.argv or sys.argv[1:3] == ["--mode", "rank"]:
+        end_rank_process(status)  # a rank in an interpreter of its own ends without module teardown
     sys.exit(status)

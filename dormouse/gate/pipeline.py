@@ -171,6 +171,11 @@ def run_pipeline(overrides: dict, *, executed: Path | None = None, notebooks=NOT
     if not NOTEBOOK_DIR.is_dir():
         raise DormouseError(f"no notebooks at {NOTEBOOK_DIR}: the pipeline runs from a checkout of the "
                             "repository installed with `pip install -e .` (a plain install has no notebooks)")
+    import importlib.util
+
+    if importlib.util.find_spec("papermill") is None:  # found now, imported after the verdict
+        raise DormouseError("the pipeline runs the notebooks with papermill, which is not installed: "
+                            "pip install -e '.[notebooks]'")
 
     # The validated values (profile normalised, out absolute, old names as
     # new), and the defaults that followed them (settings._defaults_follow:

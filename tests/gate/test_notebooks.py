@@ -648,3 +648,17 @@ def test_bad_parameter_fails_the_first_cell_in_one_sentence(tmp_path, name, para
         before = [c for c in nb.cells[:i] if c.cell_type == "code"]
         assert "injected-parameters" in before[-1].metadata.get("tags", [])
         assert "settings.check(" in cell.source
+
+
+def test_the_pipeline_without_papermill_is_one_line_before_anything_runs(tmp_path):
+    """papermill is imported after the verdict (its import is ~3 s), so its
+    absence is found first: one line naming the extra, status 2, nothing made."""
+    out = tmp_path / "gate"
+    code = ("import sys; sys.modules['papermill'] = None\n"
+            "from dormouse.gate.pipeline import main\n"
+            f"sys.exit(main(['--out', {str(out)!r}, '--steps', '2']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == ("error: the pipeline runs the notebooks with papermill, which is not installed: "
+                                "pip install -e '.[notebooks]'")
+    assert not out.exists()

@@ -131,12 +131,14 @@ def test_a_model_without_a_moving_routing_bias_has_no_buffers_check(tmp_path):
 def test_the_loops_windows_are_its_example_ids_so_repeated_text_passes_and_a_span_read_twice_fails(
         tmp_path, monkeypatch):
     """The loop tells the Recorder where each window starts (Reduced.examples)
-    and the data's epoch: a corpus whose text repeats (every window the same
-    bytes) passes the data check by exact ids, where a hash of the tokens
-    could not tell its windows apart; a loop that reads the same span at every
-    step fails it, by the same ids."""
-    corpus = tmp_path / "periodic.txt"
-    corpus.write_bytes(b"abcdefghijklmnopq" * 400)  # windows of 16 + 1 bytes, 17 apart: every one the same text
+    and the data's epoch: a corpus whose text repeats (each step's two
+    windows the same bytes) passes the data check by exact ids, where a hash
+    of the tokens could not tell the windows apart; a loop that reads the
+    same span at every step fails it, by the same ids; and ids are checked
+    against the tokens: a micro-batch read twice under different ids fails."""
+    corpus = tmp_path / "doubled.bin"
+    blocks = torch.randint(0, 256, (400, 17), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    corpus.write_bytes(blocks.repeat_interleave(2, dim=0).numpy().tobytes())  # each 17-byte window twice in a row
 
     def recorded(name):
         run = RunConfig(model=preset("tiny"), train=TrainConfig(
@@ -156,3 +158,9 @@ def test_the_loops_windows_are_its_example_ids_so_repeated_text_passes_and_a_spa
     bad = recorded("same_span").check("data")
     assert not bad.passed and bad.reason.startswith("an example was read twice within epoch 0 (steps 1 and 2"), \
         bad.reason
+    monkeypatch.undo()
+    read = ByteCorpus.read
+    monkeypatch.setattr(ByteCorpus, "read", lambda self, start, n: read(self, 0, n))  # every read from byte 0
+    bad = recorded("reads_from_0").check("data")
+    assert not bad.passed and bad.reason.startswith("at step 2 rank 0's micro-batch 0 holds the same 2 rows, "
+                                                    "in order, as rank 0's micro-batch 0 at step 1"), bad.reason

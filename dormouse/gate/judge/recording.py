@@ -483,6 +483,11 @@ def _row_ids(batch: dict[str, torch.Tensor]) -> list[str]:
     for key in ("idx", "example_id"):
         if key in batch:
             return [f"id:{int(x)}" for x in batch[key].reshape(-1)]
+    return _row_hashes(batch)
+
+
+def _row_hashes(batch: dict[str, torch.Tensor]) -> list[str]:
+    """A sha1 of each row's tokens (input_ids where attention_mask is 1)."""
     ids = batch.get("input_ids", batch.get("arg0"))
     if ids is None:
         return []
@@ -510,6 +515,28 @@ def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bo
     return groups, exact
 
 
+def _repeated_micro_batch(rec: A.RecordingSet, k: int, seen: dict, epoch: int) -> str | None:
+    """With example ids given, the check of the ids against the reads: a
+    micro-batch of two or more rows whose tokens, in order, equal another
+    micro-batch's in step k or earlier in the epoch (`seen`, updated) is one
+    read twice whatever its ids say (a re-read micro-batch, a read that
+    ignores its offset). Rows alone may repeat (duplicate text); a whole
+    micro-batch repeating by chance is not expected of a real dataset."""
+    for r, m, batch in rec.micro_batches(k):
+        rows = tuple(_row_hashes(batch))
+        if len(rows) < 2:
+            continue
+        if rows in seen:
+            k0, r0, m0 = seen[rows]
+            where = f"rank {r0}'s micro-batch {m0} at step {k0}" if k0 != k else f"rank {r0}'s micro-batch {m0}"
+            return (f"at step {k} rank {r}'s micro-batch {m} holds the same {len(rows)} rows, in order, as "
+                    f"{where} (epoch {epoch}), under different example ids: the tokens read repeat what the ids "
+                    "say are other examples (a micro-batch or span read twice, or ids that do not describe the "
+                    "reads)")
+        seen[rows] = (k, r, m)
+    return None
+
+
 IDENTICAL = ("the data check identifies examples by a hash of their tokens, so identical rows (duplicates in "
              "the dataset) cannot be told from one example read twice: identical rows: pass example_ids=... to "
              "rec.step (the sampler's indices) to tell them apart")
@@ -534,13 +561,18 @@ def check_data(rec: A.RecordingSet) -> Check:
     DistributedSampler with drop_last) leaves fewer than one step's reads R of
     an epoch unread (at most (W - 1) + W (K B - 1) = R - 1), so each epoch's
     reads plus the next step's exceed n and the rule finds the loop's epochs;
-    a loop that leaves more unread must pass epoch=."""
+    a loop that leaves more unread must pass epoch=.
+
+    Given ids are checked against the tokens read: a micro-batch of two or
+    more rows equal, in order, to another of the step or the epoch fails
+    under any ids (_repeated_micro_batch)."""
     n = int(rec.meta.get("dataset_len", 0))
     epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
     given_epochs = all(e is not None for e in epochs)
     all_exact, reads = True, 0
     cur: dict[str, int] = {}  # id -> step, within the current epoch
     cur_groups: set[tuple[str, ...]] = set()
+    cur_mbs: dict[tuple[str, ...], tuple[int, int, int]] = {}  # a micro-batch's row hashes -> (step, rank, m)
     cur_reads, epoch, prev = 0, 0, None
     for k, ep in zip(rec.steps, epochs):
         groups, exact = _reads(rec, k)
@@ -549,12 +581,12 @@ def check_data(rec: A.RecordingSet) -> Check:
         reads += step_n
         if given_epochs:
             if prev is not None and ep != prev:
-                cur, cur_groups, cur_reads = {}, set(), 0
+                cur, cur_groups, cur_reads, cur_mbs = {}, set(), 0, {}
             epoch, prev = ep, ep
         elif not n:  # no epochs known: only the step itself is checked
-            cur, cur_groups, cur_reads = {}, set(), 0
+            cur, cur_groups, cur_reads, cur_mbs = {}, set(), 0, {}
         elif cur_reads and cur_reads + step_n > n:
-            cur, cur_groups, cur_reads, epoch = {}, set(), 0, epoch + 1
+            cur, cur_groups, cur_reads, cur_mbs, epoch = {}, set(), 0, {}, epoch + 1
         seen: dict[str, int] = {}  # id -> rank, within this step
         step_groups: dict[tuple[str, ...], int] = {}
         for r, ids in groups:
@@ -580,6 +612,10 @@ def check_data(rec: A.RecordingSet) -> Check:
                                                 f"and {k}, {src})")
                 seen[e] = r
             step_groups[whole] = r
+        if exact:  # ids given, and taken on trust: the tokens read must not repeat a whole micro-batch
+            repeat = _repeated_micro_batch(rec, k, cur_mbs, epoch)
+            if repeat:
+                return Check("data", False, repeat)
         for r, ids in groups:
             for e in ids:
                 cur[e] = k
