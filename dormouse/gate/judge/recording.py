@@ -515,25 +515,37 @@ def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bo
     return groups, exact
 
 
-def _repeated_micro_batch(rec: A.RecordingSet, k: int, seen: dict, epoch: int) -> str | None:
-    """With example ids given, the check of the ids against the reads: a
-    micro-batch of two or more rows whose tokens, in order, equal another
-    micro-batch's in step k or earlier in the epoch (`seen`, updated) is one
-    read twice whatever its ids say (a re-read micro-batch, a read that
-    ignores its offset). Rows alone may repeat (duplicate text); a whole
-    micro-batch repeating by chance is not expected of a real dataset."""
-    for r, m, batch in rec.micro_batches(k):
-        rows = tuple(_row_hashes(batch))
-        if len(rows) < 2:
-            continue
-        if rows in seen:
-            k0, r0, m0 = seen[rows]
-            where = f"rank {r0}'s micro-batch {m0} at step {k0}" if k0 != k else f"rank {r0}'s micro-batch {m0}"
-            return (f"at step {k} rank {r}'s micro-batch {m} holds the same {len(rows)} rows, in order, as "
-                    f"{where} (epoch {epoch}), under different example ids: the tokens read repeat what the ids "
-                    "say are other examples (a micro-batch or span read twice, or ids that do not describe the "
-                    "reads)")
-        seen[rows] = (k, r, m)
+def _ids_against_corpus(rec: A.RecordingSet) -> str | None:
+    """Where the recording names the corpus its example ids are byte offsets
+    into: the first recorded row that is not the corpus's bytes at its id (a
+    read below the offsets the loop reports: a micro-batch re-read, a read
+    that ignores its start), or None when every row is."""
+    import numpy as np
+
+    path = rec.meta.get("example_corpus")
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        return (f"the recording's example ids are byte offsets into {str(p)!r}, which is not there: the ids "
+                "cannot be checked against the bytes read; put the corpus back at that path, or record again")
+    corpus = np.memmap(p, dtype=np.uint8, mode="r")
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            ids = rec.example_ids(r, k)
+            if ids is None:
+                continue
+            rows = [b.get("input_ids", b.get("arg0")) for rr, _, b in rec.micro_batches(k) if rr == r]
+            x = torch.cat([row for row in rows if row is not None]) if rows else torch.empty(0, 0)
+            if x.shape[0] != ids.numel():
+                return f"at step {k} rank {r} recorded {x.shape[0]} rows under {ids.numel()} example ids"
+            T = x.shape[1] if x.dim() == 2 else 0
+            for i, (at, row) in enumerate(zip(ids.tolist(), x)):
+                want = corpus[int(at):int(at) + T]
+                if want.shape[0] != T or not np.array_equal(want, row.numpy()):
+                    return (f"at step {k} rank {r}'s row {i} is not the {T} bytes of {p.name} at its example id "
+                            f"(byte {int(at)}): the loop read other bytes than its ids say (a micro-batch "
+                            "read twice, or a read that ignores its offset)")
     return None
 
 
@@ -563,16 +575,19 @@ def check_data(rec: A.RecordingSet) -> Check:
     reads plus the next step's exceed n and the rule finds the loop's epochs;
     a loop that leaves more unread must pass epoch=.
 
-    Given ids are checked against the tokens read: a micro-batch of two or
-    more rows equal, in order, to another of the step or the epoch fails
-    under any ids (_repeated_micro_batch)."""
+    Ids are taken as given, unless the recording names the corpus they are
+    byte offsets into (Recorder(example_corpus=...), dormouse's own loop):
+    then every recorded row must be the corpus's bytes at its id first
+    (_ids_against_corpus), so the ids describe what was read."""
+    wrong = _ids_against_corpus(rec)
+    if wrong:
+        return Check("data", False, wrong)
     n = int(rec.meta.get("dataset_len", 0))
     epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
     given_epochs = all(e is not None for e in epochs)
     all_exact, reads = True, 0
     cur: dict[str, int] = {}  # id -> step, within the current epoch
     cur_groups: set[tuple[str, ...]] = set()
-    cur_mbs: dict[tuple[str, ...], tuple[int, int, int]] = {}  # a micro-batch's row hashes -> (step, rank, m)
     cur_reads, epoch, prev = 0, 0, None
     for k, ep in zip(rec.steps, epochs):
         groups, exact = _reads(rec, k)
@@ -581,12 +596,12 @@ def check_data(rec: A.RecordingSet) -> Check:
         reads += step_n
         if given_epochs:
             if prev is not None and ep != prev:
-                cur, cur_groups, cur_reads, cur_mbs = {}, set(), 0, {}
+                cur, cur_groups, cur_reads = {}, set(), 0
             epoch, prev = ep, ep
         elif not n:  # no epochs known: only the step itself is checked
-            cur, cur_groups, cur_reads, cur_mbs = {}, set(), 0, {}
+            cur, cur_groups, cur_reads = {}, set(), 0
         elif cur_reads and cur_reads + step_n > n:
-            cur, cur_groups, cur_reads, cur_mbs, epoch = {}, set(), 0, {}, epoch + 1
+            cur, cur_groups, cur_reads, epoch = {}, set(), 0, epoch + 1
         seen: dict[str, int] = {}  # id -> rank, within this step
         step_groups: dict[tuple[str, ...], int] = {}
         for r, ids in groups:
@@ -612,10 +627,6 @@ def check_data(rec: A.RecordingSet) -> Check:
                                                 f"and {k}, {src})")
                 seen[e] = r
             step_groups[whole] = r
-        if exact:  # ids given, and taken on trust: the tokens read must not repeat a whole micro-batch
-            repeat = _repeated_micro_batch(rec, k, cur_mbs, epoch)
-            if repeat:
-                return Check("data", False, repeat)
         for r, ids in groups:
             for e in ids:
                 cur[e] = k

@@ -15,7 +15,9 @@ It enters train() only through its explicit hooks (dormouse.train.hooks):
                 and where each window this process read starts in the corpus
                 and the data's epoch (Reduced.examples, .epoch): the data
                 check's exact example ids and the loop's own epochs, so text
-                that repeats in the corpus is not taken for a window read twice
+                that repeats in the corpus is not taken for a window read
+                twice; the ids are checked against the corpus's bytes
+                (Recorder(example_corpus=...)), not taken on trust
     on_clipped  rec.step(loss, lr, clip_coef, grad_norm, example_ids, epoch): the gradient the
                 optimizer is about to apply, after the loop's clipping
                 (max_grad_norm = train.grad_clip; the loop's own norm and
@@ -184,7 +186,8 @@ class LoopRecorder:
         self.rec = Recorder(self.out, st.model, build_model=BUILD_MODEL, build_optimizer=BUILD_OPTIMIZER,
                             objective=OBJECTIVE, max_grad_norm=run.train.grad_clip,
                             build_kwargs={"run": rebuild.to_dict()}, resume=st.step if st.step else False,
-                            buffer_update=BUFFER_UPDATE if moving_bias(run) else None)
+                            buffer_update=BUFFER_UPDATE if moving_bias(run) else None,
+                            example_corpus=str(loop.resolve_corpus(run)))
 
     def _reduced(self, st: Reduced) -> None:
         self.loss, self.examples, self.epoch = st.loss, st.examples, st.epoch

@@ -359,12 +359,15 @@ class Recorder:
     seed             the sketches' seed
     buffer_update    None, or "pkg.mod:fn": the rule that moves persistent buffers after a step,
                      fn(model, batches, **build_kwargs) -> {name: buffer after the step} (module docstring)
+    example_corpus   None, or a file of bytes whose byte offsets the loop's example ids are (each row
+                     its input tokens read from that offset, as dormouse's loop reads its windows):
+                     the data check then requires every recorded row to be those bytes
     """
 
     def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
-                 buffer_update: str | None = None):
+                 buffer_update: str | None = None, example_corpus: str | None = None):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
                       build_kwargs=build_kwargs, buffer_update=buffer_update)
@@ -409,6 +412,7 @@ class Recorder:
                                      "resumed": prior is not None}],
             "build_model": build_model, "build_optimizer": build_optimizer, "build_kwargs": build_kwargs or {},
             "objective": objective, "buffer_update": buffer_update, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
+            "example_corpus": str(Path(example_corpus).resolve()) if example_corpus else None,
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
             "fsdp": bool(self.placements), "closed": False,
             "provenance": {"torch": torch.__version__, "dormouse": _version(), "source": A.source_hash(),
