@@ -450,6 +450,23 @@ class RecordingSet:
         return t.get("ids")
 
 
+def corpus_digest(path) -> str:
+    """sha256 of a corpus file: the whole file up to 256 MiB; beyond, its size
+    and its first and last MiB (a recording's corpus is checked against it)."""
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(p, "rb") as f:
+        if size <= 256 << 20:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            h.update(f.read(1 << 20))
+            f.seek(size - (1 << 20))
+            h.update(f.read())
+    return h.hexdigest()
+
+
 def file_digest(paths: list[Path]) -> str:
     """sha256 over the bytes of small files (JSONs), in the order given."""
     h = hashlib.sha256()

@@ -162,5 +162,16 @@ def test_the_loops_windows_are_its_example_ids_so_repeated_text_passes_and_a_spa
     read = ByteCorpus.read
     monkeypatch.setattr(ByteCorpus, "read", lambda self, start, n: read(self, 0, n))  # every read from byte 0
     bad = recorded("reads_from_0").check("data")
-    assert not bad.passed and bad.reason.startswith("at step ") and "is not the 16 bytes of doubled.bin at its " \
-        "example id" in bad.reason, bad.reason
+    assert not bad.passed and bad.reason.startswith("at step ") and "its inputs are not the 16 bytes of " \
+        "doubled.bin at byte" in bad.reason, bad.reason
+    assert "every row the corpus's bytes at its id" in v.check("data").reason
+    monkeypatch.undo()
+    monkeypatch.setattr(ByteCorpus, "span_start", lambda self, step, span: step * 9)  # spans partly on each other
+    bad = recorded("overlapping").check("data")
+    assert not bad.passed and bad.reason.startswith(
+        "windows overlap within epoch 0: rank 0's at byte 0 (step 1) runs to byte 17"), bad.reason
+    monkeypatch.undo()
+    # a corpus edited after the recording leaves the ids as given, and says so: the clean run is not blamed
+    corpus.write_bytes(b"\0" + corpus.read_bytes()[1:])
+    again = judge_recording(tmp_path / "clean_rec").check("data")
+    assert again.passed and "changed since the recording" in again.reason, again.reason

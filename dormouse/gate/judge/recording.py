@@ -515,38 +515,58 @@ def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bo
     return groups, exact
 
 
-def _ids_against_corpus(rec: A.RecordingSet) -> str | None:
+def _ids_against_corpus(rec: A.RecordingSet) -> tuple[str | None, str]:
     """Where the recording names the corpus its example ids are byte offsets
-    into: the first recorded row that is not the corpus's bytes at its id (a
-    read below the offsets the loop reports: a micro-batch re-read, a read
-    that ignores its start), or None when every row is."""
+    into: (the first recorded row whose inputs or targets are not the
+    corpus's bytes at its id -- a read below the offsets the loop reports, a
+    micro-batch re-read, a read that ignores its start -- or None; why the
+    ids could not be checked, or ""). A corpus no longer at its path, or
+    changed since the recording (its sha256), leaves the ids as given and
+    says so: the run is not blamed for a file moved or edited after it."""
     import numpy as np
 
     path = rec.meta.get("example_corpus")
     if not path:
-        return None
+        return None, ""
     p = Path(path)
     if not p.is_file():
-        return (f"the recording's example ids are byte offsets into {str(p)!r}, which is not there: the ids "
-                "cannot be checked against the bytes read; put the corpus back at that path, or record again")
+        return None, f"not checked against the corpus: {str(p)!r} is no longer there"
+    if rec.meta.get("example_corpus_sha256") not in (None, A.corpus_digest(p)):
+        return None, f"not checked against the corpus: {str(p)!r} changed since the recording (sha256)"
     corpus = np.memmap(p, dtype=np.uint8, mode="r")
+    windows: dict = {}  # epoch -> [(first byte, end, step, rank)] of every window read in it
     for k in rec.steps:
+        epoch = rec.step_meta(0, k).get("epoch")
         for r in range(rec.world_at(k)):
             ids = rec.example_ids(r, k)
             if ids is None:
                 continue
-            rows = [b.get("input_ids", b.get("arg0")) for rr, _, b in rec.micro_batches(k) if rr == r]
-            x = torch.cat([row for row in rows if row is not None]) if rows else torch.empty(0, 0)
-            if x.shape[0] != ids.numel():
-                return f"at step {k} rank {r} recorded {x.shape[0]} rows under {ids.numel()} example ids"
-            T = x.shape[1] if x.dim() == 2 else 0
-            for i, (at, row) in enumerate(zip(ids.tolist(), x)):
-                want = corpus[int(at):int(at) + T]
-                if want.shape[0] != T or not np.array_equal(want, row.numpy()):
-                    return (f"at step {k} rank {r}'s row {i} is not the {T} bytes of {p.name} at its example id "
-                            f"(byte {int(at)}): the loop read other bytes than its ids say (a micro-batch "
-                            "read twice, or a read that ignores its offset)")
-    return None
+            rows = []  # (inputs, targets or None) of each row, in micro-batch order
+            for rr, _, b in rec.micro_batches(k):
+                x, y = b.get("input_ids", b.get("arg0")), b.get("labels", b.get("arg1"))
+                if rr == r and x is not None:
+                    rows += [(x[i], None if y is None else y[i]) for i in range(x.shape[0])]
+            if len(rows) != ids.numel():
+                return (f"at step {k} rank {r} recorded {len(rows)} rows under {ids.numel()} example ids: the "
+                        "loop's ids do not match its reads (give one id per row, in the order read)"), ""
+            for i, (at, (x, y)) in enumerate(zip(ids.tolist(), rows)):
+                T, at = x.shape[0], int(at)
+                for part, got, start in (("inputs", x, at), ("targets", y, at + 1)):
+                    want = corpus[start:start + T]
+                    if got is not None and (want.shape[0] != T or not np.array_equal(want, got.numpy())):
+                        return (f"at step {k} rank {r}'s row {i}: its {part} are not the {T} bytes of {p.name} "
+                                f"at byte {start} (its example id {at}): the loop read other bytes than its ids "
+                                "say (a micro-batch read twice, a read that ignores its offset, another "
+                                "window's targets)"), ""
+                windows.setdefault(epoch, []).append((at, at + T + 1, k, r))
+    for epoch, spans in windows.items():  # a window is read once an epoch, and none overlaps another
+        spans.sort()
+        for (a0, e0, k0, r0), (a1, _, k1, r1) in zip(spans, spans[1:]):
+            if a0 < a1 < e0:  # an exact repeat is the id check's (an example read twice)
+                return (f"windows overlap within epoch {epoch}: rank {r0}'s at byte {a0} (step {k0}) runs to byte "
+                        f"{e0}, past the start of rank {r1}'s at byte {a1} (step {k1}): the loop's reads are not "
+                        "the disjoint windows one process reads (a wrong offset between ranks or steps)"), ""
+    return None, ""
 
 
 IDENTICAL = ("the data check identifies examples by a hash of their tokens, so identical rows (duplicates in "
@@ -579,7 +599,7 @@ def check_data(rec: A.RecordingSet) -> Check:
     byte offsets into (Recorder(example_corpus=...), dormouse's own loop):
     then every recorded row must be the corpus's bytes at its id first
     (_ids_against_corpus), so the ids describe what was read."""
-    wrong = _ids_against_corpus(rec)
+    wrong, unverified = _ids_against_corpus(rec)
     if wrong:
         return Check("data", False, wrong)
     n = int(rec.meta.get("dataset_len", 0))
@@ -636,6 +656,8 @@ def check_data(rec: A.RecordingSet) -> Check:
             return Check("data", False, f"epoch {ep} read {cur_reads} examples by step {k}, more than dataset_len "
                                         f"{n}")
     how = "by the example ids given" if all_exact else "by their tokens' hash (no example_ids given)"
+    if all_exact and rec.meta.get("example_corpus"):
+        how += f" ({unverified})" if unverified else ", every row the corpus's bytes at its id"
     if given_epochs:
         return Check("data", True, f"no example was read by two ranks in any step, none twice within any of the "
                                    f"loop's epochs (rec.step(epoch=...): {len(set(epochs))} epoch(s), {reads} reads; "

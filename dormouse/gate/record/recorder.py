@@ -413,6 +413,7 @@ class Recorder:
             "build_model": build_model, "build_optimizer": build_optimizer, "build_kwargs": build_kwargs or {},
             "objective": objective, "buffer_update": buffer_update, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
             "example_corpus": str(Path(example_corpus).resolve()) if example_corpus else None,
+            "example_corpus_sha256": A.corpus_digest(example_corpus) if example_corpus else None,
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
             "fsdp": bool(self.placements), "closed": False,
             "provenance": {"torch": torch.__version__, "dormouse": _version(), "source": A.source_hash(),
