@@ -98,7 +98,7 @@ def end_rank_process(status: int) -> None:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
-    os._exit(status & 0xFF if status >= 0 else 1)
+    os._exit(status)
 
 
 def _one_line(e: BaseException) -> str:
