@@ -122,13 +122,28 @@ class KVCache:
     def __init__(self, max_iter: int, window: int):
         self.window = window
         self.length = 0  # positions seen so far (advanced by the model after each forward)
+        # rings[it]: (B, 2, H, window, hd), keys then values; kv[it] = (its keys, its values),
+        # views of it (so one copy writes a position's key and value).
+        self.rings: list[torch.Tensor | None] = [None] * max_iter
         self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_iter
         self.tail: torch.Tensor | None = None  # the last input bytes (Engram's n-gram context)
+
+    def ring(self, it: int, B: int, H: int, hd: int, like: torch.Tensor) -> torch.Tensor:
+        """Iteration `it`'s ring (B, 2, H, window, hd), made (zeros of like's
+        dtype and device) at the first use."""
+        if self.rings[it] is None:
+            self._hold(it, like.new_zeros(B, 2, H, self.window, hd))
+        return self.rings[it]
+
+    def _hold(self, it: int, ring: torch.Tensor) -> None:
+        self.rings[it], self.kv[it] = ring, (ring[:, 0], ring[:, 1])
 
     def expand(self, batch: int) -> "KVCache":
         """This cache of one sequence repeated for `batch` sequences (each then
         continues on its own): the same keys, values and Engram tail per row."""
-        self.kv = [None if e is None else tuple(t.expand(batch, *t.shape[1:]).clone() for t in e) for e in self.kv]
+        for it, ring in enumerate(self.rings):
+            if ring is not None:
+                self._hold(it, ring.expand(batch, *ring.shape[1:]).clone())
         if self.tail is not None:
             self.tail = self.tail.expand(batch, -1).clone()
         return self
@@ -139,8 +154,7 @@ class KVCache:
         attend to, and the mask (None: all of them, in order for every query)."""
         B, H, T, hd = k.shape
         W, pos = self.window, self.length
-        if self.kv[it] is None:
-            self.kv[it] = (k.new_zeros(B, H, W, hd), v.new_zeros(B, H, W, hd))
+        self.ring(it, B, H, hd, k)
         kb, vb = self.kv[it]
         if T == 1:  # one new position: it sees every slot that holds one of the last W positions
             kb[:, :, pos % W] = k[:, :, 0]

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from dormouse.model.attention import KVCache, rope_tables
-from dormouse.model.engram import ngram_rows
+from dormouse.model.engram import _PRIME, _SENTINEL, ngram_rows
 
 
 def _io(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -111,6 +111,11 @@ class Decoder:
             self.kv = _io(torch.cat([f32(eg.key), f32(eg.value)]), dt)  # (K dim, 2d)
             self.rows_of = torch.arange(eg.table.shape[0], device=eg.table.device)
             self.c_engram = torch.full((1, 1), d * torch.finfo(dt).eps, dtype=dt)  # F.rms_norm's eps=None
+            # One sequence hashes its n-grams in Python integers (ngram_rows' arithmetic,
+            # exact: products < 2^40) and reads the K rows from the tables as one flat table.
+            K, rows = eg.table.shape[:2]
+            self.multipliers, self.rows = eg.multipliers.tolist(), rows  # (orders, heads, max_n)
+            self.table_rows = eg.table.detach().reshape(K * rows, -1)  # (K rows, dim), row k * rows + r
         self.head = _io(f32(model.head.weight) * fold(model.final_norm), dt)
         self._cos3 = self._sin3 = None
         self._rope_rows(0)
@@ -139,6 +144,8 @@ class Decoder:
     def step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens (B,) byte ids of the position cache.length -> logits (B, vocab);
         advances the cache by one position."""
+        if tokens.shape[0] == 1:
+            return self._step_one(tokens, cache)
         cfg, model = self.cfg, self.model
         B, d, H, hd, I = tokens.shape[0], self.d, self.H, self.hd, self.inner
         pos, W = cache.length, self.window
@@ -161,8 +168,7 @@ class Decoder:
             # Attention at this position against the window in the cache.
             qkv = torch.mm(h * self._inv_rms(h, self.c_attn), p["qkv"]).view(B, 3, H, hd)
             qkv = torch.addcmul(qkv * cos3, qkv.roll(hd // 2, -1), sin3)  # RoPE of q and k; v as it was
-            if cache.kv[it] is None:
-                cache.kv[it] = (qkv.new_zeros(B, H, W, hd), qkv.new_zeros(B, H, W, hd))
+            cache.ring(it, B, H, hd, qkv)
             kb, vb = cache.kv[it]
             q, k, v = qkv.unbind(1)  # (B, H, hd) each
             kb[:, :, slot] = k
@@ -177,6 +183,71 @@ class Decoder:
                 h = self._moe(h, z, f[0], it)
             if self.sr:
                 h = torch.addmm(h, F.silu(f[-2]) * f[-1], self.shared_down)
+        cache.length += 1
+        return torch.mm(h * self._inv_rms(h, self.c_final), self.head)
+
+    def _ngram_rows_one(self, ctx: list[int]) -> list[int]:
+        """ngram_rows' rows of the last position of one sequence's context
+        (ctx: its last bytes, at most max_n), as indices into table_rows."""
+        mult, rows = self.multipliers, self.rows
+        max_n = len(mult[0][0])
+        back = [b + 1 for b in reversed(ctx)] + [_SENTINEL + 1] * (max_n - len(ctx))  # x_{t-i} + 1
+        out, k = [], 0
+        for o, heads in enumerate(mult):  # order n = o + 2: terms i < n
+            for m in heads:
+                h = 0
+                for i in range(o + 2):
+                    h ^= back[i] * m[i]
+                out.append(k * rows + h % _PRIME % rows)
+                k += 1
+        return out
+
+    def _step_one(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """step() for one sequence: the same products, with the routing and the
+        n-gram hashing in Python numbers, and each position's key and value
+        written in one copy."""
+        cfg, model = self.cfg, self.model
+        d, H, hd, I = self.d, self.H, self.hd, self.inner
+        pos, W = cache.length, self.window
+        tok = int(tokens)
+        h = model.embed.weight[tok:tok + 1]  # (1, d): a view; every op below makes a new h
+        eg = model.engram
+        if eg is not None:  # this position's n-grams, from the bytes the cache has seen
+            keep = cfg.engram_max_n - 1
+            ctx = ([] if cache.tail is None else cache.tail.tolist()[0]) + [tok]
+            cache.tail = torch.tensor([ctx[-keep:]], dtype=tokens.dtype, device=tokens.device)
+            idx = torch.tensor(self._ngram_rows_one(ctx[-(keep + 1):]), device=tokens.device)
+            e = self.table_rows.index_select(0, idx).view(1, -1)  # (1, K dim)
+            key, value = torch.mm(e, self.kv).split(d, dim=1)
+            key_t = F.rms_norm(key, (d,)).mT  # (d, 1): rms(k_t), once
+        self._rope_rows(pos)
+        cos3, sin3 = self._cos3[pos], self._sin3[pos]
+        slot, n = pos % W, min(pos + 1, W)
+        E, f = self.E, getattr(self, "f", 0)
+        for it, p in enumerate(self.iters):
+            if eg is not None:  # sigmoid(rsqrt(sum h^2 + d eps) <h, rms(k)>) * v
+                score = torch.mm(h, key_t)
+                h = torch.addcmul(h, torch.sigmoid(score.mul_(self._inv_rms(h, self.c_engram))), value)
+            qkv = torch.mm(h * self._inv_rms(h, self.c_attn), p["qkv"]).view(1, 3, H, hd)
+            qkv = torch.addcmul(qkv * cos3, qkv.roll(hd // 2, -1), sin3)  # RoPE of q and k; v as it was
+            cache.ring(it, 1, H, hd, qkv).select(3, slot).copy_(qkv.narrow(1, 1, 2))  # this position's k, v
+            kb, vb = cache.kv[it]
+            z = F.scaled_dot_product_attention(qkv[:, 0].unsqueeze(2), kb.narrow(2, 0, n), vb.narrow(2, 0, n))
+            h = torch.addmm(h, z.view(1, I), p["out"])
+            if not self.ffn:
+                continue
+            z = h * self._inv_rms(h, self.c_ffn)  # rms(h) / sqrt(d) without the gain: folded
+            fr = torch.mm(z, self.front).split_with_sizes(self.front_split, dim=1)  # router, shared gate, up
+            if E:  # MoE.forward's routing: softmax, top-k of probs + bias, weights renormalised
+                probs = torch.softmax(fr[0].float(), dim=-1)
+                p_, s_ = probs.tolist()[0], (probs + self.bias[it]).tolist()[0]
+                chosen = sorted(range(E), key=s_.__getitem__, reverse=True)[:self.topk]
+                total = sum(p_[e] for e in chosen)
+                for e in chosen:  # each of its k experts added into h with its weight
+                    g, u = torch.mm(z, self.gate_up[e]).split_with_sizes((f, f), dim=1)
+                    h = torch.addmm(h, F.silu(g).mul_(u), self.down[e], alpha=p_[e] / total)
+            if self.sr:
+                h = torch.addmm(h, F.silu(fr[-2]).mul_(fr[-1]), self.shared_down)
         cache.length += 1
         return torch.mm(h * self._inv_rms(h, self.c_final), self.head)
 
