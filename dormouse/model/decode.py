@@ -239,7 +239,7 @@ class Decoder:
             z = h * self._inv_rms(h, self.c_ffn)  # rms(h) / sqrt(d) without the gain: folded
             fr = torch.mm(z, self.front).split_with_sizes(self.front_split, dim=1)  # router, shared gate, up
             if E:  # MoE.forward's routing: softmax, top-k of probs + bias, weights renormalised
-                probs = torch.softmax(fr[0].float(), dim=-1)
+                probs = torch.softmax(fr[0] if fr[0].dtype == torch.float32 else fr[0].float(), dim=-1)
                 p_, s_ = probs.tolist()[0], (probs + self.bias[it]).tolist()[0]
                 chosen = sorted(range(E), key=s_.__getitem__, reverse=True)[:self.topk]
                 total = sum(p_[e] for e in chosen)
