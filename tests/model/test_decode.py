@@ -103,3 +103,21 @@ def test_a_decoder_that_computes_another_function_is_caught():
 def test_a_capacity_dropping_moe_has_no_decoder():
     with pytest.raises(ValueError, match="capacity"):
         Decoder(_model(moe_capacity=1.0))
+
+
+def test_one_sequence_hashes_its_ngrams_exactly_as_ngram_rows():
+    # The one-sequence step hashes in Python integers; every context length,
+    # the sentinel-padded ones shorter than max_n included, gives ngram_rows'
+    # rows of the last position, bitwise.
+    from dormouse.model.engram import ngram_rows
+
+    model = _model("small")
+    eg, dec = model.engram, Decoder(model)
+    K, rows = eg.table.shape[:2]
+    gen = torch.Generator().manual_seed(4)
+    for length in range(1, model.cfg.engram_max_n + 3):
+        for _ in range(20):
+            ctx = torch.randint(0, 256, (1, length), generator=gen)
+            want = ngram_rows(ctx, eg.multipliers, eg.rows)[0, -1] + torch.arange(K) * rows
+            got = dec._ngram_rows_one(ctx[0, -model.cfg.engram_max_n:].tolist())
+            assert got == want.tolist()
