@@ -38,6 +38,13 @@ tensor operation, so both are kept small:
   expert one product over the rows that chose it (its weights read once for
   the batch), and y_b = sum over b's k choices of w_e * expert_e(z_b), added
   in expert order. The shared expert's down projection adds into the residual.
+- one sequence (the common case, `generate`) does in Python numbers what a
+  tensor op per value would cost more for: its n-grams' rows are hashed in
+  Python integers (ngram_rows' arithmetic, exact; tested bitwise), its top-k
+  experts are picked from the float32 probs + bias that MoE.forward ranks, and
+  their weights p_e / sum p renormalised in double (within an ulp of float32's);
+  its Engram rows come from one index_select of the flattened tables, and a
+  position's key and value go into the cache in one copy (KVCache.rings).
 
 The cache is DormouseModel's KVCache (fill it with a forward over the prompt,
 then step); positions past the rope table get rows from the same formula.
