@@ -445,6 +445,17 @@ class RecordingSet:
                 out.append((r, m, {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)}))
         return out
 
+    def autocast(self, rank: int, step: int, m: int) -> dict | None:
+        """The autocast ({"device_type", "dtype"}) micro-batch m of `rank` at
+        `step` ran its forward under, None when off (or not recorded)."""
+        acs = self.step_meta(rank, step).get("autocast") or []
+        return acs[m] if m < len(acs) else None
+
+    def autocast_dtypes(self) -> list[str]:
+        """The autocast dtypes any recorded micro-batch ran under (empty: none)."""
+        return sorted({a["dtype"] for k in self.steps for r in range(self.world_at(k))
+                       for a in (self.step_meta(r, k).get("autocast") or []) if a})
+
     def example_ids(self, rank: int, step: int) -> torch.Tensor | None:
         t = self.step_tensors(rank, step)
         return t.get("ids")

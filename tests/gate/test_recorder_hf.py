@@ -31,6 +31,7 @@ RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstr
     f"clean:avg=1:{FIX}",                     # HF's default average_tokens_across_devices=True
     f"clean_s1:avg=1:seed=1:eval=2:gc=1:{FIX}",  # another seed, an eval every 2 steps, gradient checkpointing
     f"clean_s2:avg=1:seed=2:unused=1:{FIX}",       # another seed, a parameter the forward never uses
+    f"clean_bf16:avg=1:seed=3:bf16=1:{FIX}",      # bf16=True: accelerate's CPU autocast around the forward
     "stock:avg=1",                            # HF's defaults with GPT2LMHeadModel as it comes
     f"local:avg=0:{FIX}",                     # average_tokens_across_devices=False
     f"mean_of_means:fault=mean_of_means:{FIX}",
@@ -126,6 +127,20 @@ def test_average_tokens_across_devices_true_passes(fleet, name):
     c = checks(v)
     assert c["gradient"].worst <= 1e-5 and "equals one process" in c["gradient"].reason
     assert "bitwise" in c["replay"].reason and "equals the declared objective" in c["loss"].reason
+
+
+def test_bf16_autocast_passes_within_ten_times_its_measured_floor(fleet):
+    """bf16=True: accelerate wraps the model's forward in CPU bfloat16 autocast,
+    entered after the model's own pre-hook; the Recorder reads it inside the
+    forward, and the reference computes each micro-batch under it. The
+    bounds are 10x the bfloat16 floor the reference measures (the same
+    gradient through a loss scaled by 1/3)."""
+    rec = A.RecordingSet(fleet / "clean_bf16")
+    assert rec.autocast_dtypes() == ["bfloat16"]
+    v = verdict(fleet, "clean_bf16")
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    g = checks(v)["gradient"]
+    assert 1e-5 < g.bound and g.worst <= g.bound and "autocast floor" in g.reason, g.reason
 
 
 # --------------------------------------------------------------------------- HF's settings that fail

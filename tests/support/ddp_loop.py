@@ -58,7 +58,8 @@ from dormouse.gate import Recorder  # noqa: E402
 
 RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 0, "fsdp": False,
        "micro": 3, "batch": 2, "n": 48, "max_grad_norm": 1.0, "sketch": 0, "every": 1, "lr": 1e-2, "eps": 0.0,
-       "ids": False, "epoch": False}  # ids / epoch: pass rec.step(example_ids=...) / rec.step(epoch=...)
+       "ids": False, "epoch": False,  # ids / epoch: pass rec.step(example_ids=...) / rec.step(epoch=...)
+       "autocast": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -209,10 +210,11 @@ def run(cfg: dict) -> None:
             else:
                 ctx = net.no_sync() if (manual or not last) else contextlib.nullcontext()
             with ctx:
-                logits = net(**mb)
-                T = logits.shape[1]
-                loss_sum = F.cross_entropy(logits[:, :T - sh].reshape(-1, VOCAB), mb["labels"][:, sh:].reshape(-1),
-                                           ignore_index=-100, reduction="sum")
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg["autocast"]):
+                    logits = net(**mb)
+                    T = logits.shape[1]
+                    loss_sum = F.cross_entropy(logits[:, :T - sh].reshape(-1, VOCAB),
+                                               mb["labels"][:, sh:].reshape(-1), ignore_index=-100, reduction="sum")
                 if fault == "fwd_no_bwd" and last:  # its backward is lost, but DDP must still sync: a zero one
                     (logits.sum() * 0).backward()
                 else:

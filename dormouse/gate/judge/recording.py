@@ -50,6 +50,13 @@ ranks         every rank's parameters equal before every step and after the
               last (sha256); under FSDP2 each shard exists once (said so).
 clip          the gradient norm and clip coefficient the loop reported against
               the one-process gradient's norm (CLIP_RTOL).
+
+Under a recorded autocast (the reference computes each micro-batch under the
+same one), the independence, gradient and clip bounds, and the tolerance a
+fitted factor is named within, are FLOOR_MULTIPLE x the largest measured
+"autocast_floor" of the reference's steps where that is larger
+(arithmetic_bound): the backward's bfloat16 round-off at the loop's own loss
+scale, which the reference measures but cannot reproduce.
 """
 
 from __future__ import annotations
@@ -109,12 +116,12 @@ def fit(a: dict, b: dict, names) -> tuple[float, float]:
     return c, (rel(a, scaled, names) if c else math.inf)
 
 
-def factor_name(c: float, world: int, micro: int) -> str | None:
-    """W, K, 1/W, ... : the named constant c is (None if none fits)."""
+def factor_name(c: float, world: int, micro: int, rtol: float = FACTOR_RTOL) -> str | None:
+    """W, K, 1/W, ... : the named constant c is, within rtol (None if none fits)."""
     W, K = world, micro
     cands = [("W", W), ("1/W", 1 / W), ("K", K), ("1/K", 1 / K), ("W·K", W * K), ("1/(W·K)", 1 / (W * K)),
              ("W/K", W / K), ("K/W", K / W), ("W²", W * W), ("1/W²", 1 / (W * W))]
-    names = [n for n, v in cands if v != 1 and abs(c / v - 1) <= FACTOR_RTOL]
+    names = [n for n, v in cands if v != 1 and abs(c / v - 1) <= rtol]
     return " = ".join(names) if names else None
 
 
@@ -142,12 +149,19 @@ class _Ref:
         self.out = Path(out)
         self.meta = A.read_json(A.reference_meta_path(out), "reference")
         self._cache: dict = {}
+        self._infos: dict = {}
 
     def step(self, k: int) -> tuple[dict, dict]:
         if k not in self._cache:
             t, _ = A.read_tensors(A.reference_step_tensors_path(self.out, k), "reference tensors")
             self._cache = {k: (A.read_json(A.reference_step_meta_path(self.out, k), "reference step"), t)}
         return self._cache[k]
+
+    def info(self, k: int) -> dict:
+        """Step k's reference JSON alone (no tensors read)."""
+        if k not in self._infos:
+            self._infos[k] = A.read_json(A.reference_step_meta_path(self.out, k), "reference step")
+        return self._infos[k]
 
     def tensors(self, k: int, prefix: str) -> dict[str, torch.Tensor]:
         t = self.step(k)[1]
@@ -156,6 +170,29 @@ class _Ref:
     def final(self) -> dict[str, torch.Tensor]:
         t, _ = A.read_tensors(A.reference_final_path(self.out), "reference final")
         return {n[3:]: v for n, v in t.items() if n.startswith("rp/")}
+
+
+def autocast_floor(rec: A.RecordingSet, ref: _Ref) -> float | None:
+    """The largest measured autocast floor over the recorded steps (the
+    reference's "autocast_floor"), None when no micro-batch ran under autocast."""
+    floors = [f for k in rec.steps if (f := ref.info(k).get("autocast_floor")) is not None]
+    return max(floors) if floors else None
+
+
+def arithmetic_bound(rec: A.RecordingSet, ref: _Ref, float32: float) -> float:
+    """`float32`, or under a recorded autocast FLOOR_MULTIPLE x its measured
+    floor where that is larger: the gradient the loop reduces is round-off of
+    a reduced-precision forward at the loop's own loss scale."""
+    floor = autocast_floor(rec, ref)
+    return float32 if floor is None else max(float32, FLOOR_MULTIPLE * floor)
+
+
+def _bound_words(rec: A.RecordingSet, ref: _Ref, bound: float, float32: float) -> str:
+    floor = autocast_floor(rec, ref)
+    if floor is None or bound == float32:
+        return f"bound {bound:g}"
+    return (f"bound {bound:.2g} = {FLOOR_MULTIPLE:g} x the {' and '.join(rec.autocast_dtypes())} autocast floor "
+            f"{floor:.2g}, the one-process gradient through a loss scaled by 1/3 against it")
 
 
 # --------------------------------------------------------------------------- the checks
@@ -176,15 +213,17 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         if x > worst:
             worst, worst_k = x, k
     bn, drop = ref.meta.get("batchnorm", []), ref.meta.get("dropout", [])
-    ok = worst <= INDEP_RTOL and not rng
+    bound = arithmetic_bound(rec, ref, INDEP_RTOL)
+    said = _bound_words(rec, ref, bound, INDEP_RTOL)
+    ok = worst <= bound and not rng
     if ok:
         reason = (f"the per-example gradients sum to their micro-batch's at every recorded step (worst "
-                  f"{worst:.2g}, bound {INDEP_RTOL:g}; {sampled} of {total} micro-batches differentiated row by "
+                  f"{worst:.2g}, {said}; {sampled} of {total} micro-batches differentiated row by "
                   "row: every rank's first at the first step, one a step after, rotating) and do not change with "
                   "the RNG state")
     elif bn:
         reason = (f"BatchNorm ({', '.join(bn)}) computes statistics over the batch: the per-example gradients "
-                  f"differ from the batch's by {worst:.2g} (step {worst_k}; bound {INDEP_RTOL:g}), so splitting "
+                  f"differ from the batch's by {worst:.2g} (step {worst_k}; {said}), so splitting "
                   "the batch over ranks changes the mathematics (SyncBN too: use a per-example norm)")
     elif rng or drop:
         reason = ("the gradient changes with the RNG state: active dropout"
@@ -192,8 +231,8 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                   + f", drawn by each rank from its own generator (per-example vs batch {worst:.2g})")
     else:
         reason = (f"the network is not a function of each example alone: per-example gradients differ from the "
-                  f"batch's by {worst:.2g} at step {worst_k} (bound {INDEP_RTOL:g})")
-    return TensorCheck("independence", ok, reason, worst=worst, worst_step=worst_k, bound=INDEP_RTOL, per_step=per)
+                  f"batch's by {worst:.2g} at step {worst_k} ({said})")
+    return TensorCheck("independence", ok, reason, worst=worst, worst_step=worst_k, bound=bound, per_step=per)
 
 
 def _fleet_grad(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
@@ -240,7 +279,9 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
     the tensor that differs most, tensor_bound None). "ok" whether the step
     passes."""
     run = ref.meta.get("mode") == "run"
+    gb = arithmetic_bound(rec, ref, GRAD_RTOL)
     tol = run_tolerance(rec, ref, "g/", "ng/") if run else {}
+    tol = {k: {n: max(b, gb) for n, b in t.items()} for k, t in tol.items()}
     rows = []
     for k in rec.tensor_steps():
         g_ref = ref.tensors(k, "g/")
@@ -253,8 +294,8 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
         else:
             tn = max(names, key=lambda n: rel({n: g[n]}, {n: g_ref[n]}, [n])) if names else None
             tx = rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0
-            tb, ok = None, x <= GRAD_RTOL  # replay: the tensors are bounded together, not one by one
-        rows.append({"step": k, "error": x, "bound": GRAD_RTOL if not run else None, "tensor": tn,
+            tb, ok = None, x <= gb  # replay: the tensors are bounded together, not one by one
+        rows.append({"step": k, "error": x, "bound": gb if not run else None, "tensor": tn,
                      "tensor_error": tx, "tensor_bound": tb, "ok": ok})
     return rows
 
@@ -273,7 +314,8 @@ def gradient_series(out) -> list[dict]:
 def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     run = ref.meta.get("mode") == "run"
     rows = gradient_rows(rec, ref)
-    tbounds = [r["tensor_bound"] for r in rows] if run else [GRAD_RTOL]
+    gb = arithmetic_bound(rec, ref, GRAD_RTOL)
+    tbounds = [r["tensor_bound"] for r in rows] if run else [gb]
     per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
     fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": []}
     first_bad = None
@@ -290,7 +332,7 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         if x > worst:
             worst, worst_k, worst_t = x, k, row["tensor"]
         # a constant factor is named from steps at the same parameters (all of them when replaying)
-        if run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > GRAD_RTOL:
+        if run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > gb:
             continue
         fits.append(fit(g, g_ref, names))
         fitted.append(k)
@@ -299,10 +341,11 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
             an = sorted(set(g) & set(a))
             alts[alt].append(fit(g, a, an) if an else (0.0, math.inf))
     ok = not over
-    bound = GRAD_RTOL
+    bound = gb
+    factor_rtol = max(FACTOR_RTOL, gb)  # a fitted constant is as uncertain as the gradients it is fitted to
     world, micro = rec.world_at(rec.steps[0]), rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
     what = "one process's gradient of the declared objective"
-    stated = (f"bound {GRAD_RTOL:g}" if not run else
+    stated = (_bound_words(rec, ref, gb, GRAD_RTOL) if not run else
               f"each tensor against its own bound, {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor of "
               f"that tensor, {min(tbounds):.2g} to {max(tbounds):.2g}")
     if run and first_bad is not None:  # the per-tensor finding: which tensor, by how much, against what
@@ -315,13 +358,13 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                                           if top else "") + f"; {stated})")
     else:
         cs = [c for c, _ in fits]
-        constant = bool(fits) and all(r <= bound for _, r in fits) and max(cs) - min(cs) <= FACTOR_RTOL * abs(cs[0])
+        constant = bool(fits) and all(r <= bound for _, r in fits) and max(cs) - min(cs) <= factor_rtol * abs(cs[0])
         near_one = constant and abs(cs[0] - 1) <= FACTOR_AWAY * bound  # no factor
         constant = constant and not near_one
         # run mode fits only the steps where the parameters still agree: a ratio of 1 there, and the
         # first failing step not among them, puts the fault in a step between
         unit = near_one and worst_k not in fitted
-        named = factor_name(cs[0], world, micro) if constant else None
+        named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)), None)
         if unit:
             reason = (f"the fleet's gradient equals {what} at the {len(fits)} recorded step(s) where the fleet's "
@@ -339,7 +382,7 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                                   "own count, not the step's)",
                     "rank_mean": "the mean of the ranks' own token means (each rank normalised by its own "
                                  "token count)"}[alt_hit]
-            reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > FACTOR_RTOL else "")
+            reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
                       + f", not the global mean the objective declares (off by {worst:.2g} at step {worst_k})")
         elif run and first_bad is not None:
             reason = (f"the fleet's gradient differs from {what} in tensor {first_bad['tensor']} by "
@@ -352,6 +395,9 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
             info, _ = ref.step(rec.tensor_steps()[0])
             if info.get("rng_sensitive"):
                 reason += "; the one-process gradient itself changes with the RNG state (see independence)"
+    if rec.autocast_dtypes():
+        reason += (f"; every micro-batch's forward ran under {' and '.join(rec.autocast_dtypes())} autocast, "
+                   "as the recording says, in the reference too")
     if rec.sketch:
         reason += "; " + sketch_detection(rec.sketch, max(tbounds))[1]
     if rec.every > 1:
@@ -731,8 +777,9 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
     if mgn <= 0:
         return Check("clip", True, "no clipping declared (max_grad_norm=0)")
     seen = False
+    tol = arithmetic_bound(rec, ref, CLIP_RTOL)  # | |a| - |b| | <= |a - b|: the gradient's bound holds for its norm
     for k in rec.steps:
-        info, _ = ref.step(k)
+        info = ref.info(k)
         metas = [rec.step_meta(r, k) for r in range(rec.world_at(k))]
         norms = [m.get("grad_norm") for m in metas]
         if norms[0] is None:
@@ -741,7 +788,7 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
         want = info["norm"]
         if ref.meta.get("mode") == "run" and k not in rec.tensor_steps():
             continue
-        bad = [(r, x) for r, x in enumerate(norms) if x is None or abs(x - want) > CLIP_RTOL * want]
+        bad = [(r, x) for r, x in enumerate(norms) if x is None or abs(x - want) > tol * want]
         if bad:
             per = ", ".join(f"rank {r}: {x:.6g}" for r, x in enumerate(norms) if x is not None)
             differ = len({x for x in norms if x is not None}) > 1
@@ -758,7 +805,7 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
                 return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {norms[0]:.6g} "
                                             f"where one process's gradient has norm {want:.6g} ({coefs}; see "
                                             "gradient)")
-            if abs(norms[0] - own) <= CLIP_RTOL * own:
+            if abs(norms[0] - own) <= tol * own:
                 return Check("clip", False, f"at step {k} the loop clipped by its own synchronised gradient's norm "
                                             f"{norms[0]:.6g}, but one process's gradient has norm {want:.6g}: the "
                                             "gradient itself is wrong (see gradient)")
@@ -769,7 +816,7 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
         return Check("clip", True, f"the loop reported no gradient norm: the replay clipped by max_grad_norm "
                                    f"{mgn:g} itself (the replay check covers it)")
     return Check("clip", True, f"the loop's gradient norm and clip coefficient equal the one-process gradient's at "
-                               f"every step (bound {CLIP_RTOL:g})")
+                               f"every step ({_bound_words(rec, ref, tol, CLIP_RTOL)})")
 
 
 def provenance(rec: A.RecordingSet) -> dict:

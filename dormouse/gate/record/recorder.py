@@ -12,7 +12,10 @@ Construction registers a forward PRE-hook on the model (on `model.module` under
 DDP): every forward in training mode appends its batch (positional tensor
 arguments as "arg0", "arg1", ..., and the keyword tensors named in `inputs`,
 plus "idx"/"example_id" when the loop passes them) to the current step's
-micro-batch list, detached, on the CPU. The loop's data code is untouched.
+micro-batch list, detached, on the CPU, with the autocast its forward runs
+under (read there and, for a wrapper that enters autocast inside the call,
+in pre-hooks on the submodules: the reference computes each micro-batch
+under the same autocast). The loop's data code is untouched.
 Eval-mode forwards, and forwards with gradients disabled (torch.no_grad(),
 inference_mode: a metric or a logged probe loss), are ignored.
 
@@ -250,6 +253,14 @@ def _version() -> str:
     return dormouse.__version__
 
 
+def _autocast_state(device_type: str) -> dict | None:
+    """The autocast a forward on `device_type` runs under now: {"device_type",
+    "dtype"} (e.g. "cpu", "bfloat16"), or None when autocast is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return {"device_type": device_type, "dtype": str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")}
+
+
 def _number(x):
     if x is None:
         return None
@@ -382,6 +393,11 @@ class Recorder:
         self.max_grad_norm = float(max_grad_norm)
         self.inputs = tuple(inputs) + tuple(k for k in EXAMPLE_ID_KEYS if k not in inputs)
         self.batches: list[dict[str, torch.Tensor]] = []
+        # each micro-batch's autocast ({"device_type", "dtype"} or None), read in the pre-hook:
+        # the reference computes the micro-batch under the same one
+        self.autocasts: list[dict | None] = []
+        p = next(self.module.parameters(), None)
+        self._device_type = p.device.type if p is not None else "cpu"
         self._sketcher = Sketcher(int(sketch))
         self.closed = False
 
@@ -433,6 +449,10 @@ class Recorder:
             self._sketch_all({n: _shard(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = _Writer()
         self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
+        # autocast is read inside the forward too: a wrapper may enter it after the model's
+        # pre-hook ran (accelerate, and so HF's Trainer with bf16=True, wraps model.forward)
+        self._inner_hooks = [m.register_forward_pre_hook(self._inner)
+                             for m in self.module.modules() if m is not self.module]
 
     # ------------------------------------------------------------------ plumbing
 
@@ -500,6 +520,12 @@ class Recorder:
             if isinstance(v, torch.Tensor):
                 batch[key] = v.detach().cpu().clone()
         self.batches.append(batch)
+        self.autocasts.append(_autocast_state(self._device_type))
+        return None
+
+    def _inner(self, module, args):
+        if self.autocasts and self.autocasts[-1] is None and module.training and torch.is_grad_enabled():
+            self.autocasts[-1] = _autocast_state(self._device_type)
         return None
 
     def _sketch_all(self, tensors: dict[str, torch.Tensor], full_numel: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -535,6 +561,7 @@ class Recorder:
         self.k += 1
         k = self.k
         batches, self.batches = self.batches, []
+        autocasts, self.autocasts = self.autocasts, []
         if lr is None and optimizer is not None:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)
@@ -570,6 +597,7 @@ class Recorder:
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
+                "autocast": autocasts,
                 "tensors": self._tensor_step(k), "param_hash": param_hash,
                 "epoch": None if epoch is None else int(epoch)}
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
@@ -605,6 +633,8 @@ class Recorder:
         if self.closed:
             return
         self._hook.remove()
+        for h in self._inner_hooks:
+            h.remove()
         self._writer.flush()
         self._writer.stop()
         named = list(self.module.named_parameters())

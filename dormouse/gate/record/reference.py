@@ -29,6 +29,14 @@ cost about 1.5x a micro-batch's, and over every micro-batch of every step
 they were half the check's time (a dependence on the batch confined to
 micro-batches outside S is not seen; BatchNorm and dropout show in any).
 
+Autocast: each micro-batch's forward runs under the autocast the recording
+says it ran under (the Recorder reads it). Its reduced-precision round-off
+depends on the scale the loss is backpropagated at, which the loop chooses
+(its normalisation is what is under test), so the reference also measures
+it: "autocast_floor" = ||3 g(loss_sum / 3) - g|| / ||g|| over the step's
+micro-batches, the same gradient through a loss scaled by 1/3 (not a power
+of two), in one process; the judge's bounds are FLOOR_MULTIPLE x its largest.
+
 Replay (full tensors at every step): from the initial state, the user's
 optimizer (and scheduler) applied to the RECORDED gradients, clipped by
 max_grad_norm when the loop's gradients were recorded before clipping; the
@@ -54,6 +62,7 @@ far float32 round-off alone carries a run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -236,13 +245,29 @@ def _scan(model) -> dict:
             "batchnorm": [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]}
 
 
-def _grads(model, objective, batch, user):
+def _autocast(ac: dict | None):
+    """The recorded autocast of a micro-batch, as a context for the
+    reference's forward (which runs on the CPU)."""
+    if ac is None:
+        return contextlib.nullcontext()
+    if ac.get("device_type") != "cpu":
+        raise ReferenceError(f"the loop ran its forward under {ac.get('device_type')} autocast "
+                             f"({ac.get('dtype')}): the reference computes on the CPU, whose reduced-precision "
+                             "kernels round otherwise; record a CPU run, or the run without autocast")
+    dtype = getattr(torch, str(ac.get("dtype")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ReferenceError(f"the recording names an autocast dtype {ac.get('dtype')!r} torch does not have")
+    return torch.autocast("cpu", dtype=dtype)
+
+
+def _grads(model, objective, batch, user, ac=None, scale: float = 1.0):
     model.zero_grad(set_to_none=True)
-    ls, c = objective_sum(objective, model, batch, user)
+    with _autocast(ac):  # the forward (and the objective) under the loop's autocast; the backward outside
+        ls, c = objective_sum(objective, model, batch, user)
     if not isinstance(ls, torch.Tensor) or not ls.requires_grad:
         raise ReferenceError(f"objective {objective!r} gives a loss with no gradient: it must be computed from "
                              "the model's outputs")
-    ls.backward()
+    (ls * scale if scale != 1.0 else ls).backward()
     return float(ls.detach()), c, {n: (p.grad.detach().clone() if p.grad is not None else None)
                                    for n, p in model.named_parameters()}
 
@@ -265,7 +290,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     check; see the module docstring)."""
     objective = rec.meta["objective"]
     names = [n for n, _ in model.named_parameters()]
-    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb")}
+    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled")}
     rank_acc: dict[int, dict] = {}
     rank_n: dict[int, float] = {}
     rank_loss: dict[int, float] = {}
@@ -284,10 +309,14 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     rng_sensitive = None
     sample = example_sample(mbs, examples) if examples is not None else set()
     for i, (r, m, batch) in enumerate(mbs):
+        ac = rec.autocast(r, step, m)
         torch.random.default_generator.manual_seed(0)
-        ls, c, grads = _grads(model, objective, batch, user)
+        ls, c, grads = _grads(model, objective, batch, user, ac)
         present |= {n for n, g in grads.items() if g is not None}
         add(acc["g"], grads)
+        if ac is not None:  # the autocast floor: the same gradient through a loss scaled by 1/3
+            _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3)
+            add(acc["scaled"], g3, 3.0)
         rank_acc.setdefault(r, {})
         add(rank_acc[r], grads)
         rank_n[r] = rank_n.get(r, 0.0) + c
@@ -300,14 +329,14 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
             micro_means.append(ls / c)
         if probe and rng_sensitive is None:  # the same micro-batch under another RNG state
             torch.random.default_generator.manual_seed(1)
-            _, _, again = _grads(model, objective, batch, user)
+            _, _, again = _grads(model, objective, batch, user, ac)
             rng_sensitive = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
                                 for a, b in zip(grads.values(), again.values()))
         if i in sample:
             add(acc["exb"], grads)
             for row in _rows(batch):
                 torch.random.default_generator.manual_seed(0)
-                _, _, g1 = _grads(model, objective, row, user)
+                _, _, g1 = _grads(model, objective, row, user, ac)
                 add(acc["ex"], g1)
     model.zero_grad(set_to_none=True)
     if n_total <= 0:
@@ -325,12 +354,16 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         out["ex"] = {n: v / n_total for n, v in acc["ex"].items()}
         out["exb"] = {n: v / n_total for n, v in acc["exb"].items()}
     norm = float(torch.sqrt(sum((v * v).sum() for v in out["g"].values())))
+    floor = None
+    if acc["scaled"]:  # ||g(loss / 3) * 3 - g|| / ||g||: reduced-precision round-off alone
+        floor = math.sqrt(sum(float(((acc["scaled"][n] / n_total - v) ** 2).sum()) for n, v in out["g"].items()
+                              if n in acc["scaled"])) / norm if norm > 0 else 0.0
     info = {"loss": loss_total / n_total, "loss_sum": loss_total, "count": n_total,
             "loss_alt": {"micro_mean": sum(micro_means) / max(len(micro_means), 1),
                          "rank_mean": sum(rank_loss[r] / rank_n[r] for r in rank_loss if rank_n[r] > 0) / world,
                          "rank_local": [rank_loss[r] / rank_n[r] if rank_n[r] else None for r in sorted(rank_loss)]},
             "counts": [counts[r] for r in sorted(counts)], "no_grad": [n for n in names if n not in present],
-            "norm": norm, "rng_sensitive": rng_sensitive,
+            "norm": norm, "rng_sensitive": rng_sensitive, "autocast_floor": floor,
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)]}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = min(1.0, mgn / (norm + 1e-6)) if mgn > 0 else None

@@ -1,0 +1,88 @@
+"""The Recorder under bfloat16 autocast: the plain DDP loop (tests/support/
+ddp_loop.py, 2 gloo ranks under torchrun, gradient accumulation 3) runs its
+forward and loss under torch.autocast("cpu", torch.bfloat16). The pre-hook
+records each micro-batch's autocast and the reference computes each
+micro-batch under the same one. The bfloat16 round-off of the backward
+depends on the scale the loop backpropagates its loss at (its
+normalisation, the thing under test), so the reference measures it (the
+same gradient through a loss scaled by 1/3) and the bounds are 10x that
+floor: a clean run passes, a wrong weighting fails for its named reason, and
+without the recorded autocast the clean run fails at the float32 bound."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import looprec
+import pytest
+from looprec import failing, launch
+
+from dormouse.gate.judge.recording import GRAD_RTOL
+
+RUNS = {
+    "clean": {"seed": 8, "autocast": True},
+    "micro_mean": {"seed": 8, "autocast": True, "fault": "micro_mean"},
+    "comp_twice": {"seed": 8, "autocast": True, "fault": "comp_twice"},
+}
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory):
+    root = tmp_path_factory.mktemp("autocast")
+    launch([{"steps": 3, **cfg, "out": str(root / name)} for name, cfg in RUNS.items()], root)
+    return {name: root / name for name in RUNS}
+
+
+def test_each_micro_batch_records_its_autocast(recordings):
+    from dormouse.gate import artifacts as A
+
+    rec = A.RecordingSet(recordings["clean"])
+    assert rec.autocast_dtypes() == ["bfloat16"]
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            n = rec.step_meta(r, k)["micro_batches"]
+            assert n == 3 and [rec.autocast(r, k, m) for m in range(n)] == \
+                [{"device_type": "cpu", "dtype": "bfloat16"}] * n
+
+
+def test_a_clean_autocast_run_passes_within_ten_times_its_measured_floor(recordings):
+    v = looprec.verdict(recordings["clean"])
+    assert v.passed, failing(v)
+    g = v.check("gradient")
+    # measured here: the clean fleet 3.5e-3 from the reference, the floor 3.4e-3, the bound 3.4e-2
+    assert GRAD_RTOL < g.bound and g.worst <= g.bound, g.reason
+    assert "autocast floor" in g.reason and "bfloat16 autocast" in g.reason, g.reason
+    assert "autocast floor" in v.check("independence").reason and "autocast floor" in v.check("clip").reason
+
+
+def test_without_the_recorded_autocast_the_same_run_fails_by_round_off(recordings, tmp_path):
+    # The reference in float32 against the loop's bfloat16 forward: the
+    # difference is precision alone, and it is far above the float32 bound.
+    dst = tmp_path / "forgot"
+    shutil.copytree(recordings["clean"], dst, ignore=shutil.ignore_patterns("reference"))
+    for path in dst.rglob("*.json"):
+        meta = json.loads(path.read_text())
+        if "autocast" in meta:
+            meta["autocast"] = []
+            path.write_text(json.dumps(meta))
+    v = looprec.verdict(dst)
+    g = v.check("gradient")
+    assert not g.passed and g.worst > 10 * GRAD_RTOL, g.reason
+
+
+@pytest.mark.parametrize("fault, words", [("micro_mean", "mean of per-micro-batch token means"),
+                                          ("comp_twice", "= W ")])
+def test_a_wrong_weighting_under_autocast_fails_for_its_named_reason(recordings, fault, words):
+    v = looprec.verdict(recordings[fault])
+    looprec.fails_for(v, "gradient", words)
+    assert v.check("gradient").worst > 10 * v.check("gradient").bound  # 0.5 and 1.0 against 3.4e-2
+
+
+def test_a_cuda_autocast_recording_is_refused_in_one_line():
+    from dormouse.gate.record.reference import ReferenceError, _autocast
+
+    with pytest.raises(ReferenceError, match="cuda autocast .*record a CPU run, or the run without autocast"):
+        _autocast({"device_type": "cuda", "dtype": "bfloat16"})
+    with pytest.raises(ReferenceError, match="autocast dtype 'bfloat17'"):
+        _autocast({"device_type": "cpu", "dtype": "bfloat17"})
