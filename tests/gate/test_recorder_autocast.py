@@ -24,6 +24,7 @@ RUNS = {
     "clean": {"seed": 8, "autocast": True},
     "micro_mean": {"seed": 8, "autocast": True, "fault": "micro_mean"},
     "comp_twice": {"seed": 8, "autocast": True, "fault": "comp_twice"},
+    "rank1_fp32": {"seed": 8, "autocast": True, "fault": "rank1_fp32"},
 }
 
 
@@ -86,3 +87,11 @@ def test_a_cuda_autocast_recording_is_refused_in_one_line():
         _autocast({"device_type": "cuda", "dtype": "bfloat16"})
     with pytest.raises(ReferenceError, match="autocast dtype 'bfloat17'"):
         _autocast({"device_type": "cpu", "dtype": "bfloat17"})
+
+
+def test_a_rank_outside_the_fleets_autocast_fails_the_ranks_check(recordings):
+    # rank 1 computes in float32 while rank 0 runs under bfloat16 autocast: the
+    # reference would mirror the mixture, so the split itself is the finding
+    looprec.fails_for(looprec.verdict(recordings["rank1_fp32"]), "ranks",
+                      "rank 1 ran micro-batch 0 under no autocast, rank 0 micro-batch 0 under cpu bfloat16 "
+                      "autocast: the fleet does not compute in one precision")

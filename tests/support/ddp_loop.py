@@ -35,6 +35,7 @@ The reviewer's faults (tests/gate/test_recorder_review.py):
   late_x15         at step 2 only, every rank scales its loss by 1.5 (non-tensor step when every > 1)
   dup_data         a clean loop over a dataset with duplicate rows (data[2j+1] == data[2j])
   nograd_log       a clean loop that also runs a no_grad forward in train mode to log a probe loss
+  rank1_fp32       (with autocast) rank 1 runs its forward without the autocast the others run under
 """
 
 from __future__ import annotations
@@ -210,7 +211,8 @@ def run(cfg: dict) -> None:
             else:
                 ctx = net.no_sync() if (manual or not last) else contextlib.nullcontext()
             with ctx:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg["autocast"]):
+                precision = cfg["autocast"] and not (fault == "rank1_fp32" and rank == 1)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision):
                     logits = net(**mb)
                     T = logits.shape[1]
                     loss_sum = F.cross_entropy(logits[:, :T - sh].reshape(-1, VOCAB),

@@ -47,7 +47,8 @@ loss          the loss the loop reported against the declared objective
               (LOSS_RTOL): reported apart, since a wrong metric is not a wrong
               training; the weighting it computed instead is named.
 ranks         every rank's parameters equal before every step and after the
-              last (sha256); under FSDP2 each shard exists once (said so).
+              last (sha256); under FSDP2 each shard exists once (said so);
+              every micro-batch of a step under one autocast (or none).
 clip          the gradient norm and clip coefficient the loop reported against
               the one-process gradient's norm (CLIP_RTOL).
 
@@ -754,7 +755,28 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
     return Check("loss", False, reason)
 
 
+def _autocast_words(a: dict | None) -> str:
+    return "no autocast" if a is None else f"{a['device_type']} {a['dtype']} autocast"
+
+
+def _precision_split(rec: A.RecordingSet) -> str | None:
+    """Where a step's micro-batches ran under different autocasts (one rank
+    without it, or another dtype): the sentence that says so, else None."""
+    for k in rec.steps:
+        seen = [(rec.autocast(r, k, m), r, m) for r in range(rec.world_at(k))
+                for m in range(rec.step_meta(r, k).get("micro_batches", 0))]
+        for a, r, m in seen:
+            if a != seen[0][0]:
+                return (f"at step {k} rank {r} ran micro-batch {m} under {_autocast_words(a)}, rank {seen[0][1]} "
+                        f"micro-batch {seen[0][2]} under {_autocast_words(seen[0][0])}: the fleet does not compute "
+                        "in one precision")
+    return None
+
+
 def check_ranks(rec: A.RecordingSet) -> Check:
+    split = _precision_split(rec)
+    if split:
+        return Check("ranks", False, split)
     if rec.meta.get("fsdp"):
         return Check("ranks", True, "FSDP2: each rank holds its own shard (each parameter exists once); the "
                                     "assembled tensors are what the other checks judge")
