@@ -175,3 +175,30 @@ def test_the_loops_windows_are_its_example_ids_so_repeated_text_passes_and_a_spa
     corpus.write_bytes(b"\0" + corpus.read_bytes()[1:])
     again = judge_recording(tmp_path / "clean_rec").check("data")
     assert again.passed and "changed since the recording" in again.reason, again.reason
+
+
+def test_a_bfloat16_model_is_judged_within_ten_times_its_measured_floor_and_a_doubled_gradient_still_fails(
+        tmp_path):
+    # model.bf16: parameters, gradients and their clipping norm in bfloat16. The
+    # loop backpropagates the token mean, the reference the token sum: the
+    # backward rounds otherwise, by the floor the reference measures (the
+    # gradient through loss / 3). Measured: floor ~4.6e-3, the clean loop
+    # 5.6e-3 from the reference; a doubled gradient is 1.0 away.
+    cfg = preset("tiny")
+    cfg.bf16 = True
+    verdicts = {}
+    for name, hooks in (("clean", Hooks()), ("doubled", Hooks(on_reduced=[
+            lambda state: [p.grad.mul_(2) for p in state.model.parameters() if p.grad is not None]]))):
+        run = RunConfig(model=dataclasses.replace(cfg), train=TrainConfig(
+            steps=3, batch=2, seq_len=32, lr=1e-3, grad_clip=0.05, ns_dtype="float32",
+            out_dir=str(tmp_path / name / "run"), log_every=10))
+        rec = LoopRecorder(tmp_path / name / "rec")
+        loop.train(loop.build_model(run), run, log=lambda line: None, hooks=hooks + rec.hooks())
+        make_reference(tmp_path / name / "rec", log=lambda line: None)
+        verdicts[name] = judge_recording(tmp_path / name / "rec")
+    clean, doubled = verdicts["clean"], verdicts["doubled"]
+    g = clean.check("gradient")
+    assert clean.passed, reasons(clean)
+    assert 1e-5 < g.bound and g.worst <= g.bound and "bfloat16 parameters' floor" in g.reason, g.reason
+    d = doubled.check("gradient")
+    assert not d.passed and "times a constant 2" in d.reason and d.worst > 10 * d.bound, reasons(doubled)

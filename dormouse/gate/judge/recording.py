@@ -53,11 +53,11 @@ clip          the gradient norm and clip coefficient the loop reported against
               the one-process gradient's norm (CLIP_RTOL).
 
 Under a recorded autocast (the reference computes each micro-batch under the
-same one), the independence, gradient and clip bounds, and the tolerance a
-fitted factor is named within, are FLOOR_MULTIPLE x the largest measured
-"autocast_floor" of the reference's steps where that is larger
-(arithmetic_bound): the backward's bfloat16 round-off at the loop's own loss
-scale, which the reference measures but cannot reproduce.
+same one) or with bfloat16/float16 parameters, the independence, gradient
+and clip bounds, and the tolerance a fitted factor is named within, are
+FLOOR_MULTIPLE x the largest measured "precision_floor" of the reference's
+steps where that is larger (arithmetic_bound): the backward's round-off at
+the loop's own loss scale, which the reference measures but cannot reproduce.
 """
 
 from __future__ import annotations
@@ -173,27 +173,36 @@ class _Ref:
         return {n[3:]: v for n, v in t.items() if n.startswith("rp/")}
 
 
-def autocast_floor(rec: A.RecordingSet, ref: _Ref) -> float | None:
-    """The largest measured autocast floor over the recorded steps (the
-    reference's "autocast_floor"), None when no micro-batch ran under autocast."""
-    floors = [f for k in rec.steps if (f := ref.info(k).get("autocast_floor")) is not None]
+def precision_floor(rec: A.RecordingSet, ref: _Ref) -> float | None:
+    """The largest measured precision floor over the recorded steps (the
+    reference's "precision_floor": under autocast or with bfloat16/float16
+    parameters), None when the run computed in float32."""
+    floors = [f for k in rec.steps if (f := ref.info(k).get("precision_floor")) is not None]
     return max(floors) if floors else None
 
 
 def arithmetic_bound(rec: A.RecordingSet, ref: _Ref, float32: float) -> float:
-    """`float32`, or under a recorded autocast FLOOR_MULTIPLE x its measured
-    floor where that is larger: the gradient the loop reduces is round-off of
-    a reduced-precision forward at the loop's own loss scale."""
-    floor = autocast_floor(rec, ref)
+    """`float32`, or under reduced precision FLOOR_MULTIPLE x its measured
+    floor where that is larger: the gradient the loop reduces carries the
+    round-off of a reduced-precision backward at the loop's own loss scale."""
+    floor = precision_floor(rec, ref)
     return float32 if floor is None else max(float32, FLOOR_MULTIPLE * floor)
 
 
+def _precision_words(rec: A.RecordingSet, ref: _Ref) -> str:
+    dtypes = rec.autocast_dtypes()
+    if dtypes:
+        return f"{' and '.join(dtypes)} autocast"
+    lowp = ref.info(rec.steps[0]).get("low_precision_params") or []
+    return f"{' and '.join(lowp)} parameters'"
+
+
 def _bound_words(rec: A.RecordingSet, ref: _Ref, bound: float, float32: float) -> str:
-    floor = autocast_floor(rec, ref)
+    floor = precision_floor(rec, ref)
     if floor is None or bound == float32:
         return f"bound {bound:g}"
-    return (f"bound {bound:.2g} = {FLOOR_MULTIPLE:g} x the {' and '.join(rec.autocast_dtypes())} autocast floor "
-            f"{floor:.2g}, the one-process gradient through a loss scaled by 1/3 against it")
+    return (f"bound {bound:.2g} = {FLOOR_MULTIPLE:g} x the {_precision_words(rec, ref)} floor {floor:.2g}, the "
+            "one-process gradient through a loss scaled by 1/3 against it")
 
 
 # --------------------------------------------------------------------------- the checks

@@ -29,13 +29,15 @@ cost about 1.5x a micro-batch's, and over every micro-batch of every step
 they were half the check's time (a dependence on the batch confined to
 micro-batches outside S is not seen; BatchNorm and dropout show in any).
 
-Autocast: each micro-batch's forward runs under the autocast the recording
-says it ran under (the Recorder reads it). Its reduced-precision round-off
-depends on the scale the loss is backpropagated at, which the loop chooses
-(its normalisation is what is under test), so the reference also measures
-it: "autocast_floor" = ||3 g(loss_sum / 3) - g|| / ||g|| over the step's
-micro-batches, the same gradient through a loss scaled by 1/3 (not a power
-of two), in one process; the judge's bounds are FLOOR_MULTIPLE x its largest.
+Reduced precision: each micro-batch's forward runs under the autocast the
+recording says it ran under (the Recorder reads it), on the parameters in
+the dtype they were recorded in. Under autocast, or with bfloat16/float16
+parameters, the backward's round-off depends on the scale the loss is
+backpropagated at, which the loop chooses (its normalisation is what is
+under test), so the reference also measures it: "precision_floor" =
+||3 g(loss_sum / 3) - g|| / ||g|| over the step's micro-batches, the same
+gradient through a loss scaled by 1/3 (not a power of two), in one process;
+the judge's bounds are FLOOR_MULTIPLE x its largest.
 
 Replay (full tensors at every step): from the initial state, the user's
 optimizer (and scheduler) applied to the RECORDED gradients, clipped by
@@ -302,6 +304,9 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
             if g is not None:
                 d[n] = d.get(n, 0) + g.double() * w
 
+    # reduced-precision parameters (a bfloat16 model): their gradients round as autocast's do
+    lowp = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                   if p.dtype in (torch.bfloat16, torch.float16)})
     mbs = rec.micro_batches(step)
     if not mbs:
         raise ReferenceError(f"step {step} recorded no micro-batch: the model's forward never ran in training mode "
@@ -314,7 +319,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         ls, c, grads = _grads(model, objective, batch, user, ac)
         present |= {n for n, g in grads.items() if g is not None}
         add(acc["g"], grads)
-        if ac is not None:  # the autocast floor: the same gradient through a loss scaled by 1/3
+        if ac is not None or lowp:  # the precision floor: the same gradient through a loss scaled by 1/3
             _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3)
             add(acc["scaled"], g3, 3.0)
         rank_acc.setdefault(r, {})
@@ -363,7 +368,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                          "rank_mean": sum(rank_loss[r] / rank_n[r] for r in rank_loss if rank_n[r] > 0) / world,
                          "rank_local": [rank_loss[r] / rank_n[r] if rank_n[r] else None for r in sorted(rank_loss)]},
             "counts": [counts[r] for r in sorted(counts)], "no_grad": [n for n in names if n not in present],
-            "norm": norm, "rng_sensitive": rng_sensitive, "autocast_floor": floor,
+            "norm": norm, "rng_sensitive": rng_sensitive, "precision_floor": floor, "low_precision_params": lowp,
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)]}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = min(1.0, mgn / (norm + 1e-6)) if mgn > 0 else None
