@@ -451,6 +451,17 @@ class RecordingSet:
         acs = self.step_meta(rank, step).get("autocast") or []
         return acs[m] if m < len(acs) else None
 
+    def compute_dtype(self, rank: int, step: int, m: int) -> str | None:
+        """The dtype micro-batch m's forward cast the parameters to (FSDP2's
+        mixed precision), None when it ran on them as stored."""
+        ds = self.step_meta(rank, step).get("compute_dtype") or []
+        return ds[m] if m < len(ds) else None
+
+    def compute_dtypes(self) -> list[str]:
+        """The dtypes any recorded micro-batch's forward cast the parameters to (empty: none)."""
+        return sorted({d for k in self.steps for r in range(self.world_at(k))
+                       for d in (self.step_meta(r, k).get("compute_dtype") or []) if d})
+
     def autocast_dtypes(self) -> list[str]:
         """The autocast dtypes any recorded micro-batch ran under (empty: none)."""
         return sorted({a["dtype"] for k in self.steps for r in range(self.world_at(k))

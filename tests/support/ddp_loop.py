@@ -162,7 +162,12 @@ def run(cfg: dict) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        mp = {}
+        if cfg.get("fsdp_mp"):  # FSDP2's mixed precision: bfloat16 compute, float32 reduce and master weights
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)), **mp)
         net = model
     else:
         net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=kw["unused"])

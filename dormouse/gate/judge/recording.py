@@ -193,6 +193,8 @@ def _precision_words(rec: A.RecordingSet, ref: _Ref) -> str:
     dtypes = rec.autocast_dtypes()
     if dtypes:
         return f"{' and '.join(dtypes)} autocast"
+    if rec.compute_dtypes():
+        return f"{' and '.join(rec.compute_dtypes())} compute"
     lowp = ref.info(rec.steps[0]).get("low_precision_params") or []
     return f"{' and '.join(lowp)} parameters'"
 
@@ -408,6 +410,9 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     if rec.autocast_dtypes():
         reason += (f"; every micro-batch's forward ran under {' and '.join(rec.autocast_dtypes())} autocast, "
                    "as the recording says, in the reference too")
+    if rec.compute_dtypes():
+        reason += (f"; every micro-batch's forward ran on parameters cast to {' and '.join(rec.compute_dtypes())} "
+                   "(mixed precision, e.g. FSDP2's MixedPrecisionPolicy), as the recording says, in the reference too")
     if rec.sketch:
         reason += "; " + sketch_detection(rec.sketch, max(tbounds))[1]
     if rec.every > 1:
@@ -730,11 +735,13 @@ def check_data(rec: A.RecordingSet) -> Check:
 def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
     worst, at, alt_hits = 0.0, None, None
     reported_any, over, floor = False, False, 0.0
+    # reduced precision: the loss as a loop computing it in the forward's dtype gives it (measured)
+    lowp = max((f for k in rec.steps if (f := ref.info(k).get("loss_floor")) is not None), default=None)
     for k in rec.steps:
         info, _ = ref.step(k)
         if info.get("nudged_loss") is not None:  # run mode: the one-process run's own one-ulp floor
             floor = max(floor, abs(info["nudged_loss"] - info["loss"]) / max(abs(info["loss"]), 1e-30))
-        tol = max(LOSS_RTOL, FLOOR_MULTIPLE * floor)
+        tol = max(LOSS_RTOL, FLOOR_MULTIPLE * floor, FLOOR_MULTIPLE * (lowp or 0.0))
         losses = [rec.step_meta(r, k).get("loss") for r in range(rec.world_at(k))]
         if losses[0] is None:
             continue
@@ -752,8 +759,12 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
     if not reported_any:
         return Check("loss", True, "the loop reported no loss (rec.step(loss=...)): not checked")
     if not over:
+        said = f"bound {tol:.2g}"
+        if lowp is not None and FLOOR_MULTIPLE * lowp > max(LOSS_RTOL, FLOOR_MULTIPLE * floor):
+            said += (f" = {FLOOR_MULTIPLE:g} x the {_precision_words(rec, ref)} loss floor {lowp:.2g}, the loss "
+                     "from logits left in the forward's dtype against it")
         return Check("loss", True, f"the logged loss equals the declared objective over the global batch at every "
-                                   f"step (worst {worst:.2g}, bound {max(LOSS_RTOL, FLOOR_MULTIPLE * floor):.2g})")
+                                   f"step (worst {worst:.2g}, {said})")
     desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": "the mean of the ranks' own "
             "token means", "rank_local": "rank 0's own token mean"}
     named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)
@@ -764,15 +775,18 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
     return Check("loss", False, reason)
 
 
-def _autocast_words(a: dict | None) -> str:
-    return "no autocast" if a is None else f"{a['device_type']} {a['dtype']} autocast"
+def _autocast_words(state: tuple) -> str:
+    a, cast = state
+    words = "no autocast" if a is None else f"{a['device_type']} {a['dtype']} autocast"
+    return words + (f" on parameters cast to {cast}" if cast else "")
 
 
 def _precision_split(rec: A.RecordingSet) -> str | None:
-    """Where a step's micro-batches ran under different autocasts (one rank
-    without it, or another dtype): the sentence that says so, else None."""
+    """Where a step's micro-batches ran in different precisions (one rank
+    without the others' autocast, or on parameters cast otherwise): the
+    sentence that says so, else None."""
     for k in rec.steps:
-        seen = [(rec.autocast(r, k, m), r, m) for r in range(rec.world_at(k))
+        seen = [((rec.autocast(r, k, m), rec.compute_dtype(r, k, m)), r, m) for r in range(rec.world_at(k))
                 for m in range(rec.step_meta(r, k).get("micro_batches", 0))]
         for a, r, m in seen:
             if a != seen[0][0]:

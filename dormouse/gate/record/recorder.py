@@ -15,7 +15,10 @@ plus "idx"/"example_id" when the loop passes them) to the current step's
 micro-batch list, detached, on the CPU, with the autocast its forward runs
 under (read there and, for a wrapper that enters autocast inside the call,
 in pre-hooks on the submodules: the reference computes each micro-batch
-under the same autocast). The loop's data code is untouched.
+under the same autocast), and the dtype its parameters were cast to for the
+forward where they were (FSDP2's MixedPrecisionPolicy: the submodules'
+pre-hooks see the unsharded, cast parameters). The loop's data code is
+untouched.
 Eval-mode forwards, and forwards with gradients disabled (torch.no_grad(),
 inference_mode: a metric or a logged probe loss), are ignored.
 
@@ -396,6 +399,10 @@ class Recorder:
         # each micro-batch's autocast ({"device_type", "dtype"} or None), read in the pre-hook:
         # the reference computes the micro-batch under the same one
         self.autocasts: list[dict | None] = []
+        # each micro-batch's compute dtype where the forward ran on parameters cast from the
+        # stored ones (FSDP2's MixedPrecisionPolicy(param_dtype=...)), else None: the reference
+        # computes that micro-batch on a copy of the model cast the same way
+        self.casts: list[str | None] = []
         p = next(self.module.parameters(), None)
         self._device_type = p.device.type if p is not None else "cpu"
         self._sketcher = Sketcher(int(sketch))
@@ -453,6 +460,10 @@ class Recorder:
         # pre-hook ran (accelerate, and so HF's Trainer with bf16=True, wraps model.forward)
         self._inner_hooks = [m.register_forward_pre_hook(self._inner)
                              for m in self.module.modules() if m is not self.module]
+        # each module's own parameters' stored dtypes (under FSDP2 the sharded ones): a forward that
+        # sees another dtype runs on a cast copy
+        self._stored = {m: {n: p.dtype for n, p in m._parameters.items() if p is not None}
+                        for m in self.module.modules()}
 
     # ------------------------------------------------------------------ plumbing
 
@@ -521,11 +532,20 @@ class Recorder:
                 batch[key] = v.detach().cpu().clone()
         self.batches.append(batch)
         self.autocasts.append(_autocast_state(self._device_type))
+        self.casts.append(None)
         return None
 
     def _inner(self, module, args):
-        if self.autocasts and self.autocasts[-1] is None and module.training and torch.is_grad_enabled():
+        if not self.autocasts or not module.training or not torch.is_grad_enabled():
+            return None
+        if self.autocasts[-1] is None:
             self.autocasts[-1] = _autocast_state(self._device_type)
+        if self.casts[-1] is None:  # this module's parameters as its forward sees them (after FSDP2's unshard)
+            stored = self._stored.get(module, {})
+            for n, p in module._parameters.items():
+                if p is not None and n in stored and p.dtype != stored[n]:
+                    self.casts[-1] = str(p.dtype).removeprefix("torch.")
+                    break
         return None
 
     def _sketch_all(self, tensors: dict[str, torch.Tensor], full_numel: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -562,6 +582,7 @@ class Recorder:
         k = self.k
         batches, self.batches = self.batches, []
         autocasts, self.autocasts = self.autocasts, []
+        casts, self.casts = self.casts, []
         if lr is None and optimizer is not None:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)
@@ -597,7 +618,7 @@ class Recorder:
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
-                "autocast": autocasts,
+                "autocast": autocasts, "compute_dtype": casts,
                 "tensors": self._tensor_step(k), "param_hash": param_hash,
                 "epoch": None if epoch is None else int(epoch)}
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned

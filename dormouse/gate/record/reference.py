@@ -37,7 +37,12 @@ backpropagated at, which the loop chooses (its normalisation is what is
 under test), so the reference also measures it: "precision_floor" =
 ||3 g(loss_sum / 3) - g|| / ||g|| over the step's micro-batches, the same
 gradient through a loss scaled by 1/3 (not a power of two), in one process;
-the judge's bounds are FLOOR_MULTIPLE x its largest.
+the judge's bounds are FLOOR_MULTIPLE x its largest. "loss_floor" (built-in
+objectives) is the step's loss computed from the logits in the dtype the
+forward gives them (no float32 upcast) against the objective's: how far a
+loop that computes its loss in that precision logs. Parameters cast for the
+forward (FSDP2's MixedPrecisionPolicy: the recording's "compute_dtype") are
+computed on a copy of the model cast so.
 
 Replay (full tensors at every step): from the initial state, the user's
 optimizer (and scheduler) applied to the RECORDED gradients, clipped by
@@ -122,8 +127,9 @@ def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return ids.masked_fill(mask == 0, -100) if mask is not None else ids
 
 
-def objective_sum(objective: str, model, batch: dict[str, torch.Tensor], user=None):
-    """(loss_sum, count) of one micro-batch under the declared objective (see the module docstring)."""
+def objective_sum(objective: str, model, batch: dict[str, torch.Tensor], user=None, *, upcast: bool = True):
+    """(loss_sum, count) of one micro-batch under the declared objective (see the module docstring).
+    upcast=False leaves the logits in the dtype the forward gives (a reduced-precision loop's loss)."""
     if objective not in OBJECTIVES:
         try:
             loss_sum, count = user(model, batch)
@@ -132,7 +138,8 @@ def objective_sum(objective: str, model, batch: dict[str, torch.Tensor], user=No
         except Exception as e:
             raise ReferenceError(f"objective {objective!r} failed on a recorded batch ({type(e).__name__}: {e})")
         return loss_sum, float(count)
-    z = _logits(_call(model, batch)).float()
+    z = _logits(_call(model, batch))
+    z = z.float() if upcast else z
     y = _labels(batch)
     if objective == "causal_lm":
         z, y = z[..., :-1, :], y[..., 1:]
@@ -247,6 +254,13 @@ def _scan(model) -> dict:
             "batchnorm": [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]}
 
 
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ReferenceError(f"the recording names a dtype {name!r} torch does not have")
+    return dtype
+
+
 def _autocast(ac: dict | None):
     """The recorded autocast of a micro-batch, as a context for the
     reference's forward (which runs on the CPU)."""
@@ -256,10 +270,7 @@ def _autocast(ac: dict | None):
         raise ReferenceError(f"the loop ran its forward under {ac.get('device_type')} autocast "
                              f"({ac.get('dtype')}): the reference computes on the CPU, whose reduced-precision "
                              "kernels round otherwise; record a CPU run, or the run without autocast")
-    dtype = getattr(torch, str(ac.get("dtype")), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ReferenceError(f"the recording names an autocast dtype {ac.get('dtype')!r} torch does not have")
-    return torch.autocast("cpu", dtype=dtype)
+    return torch.autocast("cpu", dtype=_dtype(ac.get("dtype")))
 
 
 def _grads(model, objective, batch, user, ac=None, scale: float = 1.0):
@@ -296,7 +307,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     rank_acc: dict[int, dict] = {}
     rank_n: dict[int, float] = {}
     rank_loss: dict[int, float] = {}
-    n_total, loss_total, micro_means, counts = 0.0, 0.0, [], {}
+    n_total, loss_total, micro_means, counts, native = 0.0, 0.0, [], {}, 0.0
     present: set[str] = set()
 
     def add(d, grads, w=1.0):
@@ -313,15 +324,25 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                              "between two rec.step() calls (is the Recorder on the model the loop calls?)")
     rng_sensitive = None
     sample = example_sample(mbs, examples) if examples is not None else set()
+    cast_models: dict[str, torch.nn.Module] = {}  # the model at this step's parameters, cast for the forward
+    base = model
     for i, (r, m, batch) in enumerate(mbs):
-        ac = rec.autocast(r, step, m)
+        ac, cast = rec.autocast(r, step, m), rec.compute_dtype(r, step, m)
+        model = base
+        if cast is not None:  # FSDP2's mixed precision: the forward and backward on cast parameters
+            if cast not in cast_models:
+                cast_models[cast] = copy.deepcopy(base).to(_dtype(cast))
+            model = cast_models[cast]
         torch.random.default_generator.manual_seed(0)
         ls, c, grads = _grads(model, objective, batch, user, ac)
         present |= {n for n, g in grads.items() if g is not None}
         add(acc["g"], grads)
-        if ac is not None or lowp:  # the precision floor: the same gradient through a loss scaled by 1/3
+        if ac is not None or cast is not None or lowp:  # the precision floor: the gradient through loss / 3
             _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3)
             add(acc["scaled"], g3, 3.0)
+            if objective in OBJECTIVES:  # and the loss as a loop computing it in that precision logs it
+                with torch.no_grad(), _autocast(ac):
+                    native += float(objective_sum(objective, model, batch, upcast=False)[0])
         rank_acc.setdefault(r, {})
         add(rank_acc[r], grads)
         rank_n[r] = rank_n.get(r, 0.0) + c
@@ -343,6 +364,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                 torch.random.default_generator.manual_seed(0)
                 _, _, g1 = _grads(model, objective, row, user, ac)
                 add(acc["ex"], g1)
+    model = base
     model.zero_grad(set_to_none=True)
     if n_total <= 0:
         raise ReferenceError(f"step {step}: the declared objective {objective!r} counts no tokens/examples in the "
@@ -369,6 +391,8 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                          "rank_local": [rank_loss[r] / rank_n[r] if rank_n[r] else None for r in sorted(rank_loss)]},
             "counts": [counts[r] for r in sorted(counts)], "no_grad": [n for n in names if n not in present],
             "norm": norm, "rng_sensitive": rng_sensitive, "precision_floor": floor, "low_precision_params": lowp,
+            "loss_floor": (abs(native - loss_total) / max(abs(loss_total), 1e-30)
+                           if floor is not None and objective in OBJECTIVES else None),
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)]}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = min(1.0, mgn / (norm + 1e-6)) if mgn > 0 else None
