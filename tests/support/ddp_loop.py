@@ -36,6 +36,13 @@ The reviewer's faults (tests/gate/test_recorder_review.py):
   dup_data         a clean loop over a dataset with duplicate rows (data[2j+1] == data[2j])
   nograd_log       a clean loop that also runs a no_grad forward in train mode to log a probe loss
   rank1_fp32       (with autocast) rank 1 runs its forward without the autocast the others run under
+The second reviewer's knobs (tests/gate/test_review2_precision.py), cfg keys, not faults:
+  "model"          {"kind": ...}: loopmodel:build_review_model with those kwargs (FlatLM, HeadAutocastLM, AmpLM)
+  "ac_dtype"       the autocast dtype ("bfloat16"; "float16")
+  "loss_outside"   the cross-entropy computed outside the autocast (on the forward's bfloat16 logits)
+  "patch_forward"  the loop runs no autocast; the inner model's forward is wrapped in one (accelerate's way)
+  "ac_steps"       the steps (1-based) autocast is on, every rank alike (None: all)
+  "ac_micro"       the micro-batches (0-based) autocast is on, every rank and step alike (None: all)
 """
 
 from __future__ import annotations
@@ -60,7 +67,9 @@ from dormouse.gate import Recorder  # noqa: E402
 RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 0, "fsdp": False,
        "micro": 3, "batch": 2, "n": 48, "max_grad_norm": 1.0, "sketch": 0, "every": 1, "lr": 1e-2, "eps": 0.0,
        "ids": False, "epoch": False,  # ids / epoch: pass rec.step(example_ids=...) / rec.step(epoch=...)
-       "autocast": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "autocast": False,  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "model": None, "ac_dtype": "bfloat16", "loss_outside": False, "patch_forward": False, "ac_steps": None,
+       "ac_micro": None}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -157,7 +166,17 @@ def run(cfg: dict) -> None:
     out = Path(cfg["out"])
     kw = {"seed": cfg["seed"], "bn": fault == "bn", "dropout": 0.1 if fault == "dropout" else 0.0,
           "unused": fault == "unused_zero", "lr": cfg["lr"]}
-    model = build_model(**kw)
+    builder = "loopmodel:build_model"
+    if cfg["model"]:
+        from loopmodel import build_review_model
+
+        kw.update(cfg["model"])
+        builder = "loopmodel:build_review_model"
+        model = build_review_model(**kw)
+    else:
+        model = build_model(**kw)
+    if cfg["patch_forward"]:  # accelerate's convert_outputs/autocast: the module's own forward enters autocast
+        model.forward = torch.autocast("cpu", dtype=getattr(torch, cfg["ac_dtype"]))(model.forward)
     if cfg["fsdp"]:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -190,7 +209,7 @@ def run(cfg: dict) -> None:
     if fault == "rank_lr" and rank == 1:
         for group in opt.param_groups:
             group["lr"] *= 1.01
-    rec = Recorder(out, net, build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
+    rec = Recorder(out, net, build_model=builder, build_optimizer="loopmodel:build_optimizer",
                    objective="causal_lm", max_grad_norm=mgn, dataset_len=n, build_kwargs=kw,
                    sketch=cfg["sketch"], every=cfg["every"], resume=start if cfg["leg"] == 2 else False)
     data = data_of(fault, n, cfg["seed"])
@@ -217,8 +236,12 @@ def run(cfg: dict) -> None:
                 ctx = net.no_sync() if (manual or not last) else contextlib.nullcontext()
             with ctx:
                 precision = cfg["autocast"] and not (fault == "rank1_fp32" and rank == 1)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision):
+                precision = precision and (cfg["ac_steps"] is None or s + 1 in cfg["ac_steps"])
+                precision = precision and (cfg["ac_micro"] is None or m in cfg["ac_micro"])
+                with torch.autocast("cpu", dtype=getattr(torch, cfg["ac_dtype"]), enabled=precision):
                     logits = net(**mb)
+                with torch.autocast("cpu", dtype=getattr(torch, cfg["ac_dtype"]),
+                                    enabled=precision and not cfg["loss_outside"]):
                     T = logits.shape[1]
                     loss_sum = F.cross_entropy(logits[:, :T - sh].reshape(-1, VOCAB),
                                                mb["labels"][:, sh:].reshape(-1), ignore_index=-100, reduction="sum")

@@ -103,3 +103,67 @@ def token_sum(model, batch):
     y = batch["labels"][:, 1:]
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="sum")
     return loss, int((y != -100).sum())
+
+
+class FlatLM(torch.nn.Module):
+    """TinyLM's shape with every parameter on the module itself (no submodules):
+    embedding, a causal attention, an MLP and a head by torch.nn.functional."""
+
+    def __init__(self):
+        super().__init__()
+        g = lambda *s: torch.nn.Parameter(torch.randn(*s) * 0.3)  # noqa: E731
+        self.tok, self.pos = g(VOCAB, D), g(T, D)
+        self.qkv_w, self.qkv_b = g(3 * D, D), torch.nn.Parameter(torch.zeros(3 * D))
+        self.fc_w, self.fc_b = g(2 * D, D), torch.nn.Parameter(torch.zeros(2 * D))
+        self.out_w, self.head_w = g(D, 2 * D), g(VOCAB, D)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        b, t = input_ids.shape
+        x = F.embedding(input_ids, self.tok) + self.pos[:t]
+        q, k, v = F.linear(F.layer_norm(x, (D,)), self.qkv_w, self.qkv_b).chunk(3, dim=-1)
+        x = x + F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal=True).squeeze(1)
+        x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (D,)), self.fc_w, self.fc_b)), self.out_w)
+        return F.linear(x, self.head_w)
+
+
+class HeadAutocastLM(TinyLM):
+    """TinyLM whose own forward runs only its head under bfloat16 autocast (the body in float32)."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        head, self.head = self.head, torch.nn.Identity()
+        try:
+            x = super().forward(input_ids, attention_mask)
+        finally:
+            self.head = head
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.head(x)
+
+
+class AmpLM(TinyLM):
+    """TinyLM plus amp * (a - b) on the logits, where a and b are the same linear map of the
+    features, a under the ambient autocast and b in float32: zero in exact arithmetic (and in
+    float32), amp x the round-off under autocast, in the forward and in the gradient."""
+
+    def __init__(self, amp: float, **kw):
+        super().__init__(**kw)
+        self.amp = amp
+        self.twin = torch.nn.Linear(D, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        z = super().forward(input_ids, attention_mask)
+        b, t = input_ids.shape
+        x = self.tok(input_ids) + self.pos(torch.arange(t))
+        a = self.twin(x)
+        with torch.autocast("cpu", enabled=False):
+            b_ = F.linear(x.float(), self.twin.weight, self.twin.bias)
+        return z + self.amp * (a.float() - b_)
+
+
+def build_review_model(*, seed: int = 0, kind: str = "flat", amp: float = 0.0, **kw):
+    """The reviewer's models: "flat" (FlatLM), "head_autocast", "amp" (AmpLM with `amp`)."""
+    torch.manual_seed(seed)
+    if kind == "flat":
+        return FlatLM()
+    if kind == "head_autocast":
+        return HeadAutocastLM()
+    return AmpLM(amp)
