@@ -54,10 +54,15 @@ clip          the gradient norm and clip coefficient the loop reported against
 
 Under a recorded autocast (the reference computes each micro-batch under the
 same one) or with bfloat16/float16 parameters, the independence, gradient
-and clip bounds, and the tolerance a fitted factor is named within, are
-FLOOR_MULTIPLE x the largest measured "precision_floor" of the reference's
-steps where that is larger (arithmetic_bound): the backward's round-off at
-the loop's own loss scale, which the reference measures but cannot reproduce.
+and clip bounds of a step are FLOOR_MULTIPLE x that step's measured
+"precision_floor" where that is larger (arithmetic_bound; a float32 step
+keeps the float32 bounds): the backward's round-off at the loop's own loss
+scale, which the reference measures but cannot reproduce. The gradient is
+also held tensor by tensor to FLOOR_MULTIPLE x each tensor's own floor (a
+fault in one small tensor is diluted in the global norm), the tolerance a
+fitted factor is named within widens with the bound, and past PRECISION_CAP
+the gradient check fails as not judged (too_loose). The logged loss of such
+a step is held to FLOOR_MULTIPLE x the largest measured "loss_floor".
 """
 
 from __future__ import annotations
@@ -86,6 +91,9 @@ CLIP_RTOL = 1e-4
 RUN_MIN_RTOL = 1e-5
 FLOOR_MULTIPLE = 10.0
 FACTOR_RTOL = 1e-3  # a fitted constant within this of a named factor is that factor
+# Under reduced precision the bounds are FLOOR_MULTIPLE x a measured floor; past this the
+# gate does not judge (a doubled tensor could hide in round-off that large): the gradient check fails.
+PRECISION_CAP = 0.1
 # A fitted constant c is a factor only when it is clearly away from 1:
 # |c - 1| > FACTOR_AWAY x the gradient check's bound. A ratio within that of 1
 # says the fleet is right at the fitted steps, not that it is off by a factor.
@@ -173,20 +181,33 @@ class _Ref:
         return {n[3:]: v for n, v in t.items() if n.startswith("rp/")}
 
 
-def precision_floor(rec: A.RecordingSet, ref: _Ref) -> float | None:
-    """The largest measured precision floor over the recorded steps (the
-    reference's "precision_floor": under autocast or with bfloat16/float16
-    parameters), None when the run computed in float32."""
-    floors = [f for k in rec.steps if (f := ref.info(k).get("precision_floor")) is not None]
+def precision_floor(rec: A.RecordingSet, ref: _Ref, k: int | None = None) -> float | None:
+    """Step k's measured precision floor (the reference's "precision_floor":
+    under autocast, cast or bfloat16/float16 parameters), or with k None the
+    largest over the recorded steps; None where the step computed in float32."""
+    floors = [f for j in (rec.steps if k is None else [k]) if (f := ref.info(j).get("precision_floor")) is not None]
     return max(floors) if floors else None
 
 
-def arithmetic_bound(rec: A.RecordingSet, ref: _Ref, float32: float) -> float:
-    """`float32`, or under reduced precision FLOOR_MULTIPLE x its measured
-    floor where that is larger: the gradient the loop reduces carries the
-    round-off of a reduced-precision backward at the loop's own loss scale."""
-    floor = precision_floor(rec, ref)
+def arithmetic_bound(rec: A.RecordingSet, ref: _Ref, float32: float, k: int | None = None) -> float:
+    """`float32`, or at a step in reduced precision FLOOR_MULTIPLE x that
+    step's measured floor where that is larger (k None: the largest over the
+    steps): the gradient the loop reduces carries the round-off of a
+    reduced-precision backward at the loop's own loss scale. Each step has its
+    own: a float32 step keeps the float32 bound."""
+    floor = precision_floor(rec, ref, k)
     return float32 if floor is None else max(float32, FLOOR_MULTIPLE * floor)
+
+
+def too_loose(rec: A.RecordingSet, ref: _Ref) -> tuple[int, float] | None:
+    """The first step whose precision bound FLOOR_MULTIPLE x floor exceeds
+    PRECISION_CAP (a network that amplifies round-off until a fault of that
+    size could not be told from it), with its floor; None if none does."""
+    for k in rec.steps:
+        f = precision_floor(rec, ref, k)
+        if f is not None and FLOOR_MULTIPLE * f > PRECISION_CAP:
+            return k, f
+    return None
 
 
 def _precision_words(rec: A.RecordingSet, ref: _Ref) -> str:
@@ -199,8 +220,10 @@ def _precision_words(rec: A.RecordingSet, ref: _Ref) -> str:
     return f"{' and '.join(lowp)} parameters'"
 
 
-def _bound_words(rec: A.RecordingSet, ref: _Ref, bound: float, float32: float) -> str:
-    floor = precision_floor(rec, ref)
+def _bound_words(rec: A.RecordingSet, ref: _Ref, bound: float, float32: float, k: int | None = None) -> str:
+    """How `bound` was set: the float32 bound, or FLOOR_MULTIPLE x the
+    precision floor (of step k; k None: the largest, which `bound` then is)."""
+    floor = precision_floor(rec, ref, k)
     if floor is None or bound == float32:
         return f"bound {bound:g}"
     return (f"bound {bound:.2g} = {FLOOR_MULTIPLE:g} x the {_precision_words(rec, ref)} floor {floor:.2g}, the "
@@ -213,6 +236,7 @@ def _bound_words(rec: A.RecordingSet, ref: _Ref, bound: float, float32: float) -
 def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     per, worst, worst_k = [], 0.0, None
     rng, sampled, total = False, 0, 0
+    over = False
     for k in rec.tensor_steps():
         info, _ = ref.step(k)
         rng = rng or bool(info.get("rng_sensitive"))
@@ -222,12 +246,13 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         sampled += len(info.get("ex_micro") or [])
         total += sum(len(c) for c in info.get("counts", []))
         per.append(x)
+        over = over or x > arithmetic_bound(rec, ref, INDEP_RTOL, k)
         if x > worst:
             worst, worst_k = x, k
     bn, drop = ref.meta.get("batchnorm", []), ref.meta.get("dropout", [])
-    bound = arithmetic_bound(rec, ref, INDEP_RTOL)
-    said = _bound_words(rec, ref, bound, INDEP_RTOL)
-    ok = worst <= bound and not rng
+    bound = arithmetic_bound(rec, ref, INDEP_RTOL, worst_k)
+    said = _bound_words(rec, ref, bound, INDEP_RTOL, worst_k)
+    ok = not over and not rng
     if ok:
         reason = (f"the per-example gradients sum to their micro-batch's at every recorded step (worst "
                   f"{worst:.2g}, {said}; {sampled} of {total} micro-batches differentiated row by "
@@ -291,11 +316,11 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
     the tensor that differs most, tensor_bound None). "ok" whether the step
     passes."""
     run = ref.meta.get("mode") == "run"
-    gb = arithmetic_bound(rec, ref, GRAD_RTOL)
     tol = run_tolerance(rec, ref, "g/", "ng/") if run else {}
-    tol = {k: {n: max(b, gb) for n, b in t.items()} for k, t in tol.items()}
+    tol = {k: {n: max(b, arithmetic_bound(rec, ref, GRAD_RTOL, k)) for n, b in t.items()} for k, t in tol.items()}
     rows = []
     for k in rec.tensor_steps():
+        gb = arithmetic_bound(rec, ref, GRAD_RTOL, k)
         g_ref = ref.tensors(k, "g/")
         g = _fleet_grad(rec, k)
         names = sorted(set(g) & set(g_ref))
@@ -307,6 +332,12 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
             tn = max(names, key=lambda n: rel({n: g[n]}, {n: g_ref[n]}, [n])) if names else None
             tx = rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0
             tb, ok = None, x <= gb  # replay: the tensors are bounded together, not one by one
+            per_t = ref.info(k).get("precision_floor_tensors")
+            if per_t:  # reduced precision: each tensor also against FLOOR_MULTIPLE x its own floor
+                # (a fault in one small tensor is diluted in the global norm, whose bound is a few percent)
+                tol_k = {n: max(GRAD_RTOL, FLOOR_MULTIPLE * per_t.get(n, 0.0)) for n in names}
+                tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol_k)
+                ok = ok and ratio <= 1.0
         rows.append({"step": k, "error": x, "bound": gb if not run else None, "tensor": tn,
                      "tensor_error": tx, "tensor_bound": tb, "ok": ok})
     return rows
@@ -326,8 +357,18 @@ def gradient_series(out) -> list[dict]:
 def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     run = ref.meta.get("mode") == "run"
     rows = gradient_rows(rec, ref)
-    gb = arithmetic_bound(rec, ref, GRAD_RTOL)
-    tbounds = [r["tensor_bound"] for r in rows] if run else [gb]
+    loose = too_loose(rec, ref)
+    if loose is not None:
+        k, f = loose
+        return TensorCheck("gradient", False,
+                           f"not judged in reduced precision: at step {k} the {_precision_words(rec, ref)} floor is "
+                           f"{f:.2g} (the gradient through the loss / 3 against it), so {FLOOR_MULTIPLE:g} x it "
+                           f"exceeds {PRECISION_CAP:g} and a fault of that size would pass as round-off: the network "
+                           "amplifies round-off; gate the float32 run",
+                           worst=max(r["error"] for r in rows), worst_tensor=None, worst_step=k,
+                           bound=FLOOR_MULTIPLE * f, per_step=[r["error"] for r in rows], first_step=k)
+    gb = arithmetic_bound(rec, ref, GRAD_RTOL)  # the largest step's (one bound per step in the rows)
+    tbounds = [r["tensor_bound"] for r in rows] if run else [r["bound"] for r in rows]
     per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
     fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": []}
     first_bad = None
@@ -344,7 +385,8 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         if x > worst:
             worst, worst_k, worst_t = x, k, row["tensor"]
         # a constant factor is named from steps at the same parameters (all of them when replaying)
-        if run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > gb:
+        if run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > \
+                arithmetic_bound(rec, ref, GRAD_RTOL, k):
             continue
         fits.append(fit(g, g_ref, names))
         fitted.append(k)
@@ -357,7 +399,7 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     factor_rtol = max(FACTOR_RTOL, gb)  # a fitted constant is as uncertain as the gradients it is fitted to
     world, micro = rec.world_at(rec.steps[0]), rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
     what = "one process's gradient of the declared objective"
-    stated = (_bound_words(rec, ref, gb, GRAD_RTOL) if not run else
+    stated = (_bound_words(rec, ref, max(tbounds), GRAD_RTOL) if not run else
               f"each tensor against its own bound, {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor of "
               f"that tensor, {min(tbounds):.2g} to {max(tbounds):.2g}")
     if run and first_bad is not None:  # the per-tensor finding: which tensor, by how much, against what
@@ -467,6 +509,10 @@ def check_replay(rec: A.RecordingSet, ref: _Ref) -> Check:
                                           f"gives {want:.6g}")
     if ref.meta.get("mode") == "run":
         tol = run_tolerance(rec, ref, "rp/", "np/")
+        # reduced precision: a one-ulp nudge mostly vanishes in the cast, so the run's own drift
+        # under-measures; each step's precision bound (a gradient's, so loose for parameters) instead
+        tol = {k: {n: max(b, arithmetic_bound(rec, ref, RUN_MIN_RTOL, k)) for n, b in t.items()}
+               for k, t in tol.items()}
         worst, at, name, ok = (0.0, 0.0), None, None, True
         pre = "ps/" if rec.sketch else "p/"
         for k in rec.tensor_steps():
@@ -735,13 +781,16 @@ def check_data(rec: A.RecordingSet) -> Check:
 def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
     worst, at, alt_hits = 0.0, None, None
     reported_any, over, floor = False, False, 0.0
-    # reduced precision: the loss as a loop computing it in the forward's dtype gives it (measured)
+    # reduced precision: the loss as a loop computing it in the forward's dtype gives it (measured per step)
     lowp = max((f for k in rec.steps if (f := ref.info(k).get("loss_floor")) is not None), default=None)
     for k in rec.steps:
         info, _ = ref.step(k)
         if info.get("nudged_loss") is not None:  # run mode: the one-process run's own one-ulp floor
             floor = max(floor, abs(info["nudged_loss"] - info["loss"]) / max(abs(info["loss"]), 1e-30))
-        tol = max(LOSS_RTOL, FLOOR_MULTIPLE * floor, FLOOR_MULTIPLE * (lowp or 0.0))
+        # a step in reduced precision: the largest loss floor of such steps (one scalar a step is a noisy
+        # measure of a rounding); a float32 step keeps its own bound
+        tol = max(LOSS_RTOL, FLOOR_MULTIPLE * floor,
+                  FLOOR_MULTIPLE * lowp if info.get("loss_floor") is not None else 0.0)
         losses = [rec.step_meta(r, k).get("loss") for r in range(rec.world_at(k))]
         if losses[0] is None:
             continue
@@ -759,10 +808,11 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
     if not reported_any:
         return Check("loss", True, "the loop reported no loss (rec.step(loss=...)): not checked")
     if not over:
+        tol = max(LOSS_RTOL, FLOOR_MULTIPLE * floor, FLOOR_MULTIPLE * (lowp or 0.0))
         said = f"bound {tol:.2g}"
         if lowp is not None and FLOOR_MULTIPLE * lowp > max(LOSS_RTOL, FLOOR_MULTIPLE * floor):
             said += (f" = {FLOOR_MULTIPLE:g} x the {_precision_words(rec, ref)} loss floor {lowp:.2g}, the loss "
-                     "from logits left in the forward's dtype against it")
+                     "from logits left in the forward's dtype against it, at the largest; each step its own")
         return Check("loss", True, f"the logged loss equals the declared objective over the global batch at every "
                                    f"step (worst {worst:.2g}, {said})")
     desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": "the mean of the ranks' own "
@@ -822,8 +872,8 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
     if mgn <= 0:
         return Check("clip", True, "no clipping declared (max_grad_norm=0)")
     seen = False
-    tol = arithmetic_bound(rec, ref, CLIP_RTOL)  # | |a| - |b| | <= |a - b|: the gradient's bound holds for its norm
     for k in rec.steps:
+        tol = arithmetic_bound(rec, ref, CLIP_RTOL, k)  # | |a| - |b| | <= |a - b|: the gradient's bound holds for its norm
         info = ref.info(k)
         metas = [rec.step_meta(r, k) for r in range(rec.world_at(k))]
         norms = [m.get("grad_norm") for m in metas]
@@ -861,7 +911,9 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
         return Check("clip", True, f"the loop reported no gradient norm: the replay clipped by max_grad_norm "
                                    f"{mgn:g} itself (the replay check covers it)")
     return Check("clip", True, f"the loop's gradient norm and clip coefficient equal the one-process gradient's at "
-                               f"every step ({_bound_words(rec, ref, tol, CLIP_RTOL)})")
+                               f"every step ({_bound_words(rec, ref, arithmetic_bound(rec, ref, CLIP_RTOL), CLIP_RTOL)}"
+                               + (", each step against its own" if precision_floor(rec, ref) is not None else "")
+                               + ")")
 
 
 def provenance(rec: A.RecordingSet) -> dict:

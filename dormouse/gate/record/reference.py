@@ -39,8 +39,10 @@ under test), so the reference also measures it: "precision_floor" =
 gradient through a loss scaled by 1/3 (not a power of two), in one process;
 the judge's bounds are FLOOR_MULTIPLE x its largest. "loss_floor" (built-in
 objectives) is the step's loss computed from the logits in the dtype the
-forward gives them (no float32 upcast) against the objective's: how far a
-loop that computes its loss in that precision logs. Parameters cast for the
+forward gives them, outside autocast (no float32 upcast), against the
+objective's: how far a loop that computes its loss in that precision logs.
+"precision_floor_tensors" is the floor of each tensor alone. Every
+micro-batch of a step where any computes in reduced precision is measured. Parameters cast for the
 forward (FSDP2's MixedPrecisionPolicy: the recording's "compute_dtype") are
 computed on a copy of the model cast so.
 
@@ -138,7 +140,12 @@ def objective_sum(objective: str, model, batch: dict[str, torch.Tensor], user=No
         except Exception as e:
             raise ReferenceError(f"objective {objective!r} failed on a recorded batch ({type(e).__name__}: {e})")
         return loss_sum, float(count)
-    z = _logits(_call(model, batch))
+    return objective_of_logits(objective, _logits(_call(model, batch)), batch, upcast=upcast)
+
+
+def objective_of_logits(objective: str, z: torch.Tensor, batch: dict[str, torch.Tensor], *, upcast: bool = True):
+    """A built-in objective's (loss_sum, count) from a micro-batch's logits z
+    (in float32, or with upcast=False in the dtype they are given in)."""
     z = z.float() if upcast else z
     y = _labels(batch)
     if objective == "causal_lm":
@@ -326,6 +333,9 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     sample = example_sample(mbs, examples) if examples is not None else set()
     cast_models: dict[str, torch.nn.Module] = {}  # the model at this step's parameters, cast for the forward
     base = model
+    # the precision floor, over every micro-batch of a step where any computes in reduced precision
+    measure = bool(lowp) or any(rec.autocast(r, step, m) is not None or rec.compute_dtype(r, step, m) is not None
+                                for r, m, _ in mbs)
     for i, (r, m, batch) in enumerate(mbs):
         ac, cast = rec.autocast(r, step, m), rec.compute_dtype(r, step, m)
         model = base
@@ -337,12 +347,14 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         ls, c, grads = _grads(model, objective, batch, user, ac)
         present |= {n for n, g in grads.items() if g is not None}
         add(acc["g"], grads)
-        if ac is not None or cast is not None or lowp:  # the precision floor: the gradient through loss / 3
+        if measure:  # the precision floor: the same gradient through the loss / 3
             _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3)
             add(acc["scaled"], g3, 3.0)
-            if objective in OBJECTIVES:  # and the loss as a loop computing it in that precision logs it
-                with torch.no_grad(), _autocast(ac):
-                    native += float(objective_sum(objective, model, batch, upcast=False)[0])
+            if objective in OBJECTIVES:  # and the loss from the logits as the forward gives them, computed
+                with torch.no_grad():  # outside autocast (where cross_entropy would run in float32)
+                    with _autocast(ac):
+                        z = _logits(_call(model, batch))
+                    native += float(objective_of_logits(objective, z, batch, upcast=False)[0])
         rank_acc.setdefault(r, {})
         add(rank_acc[r], grads)
         rank_n[r] = rank_n.get(r, 0.0) + c
@@ -381,16 +393,19 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         out["ex"] = {n: v / n_total for n, v in acc["ex"].items()}
         out["exb"] = {n: v / n_total for n, v in acc["exb"].items()}
     norm = float(torch.sqrt(sum((v * v).sum() for v in out["g"].values())))
-    floor = None
-    if acc["scaled"]:  # ||g(loss / 3) * 3 - g|| / ||g||: reduced-precision round-off alone
-        floor = math.sqrt(sum(float(((acc["scaled"][n] / n_total - v) ** 2).sum()) for n, v in out["g"].items()
-                              if n in acc["scaled"])) / norm if norm > 0 else 0.0
+    floor, floors = None, None
+    if acc["scaled"]:  # ||g(loss / 3) * 3 - g|| / ||g||: reduced-precision round-off alone, and per tensor
+        sq = {n: float(((acc["scaled"][n] / n_total - v) ** 2).sum()) for n, v in out["g"].items()
+              if n in acc["scaled"]}
+        floor = math.sqrt(sum(sq.values())) / norm if norm > 0 else 0.0
+        floors = {n: math.sqrt(x) / max(float(out["g"][n].norm()), 1e-300) for n, x in sq.items()}
     info = {"loss": loss_total / n_total, "loss_sum": loss_total, "count": n_total,
             "loss_alt": {"micro_mean": sum(micro_means) / max(len(micro_means), 1),
                          "rank_mean": sum(rank_loss[r] / rank_n[r] for r in rank_loss if rank_n[r] > 0) / world,
                          "rank_local": [rank_loss[r] / rank_n[r] if rank_n[r] else None for r in sorted(rank_loss)]},
             "counts": [counts[r] for r in sorted(counts)], "no_grad": [n for n in names if n not in present],
-            "norm": norm, "rng_sensitive": rng_sensitive, "precision_floor": floor, "low_precision_params": lowp,
+            "norm": norm, "rng_sensitive": rng_sensitive, "precision_floor": floor, "precision_floor_tensors": floors,
+            "low_precision_params": lowp,
             "loss_floor": (abs(native - loss_total) / max(abs(loss_total), 1e-30)
                            if floor is not None and objective in OBJECTIVES else None),
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)]}
