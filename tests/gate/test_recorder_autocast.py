@@ -99,8 +99,8 @@ def test_a_rank_outside_the_fleets_autocast_fails_the_ranks_check(recordings):
     # rank 1 computes in float32 while rank 0 runs under bfloat16 autocast: the
     # reference would mirror the mixture, so the split itself is the finding
     looprec.fails_for(looprec.verdict(recordings["rank1_fp32"]), "ranks",
-                      "rank 1 ran micro-batch 0 under no autocast, rank 0 micro-batch 0 under cpu bfloat16 "
-                      "autocast: the fleet does not compute in one precision")
+                      "rank 1 ran micro-batch 0 under no autocast, rank 0 under cpu bfloat16 autocast: the "
+                      "fleet's ranks do not compute in one precision")
 
 
 def test_fsdp2_mixed_precision_is_recorded_and_judged_on_cast_parameters(recordings):

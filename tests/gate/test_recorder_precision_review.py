@@ -30,6 +30,8 @@ RUNS = {
     "every2": {**AC, "every": 2, "steps": 4},
     # one row of tok.weight's gradient doubled after the all-reduce
     "row_x2": {**AC, "fault": "row_x2"},
+    # autocast on the first micro-batch of every step, on every rank alike
+    "ac_micro0": {**AC, "ac_micro": [0]},
 }
 
 
@@ -84,3 +86,12 @@ def test_a_clean_every_k_recording_under_autocast_passes(recs):
 def test_one_row_doubled_fails_under_autocast(recs):
     # 1.0e-2 of the whole gradient (under its 3.4e-2 bound), but tok.weight against 10 x its own floor
     looprec.fails_for(looprec.verdict(recs["row_x2"]), "gradient", "tok.weight")
+
+
+def test_a_precision_pattern_every_rank_follows_alike_is_judged_not_refused(recs):
+    # micro-batch 0 under autocast, 1 and 2 in float32, on both ranks: the ranks agree and the
+    # reference mirrors the pattern; the floor is measured over the whole step (it was measured on
+    # the autocast micro-batch alone against the whole step's gradient: 0.86)
+    v = looprec.verdict(recs["ac_micro0"])
+    assert v.passed, failing(v)
+    assert v.check("gradient").bound < 0.1

@@ -832,17 +832,20 @@ def _autocast_words(state: tuple) -> str:
 
 
 def _precision_split(rec: A.RecordingSet) -> str | None:
-    """Where a step's micro-batches ran in different precisions (one rank
-    without the others' autocast, or on parameters cast otherwise): the
-    sentence that says so, else None."""
+    """Where a rank's micro-batches ran in other precisions than rank 0's
+    same micro-batches (one rank without the others' autocast, or on
+    parameters cast otherwise): the sentence that says so, else None. A
+    pattern every rank follows alike (the first micro-batch under autocast
+    on each) is the fleet's own, and the reference mirrors it."""
     for k in rec.steps:
-        seen = [((rec.autocast(r, k, m), rec.compute_dtype(r, k, m)), r, m) for r in range(rec.world_at(k))
-                for m in range(rec.step_meta(r, k).get("micro_batches", 0))]
-        for a, r, m in seen:
-            if a != seen[0][0]:
-                return (f"at step {k} rank {r} ran micro-batch {m} under {_autocast_words(a)}, rank {seen[0][1]} "
-                        f"micro-batch {seen[0][2]} under {_autocast_words(seen[0][0])}: the fleet does not compute "
-                        "in one precision")
+        states = [[(rec.autocast(r, k, m), rec.compute_dtype(r, k, m))
+                   for m in range(rec.step_meta(r, k).get("micro_batches", 0))] for r in range(rec.world_at(k))]
+        for r, st in enumerate(states):
+            for m, a in enumerate(st):
+                want = states[0][m] if m < len(states[0]) else states[0][-1] if states[0] else a
+                if a != want:
+                    return (f"at step {k} rank {r} ran micro-batch {m} under {_autocast_words(a)}, rank 0 under "
+                            f"{_autocast_words(want)}: the fleet's ranks do not compute in one precision")
     return None
 
 
