@@ -19,6 +19,7 @@ from looprec import QUIET, ROOT, failing, launch
 
 from dormouse.errors import DormouseError
 from dormouse.gate import Recorder
+from dormouse.gate import artifacts as A
 from dormouse.gate.judge.recording import judge_recording
 from dormouse.gate.record.reference import make_reference
 
@@ -38,6 +39,8 @@ RUNS = {
     "same_data": {"fault": "same_data"},
     "bn": {"fault": "bn"},
     "dropout": {"fault": "dropout"},
+    "bn_frozen": {"fault": "bn", "eval_modules": ["bn"]},  # BatchNorm in eval mode: its running statistics
+    "dropout_off": {"fault": "dropout", "eval_modules": ["drop"]},  # a dropout module in eval mode
     "clip_local": {"fault": "clip_local"},
     "unused_zero": {"fault": "unused_zero"},
     "resume_drop_sched": {"fault": "resume_drop_sched", "stop_at": 2, "leg": 1},
@@ -105,6 +108,18 @@ FAULTS = {
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_each_fault_fails_for_its_named_reason(recordings, fault):
     looprec.fails_for(verdict(recordings, fault), *FAULTS[fault])
+
+
+@pytest.mark.parametrize("name", ["bn_frozen", "dropout_off"])
+def test_submodules_the_loop_runs_in_eval_mode_are_judged_in_eval_mode(recordings, name):
+    """A frozen BatchNorm (running statistics) or a dropout module in eval mode
+    is a function of each example alone: the Recorder records the modes, the
+    reference sets them (not model.train()'s all-training), and the loop
+    passes; the same modules in training mode fail independence (FAULTS)."""
+    v = verdict(recordings, name)
+    assert v.passed, failing(v)
+    module = "bn" if name == "bn_frozen" else "drop"
+    assert A.RecordingSet(recordings[name]).eval_modules(1) == [module]
 
 
 def test_wrong_logged_loss_is_not_wrong_training(recordings):

@@ -39,6 +39,9 @@ RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstr
     f"world_comp_x2:ga=3:fault=world_comp_x2:{FIX}",
     f"logged_rank_means:fault=logged_rank_means:{FIX}",
     f"unused_zero:unused=1:fault=unused_zero:{FIX}",
+    f"uneven:examples=18:steps=3:{FIX}",      # 18 examples, global batch 8: an uneven end of the epoch
+    f"uneven_two:examples=18:steps=6:{FIX}",  # ... over two epochs
+    f"uneven_drop:examples=18:steps=4:drop=1:{FIX}",  # dataloader_drop_last=True: two epochs of 16
     f"resume:leg=1:{FIX}", f"resume:leg=2:{FIX}",  # a checkpoint after step 2, resumed to step 4
     f"resume_no_sched:leg=1:{FIX}", f"resume_no_sched:leg=2:fault=no_sched_file:{FIX}",
 ]
@@ -201,6 +204,27 @@ def test_world_size_compensation_fails_with_its_factor(fleet, name, factor):
     gradient_wrong(v)
     reason = checks(v)["gradient"].reason
     assert f"= {factor} (W = 2 ranks, K = 3 micro-batches)" in reason
+
+
+def test_an_uneven_epoch_end_filled_with_repeated_examples_fails_the_data_check(fleet):
+    """18 examples at a global batch of 8: accelerate's even_batches fills the
+    epoch's last batch on rank 1 with examples read at step 1, which one process
+    would not read again. The callback records the Trainer's epochs, so the
+    repeat is one within epoch 0 (steps 1 and 3), named as HF's doing; over two
+    epochs too, where a dataset_len rule had put step 3 in a new epoch."""
+    for name in ("uneven", "uneven_two"):
+        rec = A.RecordingSet(fleet / name)
+        assert [rec.step_meta(0, k)["epoch"] for k in rec.steps] == ([0, 0, 0] + ([1, 1, 1] if name == "uneven_two" else []))
+        c = checks(verdict(fleet, name))["data"]
+        assert not c.passed and "rows read at steps 1 and 3 are identical" in c.reason, c.reason
+        assert "within epoch 0" in c.reason and "even_batches" in c.reason and "dataloader_drop_last" in c.reason
+
+
+def test_an_uneven_epoch_end_dropped_passes_with_the_trainers_epochs(fleet):
+    """dataloader_drop_last=True: two epochs of 16 examples, each read once, in the Trainer's own epochs."""
+    v = verdict(fleet, "uneven_drop")
+    assert v.passed, [c.reason for c in v.checks if not c.passed]
+    assert "within any of the loop's epochs (rec.step(epoch=...): 2 epoch(s), 32 reads" in checks(v)["data"].reason
 
 
 def test_zero_gradients_for_unused_parameters_fail_the_mask(fleet):

@@ -43,6 +43,8 @@ The second reviewer's knobs (tests/gate/test_review2_precision.py), cfg keys, no
   "patch_forward"  the loop runs no autocast; the inner model's forward is wrapped in one (accelerate's way)
   "ac_steps"       the steps (1-based) autocast is on, every rank alike (None: all)
   "ac_micro"       the micro-batches (0-based) autocast is on, every rank and step alike (None: all)
+A third review's knob:
+  "eval_modules"   submodules the loop puts in eval mode (["bn"]: a frozen BatchNorm; ["drop"]: dropout off)
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "ids": False, "epoch": False,  # ids / epoch: pass rec.step(example_ids=...) / rec.step(epoch=...)
        "autocast": False,  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
        "model": None, "ac_dtype": "bfloat16", "loss_outside": False, "patch_forward": False, "ac_steps": None,
-       "ac_micro": None}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "ac_micro": None, "eval_modules": []}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -175,6 +177,8 @@ def run(cfg: dict) -> None:
         model = build_review_model(**kw)
     else:
         model = build_model(**kw)
+    for name in cfg["eval_modules"]:  # a frozen BatchNorm, a dropout switched off: the loop's own modes
+        model.get_submodule(name).eval()
     if cfg["patch_forward"]:  # accelerate's convert_outputs/autocast: the module's own forward enters autocast
         model.forward = torch.autocast("cpu", dtype=getattr(torch, cfg["ac_dtype"]))(model.forward)
     if cfg["fsdp"]:

@@ -24,6 +24,9 @@ optimizer and schedule (`build_optimizer`), on the same generated data
   stop=S      leg 1's last step (default 2)
   gc=1        gradient checkpointing (the layers' forwards re-run in backward)
   bf16=1      bf16 autocast (TrainingArguments.bf16)
+  examples=N  the dataset's size (default EXAMPLES); 18 with the global batch of 8 ends each epoch
+              on an uneven batch, which accelerate's even_batches fills with the epoch's first examples
+  drop=1      dataloader_drop_last=True (the uneven end of an epoch is dropped instead)
   unused=1    the model holds a parameter its forward never uses (build_model(unused=True))
   build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
   loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
@@ -112,13 +115,13 @@ def build_optimizer(model, unused: bool = False):
 
 
 class PaddedSequences(torch.utils.data.Dataset):
-    """EXAMPLES random token sequences of lengths 3..SEQ, right-padded with 0:
+    """n (EXAMPLES) random token sequences of lengths 3..SEQ, right-padded with 0:
     attention_mask 0 and labels -100 at the padding."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, n: int = EXAMPLES):
         g = torch.Generator().manual_seed(10_000 + seed)
         self.rows = []
-        for _ in range(EXAMPLES):
+        for _ in range(n):
             n = int(torch.randint(3, SEQ + 1, (1,), generator=g))
             ids = torch.zeros(SEQ, dtype=torch.long)
             ids[:n] = torch.randint(1, VOCAB, (n,), generator=g)
@@ -172,12 +175,12 @@ def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
     run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "eval": 0, "fault": None,
            "loss_type": None, "build": MODULE, "leg": 0, "stop": 2, "gc": 0, "bf16": 0,
-           "unused": 0}
+           "unused": 0, "examples": EXAMPLES, "drop": 0}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
             run["avg"] = v == "1"
-        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16", "unused"):
+        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16", "unused", "examples", "drop"):
             run[k] = int(v)
         elif k in ("fault", "loss_type"):
             run[k] = v
@@ -207,6 +210,7 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
         disable_tqdm=True, seed=run["seed"], average_tokens_across_devices=run["avg"],
         dataloader_num_workers=0, eval_strategy="steps" if run["eval"] else "no", eval_steps=run["eval"] or None,
         per_device_eval_batch_size=4, gradient_checkpointing=bool(run["gc"]), bf16=bool(run["bf16"]),
+        dataloader_drop_last=bool(run["drop"]),
     )
     model = build_model(**kw)
     if run.get("loss_type"):
@@ -225,7 +229,8 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
 
     callbacks = [Keep()] + ([ZeroUnused()] if run["fault"] == "unused_zero" else []) + recorder
     held_out = PaddedSequences(run["seed"] + 1_000) if run["eval"] else None
-    trainer = trainer_class(run["fault"])(model=model, args=args, train_dataset=PaddedSequences(run["seed"]),
+    data = PaddedSequences(run["seed"], run["examples"])
+    trainer = trainer_class(run["fault"])(model=model, args=args, train_dataset=data,
                                           eval_dataset=held_out,
                                           optimizers=build_optimizer(model, **kw), callbacks=callbacks)
     if run["fault"] == "mean_of_means":

@@ -265,7 +265,9 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     elif rng or drop:
         reason = ("the gradient changes with the RNG state: active dropout"
                   + (f" ({', '.join(drop)})" if drop else " or other unkeyed randomness")
-                  + f", drawn by each rank from its own generator (per-example vs batch {worst:.2g})")
+                  + f": its masks are random draws, which no split of the batch draws as one process does, "
+                  f"whether or not the ranks share a seed (per-example vs batch {worst:.2g}); switch it off "
+                  "(p = 0 or the module in eval mode) to gate the loop")
     else:
         reason = (f"the network is not a function of each example alone: per-example gradients differ from the "
                   f"batch's by {worst:.2g} at step {worst_k} ({said})")
@@ -676,6 +678,10 @@ def _ids_against_corpus(rec: A.RecordingSet) -> tuple[str | None, str]:
     return None, ""
 
 
+EVEN_BATCHES = ("a read twice is what HF's Trainer does at an uneven end of an epoch: accelerate's even_batches "
+                "fills the last step's batch on every rank with the epoch's first examples, which one process "
+                "does not read again (dataloader_drop_last=True, or a dataset that divides by the global batch, "
+                "trains each example once an epoch)")
 IDENTICAL = ("the data check identifies examples by a hash of their tokens, so identical rows (duplicates in "
              "the dataset) cannot be told from one example read twice: identical rows: pass example_ids=... to "
              "rec.step (the sampler's indices) to tell them apart")
@@ -748,7 +754,7 @@ def check_data(rec: A.RecordingSet) -> Check:
                 if e in cur:
                     if not replayed:
                         return Check("data", False, f"rows read at steps {cur[e]} and {k} are identical (equal "
-                                                    f"tokens) within epoch {epoch}; {IDENTICAL}")
+                                                    f"tokens) within epoch {epoch}; {EVEN_BATCHES}; {IDENTICAL}")
                     src = "the loop's epochs" if given_epochs else f"dataset_len {n}"
                     return Check("data", False, f"an example was read twice within epoch {epoch} (steps {cur[e]} "
                                                 f"and {k}, {src})")

@@ -44,6 +44,8 @@ a Trainer that is not data-parallel or single-process (model parallel).
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 from dormouse.gate.record.recorder import INPUTS, Recorder, RecorderError, check_options
@@ -83,6 +85,8 @@ class RecorderCallback(TrainerCallback):
         self.dataset_len = dataset_len
         self.rec: Recorder | None = None
         self._step_logged = -1  # the Trainer's global_step whose log reached the Recorder
+        self._epoch_seen: list[int] = []
+        self._epoch = 0  # the Trainer's epoch (on_epoch_begin), for the data check's once-per-epoch rule
 
     # ------------------------------------------------------------------ the Trainer's events
 
@@ -103,9 +107,21 @@ class RecorderCallback(TrainerCallback):
                             resume=int(state.global_step) if state.global_step else False, **self.options)
         return control
 
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # the Trainer's loop runs `for epoch in range(epochs_trained, ...)`, epochs_trained =
+        # floor(state.epoch) on a resume (state.epoch = epoch + steps done / steps in the epoch)
+        if self._epoch_seen:
+            self._epoch = self._epoch_seen[-1] + 1
+        else:
+            self._epoch = math.floor(state.epoch or 0) if state.global_step else 0
+        self._epoch_seen.append(self._epoch)
+        return control
+
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        # the gradient is synchronised and (max_grad_norm > 0) already clipped: see the module docstring
-        self._live().step(optimizer=optimizer)
+        # the gradient is synchronised and (max_grad_norm > 0) already clipped: see the module docstring.
+        # The epoch is the Trainer's own: an uneven last batch, which accelerate's even_batches fills
+        # on every rank by repeating the epoch's first examples, is then seen as a read twice
+        self._live().step(optimizer=optimizer, epoch=self._epoch)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -403,6 +403,10 @@ class Recorder:
         # stored ones (FSDP2's MixedPrecisionPolicy(param_dtype=...)), else None: the reference
         # computes that micro-batch on a copy of the model cast the same way
         self.casts: list[str | None] = []
+        # each micro-batch's submodules in eval mode (a frozen BatchNorm, a dropout switched off),
+        # None when none is: the reference sets the same modes, not model.train()'s all-training
+        self.evals: list[list[str] | None] = []
+        self._submodules = [(n, m) for n, m in self.module.named_modules() if n]
         p = next(self.module.parameters(), None)
         self._device_type = p.device.type if p is not None else "cpu"
         self._sketcher = Sketcher(int(sketch))
@@ -533,6 +537,7 @@ class Recorder:
         self.batches.append(batch)
         self.autocasts.append(_autocast_state(self._device_type))
         self.casts.append(None)
+        self.evals.append([n for n, m in self._submodules if not m.training] or None)
         return None
 
     def _inner(self, module, args):
@@ -583,6 +588,7 @@ class Recorder:
         batches, self.batches = self.batches, []
         autocasts, self.autocasts = self.autocasts, []
         casts, self.casts = self.casts, []
+        evals, self.evals = self.evals, []
         if lr is None and optimizer is not None:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)
@@ -618,7 +624,7 @@ class Recorder:
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
-                "autocast": autocasts, "compute_dtype": casts,
+                "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals,
                 "tensors": self._tensor_step(k), "param_hash": param_hash,
                 "epoch": None if epoch is None else int(epoch)}
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned

@@ -257,8 +257,21 @@ def _scan(model) -> dict:
     from torch.nn.modules.batchnorm import _BatchNorm
     from torch.nn.modules.dropout import _DropoutNd
 
-    return {"dropout": [n for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0],
-            "batchnorm": [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]}
+    return {"dropout": [n for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0 and m.training],
+            "batchnorm": [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]}
+
+
+def set_modes(model, eval_names: list[str]) -> None:
+    """The loop's module modes: training, but for the submodules it ran in
+    eval mode (a frozen BatchNorm uses its running statistics, a dropout
+    switched off draws nothing), as the recording says."""
+    model.train()
+    named = dict(model.named_modules())
+    for n in eval_names:
+        if n not in named:
+            raise ReferenceError(f"the recording ran submodule {n!r} in eval mode, but the rebuilt model has no "
+                                 "such submodule: build_model must build the recorded model")
+        named[n].eval()
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -484,7 +497,7 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
     check_provenance(rec)
     user = import_path(rec.meta["objective"], "objective") if rec.meta["objective"] not in OBJECTIVES else None
     model = rebuild(rec)
-    model.train()
+    set_modes(model, rec.eval_modules(rec.steps[0]) if rec.steps else [])
     replay = rec.sketch == 0 and rec.every == 1
     probe_model = copy.deepcopy(model) if replay else model
     opt, sched = build_optimizer(rec, model)
@@ -516,6 +529,8 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         else:
             gmodel = model
         want = k in tensor_steps
+        for m in (gmodel, nudged) if nudged is not None else (gmodel,):
+            set_modes(m, rec.eval_modules(k))
         ref, info = step_gradients(gmodel, rec, k, user, examples=len(done) if want else None, probe=(i == 0))
         if rule is not None:  # after the gradients: the rule may move the probe's buffers (reloaded each step)
             tensors.update({f"bu/{n}": v for n, v in updated_buffers(rule, rec.meta["buffer_update"], probe_model,
