@@ -41,6 +41,8 @@ RUNS = {
     "dropout": {"fault": "dropout"},
     "bn_frozen": {"fault": "bn", "eval_modules": ["bn"]},  # BatchNorm in eval mode: its running statistics
     "dropout_off": {"fault": "dropout", "eval_modules": ["drop"]},  # a dropout module in eval mode
+    "frozen_script": {"freeze": ["pos.weight"]},  # frozen by the training script, after build_model
+    "position_ids": {"position_ids": True},  # a forward keyword beyond Recorder(inputs=...)
     "clip_local": {"fault": "clip_local"},
     "unused_zero": {"fault": "unused_zero"},
     "resume_drop_sched": {"fault": "resume_drop_sched", "stop_at": 2, "leg": 1},
@@ -120,6 +122,44 @@ def test_submodules_the_loop_runs_in_eval_mode_are_judged_in_eval_mode(recording
     assert v.passed, failing(v)
     module = "bn" if name == "bn_frozen" else "drop"
     assert A.RecordingSet(recordings[name]).eval_modules(1) == [module]
+
+
+def test_a_parameter_the_script_froze_is_frozen_in_the_reference(recordings, tmp_path):
+    """requires_grad is recorded with the initial state: the reference freezes
+    what the loop froze, so the loop passes; without that record (a recording
+    read as before) the reference trains pos.weight and the mask fails."""
+    v = verdict(recordings, "frozen_script")
+    assert v.passed, failing(v)
+    assert A.RecordingSet(recordings["frozen_script"]).meta["frozen"] == ["pos.weight"]
+    dst = _copy(recordings, tmp_path, "frozen_script")
+    meta = json.loads(A.recording_path(dst).read_text())
+    del meta["frozen"]
+    A.recording_path(dst).write_text(json.dumps(meta))
+    make_reference(dst, log=QUIET)
+    v = judge_recording(dst)
+    assert not v.check("grad_mask").passed and "pos.weight" in v.check("grad_mask").reason
+
+
+def test_a_forward_keyword_beyond_the_inputs_is_recorded_and_passed(recordings, tmp_path):
+    """position_ids (packed sequences' positions) reach the forward as a
+    keyword not named in Recorder(inputs=...): the Recorder keeps every tensor
+    keyword with the batch's rows, and the reference passes it, so the loop
+    passes; with position_ids taken out of the recording the reference runs
+    other positions and the gradient check fails."""
+    from safetensors.torch import load_file, save_file
+
+    v = verdict(recordings, "position_ids")
+    assert v.passed, failing(v)
+    rec = A.RecordingSet(recordings["position_ids"])
+    assert all("position_ids" in b for _, _, b in rec.micro_batches(1))
+    dst = _copy(recordings, tmp_path, "position_ids")
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            path = A.step_tensors_path(dst, r, k)
+            t = load_file(path)
+            save_file({n: x for n, x in t.items() if not n.endswith("/position_ids")}, path)
+    make_reference(dst, log=QUIET)
+    assert not judge_recording(dst).check("gradient").passed
 
 
 def test_wrong_logged_loss_is_not_wrong_training(recordings):

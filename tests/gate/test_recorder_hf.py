@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -39,6 +40,7 @@ RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstr
     f"world_comp_x2:ga=3:fault=world_comp_x2:{FIX}",
     f"logged_rank_means:fault=logged_rank_means:{FIX}",
     f"unused_zero:unused=1:fault=unused_zero:{FIX}",
+    f"flat:flat=1:{FIX}",                     # packed sequences (DataCollatorWithFlattening, position_ids)
     f"uneven:examples=18:steps=3:{FIX}",      # 18 examples, global batch 8: an uneven end of the epoch
     f"uneven_two:examples=18:steps=6:{FIX}",  # ... over two epochs
     f"uneven_drop:examples=18:steps=4:drop=1:{FIX}",  # dataloader_drop_last=True: two epochs of 16
@@ -206,6 +208,27 @@ def test_world_size_compensation_fails_with_its_factor(fleet, name, factor):
     assert f"= {factor} (W = 2 ranks, K = 3 micro-batches)" in reason
 
 
+def test_packed_sequences_pass_with_their_position_ids_and_the_trainers_config(fleet, tmp_path):
+    """DataCollatorWithFlattening: each micro-batch one row of packed
+    sequences, position_ids restarting at each. The callback records
+    position_ids unasked (a forward keyword with the batch's rows) and the
+    model's config as the Trainer set it (use_cache = False, under which GPT-2
+    keeps the packed sequences apart); the reference rebuilds both, and the
+    fleet passes. Without them the reference attended across sequences."""
+    rec = A.RecordingSet(fleet / "flat")
+    assert all("position_ids" in b and b["input_ids"].shape[0] == 1 for _, _, b in rec.micro_batches(1))
+    assert rec.meta["hf_config"]["use_cache"] is False
+    v = verdict(fleet, "flat")
+    assert v.passed, [c.reason for c in v.checks if not c.passed]
+    bare = tmp_path / "flat"  # the same recording without the config: GPT-2 as build_model makes it
+    shutil.copytree(fleet / "flat", bare, ignore=shutil.ignore_patterns("reference"))
+    meta = json.loads(A.recording_path(bare).read_text())
+    del meta["hf_config"]
+    A.recording_path(bare).write_text(json.dumps(meta))
+    make_reference(bare, log=lambda line: None)
+    assert not checks(judge_recording(bare))["gradient"].passed
+
+
 def test_an_uneven_epoch_end_filled_with_repeated_examples_fails_the_data_check(fleet):
     """18 examples at a global batch of 8: accelerate's even_batches fills the
     epoch's last batch on rank 1 with examples read at step 1, which one process
@@ -287,6 +310,10 @@ def test_bad_callback_input_is_one_line(tmp_path, capsys):
     args = TrainingArguments(str(tmp_path / "hf"), use_cpu=True, report_to="none")
     with pytest.raises(DormouseError, match="before on_train_begin"):
         cb.on_pre_optimizer_step(args, None, None, optimizer=None)
+    smooth = TrainingArguments(str(tmp_path / "hf"), use_cpu=True, report_to="none", label_smoothing_factor=0.1)
+    with pytest.raises(DormouseError, match="the recording holds no labels") as e:  # the Trainer pops them
+        cb.on_train_begin(smooth, None, None, model=hf_client.build_model())
+    assert "\n" not in str(e.value)
     args.fsdp = True  # set after construction: TrainingArguments(fsdp=...) would switch accelerate's env to FSDP
     with pytest.raises(DormouseError, match="does not record the Trainer's FSDP"):
         cb.on_train_begin(args, None, None, model=hf_client.build_model())

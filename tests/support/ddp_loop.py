@@ -45,6 +45,8 @@ The second reviewer's knobs (tests/gate/test_review2_precision.py), cfg keys, no
   "ac_micro"       the micro-batches (0-based) autocast is on, every rank and step alike (None: all)
 A third review's knob:
   "eval_modules"   submodules the loop puts in eval mode (["bn"]: a frozen BatchNorm; ["drop"]: dropout off)
+  "freeze"         parameters the script freezes (requires_grad False) after build_model
+  "position_ids"   the loop passes each row's positions as the forward's position_ids (not a Recorder input)
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopmodel import VOCAB, build_model, build_optimizer, collate, dataset  # noqa: E402
+from loopmodel import T as TLEN  # noqa: E402  the position table's length
 
 from dormouse.gate import Recorder  # noqa: E402
 
@@ -71,7 +74,8 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "ids": False, "epoch": False,  # ids / epoch: pass rec.step(example_ids=...) / rec.step(epoch=...)
        "autocast": False,  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
        "model": None, "ac_dtype": "bfloat16", "loss_outside": False, "patch_forward": False, "ac_steps": None,
-       "ac_micro": None, "eval_modules": []}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "ac_micro": None, "eval_modules": [], "freeze": [],
+       "position_ids": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -177,6 +181,8 @@ def run(cfg: dict) -> None:
         model = build_review_model(**kw)
     else:
         model = build_model(**kw)
+    for name in cfg["freeze"]:  # frozen in the training script, not by build_model
+        model.get_submodule(name.rpartition(".")[0]).get_parameter(name.rpartition(".")[2]).requires_grad_(False)
     for name in cfg["eval_modules"]:  # a frozen BatchNorm, a dropout switched off: the loop's own modes
         model.get_submodule(name).eval()
     if cfg["patch_forward"]:  # accelerate's convert_outputs/autocast: the module's own forward enters autocast
@@ -223,6 +229,11 @@ def run(cfg: dict) -> None:
         epoch, j = divmod(s - start if fault == "resume_data" else s, per_epoch)
         idx = order_of(fault, n, world, rank, cfg["seed"], epoch)[j * K * B:(j + 1) * K * B]
         mbs = [collate([data[i] for i in idx[m * B:(m + 1) * B]]) for m in range(K)]
+        if cfg["position_ids"]:  # each row's positions start at its length mod 3 (a forward keyword the gate
+            for mb in mbs:       # must record without being told: it is not among Recorder(inputs=...))
+                t = mb["input_ids"].shape[1]
+                start = mb["attention_mask"].sum(1, keepdim=True) % 3
+                mb["position_ids"] = (torch.arange(t) + start).clamp(max=TLEN - 1)
         counts = [int((mb["labels"][:, sh:] != -100).sum()) for mb in mbs]
         n_local = sum(counts)
         n_global = torch.tensor(n_local)

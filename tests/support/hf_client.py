@@ -26,6 +26,8 @@ optimizer and schedule (`build_optimizer`), on the same generated data
   bf16=1      bf16 autocast (TrainingArguments.bf16)
   examples=N  the dataset's size (default EXAMPLES); 18 with the global batch of 8 ends each epoch
               on an uneven batch, which accelerate's even_batches fills with the epoch's first examples
+  flat=1      packed sequences: DataCollatorWithFlattening puts a micro-batch's rows in one row, its
+              position_ids restarting at each sequence (a forward keyword the callback is not told of)
   drop=1      dataloader_drop_last=True (the uneven end of an epoch is dropped instead)
   unused=1    the model holds a parameter its forward never uses (build_model(unused=True))
   build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
@@ -118,9 +120,9 @@ class PaddedSequences(torch.utils.data.Dataset):
     """n (EXAMPLES) random token sequences of lengths 3..SEQ, right-padded with 0:
     attention_mask 0 and labels -100 at the padding."""
 
-    def __init__(self, seed: int, n: int = EXAMPLES):
+    def __init__(self, seed: int, n: int = EXAMPLES, flat: bool = False):
         g = torch.Generator().manual_seed(10_000 + seed)
-        self.rows = []
+        self.rows, self.flat = [], flat
         for _ in range(n):
             n = int(torch.randint(3, SEQ + 1, (1,), generator=g))
             ids = torch.zeros(SEQ, dtype=torch.long)
@@ -133,6 +135,8 @@ class PaddedSequences(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
+        if self.flat:  # the row unpadded, for DataCollatorWithFlattening
+            return {"input_ids": self.rows[i]["input_ids"][self.rows[i]["attention_mask"].bool()].tolist()}
         return dict(self.rows[i])
 
 
@@ -175,12 +179,12 @@ def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
     run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "eval": 0, "fault": None,
            "loss_type": None, "build": MODULE, "leg": 0, "stop": 2, "gc": 0, "bf16": 0,
-           "unused": 0, "examples": EXAMPLES, "drop": 0}
+           "unused": 0, "examples": EXAMPLES, "drop": 0, "flat": 0}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
             run["avg"] = v == "1"
-        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16", "unused", "examples", "drop"):
+        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16", "unused", "examples", "drop", "flat"):
             run[k] = int(v)
         elif k in ("fault", "loss_type"):
             run[k] = v
@@ -229,8 +233,14 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
 
     callbacks = [Keep()] + ([ZeroUnused()] if run["fault"] == "unused_zero" else []) + recorder
     held_out = PaddedSequences(run["seed"] + 1_000) if run["eval"] else None
-    data = PaddedSequences(run["seed"], run["examples"])
-    trainer = trainer_class(run["fault"])(model=model, args=args, train_dataset=data,
+    data = PaddedSequences(run["seed"], run["examples"], flat=bool(run["flat"]))
+    if run["flat"]:
+        from transformers import DataCollatorWithFlattening
+
+        extra = {"data_collator": DataCollatorWithFlattening()}
+    else:
+        extra = {}
+    trainer = trainer_class(run["fault"])(model=model, args=args, train_dataset=data, **extra,
                                           eval_dataset=held_out,
                                           optimizers=build_optimizer(model, **kw), callbacks=callbacks)
     if run["fault"] == "mean_of_means":

@@ -32,9 +32,9 @@ class TinyLM(torch.nn.Module):
         self.drop = torch.nn.Dropout(dropout) if dropout else None
         self.spare = torch.nn.Linear(D, D) if unused else None  # never called: no gradient in one process
 
-    def forward(self, input_ids, attention_mask=None, labels=None):
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None):
         b, t = input_ids.shape
-        x = self.tok(input_ids) + self.pos(torch.arange(t))
+        x = self.tok(input_ids) + self.pos(torch.arange(t) if position_ids is None else position_ids)
         if self.bn is not None:
             x = self.bn(x.transpose(1, 2)).transpose(1, 2)
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)

@@ -97,6 +97,14 @@ class RecorderCallback(TrainerCallback):
         if model is None:
             raise RecorderError("RecorderCallback.on_train_begin was given no model: add it to a "
                                 "transformers.Trainer (callbacks=[...]), not call it by hand")
+        smoothing = float(getattr(args, "label_smoothing_factor", 0.0) or 0.0)
+        if smoothing > 0 and self.options["objective"] in ("causal_lm", "token_mean", "example_mean"):
+            raise RecorderError(
+                f"label_smoothing_factor = {smoothing}: the Trainer takes the labels out of the batch before the "
+                f"model's forward (its label smoother computes the loss), so the recording holds no labels and "
+                f"the built-in objective {self.options['objective']!r} is not the loss it trains: declare "
+                "objective='pkg.mod:fn' computing your smoothed loss from the recorded batch, or record the run "
+                "with label_smoothing_factor = 0")
         sharded = type(model).__name__ == "FullyShardedDataParallel" or any(
             hasattr(p, "placements") for p in model.parameters())
         if getattr(args, "fsdp", None) or sharded:

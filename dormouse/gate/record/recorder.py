@@ -264,6 +264,18 @@ def _autocast_state(device_type: str) -> dict | None:
     return {"device_type": device_type, "dtype": str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")}
 
 
+def _hf_config(model) -> dict | None:
+    """A transformers model's config (PretrainedConfig) as its scalar fields, else None."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        return None
+    try:
+        d = cfg.to_dict()
+    except Exception:  # not a config we can read: nothing to rebuild from it
+        return None
+    return {k: v for k, v in d.items() if v is None or isinstance(v, (bool, int, float, str))}
+
+
 def _number(x):
     if x is None:
         return None
@@ -443,6 +455,11 @@ class Recorder:
             "example_corpus_sha256": A.corpus_digest(example_corpus) if example_corpus else None,
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
             "fsdp": bool(self.placements), "closed": False,
+            # the model as the loop runs it, beyond its tensors: the parameters it froze, and a
+            # Hugging Face config's runtime fields (the Trainer sets use_cache = False, which
+            # decides how GPT-2 masks packed sequences): the reference rebuilds the same
+            "frozen": [n for n, q in self.module.named_parameters() if not q.requires_grad],
+            "hf_config": _hf_config(self.module),
             "provenance": {"torch": torch.__version__, "dormouse": _version(), "source": A.source_hash(),
                            "device": self._device(), "threads": torch.get_num_threads(),
                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -533,6 +550,12 @@ class Recorder:
         for key in self.inputs:
             v = kwargs.get(key)
             if isinstance(v, torch.Tensor):
+                batch[key] = v.detach().cpu().clone()
+        # every other tensor argument with the batch's rows (position_ids of packed sequences,
+        # token_type_ids, ...): the forward is a function of it, so the reference passes it too
+        rows = next((t.shape[0] for t in batch.values() if t.dim()), None)
+        for key, v in kwargs.items():
+            if key not in batch and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
                 batch[key] = v.detach().cpu().clone()
         self.batches.append(batch)
         self.autocasts.append(_autocast_state(self._device_type))

@@ -198,7 +198,29 @@ def rebuild(rec: A.RecordingSet):
         if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
             raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
                                  f"recorded initial ones (first: {n}): seed it as the loop does")
+    _as_recorded(model, meta)
     return model
+
+
+def _as_recorded(model, meta: dict) -> None:
+    """The rebuilt model as the loop ran it, beyond its tensors: the
+    parameters the loop froze (requires_grad False) and, for a transformers
+    model, the scalar config fields the loop's model had (the Trainer sets
+    use_cache = False at its start, and GPT-2 masks packed sequences only
+    then); build_model need not repeat what the training script did."""
+    if "frozen" in meta:
+        frozen = set(meta["frozen"])
+        for n, p in model.named_parameters():
+            p.requires_grad_(n not in frozen)
+    recorded, cfg = meta.get("hf_config"), getattr(model, "config", None)
+    if recorded and cfg is not None and hasattr(cfg, "to_dict"):
+        now = cfg.to_dict()
+        for k, v in recorded.items():
+            if k in now and now[k] != v:
+                try:
+                    setattr(cfg, k, v)
+                except (AttributeError, TypeError, ValueError):  # a derived field: not the loop's to set
+                    pass
 
 
 def build_optimizer(rec: A.RecordingSet, model):
