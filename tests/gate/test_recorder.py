@@ -42,7 +42,12 @@ RUNS = {
     "bn_frozen": {"fault": "bn", "eval_modules": ["bn"]},  # BatchNorm in eval mode: its running statistics
     "dropout_off": {"fault": "dropout", "eval_modules": ["drop"]},  # a dropout module in eval mode
     "frozen_script": {"freeze": ["pos.weight"]},  # frozen by the training script, after build_model
-    "position_ids": {"position_ids": True},  # a forward keyword beyond Recorder(inputs=...)
+    "position_ids": {"position_ids": True},
+    # FSDP2 layers kept unsharded after their forward, and a no-grad probe forward before rec.step
+    # (no clipping: see the next)
+    "fsdp_unsharded_probe": {"fsdp": True, "fsdp_layers": True, "fault": "nograd_log", "max_grad_norm": 0.0},
+    # ... and clip_grad_norm_ after the probe: it reads the unsharded parameters, which hold no gradient
+    "fsdp_unsharded_clip": {"fsdp": True, "fsdp_layers": True, "fault": "nograd_log"},  # a forward keyword beyond Recorder(inputs=...)
     "clip_local": {"fault": "clip_local"},
     "unused_zero": {"fault": "unused_zero"},
     "resume_drop_sched": {"fault": "resume_drop_sched", "stop_at": 2, "leg": 1},
@@ -71,7 +76,8 @@ def verdict(recordings, name):
     return looprec.verdict(recordings[name])
 
 
-@pytest.mark.parametrize("name", ["clean0", "clean1", "clean2", "clean_resume", "fsdp", "sketch", "fsdp_sketch"])
+@pytest.mark.parametrize("name", ["clean0", "clean1", "clean2", "clean_resume", "fsdp", "sketch", "fsdp_sketch",
+                                  "fsdp_unsharded_probe"])
 def test_clean_runs_pass(recordings, name):
     v = verdict(recordings, name)
     assert v.passed, failing(v)
@@ -104,6 +110,7 @@ FAULTS = {
     "fsdp_local_count": ("gradient", "each rank normalised by its own token count"),
     "fsdp_clip_local": ("clip", "each rank its own, where the global gradient's norm is"),
     "fsdp_comp_twice": ("gradient", "= W "),
+    "fsdp_unsharded_clip": ("clip", "the loop clipped by a gradient norm of 0"),
 }
 
 

@@ -46,6 +46,7 @@ The second reviewer's knobs (tests/gate/test_review2_precision.py), cfg keys, no
 A third review's knob:
   "eval_modules"   submodules the loop puts in eval mode (["bn"]: a frozen BatchNorm; ["drop"]: dropout off)
   "freeze"         parameters the script freezes (requires_grad False) after build_model
+  "fsdp_layers"    (with fsdp) qkv, fc and out sharded as modules of their own, reshard_after_forward=False
   "position_ids"   the loop passes each row's positions as the forward's position_ids (not a Recorder input)
 """
 
@@ -75,7 +76,7 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "autocast": False,  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
        "model": None, "ac_dtype": "bfloat16", "loss_outside": False, "patch_forward": False, "ac_steps": None,
        "ac_micro": None, "eval_modules": [], "freeze": [],
-       "position_ids": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "position_ids": False, "fsdp_layers": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -196,7 +197,11 @@ def run(cfg: dict) -> None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)), **mp)
+        mesh = init_device_mesh("cpu", (world,))
+        if cfg["fsdp_layers"]:  # each linear layer its own FSDP2 module, kept unsharded after its forward
+            for sub in (model.qkv, model.fc, model.out):
+                fully_shard(sub, mesh=mesh, reshard_after_forward=False, **mp)
+        fully_shard(model, mesh=mesh, **mp)
         net = model
     else:
         net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=kw["unused"])

@@ -589,6 +589,19 @@ class Recorder:
                 buckets[name] = sketch_buckets(name, n, self.sketch_k, self.seed, lo, t.numel())
         return self._sketcher(tensors)
 
+    def _reshard(self) -> None:
+        """Every FSDP2 module back to its shards. A module sharded with
+        reshard_after_forward=False stays unsharded after a forward, and a
+        no-grad forward after the backward (a metric, a probe loss) leaves it
+        so at rec.step: its parameters are then the gathered plain tensors,
+        without the gradients, which live on the shards. Resharding is what
+        the next forward undoes anyway (it gathers again)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def _tensor_step(self, k: int) -> bool:
         return (k - 1) % self.every == 0
 
@@ -624,6 +637,8 @@ class Recorder:
                 tensors[f"in/{m}/{key}"] = t
         if example_ids is not None:
             tensors["ids"] = torch.as_tensor(example_ids).detach().cpu().reshape(-1).clone()
+        if self.placements:  # FSDP2: the sharded parameters, which hold the reduced gradients (see _reshard)
+            self._reshard()
         named = list(self.module.named_parameters())
         no_grad = [n for n, p in named if p.grad is None]
         param_hash = None
