@@ -43,6 +43,7 @@ RUNS = {
     "dropout_off": {"fault": "dropout", "eval_modules": ["drop"]},  # a dropout module in eval mode
     "frozen_script": {"freeze": ["pos.weight"]},  # frozen by the training script, after build_model
     "position_ids": {"position_ids": True},
+    "left_pad": {"left_pad": True},  # left padding, absolute positions: a row's function depends on its padding
     # FSDP2 layers kept unsharded after their forward, and a no-grad probe forward before rec.step
     # (no clipping: see the next)
     "fsdp_unsharded_probe": {"fsdp": True, "fsdp_layers": True, "fault": "nograd_log", "max_grad_norm": 0.0},
@@ -111,6 +112,7 @@ FAULTS = {
     "fsdp_clip_local": ("clip", "each rank its own, where the global gradient's norm is"),
     "fsdp_comp_twice": ("gradient", "= W "),
     "fsdp_unsharded_clip": ("clip", "the loop clipped by a gradient norm of 0"),
+    "left_pad": ("independence", "or on its padding (left padding with absolute positions)"),
 }
 
 

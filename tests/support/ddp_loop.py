@@ -47,6 +47,7 @@ A third review's knob:
   "eval_modules"   submodules the loop puts in eval mode (["bn"]: a frozen BatchNorm; ["drop"]: dropout off)
   "freeze"         parameters the script freezes (requires_grad False) after build_model
   "fsdp_layers"    (with fsdp) qkv, fc and out sharded as modules of their own, reshard_after_forward=False
+  "left_pad"       rows padded on the left (attention_mask 0 there); TinyLM's positions are absolute
   "position_ids"   the loop passes each row's positions as the forward's position_ids (not a Recorder input)
 """
 
@@ -76,7 +77,7 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "autocast": False,  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
        "model": None, "ac_dtype": "bfloat16", "loss_outside": False, "patch_forward": False, "ac_steps": None,
        "ac_micro": None, "eval_modules": [], "freeze": [],
-       "position_ids": False, "fsdp_layers": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "position_ids": False, "fsdp_layers": False, "left_pad": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -234,6 +235,11 @@ def run(cfg: dict) -> None:
         epoch, j = divmod(s - start if fault == "resume_data" else s, per_epoch)
         idx = order_of(fault, n, world, rank, cfg["seed"], epoch)[j * K * B:(j + 1) * K * B]
         mbs = [collate([data[i] for i in idx[m * B:(m + 1) * B]]) for m in range(K)]
+        if cfg["left_pad"]:  # each row's padding moved before it (its tokens at the right end)
+            for mb in mbs:
+                shift = (mb["attention_mask"] == 0).sum(1).tolist()
+                for key in ("input_ids", "attention_mask", "labels"):
+                    mb[key] = torch.stack([row.roll(sh) for row, sh in zip(mb[key], shift)])
         if cfg["position_ids"]:  # each row's positions start at its length mod 3 (a forward keyword the gate
             for mb in mbs:       # must record without being told: it is not among Recorder(inputs=...))
                 t = mb["input_ids"].shape[1]

@@ -269,8 +269,10 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                   f"whether or not the ranks share a seed (per-example vs batch {worst:.2g}); switch it off "
                   "(p = 0 or the module in eval mode) to gate the loop")
     else:
-        reason = (f"the network is not a function of each example alone: per-example gradients differ from the "
-                  f"batch's by {worst:.2g} at step {worst_k} ({said})")
+        reason = (f"the network is not a function of each example alone: per-example gradients (each row alone, "
+                  f"trimmed to its attention_mask) differ from the batch's by {worst:.2g} at step {worst_k} "
+                  f"({said}): a forward that depends on the other rows, or on its padding (left padding with "
+                  "absolute positions), computes another function at another split of the batch")
     return TensorCheck("independence", ok, reason, worst=worst, worst_step=worst_k, bound=bound, per_step=per)
 
 

@@ -168,9 +168,27 @@ def objective_of_logits(objective: str, z: torch.Tensor, batch: dict[str, torch.
 
 
 def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Each example of a micro-batch alone (tensors whose first dim is the batch's)."""
+    """Each example of a micro-batch alone (tensors whose first dim is the
+    batch's), and, where a 2-D 0/1 attention_mask marks one contiguous run of
+    its positions, trimmed to that run (every tensor with the row's length in
+    its second dim): the example as one process at another padded length
+    sees it. A forward that depends on its padding (left padding with absolute
+    positions) then differs from its micro-batch's, which fact 1's check sees."""
     b = next(iter(batch.values())).shape[0] if batch else 0
-    return [{k: (v[i:i + 1] if v.dim() and v.shape[0] == b else v) for k, v in batch.items()} for i in range(b)]
+    mask = batch.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or mask.shape[0] != b or not bool(((mask == 0) | (mask == 1)).all())):
+        mask = None
+    rows = []
+    for i in range(b):
+        row = {k: (v[i:i + 1] if v.dim() and v.shape[0] == b else v) for k, v in batch.items()}
+        if mask is not None:
+            T, on = mask.shape[1], mask[i].nonzero().flatten()
+            if on.numel() and int(on[-1] - on[0]) + 1 == on.numel() and (int(on[0]) > 0 or int(on[-1]) < T - 1):
+                a, e = int(on[0]), int(on[-1]) + 1
+                row = {k: (v[:, a:e] if v.dim() >= 2 and v.shape[0] == 1 and v.shape[1] == T else v)
+                       for k, v in row.items()}
+        rows.append(row)
+    return rows
 
 
 # --------------------------------------------------------------------------- the rebuild
