@@ -451,11 +451,12 @@ class RecordingSet:
         acs = self.step_meta(rank, step).get("autocast") or []
         return acs[m] if m < len(acs) else None
 
-    def eval_modules(self, step: int) -> list[str]:
-        """The submodules rank 0's first micro-batch at `step` ran in eval mode
-        (a frozen BatchNorm, a dropout switched off): [] when all trained (or not recorded)."""
-        evs = self.step_meta(0, step).get("eval_modules") or []
-        return list(evs[0] or []) if evs else []
+    def eval_modules(self, step: int, rank: int = 0, m: int = 0) -> list[str]:
+        """The submodules micro-batch m of `rank` at `step` (by default rank 0's
+        first, whose modes the reference sets for the step) ran in eval mode (a
+        frozen BatchNorm, a dropout switched off): [] when all trained (or not recorded)."""
+        evs = self.step_meta(rank, step).get("eval_modules") or []
+        return list(evs[m] or []) if m < len(evs) else []
 
     def compute_dtype(self, rank: int, step: int, m: int) -> str | None:
         """The dtype micro-batch m's forward cast the parameters to (FSDP2's

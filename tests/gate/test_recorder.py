@@ -41,6 +41,7 @@ RUNS = {
     "dropout": {"fault": "dropout"},
     "bn_frozen": {"fault": "bn", "eval_modules": ["bn"]},  # BatchNorm in eval mode: its running statistics
     "dropout_off": {"fault": "dropout", "eval_modules": ["drop"]},  # a dropout module in eval mode
+    "bn_frozen_rank1": {"fault": "bn", "eval_modules": ["bn"], "eval_rank": 1},  # rank 1 alone froze it
     "frozen_script": {"freeze": ["pos.weight"]},  # frozen by the training script, after build_model
     "position_ids": {"position_ids": True},
     "left_pad": {"left_pad": True},  # left padding, absolute positions: a row's function depends on its padding
@@ -112,6 +113,8 @@ FAULTS = {
     "fsdp_clip_local": ("clip", "each rank its own, where the global gradient's norm is"),
     "fsdp_comp_twice": ("gradient", "= W "),
     "fsdp_unsharded_clip": ("clip", "the loop clipped by a gradient norm of 0"),
+    "bn_frozen_rank1": ("ranks", "rank 1's micro-batch 0 ran other submodules in eval mode (bn) than rank 0's "
+                                 "first (none)"),
     "left_pad": ("independence", "or on its padding (left padding with absolute positions)"),
 }
 

@@ -45,6 +45,7 @@ The second reviewer's knobs (tests/gate/test_review2_precision.py), cfg keys, no
   "ac_micro"       the micro-batches (0-based) autocast is on, every rank and step alike (None: all)
 A third review's knob:
   "eval_modules"   submodules the loop puts in eval mode (["bn"]: a frozen BatchNorm; ["drop"]: dropout off)
+  "eval_rank"      only this rank applies "eval_modules" (None: every rank)
   "freeze"         parameters the script freezes (requires_grad False) after build_model
   "fsdp_layers"    (with fsdp) qkv, fc and out sharded as modules of their own, reshard_after_forward=False
   "left_pad"       rows padded on the left (attention_mask 0 there); TinyLM's positions are absolute
@@ -77,7 +78,8 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "autocast": False,  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
        "model": None, "ac_dtype": "bfloat16", "loss_outside": False, "patch_forward": False, "ac_steps": None,
        "ac_micro": None, "eval_modules": [], "freeze": [],
-       "position_ids": False, "fsdp_layers": False, "left_pad": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "position_ids": False, "fsdp_layers": False, "left_pad": False,
+       "eval_rank": None}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -185,8 +187,8 @@ def run(cfg: dict) -> None:
         model = build_model(**kw)
     for name in cfg["freeze"]:  # frozen in the training script, not by build_model
         model.get_submodule(name.rpartition(".")[0]).get_parameter(name.rpartition(".")[2]).requires_grad_(False)
-    for name in cfg["eval_modules"]:  # a frozen BatchNorm, a dropout switched off: the loop's own modes
-        model.get_submodule(name).eval()
+    for name in cfg["eval_modules"] if cfg["eval_rank"] in (None, rank) else ():  # the loop's own modes
+        model.get_submodule(name).eval()  # a frozen BatchNorm, a dropout switched off
     if cfg["patch_forward"]:  # accelerate's convert_outputs/autocast: the module's own forward enters autocast
         model.forward = torch.autocast("cpu", dtype=getattr(torch, cfg["ac_dtype"]))(model.forward)
     if cfg["fsdp"]:

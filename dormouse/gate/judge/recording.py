@@ -857,8 +857,24 @@ def _precision_split(rec: A.RecordingSet) -> str | None:
     return None
 
 
+def _mode_split(rec: A.RecordingSet) -> str | None:
+    """Where a micro-batch ran other submodules in eval mode than rank 0's
+    first micro-batch of the step (whose modes the reference sets): the
+    sentence that says so, else None."""
+    for k in rec.steps:
+        want = set(rec.eval_modules(k))
+        for r in range(rec.world_at(k)):
+            for m in range(rec.step_meta(r, k).get("micro_batches", 0)):
+                got = set(rec.eval_modules(k, r, m))
+                if got != want:
+                    words = lambda s: ", ".join(sorted(s)) or "none"  # noqa: E731
+                    return (f"at step {k} rank {r}'s micro-batch {m} ran other submodules in eval mode ({words(got)}) "
+                            f"than rank 0's first ({words(want)}): the fleet's ranks do not run one network")
+    return None
+
+
 def check_ranks(rec: A.RecordingSet) -> Check:
-    split = _precision_split(rec)
+    split = _precision_split(rec) or _mode_split(rec)
     if split:
         return Check("ranks", False, split)
     if rec.meta.get("fsdp"):
