@@ -45,7 +45,6 @@ a Trainer that is not data-parallel or single-process (model parallel).
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 
 from dormouse.gate.record.recorder import INPUTS, Recorder, RecorderError, check_options
@@ -85,8 +84,7 @@ class RecorderCallback(TrainerCallback):
         self.dataset_len = dataset_len
         self.rec: Recorder | None = None
         self._step_logged = -1  # the Trainer's global_step whose log reached the Recorder
-        self._epoch_seen: list[int] = []
-        self._epoch = 0  # the Trainer's epoch (on_epoch_begin), for the data check's once-per-epoch rule
+        self._epoch: int | None = None  # the Trainer's epoch (on_epoch_begin), for the data check's epochs
 
     # ------------------------------------------------------------------ the Trainer's events
 
@@ -118,11 +116,10 @@ class RecorderCallback(TrainerCallback):
     def on_epoch_begin(self, args, state, control, **kwargs):
         # the Trainer's loop runs `for epoch in range(epochs_trained, ...)`, epochs_trained =
         # floor(state.epoch) on a resume (state.epoch = epoch + steps done / steps in the epoch)
-        if self._epoch_seen:
-            self._epoch = self._epoch_seen[-1] + 1
+        if self._epoch is not None:
+            self._epoch += 1
         else:
             self._epoch = math.floor(state.epoch or 0) if state.global_step else 0
-        self._epoch_seen.append(self._epoch)
         return control
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
