@@ -125,7 +125,7 @@ def test_each_fault_fails_for_its_named_reason(recordings, fault):
 
 
 @pytest.mark.parametrize("name", ["bn_frozen", "dropout_off"])
-def test_submodules_the_loop_runs_in_eval_mode_are_judged_in_eval_mode(recordings, name):
+def test_submodules_the_loop_runs_in_eval_mode_are_judged_in_eval_mode(recordings, name, tmp_path):
     """A frozen BatchNorm (running statistics) or a dropout module in eval mode
     is a function of each example alone: the Recorder records the modes, the
     reference sets them (not model.train()'s all-training), and the loop
@@ -133,7 +133,15 @@ def test_submodules_the_loop_runs_in_eval_mode_are_judged_in_eval_mode(recording
     v = verdict(recordings, name)
     assert v.passed, failing(v)
     module = "bn" if name == "bn_frozen" else "drop"
-    assert A.RecordingSet(recordings[name]).eval_modules(1) == [module]
+    rec = A.RecordingSet(recordings[name])
+    assert rec.eval_modules(1) == [module]
+    if name == "bn_frozen":  # the same recording without the modes: the reference trains the BatchNorm, and fails
+        dst = _copy(recordings, tmp_path, name)
+        for k in rec.steps:
+            for r in range(rec.world_at(k)):
+                _edit(A.step_meta_path(dst, r, k), eval_modules=[])
+        make_reference(dst, log=QUIET)
+        assert not judge_recording(dst).check("independence").passed
 
 
 def test_a_parameter_the_script_froze_is_frozen_in_the_reference(recordings, tmp_path):
