@@ -35,6 +35,7 @@ FORWARDED = {
     "soak": ("dormouse.gate.record.soak", "launch gate fleets back to back and count failures"),
 }
 CLI_CKPT_EVERY = 50  # `dormouse train` checkpoints by default (TrainConfig's own default is never)
+CLI_DATA_ORDER = "shuffle"  # `dormouse train` shuffles the spans per epoch (TrainConfig's own default is sequential)
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -99,7 +100,7 @@ TRAIN_FLAGS = [
 
 def _cli_train_defaults() -> TrainConfig:
     """The TrainConfig `dormouse train` starts from without --config."""
-    return TrainConfig(ckpt_every=CLI_CKPT_EVERY)
+    return TrainConfig(ckpt_every=CLI_CKPT_EVERY, data_order=CLI_DATA_ORDER)
 
 
 def _add_train_parser(sub) -> None:

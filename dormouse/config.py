@@ -165,7 +165,11 @@ class TrainConfig:
     ckpt_name: str = "dormouse"  # checkpoint and metrics file stem inside out_dir
     out_dir: str = "artifacts/run"  # where checkpoints and metrics go
     data: str = ""  # corpus file of bytes ("" = the built-in corpus, written into out_dir)
-    data_order: str = "shuffle"  # span order per epoch: sequential | shuffle (seeded by seed and epoch; see data.py)
+    # Which span step k reads (train/data.py): sequential = span (k mod n) from the corpus's start, the
+    # rule a hand-written reference re-derives (rank r's slice at rank_byte_offset within it); shuffle =
+    # a seeded permutation per epoch (seed, epoch), `dormouse train`'s default. Both read the same
+    # bytes for one process and for every fleet.
+    data_order: str = "sequential"
     resume: bool = False  # continue from out_dir/<ckpt_name> if that checkpoint exists
     resume_from: str = ""  # continue from this checkpoint (.pt file or .dcp dir), any topology
     stop_at: int = 0  # end this launch after step stop_at, checkpointing there (0 = run to steps); the schedule still spans steps

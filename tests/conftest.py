@@ -45,7 +45,7 @@ LONGEST_FIRST = (
     "notebooks/",  # 13 (nbmake: the four notebooks at their defaults, presenting gate_run's gate in a fresh clone)
     "tests/gate/test_recorder.py",  # 39
     "tests/gate/test_gate_configs.py",  # 32
-    "tests/train/test_distributed.py",  # 29
+    "tests/train/test_fleet.py",  # 29
     "tests/gate/test_seed_recipe.py",  # 28
     "tests/gate/test_recorder_review.py",  # 26
 )

@@ -51,7 +51,7 @@ def _non_default_run() -> RunConfig:
         muon_variant="normuon", muon_sf="original", muon_colrow_3d=False,
         muon_state_dtype="bfloat16", adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-7,
         log_every=3, eval_every=5, eval_frac=0.2, ckpt_every=4, ckpt_name="x1",
-        out_dir="/tmp/somewhere", data="corpus.txt", data_order="sequential", resume=True, resume_from="/tmp/ck.pt", stop_at=50, dist=True,
+        out_dir="/tmp/somewhere", data="corpus.txt", data_order="shuffle", resume=True, resume_from="/tmp/ck.pt", stop_at=50, dist=True,
         dist_profile="4,2", dist_reduce="bf16", dist_shard="fsdp", dist_bucket_mb=12.5,
     )
     return RunConfig(source="unit-test", model=model, train=train)

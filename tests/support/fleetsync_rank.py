@@ -1,5 +1,5 @@
 """One rank of a tiny fleet that exercises FleetSync directly (run under
-torchrun by tests/train/test_distributed.py): three one-matrix buckets, a parameter
+torchrun by tests/train/test_fleet.py): three one-matrix buckets, a parameter
 only rank 0 uses, and a check that the reduce is the exact sum of the ranks'
 own gradients, in the same collectives on every rank."""
 
