@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from dormouse.gate.judge.checks import BF16_MODEL_RTOL
+from dormouse.gate.judge.bounds import BF16_MODEL_RTOL
 from dormouse.gate.record.fixtures import base_run
 from dormouse.gate.settings import GateSettings
 from dormouse.gate.judge.checks import judge

@@ -20,7 +20,7 @@ import looprec
 import pytest
 from looprec import failing, launch
 
-from dormouse.gate.judge.recording import GRAD_RTOL
+from dormouse.gate.judge.bounds import GRAD_RTOL
 
 RUNS = {
     "clean": {"seed": 8, "autocast": True},

@@ -2,6 +2,5 @@
 Verdict. It reads artifacts only (through `dormouse.gate.artifacts`), trains
 nothing and imports neither the running side nor the trainer."""
 
-from dormouse.gate.judge.checks import (  # noqa: F401
-    Check, CurveCheck, ExactCheck, TensorCheck, Verdict, check_ranks, judge, judge_references,
-)
+from dormouse.gate.judge.checks import check_ranks, judge, judge_references  # noqa: F401
+from dormouse.gate.judge.verdict import Check, CurveCheck, ExactCheck, TensorCheck, Verdict  # noqa: F401

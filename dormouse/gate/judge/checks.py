@@ -44,7 +44,7 @@ curve      fact 2 at the global batch: per-step loss within a tolerance from
            the reference's floor runs, nudged by one ulp at the start or at
            every step's gradient (under the bf16 wire: every step's gradient
            rounded to bfloat16 as the wire rounds, independent draws) (10 x
-           their running maximum, at least MIN_RTOL; never from a run that
+           their running maximum, at least CURVE_MIN_RTOL; never from a run that
            splits the batch), the first step's gradients within GRAD_RTOL
            (both start from the same parameters), and every tensor within its
            own floor at every step (the routing bias excepted: discrete,
@@ -64,7 +64,7 @@ with torch's optimizers cover those.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -74,42 +74,13 @@ from dormouse.gate.artifacts import LEG1, ONE_PROCESS, PROFILE_FIELDS, PROVENANC
 from dormouse.gate.judge.steps import routing_flips
 from dormouse.train.tensors import rel_per_step
 
-VERDICT_SCHEMA = 1
-BF16_UNIT_ROUNDOFF = 2.0**-8
-# Fleet vs gradref gradient, fp32 or exact reduce: measured <= 9.1e-7 relative
-# (tiny fixture, "4,2", 20 steps, seeds 1-10) against a float64 sum of
-# per-window float32 gradients. 1e-5 is ~10x above; a weighting fault is 1e-2.
-GRAD_RTOL = 1e-5
-# Batch gradient vs the per-window sum at the same parameters: measured
-# <= 1.4e-6 on clean runs (batched kernels sum in other orders).
-WINDOW_RTOL = 1e-5
-FLOOR_MULTIPLE = 10.0
-MIN_RTOL = 1e-6  # a few float32 ulps of the loss: the floor of the floor
-# The fleet's logged loss against the token-weighted mean of gradref's per-token
-# losses at the same parameters (float32 slice means summed in float64, against
-# a float64 mean of float32 per-token losses); eval losses alike. Measured on
-# clean runs: see docs/gate.md; a plain mean of two ranks' losses under
-# 4x32,1x64 is 5.8e-4 off.
-LOSS_RTOL = 1e-5
-# bf16 wire, bias: |S| above this many standard errors fails (S is a standard
-# normal for unbiased rounding; 6 sigma: a false alarm in ~1e9 per direction)
-# when the mean scaled error is also above its floor. Round-to-nearest is
-# unbiased for values uniform within an ulp; gradient magnitudes are closer to
-# log-uniform (denser at the bottom of each binade), which pulls it towards
-# zero by about h / (24 |x|) of the spacing h, ~2e-4 of the bound per
-# rounding: along the scale direction. Measured on 12 clean bf16 fleets (1.6-
-# 3.2 M element-steps each): scale means -1e-4 .. -5e-4 of the bound (S down to
-# -4.1), offset and decay |means| <= 2.5e-4 (|S| <= 2.1). Floors 20x and 8x that.
-BIAS_SIGMAS = 6.0
-BIAS_FLOOR = {"offset": 2e-3, "scale": 1e-2, "decay": 2e-3}
+from dormouse.gate.judge.bounds import (BF16_MODEL_RTOL, BF16_UNIT_ROUNDOFF, BIAS_FLOOR, BIAS_SIGMAS,  # noqa: F401
+                                        CURVE_MIN_RTOL, FLOOR_MULTIPLE, GRAD_RTOL, LOSS_RTOL, WINDOW_RTOL,
+                                        floor_bound)
+from dormouse.gate.judge.verdict import (VERDICT_SCHEMA, Check, CurveCheck, ExactCheck, TensorCheck,  # noqa: F401
+                                         Verdict, finite as _finite)
+
 BIAS = "router_bias"  # tensors whose name ends so are discrete: judged by routing flips
-# A bfloat16 model (model.bf16) computes every gradient in bfloat16 arithmetic:
-# the same gradient over another batch composition (a window alone, a rank's
-# slice, the global batch) differs by bfloat16 round-off, measured <= 2.0e-2
-# of the tensor's largest element (docs/gate.md, "A bfloat16 model"). Its
-# window, gradref and step-1 gradient checks use this bound instead of the
-# float32 ones; a weighting or byte fault moves a gradient by 1e-1 and more.
-BF16_MODEL_RTOL = 5e-2
 
 
 def arithmetic_rtol(config: dict, float32: float = GRAD_RTOL) -> float:
@@ -118,96 +89,7 @@ def arithmetic_rtol(config: dict, float32: float = GRAD_RTOL) -> float:
     return BF16_MODEL_RTOL if config.get("model", {}).get("bf16") else float32
 
 
-@dataclass
-class Check:
-    """One check's outcome: its name, pass or fail, and one sentence why."""
-
-    name: str
-    passed: bool
-    reason: str
-
-
-@dataclass
-class TensorCheck(Check):
-    """A per-step, per-tensor comparison: the worst relative difference and where."""
-
-    worst: float = 0.0
-    worst_tensor: str | None = None
-    worst_step: int | None = None
-    bound: float = 0.0
-    per_step: list[float] = field(default_factory=list)  # max over tensors, per step
-    first_step: int | None = None  # the first step that failed (None when it passed)
-
-
-@dataclass
-class ExactCheck(Check):
-    """Bitwise equality per step (True where every compared series was equal)."""
-
-    steps_equal: list[bool] = field(default_factory=list)
-    first_step: int | None = None
-    first_tensor: str | None = None
-    element: int | None = None
-    ulps: float | None = None
-
-
-@dataclass
-class CurveCheck(Check):
-    """The global-batch curve: losses, their floor and tolerance, the first
-    step's gradients, every tensor against its own floor, routing flips."""
-
-    wire: str = "fp32"
-    single: list[float] = field(default_factory=list)
-    fleet: list[float] = field(default_factory=list)
-    per_step: list[float] = field(default_factory=list)
-    noise_floor: list[float] = field(default_factory=list)
-    tolerance: list[float] = field(default_factory=list)
-    tolerance_why: str = ""
-    grad_step1: float = 0.0
-    param_divergence: dict[str, list[float]] = field(default_factory=dict)
-    first_divergent_param: str | None = None
-    first_divergent_param_step: int | None = None
-    routing_flips: list[list[int]] | None = None
-    first_flip_step: int | None = None
-    summary: str = ""
-
-
-@dataclass
-class Verdict:
-    """The gate's answer for one out dir."""
-
-    out: str
-    passed: bool
-    checks: list[Check]
-    references: list[str]  # the artifacts compared with the fleet
-    provenance: dict = field(default_factory=dict)
-    schema: int = VERDICT_SCHEMA
-
-    def check(self, name: str) -> Check | None:
-        return next((c for c in self.checks if c.name == name), None)
-
-    def to_dict(self) -> dict:
-        """JSON-ready: non-finite numbers become null (strict JSON has no NaN)."""
-        d = _finite(asdict(self))
-        d["checks"] = {}
-        for c in self.checks:
-            row = {"kind": type(c).__name__, **_finite(asdict(c))}
-            row["pass"] = row.pop("passed")
-            d["checks"][c.name] = row
-        d["pass"] = d.pop("passed")
-        return d
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -247,7 +129,7 @@ def _running_max(xs: list[float]) -> list[float]:
 
 
 def _tolerance(envelope: list[float], multiple: float = FLOOR_MULTIPLE) -> list[float]:
-    return [max(multiple * e, MIN_RTOL) for e in envelope]
+    return [floor_bound(e, CURVE_MIN_RTOL, multiple) for e in envelope]
 
 
 # `settings` below: the gate's settings (a dormouse.gate.settings.GateSettings,
@@ -773,10 +655,10 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE,
     if wire == "bf16":
         why = (f"{multiple:g} x the running maximum of {len(runs)} floor runs of the reference: its start nudged "
                f"by one ulp, and {sum(k.startswith('wire') for k in runs)} whose every gradient is rounded to "
-               f"bfloat16 as the wire rounds (independent draws), at least {MIN_RTOL:.0e}")
+               f"bfloat16 as the wire rounds (independent draws), at least {CURVE_MIN_RTOL:.0e}")
     else:
         why = (f"{multiple:g} x the running maximum of {len(runs)} one-ulp nudges of the "
-               f"reference (its start; every step's gradient), at least {MIN_RTOL:.0e}")
+               f"reference (its start; every step's gradient), at least {CURVE_MIN_RTOL:.0e}")
     c = CurveCheck("curve", True, "", wire=wire, single=ls, fleet=lf, per_step=rel, noise_floor=floor,
                    tolerance=tolerance, tolerance_why=why)
     bad = [k for k, (r, t) in enumerate(zip(rel, tolerance)) if not r <= t]

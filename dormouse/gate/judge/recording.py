@@ -74,31 +74,10 @@ from pathlib import Path
 import torch
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.checks import Check, TensorCheck, Verdict
-
-# Measured on the plain DDP/FSDP2 loop (tests/support/ddp_loop.py: 2 gloo ranks,
-# GA 3, 6 steps, fp32): fleet vs one process <= 1.4e-7 relative (L2 over all
-# tensors); per-example sum vs batch <= 6e-8; reported loss <= 3e-8. The
-# bounds are ~70x above; the faults they must catch are 1e-2 and up.
-GRAD_RTOL = 1e-5
-INDEP_RTOL = 1e-5
-LOSS_RTOL = 1e-5
-CLIP_RTOL = 1e-4
-# The one-process run (sketch or every-k recordings) drifts from the fleet by
-# float32 round-off amplified over steps: its tolerance at step k is
-# FLOOR_MULTIPLE x the running maximum of the same run's drift from a copy
-# started one ulp away (the reference's "np/", "ng/"), at least RUN_MIN_RTOL.
-RUN_MIN_RTOL = 1e-5
-FLOOR_MULTIPLE = 10.0
-FACTOR_RTOL = 1e-3  # a fitted constant within this of a named factor is that factor
-# Under reduced precision the bounds are FLOOR_MULTIPLE x a measured floor; past this the
-# gate does not judge (a doubled tensor could hide in round-off that large): the gradient check fails.
-PRECISION_CAP = 0.1
-# A fitted constant c is a factor only when it is clearly away from 1:
-# |c - 1| > FACTOR_AWAY x the gradient check's bound. A ratio within that of 1
-# says the fleet is right at the fitted steps, not that it is off by a factor.
-FACTOR_AWAY = 10.0
-SKETCH_DELTA = 0.05  # the per-tensor, per-step failure probability the sketch bound is stated at
+from dormouse.gate.judge.bounds import (CLIP_RTOL, FACTOR_AWAY, FACTOR_RTOL, FLOOR_MULTIPLE, GRAD_RTOL,  # noqa: F401
+                                        INDEP_RTOL, LOSS_RTOL, PRECISION_CAP, RUN_MIN_RTOL, SKETCH_DELTA,
+                                        floor_bound)
+from dormouse.gate.judge.verdict import Check, TensorCheck, Verdict
 
 
 def _norm(d: dict[str, torch.Tensor], names) -> float:
@@ -196,7 +175,7 @@ def arithmetic_bound(rec: A.RecordingSet, ref: _Ref, float32: float, k: int | No
     reduced-precision backward at the loop's own loss scale. Each step has its
     own: a float32 step keeps the float32 bound."""
     floor = precision_floor(rec, ref, k)
-    return float32 if floor is None else max(float32, FLOOR_MULTIPLE * floor)
+    return float32 if floor is None else floor_bound(floor, float32)
 
 
 def too_loose(rec: A.RecordingSet, ref: _Ref) -> tuple[int, float] | None:
@@ -295,7 +274,7 @@ def run_tolerance(rec: A.RecordingSet, ref: _Ref, ours: str, nudged: str) -> dic
         a, b = ref.tensors(k, nudged), ref.tensors(k, ours)
         for n in b:
             top[n] = max(top.get(n, 0.0), rel({n: a[n]}, {n: b[n]}, [n]) if n in a else 0.0)
-        out[k] = {n: max(RUN_MIN_RTOL, FLOOR_MULTIPLE * x) for n, x in top.items()}
+        out[k] = {n: floor_bound(x, RUN_MIN_RTOL) for n, x in top.items()}
     return out
 
 
@@ -339,7 +318,7 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
             per_t = ref.info(k).get("precision_floor_tensors")
             if per_t:  # reduced precision: each tensor also against FLOOR_MULTIPLE x its own floor
                 # (a fault in one small tensor is diluted in the global norm, whose bound is a few percent)
-                tol_k = {n: max(GRAD_RTOL, FLOOR_MULTIPLE * per_t.get(n, 0.0)) for n in names}
+                tol_k = {n: floor_bound(per_t.get(n, 0.0), GRAD_RTOL) for n in names}
                 tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol_k)
                 ok = ok and ratio <= 1.0
         rows.append({"step": k, "error": x, "bound": gb if not run else None, "tensor": tn,
@@ -797,8 +776,7 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
             floor = max(floor, abs(info["nudged_loss"] - info["loss"]) / max(abs(info["loss"]), 1e-30))
         # a step in reduced precision: the largest loss floor of such steps (one scalar a step is a noisy
         # measure of a rounding); a float32 step keeps its own bound
-        tol = max(LOSS_RTOL, FLOOR_MULTIPLE * floor,
-                  FLOOR_MULTIPLE * lowp if info.get("loss_floor") is not None else 0.0)
+        tol = floor_bound(max(floor, lowp if info.get("loss_floor") is not None else 0.0), LOSS_RTOL)
         losses = [rec.step_meta(r, k).get("loss") for r in range(rec.world_at(k))]
         if losses[0] is None:
             continue
@@ -816,7 +794,7 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
     if not reported_any:
         return Check("loss", True, "the loop reported no loss (rec.step(loss=...)): not checked")
     if not over:
-        tol = max(LOSS_RTOL, FLOOR_MULTIPLE * floor, FLOOR_MULTIPLE * (lowp or 0.0))
+        tol = floor_bound(max(floor, lowp or 0.0), LOSS_RTOL)
         said = f"bound {tol:.2g}"
         if lowp is not None and FLOOR_MULTIPLE * lowp > max(LOSS_RTOL, FLOOR_MULTIPLE * floor):
             said += (f" = {FLOOR_MULTIPLE:g} x the {_precision_words(rec, ref)} loss floor {lowp:.2g}, the loss "

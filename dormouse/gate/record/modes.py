@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from dormouse.config import RunConfig
 from dormouse.errors import DormouseError
+from dormouse.numerics import BF16_UNIT_ROUNDOFF
 from dormouse.gate.artifacts import (LEG1, fleet_recording_dir, load_meta, load_tensors, load_trace, provenance,
                                      save_artifact)
 from dormouse.gate.record.fixtures import build, corpus_path, make_run
@@ -197,7 +198,7 @@ def round_like_wire(tensors, seed: int, *, cancel: float = 0.0) -> None:
         for t in tensors:
             x = t.detach().float()
             xi = torch.rand(t.shape, generator=gen).to(t.device) * 2 - 1
-            m = 2.0**-8 * x.abs().mean()
+            m = BF16_UNIT_ROUNDOFF * x.abs().mean()
             x = (torch.where(x.abs() < cancel * m, torch.zeros_like(x), x) if cancel else x + xi * m).contiguous()
             noise = torch.randint(0, 1 << 16, t.shape, generator=gen, dtype=torch.int32).to(t.device)
             t.copy_(((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(t.dtype))

@@ -242,7 +242,7 @@ def recording_gradient(rows: list[dict], title: str = ""):
     all tensors, against its bound (replay: GRAD_RTOL); sketch / every-k
     recordings hold each tensor to its own bound, so there the tensor nearest
     its bound is drawn with that bound. Steps over their bound are crossed."""
-    from dormouse.gate.judge.recording import FLOOR_MULTIPLE, RUN_MIN_RTOL
+    from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, RUN_MIN_RTOL
 
     if not rows:
         return None

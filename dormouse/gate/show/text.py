@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from dormouse import atomic
-from dormouse.gate.judge.checks import Verdict
+from dormouse.gate.judge.verdict import Verdict
 
 VERDICT_FILE = "verdict.json"
 
@@ -51,7 +51,7 @@ def write_tensorboard(v: Verdict, log_dir) -> None:
     require_tensorboard()
     from torch.utils.tensorboard import SummaryWriter
 
-    from dormouse.gate.judge.checks import CurveCheck, ExactCheck, TensorCheck
+    from dormouse.gate.judge.verdict import CurveCheck, ExactCheck, TensorCheck
 
     w = SummaryWriter(log_dir=str(log_dir))
     try:

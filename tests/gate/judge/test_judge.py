@@ -15,8 +15,10 @@ import torch
 from safetensors.torch import save as st_save
 
 from dormouse.gate.artifacts import PROVENANCE, ArtifactSet, save_artifact
-from dormouse.gate.judge.checks import (BF16_UNIT_ROUNDOFF, BIAS_SIGMAS, GRAD_RTOL, LOSS_RTOL, MIN_RTOL, VERDICT_SCHEMA,
-                                        WINDOW_RTOL, Check, CurveCheck, ExactCheck, TensorCheck, Verdict, check_bias,
+from dormouse.gate.judge.bounds import (BF16_UNIT_ROUNDOFF, BIAS_SIGMAS, CURVE_MIN_RTOL as MIN_RTOL, GRAD_RTOL,
+                                        LOSS_RTOL, WINDOW_RTOL)
+from dormouse.gate.judge.verdict import VERDICT_SCHEMA, Check, CurveCheck, ExactCheck, TensorCheck, Verdict
+from dormouse.gate.judge.checks import (check_bias,
                                         check_complete, check_config, check_curve, check_exact, check_finite,
                                         check_gradref, check_loss, check_provenance, check_ranks, check_replay,
                                         check_window, first_difference, judge, relative, required, ulps)

@@ -1,0 +1,64 @@
+"""Every tolerance of the judge, in one table: each bound with the reason it
+has the value it has. A check imports its bound from here; no other module
+types a tolerance. The floors the bounds multiply are measured per run by the
+references (one-ulp nudges, the precision floor): never by a run that shares
+the code under test (docs/gate.md, "How the bounds were set").
+
+| bound | value | holds | why this value |
+|---|---|---|---|
+| GRAD_RTOL | 1e-5 | a gradient against its one-process reference (L2, all tensors) | clean: <= 9.1e-7 (dormouse fleet vs gradref, seeds 1-10), <= 1.4e-7 (DDP loop); a weighting fault is 1e-2 |
+| WINDOW_RTOL | 1e-5 | a batch's gradient against the sum of its windows alone | clean <= 1.4e-6 (batched kernels sum in other orders) |
+| INDEP_RTOL | 1e-5 | a recording's per-example gradients summed against their micro-batch's | clean <= 6e-8 |
+| LOSS_RTOL | 1e-5 | a logged loss against the token-weighted mean of the reference's | clean <= 3e-8; a plain mean of two ranks' losses under 4x32,1x64 is 5.8e-4 |
+| CLIP_RTOL | 1e-4 | a reported gradient norm / clip coefficient against the reference's norm | the norm of a float32 sum of many squares |
+| FLOOR_MULTIPLE | 10 | a bound measured as a floor (one-ulp nudge spread, precision floor) is this many floors | clean runs sit at 0.9-1.6 floors |
+| CURVE_MIN_RTOL | 1e-6 | the least curve tolerance (dormouse's single process at the global batch) | a few float32 ulps of the loss: the floor of the floor |
+| RUN_MIN_RTOL | 1e-5 | the least per-tensor tolerance of a recording's one-process run (sketch / every-k) | each tensor's drift, not the loss: one float32 tensor's rounding over a few steps |
+| FACTOR_RTOL | 1e-3 | a fitted constant within this of a named factor (W, K, 1/W, ...) is that factor | a wrong denominator is exact up to float32 sums |
+| FACTOR_AWAY | 10 | a fitted constant is a factor only when abs(c - 1) > this x the gradient bound | within that of 1 the fleet is right, not off by a factor |
+| PRECISION_CAP | 0.1 | past this a reduced-precision bound is not judged (the gradient check fails) | a doubled tensor could hide in round-off that large |
+| BF16_MODEL_RTOL | 5e-2 | a bfloat16 model's window, gradref and first-step gradient (dormouse's own gate) | measured <= 2.0e-2 of a tensor's largest element; a weighting fault is 1e-1 |
+| BIAS_SIGMAS | 6 | the bf16 wire's rounding bias: |S| above this many standard errors fails | a false alarm in ~1e9 per direction |
+| BIAS_FLOOR | offset 2e-3, scale 1e-2, decay 2e-3 | ... when the mean scaled error is also above this | 12 clean bf16 fleets: scale -1e-4..-5e-4, offset/decay <= 2.5e-4 |
+| SKETCH_DELTA | 0.05 | the per-tensor, per-step failure probability a sketch's detection bound is stated at | |
+"""
+
+from __future__ import annotations
+
+from dormouse.numerics import BF16_UNIT_ROUNDOFF  # noqa: F401  (the judge's bf16 bounds are in its units)
+
+GRAD_RTOL = 1e-5
+WINDOW_RTOL = 1e-5
+INDEP_RTOL = 1e-5
+# The fleet's logged loss against the token-weighted mean of the reference's
+# per-token losses at the same parameters (float32 slice means summed in
+# float64, against a float64 mean of float32 per-token losses); eval losses alike.
+LOSS_RTOL = 1e-5
+CLIP_RTOL = 1e-4
+FLOOR_MULTIPLE = 10.0
+CURVE_MIN_RTOL = 1e-6
+RUN_MIN_RTOL = 1e-5
+FACTOR_RTOL = 1e-3
+FACTOR_AWAY = 10.0
+PRECISION_CAP = 0.1
+# A bfloat16 model (model.bf16) computes every gradient in bfloat16 arithmetic:
+# the same gradient over another batch composition (a window alone, a rank's
+# slice, the global batch) differs by bfloat16 round-off, measured <= 2.0e-2
+# of the tensor's largest element (docs/gate.md, "A bfloat16 model").
+BF16_MODEL_RTOL = 5e-2
+# bf16 wire, bias: |S| above this many standard errors fails (S is a standard
+# normal for unbiased rounding) when the mean scaled error is also above its
+# floor. Round-to-nearest is unbiased for values uniform within an ulp;
+# gradient magnitudes are closer to log-uniform, which pulls it towards zero
+# by about h / (24 |x|) of the spacing h, ~2e-4 of the bound per rounding,
+# along the scale direction. Measured on 12 clean bf16 fleets (1.6-3.2 M
+# element-steps each): scale means -1e-4 .. -5e-4 of the bound (S down to
+# -4.1), offset and decay |means| <= 2.5e-4 (|S| <= 2.1). Floors 20x and 8x that.
+BIAS_SIGMAS = 6.0
+BIAS_FLOOR = {"offset": 2e-3, "scale": 1e-2, "decay": 2e-3}
+SKETCH_DELTA = 0.05
+
+
+def floor_bound(floor: float, minimum: float, multiple: float = FLOOR_MULTIPLE) -> float:
+    """THE rule for a bound measured as a floor: `multiple` floors, at least `minimum`."""
+    return max(multiple * floor, minimum)
