@@ -71,7 +71,7 @@ def throughput(device: str, *, steps: int, name: str = "small", log=print) -> di
         times = stepper.timed(steps)
         rate = statistics.median(matmul_rate(sizes, dtype=dtype, device=device).values())  # GFLOP/s
         step_s = statistics.median(times)
-        flops = sum(step_flops(stepper.run.model, stepper.run.train, stepper.batch, stepper.seq_len).values())
+        flops = step_flops(stepper.run.model, stepper.run.train, stepper.batch, stepper.seq_len)["total"]
         out[dt] = {"tokens_per_s": stepper.tokens / step_s, "step_s": step_s, "steps_s": times,
                      "model_tflops": flops / step_s / 1e12, "matmul_tflops": rate / 1e3,
                      "mfu_vs_matmul": flops / step_s / (rate * 1e9),

@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from dormouse.bench.page import write_head
 from dormouse.bench.device import SECTION, main
+from dormouse.config import TrainConfig, preset
 from dormouse.gate.record.modes import deterministic_kernels
 from dormouse.gate.settings import GateSettings
+from dormouse.model.flops import step_flops
 
 
 def test_the_device_check_dry_run_measures_both_dtypes_passes_both_gates_and_owns_its_section(
@@ -26,6 +29,9 @@ def test_the_device_check_dry_run_measures_both_dtypes_passes_both_gates_and_own
     assert set(res["throughput"]) == {"float32", "bfloat16"}
     assert all(r["tokens_per_s"] > 0 and r["losses_finite"] and r["mfu_vs_matmul"] > 0
                for r in res["throughput"].values())
+    # the model's FLOPs per step are step_flops' total (not the sum of its parts and its subtotals)
+    flops = step_flops(preset("tiny"), TrainConfig(), 4, 64)["total"]
+    assert all(r["model_tflops"] * 1e12 * r["step_s"] == pytest.approx(flops) for r in res["throughput"].values())
     micro, exact = res["gates"]["gate_micro"], res["gates"]["gate_exact"]
     assert micro["passed"] and exact["passed"]
     assert {c["name"] for c in micro["checks"]} >= {"gradref", "replay", "curve", "window"}
