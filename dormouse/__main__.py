@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
 
 from dormouse import __version__
 from dormouse.config import DATA_ORDERS, DIST_REDUCES, DIST_SHARDS, PRESETS, TrainConfig, build_run
+from dormouse.argtypes import Help, finite_float, non_negative_int, positive_int
 from dormouse.errors import EXIT_OK, OneLineParser, command_status
 
 # Subcommands that hand the rest of the command line, unchanged, to their own main(argv).
@@ -36,41 +36,6 @@ FORWARDED = {
 }
 CLI_CKPT_EVERY = 50  # `dormouse train` checkpoints by default (TrainConfig's own default is never)
 CLI_DATA_ORDER = "shuffle"  # `dormouse train` shuffles the spans per epoch (TrainConfig's own default is sequential)
-
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each option's help; descriptions keep their line breaks.
-    An empty default (a switch that is off, an unset path) is left unsaid: the
-    help text says what leaving it out means."""
-
-    def _get_help_string(self, action):
-        if action.default in ("", None, False, []):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (argparse turns the ValueError into a usage error)."""
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: a whole number >= 0."""
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
-
-
-def finite_float(text: str) -> float:
-    """argparse type: a finite number."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(text)
-    return value
 
 
 # ---------------------------------------------------------------- train
@@ -105,7 +70,7 @@ def _cli_train_defaults() -> TrainConfig:
 
 def _add_train_parser(sub) -> None:
     t = sub.add_parser(
-        "train", formatter_class=_Help, help="train a model: one process, or a fleet under torchrun",
+        "train", formatter_class=Help, help="train a model: one process, or a fleet under torchrun",
         description="Train a dormouse model. Alone: `dormouse train ...`. A fleet (data-parallel, "
                     "the same loop): `torchrun --nproc_per_node=N -m dormouse train ...` (a process "
                     "torchrun starts trains as one rank of the fleet; --dist says so explicitly). "
@@ -188,7 +153,7 @@ def _train(args) -> int:
 # ---------------------------------------------------------------- sample, eval
 
 def _add_sample_parser(sub) -> None:
-    s = sub.add_parser("sample", formatter_class=_Help, help="continue a prompt with a trained model",
+    s = sub.add_parser("sample", formatter_class=Help, help="continue a prompt with a trained model",
                        description="Print the continuation of --prompt (bytes decoded as UTF-8, invalid "
                                    "sequences replaced). The same arguments print the same text.")
     s.add_argument("--ckpt", required=True, help="a checkpoint: .pt file (any run) or .dcp directory (sharded)")
@@ -216,7 +181,7 @@ def _sample(args) -> int:
 
 
 def _add_eval_parser(sub) -> None:
-    e = sub.add_parser("eval", formatter_class=_Help, help="held-out loss of a trained model on a file",
+    e = sub.add_parser("eval", formatter_class=Help, help="held-out loss of a trained model on a file",
                        description="Print the mean next-byte loss over --data in nats and in bits per byte "
                                    "(bits = nats / ln 2). By default the WHOLE file is scored, as a held-out "
                                    "file should be; --part tail scores only its last train.eval_frac, the "

@@ -4,7 +4,7 @@ device time), the same code on the CPU (`--device cpu --quick`, which the
 tests run with --preset tiny so that the check stays runnable where no GPU is).
 
 small_tokens_per_s (float32, bfloat16)
-    THE loop, dormouse.train.loop.train() (bench.core.Stepper, one untimed
+    THE loop, dormouse.train.loop.train() (bench.stepper.Stepper, one untimed
     warm-up step, then timed steps between its on_step hooks; the loop's
     float(loss) synchronises the device once a step), on the `small` preset
     at batch 8 x 256, the model in float32 and in bfloat16 (model.bf16).
@@ -44,9 +44,12 @@ from pathlib import Path
 import torch
 
 from dormouse import atomic
-from dormouse.bench.core import SHAPES, Stepper, artifacts_dir, matmul_rate, step_flops
+from dormouse.bench.page import SECTION, write_section
+from dormouse.bench.paths import artifacts_dir
+from dormouse.bench.rates import matmul_rate
+from dormouse.bench.stepper import SHAPES, Stepper
+from dormouse.model.flops import step_flops
 
-SECTION = "## On an accelerator"  # the docs page's section this check owns, to the page's end
 DTYPES = ("float32", "bfloat16")
 
 
@@ -68,7 +71,7 @@ def throughput(device: str, *, steps: int, name: str = "small", log=print) -> di
         times = stepper.timed(steps)
         rate = statistics.median(matmul_rate(sizes, dtype=dtype, device=device).values())  # GFLOP/s
         step_s = statistics.median(times)
-        flops = sum(step_flops(stepper.run.model, stepper.run.train, stepper.batch, stepper.seq_len).values())
+        flops = step_flops(stepper.run.model, stepper.run.train, stepper.batch, stepper.seq_len)["total"]
         out[dt] = {"tokens_per_s": stepper.tokens / step_s, "step_s": step_s, "steps_s": times,
                      "model_tflops": flops / step_s / 1e12, "matmul_tflops": rate / 1e3,
                      "mfu_vs_matmul": flops / step_s / (rate * 1e9),
@@ -110,20 +113,6 @@ def section(res: dict) -> str:
     return "\n".join(lines + ["```", ""])
 
 
-def write_section(page: Path, res: dict) -> None:
-    """Replace (or add) the section at the end of the page, atomically."""
-    text = page.read_text() if page.exists() else "# Benchmarks\n"
-    head = text.split(SECTION)[0].rstrip("\n")
-    atomic.write_text(page, head + "\n\n" + section(res))
-
-
-def kept_section(page: Path) -> str:
-    """The page's accelerator section, for `dormouse bench --docs` to keep ("" when none)."""
-    if not page.exists() or SECTION not in page.read_text():
-        return ""
-    return SECTION + page.read_text().split(SECTION, 1)[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     from dormouse.errors import DormouseError, OneLineParser, command_status
 
@@ -161,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(out, json.dumps(res, indent=1))
         if args.docs:
-            write_section(Path(args.docs), res)
+            write_section(Path(args.docs), section(res))
         print(section(res))
         return 0 if all(g["passed"] for g in res["gates"].values()) else 1
 

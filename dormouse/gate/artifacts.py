@@ -26,17 +26,17 @@ from safetensors.torch import save as st_save
 
 from dormouse import atomic
 from dormouse.errors import DormouseError
+# LEG1 and ONE_PROCESS are re-exported: the names are layout's
+from dormouse.gate.layout import LEG1, ONE_PROCESS, rank_name, rank_of, trace_file  # noqa: F401
 from dormouse.train.newton_schulz import resolve_kernel
 from dormouse.train.tensors import fingerprint
 
 SCHEMA = 2
-LEG1 = "leg1_"  # prefix of the first leg's rank artifacts (a fleet that stops and resumes at another world)
 # Settings that say how the global batch is cut among the fleet's ranks (and
 # whether the fleet stops and resumes at another world): the one-process
 # references (single, exact) depend on them only through the global batch, so
 # they are compared with the fleet through it (normalised to the fleet's profile).
 PROFILE_FIELDS = ("world", "batch", "capacity", "profile", "resume_world")
-ONE_PROCESS = ("single", "exact")  # the references that run the global batch in one process
 # Provenance keys every artifact of one gate run must share.
 PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "ns_kernel", "corpus", "init")
 
@@ -138,9 +138,8 @@ class ArtifactSet:
 
     def ranks(self, prefix: str = "") -> list[str]:
         """rank0, rank1, ... (prefix "leg1_": the first leg of a fleet that stopped and resumed)."""
-        n = len(prefix) + 4
-        names = [p.stem for p in self.out.glob(f"{prefix}rank*.json") if p.stem[n:].isdigit()]
-        return sorted(names, key=lambda x: int(x[n:]))
+        names = [p.stem for p in self.out.glob("*.json") if rank_of(p.stem, prefix) is not None]
+        return sorted(names, key=lambda x: rank_of(x, prefix))
 
     def meta(self, name: str) -> dict:
         return self._get(("meta", name), lambda: load_meta(self.out, name))
@@ -165,7 +164,7 @@ class ArtifactSet:
 
 def trace_path(out: Path, name: str) -> Path:
     """Where the per-step trace of artifact `name` lives."""
-    return Path(out) / f"{name}_trace.safetensors"
+    return Path(out) / trace_file(name)
 
 
 def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
@@ -198,7 +197,7 @@ def recording_path(out: Path) -> Path:
 
 
 def rank_dir(out: Path, rank: int) -> Path:
-    return Path(out) / f"rank{rank}"
+    return Path(out) / rank_name(rank)
 
 
 def init_path(out: Path, rank: int) -> Path:
@@ -375,7 +374,7 @@ class RecordingSet:
         worlds = {s["world"] for s in self.meta["segments"]}
         for r in range(max(worlds)):
             if not rank_dir(self.out, r).is_dir():
-                raise DormouseError(f"the recording in {self.out} has no rank{r}/ (world {max(worlds)}): "
+                raise DormouseError(f"the recording in {self.out} has no {rank_name(r)}/ (world {max(worlds)}): "
                                     "copy every rank's directory, or re-record")
         for k in self.steps:
             for r in range(self.world_at(k)):

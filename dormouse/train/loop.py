@@ -43,6 +43,7 @@ from dormouse.config import RunConfig
 from dormouse.errors import CheckpointError, DivergedError
 from dormouse.model import DormouseModel
 from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
+from dormouse.train.clip import clip_coef
 from dormouse.train.data import ByteCorpus, FleetPlan, builtin_corpus
 from dormouse.train.hooks import Clipped, Hooks, LocalGrads, Reduced, Start, for_call
 from dormouse.train.exact import put_grads, split_stats, stats_row, take_grads, tree_sum
@@ -121,7 +122,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, *, whole: bool =
     if not whole:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     norm = torch.nn.utils.get_total_norm([g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads])
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = clip_coef(max_norm, norm)
     for g in grads:
         (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.device))
     return norm
@@ -264,16 +265,16 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         loss_value, loads = reduced.loss, reduced.loads
         if on_grads is not None:
             on_grads(step + 1, model)
-        clip_coef, grad_norm = 1.0, None
+        coef, grad_norm = 1.0, None
         if cfg.grad_clip:
             norm = sync.clip([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            clip_coef = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))  # what clip_grad_norm_ multiplied by
-        hooks.clipped(Clipped(step + 1, sync.rank, model, clip_coef, grad_norm))
+            coef = clip_coef(cfg.grad_clip, grad_norm)  # what clip_grad_norm_ multiplied by
+        hooks.clipped(Clipped(step + 1, sync.rank, model, coef, grad_norm))
         opt.step()
         model.balance_experts(loads)
         losses.append(loss_value)
-        info = {"loss": loss_value, "loads": loads, "topk": topk, "clip_coef": clip_coef, "grad_norm": grad_norm}
+        info = {"loss": loss_value, "loads": loads, "topk": topk, "clip_coef": coef, "grad_norm": grad_norm}
         hooks.stepped(step + 1, model, info)
         if on_step is not None:
             on_step(step + 1, model, info)

@@ -1,5 +1,6 @@
-"""dormouse.bench.core's own arithmetic: the matmul rate in a dtype, each part
-of the step against its dtype's rate, the sampling rate."""
+"""The bench's own arithmetic: the matmul rate in a dtype, each part of the
+step against its dtype's rate, the sampling rate; the step's timing through
+train()'s hooks; the table of sections."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from dormouse.bench.core import matmul_rate, ns_matmul_dtype, parts_at_rates, sampling_rate, step_flops
+from dormouse.bench.rates import matmul_rate, ns_matmul_dtype, parts_at_rates
+from dormouse.bench.sampling import sampling_rate
+from dormouse.model.flops import step_flops
 from dormouse.config import TrainConfig, preset
 from dormouse.train.newton_schulz import native_bf16_matmul
 
@@ -53,7 +56,7 @@ def test_the_benchmark_times_train_itself_part_by_part_through_its_hooks():
     one train() of a warm-up step and n timed ones, and StepClock splits each
     step at the loop's hooks. A delay planted after the reduce (an installed
     on_reduced hook, run before the clock's) lands in the reduce part only."""
-    from dormouse.bench.core import Stepper
+    from dormouse.bench.stepper import Stepper
     from dormouse.train.hooks import Hooks, install
 
     s = Stepper("tiny", 2, 16)
@@ -73,3 +76,30 @@ def test_the_benchmark_times_train_itself_part_by_part_through_its_hooks():
         remove()
     assert all(r >= DELAY for r in parts["reduce"][-2:]) and all(t >= DELAY for t in timed)
     assert all(c < DELAY for c in parts["compute"][-2:])
+
+
+def test_a_section_that_fails_leaves_its_figures_null_and_says_why_while_the_others_stand(tmp_path):
+    """The bench is a table of sections run in turn: a failure of a kind the
+    section catches becomes a note (and, kept, details["<name>_error"]); its
+    figures stay null; the sections after it still run. A failure of another
+    kind ends the bench."""
+    from dormouse.bench.core import FIGURES, LAUNCH_FAILED, SECTIONS, Section, run_sections
+
+    def boom(quick, tmp, log):
+        raise RuntimeError("launch refused")
+
+    table = (Section("one", "one ...", lambda quick, tmp, log: {"v": 0.97}, lambda d: {"fleet_vs_ddp": d["v"]},
+                     detail="one"),
+             Section("two", "two ...", boom, lambda d: {"exact_vs_ring": 1.0}, detail="two",
+                     failed="two failed", catch=LAUNCH_FAILED, keep_error=True),
+             Section("three", "three ...", lambda quick, tmp, log: {"sections_s": {"a": 1.0, "b": 2.0}},
+                     lambda d: {}, detail="three"))
+    lines = []
+    res, details, seconds, notes = run_sections(table, True, tmp_path, lines.append, 0.0)
+    assert list(res) == list(FIGURES) and res["fleet_vs_ddp"] == 0.97 and res["exact_vs_ring"] is None
+    assert details == {"one": {"v": 0.97}, "two_error": "launch refused", "three": {"sections_s": {"a": 1.0, "b": 2.0}}}
+    assert notes == ["two failed: launch refused"]
+    assert list(seconds) == ["one", "two", "a", "b"] and lines[0] == "one ..."
+    with pytest.raises(RuntimeError, match="launch refused"):
+        run_sections((dataclasses.replace(table[1], catch=()),), True, tmp_path, lines.append, 0.0)
+    assert [s.name for s in SECTIONS] == ["single", "fleet", "exact", "recorder", "launch", "sensitivity", "pipeline"]

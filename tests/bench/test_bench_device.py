@@ -8,16 +8,19 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
-from dormouse.bench.core import write_docs
+from dormouse.bench.page import write_head
 from dormouse.bench.device import SECTION, main
+from dormouse.config import TrainConfig, preset
 from dormouse.gate.record.modes import deterministic_kernels
 from dormouse.gate.settings import GateSettings
+from dormouse.model.flops import step_flops
 
 
 def test_the_device_check_dry_run_measures_both_dtypes_passes_both_gates_and_owns_its_section(
-        tmp_path, capsys, monkeypatch):
+        tmp_path, capsys):
     page = tmp_path / "benchmarks.md"
     page.write_text("# Benchmarks\n\nthe CPU bench's table\n")
     out = tmp_path / "device.json"
@@ -26,6 +29,9 @@ def test_the_device_check_dry_run_measures_both_dtypes_passes_both_gates_and_own
     assert set(res["throughput"]) == {"float32", "bfloat16"}
     assert all(r["tokens_per_s"] > 0 and r["losses_finite"] and r["mfu_vs_matmul"] > 0
                for r in res["throughput"].values())
+    # the model's FLOPs per step are step_flops' total (not the sum of its parts and its subtotals)
+    flops = step_flops(preset("tiny"), TrainConfig(), 4, 64)["total"]
+    assert all(r["model_tflops"] * 1e12 * r["step_s"] == pytest.approx(flops) for r in res["throughput"].values())
     micro, exact = res["gates"]["gate_micro"], res["gates"]["gate_exact"]
     assert micro["passed"] and exact["passed"]
     assert {c["name"] for c in micro["checks"]} >= {"gradref", "replay", "curve", "window"}
@@ -34,10 +40,7 @@ def test_the_device_check_dry_run_measures_both_dtypes_passes_both_gates_and_own
     assert text.startswith("# Benchmarks\n\nthe CPU bench's table\n") and SECTION in text and "gate_exact: PASS" in text
     # the CPU bench's --docs rewrites the page and keeps the accelerator section as it was
     section = SECTION + text.split(SECTION, 1)[1]
-    import dormouse.bench.core as core
-
-    monkeypatch.setattr(core, "docs_page", lambda res: "# Benchmarks\n\na new CPU table\n")  # no full bench here
-    write_docs(page, {})
+    write_head(page, "# Benchmarks\n\na new CPU table\n")  # what `dormouse bench --docs` writes (no full bench here)
     assert page.read_text() == "# Benchmarks\n\na new CPU table\n\n" + section
 
 

@@ -71,6 +71,7 @@ import torch
 
 from dormouse.errors import DormouseError
 from dormouse.gate.artifacts import LEG1, ONE_PROCESS, PROFILE_FIELDS, PROVENANCE, ArtifactSet, references
+from dormouse.gate.layout import INIT, rank_name
 from dormouse.gate.judge.steps import routing_flips
 from dormouse.train.tensors import rel_per_step
 
@@ -229,7 +230,7 @@ def check_config(a: ArtifactSet, reference: str) -> Check:
     recorded configuration (every leg) against the reference's, field by field."""
     want = a.meta(reference)["config"]
     diffs = []
-    for n in ["rank0"] + a.ranks(LEG1)[:1]:
+    for n in [rank_name(0)] + a.ranks(LEG1)[:1]:
         have = a.meta(n)["config"]
         for section in ("model", "train"):
             for k, v in want[section].items():
@@ -498,7 +499,7 @@ def check_bias(a: ArtifactSet) -> BiasCheck:
     bias of beta times the bound along d gives S ~ beta N / sqrt(sum c^2): the
     smallest caught is max(BIAS_SIGMAS sqrt(sum c^2) / N, BIAS_FLOOR[d]), far
     below the per-element bound."""
-    fleet, g, meta, init = a.trace("rank0"), a.tensors("gradref"), a.meta("rank0"), a.tensors("init")
+    fleet, g, meta, init = a.trace(rank_name(0)), a.tensors("gradref"), a.meta(rank_name(0)), a.tensors(INIT)
     names = _series_names(g, "g/")
     directions = ("offset", "scale", "decay")
     num = dict.fromkeys(directions, 0.0)

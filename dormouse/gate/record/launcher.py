@@ -27,6 +27,7 @@ from pathlib import Path
 from dormouse import atomic
 from dormouse.errors import PEER_LOST, FleetError
 from dormouse.gate.artifacts import load_meta
+from dormouse.gate.layout import rank_names
 from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 
 
@@ -138,7 +139,7 @@ def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=prin
                                fork_ranks=fork_ranks)
         stream(f"$ {' '.join(cmd)}")
         _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
-    return [[load_meta(s.out_dir, f"rank{r}") for r in range(s.legs()[-1].world)] for s in plan]
+    return [[load_meta(s.out_dir, n) for n in rank_names(s.legs()[-1].world)] for s in plan]
 
 
 def launches(plan: list[GateSettings]) -> list[tuple[list[int], list[GateSettings]]]:

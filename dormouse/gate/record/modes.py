@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from dormouse.config import RunConfig
 from dormouse.errors import DormouseError
 from dormouse.numerics import BF16_UNIT_ROUNDOFF
-from dormouse.gate.artifacts import (LEG1, fleet_recording_dir, load_meta, load_tensors, load_trace, provenance,
+from dormouse.gate.artifacts import (fleet_recording_dir, load_meta, load_tensors, load_trace, provenance,
                                      save_artifact)
+from dormouse.gate.layout import INIT, rank_name
 from dormouse.gate.record.fixtures import build, corpus_path, make_run
 from dormouse.gate.settings import GateSettings, from_dict
 from dormouse.gate.record.trace import Trace
@@ -341,7 +342,7 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
     start, start_step = start_state(s)  # a resumed fleet starts from the checkpoint's weights
     init = fingerprint(start)
     if rank == 0 and leg != 2:
-        _save(s, "init", start, [], init=init, mode="init", start_step=start_step)
+        _save(s, INIT, start, [], init=init, mode="init", start_step=start_step)
     gather = s.shard == "fsdp"  # FSDP2 shards: record the GATHERED tensors (a collective)
     # Ranks end bitwise equal (the verdict checks it), so rank 0's snapshots
     # stand for the fleet; every rank keeps its own tokens' routing (per leg:
@@ -350,10 +351,10 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
     earlier: list[float] = []
     earlier_evals: list = []
     if leg == 2:
-        first = load_trace(s.out_dir, f"{LEG1}rank0")
+        first = load_trace(s.out_dir, rank_name(0, first_leg=True))
         if rank == 0:
             trace.extend(first)
-        leg1 = load_meta(s.out_dir, f"{LEG1}rank{rank if rank < s.world else 0}")
+        leg1 = load_meta(s.out_dir, rank_name(rank if rank < s.world else 0, first_leg=True))
         earlier, earlier_evals = leg1["losses"], leg1.get("evals", [])
     hooks = None
     if s.recording:  # the same run through the Recorder (leg 2: a new segment after the checkpoint's step)
@@ -364,7 +365,7 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
                         on_grads=trace.record_grads, hooks=hooks)
     state = named_state(report["model"], gather=gather)
     plan = me.plan
-    name = f"{LEG1 if leg == 1 else ''}rank{rank}"
+    name = rank_name(rank, first_leg=leg == 1)
     trace.save(s.out_dir, name)
     meta = _save(s, name, state, earlier + report["losses"], init=init, mode="rank", rank=rank,
                  world_size=report["world_size"], shapes=plan.lines(),
@@ -435,10 +436,10 @@ def step_windows(corpus: bytes, train_bytes: int, prof: list[tuple[int, int]], s
 def _fleet_record(s: GateSettings) -> tuple[dict, dict, dict]:
     """What the references start from: the fleet's metadata, its initial
     tensors and rank 0's per-step trace."""
-    trace = load_trace(s.out_dir, "rank0")
+    trace = load_trace(s.out_dir, rank_name(0))
     if trace is None or not any(k.startswith("p/") for k in trace):
         raise DormouseError(f"no trace of rank0 in {str(s.out_dir)!r}: run the fleet (rank mode) first")
-    return load_meta(s.out_dir, "rank0"), load_tensors(s.out_dir, "init"), trace
+    return load_meta(s.out_dir, rank_name(0)), load_tensors(s.out_dir, INIT), trace
 
 
 def _flat_grad(params) -> torch.Tensor:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from dormouse.errors import DormouseError
 from dormouse.gate.record import modes
 from dormouse.gate.artifacts import LEG1, ArtifactSet, load_meta, source_hash
+from dormouse.gate.layout import INIT, is_fleet_file, is_one_process_file, rank_name, rank_names
 from dormouse.gate.record.launcher import launch_fleet
 from dormouse.gate.settings import GateSettings
 
@@ -87,12 +87,12 @@ def status(set_name: str, s: GateSettings) -> str | None:
         return why
     if set_name == "fleet":
         names, world = ArtifactSet(d).ranks(), s.legs()[-1].world
-        if names != [f"rank{r}" for r in range(world)]:
+        if names != rank_names(world):
             return f"found {names or 'no ranks'} for a world of {world}"
-        return next((w for w in (stale(d, n, s) for n in ["init", *names]) if w), None)
+        return next((w for w in (stale(d, n, s) for n in [INIT, *names]) if w), None)
     # gradref and replay are computed from one fleet run: they must name it.
     why = stale(d, set_name, s)
-    fleet = _meta(d, "rank0")
+    fleet = _meta(d, rank_name(0))
     if why is None and (fleet is None or _meta(d, set_name).get("fleet") != fleet.get("fingerprint")):
         why = f"{set_name} was computed from another fleet run"
     return why
@@ -125,7 +125,7 @@ def _ensure(s: GateSettings, set_name: str, make: Callable[[], None], *, force: 
 
 def _members(set_name: str, s: GateSettings) -> list[str]:
     return {"single": ["single"] + (["exact"] if s.reduce == "exact" else []),
-            "fleet": ["init"] + [f"rank{r}" for r in range(s.legs()[-1].world)]}.get(set_name, [set_name])
+            "fleet": [INIT, *rank_names(s.legs()[-1].world)]}.get(set_name, [set_name])
 
 
 @contextmanager
@@ -138,9 +138,9 @@ def _threads(n: int):
         torch.set_num_threads(before)
 
 
-def _drop(d: Path, pattern: str) -> None:
-    """Remove artifacts whose file names match `pattern` (JSON first: it is what says complete)."""
-    files = [p for p in d.iterdir() if re.fullmatch(pattern, p.name)]
+def _drop(d: Path, belongs: Callable[[str], bool]) -> None:
+    """Remove the artifacts whose file names `belongs` (JSON first: it is what says complete)."""
+    files = [p for p in d.iterdir() if belongs(p.name)]
     for p in sorted(files, key=lambda p: p.suffix != ".json"):
         p.unlink(missing_ok=True)
 
@@ -157,7 +157,7 @@ def run_single(s: GateSettings, *, force: bool = True, log: Log = print) -> str:
 def run_fleet(s: GateSettings, *, force: bool = True, stream: Log = print) -> str:
     """02: the fleet under torchrun (rank output streamed)."""
     def make():
-        _drop(s.out_dir, rf"(({LEG1})?rank\d+(_trace)?|init)\.(json|safetensors)")  # never two launches' ranks
+        _drop(s.out_dir, is_fleet_file)  # never two launches' ranks
         launch_fleet(s, timeout_s=s.timeout_s, stream=stream)
 
     return _ensure(s, "fleet", make, force=force, log=stream, hint="02_fleet_launcher.ipynb")
@@ -185,7 +185,7 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
         log(f"profile {s.profile!r} mixes window lengths: no single-process curve; gradref and the "
             "replay are the references")
         with locked(s.out_dir, "single"):
-            _drop(s.out_dir, r"(single|exact)(_trace)?\.(json|safetensors)")
+            _drop(s.out_dir, is_one_process_file)
         run_fleet(s, force=False, stream=log)
     else:
         # The fleet (torchrun's processes) runs while this process computes the
@@ -217,4 +217,4 @@ def fleet_set(s: GateSettings) -> ArtifactSet:
 
 
 def fleet_metas(s: GateSettings) -> list[dict]:
-    return [load_meta(s.out_dir, f"rank{r}") for r in range(s.legs()[-1].world)]
+    return [load_meta(s.out_dir, n) for n in rank_names(s.legs()[-1].world)]

@@ -75,6 +75,7 @@ from safetensors.torch import save as st_save
 from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
+from dormouse.train.clip import clip_coef as clip
 
 OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
 EXAMPLE_ID_KEYS = ("idx", "example_id")
@@ -629,7 +630,7 @@ class Recorder:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)
         if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
-            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            clip_coef = clip(self.max_grad_norm, grad_norm)
         clip_coef = _number(clip_coef)
         tensors: dict[str, torch.Tensor] = {}
         for m, b in enumerate(batches):
@@ -681,7 +682,7 @@ class Recorder:
             raise RecorderError("rec.report() with no recorded step to report on: call it after rec.step()")
         grad_norm = _number(grad_norm)
         if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
-            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            clip_coef = clip(self.max_grad_norm, grad_norm)
         clip_coef = _number(clip_coef)
         if loss is not None:
             meta["loss"] = _number(loss)

@@ -85,6 +85,7 @@ from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.gate.record.recorder import OBJECTIVES, Sketcher, code_hashes, import_path, sketch_buckets
+from dormouse.train.clip import clip_coef
 from safetensors.torch import save as st_save
 
 REFERENCE_SCHEMA = 1
@@ -463,7 +464,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                            if floor is not None and objective in OBJECTIVES else None),
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)]}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
-    info["clip_coef"] = min(1.0, mgn / (norm + 1e-6)) if mgn > 0 else None
+    info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     return out, info
 
 

@@ -1,0 +1,37 @@
+"""docs/your-loop.md's quick start followed as a user would: the two example
+scripts (examples/quickstart/: a tiny GPT-2 under the HF Trainer, a plain DDP
+loop), copied as they stand into a folder of their own, launched there with
+`torchrun --standalone --nproc_per_node=2 SCRIPT`, then `dormouse gate check
+--out runs/...` from the same folder through the installed console script
+(nothing added to PYTHONPATH): each passes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "quickstart"
+CONSOLE = Path(sys.prefix) / "bin" / "dormouse"  # the installed console script (sys.executable may be a warm client)
+
+
+def _user_env() -> dict:
+    """The user's shell: no PYTHONPATH of the test suite's, one thread per rank."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("script, out", [("hf_train.py", "runs/hf"), ("ddp_train.py", "runs/ddp")])
+def test_the_quick_start_script_trains_on_two_ranks_and_its_recording_passes_the_check(tmp_path, script, out):
+    pytest.importorskip("transformers") if script == "hf_train.py" else None
+    shutil.copy(EXAMPLES / script, tmp_path / script)
+    train = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            script], cwd=tmp_path, env=_user_env(), capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+    check = subprocess.run([str(CONSOLE), "gate", "check", "--out", out], cwd=tmp_path, env=_user_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and "PASS" in check.stdout, check.stdout[-3000:] + check.stderr[-2000:]
