@@ -75,7 +75,7 @@ def real(names: set[str]) -> set[str]:
 
 def layer(module: str) -> str | None:
     """config | model | train | gate.record | gate.artifacts | gate.judge | gate.show |
-    driver | base (errors, atomic, the package itself) | None (others: infer)."""
+    driver | base (errors, atomic, argtypes, numerics, the package itself) | None (others: infer)."""
     if module in DRIVERS or module.startswith("dormouse.bench"):
         return "driver"
     for prefix, name in (("dormouse.gate.record", "gate.record"), ("dormouse.gate.settings", "gate.record"),
@@ -84,7 +84,7 @@ def layer(module: str) -> str | None:
                          ("dormouse.train", "train"), ("dormouse.model", "model"), ("dormouse.config", "config")):
         if module == prefix or module.startswith(prefix + "."):
             return name
-    if module in ("dormouse", "dormouse.errors", "dormouse.atomic", "dormouse.argtypes"):
+    if module in ("dormouse", "dormouse.errors", "dormouse.atomic", "dormouse.argtypes", "dormouse.numerics"):
         return "base"
     return None
 
