@@ -11,18 +11,16 @@ known exceptions. Only the drivers
 (gate/__main__.py, gate/pipeline.py, dormouse/__main__.py, dormouse/bench/*)
 import more than one of record, judge and show.
 
-The judge's one allowed reach into dormouse.train is dormouse.train.tensors:
-pure tensor helpers (plain copies, fingerprints, relative differences) that
-know nothing of training; a test below keeps it that way.
+The judge, the show and the artifacts import nothing from dormouse.train:
+the pure helpers they share with it (fingerprints, the per-step relative
+difference, the unit round-offs, optional packages) are base modules
+(dormouse/digest.py, numerics.py, optional.py).
 
 gradref (gate/record/modes.py) re-derives the fleet's bytes by its own
 arithmetic: it must not touch the trainer's FleetPlan or data rule.
 
 gate/layout.py (the names of a run's artifacts) is of the artifacts layer. No
-module imports itself back through others (no circle). The target's stricter
-rules (the judge and the show import nothing from dormouse.train, artifacts no
-trainer) are tested too; those that do not hold yet are xfail(strict=True),
-each naming the import that breaks it.
+module imports itself back through others (no circle).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ import dormouse
 PKG = Path(dormouse.__file__).resolve().parent
 
 DRIVERS = {"dormouse.__main__", "dormouse.gate.__main__", "dormouse.gate.pipeline"}
-TENSORS = "dormouse.train.tensors"  # pure tensor helpers, the judge's one allowed train module
 
 
 def module_name(path: Path) -> str:
@@ -84,7 +81,8 @@ def layer(module: str) -> str | None:
                          ("dormouse.train", "train"), ("dormouse.model", "model"), ("dormouse.config", "config")):
         if module == prefix or module.startswith(prefix + "."):
             return name
-    if module in ("dormouse", "dormouse.errors", "dormouse.atomic", "dormouse.argtypes", "dormouse.numerics"):
+    if module in ("dormouse", "dormouse.errors", "dormouse.atomic", "dormouse.argtypes", "dormouse.numerics",
+                  "dormouse.digest", "dormouse.optional"):
         return "base"
     return None
 
@@ -129,7 +127,7 @@ def test_the_gates_layers_point_one_way():
     assert violations("gate.artifacts", ("dormouse.gate.record", "dormouse.gate.settings", "dormouse.gate.judge",
                                          "dormouse.gate.show")) == []
     assert violations("gate.judge", ("dormouse.gate.record", "dormouse.gate.settings", "dormouse.gate.show",
-                                     "dormouse.train"), allow=(TENSORS,)) == []
+                                     "dormouse.train")) == []
     assert violations("gate.show", ("dormouse.gate.record", "dormouse.gate.settings")) == []
 
 
@@ -145,10 +143,6 @@ def test_only_drivers_import_more_than_one_of_record_judge_and_show():
     # show reads the judge's results: show -> judge is one of the arrows, not a second layer
     many = {m: r for m, r in many.items() if r != ["gate.judge", "gate.show"]}
     assert many == {}
-
-
-def test_the_pure_tensor_helpers_the_judge_may_use_know_nothing_of_training():
-    assert real(GRAPH[TENSORS]) == set()
 
 
 @pytest.mark.parametrize("planted", ["dormouse.gate.record.modes", "dormouse.gate.settings"])
@@ -171,18 +165,10 @@ def _not_yet(why: str):
 
 
 @pytest.mark.parametrize("importer, forbidden", [
-    ("gate.judge", ("dormouse.model", "dormouse.gate.record", "dormouse.gate.settings")),
-    pytest.param("gate.judge", ("dormouse.train",), marks=_not_yet(
-        "the trace judge (gate/judge/checks.py) imports dormouse.train.tensors (fingerprints, relative "
-        "differences): they belong in the judge's metrics and the artifacts' fingerprint")),
-    ("gate.show", ("dormouse.gate.record", "dormouse.gate.settings")),
-    pytest.param("gate.show", ("dormouse.train",), marks=_not_yet(
-        "gate/show/text.py imports dormouse.train.tracking")),
+    ("gate.judge", ("dormouse.model", "dormouse.gate.record", "dormouse.gate.settings", "dormouse.train")),
+    ("gate.show", ("dormouse.gate.record", "dormouse.gate.settings", "dormouse.train")),
     ("gate.artifacts", ("dormouse.gate.record", "dormouse.gate.settings", "dormouse.gate.judge",
-                        "dormouse.gate.show")),
-    pytest.param("gate.artifacts", ("dormouse.train",), marks=_not_yet(
-        "gate/artifacts.py imports the trainer for provenance (dormouse.train.newton_schulz's resolve_kernel) "
-        "and fingerprints (dormouse.train.tensors)")),
+                        "dormouse.gate.show", "dormouse.train")),
 ])
 def test_the_gates_target_layers(importer, forbidden):
     """judge imports nothing from dormouse.train, dormouse.model or record; show

@@ -28,8 +28,7 @@ from dormouse import atomic
 from dormouse.errors import DormouseError
 # LEG1 and ONE_PROCESS are re-exported: the names are layout's
 from dormouse.gate.layout import LEG1, ONE_PROCESS, rank_name, rank_of, trace_file  # noqa: F401
-from dormouse.train.newton_schulz import resolve_kernel
-from dormouse.train.tensors import fingerprint
+from dormouse.digest import fingerprint
 
 SCHEMA = 2
 # Settings that say how the global batch is cut among the fleet's ranks (and
@@ -79,19 +78,6 @@ def file_hash(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def provenance(*, device: str, corpus: Path, init: str) -> dict:
-    """What bitwise results depend on: code, torch, device, threads, the CPU's
-    vector capability, the corpus and the initial parameters' fingerprint."""
-    import dormouse
-
-    dev = device if device == "cpu" else f"{device}:{torch.cuda.get_device_name()}"
-    return {"dormouse": dormouse.__version__, "source": source_hash(), "torch": torch.__version__,
-            "device": dev, "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "corpus": file_hash(Path(corpus)),
-            "ns_kernel": resolve_kernel("auto", torch.bfloat16, device),  # what ns_kernel="auto" runs here
-            "init": init}
 
 
 def save_artifact(out: Path, name: str, state: dict[str, torch.Tensor], losses: list[float],

@@ -3,9 +3,9 @@ fingerprint, whether the tensors are ordinary or FSDP2 DTensor shards."""
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
+
+from dormouse.digest import fingerprint, tensor_bytes  # noqa: F401  (the train side reads them here)
 
 
 def plain(t: torch.Tensor, *, gather: bool = False) -> torch.Tensor:
@@ -24,21 +24,6 @@ def named_state(model: torch.nn.Module, *, gather: bool = False) -> dict[str, to
     return {name: plain(t, gather=gather) for name, t in model.state_dict().items()}
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw bytes of a tensor of any dtype (bfloat16 included)."""
-    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-
-
-def fingerprint(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over names, dtypes, shapes and bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name]
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(tensor_bytes(t))
-    return h.hexdigest()
-
-
 def named_grads(model: torch.nn.Module, *, gather: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter's gradient by name (zeros where there is none); after a
     training step these are the gradients the step applied."""
@@ -47,11 +32,3 @@ def named_grads(model: torch.nn.Module, *, gather: bool = False) -> dict[str, to
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         out[name] = plain(g, gather=gather)
     return out
-
-
-def rel_per_step(a: torch.Tensor, b: torch.Tensor) -> list[float]:
-    """max |a_k - b_k| / max |b_k| for each step k of two stacked traces."""
-    a, b = a.double().flatten(1), b.double().flatten(1)
-    diff = (a - b).abs().amax(dim=1)
-    scale = b.abs().amax(dim=1)
-    return torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff).tolist()

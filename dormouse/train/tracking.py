@@ -13,24 +13,14 @@ log function, so the loop needs no tracker-specific code. Optional: needs the
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import time
 from typing import Callable
 
 from dormouse.config import RunConfig
-from dormouse.errors import ConfigError
+from dormouse.optional import require_tensorboard  # noqa: F401  (the trainer and its tests call it here)
 
 _EVAL_LINE = re.compile(r"^eval step=(\d+) loss=(\S+)$")
-
-
-def require_tensorboard() -> None:
-    """Raise one clear error when tensorboard is not installed."""
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(
-            "--tensorboard needs the tensorboard package, which is not installed: "
-            "pip install 'dormouse[tracking]' (or pip install tensorboard), or drop --tensorboard"
-        )
 
 
 class TensorBoardTracker:

@@ -73,7 +73,7 @@ from dormouse.errors import DormouseError
 from dormouse.gate.artifacts import LEG1, ONE_PROCESS, PROFILE_FIELDS, PROVENANCE, ArtifactSet, references
 from dormouse.gate.layout import INIT, rank_name
 from dormouse.gate.judge.steps import routing_flips
-from dormouse.train.tensors import rel_per_step
+from dormouse.numerics import rel_per_step
 
 from dormouse.gate.judge.bounds import (BF16_MODEL_RTOL, BF16_UNIT_ROUNDOFF, BIAS_FLOOR, BIAS_SIGMAS,  # noqa: F401
                                         CURVE_MIN_RTOL, FLOOR_MULTIPLE, GRAD_RTOL, LOSS_RTOL, WINDOW_RTOL,

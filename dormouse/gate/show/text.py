@@ -46,7 +46,7 @@ def write_tensorboard(v: Verdict, log_dir) -> None:
     check its worst relative difference and bound (gate/<check>/worst,
     gate/<check>/bound), the curve's loss difference, floor and tolerance,
     and 1/0 per step for the bitwise checks (gate/<check>/equal)."""
-    from dormouse.train.tracking import require_tensorboard
+    from dormouse.optional import require_tensorboard
 
     require_tensorboard()
     from torch.utils.tensorboard import SummaryWriter

@@ -1,0 +1,23 @@
+"""Pure functions of tensors every layer may use: their raw bytes and a
+fingerprint of a set of them (what provenance and the ranks check compare)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor of any dtype (bfloat16 included)."""
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
