@@ -82,7 +82,7 @@ def layer(module: str) -> str | None:
         if module == prefix or module.startswith(prefix + "."):
             return name
     if module in ("dormouse", "dormouse.errors", "dormouse.atomic", "dormouse.argtypes", "dormouse.numerics",
-                  "dormouse.digest", "dormouse.optional"):
+                  "dormouse.digest", "dormouse.optional", "dormouse.clip"):
         return "base"
     return None
 

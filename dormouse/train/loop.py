@@ -43,7 +43,7 @@ from dormouse.config import RunConfig
 from dormouse.errors import CheckpointError, DivergedError
 from dormouse.model import DormouseModel
 from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
-from dormouse.train.clip import clip_coef
+from dormouse.clip import clip_coef
 from dormouse.train.data import ByteCorpus, FleetPlan, builtin_corpus
 from dormouse.train.hooks import Clipped, Hooks, LocalGrads, Reduced, Start, for_call
 from dormouse.train.exact import put_grads, split_stats, stats_row, take_grads, tree_sum

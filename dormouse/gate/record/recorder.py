@@ -75,7 +75,7 @@ from safetensors.torch import save as st_save
 from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
-from dormouse.train.clip import clip_coef as clip
+from dormouse.clip import clip_coef as clip
 
 OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
 EXAMPLE_ID_KEYS = ("idx", "example_id")

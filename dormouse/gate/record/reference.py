@@ -85,7 +85,7 @@ from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.gate.record.recorder import OBJECTIVES, Sketcher, code_hashes, import_path, sketch_buckets
-from dormouse.train.clip import clip_coef
+from dormouse.clip import clip_coef
 from safetensors.torch import save as st_save
 
 REFERENCE_SCHEMA = 1

@@ -1,4 +1,4 @@
-"""The clip coefficient is typed once (dormouse.train.clip.clip_coef) and is
+"""The clip coefficient is typed once (dormouse.clip.clip_coef) and is
 the factor torch.nn.utils.clip_grad_norm_ multiplies the gradients by."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import dormouse
-from dormouse.train.clip import clip_coef
+from dormouse.clip import clip_coef
 
 PKG = Path(dormouse.__file__).resolve().parent
 # x / (norm + 1e-6) in code (strings and comments left out): the clip coefficient's denominator
@@ -29,7 +29,7 @@ def formula_sites(path: Path) -> list[int]:
 
 def test_the_clip_coefficient_is_written_in_one_place_in_the_package():
     found = [str(p.relative_to(PKG)) for p in sorted(PKG.rglob("*.py")) for _ in formula_sites(p)]
-    assert found == ["train/clip.py"]
+    assert found == ["clip.py"]
 
 
 def test_the_search_for_the_formula_sees_it_in_code_and_not_in_prose(tmp_path):

@@ -1,7 +1,8 @@
 """The clip coefficient, typed once: the factor gradient clipping multiplies
 every gradient by, as torch.nn.utils.clip_grad_norm_ computes it. The loop
-clips with it, and the gate's recording and references work out what a loop
-clipped by with it; the judge reads the recorded values, never this rule."""
+clips with it, the gate's recording and references work out what a loop
+clipped by with it, and the recording reader checks a recording's max_grad_norm by it
+(a base module: every layer may use it)."""
 
 from __future__ import annotations
 
