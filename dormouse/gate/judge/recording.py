@@ -266,8 +266,8 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     bound = arithmetic_bound(rec, ref, INDEP_RTOL, worst_k)
     said = _bound_words(rec, ref, bound, INDEP_RTOL, worst_k)
     ok = not over and not rng and not gm_over and gm_err is None
-    one = (f"the step's rows in one forward ({gm_words}) give {gm_worst:.2g} from the micro-batches' gradient "
-           f"at step {gm_k}" if gm_k is not None else None)
+    one = (f"{gm_words} give a gradient {gm_worst:.2g} away from the micro-batches' sum (step {gm_k})"
+           if gm_k is not None else None)
     if scope == "step":
         ok = not rng
         reason = ("the objective is declared over the whole step (objective_scope='step'): one process "
