@@ -196,3 +196,26 @@ def test_a_compiled_model_is_recorded_in_every_placement_of_the_compile(recordin
     loss = F.cross_entropy(z[:, :-1].reshape(-1, BM.VOCAB), torch.cat(xs)[:, 1:].reshape(-1))
     assert rel(fleet_grad(recordings[f"compile_{where}"]), grad_of(model, loss)) < 1e-5
     assert "judged against input_ids" in v.check("gradient").reason
+
+
+# ------------------------------------------------------------------ bad input, one line
+
+
+def test_a_bad_objective_scope_or_labels_call_is_one_line(tmp_path):
+    from dormouse.errors import DormouseError
+    from dormouse.gate import Recorder
+
+    ok = {"build_model": "batchmodels:build_switch", "build_optimizer": "batchmodels:build_optimizer"}
+    for bad, match in (({"objective_scope": "global"}, "is none of example, forward, step"),
+                       ({"objective_scope": "step"}, "needs objective='pkg.mod:fn'")):
+        with pytest.raises(DormouseError, match=match) as e:
+            Recorder(tmp_path / "bad", BM.build_switch(), **ok, **bad)
+        assert "\n" not in str(e.value)
+    model = BM.build_switch()
+    rec = Recorder(tmp_path / "rec", model, **ok)
+    with pytest.raises(DormouseError, match="no forward recorded since the last rec.step"):
+        rec.labels(torch.zeros(2, BM.T, dtype=torch.long))
+    model(torch.zeros(2, BM.T, dtype=torch.long))
+    with pytest.raises(DormouseError, match="for a forward of 2 rows"):
+        rec.labels(torch.zeros(3, BM.T, dtype=torch.long))
+    rec.close()

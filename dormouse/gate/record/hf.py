@@ -72,17 +72,21 @@ class RecorderCallback(TrainerCallback):
     inputs           the forward keyword arguments that are the batch
     build_kwargs     JSON-able keyword arguments for build_model and build_optimizer
     dataset_len      examples in the dataset; None = len(train_dataset) when it has one (0 = unknown)
+    objective_scope  "example" (default), "forward" (each forward's own statistics: an MoE model's
+                     per-forward load-balancing term) or "step" (objective fn(model, batches)): the Recorder's
     """
 
     def __init__(self, out_dir, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  sketch: int = 0, every: int = 1, inputs=INPUTS, build_kwargs: dict | None = None,
-                 dataset_len: int | None = None):
+                 dataset_len: int | None = None, objective_scope: str = "example"):
         # bad options fail here, in one line, before the Trainer trains (not at on_train_begin on every rank)
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective, sketch=sketch,
-                      every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs)
+                      every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs,
+                      objective_scope=objective_scope)
         self.out_dir = Path(out_dir)
         self.options = dict(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
-                            sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs)
+                            sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs,
+                            objective_scope=objective_scope)
         self.dataset_len = dataset_len
         self.rec: Recorder | None = None
         self._step_logged = -1  # the Trainer's global_step whose log reached the Recorder
