@@ -417,7 +417,7 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     tbounds = [r["tensor_bound"] for r in rows] if run else [r["bound"] for r in rows]
     per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
     fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": [], "gm": []}
-    first_bad = None
+    first_bad, gm_far = None, False
     for row in rows:
         k = row["step"]
         g_ref = ref.tensors(k, "g/")
@@ -440,6 +440,9 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
             a = ref.tensors(k, f"{alt}/")
             an = sorted(set(g) & set(a))
             alts[alt].append(fit(g, a, an) if an else (0.0, math.inf))
+        gm = ref.tensors(k, "gm/")  # the global batch in one forward: named only where it is not the sum's
+        gm_far = gm_far or bool(gm) and rel(gm, g_ref, sorted(set(gm) & set(g_ref))) > \
+            FACTOR_AWAY * arithmetic_bound(rec, ref, GRAD_RTOL, k)
     ok = not over
     bound = gb
     factor_rtol = max(FACTOR_RTOL, gb)  # a fitted constant is as uncertain as the gradients it is fitted to
@@ -465,7 +468,8 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         # first failing step not among them, puts the fault in a step between
         unit = near_one and worst_k not in fitted
         named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
-        alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)), None)
+        alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)
+                        and (alt != "gm" or gm_far)), None)
         if unit:
             reason = (f"the fleet's gradient equals {what} at the {len(fits)} recorded step(s) where the fleet's "
                       f"parameters equal the one-process run's, but differs by {worst:.2g} at step {worst_k} "
