@@ -10,7 +10,11 @@ independence  fact 1: at every recorded step the per-example gradients of a
               with their weights, equal those micro-batches' gradient,
               ||ex - exb|| / ||exb|| <= INDEP_RTOL, and the gradient does not change
               with the RNG state (active dropout, per-rank RNG); BatchNorm and
-              dropout modules are named.
+              dropout modules are named. And the step's rows in one forward
+              ("gm/", as few merged forwards as memory allows) give the
+              micro-batches' gradient within the same bound: else "the rows of
+              a forward interact". Declared objective_scope "forward" states
+              that distance and passes; "step" has neither check.
 gradient      fact 3: the fleet's synchronised gradient (divided by the clip
               coefficient where the loop clipped first) against the one-process
               gradient of the DECLARED objective over every rank's micro-batches

@@ -29,6 +29,19 @@ cost about 1.5x a micro-batch's, and over every micro-batch of every step
 they were half the check's time (a dependence on the batch confined to
 micro-batches outside S is not seen; BatchNorm and dropout show in any).
 
+One forward for the global batch ("gm", at judged steps): the same objective
+over the step's rows merged into as few forwards as memory allows
+(batchscope: every rank's and micro-batch's rows, padded as the recording
+pads), normalised by its own count: equal to g when no row's gradient
+depends on which rows share its forward. objective_scope (recording.json):
+"example" (the default) and "forward" differentiate each micro-batch as above
+(the judge holds gm to g only under "example"); "step" calls the declared
+fn(model, batches) once on every rank's micro-batches of the step (rank then
+micro order) and differentiates loss_sum / count (no per-example sample, no
+merged forward, no alternative weightings).
+What each forward received beyond its tensors (its non-tensor arguments, the
+model's plain attributes the loop set) is put back as recorded (batchscope).
+
 Reduced precision: each micro-batch's forward runs under the autocast the
 recording says it ran under (the Recorder reads it), on the parameters in
 the dtype they were recorded in. Under autocast, or with bfloat16/float16
