@@ -219,3 +219,24 @@ def test_a_bad_objective_scope_or_labels_call_is_one_line(tmp_path):
     with pytest.raises(DormouseError, match="for a forward of 2 rows"):
         rec.labels(torch.zeros(3, BM.T, dtype=torch.long))
     rec.close()
+
+
+def test_an_attribute_the_rebuilt_model_lacks_is_refused_in_one_line_naming_it(tmp_path):
+    """A one-process recording whose loop gave a submodule an attribute build_model's model does not have."""
+    from dormouse.errors import DormouseError
+    from dormouse.gate import Recorder
+    from dormouse.gate.record.reference import make_reference
+
+    model = BM.build_switch()
+    model.mix.tempo = 3  # the loop's own flag, which build_switch never sets
+    rec = Recorder(tmp_path / "rec", model, build_model="batchmodels:build_switch",
+                   build_optimizer="batchmodels:build_optimizer", objective="causal_lm")
+    opt = BM.build_optimizer(model)
+    x = torch.randint(0, BM.VOCAB, (2, BM.T))
+    F.cross_entropy(model(x)[:, :-1].reshape(-1, BM.VOCAB), x[:, 1:].reshape(-1)).backward()
+    rec.step(optimizer=opt)
+    opt.step()
+    rec.close()
+    with pytest.raises(DormouseError, match="'mix.tempo'") as e:
+        make_reference(tmp_path / "rec", log=looprec.QUIET)
+    assert "\n" not in str(e.value) and "is not an attribute of the model build_model builds" in str(e.value)
