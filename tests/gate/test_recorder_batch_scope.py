@@ -221,22 +221,33 @@ def test_a_bad_objective_scope_or_labels_call_is_one_line(tmp_path):
     rec.close()
 
 
-def test_an_attribute_the_rebuilt_model_lacks_is_refused_in_one_line_naming_it(tmp_path):
-    """A one-process recording whose loop gave a submodule an attribute build_model's model does not have."""
+def test_an_attribute_the_loop_added_is_set_and_one_on_a_submodule_build_model_lacks_is_refused(tmp_path):
+    """One-process recordings whose loop gave the model attributes build_model's model does not have:
+    on a submodule it has, the reference sets them; on one it lacks, one line."""
     from dormouse.errors import DormouseError
     from dormouse.gate import Recorder
     from dormouse.gate.record.reference import make_reference
 
-    model = BM.build_switch()
-    model.mix.tempo = 3  # the loop's own flag, which build_switch never sets
-    rec = Recorder(tmp_path / "rec", model, build_model="batchmodels:build_switch",
-                   build_optimizer="batchmodels:build_optimizer", objective="causal_lm")
-    opt = BM.build_optimizer(model)
-    x = torch.randint(0, BM.VOCAB, (2, BM.T))
-    F.cross_entropy(model(x)[:, :-1].reshape(-1, BM.VOCAB), x[:, 1:].reshape(-1)).backward()
-    rec.step(optimizer=opt)
-    opt.step()
-    rec.close()
-    with pytest.raises(DormouseError, match="'mix.tempo'") as e:
-        make_reference(tmp_path / "rec", log=looprec.QUIET)
-    assert "\n" not in str(e.value) and "is not an attribute of the model build_model builds" in str(e.value)
+    def record(out, loop_sets):
+        model = BM.build_switch()
+        loop_sets(model)
+        rec = Recorder(out, model, build_model="batchmodels:build_switch",
+                       build_optimizer="batchmodels:build_optimizer", objective="causal_lm")
+        opt = BM.build_optimizer(model)
+        x = torch.randint(0, BM.VOCAB, (2, BM.T), generator=torch.Generator().manual_seed(3))
+        F.cross_entropy(model(x)[:, :-1].reshape(-1, BM.VOCAB), x[:, 1:].reshape(-1)).backward()
+        rec.step(optimizer=opt)
+        opt.step()
+        rec.close()
+        return out
+
+    # mix.on (build_switch's False) and mix.tempo (not built) are set on the rebuilt model: a PASS, which
+    # without mix.on would fail (test_a_bool_keyword_... shows the gradient with it off differs) ...
+    out = record(tmp_path / "added", lambda m: (setattr(m.mix, "on", True), setattr(m.mix, "tempo", 3)))
+    assert looprec.verdict(out).passed, failing(looprec.verdict(out))
+    # ... and one on a submodule the rebuilt model lacks is refused, named
+    bad = record(tmp_path / "extra", lambda m: (setattr(m, "extra", torch.nn.Identity()),
+                                                 setattr(m.extra, "flag", True)))
+    with pytest.raises(DormouseError, match="'extra.flag'") as e:
+        make_reference(bad, log=looprec.QUIET)
+    assert "\n" not in str(e.value) and "does not have" in str(e.value)

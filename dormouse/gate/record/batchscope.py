@@ -10,8 +10,9 @@ What a forward received (the Recorder's step JSON, per micro-batch):
            differ from their values when the Recorder started (a flag the
            loop set before that forward): set for that micro-batch alone
            (apply_attrs). recording.json's "attrs" are the values at the
-           start; the rebuilt model takes those build_model's differ in
-           (start_attrs), and one missing from it is refused in one line.
+           start; the rebuilt model takes those build_model's differ in or
+           lacks (start_attrs); one on a submodule the rebuilt model does not
+           have is refused in one line.
 
 One forward for the global batch (merge_plan, merged): one process at the
 global batch computes the step's rows (every rank's, every micro-batch's) in
@@ -41,6 +42,7 @@ from dormouse.gate.record.recorder import LOSS_LABELS, PLAIN
 # positions (rows x padded length) of one merged forward: larger global batches are merged in chunks
 MERGE_TOKENS = 1 << 16
 _LABEL_KEYS = ("labels", LOSS_LABELS)
+_MISSING = object()  # an attribute the rebuilt module does not have
 
 
 class BatchScopeError(DormouseError):
@@ -68,15 +70,13 @@ def attr_changes_at(rec, r: int, step: int, m: int) -> dict | None:
 
 
 def _module(model, path: str, name: str, why: str):
+    """The rebuilt model's submodule `path` (an attribute it lacks is set
+    there as the loop set it on the recorded one); one line when it has none."""
     try:
-        mod = model.get_submodule(path) if path else model
+        return model.get_submodule(path) if path else model
     except AttributeError:
-        mod = None
-    if mod is None or name not in vars(mod):
-        where = f"{path}.{name}" if path else name
-        raise BatchScopeError(f"the recorded model's attribute {where!r} ({why}) is not an attribute of the model "
-                              "build_model builds: build the loop's model, or set it in build_model")
-    return mod
+        raise BatchScopeError(f"the recorded model's attribute '{path}.{name}' ({why}) belongs to a submodule "
+                              f"{path!r} the model build_model builds does not have: build the loop's model") from None
 
 
 def start_attrs(model, recorded: dict | None) -> list[str]:
@@ -86,7 +86,7 @@ def start_attrs(model, recorded: dict | None) -> list[str]:
     for path, d in (recorded or {}).items():
         for name, v in d.items():
             mod = _module(model, path, name, f"{v!r} when the Recorder started")
-            now = vars(mod)[name]
+            now = vars(mod).get(name, _MISSING)
             if type(now) is not type(v) or now != v:
                 setattr(mod, name, v)
                 done.append(f"{path}.{name}" if path else name)
@@ -102,12 +102,15 @@ def apply_attrs(model, changes: dict | None, recorded: dict | None):
     for path, d in changes.items():
         for name, v in d.items():
             mod = _module(model, path, name, f"{v!r} at a recorded forward")
-            back.append((mod, name, (recorded or {}).get(path, {}).get(name, vars(mod)[name])))
+            back.append((mod, name, (recorded or {}).get(path, {}).get(name, vars(mod).get(name, _MISSING))))
             setattr(mod, name, v)
 
     def undo():
         for mod, name, v in back:
-            setattr(mod, name, v)
+            if v is _MISSING:
+                delattr(mod, name)
+            else:
+                setattr(mod, name, v)
     return undo
 
 
