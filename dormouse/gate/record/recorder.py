@@ -20,7 +20,14 @@ forward where they were (FSDP2's MixedPrecisionPolicy: the submodules'
 pre-hooks see the unsharded, cast parameters). The loop's data code is
 untouched.
 Eval-mode forwards, and forwards with gradients disabled (torch.no_grad(),
-inference_mode: a metric or a logged probe loss), are ignored.
+inference_mode: a metric or a logged probe loss), are ignored. Beyond its
+tensors, each forward's non-tensor arguments of plain types (a bool keyword)
+and the modules' public plain attributes that differ from their values when
+the Recorder started (a flag the loop set) go into the step's JSON ("call",
+"attrs"; the start's into recording.json); `rec.labels(labels)` after a
+forward adds the labels the loop's loss reads and the model is not given.
+The hooks sit on the module under any DDP and torch.compile wrappers and run
+eagerly under torch.compile (a graph break, not a dynamo trace of them).
 
 Per step and rank it writes (names: dormouse.gate.artifacts) the micro-batches,
 the parameters before the step, the gradient on the parameters at rec.step()
@@ -79,7 +86,7 @@ from dormouse.gate import artifacts as A
 OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
 EXAMPLE_ID_KEYS = ("idx", "example_id")
 INPUTS = ("input_ids", "attention_mask", "labels")
-# What the declared objective is a function of (docs/your-loop.md, "Batch-level objectives"):
+# What the declared objective is a function of (docs/your-loop.md, "Objectives over more than one row"):
 #   example  each row alone: a sum over rows (the default); the reference checks that a row's
 #            gradient does not depend on the rows beside it, nor on which rows share a forward
 #   forward  each forward's own statistics (a per-forward load-balancing term, what HF's MoE models
