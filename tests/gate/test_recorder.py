@@ -87,6 +87,8 @@ def test_clean_runs_pass(recordings, name):
     assert {"independence", "gradient", "grad_mask", "replay", "data", "loss", "ranks", "clip"} <= names
     if name == "clean1":  # fact 1's sample: both ranks' first micro-batch at step 1, one at each of steps 2-4
         assert "5 of 24 micro-batches differentiated row by row" in v.check("independence").reason
+        # one process at the global batch: the step's 12 rows of different lengths in one forward, padded
+        assert "the step's 12 rows in 1 forward (padded on the right" in v.check("independence").reason
     if name == "clean_resume":
         assert "across 1 resume" in v.check("replay").reason
     if "sketch" in name:

@@ -331,3 +331,25 @@ def test_callback_without_transformers_is_one_line():
             "try:\n    import dormouse.gate.record.hf\nexcept DormouseError as e:\n    print(e); sys.exit(2)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "pip install 'dormouse[hf]'" in done.stdout, done.stdout + done.stderr
+
+
+def test_neftune_is_refused_in_one_line_before_the_first_step(tmp_path):
+    """The Trainer's NEFTune hook (random noise on the input embeddings, each rank its own draw) cannot
+    be reproduced by one process: a real one-process Trainer with neftune_noise_alpha stops at its start."""
+    from transformers import Trainer, TrainingArguments
+
+    from dormouse.errors import DormouseError
+    from dormouse.gate.record.hf import RecorderCallback
+
+    model = hf_client.build_model()
+    args = TrainingArguments(str(tmp_path / "hf"), use_cpu=True, report_to="none", max_steps=1,
+                             per_device_train_batch_size=2, neftune_noise_alpha=5.0, save_strategy="no")
+    cb = RecorderCallback(tmp_path / "rec", build_model="hf_client:build_model",
+                          build_optimizer="hf_client:build_optimizer")
+    trainer = Trainer(model=model, args=args, train_dataset=hf_client.PaddedSequences(0, n=4),
+                      optimizers=hf_client.build_optimizer(model), callbacks=[cb])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(DormouseError, match="NEFTune") as e:
+        trainer.train()
+    assert "\n" not in str(e.value) and "hooked on" in str(e.value), str(e.value)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # no step was taken

@@ -10,7 +10,11 @@ independence  fact 1: at every recorded step the per-example gradients of a
               with their weights, equal those micro-batches' gradient,
               ||ex - exb|| / ||exb|| <= INDEP_RTOL, and the gradient does not change
               with the RNG state (active dropout, per-rank RNG); BatchNorm and
-              dropout modules are named.
+              dropout modules are named. And the step's rows in one forward
+              ("gm/", as few merged forwards as memory allows) give the
+              micro-batches' gradient within the same bound: else "the rows of
+              a forward interact". Declared objective_scope "forward" states
+              that distance and passes; "step" has neither check.
 gradient      fact 3: the fleet's synchronised gradient (divided by the clip
               coefficient where the loop clipped first) against the one-process
               gradient of the DECLARED objective over every rank's micro-batches
@@ -216,6 +220,9 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     per, worst, worst_k = [], 0.0, None
     rng, sampled, total = False, 0, 0
     over = False
+    scope = rec.meta.get("objective_scope") or "example"
+    # the step's rows in as few forwards as memory allows ("gm/") against the micro-batches' sum ("g/")
+    gm_worst, gm_k, gm_words, gm_err, gm_over = 0.0, None, None, None, False
     for k in rec.tensor_steps():
         info, _ = ref.step(k)
         rng = rng or bool(info.get("rng_sensitive"))
@@ -226,17 +233,42 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         total += sum(len(c) for c in info.get("counts", []))
         per.append(x)
         over = over or x > arithmetic_bound(rec, ref, INDEP_RTOL, k)
+        merged = info.get("merged") or {}
+        if merged.get("error") and gm_err is None:
+            gm_err = (k, merged["error"], merged.get("words"))
+        elif merged:
+            gm, full = ref.tensors(k, "gm/"), ref.tensors(k, "g/")
+            y = rel(gm, full, sorted(set(gm) & set(full)))
+            gm_words = merged.get("words")
+            gm_over = gm_over or y > arithmetic_bound(rec, ref, INDEP_RTOL, k)
+            if y >= gm_worst:
+                gm_worst, gm_k = y, k
         if x > worst:
             worst, worst_k = x, k
     bn, drop = ref.meta.get("batchnorm", []), ref.meta.get("dropout", [])
     bound = arithmetic_bound(rec, ref, INDEP_RTOL, worst_k)
     said = _bound_words(rec, ref, bound, INDEP_RTOL, worst_k)
-    ok = not over and not rng
-    if ok:
+    ok = not over and not rng and not gm_over and gm_err is None
+    one = (f"{gm_words} give a gradient {gm_worst:.2g} away from the micro-batches' sum (step {gm_k})"
+           if gm_k is not None else None)
+    if scope == "step":
+        ok = not rng
+        reason = ("the objective is declared over the whole step (objective_scope='step'): one process "
+                  "differentiates it once over every rank's micro-batches of the step, so neither the per-example "
+                  "nor the per-forward check applies" + ("" if ok else "; but the gradient changes with the RNG "
+                                                              "state (active dropout or other unkeyed randomness)"))
+    elif scope == "forward" and not rng:
+        ok = True
+        reason = ("the objective is declared per forward (objective_scope='forward': each forward's own "
+                  "statistics), so one process differentiates each micro-batch as the fleet split the batch, and "
+                  "the split is part of the objective"
+                  + (f"; {one} (what one process at the global batch would train instead)" if one else "")
+                  + f"; each row alone {worst:.2g} from its micro-batch's")
+    elif ok:
         reason = (f"the per-example gradients sum to their micro-batch's at every recorded step (worst "
                   f"{worst:.2g}, {said}; {sampled} of {total} micro-batches differentiated row by "
                   "row: every rank's first at the first step, one a step after, rotating) and do not change with "
-                  "the RNG state")
+                  "the RNG state" + (f"; {one}" if one else ""))
     elif bn:
         reason = (f"BatchNorm ({', '.join(bn)}) computes statistics over the batch: the per-example gradients "
                   f"differ from the batch's by {worst:.2g} (step {worst_k}; {said}), so splitting "
@@ -252,6 +284,20 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                   f"trimmed to its attention_mask) differ from the batch's by {worst:.2g} at step {worst_k} "
                   f"({said}): a forward that depends on the other rows, or on its padding (left padding with "
                   "absolute positions), computes another function at another split of the batch")
+    if not ok and scope == "example" and not over and not rng and not bn and not drop:
+        if gm_err is not None:
+            reason = (f"the step's rows could not be computed in one forward at step {gm_err[0]} ({gm_err[2]}): "
+                      f"{gm_err[1]}; declare objective_scope='forward' if each forward's own rows are the objective")
+        else:
+            reason = (f"the rows of a forward interact: {one} ({_bound_words(rec, ref, arithmetic_bound(rec, ref, INDEP_RTOL, gm_k), INDEP_RTOL, gm_k)}), "
+                      "though each row's gradient alone sums to its micro-batch's: the network or the objective "
+                      "depends on which rows share a forward (statistics over a forward's rows: a load-balancing "
+                      "term, in-batch negatives), so one process at the global batch trains another gradient than "
+                      "the fleet's split; declare objective_scope='step' with fn(model, batches) if the statistics "
+                      "are meant over the global batch (and the fleet computes them so), or "
+                      "objective_scope='forward' if each forward's own statistics are the objective")
+    elif not ok and scope == "example" and gm_over and one:
+        reason += f"; {one}"
     return TensorCheck("independence", ok, reason, worst=worst, worst_step=worst_k, bound=bound, per_step=per)
 
 
@@ -353,8 +399,8 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     gb = arithmetic_bound(rec, ref, GRAD_RTOL)  # the largest step's (one bound per step in the rows)
     tbounds = [r["tensor_bound"] for r in rows] if run else [r["bound"] for r in rows]
     per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
-    fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": []}
-    first_bad = None
+    fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": [], "gm": []}
+    first_bad, gm_far = None, False
     for row in rows:
         k = row["step"]
         g_ref = ref.tensors(k, "g/")
@@ -377,6 +423,9 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
             a = ref.tensors(k, f"{alt}/")
             an = sorted(set(g) & set(a))
             alts[alt].append(fit(g, a, an) if an else (0.0, math.inf))
+        gm = ref.tensors(k, "gm/")  # the global batch in one forward: named only where it is not the sum's
+        gm_far = gm_far or bool(gm) and rel(gm, g_ref, sorted(set(gm) & set(g_ref))) > \
+            FACTOR_AWAY * arithmetic_bound(rec, ref, GRAD_RTOL, k)
     ok = not over
     bound = gb
     factor_rtol = max(FACTOR_RTOL, gb)  # a fitted constant is as uncertain as the gradients it is fitted to
@@ -402,7 +451,8 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         # first failing step not among them, puts the fault in a step between
         unit = near_one and worst_k not in fitted
         named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
-        alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)), None)
+        alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)
+                        and (alt != "gm" or gm_far)), None)
         if unit:
             reason = (f"the fleet's gradient equals {what} at the {len(fits)} recorded step(s) where the fleet's "
                       f"parameters equal the one-process run's, but differs by {worst:.2g} at step {worst_k} "
@@ -415,12 +465,20 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
             reason = f"the fleet's gradient is {what} times a constant {cs[0]:.4g} at every step"
         elif alt_hit:
             c = alts[alt_hit][0][0]
-            desc = {"micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
+            desc = {"gm": "the gradient of the step's rows in one forward (one process at the global batch: "
+                          "statistics over every rank's rows, as an all-reduced load-balancing term or negatives "
+                          "gathered from every rank give)",
+                    "micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
                                   "own count, not the step's)",
                     "rank_mean": "the mean of the ranks' own token means (each rank normalised by its own "
                                  "token count)"}[alt_hit]
             reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
                       + f", not the global mean the objective declares (off by {worst:.2g} at step {worst_k})")
+            if alt_hit == "gm":
+                reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
+                          + f", not the sum of the micro-batches' own the declared objective gives (off by "
+                          f"{worst:.2g} at step {worst_k}): declare objective_scope='step' with fn(model, batches) "
+                          "computing the statistics over the whole step")
         elif run and first_bad is not None:
             reason = (f"the fleet's gradient differs from {what} in tensor {first_bad['tensor']} by "
                       f"{first_bad['tensor_error']:.2g} at step {first_bad['step']}, above that tensor's bound "
@@ -440,6 +498,10 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                    "(mixed precision, e.g. FSDP2's MixedPrecisionPolicy), as the recording says, in the reference too")
     if rec.sketch:
         reason += "; " + sketch_detection(rec.sketch, max(tbounds))[1]
+    src = ref.info(rec.steps[0]).get("labels") if rec.steps else None
+    if src in ("input_ids", "arg0"):
+        reason += (f"; the objective was judged against {src} as its labels (none were recorded: a loop that "
+                   "gives its loss labels the model is not given records them with rec.labels(labels))")
     if rec.every > 1:
         reason += f"; tensors every {rec.every} steps: a fault confined to fewer steps can be missed"
     return TensorCheck("gradient", ok, reason, worst=worst, worst_tensor=worst_t, worst_step=worst_k,

@@ -36,7 +36,9 @@ and what the callback does about it:
 * A resumed Trainer (`trainer.train(resume_from_checkpoint=...)`) starts
   at `state.global_step = K > 0`: the callback records a new segment after K.
 
-Refused, one line each (`RecorderError`): DeepSpeed and the Trainer's FSDP
+Refused, one line each (`RecorderError`), at `on_train_begin` (before the
+first step): NEFTune (`neftune_noise_alpha`: the Trainer's forward hook adds
+random noise to the input embeddings), DeepSpeed and the Trainer's FSDP
 (the recorded tensors would be the engine's shards or partitions, which the
 callback does not assemble: record an FSDP2 loop with the Recorder itself),
 a Trainer that is not data-parallel or single-process (model parallel).
@@ -70,17 +72,21 @@ class RecorderCallback(TrainerCallback):
     inputs           the forward keyword arguments that are the batch
     build_kwargs     JSON-able keyword arguments for build_model and build_optimizer
     dataset_len      examples in the dataset; None = len(train_dataset) when it has one (0 = unknown)
+    objective_scope  "example" (default), "forward" (each forward's own statistics: an MoE model's
+                     per-forward load-balancing term) or "step" (objective fn(model, batches)): the Recorder's
     """
 
     def __init__(self, out_dir, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  sketch: int = 0, every: int = 1, inputs=INPUTS, build_kwargs: dict | None = None,
-                 dataset_len: int | None = None):
+                 dataset_len: int | None = None, objective_scope: str = "example"):
         # bad options fail here, in one line, before the Trainer trains (not at on_train_begin on every rank)
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective, sketch=sketch,
-                      every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs)
+                      every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs,
+                      objective_scope=objective_scope)
         self.out_dir = Path(out_dir)
         self.options = dict(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
-                            sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs)
+                            sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs,
+                            objective_scope=objective_scope)
         self.dataset_len = dataset_len
         self.rec: Recorder | None = None
         self._step_logged = -1  # the Trainer's global_step whose log reached the Recorder
@@ -103,6 +109,16 @@ class RecorderCallback(TrainerCallback):
                 f"the built-in objective {self.options['objective']!r} is not the loss it trains: declare "
                 "objective='pkg.mod:fn' computing your smoothed loss from the recorded batch, or record the run "
                 "with label_smoothing_factor = 0")
+        alpha = getattr(args, "neftune_noise_alpha", None)
+        hooked = [n for n, m in model.named_modules()
+                  if any("neftune" in getattr(h, "__name__", "") for h in m._forward_hooks.values())]
+        if alpha or hooked:  # the Trainer's own forward hook on the input embeddings (transformers' neftune.py)
+            raise RecorderError(
+                f"NEFTune (neftune_noise_alpha = {alpha}{', hooked on ' + hooked[0] if hooked else ''}): the Trainer "
+                "adds uniform noise to the input embeddings in every training forward, drawn from each rank's "
+                "random state, which one process cannot redraw: the fleet's gradient is not a function of the "
+                "recorded batches; record the run with neftune_noise_alpha = None (NEFTune changes the inputs, "
+                "not how the fleet splits the batch)")
         sharded = type(model).__name__ == "FullyShardedDataParallel" or any(
             hasattr(p, "placements") for p in model.parameters())
         if getattr(args, "fsdp", None) or sharded:

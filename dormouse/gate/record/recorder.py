@@ -20,7 +20,14 @@ forward where they were (FSDP2's MixedPrecisionPolicy: the submodules'
 pre-hooks see the unsharded, cast parameters). The loop's data code is
 untouched.
 Eval-mode forwards, and forwards with gradients disabled (torch.no_grad(),
-inference_mode: a metric or a logged probe loss), are ignored.
+inference_mode: a metric or a logged probe loss), are ignored. Beyond its
+tensors, each forward's non-tensor arguments of plain types (a bool keyword)
+and the modules' public plain attributes that differ from their values when
+the Recorder started (a flag the loop set) go into the step's JSON ("call",
+"attrs"; the start's into recording.json); `rec.labels(labels)` after a
+forward adds the labels the loop's loss reads and the model is not given.
+The hooks sit on the module under any DDP and torch.compile wrappers and run
+eagerly under torch.compile (a graph break, not a dynamo trace of them).
 
 Per step and rank it writes (names: dormouse.gate.artifacts) the micro-batches,
 the parameters before the step, the gradient on the parameters at rec.step()
@@ -80,6 +87,23 @@ from dormouse.clip import clip_coef as clip
 OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
 EXAMPLE_ID_KEYS = ("idx", "example_id")
 INPUTS = ("input_ids", "attention_mask", "labels")
+# What the declared objective is a function of (docs/your-loop.md, "Objectives over more than one row"):
+#   example  each row alone: a sum over rows (the default); the reference checks that a row's
+#            gradient does not depend on the rows beside it, nor on which rows share a forward
+#   forward  each forward's own statistics (a per-forward load-balancing term, what HF's MoE models
+#            compute): differentiated micro-batch by micro-batch as recorded; the verdict states how far
+#            the global batch in one forward is
+#   step     fn(model, batches) -> (loss_sum, count) over every recorded micro-batch of every rank of
+#            the step (rank then micro order), differentiated once (statistics over the global batch)
+SCOPES = ("example", "forward", "step")
+# Labels the loop gives its loss and not the model (rec.labels): recorded under this key, which the
+# reference never passes to the forward; the built-in objectives read them before "labels"
+LOSS_LABELS = "loss_labels"
+# Plain attribute values of the model's modules the Recorder records (and the reference sets)
+PLAIN = (bool, int, float, str, type(None))
+# attributes that change how a forward is computed, not what: not recorded (gradient checkpointing
+# needs a function the loop installed beside the flag)
+NEUTRAL_ATTRS = ("training", "gradient_checkpointing")
 
 
 class RecorderError(DormouseError):
@@ -277,6 +301,51 @@ def _hf_config(model) -> dict | None:
     return {k: v for k, v in d.items() if v is None or isinstance(v, (bool, int, float, str))}
 
 
+def plain_attrs(model) -> dict[str, dict]:
+    """Each module's public attributes of plain types (bool, int, float, str,
+    None): {module path ("" the model): {name: value}}. A flag a loop sets on
+    the model (a branch switch) is a value the forward reads."""
+    out = {}
+    for path, m in model.named_modules():
+        d = {k: v for k, v in vars(m).items()
+             if not k.startswith("_") and k not in NEUTRAL_ATTRS and type(v) in PLAIN}
+        if d:
+            out[path] = d
+    return out
+
+
+def attr_changes(now: dict, then: dict) -> dict | None:
+    """The attributes of `now` whose value (or type) differs from `then`'s; None when none."""
+    out = {}
+    for path, d in now.items():
+        old = then.get(path, {})
+        diff = {k: v for k, v in d.items() if k not in old or type(old[k]) is not type(v) or old[k] != v}
+        if diff:
+            out[path] = diff
+    return out or None
+
+
+def core_module(model):
+    """The module a wrapper runs: under DDP its .module, under torch.compile
+    its _orig_mod (in any order: compile(DDP(m)), DDP(compile(m)))."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    while True:
+        if isinstance(model, ddp):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _eager(fn):
+    """fn run as plain Python under torch.compile (the Recorder's hooks copy
+    tensors to the CPU and keep lists: nothing for dynamo to trace; a graph
+    break there, not a crash of the run)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 def _number(x):
     if x is None:
         return None
@@ -289,7 +358,7 @@ def _number(x):
 
 def check_options(*, build_model: str, build_optimizer: str, objective: str = "causal_lm", max_grad_norm: float = 0.0,
                   dataset_len: int = 0, sketch: int = 0, every: int = 1, build_kwargs: dict | None = None,
-                  buffer_update: str | None = None) -> None:
+                  buffer_update: str | None = None, objective_scope: str = "example") -> None:
     """The Recorder's arguments that can be judged before any model exists
     (the HF callback checks them when it is built, before training starts)."""
     for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"), (objective, "objective"),
@@ -305,6 +374,11 @@ def check_options(*, build_model: str, build_optimizer: str, objective: str = "c
     if objective not in OBJECTIVES and (not isinstance(objective, str) or objective.count(":") != 1):
         raise RecorderError(f"objective {objective!r} is none of {', '.join(OBJECTIVES)} and not an import "
                             "path 'package.module:function' of fn(model, batch) -> (loss_sum, count)")
+    if objective_scope not in SCOPES:
+        raise RecorderError(f"objective_scope {objective_scope!r} is none of {', '.join(SCOPES)}")
+    if objective_scope == "step" and objective in OBJECTIVES:
+        raise RecorderError(f"objective_scope='step' needs objective='pkg.mod:fn' with fn(model, batches) -> "
+                            f"(loss_sum, count) over the step's micro-batches, not the built-in {objective!r}")
     if int(sketch) < 0 or int(every) < 1:
         raise RecorderError(f"sketch={sketch}, every={every}: sketch is 0 (full tensors) or the number of "
                             "projections per tensor, every a whole number >= 1")
@@ -389,18 +463,21 @@ class Recorder:
     example_corpus   None, or a file of bytes whose byte offsets the loop's example ids are (each row
                      its input tokens read from that offset, as dormouse's loop reads its windows):
                      the data check then requires every recorded row to be those bytes
+    objective_scope  what the objective is a function of (SCOPES): "example" (each row alone, the
+                     default), "forward" (each forward's own statistics, declared), "step"
+                     (objective fn(model, batches) over every rank's micro-batches of the step)
     """
 
     def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
-                 buffer_update: str | None = None, example_corpus: str | None = None):
+                 buffer_update: str | None = None, example_corpus: str | None = None,
+                 objective_scope: str = "example"):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
-                      build_kwargs=build_kwargs, buffer_update=buffer_update)
+                      build_kwargs=build_kwargs, buffer_update=buffer_update, objective_scope=objective_scope)
         self.out = Path(out_dir)
-        ddp = torch.nn.parallel.DistributedDataParallel
-        self.module = model.module if isinstance(model, ddp) else model
+        self.module = core_module(model)  # under DDP and torch.compile wrappers, in any order
         import torch.distributed as dist
 
         self._dist = dist.is_available() and dist.is_initialized()
@@ -419,6 +496,10 @@ class Recorder:
         # each micro-batch's submodules in eval mode (a frozen BatchNorm, a dropout switched off),
         # None when none is: the reference sets the same modes, not model.train()'s all-training
         self.evals: list[list[str] | None] = []
+        # each micro-batch's non-tensor forward arguments (a bool keyword that switches a branch) and the
+        # model's plain attributes that differ from the Recorder's start (a flag the loop set), or None
+        self.calls: list[dict | None] = []
+        self.attrs: list[dict | None] = []
         self._submodules = [(n, m) for n, m in self.module.named_modules() if n]
         p = next(self.module.parameters(), None)
         self._device_type = p.device.type if p is not None else "cpu"
@@ -451,7 +532,7 @@ class Recorder:
             "segments": segments + [{"start": self.k + 1, "end": None, "world": self.world,
                                      "resumed": prior is not None}],
             "build_model": build_model, "build_optimizer": build_optimizer, "build_kwargs": build_kwargs or {},
-            "objective": objective, "buffer_update": buffer_update, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
+            "objective": objective, "objective_scope": objective_scope, "buffer_update": buffer_update, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
             "example_corpus": str(Path(example_corpus).resolve()) if example_corpus else None,
             "example_corpus_sha256": A.corpus_digest(example_corpus) if example_corpus else None,
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
@@ -461,6 +542,8 @@ class Recorder:
             # decides how GPT-2 masks packed sequences): the reference rebuilds the same
             "frozen": [n for n, q in self.module.named_parameters() if not q.requires_grad],
             "hf_config": _hf_config(self.module),
+            # the modules' plain attributes at the start (the reference sets those build_model's differ in)
+            "attrs": plain_attrs(self.module),
             "provenance": {"torch": torch.__version__, "dormouse": _version(), "source": A.source_hash(),
                            "device": self._device(), "threads": torch.get_num_threads(),
                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -477,10 +560,13 @@ class Recorder:
             named = list(self.module.named_parameters())
             self._sketch_all({n: _shard(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = _Writer()
-        self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
+        self._attrs0 = self.meta["attrs"]
+        # the hooks run eagerly under torch.compile (a graph break, in any placement of the compile)
+        self._hook = self.module.register_forward_pre_hook(_eager(self._pre), with_kwargs=True)
         # autocast is read inside the forward too: a wrapper may enter it after the model's
         # pre-hook ran (accelerate, and so HF's Trainer with bf16=True, wraps model.forward)
-        self._inner_hooks = [m.register_forward_pre_hook(self._inner)
+        inner = _eager(self._inner)
+        self._inner_hooks = [m.register_forward_pre_hook(inner)
                              for m in self.module.modules() if m is not self.module]
         # each module's own parameters' stored dtypes (under FSDP2 the sharded ones): a forward that
         # sees another dtype runs on a cast copy
@@ -558,6 +644,11 @@ class Recorder:
         for key, v in kwargs.items():
             if key not in batch and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
                 batch[key] = v.detach().cpu().clone()
+        # non-tensor arguments of plain types (a bool keyword that switches a branch): the reference passes them
+        call = {f"arg{i}": a for i, a in enumerate(args) if type(a) in PLAIN}
+        call.update({key: v for key, v in kwargs.items() if type(v) in PLAIN})
+        self.calls.append(call or None)
+        self.attrs.append(attr_changes(plain_attrs(module), self._attrs0))
         self.batches.append(batch)
         self.autocasts.append(_autocast_state(self._device_type))
         self.casts.append(None)
@@ -626,6 +717,8 @@ class Recorder:
         autocasts, self.autocasts = self.autocasts, []
         casts, self.casts = self.casts, []
         evals, self.evals = self.evals, []
+        calls, self.calls = self.calls, []
+        attrs, self.attrs = self.attrs, []
         if lr is None and optimizer is not None:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)
@@ -663,7 +756,8 @@ class Recorder:
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
-                "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals,
+                "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals, "call": calls,
+                "attrs": attrs,
                 "tensors": self._tensor_step(k), "param_hash": param_hash,
                 "epoch": None if epoch is None else int(epoch)}
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
@@ -671,6 +765,27 @@ class Recorder:
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
         self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
         self._last_meta = meta
+
+    def labels(self, labels) -> None:
+        """The labels the loop's loss compares the LAST forward's outputs with,
+        where the model is not given them (the loop passes only input_ids to
+        the model and calls its loss on logits and labels): call once per
+        micro-batch, after its forward. The built-in objectives read them
+        instead of the input ids; a declared fn finds them as
+        batch["loss_labels"] (never passed to the forward)."""
+        if self.closed:
+            raise RecorderError("rec.labels() after rec.close()")
+        if not self.batches:
+            raise RecorderError("rec.labels() with no forward recorded since the last rec.step(): call it after "
+                                "the micro-batch's forward in training mode, with the labels its loss reads")
+        if not isinstance(labels, torch.Tensor):
+            raise RecorderError(f"rec.labels() takes a tensor of labels, not a {type(labels).__name__}")
+        batch = self.batches[-1]
+        rows = next((t.shape[0] for t in batch.values() if t.dim()), None)
+        if labels.dim() == 0 or (rows is not None and labels.shape[0] != rows):
+            raise RecorderError(f"rec.labels() got labels of shape {tuple(labels.shape)} for a forward of {rows} "
+                                "rows: pass the micro-batch's own labels, one row per row")
+        batch[LOSS_LABELS] = labels.detach().cpu().clone()
 
     def report(self, *, loss=None, grad_norm=None, clip_coef=None) -> None:
         """The loss and the clipping of the step just recorded, where the loop

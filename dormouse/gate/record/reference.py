@@ -29,6 +29,19 @@ cost about 1.5x a micro-batch's, and over every micro-batch of every step
 they were half the check's time (a dependence on the batch confined to
 micro-batches outside S is not seen; BatchNorm and dropout show in any).
 
+One forward for the global batch ("gm", at judged steps): the same objective
+over the step's rows merged into as few forwards as memory allows
+(batchscope: every rank's and micro-batch's rows, padded as the recording
+pads), normalised by its own count: equal to g when no row's gradient
+depends on which rows share its forward. objective_scope (recording.json):
+"example" (the default) and "forward" differentiate each micro-batch as above
+(the judge holds gm to g only under "example"); "step" calls the declared
+fn(model, batches) once on every rank's micro-batches of the step (rank then
+micro order) and differentiates loss_sum / count (no per-example sample, no
+merged forward, no alternative weightings).
+What each forward received beyond its tensors (its non-tensor arguments, the
+model's plain attributes the loop set) is put back as recorded (batchscope).
+
 Reduced precision: each micro-batch's forward runs under the autocast the
 recording says it ran under (the Recorder reads it), on the parameters in
 the dtype they were recorded in. Under autocast, or with bfloat16/float16
@@ -84,8 +97,9 @@ import torch.nn.functional as F
 from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
-from dormouse.gate.record.recorder import OBJECTIVES, Sketcher, code_hashes, import_path, sketch_buckets
 from dormouse.clip import clip_coef
+from dormouse.gate.record import batchscope as BS
+from dormouse.gate.record.recorder import LOSS_LABELS, OBJECTIVES, Sketcher, code_hashes, import_path, sketch_buckets
 from safetensors.torch import save as st_save
 
 REFERENCE_SCHEMA = 1
@@ -113,13 +127,16 @@ def _logits(out) -> torch.Tensor:
 
 def _call(model, batch: dict[str, torch.Tensor]):
     args = [batch[f"arg{i}"] for i in range(len(batch)) if f"arg{i}" in batch]
-    kwargs = {k: v for k, v in batch.items() if not k.startswith("arg")}
+    kwargs = {k: v for k, v in batch.items() if not k.startswith("arg") and k != LOSS_LABELS}
     return model(*args, **kwargs)
 
 
 def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The batch's labels; without a "labels" input, the input ids (or arg0)
-    with -100 where attention_mask is 0."""
+    with -100 where attention_mask is 0. Labels the loop gave its loss and
+    not the model (rec.labels) come first."""
+    if LOSS_LABELS in batch:
+        return batch[LOSS_LABELS]
     if "labels" in batch:
         return batch["labels"]
     ids = batch.get("input_ids", batch.get("arg0"))
@@ -175,18 +192,20 @@ def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     its second dim): the example as one process at another padded length
     sees it. A forward that depends on its padding (left padding with absolute
     positions) then differs from its micro-batch's, which fact 1's check sees."""
-    b = next(iter(batch.values())).shape[0] if batch else 0
+    b = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()), 0)
     mask = batch.get("attention_mask")
     if mask is not None and (mask.dim() != 2 or mask.shape[0] != b or not bool(((mask == 0) | (mask == 1)).all())):
         mask = None
     rows = []
     for i in range(b):
-        row = {k: (v[i:i + 1] if v.dim() and v.shape[0] == b else v) for k, v in batch.items()}
+        row = {k: (v[i:i + 1] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b else v)
+               for k, v in batch.items()}
         if mask is not None:
             T, on = mask.shape[1], mask[i].nonzero().flatten()
             if on.numel() and int(on[-1] - on[0]) + 1 == on.numel() and (int(on[0]) > 0 or int(on[-1]) < T - 1):
                 a, e = int(on[0]), int(on[-1]) + 1
-                row = {k: (v[:, a:e] if v.dim() >= 2 and v.shape[0] == 1 and v.shape[1] == T else v)
+                row = {k: (v[:, a:e] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == 1
+                           and v.shape[1] == T else v)
                        for k, v in row.items()}
         rows.append(row)
     return rows
@@ -226,7 +245,13 @@ def _as_recorded(model, meta: dict) -> None:
     parameters the loop froze (requires_grad False) and, for a transformers
     model, the scalar config fields the loop's model had (the Trainer sets
     use_cache = False at its start, and GPT-2 masks packed sequences only
-    then); build_model need not repeat what the training script did."""
+    then), and the modules' plain attributes the loop had set when the
+    Recorder started (batchscope.start_attrs); build_model need not repeat
+    what the training script did."""
+    try:
+        BS.start_attrs(model, meta.get("attrs"))
+    except DormouseError as e:
+        raise ReferenceError(str(e)) from None
     if "frozen" in meta:
         frozen = set(meta["frozen"])
         for n, p in model.named_parameters():
@@ -364,7 +389,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     check; see the module docstring)."""
     objective = rec.meta["objective"]
     names = [n for n, _ in model.named_parameters()]
-    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled")}
+    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled", "gm")}
     rank_acc: dict[int, dict] = {}
     rank_n: dict[int, float] = {}
     rank_loss: dict[int, float] = {}
@@ -379,10 +404,12 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     # reduced-precision parameters (a bfloat16 model): their gradients round as autocast's do
     lowp = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
                    if p.dtype in (torch.bfloat16, torch.float16)})
-    mbs = rec.micro_batches(step)
+    mbs = BS.forward_inputs(rec, step)  # each micro-batch with the non-tensor arguments its forward got
     if not mbs:
         raise ReferenceError(f"step {step} recorded no micro-batch: the model's forward never ran in training mode "
                              "between two rec.step() calls (is the Recorder on the model the loop calls?)")
+    if rec.meta.get("objective_scope") == "step":  # fn(model, batches) over the whole step, once
+        return _step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp)
     rng_sensitive = None
     sample = example_sample(mbs, examples) if examples is not None else set()
     cast_models: dict[str, torch.nn.Module] = {}  # the model at this step's parameters, cast for the forward
@@ -397,6 +424,8 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
             if cast not in cast_models:
                 cast_models[cast] = copy.deepcopy(base).to(_dtype(cast))
             model = cast_models[cast]
+        # the model's plain attributes this forward ran with (a flag the loop set), put back after it
+        undo = _attrs(model, rec, r, step, m)
         torch.random.default_generator.manual_seed(0)
         ls, c, grads = _grads(model, objective, batch, user, ac)
         present |= {n for n, g in grads.items() if g is not None}
@@ -430,7 +459,11 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                 torch.random.default_generator.manual_seed(0)
                 _, _, g1 = _grads(model, objective, row, user, ac)
                 add(acc["ex"], g1)
+        undo()
     model = base
+    merged = None
+    if examples is not None:  # a judged step: its rows in as few forwards as memory allows (batchscope)
+        merged = _global_forward(base, cast_models, rec, step, user, mbs, lambda grads: add(acc["gm"], grads))
     model.zero_grad(set_to_none=True)
     if n_total <= 0:
         raise ReferenceError(f"step {step}: the declared objective {objective!r} counts no tokens/examples in the "
@@ -443,6 +476,8 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         if rank_n[r] > 0:
             for n, v in d.items():
                 out["rank_mean"][n] = out["rank_mean"].get(n, 0) + v / rank_n[r] / world
+    if merged is not None and merged.get("count"):
+        out["gm"] = {n: v / merged["count"] for n, v in acc["gm"].items()}
     if sample:
         out["ex"] = {n: v / n_total for n, v in acc["ex"].items()}
         out["exb"] = {n: v / n_total for n, v in acc["exb"].items()}
@@ -462,10 +497,122 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
             "low_precision_params": lowp,
             "loss_floor": (abs(native - loss_total) / max(abs(loss_total), 1e-30)
                            if floor is not None and objective in OBJECTIVES else None),
-            "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)]}
+            "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)], "merged": merged,
+            "labels": _labels_source(mbs[0][2]) if objective in OBJECTIVES else None}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     return out, info
+
+
+def _attrs(model, rec: A.RecordingSet, r: int, step: int, m: int):
+    try:
+        return BS.apply_attrs(model, BS.attr_changes_at(rec, r, step, m), rec.meta.get("attrs"))
+    except DormouseError as e:
+        raise ReferenceError(str(e)) from None
+
+
+def _labels_source(batch: dict) -> str:
+    """What the built-in objectives read as labels in this batch (see _labels)."""
+    return next((k for k in (LOSS_LABELS, "labels", "input_ids", "arg0") if k in batch), "none")
+
+
+def _global_forward(base, cast_models, rec: A.RecordingSet, step: int, user, mbs, add) -> dict:
+    """The declared objective's gradient over the step's rows merged into as
+    few forwards as memory allows (batchscope.merge_plan), each forward's
+    gradient handed to `add`: {"forwards", "rows", "words", "count"}, or
+    {"error"} when a merged forward cannot be computed."""
+    objective = rec.meta["objective"]
+    extras = [json.dumps([rec.autocast(r, step, m), rec.compute_dtype(r, step, m),
+                          BS.attr_changes_at(rec, r, step, m)], sort_keys=True, default=str) for r, m, _ in mbs]
+    chunks, words = BS.merge_plan([b for _, _, b in mbs], extras)
+    count = 0.0
+    for c in chunks:
+        r, m, _ = mbs[c[0]]
+        ac, cast = rec.autocast(r, step, m), rec.compute_dtype(r, step, m)
+        model = cast_models[cast] if cast is not None else base
+        undo = _attrs(model, rec, r, step, m)
+        torch.random.default_generator.manual_seed(0)
+        try:
+            _, n, grads = _grads(model, objective, BS.merged([mbs[i][2] for i in c]), user, ac)
+        except ReferenceError as e:
+            model.zero_grad(set_to_none=True)
+            return {"error": str(e), "words": words, "forwards": len(chunks)}
+        finally:
+            undo()
+        add(grads)
+        count += n
+    model.zero_grad(set_to_none=True)
+    return {"forwards": len(chunks), "words": words, "count": count,
+            "rows": sum(next((v.shape[0] for v in b.values() if isinstance(v, torch.Tensor) and v.dim()), 0)
+                        for _, _, b in mbs)}
+
+
+def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, probe: bool,
+                          lowp: list) -> tuple[dict, dict]:
+    """objective_scope="step": fn(model, batches) over every rank's
+    micro-batches of the step (rank then micro order), differentiated once
+    (statistics over the global batch: load balancing over all-reduced
+    routing statistics, in-batch negatives gathered from every rank)."""
+    objective = rec.meta["objective"]
+    names = [n for n, _ in model.named_parameters()]
+    acs = {json.dumps(rec.autocast(r, step, m), sort_keys=True) for r, m, _ in mbs}
+    if len(acs) > 1 or any(rec.compute_dtype(r, step, m) is not None for r, m, _ in mbs):
+        raise ReferenceError(f"objective_scope='step': step {step}'s micro-batches ran under different autocasts or "
+                             "on cast parameters, which one call of the objective over the whole step cannot "
+                             "reproduce: record the run in one precision")
+    changed = [(r, m) for r, m, _ in mbs if BS.attr_changes_at(rec, r, step, m)]
+    if changed:
+        raise ReferenceError(f"objective_scope='step': micro-batch {changed[0][1]} of rank {changed[0][0]} at step "
+                             f"{step} ran with other model attributes ({BS.attr_changes_at(rec, step=step, r=changed[0][0], m=changed[0][1])})"
+                             ", which one call of the objective over the whole step cannot set")
+    ac = rec.autocast(mbs[0][0], step, mbs[0][1])
+    batches = [b for _, _, b in mbs]
+
+    def once(seed: int, scale: float = 1.0):
+        model.zero_grad(set_to_none=True)
+        torch.random.default_generator.manual_seed(seed)
+        with _autocast(ac):
+            try:
+                ls, c = user(model, batches)
+            except DormouseError:
+                raise
+            except Exception as e:
+                raise ReferenceError(f"objective {objective!r} (objective_scope='step') failed on step {step}'s "
+                                     f"micro-batches ({type(e).__name__}: {e})")
+        if not isinstance(ls, torch.Tensor) or not ls.requires_grad:
+            raise ReferenceError(f"objective {objective!r} gives a loss with no gradient: it must be computed from "
+                                 "the model's outputs")
+        (ls * scale if scale != 1.0 else ls).backward()
+        return float(ls.detach()), float(c), {n: (p.grad.detach().clone() if p.grad is not None else None)
+                                              for n, p in model.named_parameters()}
+
+    ls, c, grads = once(0)
+    if c <= 0:
+        raise ReferenceError(f"step {step}: the declared objective {objective!r} counts no tokens/examples")
+    g = {n: grads[n].double() / c for n in names if grads.get(n) is not None}
+    rng_sensitive = None
+    if probe:
+        _, _, again = once(1)
+        rng_sensitive = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
+                            for a, b in zip(grads.values(), again.values()))
+    norm = float(torch.sqrt(sum((v * v).sum() for v in g.values())))
+    floor, floors = None, None
+    if lowp or ac is not None:  # the precision floor: the same gradient through the loss / 3
+        _, _, g3 = once(0, 1 / 3)
+        sq = {n: float(((g3[n].double() * 3 / c - v) ** 2).sum()) for n, v in g.items() if g3.get(n) is not None}
+        floor = math.sqrt(sum(sq.values())) / norm if norm > 0 else 0.0
+        floors = {n: math.sqrt(x) / max(float(g[n].norm()), 1e-300) for n, x in sq.items()}
+    model.zero_grad(set_to_none=True)
+    ranks = sorted({r for r, _, _ in mbs})
+    info = {"loss": ls / c, "loss_sum": ls, "count": c,
+            "loss_alt": {"micro_mean": None, "rank_mean": None, "rank_local": []},
+            "counts": [[None for rr, _, _ in mbs if rr == r] for r in ranks],
+            "no_grad": [n for n in names if n not in g], "norm": norm, "rng_sensitive": rng_sensitive,
+            "precision_floor": floor, "precision_floor_tensors": floors, "low_precision_params": lowp,
+            "loss_floor": None, "ex_micro": [], "merged": None, "labels": None, "scope": "step"}
+    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    info["clip_coef"] = min(1.0, mgn / (norm + 1e-6)) if mgn > 0 else None
+    return {"g": g, "micro_mean": {}, "rank_mean": {}}, info
 
 
 # --------------------------------------------------------------------------- the reference as a whole
