@@ -611,7 +611,7 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
             "precision_floor": floor, "precision_floor_tensors": floors, "low_precision_params": lowp,
             "loss_floor": None, "ex_micro": [], "merged": None, "labels": None, "scope": "step"}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
-    info["clip_coef"] = min(1.0, mgn / (norm + 1e-6)) if mgn > 0 else None
+    info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     return {"g": g, "micro_mean": {}, "rank_mean": {}}, info
 
 
