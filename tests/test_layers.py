@@ -42,22 +42,28 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, me: str | None = None) -> set[str]:
-    """Every dormouse module `path` (module `me`) imports (from X import Y gives X and X.Y)."""
-    me = me or module_name(path)
+def import_statements(path: Path, me: str):
+    """(X, []) for each `import X`, (X, [Y, ...]) for each `from X import Y, ...`
+    in `path` (module `me`), at any depth, relative ones resolved."""
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
+            yield from ((a.name, []) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            out.add(name)
-            out.update(f"{name}.{a.name}" for a in node.names)
+            yield name, [a.name for a in node.names]
+
+
+def imports(path: Path, me: str | None = None) -> set[str]:
+    """Every dormouse module `path` (module `me`) imports (from X import Y gives X and X.Y)."""
+    out: set[str] = set()
+    for name, names in import_statements(path, me or module_name(path)):
+        out.add(name)
+        out.update(f"{name}.{n}" for n in names)
     return {m for m in out if m == "dormouse" or m.startswith("dormouse.")}
 
 
@@ -180,18 +186,9 @@ def edges(path: Path, me: str) -> set[str]:
     """The package's modules `path` (module `me`) imports, for circles: `from
     pkg import sub` where pkg.sub is a module imports pkg.sub, not pkg's
     __init__ (which Python runs first for any pkg.sub, circle or none)."""
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
-            out.update(f"{name}.{a.name}" if f"{name}.{a.name}" in MODULES else name for a in node.names)
+    for name, names in import_statements(path, me):
+        out.update(f"{name}.{n}" if f"{name}.{n}" in MODULES else name for n in names or [None])
     return {m for m in out if m in MODULES and m != me}
 
 

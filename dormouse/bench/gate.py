@@ -66,7 +66,13 @@ def _install_perturbation() -> None:
 
 
 def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
-    """The ladder: per eps, pass or fail and the first failing check."""
+    """The ladder: per eps, pass or fail and the first failing check. The
+    fleets run every step at their 2 ranks (resume_world 0): a fleet that
+    stopped and resumed at one rank would have no rank 1 at STEP when the
+    stop falls before it (4 steps stop after step 2), and nothing would be
+    perturbed."""
+    if steps < STEP:
+        raise ValueError(f"the sensitivity perturbs step {STEP}: give steps >= {STEP}, not {steps}")
     from dormouse.gate.record import modes
     from dormouse.gate.judge.checks import judge
     from dormouse.gate.record.launcher import launch_plan
@@ -74,7 +80,8 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="dormouse-sensitivity-") as tmp:
-        plan = [GateSettings(out=str(Path(tmp) / f"e{i}"), steps=steps).validate() for i in range(len(eps))]
+        plan = [GateSettings(out=str(Path(tmp) / f"e{i}"), steps=steps, resume_world=0).validate()
+                for i in range(len(eps))]
         table = {str(s.out_dir): e for s, e in zip(plan, eps)}
         log(f"sensitivity: {len(plan)} fleets of profile {plan[0].profile!r}, eps {eps[0]:g} .. {eps[-1]:g}")
         launch_plan(plan, timeout_s=900, stream=lambda line: None, entry=["-m", "dormouse.bench.gate"],
