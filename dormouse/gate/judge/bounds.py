@@ -2,7 +2,7 @@
 has the value it has. A check imports its bound from here; no other module
 types a tolerance. The floors the bounds multiply are measured per run by the
 references (one-ulp nudges, the precision floor): never by a run that shares
-the code under test (docs/gate.md, "How the bounds were set").
+the code under test (docs/gate.md, "The checks", says how each was measured).
 
 | bound | value | holds | why this value |
 |---|---|---|---|
