@@ -75,6 +75,7 @@ from safetensors.torch import save as st_save
 from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
+from dormouse.gate.record import layouts
 
 OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
 EXAMPLE_ID_KEYS = ("idx", "example_id")
@@ -443,7 +444,10 @@ class Recorder:
         params = {n for n, _ in self.module.named_parameters()}
         # persistent buffers (state outside the optimizer, e.g. a routing bias): "b/" at tensor steps
         self._buffers = [n for n in self.module.state_dict() if n not in params]
-        placements = {n: _placement(t) for n, t in self.module.state_dict().items()}
+        # a tensor-parallel (or 2-D) layout: full tensors, each DP replica's micro-batches once (layouts.py)
+        self.layout, layout_meta = layouts.of(self.module, self.rank, self.world, self._gather)
+        self._full = layouts.full if self.layout is not None else _local
+        placements = {} if self.layout is not None else {n: _placement(t) for n, t in self.module.state_dict().items()}
         self.placements = {n: p for n, p in placements.items() if p}
         self.meta = {
             "schema": A.RECORDING_SCHEMA, "kind": "recording", "run": run, "world": self.world,
@@ -454,7 +458,7 @@ class Recorder:
             "example_corpus": str(Path(example_corpus).resolve()) if example_corpus else None,
             "example_corpus_sha256": A.corpus_digest(example_corpus) if example_corpus else None,
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
-            "fsdp": bool(self.placements), "closed": False,
+            "fsdp": bool(self.placements), "closed": False, "layout": layout_meta,
             # the model as the loop runs it, beyond its tensors: the parameters it froze, and a
             # Hugging Face config's runtime fields (the Trainer sets use_cache = False, which
             # decides how GPT-2 masks packed sequences): the reference rebuilds the same
@@ -468,13 +472,13 @@ class Recorder:
         if prior is None:
             # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
             # which safetensors refuses to store as shared memory
-            state = {n: _local(t).clone() for n, t in self.module.state_dict().items()}
+            state = {n: self._full(t).clone() for n, t in self.module.state_dict().items()}
             atomic.write_bytes(A.init_path(self.out, self.rank),
                                st_save(state, metadata={"placements": json.dumps(self.placements)}))
         self._write_recording()
         if self.sketch_k:  # the buckets once, here, so that no step pays for them
             named = list(self.module.named_parameters())
-            self._sketch_all({n: _shard(p) for n, p in named}, {n: p.numel() for n, p in named})
+            self._sketch_all({n: self._piece(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = _Writer()
         self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
         # autocast is read inside the forward too: a wrapper may enter it after the model's
@@ -501,6 +505,19 @@ class Recorder:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def _gather(self, obj) -> list:
+        if not self._dist:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _piece(self, t):
+        """What a sketch reads of t: this rank's shard, or (a layout) the full tensor."""
+        return self._full(t) if self.layout is not None else _shard(t)
 
     def _barrier(self):
         if self._dist:
@@ -637,31 +654,36 @@ class Recorder:
                 tensors[f"in/{m}/{key}"] = t
         if example_ids is not None:
             tensors["ids"] = torch.as_tensor(example_ids).detach().cpu().reshape(-1).clone()
-        if self.placements:  # FSDP2: the sharded parameters, which hold the reduced gradients (see _reshard)
-            self._reshard()
+        if self.placements or self.layout is not None:  # FSDP2: the sharded parameters, which hold the
+            self._reshard()  # reduced gradients (see _reshard)
+        if self.layout is not None and self.rank != self.layout.leader:  # a TP peer's inputs: kept apart
+            tensors = {("tp/" + n[3:] if n.startswith("in/") else "tp_ids" if n == "ids" else n): t
+                       for n, t in tensors.items()}
         named = list(self.module.named_parameters())
         no_grad = [n for n, p in named if p.grad is None]
         param_hash = None
         if self._tensor_step(k) and self.sketch_k:  # read in place: the sketches are the copies
             numel = {n: p.numel() for n, p in named}
-            ps = self._sketch_all({n: _shard(p) for n, p in named}, numel)
-            gs = self._sketch_all({n: _shard(p.grad) for n, p in named if p.grad is not None}, numel)
+            ps = self._sketch_all({n: self._piece(p) for n, p in named}, numel)
+            gs = self._sketch_all({n: self._piece(p.grad) for n, p in named if p.grad is not None}, numel)
             tensors.update({f"ps/{n}": v for n, v in ps.items()})
             tensors.update({f"gs/{n}": v for n, v in gs.items()})
             param_hash = _digest(ps)
         elif self._tensor_step(k):
-            params = {n: _local(p) for n, p in named}
-            grads = {n: _local(p.grad) for n, p in named if p.grad is not None}
+            params = {n: self._full(p) for n, p in named}
+            grads = {n: self._full(p.grad) for n, p in named if p.grad is not None}
             tensors.update({f"p/{n}": v for n, v in params.items()})
             tensors.update({f"g/{n}": v for n, v in grads.items()})
             # named_buffers, not state_dict(): under FSDP2 a state_dict mid-step reshards (its hook)
             named_bufs = dict(self.module.named_buffers())
-            bufs = {f"b/{n}": _local(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
+            bufs = {f"b/{n}": self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
             tensors.update(bufs)
             param_hash = _digest({**params, **bufs})  # the ranks' state: parameters and persistent buffers
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
+                **(layouts.peer_counts(len(batches)) if self.layout is not None and self.rank != self.layout.leader
+                   else {}),
                 "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals,
                 "tensors": self._tensor_step(k), "param_hash": param_hash,
                 "epoch": None if epoch is None else int(epoch)}
@@ -703,14 +725,14 @@ class Recorder:
         self._writer.flush()
         self._writer.stop()
         named = list(self.module.named_parameters())
-        params = {n: _local(p) for n, p in named}
+        params = {n: self._full(p) for n, p in named}
         if self.sketch_k:
             params = {f"ps/{n}": v for n, v in self._sketch_all(params, {n: p.numel() for n, p in named}).items()}
             bufs = {}
         else:
             params = {f"p/{n}": v for n, v in params.items()}
             named_bufs = dict(self.module.named_buffers())
-            bufs = {f"b/{n}": _local(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
+            bufs = {f"b/{n}": self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
         atomic.write_bytes(A.final_tensors_path(self.out, self.rank), st_save({**params, **bufs}))
         atomic.write_text(A.final_meta_path(self.out, self.rank),
                           json.dumps({"step": self.k, "run": self.run, "segment": self.segment,
