@@ -994,4 +994,8 @@ def judge_recording(out) -> Verdict:
     checks.append(check_loss(rec, ref, grad.passed and replay.passed))
     checks.append(check_ranks(rec))
     checks.append(check_clip(rec, ref))
+    from dormouse.gate.judge.layouts import check_layout  # here: layouts imports this module
+
+    layout = check_layout(rec, ref)  # a tensor-parallel / 2-D recording's own check (judge/layouts.py)
+    checks.extend([layout] if layout is not None else [])
     return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"], provenance(rec))

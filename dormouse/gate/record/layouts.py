@@ -90,14 +90,16 @@ class Layout:
         meshes: dict[tuple, dict] = {}
         for n, p in module.named_parameters():
             if not _is_dtensor(p):
-                self.params[n] = {"mesh": None, "placements": ["plain"]}
+                self.params[n] = {"mesh": None, "placements": ["plain"], "model_parallel": False}
                 continue
             mesh = p.device_mesh
             names = list(mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)])
             ranks = mesh.mesh  # the mesh's ranks, one coordinate per dimension
             key = (tuple(ranks.shape), tuple(names))
             meshes.setdefault(key, {"shape": list(ranks.shape), "names": names})
-            self.params[n] = {"mesh": names, "placements": [str(x) for x in p.placements]}
+            # split over a model-parallel dimension: sharded (or partial) on a mesh dim that is not a data one
+            split = any(nm not in data_names and not x.is_replicate() for nm, x in zip(names, p.placements))
+            self.params[n] = {"mesh": names, "placements": [repr(x) for x in p.placements], "model_parallel": split}
             where = (ranks == rank).nonzero()
             if not len(where):
                 continue
@@ -110,20 +112,12 @@ class Layout:
         self.meshes = list(meshes.values())
         self.data_names = sorted(data_names & {nm for m in self.meshes for nm in m["names"]})
 
-    def model_parallel(self, name: str) -> bool:
-        """Whether parameter `name` is split over a model-parallel (non-data) mesh dimension."""
-        info = self.params.get(name, {})
-        if not info.get("mesh"):
-            return False
-        return any(dim not in self.data_names and not pl.startswith("Replicate")
-                   for dim, pl in zip(info["mesh"], info["placements"]))
-
     def meta(self, groups: list[list[int]]) -> dict:
         """What recording.json says of the layout: the meshes, each parameter's
         placements and whether it is split over a model-parallel dimension, the
         data dimensions, and every rank's model-parallel group."""
         return {"meshes": self.meshes, "data_dims": self.data_names, "groups": groups,
-                "params": {n: {**v, "model_parallel": self.model_parallel(n)} for n, v in self.params.items()}}
+                "params": self.params}
 
 
 def of(module, rank: int, world: int, gather) -> tuple[Layout | None, dict | None]:
