@@ -18,6 +18,10 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
                  weight's gradient by the TP size (a reduction that sums where it
                  should average; pytorch #160285's doubled expert gradients)
   tp_rows        TP rank 1 of each replica reads other rows than its TP rank 0
+  module_x       rank 1 multiplies one module's output ("module") by "factor" (a forward hook;
+                 with tp 1 a plain DDP run over every rank)
+  loss_x         rank 1 backpropagates its loss times "factor" (the logged loss is right)
+  dp_sum         (tp 1) after the backward every gradient is multiplied by W: a sum where DDP averages
   loss_local     the logged loss is this replica's own, not reduced over dp
                  (torchtitan #3329: the gradient right, the logged loss wrong)
 """
@@ -34,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "tp": 2, "micro": 2, "rows": 2, "T": 8,
-       "loss_parallel": True}
+       "loss_parallel": True, "module": None, "factor": 1.0}
 
 
 def batch_rows(seed: int, step: int, n: int, T: int, vocab: int = 64) -> torch.Tensor:
@@ -58,8 +62,13 @@ def run(cfg: dict) -> None:
     dp_rank, tp_rank = rank // tp, rank % tp
     fault = cfg["fault"]
     model = build_model(seed=cfg["seed"])
-    parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local")
+    if tp > 1:
+        parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local")
+    if fault == "module_x" and rank == 1:  # one module's output off by a factor on rank 1 (a client's hook)
+        model.get_submodule(cfg["module"]).register_forward_hook(lambda mod, a, out: out * cfg["factor"])
     opt = build_optimizer(model)
+    if tp == 1:  # a plain data-parallel run: DDP over every rank
+        model = torch.nn.parallel.DistributedDataParallel(model)
     rec = Recorder(cfg["out"], model, build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
                    objective="causal_lm", build_kwargs={"seed": cfg["seed"]})
     K, B, T = cfg["micro"], cfg["rows"], cfg["T"]
@@ -72,19 +81,26 @@ def run(cfg: dict) -> None:
         total = 0.0
         for m in range(K):
             ids = mine[m * B:(m + 1) * B]
-            if hasattr(model, "set_requires_gradient_sync"):
+            if tp == 1:
+                model.require_backward_grad_sync = m == K - 1
+            elif hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(m == K - 1)
             logits = model(ids)
             z, y = logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
-            if cfg["loss_parallel"]:
+            scale = cfg["factor"] if fault == "loss_x" and rank == 1 else 1.0
+            if cfg["loss_parallel"] and tp > 1:
                 with loss_parallel():
                     loss = F.cross_entropy(z, y, reduction="sum") / count
-                    loss.backward()
+                    (loss * scale).backward()
             else:
                 loss = F.cross_entropy(z, y, reduction="sum") / count
-                loss.backward()
+                (loss * scale).backward()
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             total += float(loss.detach())
+        if fault == "dp_sum":  # the reduced gradient summed over the ranks where DDP averaged it
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.grad.mul_(world)
         if fault == "tp_grad_x":  # the step's TP-sharded gradients summed over the group where averaged
             with torch.no_grad():
                 for p in model.parameters():

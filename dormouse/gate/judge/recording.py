@@ -998,4 +998,8 @@ def judge_recording(out) -> Verdict:
 
     layout = check_layout(rec, ref)  # a tensor-parallel / 2-D recording's own check (judge/layouts.py)
     checks.extend([layout] if layout is not None else [])
+    from dormouse.gate.judge.probe import check_probe
+
+    probed = check_probe(rec, ref)  # where the run parts from one process, module by module (judge/probe.py)
+    checks.extend([probed] if probed is not None else [])
     return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"], provenance(rec))

@@ -75,7 +75,7 @@ from safetensors.torch import save as st_save
 from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
-from dormouse.gate.record import layouts
+from dormouse.gate.record import layouts, probe
 
 OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
 EXAMPLE_ID_KEYS = ("idx", "example_id")
@@ -386,6 +386,8 @@ class Recorder:
     seed             the sketches' seed
     buffer_update    None, or "pkg.mod:fn": the rule that moves persistent buffers after a step,
                      fn(model, batches, **build_kwargs) -> {name: buffer after the step} (module docstring)
+    probe_steps      the steps whose first micro-batch is probed module by module (record/probe.py):
+                     None = the first recorded step, () = none
     example_corpus   None, or a file of bytes whose byte offsets the loop's example ids are (each row
                      its input tokens read from that offset, as dormouse's loop reads its windows):
                      the data check then requires every recorded row to be those bytes
@@ -394,7 +396,7 @@ class Recorder:
     def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
-                 buffer_update: str | None = None, example_corpus: str | None = None):
+                 buffer_update: str | None = None, example_corpus: str | None = None, probe_steps=None):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
                       build_kwargs=build_kwargs, buffer_update=buffer_update)
@@ -480,6 +482,9 @@ class Recorder:
             named = list(self.module.named_parameters())
             self._sketch_all({n: self._piece(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = _Writer()
+        # the probe's steps (record/probe.py): its hooks go before the Recorder's own pre-hook
+        self._probe_steps = {self.k + 1} if probe_steps is None else {int(x) for x in probe_steps}
+        self._probe = probe.Probe(self.module) if self._probe_steps else None
         self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
         # autocast is read inside the forward too: a wrapper may enter it after the model's
         # pre-hook ran (accelerate, and so HF's Trainer with bf16=True, wraps model.forward)
@@ -575,6 +580,8 @@ class Recorder:
             if key not in batch and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
                 batch[key] = v.detach().cpu().clone()
         self.batches.append(batch)
+        if self._probe is not None:  # the probe step's first micro-batch alone
+            self._probe.armed = len(self.batches) == 1 and self.k + 1 in self._probe_steps
         self.autocasts.append(_autocast_state(self._device_type))
         self.casts.append(None)
         self.evals.append([n for n, m in self._submodules if not m.training] or None)
@@ -659,6 +666,11 @@ class Recorder:
         if self.layout is not None and self.rank != self.layout.leader:  # a TP peer's inputs: kept apart
             tensors = {("tp/" + n[3:] if n.startswith("in/") else "tp_ids" if n == "ids" else n): t
                        for n, t in tensors.items()}
+        probed = {}
+        if self._probe is not None and k in self._probe_steps:  # every rank: full_tensor() is a collective
+            self._probe.armed = False
+            got, probed = self._probe.take(self._full)
+            tensors.update(got)
         named = list(self.module.named_parameters())
         no_grad = [n for n, p in named if p.grad is None]
         param_hash = None
@@ -686,7 +698,7 @@ class Recorder:
                    else {}),
                 "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals,
                 "tensors": self._tensor_step(k), "param_hash": param_hash,
-                "epoch": None if epoch is None else int(epoch)}
+                "epoch": None if epoch is None else int(epoch), **probed}
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
         # by the pre-hook, parameters and gradients by _local or the sketches, ids below)
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
@@ -741,4 +753,6 @@ class Recorder:
         self.meta["segments"][-1]["end"] = self.k
         self.meta["closed"] = True
         self._write_recording()
+        if self._probe is not None:
+            self._probe.remove()
         self.closed = True
