@@ -123,6 +123,10 @@ def check_probe(rec: A.RecordingSet, ref: _Ref) -> Check | None:
     steps = [k for k in rec.steps if rec.step_meta(0, k).get("probe_order") is not None]
     if not steps:
         return None
+    if not any(ref.tensors(k, "probe/") for k in steps):
+        return Check("probe", True, "not probed: the probed micro-batches ran in reduced precision (autocast, cast or "
+                                    "bfloat16/float16 parameters), or the reference ran past the recorded "
+                                    "parameters; the probe's floors are float32's")
     worst_f, worst_b, skipped, n = 0.0, 0.0, set(), 0
     for k in steps:
         scales = {}

@@ -573,7 +573,8 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         for m in (gmodel, nudged) if nudged is not None else (gmodel,):
             set_modes(m, rec.eval_modules(k))
         ref, info = step_gradients(gmodel, rec, k, user, examples=len(done) if want else None, probe=(i == 0))
-        if probe.is_probe_step(rec, k):  # the probe's one-process side: module by module (record/probe.py)
+        if probe.is_probe_step(rec, k) and (replay or i == 0):  # the probe's one-process side, at the
+            # recorded parameters (a run's own reference parts from them after its first step): record/probe.py
             tensors.update(probe.reference_tensors(gmodel, rec, k, user))
         if rule is not None:  # after the gradients: the rule may move the probe's buffers (reloaded each step)
             tensors.update({f"bu/{n}": v for n, v in updated_buffers(rule, rec.meta["buffer_update"], probe_model,
