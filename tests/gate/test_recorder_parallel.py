@@ -26,6 +26,13 @@ TP_RUNS = {
     "sp_norm_local": {"fault": "sp_norm_local", "seed": 3},
     "tp_grad_x": {"fault": "tp_grad_x", "seed": 4},
     "tp_rows": {"fault": "tp_rows", "seed": 5},
+    # the probe: one module's output off on rank 1 (TP: a column shard of w1; DP: wv), a loss scaled on rank 1,
+    # and a reduction that sums where DDP averages (every module agrees: the probe says so)
+    "tp_w1": {"fault": "module_x", "module": "layers.1.feed_forward.w1", "factor": 1.01, "seed": 6},
+    "dp_clean": {"tp": 1, "seed": 7},
+    "dp_wv": {"tp": 1, "fault": "module_x", "module": "layers.0.attention.wv", "factor": 1.01, "seed": 8},
+    "dp_loss_x": {"tp": 1, "fault": "loss_x", "factor": 1.5, "seed": 9},
+    "dp_sum": {"tp": 1, "fault": "dp_sum", "seed": 10},
 }
 DP_TP_RUNS = {
     "clean": {"seed": 0},
@@ -57,8 +64,8 @@ def plain_gradient(out: Path, step: int = 1) -> dict[str, torch.Tensor]:
 
     rec = A.RecordingSet(out)
     seed = rec.meta["build_kwargs"]["seed"]
-    groups = rec.meta["layout"]["groups"]
-    ids = batch_rows(seed, step - 1, len(groups) * RUN["micro"] * RUN["rows"], RUN["T"])
+    replicas = len(rec.meta["layout"]["groups"]) if rec.meta.get("layout") else rec.meta["world"]
+    ids = batch_rows(seed, step - 1, replicas * RUN["micro"] * RUN["rows"], RUN["T"])
     model = build_model(seed=seed)
     z = model(ids)
     F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
@@ -148,3 +155,55 @@ def test_a_2d_loss_logged_without_its_dp_reduction_fails_the_loss_alone(dp_tp):
     assert not v.passed and not c.passed, failing(v)
     assert "rank 0's own token mean" in c.reason and "the logged loss is wrong, not the training" in c.reason
     assert v.check("gradient").passed and v.check("layout").passed and v.check("replay").passed
+
+
+def test_the_probe_agrees_module_by_module_on_clean_tp_and_dp_runs(tp):
+    for run in ("clean", "dp_clean"):
+        v = looprec.verdict(tp[run])
+        c = v.check("probe")
+        assert v.passed and c.passed, failing(v)
+        assert "every module's forward output and output gradient agree" in c.reason, c.reason
+        assert "not compared" not in c.reason, c.reason  # every TP piece assembled
+
+
+def test_the_probe_names_the_module_a_tp_rank_computes_wrong(tp):
+    v = looprec.verdict(tp["tp_w1"])
+    c = v.check("probe")
+    assert not v.passed and not c.passed, failing(v)
+    assert "the first module whose forward output departs from one process's is layers.1.feed_forward.w1" in c.reason
+    assert "the 20 module(s) before it in execution order agree" in c.reason, c.reason
+    # independently: the recorded (assembled) w1 output is the plain model's but for rank 1's column shard x 1.01
+    t0, _ = A.read_tensors(A.step_tensors_path(tp["tp_w1"], 0, 1), "step tensors")
+    t1, _ = A.read_tensors(A.step_tensors_path(tp["tp_w1"], 1, 1), "step tensors")
+    a, b = t0["po/layers.1.feed_forward.w1"], t1["po/layers.1.feed_forward.w1"]
+    assert a.shape == b.shape == (2, 8, 32)  # each rank's column shard (hidden 64 over tp 2)
+    from tp_llama import build_model
+    from tp_loop import batch_rows
+
+    model, seen = build_model(seed=6), {}
+    model.layers["1"].feed_forward.w1.register_forward_hook(lambda m, i, o: seen.update(w1=o.detach()))
+    model(batch_rows(6, 0, 4, 8)[:2])
+    assert rel(a, seen["w1"][..., :32]) < 1e-5 and abs(float(b.norm() / seen["w1"][..., 32:].norm()) - 1.01) < 1e-5
+
+
+def test_the_probe_names_the_module_a_dp_rank_computes_wrong(tp):
+    v = looprec.verdict(tp["dp_wv"])
+    c = v.check("probe")
+    assert not v.passed and not c.passed, failing(v)
+    assert "on rank 1's first micro-batch the first module whose forward output departs" in c.reason, c.reason
+    assert "is layers.0.attention.wv" in c.reason and "the 4 module(s) before it" in c.reason, c.reason
+
+
+def test_the_probe_names_the_loss_when_a_rank_backpropagates_another_multiple_of_it(tp):
+    v = looprec.verdict(tp["dp_loss_x"])
+    c = v.check("probe")
+    assert not v.passed and not c.passed, failing(v)
+    assert "rank 1 backpropagates its loss at 1.5 times rank 0's scale" in c.reason, c.reason
+    assert "the loss is at fault, not a module" in c.reason
+
+
+def test_the_probe_puts_a_reduction_fault_after_the_backward(tp):
+    v = looprec.verdict(tp["dp_sum"])
+    assert not v.check("gradient").passed and "= W" in v.check("gradient").reason, v.check("gradient").reason
+    c = v.check("probe")
+    assert c.passed and "after the backward (the reduction)" in c.reason, c.reason
