@@ -33,6 +33,10 @@ TP_RUNS = {
     "dp_wv": {"tp": 1, "fault": "module_x", "module": "layers.0.attention.wv", "factor": 1.01, "seed": 8},
     "dp_loss_x": {"tp": 1, "fault": "loss_x", "factor": 1.5, "seed": 9},
     "dp_sum": {"tp": 1, "fault": "dp_sum", "seed": 10},
+    # pipeline parallel (pp_loop.py): 2 stages, scale_grads; the fault divides the loss by the micro-batches too
+    "pp_gpipe": {"pp": True, "schedule": "GPipe", "micro": 2, "rows": 4, "seed": 11},
+    "pp_1f1b": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "seed": 12},
+    "pp_loss_div": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "loss_div", "seed": 13},
 }
 DP_TP_RUNS = {
     "clean": {"seed": 0},
@@ -54,7 +58,7 @@ def dp_tp(tmp_path_factory) -> dict[str, Path]:
     return {n: root / n for n in DP_TP_RUNS}
 
 
-def plain_gradient(out: Path, step: int = 1) -> dict[str, torch.Tensor]:
+def plain_gradient(out: Path, step: int = 1, rows: int | None = None) -> dict[str, torch.Tensor]:
     """The unparallelised model's gradient of the global token mean at step 1,
     from build_model and the rows tp_loop reads (its own rule, not the
     recording's inputs): what every clean layout must equal."""
@@ -65,7 +69,7 @@ def plain_gradient(out: Path, step: int = 1) -> dict[str, torch.Tensor]:
     rec = A.RecordingSet(out)
     seed = rec.meta["build_kwargs"]["seed"]
     replicas = len(rec.meta["layout"]["groups"]) if rec.meta.get("layout") else rec.meta["world"]
-    ids = batch_rows(seed, step - 1, replicas * RUN["micro"] * RUN["rows"], RUN["T"])
+    ids = batch_rows(seed, step - 1, rows or replicas * RUN["micro"] * RUN["rows"], RUN["T"])
     model = build_model(seed=seed)
     z = model(ids)
     F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
@@ -73,6 +77,7 @@ def plain_gradient(out: Path, step: int = 1) -> dict[str, torch.Tensor]:
 
 
 def recorded(out: Path, rank: int, step: int = 1) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s recorded gradients at `step`, read straight from its file."""
     t, _ = A.read_tensors(A.step_tensors_path(out, rank, step), "step tensors")
     return {n[2:]: v for n, v in t.items() if n.startswith("g/")}
 
@@ -207,3 +212,29 @@ def test_the_probe_puts_a_reduction_fault_after_the_backward(tp):
     assert not v.check("gradient").passed and "= W" in v.check("gradient").reason, v.check("gradient").reason
     c = v.check("probe")
     assert c.passed and "after the backward (the reduction)" in c.reason, c.reason
+
+
+@pytest.mark.parametrize("run", ["pp_gpipe", "pp_1f1b"])
+def test_a_clean_pipeline_run_passes_with_its_stages_merged_by_name(tp, run):
+    v = looprec.verdict(tp[run])
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
+    assert "pipeline of 2 stages" in v.check("layout").reason and "21 parameters" in v.check("layout").reason
+    rec = A.RecordingSet(tp[run])
+    micro = 2 if run == "pp_gpipe" else 3
+    # the schedule's shape-inference forward is not a micro-batch; stage 1's inputs (activations) are not data
+    assert [r for r, _, _ in rec.micro_batches(1)] == [0] * micro
+    # independently: stage 0 records the embedding, stage 1 the output; each the plain model's gradient
+    want = plain_gradient(tp[run], rows=4 if run == "pp_gpipe" else 6)
+    g0, g1 = recorded(tp[run], 0), recorded(tp[run], 1)
+    assert "tok_embeddings.weight" in g0 and "output.weight" in g1 and not set(g0) & set(g1)
+    both = {**g0, **g1}
+    assert max(rel(both[n], want[n]) for n in want) < 5e-6
+
+
+def test_a_pipeline_loss_divided_by_the_micro_batches_on_top_of_scale_grads_fails_named(tp):
+    v = looprec.verdict(tp["pp_loss_div"])
+    c = v.check("gradient")
+    assert not v.passed and not c.passed, failing(v)
+    assert "times 0.3333 = 1/K" in c.reason and "K = 3 micro-batches" in c.reason, c.reason
+    assert not v.check("loss").passed

@@ -88,10 +88,27 @@ class TinyLlama(nn.Module):
         self.output = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, input_ids):
-        h = self.tok_embeddings(input_ids)
+        # a pipeline stage holds some of the parts (torchtitan's way: the others set to None)
+        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
         for layer in self.layers.values():
             h = layer(h)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def pipeline_stage_module(model, stage: int, stages: int = 2):
+    """Stage `stage` of `stages` of the model, torchtitan's way: the layers of the other stages deleted,
+    the embedding only on the first stage, the final norm and output only on the last; parameter names
+    as in the whole model."""
+    n = len(model.layers)
+    keep = set(range(stage * n // stages, (stage + 1) * n // stages))
+    for i in [i for i in range(n) if i not in keep]:
+        del model.layers[str(i)]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != stages - 1:
+        model.norm, model.output = None, None
+    return model
 
 
 def build_model(seed: int = 0, **_):

@@ -1,7 +1,8 @@
 """A researcher's tensor-parallel (and 2-D: FSDP2 x TP) training loop over
 tp_llama, recorded for the gate. Run under torchrun (gloo):
 `torchrun --standalone --nproc_per_node=W tp_loop.py --plan PLAN.json`, PLAN a
-JSON list of runs (dicts, see RUN), one after another in the same process group.
+JSON list of runs (dicts, see RUN), one after another in the same process group
+(a run with "pp": true is pp_loop.py's pipeline run).
 
 The mesh is (dp, tp) = (W / tp, tp); each DP replica reads its own rows of the
 step's global batch (every TP rank of a replica the same rows), K micro-batches
@@ -124,7 +125,12 @@ def main():
     dist.init_process_group("gloo")
     try:
         for cfg in json.loads(open(a.plan).read()):
-            run(cfg)
+            if cfg.get("pp"):  # a pipeline run (pp_loop.py) in the same launch
+                import pp_loop
+
+                pp_loop.run(cfg)
+            else:
+                run(cfg)
             dist.barrier()
     finally:
         dist.barrier()

@@ -125,12 +125,35 @@ def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int
     return None
 
 
+def _check_pipeline(rec: A.RecordingSet, ref: _Ref, lay: dict) -> Check:
+    """A pipeline's stages: every parameter of the whole model recorded by exactly one stage."""
+    per = lay.get("stage_params", [])
+    seen: dict[str, int] = {}
+    for r, names in enumerate(per):
+        for n in names:
+            if n in seen:
+                return Check("layout", False, f"parameter {n} is recorded by the stages of ranks {seen[n]} and {r}: "
+                                              "a pipeline's stages must each hold their own parameters")
+            seen[n] = r
+    k = rec.tensor_steps()[0]
+    missing = sorted(set(ref.tensors(k, "g/")) - set(seen))
+    if missing:
+        return Check("layout", False, f"no stage records {', '.join(missing[:3])}, which the whole model has: "
+                                      "pass each stage's module to its rank's Recorder")
+    pp = lay["pipeline"]
+    return Check("layout", True, f"pipeline of {pp['stages']} stages (stage of each rank: {pp['stage_of_rank']}): "
+                                 f"the {len(seen)} parameters recorded by their stages and merged by name; stage 0's "
+                                 "forwards are the micro-batches (the others' inputs are activations)")
+
+
 def check_layout(rec: A.RecordingSet, ref: _Ref) -> Check | None:
     """The layout check (module docstring); None for a recording without a layout."""
     lay = rec.meta.get("layout")
     if not lay:
         return None
     groups, params = lay["groups"], lay["params"]
+    if lay.get("pipeline"):
+        return _check_pipeline(rec, ref, lay)
     tp, dp = max(len(g) for g in groups), len(groups)
     finding = _peer_inputs(rec, groups) or _unreduced(rec, ref, groups, params) or _class_factor(rec, ref, params, tp, dp)
     if finding:

@@ -880,6 +880,9 @@ def check_ranks(rec: A.RecordingSet) -> Check:
     if rec.meta.get("fsdp"):
         return Check("ranks", True, "FSDP2: each rank holds its own shard (each parameter exists once); the "
                                     "assembled tensors are what the other checks judge")
+    if (rec.meta.get("layout") or {}).get("pipeline"):  # judge/layouts.py: each stage's parameters exist once
+        return Check("ranks", True, "pipeline: each rank holds its own stage's parameters (each exists once); "
+                                    "merged by name, they are what the other checks judge")
     for k in rec.tensor_steps():
         hashes = [rec.step_meta(r, k).get("param_hash") for r in range(rec.world_at(k))]
         bad = [r for r, h in enumerate(hashes) if h != hashes[0]]

@@ -134,3 +134,61 @@ def peer_counts(n: int) -> dict:
     """A model-parallel peer's step JSON counts: no micro-batch of the step's
     global batch (its leader's are those), n of its own kept apart ("tp/")."""
     return {"micro_batches": 0, "tp_micro_batches": n}
+
+
+class PipelineLayout:
+    """A pipeline stage's layout (Recorder(pipeline_stage=...), torch.distributed.pipelining): the rank
+    holding stage 0 reads the data (its forward's inputs are the micro-batches), the other stages'
+    inputs are activations, not recorded as data; each rank records its own stage's parameters under
+    their names in the whole model, which the reference merges."""
+
+    def __init__(self, stage, rank: int, gather):
+        self.stage_index, self.num_stages = int(stage.stage_index), int(stage.num_stages)
+        stages = gather(self.stage_index)
+        self.group = list(range(len(stages)))
+        self.leader = stages.index(0) if 0 in stages else 0
+        self.rank = rank
+        self.stages = stages
+        self.backed: set[int] = set()
+
+    def watch(self, module, count) -> None:
+        """A forward hook marking each recorded forward (count(): the recorded forwards so far, this one
+        included) whose output a backward reaches: the schedule's shape inference runs a forward of its
+        own on the first micro-batch (torch 2.13: PipelineStage infers its shapes at the first step),
+        which no backward follows and which is no micro-batch of the step."""
+        def hook(mod, args, out):
+            t = out[0] if isinstance(out, (tuple, list)) and out else out
+            if not mod.training or not torch.is_grad_enabled() or not isinstance(t, torch.Tensor) \
+                    or not t.requires_grad:
+                return None
+            i = count() - 1
+            try:
+                t.register_hook(lambda g, i=i: self.backed.add(i))
+            except RuntimeError:  # no hook: counted as backpropagated (the run goes on)
+                self.backed.add(i)
+            return None
+
+        self._hook = module.register_forward_hook(hook)
+
+    def kept(self, n: int) -> list[int]:
+        """The step's recorded forwards a backward reached (all of them if none did: nothing to tell apart)."""
+        keep = [i for i in range(n) if i in self.backed] or list(range(n))
+        self.backed = set()
+        return keep
+
+    def meta(self, module) -> dict:
+        return {"pipeline": {"stages": self.num_stages, "stage_of_rank": self.stages}, "groups": [self.group],
+                "meshes": [], "data_dims": [],
+                "params": {n: {"mesh": None, "placements": ["plain"], "model_parallel": False}
+                           for n, _ in module.named_parameters()}}
+
+
+def pipeline(stage, module, rank: int, gather) -> tuple[PipelineLayout, dict]:
+    """The PipelineLayout of a stage and its recording.json entry (every stage's parameter names)."""
+    lay = PipelineLayout(stage, rank, gather)
+    meta = lay.meta(module)
+    names = gather(sorted(meta["params"]))
+    meta["params"] = {n: {"mesh": None, "placements": ["plain"], "model_parallel": False}
+                      for ns in names for n in ns}
+    meta["stage_params"] = names
+    return lay, meta

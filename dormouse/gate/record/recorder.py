@@ -386,6 +386,8 @@ class Recorder:
     seed             the sketches' seed
     buffer_update    None, or "pkg.mod:fn": the rule that moves persistent buffers after a step,
                      fn(model, batches, **build_kwargs) -> {name: buffer after the step} (module docstring)
+    pipeline_stage   None, or this rank's torch.distributed.pipelining PipelineStage (model: its module):
+                     stage 0's forwards are the data, each stage records its own parameters (layouts.py)
     probe_steps      the steps whose first micro-batch is probed module by module (record/probe.py):
                      None = the first recorded step, () = none
     example_corpus   None, or a file of bytes whose byte offsets the loop's example ids are (each row
@@ -396,7 +398,8 @@ class Recorder:
     def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
-                 buffer_update: str | None = None, example_corpus: str | None = None, probe_steps=None):
+                 buffer_update: str | None = None, example_corpus: str | None = None, probe_steps=None,
+                 pipeline_stage=None):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
                       build_kwargs=build_kwargs, buffer_update=buffer_update)
@@ -447,7 +450,9 @@ class Recorder:
         # persistent buffers (state outside the optimizer, e.g. a routing bias): "b/" at tensor steps
         self._buffers = [n for n in self.module.state_dict() if n not in params]
         # a tensor-parallel (or 2-D) layout: full tensors, each DP replica's micro-batches once (layouts.py)
-        self.layout, layout_meta = layouts.of(self.module, self.rank, self.world, self._gather)
+        self.layout, layout_meta = (layouts.pipeline(pipeline_stage, self.module, self.rank, self._gather)
+                                    if pipeline_stage is not None else
+                                    layouts.of(self.module, self.rank, self.world, self._gather))
         self._full = layouts.full if self.layout is not None else _local
         placements = {} if self.layout is not None else {n: _placement(t) for n, t in self.module.state_dict().items()}
         self.placements = {n: p for n, p in placements.items() if p}
@@ -483,9 +488,12 @@ class Recorder:
             self._sketch_all({n: self._piece(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = _Writer()
         # the probe's steps (record/probe.py): its hooks go before the Recorder's own pre-hook
-        self._probe_steps = {self.k + 1} if probe_steps is None else {int(x) for x in probe_steps}
+        self._probe_steps = ({self.k + 1} if pipeline_stage is None else set()) if probe_steps is None else \
+            {int(x) for x in probe_steps}  # a pipeline's stages are not probed (docs/parallelisms.md)
         self._probe = probe.Probe(self.module) if self._probe_steps else None
         self._hook = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
+        if isinstance(self.layout, layouts.PipelineLayout):  # a stage's forwards no backward reaches: not data
+            self.layout.watch(self.module, lambda: len(self.batches))
         # autocast is read inside the forward too: a wrapper may enter it after the model's
         # pre-hook ran (accelerate, and so HF's Trainer with bf16=True, wraps model.forward)
         self._inner_hooks = [m.register_forward_pre_hook(self._inner)
@@ -649,6 +657,9 @@ class Recorder:
         autocasts, self.autocasts = self.autocasts, []
         casts, self.casts = self.casts, []
         evals, self.evals = self.evals, []
+        if isinstance(self.layout, layouts.PipelineLayout):  # the forwards a backward reached (layouts.py)
+            keep = self.layout.kept(len(batches))
+            batches, autocasts, casts, evals = ([x[i] for i in keep] for x in (batches, autocasts, casts, evals))
         if lr is None and optimizer is not None:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)
