@@ -7,7 +7,10 @@ PrepareModuleInput, loss_parallel) on a 1-D TP mesh of 2 gloo ranks, and on a
 pass at float32 resolution; each planted fault fails, named by the layout
 check or the loss check. Each finding is confirmed against a computation that
 shares none of the gate's code: the unparallelised model's own autograd on
-the global batch, read straight from the recorded files. One launch per mesh."""
+the global batch, read straight from the recorded files. The same 2-rank
+launch runs plain DDP runs (the probe: the module a rank computes wrong, a loss
+scaled on one rank, a summed reduction) and pipeline runs (pp_loop.py: 2
+stages, GPipe and 1F1B, scale_grads). One launch per mesh size."""
 
 from __future__ import annotations
 
