@@ -44,6 +44,8 @@ def _group(rec: A.RecordingSet, r: int) -> list[int]:
 
 def _assemble(pieces: list[torch.Tensor], want: torch.Size) -> torch.Tensor | None:
     """The leader's piece, or the group's pieces concatenated along the one dimension where a piece is smaller."""
+    if not pieces:  # the fleet never ran it (or recorded no output of it)
+        return None
     a = pieces[0]
     if a.shape == want:
         return a

@@ -682,6 +682,9 @@ class Recorder:
             self._probe.armed = False
             got, probed = self._probe.take(self._full)
             tensors.update(got)
+            if k >= max(self._probe_steps):  # no step left to probe: its hooks go
+                self._probe.remove()
+                self._probe = None
         named = list(self.module.named_parameters())
         no_grad = [n for n, p in named if p.grad is None]
         param_hash = None
