@@ -44,6 +44,7 @@ TP_RUNS = {
 DP_TP_RUNS = {
     "clean": {"seed": 0},
     "loss_local": {"fault": "loss_local", "seed": 1},
+    "fsdp_sum": {"fault": "fsdp_sum", "seed": 2},
 }
 
 
@@ -241,3 +242,12 @@ def test_a_pipeline_loss_divided_by_the_micro_batches_on_top_of_scale_grads_fail
     assert not v.passed and not c.passed, failing(v)
     assert "times 0.3333 = 1/K" in c.reason and "K = 3 micro-batches" in c.reason, c.reason
     assert not v.check("loss").passed
+
+
+def test_a_2d_run_whose_dp_reduction_sums_fails_named_by_the_mesh(dp_tp):
+    v = looprec.verdict(dp_tp["fsdp_sum"])
+    c = v.check("layout")
+    assert not v.passed and not c.passed, failing(v)
+    assert "every gradient is one process's times 2 = the DP size 2" in c.reason, c.reason
+    want, got = plain_gradient(dp_tp["fsdp_sum"]), recorded(dp_tp["fsdp_sum"], 3)
+    assert max(rel(got[n], 2 * want[n]) for n in want) < 5e-6

@@ -23,6 +23,7 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
                  with tp 1 a plain DDP run over every rank)
   loss_x         rank 1 backpropagates its loss times "factor" (the logged loss is right)
   dp_sum         (tp 1) after the backward every gradient is multiplied by W: a sum where DDP averages
+  fsdp_sum       (2-D) FSDP2's gradient divide factor set to 1: the dp reduction sums (gradient x dp)
   loss_local     the logged loss is this replica's own, not reduced over dp
                  (torchtitan #3329: the gradient right, the logged loss wrong)
 """
@@ -67,6 +68,12 @@ def run(cfg: dict) -> None:
         parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local")
     if fault == "module_x" and rank == 1:  # one module's output off by a factor on rank 1 (a client's hook)
         model.get_submodule(cfg["module"]).register_forward_hook(lambda mod, a, out: out * cfg["factor"])
+    if fault == "fsdp_sum":  # FSDP2's reduce-scatter sums over dp instead of averaging
+        from torch.distributed.fsdp import FSDPModule
+
+        for mod in model.modules():
+            if isinstance(mod, FSDPModule):
+                mod.set_gradient_divide_factor(1.0)
     opt = build_optimizer(model)
     if tp == 1:  # a plain data-parallel run: DDP over every rank
         model = torch.nn.parallel.DistributedDataParallel(model)

@@ -104,6 +104,21 @@ def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int
             agree[cls] = agree[cls] and rel(g, g_ref, ns) <= bound
     bound = max(bounds, default=GRAD_RTOL)
     tol = max(FACTOR_RTOL, bound)
+    cands = [(f"the TP size {tp}", tp), (f"1 / the TP size {tp}", 1 / tp), (f"the DP size {dp}", dp),
+             (f"1 / the DP size {dp}", 1 / dp), (f"the world size {tp * dp}", tp * dp),
+             (f"1 / the world size {tp * dp}", 1 / (tp * dp))]
+    whole = [fit(_fleet_grad(rec, k), ref.tensors(k, "g/"), sorted(set(_fleet_grad(rec, k)) & set(ref.tensors(k, "g/"))))
+             for k in rec.tensor_steps()]
+    cs = [c for c, _ in whole]
+    if whole and all(res <= bound for _, res in whole) and max(cs) - min(cs) <= tol * abs(cs[0]) \
+            and abs(cs[0] - 1) > FACTOR_AWAY * bound:  # every gradient off by one constant: name it by the mesh
+        # the data-parallel sizes first: a factor on every tensor alike is the replicas' normalisation
+        order = [c for c in cands if "DP" in c[0]] + [c for c in cands if "world" in c[0]] + \
+            [c for c in cands if "TP" in c[0]]
+        named = next((w for w, v in order if v != 1 and abs(cs[0] / v - 1) <= tol), None)
+        return (f"every gradient is one process's times {cs[0]:.4g}" + (f" = {named}" if named else "")
+                + f" at every recorded step ({dp} data-parallel replica(s) of {tp} model-parallel rank(s)): a "
+                "normalisation over the mesh applied the wrong number of times")
     for cls, other in (("split", "replicated"), ("replicated", "split")):
         fs = fits[cls]
         if not fs or agree[cls] or not agree[other] or any(res > bound for _, res in fs):
@@ -111,8 +126,6 @@ def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int
         cs = [c for c, _ in fs]
         if max(cs) - min(cs) > tol * abs(cs[0]) or abs(cs[0] - 1) <= FACTOR_AWAY * bound:
             continue
-        cands = [(f"the TP size {tp}", tp), (f"1 / the TP size {tp}", 1 / tp), (f"the DP size {dp}", dp),
-                 (f"1 / the DP size {dp}", 1 / dp), (f"the world size {tp * dp}", tp * dp)]
         named = next((w for w, v in cands if v != 1 and abs(cs[0] / v - 1) <= tol), None)
         what = ("parameters split over a model-parallel mesh dimension" if cls == "split"
                 else "parameters replicated over the TP group")

@@ -63,7 +63,7 @@ class Probe:
             self.order.append(name)
             if t.requires_grad:
                 def on_grad(g, name=name):
-                    if name not in self.grads:
+                    if g is not None and name not in self.grads:  # None: no gradient reaches this output
                         self.grads[name] = g.detach().clone()
                         self.grad_order.append(name)
                     return None
