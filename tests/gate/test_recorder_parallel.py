@@ -44,7 +44,7 @@ TP_RUNS = {
 DP_TP_RUNS = {
     "clean": {"seed": 0},
     "loss_local": {"fault": "loss_local", "seed": 1},
-    "fsdp_sum": {"fault": "fsdp_sum", "seed": 2},
+    "dp_sum": {"fault": "dp_sum", "seed": 2},
 }
 
 
@@ -245,9 +245,9 @@ def test_a_pipeline_loss_divided_by_the_micro_batches_on_top_of_scale_grads_fail
 
 
 def test_a_2d_run_whose_dp_reduction_sums_fails_named_by_the_mesh(dp_tp):
-    v = looprec.verdict(dp_tp["fsdp_sum"])
+    v = looprec.verdict(dp_tp["dp_sum"])
     c = v.check("layout")
     assert not v.passed and not c.passed, failing(v)
     assert "every gradient is one process's times 2 = the DP size 2" in c.reason, c.reason
-    want, got = plain_gradient(dp_tp["fsdp_sum"]), recorded(dp_tp["fsdp_sum"], 3)
+    want, got = plain_gradient(dp_tp["dp_sum"]), recorded(dp_tp["dp_sum"], 3)
     assert max(rel(got[n], 2 * want[n]) for n in want) < 5e-6

@@ -22,8 +22,8 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
   module_x       rank 1 multiplies one module's output ("module") by "factor" (a forward hook;
                  with tp 1 a plain DDP run over every rank)
   loss_x         rank 1 backpropagates its loss times "factor" (the logged loss is right)
-  dp_sum         (tp 1) after the backward every gradient is multiplied by W: a sum where DDP averages
-  fsdp_sum       (2-D) FSDP2's gradient divide factor set to 1: the dp reduction sums (gradient x dp)
+  dp_sum         after the backward every gradient is multiplied by the dp size: a sum where DDP or
+                 FSDP2 averages (FSDP2's own divide factor 1 needs PREMUL_SUM, which gloo lacks)
   loss_local     the logged loss is this replica's own, not reduced over dp
                  (torchtitan #3329: the gradient right, the logged loss wrong)
 """
@@ -68,12 +68,6 @@ def run(cfg: dict) -> None:
         parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local")
     if fault == "module_x" and rank == 1:  # one module's output off by a factor on rank 1 (a client's hook)
         model.get_submodule(cfg["module"]).register_forward_hook(lambda mod, a, out: out * cfg["factor"])
-    if fault == "fsdp_sum":  # FSDP2's reduce-scatter sums over dp instead of averaging
-        from torch.distributed.fsdp import FSDPModule
-
-        for mod in model.modules():
-            if isinstance(mod, FSDPModule):
-                mod.set_gradient_divide_factor(1.0)
     opt = build_optimizer(model)
     if tp == 1:  # a plain data-parallel run: DDP over every rank
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -105,10 +99,10 @@ def run(cfg: dict) -> None:
                 (loss * scale).backward()
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             total += float(loss.detach())
-        if fault == "dp_sum":  # the reduced gradient summed over the ranks where DDP averaged it
+        if fault == "dp_sum":  # the reduced gradient summed over the replicas where DDP/FSDP2 averaged it
             with torch.no_grad():
                 for p in model.parameters():
-                    p.grad.mul_(world)
+                    p.grad.mul_(dp)
         if fault == "tp_grad_x":  # the step's TP-sharded gradients summed over the group where averaged
             with torch.no_grad():
                 for p in model.parameters():

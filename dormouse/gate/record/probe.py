@@ -83,12 +83,18 @@ class Probe:
         not either: the tensor hooks sit on the first micro-batch's outputs alone)."""
         self.armed = False
 
-    def take(self, full) -> tuple[dict[str, torch.Tensor], dict]:
+    def take(self, full, gather=None) -> tuple[dict[str, torch.Tensor], dict]:
         """The recorded tensors ("po/NAME", "pg/NAME"), each assembled by `full` in one order on every
-        rank (sorted names: full_tensor() is a collective), and the step JSON's probe entry."""
+        rank (sorted names: full_tensor() is a collective), and the step JSON's probe entry. With
+        `gather` (every rank's object: a collective), only the names every rank holds are assembled,
+        so that no rank waits in a collective another never enters."""
         tensors = {}
         for prefix, d in (("po/", self.outs), ("pg/", self.grads)):
-            for n in sorted(d):
+            names = set(d)
+            if gather is not None:
+                for other in gather(sorted(names)):
+                    names &= set(other)
+            for n in sorted(names):
                 tensors[prefix + n] = full(d[n])
         meta = {"probe_order": list(self.order), "probe_grad_order": list(self.grad_order)}
         self.outs, self.grads = {}, {}

@@ -680,7 +680,7 @@ class Recorder:
         probed = {}
         if self._probe is not None and k in self._probe_steps:  # every rank: full_tensor() is a collective
             self._probe.armed = False
-            got, probed = self._probe.take(self._full)
+            got, probed = self._probe.take(self._full, self._gather if self.layout is not None else None)
             tensors.update(got)
             if k >= max(self._probe_steps):  # no step left to probe: its hooks go
                 self._probe.remove()
