@@ -251,3 +251,15 @@ def test_a_2d_run_whose_dp_reduction_sums_fails_named_by_the_mesh(dp_tp):
     assert "every gradient is one process's times 2 = the DP size 2" in c.reason, c.reason
     want, got = plain_gradient(dp_tp["dp_sum"]), recorded(dp_tp["dp_sum"], 3)
     assert max(rel(got[n], 2 * want[n]) for n in want) < 5e-6
+
+
+def test_a_pipeline_recording_with_sketches_is_refused_in_one_line(tmp_path):
+    from dormouse.gate import Recorder
+    from dormouse.gate.record.recorder import RecorderError
+
+    class Stage:  # a PipelineStage's two fields the Recorder reads
+        stage_index, num_stages = 0, 2
+
+    with pytest.raises(RecorderError, match="a pipeline is recorded in full tensors"):
+        Recorder(tmp_path, torch.nn.Linear(2, 2), build_model="tp_llama:build_model",
+                 build_optimizer="tp_llama:build_optimizer", sketch=64, pipeline_stage=Stage())

@@ -403,6 +403,9 @@ class Recorder:
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
                       build_kwargs=build_kwargs, buffer_update=buffer_update)
+        if pipeline_stage is not None and int(sketch):  # each stage's sketches would need summing by name
+            raise RecorderError(f"sketch={sketch} with pipeline_stage: a pipeline is recorded in full tensors "
+                                "(sketch=0)")
         self.out = Path(out_dir)
         ddp = torch.nn.parallel.DistributedDataParallel
         self.module = model.module if isinstance(model, ddp) else model
