@@ -32,9 +32,9 @@ import torch
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.checks import Check
-from dormouse.gate.judge.recording import FLOOR_MULTIPLE, _Ref, rel
+from dormouse.gate.judge.recording import FLOOR_MULTIPLE, GRAD_RTOL, _Ref, rel
 
-PROBE_RTOL = 1e-5  # the least bound a module is held to (the gradient check's float32 bound)
+PROBE_RTOL = GRAD_RTOL  # the least bound a module is held to: the gradient check's float32 bound
 
 
 def _group(rec: A.RecordingSet, r: int) -> list[int]:

@@ -55,6 +55,11 @@ Under FSDP2 (DTensor parameters, Shard(0)) each rank stores its local shard
 and the placement (dim, global shape) in init.safetensors' metadata; the
 reference assembles full tensors.
 
+A tensor-parallel or 2-D (FSDP2 x TP) model is recorded through its DTensor
+layout, and a pipeline stage through `pipeline_stage` (record/layouts.py); the
+probe (record/probe.py, `probe_steps`) records every module's output and output
+gradient on a probed step's first micro-batch.
+
 A loop that resumes from a checkpoint records into the same directory with
 `resume=True` (continue after the last recorded step) or `resume=K` (the
 checkpoint holds the state after step K): a new segment.
