@@ -79,10 +79,13 @@ def failed(v) -> set[str]:
 
 
 def gradient_wrong(v) -> None:
-    """A wrong gradient fails gradient and loss; clip, when it fails, points at the gradient."""
-    assert not v.passed and {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    """A wrong gradient fails gradient and loss; clip, when it fails, points at the gradient; the probe,
+    when it fails, at the loss (each rank backpropagating its own multiple of it), not at a module."""
+    assert not v.passed and {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip", "probe"}
     if "clip" in failed(v):
         assert "the gradient itself is wrong (see gradient)" in checks(v)["clip"].reason
+    if "probe" in failed(v):
+        assert "the loss is at fault, not a module" in checks(v)["probe"].reason, checks(v)["probe"].reason
 
 
 # --------------------------------------------------------------------------- what the callback records

@@ -920,6 +920,9 @@ def check_ranks(rec: A.RecordingSet) -> Check:
     if rec.meta.get("fsdp"):
         return Check("ranks", True, "FSDP2: each rank holds its own shard (each parameter exists once); the "
                                     "assembled tensors are what the other checks judge")
+    if (rec.meta.get("layout") or {}).get("pipeline"):  # judge/layouts.py: each stage's parameters exist once
+        return Check("ranks", True, "pipeline: each rank holds its own stage's parameters (each exists once); "
+                                    "merged by name, they are what the other checks judge")
     for k in rec.tensor_steps():
         hashes = [rec.step_meta(r, k).get("param_hash") for r in range(rec.world_at(k))]
         bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
@@ -1034,4 +1037,12 @@ def judge_recording(out) -> Verdict:
     checks.append(check_loss(rec, ref, grad.passed and replay.passed))
     checks.append(check_ranks(rec))
     checks.append(check_clip(rec, ref))
+    from dormouse.gate.judge.layouts import check_layout  # here: layouts imports this module
+
+    layout = check_layout(rec, ref)  # a tensor-parallel / 2-D recording's own check (judge/layouts.py)
+    checks.extend([layout] if layout is not None else [])
+    from dormouse.gate.judge.probe import check_probe
+
+    probed = check_probe(rec, ref)  # where the run parts from one process, module by module (judge/probe.py)
+    checks.extend([probed] if probed is not None else [])
     return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"], provenance(rec))

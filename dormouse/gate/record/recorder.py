@@ -62,6 +62,11 @@ Under FSDP2 (DTensor parameters, Shard(0)) each rank stores its local shard
 and the placement (dim, global shape) in init.safetensors' metadata; the
 reference assembles full tensors.
 
+A tensor-parallel or 2-D (FSDP2 x TP) model is recorded through its DTensor
+layout, and a pipeline stage through `pipeline_stage` (record/layouts.py); the
+probe (record/probe.py, `probe_steps`) records every module's output and output
+gradient on a probed step's first micro-batch.
+
 A loop that resumes from a checkpoint records into the same directory with
 `resume=True` (continue after the last recorded step) or `resume=K` (the
 checkpoint holds the state after step K): a new segment.
@@ -83,6 +88,7 @@ from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.clip import clip_coef as clip
+from dormouse.gate.record import layouts, probe
 
 OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
 EXAMPLE_ID_KEYS = ("idx", "example_id")
@@ -460,6 +466,10 @@ class Recorder:
     seed             the sketches' seed
     buffer_update    None, or "pkg.mod:fn": the rule that moves persistent buffers after a step,
                      fn(model, batches, **build_kwargs) -> {name: buffer after the step} (module docstring)
+    pipeline_stage   None, or this rank's torch.distributed.pipelining PipelineStage (model: its module):
+                     stage 0's forwards are the data, each stage records its own parameters (layouts.py)
+    probe_steps      the steps whose first micro-batch is probed module by module (record/probe.py):
+                     None = the first recorded step, () = none
     example_corpus   None, or a file of bytes whose byte offsets the loop's example ids are (each row
                      its input tokens read from that offset, as dormouse's loop reads its windows):
                      the data check then requires every recorded row to be those bytes
@@ -472,10 +482,13 @@ class Recorder:
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
                  buffer_update: str | None = None, example_corpus: str | None = None,
-                 objective_scope: str = "example"):
+                 objective_scope: str = "example", probe_steps=None, pipeline_stage=None):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
                       build_kwargs=build_kwargs, buffer_update=buffer_update, objective_scope=objective_scope)
+        if pipeline_stage is not None and int(sketch):  # each stage's sketches would need summing by name
+            raise RecorderError(f"sketch={sketch} with pipeline_stage: a pipeline is recorded in full tensors "
+                                "(sketch=0)")
         self.out = Path(out_dir)
         self.module = core_module(model)  # under DDP and torch.compile wrappers, in any order
         import torch.distributed as dist
@@ -525,7 +538,12 @@ class Recorder:
         params = {n for n, _ in self.module.named_parameters()}
         # persistent buffers (state outside the optimizer, e.g. a routing bias): "b/" at tensor steps
         self._buffers = [n for n in self.module.state_dict() if n not in params]
-        placements = {n: _placement(t) for n, t in self.module.state_dict().items()}
+        # a tensor-parallel (or 2-D) layout: full tensors, each DP replica's micro-batches once (layouts.py)
+        self.layout, layout_meta = (layouts.pipeline(pipeline_stage, self.module, self.rank, self._gather)
+                                    if pipeline_stage is not None else
+                                    layouts.of(self.module, self.rank, self.world, self._gather))
+        self._full = layouts.full if self.layout is not None else _local
+        placements = {} if self.layout is not None else {n: _placement(t) for n, t in self.module.state_dict().items()}
         self.placements = {n: p for n, p in placements.items() if p}
         self.meta = {
             "schema": A.RECORDING_SCHEMA, "kind": "recording", "run": run, "world": self.world,
@@ -536,7 +554,7 @@ class Recorder:
             "example_corpus": str(Path(example_corpus).resolve()) if example_corpus else None,
             "example_corpus_sha256": A.corpus_digest(example_corpus) if example_corpus else None,
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
-            "fsdp": bool(self.placements), "closed": False,
+            "fsdp": bool(self.placements), "closed": False, "layout": layout_meta,
             # the model as the loop runs it, beyond its tensors: the parameters it froze, and a
             # Hugging Face config's runtime fields (the Trainer sets use_cache = False, which
             # decides how GPT-2 masks packed sequences): the reference rebuilds the same
@@ -552,17 +570,23 @@ class Recorder:
         if prior is None:
             # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
             # which safetensors refuses to store as shared memory
-            state = {n: _local(t).clone() for n, t in self.module.state_dict().items()}
+            state = {n: self._full(t).clone() for n, t in self.module.state_dict().items()}
             atomic.write_bytes(A.init_path(self.out, self.rank),
                                st_save(state, metadata={"placements": json.dumps(self.placements)}))
         self._write_recording()
         if self.sketch_k:  # the buckets once, here, so that no step pays for them
             named = list(self.module.named_parameters())
-            self._sketch_all({n: _shard(p) for n, p in named}, {n: p.numel() for n, p in named})
+            self._sketch_all({n: self._piece(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = _Writer()
         self._attrs0 = self.meta["attrs"]
+        # the probe's steps (record/probe.py): its hooks go before the Recorder's own pre-hook
+        self._probe_steps = ({self.k + 1} if pipeline_stage is None else set()) if probe_steps is None else \
+            {int(x) for x in probe_steps}  # a pipeline's stages are not probed (docs/parallelisms.md)
+        self._probe = probe.Probe(self.module) if self._probe_steps else None
         # the hooks run eagerly under torch.compile (a graph break, in any placement of the compile)
         self._hook = self.module.register_forward_pre_hook(_eager(self._pre), with_kwargs=True)
+        if isinstance(self.layout, layouts.PipelineLayout):  # a stage's forwards no backward reaches: not data
+            self.layout.watch(self.module, lambda: len(self.batches))
         # autocast is read inside the forward too: a wrapper may enter it after the model's
         # pre-hook ran (accelerate, and so HF's Trainer with bf16=True, wraps model.forward)
         inner = _eager(self._inner)
@@ -588,6 +612,19 @@ class Recorder:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def _gather(self, obj) -> list:
+        if not self._dist:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _piece(self, t):
+        """What a sketch reads of t: this rank's shard, or (a layout) the full tensor."""
+        return self._full(t) if self.layout is not None else _shard(t)
 
     def _barrier(self):
         if self._dist:
@@ -650,6 +687,8 @@ class Recorder:
         self.calls.append(call or None)
         self.attrs.append(attr_changes(plain_attrs(module), self._attrs0))
         self.batches.append(batch)
+        if self._probe is not None:  # the probe step's first micro-batch alone
+            self._probe.armed = len(self.batches) == 1 and self.k + 1 in self._probe_steps
         self.autocasts.append(_autocast_state(self._device_type))
         self.casts.append(None)
         self.evals.append([n for n, m in self._submodules if not m.training] or None)
@@ -719,6 +758,10 @@ class Recorder:
         evals, self.evals = self.evals, []
         calls, self.calls = self.calls, []
         attrs, self.attrs = self.attrs, []
+        if isinstance(self.layout, layouts.PipelineLayout):  # the forwards a backward reached (layouts.py)
+            keep = self.layout.kept(len(batches))
+            batches, autocasts, casts, evals, calls, attrs = (
+                [x[i] for i in keep] for x in (batches, autocasts, casts, evals, calls, attrs))
         if lr is None and optimizer is not None:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)
@@ -731,35 +774,48 @@ class Recorder:
                 tensors[f"in/{m}/{key}"] = t
         if example_ids is not None:
             tensors["ids"] = torch.as_tensor(example_ids).detach().cpu().reshape(-1).clone()
-        if self.placements:  # FSDP2: the sharded parameters, which hold the reduced gradients (see _reshard)
-            self._reshard()
+        if self.placements or self.layout is not None:  # FSDP2: the sharded parameters, which hold the
+            self._reshard()  # reduced gradients (see _reshard)
+        if self.layout is not None and self.rank != self.layout.leader:  # a TP peer's inputs: kept apart
+            tensors = {("tp/" + n[3:] if n.startswith("in/") else "tp_ids" if n == "ids" else n): t
+                       for n, t in tensors.items()}
+        probed = {}
+        if self._probe is not None and k in self._probe_steps:  # every rank: full_tensor() is a collective
+            self._probe.armed = False
+            got, probed = self._probe.take(self._full, self._gather if self.layout is not None else None)
+            tensors.update(got)
+            if k >= max(self._probe_steps):  # no step left to probe: its hooks go
+                self._probe.remove()
+                self._probe = None
         named = list(self.module.named_parameters())
         no_grad = [n for n, p in named if p.grad is None]
         param_hash = None
         if self._tensor_step(k) and self.sketch_k:  # read in place: the sketches are the copies
             numel = {n: p.numel() for n, p in named}
-            ps = self._sketch_all({n: _shard(p) for n, p in named}, numel)
-            gs = self._sketch_all({n: _shard(p.grad) for n, p in named if p.grad is not None}, numel)
+            ps = self._sketch_all({n: self._piece(p) for n, p in named}, numel)
+            gs = self._sketch_all({n: self._piece(p.grad) for n, p in named if p.grad is not None}, numel)
             tensors.update({f"ps/{n}": v for n, v in ps.items()})
             tensors.update({f"gs/{n}": v for n, v in gs.items()})
             param_hash = _digest(ps)
         elif self._tensor_step(k):
-            params = {n: _local(p) for n, p in named}
-            grads = {n: _local(p.grad) for n, p in named if p.grad is not None}
+            params = {n: self._full(p) for n, p in named}
+            grads = {n: self._full(p.grad) for n, p in named if p.grad is not None}
             tensors.update({f"p/{n}": v for n, v in params.items()})
             tensors.update({f"g/{n}": v for n, v in grads.items()})
             # named_buffers, not state_dict(): under FSDP2 a state_dict mid-step reshards (its hook)
             named_bufs = dict(self.module.named_buffers())
-            bufs = {f"b/{n}": _local(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
+            bufs = {f"b/{n}": self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
             tensors.update(bufs)
             param_hash = _digest({**params, **bufs})  # the ranks' state: parameters and persistent buffers
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
+                **(layouts.peer_counts(len(batches)) if self.layout is not None and self.rank != self.layout.leader
+                   else {}),
                 "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals, "call": calls,
                 "attrs": attrs,
                 "tensors": self._tensor_step(k), "param_hash": param_hash,
-                "epoch": None if epoch is None else int(epoch)}
+                "epoch": None if epoch is None else int(epoch), **probed}
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
         # by the pre-hook, parameters and gradients by _local or the sketches, ids below)
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
@@ -819,14 +875,14 @@ class Recorder:
         self._writer.flush()
         self._writer.stop()
         named = list(self.module.named_parameters())
-        params = {n: _local(p) for n, p in named}
+        params = {n: self._full(p) for n, p in named}
         if self.sketch_k:
             params = {f"ps/{n}": v for n, v in self._sketch_all(params, {n: p.numel() for n, p in named}).items()}
             bufs = {}
         else:
             params = {f"p/{n}": v for n, v in params.items()}
             named_bufs = dict(self.module.named_buffers())
-            bufs = {f"b/{n}": _local(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
+            bufs = {f"b/{n}": self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
         atomic.write_bytes(A.final_tensors_path(self.out, self.rank), st_save({**params, **bufs}))
         atomic.write_text(A.final_meta_path(self.out, self.rank),
                           json.dumps({"step": self.k, "run": self.run, "segment": self.segment,
@@ -835,4 +891,6 @@ class Recorder:
         self.meta["segments"][-1]["end"] = self.k
         self.meta["closed"] = True
         self._write_recording()
+        if self._probe is not None:
+            self._probe.remove()
         self.closed = True

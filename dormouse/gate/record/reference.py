@@ -99,6 +99,7 @@ from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.clip import clip_coef
 from dormouse.gate.record import batchscope as BS
+from dormouse.gate.record import probe
 from dormouse.gate.record.recorder import LOSS_LABELS, OBJECTIVES, Sketcher, code_hashes, import_path, sketch_buckets
 from safetensors.torch import save as st_save
 
@@ -720,6 +721,9 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         for m in (gmodel, nudged) if nudged is not None else (gmodel,):
             set_modes(m, rec.eval_modules(k))
         ref, info = step_gradients(gmodel, rec, k, user, examples=len(done) if want else None, probe=(i == 0))
+        if probe.is_probe_step(rec, k) and (replay or i == 0):  # the probe's one-process side, at the
+            # recorded parameters (a run's own reference parts from them after its first step): record/probe.py
+            tensors.update(probe.reference_tensors(gmodel, rec, k, user))
         if rule is not None:  # after the gradients: the rule may move the probe's buffers (reloaded each step)
             tensors.update({f"bu/{n}": v for n, v in updated_buffers(rule, rec.meta["buffer_update"], probe_model,
                                                                       rec, k).items()})

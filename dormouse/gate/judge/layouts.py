@@ -1,0 +1,180 @@
+"""The layout check of a tensor-parallel (or 2-D dp x tp) recording
+(record/layouts.py wrote its "layout": the meshes, each parameter's
+placements, every rank's model-parallel group). Reads artifacts only.
+
+layout  passes when, at every recorded step,
+        - every rank of a model-parallel (TP) group was fed the same rows as
+          the group's leader, whose micro-batches the reference reads (a peer
+          fed other rows computes a forward of neither batch: named, with the
+          rank and micro-batch);
+        - every parameter's recorded gradient (full_tensor(); for a parameter
+          replicated over the group, each rank's own) is equal on the ranks of
+          a group: a replicated parameter whose gradient differs between them
+          was not reduced over the group (a sequence-parallel norm's weight,
+          Megatron's bug), and when the group's sum is one process's gradient
+          the verdict says so;
+        - neither class of parameters, the ones split over a model-parallel
+          mesh dimension and the replicated ones, is off from one process's
+          gradient by a constant factor while the other class agrees (a
+          reduction that sums over the TP group where it should average:
+          c = the TP size, named; pytorch #160285's doubled expert gradients).
+The bound is the gradient check's (judge/recording.py: GRAD_RTOL, or the
+reduced-precision bound of the step)."""
+
+from __future__ import annotations
+
+import torch
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.judge.checks import Check
+from dormouse.gate.judge.recording import (FACTOR_AWAY, FACTOR_RTOL, GRAD_RTOL, _fleet_grad, _Ref, arithmetic_bound,
+                                           fit, rel)
+
+
+def _peer_inputs(rec: A.RecordingSet, groups: list[list[int]]) -> str | None:
+    """The first TP peer fed other rows than its group's leader, as a sentence; None when none was."""
+    for k in rec.steps:
+        for group in groups:
+            lead = group[0]
+            lt = rec.step_tensors(lead, k)
+            n = rec.step_meta(lead, k).get("micro_batches", 0)
+            for r in group[1:]:
+                pt = rec.step_tensors(r, k)
+                pn = rec.step_meta(r, k).get("tp_micro_batches", 0)
+                where = f"at step {k} rank {r}, a model-parallel peer of rank {lead} (TP group {group}),"
+                if pn != n:
+                    return (f"{where} ran {pn} micro-batches where rank {lead} ran {n}: the ranks of a TP group "
+                            "compute one forward together and must run the same micro-batches")
+                for m in range(n):
+                    a = {key[len(f"in/{m}/"):]: v for key, v in lt.items() if key.startswith(f"in/{m}/")}
+                    b = {key[len(f"tp/{m}/"):]: v for key, v in pt.items() if key.startswith(f"tp/{m}/")}
+                    bad = next((key for key in sorted(set(a) | set(b))
+                                if key not in a or key not in b or a[key].shape != b[key].shape
+                                or not torch.equal(a[key], b[key])), None)
+                    if bad is not None:
+                        return (f"{where} was fed other rows than rank {lead} (micro-batch {m}, input {bad!r}): the "
+                                "ranks of a TP group compute one forward together and must read the same rows; "
+                                "its gradient is of neither batch (feed every TP rank of a replica the replica's rows)")
+    return None
+
+
+def _unreduced(rec: A.RecordingSet, ref: _Ref, groups: list[list[int]], params: dict) -> str | None:
+    """The first gradient that differs between the ranks of a TP group, as a sentence; None when none does."""
+    for k in rec.tensor_steps():
+        bound = arithmetic_bound(rec, ref, GRAD_RTOL, k)
+        g_ref = ref.tensors(k, "g/")
+        for group in groups:
+            grads = [{n[2:]: v for n, v in rec.step_tensors(r, k).items() if n.startswith("g/")} for r in group]
+            for n in sorted(grads[0]):
+                others = [(r, g[n]) for r, g in zip(group[1:], grads[1:]) if n in g and not torch.equal(g[n], grads[0][n])]
+                if not others:
+                    continue
+                r, other = others[0]
+                x = rel({n: other}, {n: grads[0][n]}, [n])
+                pl = params.get(n, {})
+                kind = ("a plain tensor on every rank" if pl.get("placements") == ["plain"]
+                        else f"placements {', '.join(pl.get('placements', []))} on mesh dims {pl.get('mesh')}")
+                total = sum(g[n].double() for g in grads if n in g)
+                summed = rel({n: total}, {n: g_ref[n]}, [n]) if n in g_ref else float("inf")
+                said = (f"; the sum of the group's gradients is one process's gradient (within {summed:.2g}, bound "
+                        f"{bound:g}): each rank holds its own part, never reduced over the group"
+                        if summed <= bound else f"; neither is their sum one process's gradient (off by {summed:.2g})")
+                return (f"at step {k} the gradient of {n} ({kind}) differs between ranks {group[0]} and {r} of TP "
+                        f"group {group} by {x:.2g}: a parameter replicated over the group whose gradient was not "
+                        f"reduced over it (a sequence-parallel norm's weight, for one){said}")
+    return None
+
+
+def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int) -> str | None:
+    """A constant factor on one class of parameters (split over a model-parallel dimension, or replicated)
+    while the other class agrees with one process, as a sentence; None otherwise."""
+    split = {n for n, v in params.items() if v.get("model_parallel")}
+    fits: dict[str, list] = {"split": [], "replicated": []}
+    agree = {"split": True, "replicated": True}
+    bounds = []
+    for k in rec.tensor_steps():
+        bound = arithmetic_bound(rec, ref, GRAD_RTOL, k)
+        bounds.append(bound)
+        g, g_ref = _fleet_grad(rec, k), ref.tensors(k, "g/")
+        names = sorted(set(g) & set(g_ref))
+        for cls, ns in (("split", [n for n in names if n in split]), ("replicated", [n for n in names if n not in split])):
+            if not ns:
+                continue
+            fits[cls].append(fit(g, g_ref, ns))
+            agree[cls] = agree[cls] and rel(g, g_ref, ns) <= bound
+    bound = max(bounds, default=GRAD_RTOL)
+    tol = max(FACTOR_RTOL, bound)
+    cands = [(f"the TP size {tp}", tp), (f"1 / the TP size {tp}", 1 / tp), (f"the DP size {dp}", dp),
+             (f"1 / the DP size {dp}", 1 / dp), (f"the world size {tp * dp}", tp * dp),
+             (f"1 / the world size {tp * dp}", 1 / (tp * dp))]
+    whole = [fit(_fleet_grad(rec, k), ref.tensors(k, "g/"), sorted(set(_fleet_grad(rec, k)) & set(ref.tensors(k, "g/"))))
+             for k in rec.tensor_steps()]
+    cs = [c for c, _ in whole]
+    if whole and all(res <= bound for _, res in whole) and max(cs) - min(cs) <= tol * abs(cs[0]) \
+            and abs(cs[0] - 1) > FACTOR_AWAY * bound:  # every gradient off by one constant: name it by the mesh
+        # the data-parallel sizes first: a factor on every tensor alike is the replicas' normalisation
+        order = [c for c in cands if "DP" in c[0]] + [c for c in cands if "world" in c[0]] + \
+            [c for c in cands if "TP" in c[0]]
+        named = next((w for w, v in order if v != 1 and abs(cs[0] / v - 1) <= tol), None)
+        return (f"every gradient is one process's times {cs[0]:.4g}" + (f" = {named}" if named else "")
+                + f" at every recorded step ({dp} data-parallel replica(s) of {tp} model-parallel rank(s)): a "
+                "normalisation over the mesh applied the wrong number of times")
+    for cls, other in (("split", "replicated"), ("replicated", "split")):
+        fs = fits[cls]
+        if not fs or agree[cls] or not agree[other] or any(res > bound for _, res in fs):
+            continue
+        cs = [c for c, _ in fs]
+        if max(cs) - min(cs) > tol * abs(cs[0]) or abs(cs[0] - 1) <= FACTOR_AWAY * bound:
+            continue
+        named = next((w for w, v in cands if v != 1 and abs(cs[0] / v - 1) <= tol), None)
+        what = ("parameters split over a model-parallel mesh dimension" if cls == "split"
+                else "parameters replicated over the TP group")
+        n_cls = len([n for n in params if (n in split) == (cls == "split")])
+        return (f"the gradients of the {n_cls} {what} are one process's times {cs[0]:.4g}"
+                + (f" = {named}" if named else "") + f" at every recorded step, while the {other} ones agree: "
+                + ("a reduction that sums over the TP group where it should average (or a gradient counted once "
+                   "per TP rank)" if cls == "split" else "a reduction over the group applied to the replicated "
+                   "parameters' gradients the wrong number of times"))
+    return None
+
+
+def _check_pipeline(rec: A.RecordingSet, ref: _Ref, lay: dict) -> Check:
+    """A pipeline's stages: every parameter of the whole model recorded by exactly one stage."""
+    per = lay.get("stage_params", [])
+    seen: dict[str, int] = {}
+    for r, names in enumerate(per):
+        for n in names:
+            if n in seen:
+                return Check("layout", False, f"parameter {n} is recorded by the stages of ranks {seen[n]} and {r}: "
+                                              "a pipeline's stages must each hold their own parameters")
+            seen[n] = r
+    k = rec.tensor_steps()[0]
+    missing = sorted(set(ref.tensors(k, "g/")) - set(seen))
+    if missing:
+        return Check("layout", False, f"no stage records {', '.join(missing[:3])}, which the whole model has: "
+                                      "pass each stage's module to its rank's Recorder")
+    pp = lay["pipeline"]
+    return Check("layout", True, f"pipeline of {pp['stages']} stages (stage of each rank: {pp['stage_of_rank']}): "
+                                 f"the {len(seen)} parameters recorded by their stages and merged by name; stage 0's "
+                                 "forwards are the micro-batches (the others' inputs are activations)")
+
+
+def check_layout(rec: A.RecordingSet, ref: _Ref) -> Check | None:
+    """The layout check (module docstring); None for a recording without a layout."""
+    lay = rec.meta.get("layout")
+    if not lay:
+        return None
+    groups, params = lay["groups"], lay["params"]
+    if lay.get("pipeline"):
+        return _check_pipeline(rec, ref, lay)
+    tp, dp = max(len(g) for g in groups), len(groups)
+    finding = _peer_inputs(rec, groups) or _unreduced(rec, ref, groups, params) or _class_factor(rec, ref, params, tp, dp)
+    if finding:
+        return Check("layout", False, finding)
+    meshes = "; ".join(" x ".join(f"{nm} {s}" for nm, s in zip(m["names"], m["shape"])) for m in lay["meshes"])
+    n_split = sum(1 for v in params.values() if v.get("model_parallel"))
+    return Check("layout", True, f"DTensor layout read from the parameters (mesh {meshes}; data dimensions "
+                                 f"{', '.join(lay['data_dims']) or 'none'}): {dp} data-parallel replica(s) of {tp} "
+                                 f"model-parallel rank(s); {n_split} of {len(params)} parameters split over a "
+                                 "model-parallel dimension, assembled with full_tensor(); every TP rank of a replica "
+                                 "read its leader's rows, and every gradient is equal on the ranks of each TP group")

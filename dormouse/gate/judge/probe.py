@@ -1,0 +1,161 @@
+"""The probe check: where a parallel run parts from one process, module by
+module (the recording side and the reference's: record/probe.py). Reads
+artifacts only.
+
+probe   at each probed step, for every DP replica leader's first micro-batch:
+        - forward: each module's recorded output (a TP group's local pieces
+          concatenated where their shape says they are shards) against one
+          process's, in the order the fleet ran the modules; the bound of a
+          module is FLOOR_MULTIPLE x its measured floor (the same output from
+          parameters one ulp away), at least PROBE_RTOL. The FIRST module
+          whose output departs is named, with the count of modules before it
+          that agree.
+        - backward (every forward agrees): the loop backpropagates its loss at
+          a scale of its own (its normalisation), fitted on the model's own
+          output gradient, c_r per rank; then each module's output gradient
+          against c_r x one process's, in the order the gradients arrived. The
+          first module in that order whose output gradient departs is named,
+          with the last that agrees: the gradient parts in the backward of the
+          modules between them.
+        - the ranks' scales: c_r differing between ranks names the loss (one
+          rank backpropagates another multiple of its loss).
+        When every module agrees on every rank the check passes and says that
+        a gradient fault the other checks find lies after the backward (the
+        reduction) or in the loss's normalisation, not in any module.
+Tuple outputs are probed by their first tensor; modules whose output has no
+counterpart of the same size in one process (a shard that does not assemble)
+are listed as not compared."""
+
+from __future__ import annotations
+
+import torch
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.judge.checks import Check
+from dormouse.gate.judge.recording import FLOOR_MULTIPLE, GRAD_RTOL, _Ref, rel
+
+PROBE_RTOL = GRAD_RTOL  # the least bound a module is held to: the gradient check's float32 bound
+
+
+def _group(rec: A.RecordingSet, r: int) -> list[int]:
+    lay = rec.meta.get("layout") or {}
+    return next((g for g in lay.get("groups", []) if r in g), [r])
+
+
+def _assemble(pieces: list[torch.Tensor], want: torch.Size) -> torch.Tensor | None:
+    """The leader's piece, or the group's pieces concatenated along the one dimension where a piece is smaller."""
+    if not pieces:  # the fleet never ran it (or recorded no output of it)
+        return None
+    a = pieces[0]
+    if a.shape == want:
+        return a
+    if len(pieces) < 2 or a.dim() != len(want):
+        return None
+    dims = [d for d in range(a.dim()) if a.shape[d] != want[d]]
+    if len(dims) != 1:
+        return None
+    full = torch.cat(pieces, dim=dims[0])
+    return full if full.shape == want else None
+
+
+def _scale(a: torch.Tensor, b: torch.Tensor) -> float:
+    bb = float((b.double() ** 2).sum())
+    return float((a.double() * b.double()).sum()) / bb if bb > 0 else 0.0
+
+
+def _one(rec: A.RecordingSet, ref: _Ref, k: int, r: int) -> tuple[str | None, dict]:
+    """Rank r's first micro-batch at step k: (a finding, or None; the figures)."""
+    group = _group(rec, r)
+    pieces = [rec.step_tensors(q, k) for q in group]
+    meta = rec.step_meta(r, k)
+    ro, rn = ref.tensors(k, f"probe/{r}/ro/"), ref.tensors(k, f"probe/{r}/ron/")
+    rg, rgn = ref.tensors(k, f"probe/{r}/rg/"), ref.tensors(k, f"probe/{r}/rgn/")
+    figures = {"forward": 0.0, "backward": 0.0, "skipped": [], "scale": None}
+    whose = f"rank {r}'s first micro-batch" if len(group) == 1 else \
+        f"the first micro-batch of the replica led by rank {r} (TP group {group}, pieces assembled)"
+    agree = 0
+    for name in meta.get("probe_order", []):
+        if name not in ro:
+            continue
+        got = _assemble([p.get(f"po/{name}") for p in pieces if f"po/{name}" in p], ro[name].shape)
+        if got is None:
+            figures["skipped"].append(name)
+            continue
+        x = rel({name: got}, {name: ro[name]}, [name])
+        bound = max(PROBE_RTOL, FLOOR_MULTIPLE * rel({name: rn[name]}, {name: ro[name]}, [name]))
+        if x > bound:
+            return (f"at step {k} on {whose} the first module whose forward output departs from "
+                    f"one process's is {name} (relative {x:.2g}, bound {bound:.2g}); the {agree} module(s) before it "
+                    "in execution order agree"), figures
+        figures["forward"] = max(figures["forward"], x)
+        agree += 1
+    root = "(model)"
+    if f"pg/{root}" not in pieces[0] or root not in rg:
+        return None, figures
+    g_root = _assemble([p[f"pg/{root}"] for p in pieces if f"pg/{root}" in p], rg[root].shape)
+    if g_root is None:
+        return None, figures
+    c = _scale(g_root, rg[root])
+    figures["scale"] = c
+    last = None
+    for name in meta.get("probe_grad_order", []):
+        if name not in rg:
+            continue
+        got = _assemble([p.get(f"pg/{name}") for p in pieces if f"pg/{name}" in p], rg[name].shape)
+        if got is None:
+            figures["skipped"].append(name)
+            continue
+        want = rg[name].double() * c
+        x = rel({name: got}, {name: want}, [name])
+        bound = max(PROBE_RTOL, FLOOR_MULTIPLE * rel({name: rgn[name]}, {name: rg[name]}, [name]))
+        if x > bound:
+            where = (f"in the backward of the modules between {last} (the last whose output gradient agrees) and it"
+                     if last else "at the model's own output (its loss)")
+            return (f"at step {k} on {whose} every module's forward output agrees with one "
+                    f"process's, but the gradient flowing into the output of {name} departs (relative {x:.2g}, bound "
+                    f"{bound:.2g}, after the loop's loss scale {c:.6g} fitted on the model's output): the gradient "
+                    f"parts {where}"), figures
+        figures["backward"] = max(figures["backward"], x)
+        last = name
+    return None, figures
+
+
+def check_probe(rec: A.RecordingSet, ref: _Ref) -> Check | None:
+    """The probe check (module docstring); None when no step was probed."""
+    steps = [k for k in rec.steps if rec.step_meta(0, k).get("probe_order") is not None]
+    if not steps:
+        return None
+    if not any(ref.tensors(k, "probe/") for k in steps):
+        return Check("probe", True, "not probed: the probed micro-batches ran in reduced precision (autocast, cast or "
+                                    "bfloat16/float16 parameters), or the reference ran past the recorded "
+                                    "parameters; the probe's floors are float32's")
+    worst_f, worst_b, skipped, n = 0.0, 0.0, set(), 0
+    for k in steps:
+        scales = {}
+        for r in range(rec.world_at(k)):
+            if rec.step_meta(r, k).get("micro_batches", 0) == 0 or not ref.tensors(k, f"probe/{r}/ro/"):
+                continue
+            finding, fig = _one(rec, ref, k, r)
+            if finding:
+                return Check("probe", False, finding)
+            n += 1
+            worst_f, worst_b = max(worst_f, fig["forward"]), max(worst_b, fig["backward"])
+            skipped |= set(fig["skipped"])
+            if fig["scale"] is not None:
+                scales[r] = fig["scale"]
+        if len(scales) > 1:
+            r0 = min(scales)
+            off = {r: c for r, c in scales.items() if abs(c / scales[r0] - 1) > PROBE_RTOL}
+            if off:
+                r1, c1 = next(iter(off.items()))
+                return Check("probe", False, (
+                    f"at step {k} every module agrees with one process on each rank's first micro-batch, but rank "
+                    f"{r1} backpropagates its loss at {c1 / scales[r0]:.6g} times rank {r0}'s scale ({c1:.6g} against "
+                    f"{scales[r0]:.6g} x the micro-batch's loss sum): the loss is at fault, not a module"))
+    return Check("probe", True, (
+        f"every module's forward output and output gradient agree with one process's on the first micro-batch of "
+        f"{n} replica(s) at step(s) {', '.join(map(str, steps))} (worst forward {worst_f:.2g}, worst gradient "
+        f"{worst_b:.2g} after the loop's loss scale; each module against {FLOOR_MULTIPLE:g} x its one-ulp floor, at "
+        f"least {PROBE_RTOL:g}): a gradient fault the other checks find lies in the loss's normalisation or after "
+        "the backward (the reduction), not in a module"
+        + (f"; not compared (no assembled counterpart): {', '.join(sorted(skipped))}" if skipped else "")))

@@ -1,0 +1,265 @@
+"""The Recorder on tensor-parallel runs with no annotation (issue 28):
+tests/support/tp_loop.py trains tp_llama (a torchtitan-style tiny llama,
+torchtitan's TP plan: ColwiseParallel, RowwiseParallel, SequenceParallel,
+PrepareModuleInput, loss_parallel) on a 1-D TP mesh of 2 gloo ranks, and on a
+2-D (dp 2, tp 2) mesh with FSDP2 on dp (4 ranks, placements
+(_StridedShard(dim=0, sf=2), Shard(dim=0))), under real torchrun. Clean runs
+pass at float32 resolution; each planted fault fails, named by the layout
+check or the loss check. Each finding is confirmed against a computation that
+shares none of the gate's code: the unparallelised model's own autograd on
+the global batch, read straight from the recorded files. The same 2-rank
+launch runs plain DDP runs (the probe: the module a rank computes wrong, a loss
+scaled on one rank, a summed reduction) and pipeline runs (pp_loop.py: 2
+stages, GPipe and 1F1B, scale_grads). One launch per mesh size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import looprec
+import pytest
+import torch
+from looprec import failing, launch
+
+from dormouse.gate import artifacts as A
+
+TP_RUNS = {
+    "clean": {"seed": 0},
+    "clean_seed2": {"seed": 2, "loss_parallel": False},  # the output's logits gathered (Replicate), not loss_parallel
+    "sp_norm_local": {"fault": "sp_norm_local", "seed": 3},
+    "tp_grad_x": {"fault": "tp_grad_x", "seed": 4},
+    "tp_rows": {"fault": "tp_rows", "seed": 5},
+    # the probe: one module's output off on rank 1 (TP: a column shard of w1; DP: wv), a loss scaled on rank 1,
+    # and a reduction that sums where DDP averages (every module agrees: the probe says so)
+    "tp_w1": {"fault": "module_x", "module": "layers.1.feed_forward.w1", "factor": 1.01, "seed": 6},
+    "dp_clean": {"tp": 1, "seed": 7},
+    "dp_wv": {"tp": 1, "fault": "module_x", "module": "layers.0.attention.wv", "factor": 1.01, "seed": 8},
+    "dp_loss_x": {"tp": 1, "fault": "loss_x", "factor": 1.5, "seed": 9},
+    "dp_sum": {"tp": 1, "fault": "dp_sum", "seed": 10},
+    # pipeline parallel (pp_loop.py): 2 stages, scale_grads; the fault divides the loss by the micro-batches too
+    "pp_gpipe": {"pp": True, "schedule": "GPipe", "micro": 2, "rows": 4, "seed": 11},
+    "pp_1f1b": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "seed": 12},
+    "pp_loss_div": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "loss_div", "seed": 13},
+}
+DP_TP_RUNS = {
+    "clean": {"seed": 0},
+    "loss_local": {"fault": "loss_local", "seed": 1},
+    "dp_sum": {"fault": "dp_sum", "seed": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp")
+    launch([{**cfg, "out": str(root / n)} for n, cfg in TP_RUNS.items()], root, script="tp_loop.py", world=2)
+    return {n: root / n for n in TP_RUNS}
+
+
+@pytest.fixture(scope="module")
+def dp_tp(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dp_tp")
+    launch([{**cfg, "out": str(root / n)} for n, cfg in DP_TP_RUNS.items()], root, script="tp_loop.py", world=4)
+    return {n: root / n for n in DP_TP_RUNS}
+
+
+def plain_gradient(out: Path, step: int = 1, rows: int | None = None) -> dict[str, torch.Tensor]:
+    """The unparallelised model's gradient of the global token mean at step 1,
+    from build_model and the rows tp_loop reads (its own rule, not the
+    recording's inputs): what every clean layout must equal."""
+    import torch.nn.functional as F
+    from tp_llama import build_model
+    from tp_loop import RUN, batch_rows
+
+    rec = A.RecordingSet(out)
+    seed = rec.meta["build_kwargs"]["seed"]
+    replicas = len(rec.meta["layout"]["groups"]) if rec.meta.get("layout") else rec.meta["world"]
+    ids = batch_rows(seed, step - 1, rows or replicas * RUN["micro"] * RUN["rows"], RUN["T"])
+    model = build_model(seed=seed)
+    z = model(ids)
+    F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def recorded(out: Path, rank: int, step: int = 1) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s recorded gradients at `step`, read straight from its file."""
+    t, _ = A.read_tensors(A.step_tensors_path(out, rank, step), "step tensors")
+    return {n[2:]: v for n, v in t.items() if n.startswith("g/")}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("run", ["clean", "clean_seed2"])
+def test_a_clean_tensor_parallel_run_passes_at_float32_resolution(tp, run):
+    v = looprec.verdict(tp[run])
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
+    layout = v.check("layout")
+    assert "mesh tp 2" in layout.reason and "16 of 21 parameters split" in layout.reason, layout.reason
+    # independently: every rank's recorded full gradient is the plain model's on the whole batch
+    want = plain_gradient(tp[run])
+    for rank in (0, 1):
+        got = recorded(tp[run], rank)
+        assert max(rel(got[n], want[n]) for n in want) < 5e-6
+
+
+def test_the_tp_peer_records_its_inputs_apart_so_the_data_check_counts_each_replica_once(tp):
+    rec = A.RecordingSet(tp["clean"])
+    assert rec.step_meta(0, 1)["micro_batches"] == 2
+    assert rec.step_meta(1, 1)["micro_batches"] == 0 and rec.step_meta(1, 1)["tp_micro_batches"] == 2
+    assert len(rec.micro_batches(1)) == 2
+    assert looprec.verdict(tp["clean"]).check("data").passed
+
+
+def test_a_sequence_parallel_norm_whose_weight_gradient_is_not_reduced_over_tp_fails_named(tp):
+    v = looprec.verdict(tp["sp_norm_local"])
+    c = v.check("layout")
+    assert not v.passed and not c.passed, failing(v)
+    assert "norm.weight" in c.reason and "not reduced over it" in c.reason, c.reason
+    assert "the sum of the group's gradients is one process's gradient" in c.reason, c.reason
+    # independently: each rank holds part of the norm weight's gradient; their sum is the plain model's
+    want = plain_gradient(tp["sp_norm_local"])
+    g0, g1 = recorded(tp["sp_norm_local"], 0), recorded(tp["sp_norm_local"], 1)
+    n = "layers.0.attention_norm.weight"
+    assert rel(g0[n], want[n]) > 0.1 and rel(g0[n] + g1[n], want[n]) < 5e-6
+
+
+def test_tp_split_gradients_too_large_by_the_tp_size_fail_named(tp):
+    v = looprec.verdict(tp["tp_grad_x"])
+    c = v.check("layout")
+    assert not v.passed and not c.passed, failing(v)
+    assert "times 2 = the TP size 2" in c.reason and "split over a model-parallel" in c.reason, c.reason
+    assert not v.check("gradient").passed
+    want, got = plain_gradient(tp["tp_grad_x"]), recorded(tp["tp_grad_x"], 0)
+    assert abs(float(got["layers.0.attention.wq.weight"].norm() / want["layers.0.attention.wq.weight"].norm()) - 2) < 1e-4
+    assert rel(got["norm.weight"], want["norm.weight"]) < 5e-6
+
+
+def test_a_tp_rank_fed_other_rows_than_its_replica_fails_named(tp):
+    v = looprec.verdict(tp["tp_rows"])
+    c = v.check("layout")
+    assert not v.passed and not c.passed, failing(v)
+    assert "rank 1, a model-parallel peer of rank 0" in c.reason and "other rows" in c.reason, c.reason
+
+
+def test_a_clean_2d_fsdp2_by_tp_run_passes_with_each_replica_read_once(dp_tp):
+    v = looprec.verdict(dp_tp["clean"])
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
+    layout = v.check("layout")
+    assert "mesh dp 2 x tp 2" in layout.reason and "2 data-parallel replica(s) of 2" in layout.reason, layout.reason
+    rec = A.RecordingSet(dp_tp["clean"])
+    assert "_StridedShard" in rec.meta["layout"]["params"]["layers.0.attention.wq.weight"]["placements"][0]
+    assert [r for r, _, _ in rec.micro_batches(1)] == [0, 0, 2, 2]  # each replica's leader, K = 2 each
+    want = plain_gradient(dp_tp["clean"])
+    for rank in range(4):
+        got = recorded(dp_tp["clean"], rank)
+        assert max(rel(got[n], want[n]) for n in want) < 5e-6
+
+
+def test_a_2d_loss_logged_without_its_dp_reduction_fails_the_loss_alone(dp_tp):
+    v = looprec.verdict(dp_tp["loss_local"])
+    c = v.check("loss")
+    assert not v.passed and not c.passed, failing(v)
+    assert "rank 0's own token mean" in c.reason and "the logged loss is wrong, not the training" in c.reason
+    assert v.check("gradient").passed and v.check("layout").passed and v.check("replay").passed
+
+
+def test_the_probe_agrees_module_by_module_on_clean_tp_and_dp_runs(tp):
+    for run in ("clean", "dp_clean"):
+        v = looprec.verdict(tp[run])
+        c = v.check("probe")
+        assert v.passed and c.passed, failing(v)
+        assert "every module's forward output and output gradient agree" in c.reason, c.reason
+        assert "not compared" not in c.reason, c.reason  # every TP piece assembled
+
+
+def test_the_probe_names_the_module_a_tp_rank_computes_wrong(tp):
+    v = looprec.verdict(tp["tp_w1"])
+    c = v.check("probe")
+    assert not v.passed and not c.passed, failing(v)
+    assert "the first module whose forward output departs from one process's is layers.1.feed_forward.w1" in c.reason
+    assert "the 20 module(s) before it in execution order agree" in c.reason, c.reason
+    # independently: the recorded (assembled) w1 output is the plain model's but for rank 1's column shard x 1.01
+    t0, _ = A.read_tensors(A.step_tensors_path(tp["tp_w1"], 0, 1), "step tensors")
+    t1, _ = A.read_tensors(A.step_tensors_path(tp["tp_w1"], 1, 1), "step tensors")
+    a, b = t0["po/layers.1.feed_forward.w1"], t1["po/layers.1.feed_forward.w1"]
+    assert a.shape == b.shape == (2, 8, 32)  # each rank's column shard (hidden 64 over tp 2)
+    from tp_llama import build_model
+    from tp_loop import batch_rows
+
+    model, seen = build_model(seed=6), {}
+    model.layers["1"].feed_forward.w1.register_forward_hook(lambda m, i, o: seen.update(w1=o.detach()))
+    model(batch_rows(6, 0, 4, 8)[:2])
+    assert rel(a, seen["w1"][..., :32]) < 1e-5 and abs(float(b.norm() / seen["w1"][..., 32:].norm()) - 1.01) < 1e-5
+
+
+def test_the_probe_names_the_module_a_dp_rank_computes_wrong(tp):
+    v = looprec.verdict(tp["dp_wv"])
+    c = v.check("probe")
+    assert not v.passed and not c.passed, failing(v)
+    assert "on rank 1's first micro-batch the first module whose forward output departs" in c.reason, c.reason
+    assert "is layers.0.attention.wv" in c.reason and "the 4 module(s) before it" in c.reason, c.reason
+
+
+def test_the_probe_names_the_loss_when_a_rank_backpropagates_another_multiple_of_it(tp):
+    v = looprec.verdict(tp["dp_loss_x"])
+    c = v.check("probe")
+    assert not v.passed and not c.passed, failing(v)
+    assert "rank 1 backpropagates its loss at 1.5 times rank 0's scale" in c.reason, c.reason
+    assert "the loss is at fault, not a module" in c.reason
+
+
+def test_the_probe_puts_a_reduction_fault_after_the_backward(tp):
+    v = looprec.verdict(tp["dp_sum"])
+    assert not v.check("gradient").passed and "= W" in v.check("gradient").reason, v.check("gradient").reason
+    c = v.check("probe")
+    assert c.passed and "after the backward (the reduction)" in c.reason, c.reason
+
+
+@pytest.mark.parametrize("run", ["pp_gpipe", "pp_1f1b"])
+def test_a_clean_pipeline_run_passes_with_its_stages_merged_by_name(tp, run):
+    v = looprec.verdict(tp[run])
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
+    assert "pipeline of 2 stages" in v.check("layout").reason and "21 parameters" in v.check("layout").reason
+    rec = A.RecordingSet(tp[run])
+    micro = 2 if run == "pp_gpipe" else 3
+    # the schedule's shape-inference forward is not a micro-batch; stage 1's inputs (activations) are not data
+    assert [r for r, _, _ in rec.micro_batches(1)] == [0] * micro
+    # independently: stage 0 records the embedding, stage 1 the output; each the plain model's gradient
+    want = plain_gradient(tp[run], rows=4 if run == "pp_gpipe" else 6)
+    g0, g1 = recorded(tp[run], 0), recorded(tp[run], 1)
+    assert "tok_embeddings.weight" in g0 and "output.weight" in g1 and not set(g0) & set(g1)
+    both = {**g0, **g1}
+    assert max(rel(both[n], want[n]) for n in want) < 5e-6
+
+
+def test_a_pipeline_loss_divided_by_the_micro_batches_on_top_of_scale_grads_fails_named(tp):
+    v = looprec.verdict(tp["pp_loss_div"])
+    c = v.check("gradient")
+    assert not v.passed and not c.passed, failing(v)
+    assert "times 0.3333 = 1/K" in c.reason and "K = 3 micro-batches" in c.reason, c.reason
+    assert not v.check("loss").passed
+
+
+def test_a_2d_run_whose_dp_reduction_sums_fails_named_by_the_mesh(dp_tp):
+    v = looprec.verdict(dp_tp["dp_sum"])
+    c = v.check("layout")
+    assert not v.passed and not c.passed, failing(v)
+    assert "every gradient is one process's times 2 = the DP size 2" in c.reason, c.reason
+    want, got = plain_gradient(dp_tp["dp_sum"]), recorded(dp_tp["dp_sum"], 3)
+    assert max(rel(got[n], 2 * want[n]) for n in want) < 5e-6
+
+
+def test_a_pipeline_recording_with_sketches_is_refused_in_one_line(tmp_path):
+    from dormouse.gate import Recorder
+    from dormouse.gate.record.recorder import RecorderError
+
+    class Stage:  # a PipelineStage's two fields the Recorder reads
+        stage_index, num_stages = 0, 2
+
+    with pytest.raises(RecorderError, match="a pipeline is recorded in full tensors"):
+        Recorder(tmp_path, torch.nn.Linear(2, 2), build_model="tp_llama:build_model",
+                 build_optimizer="tp_llama:build_optimizer", sketch=64, pipeline_stage=Stage())

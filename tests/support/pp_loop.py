@@ -1,0 +1,88 @@
+"""A researcher's pipeline-parallel loop (torch.distributed.pipelining) over
+tp_llama, recorded for the gate. Run under torchrun (gloo, 2 ranks = 2 stages):
+`torchrun --standalone --nproc_per_node=2 pp_loop.py --plan PLAN.json`.
+
+Each rank builds the whole model (build_model) and keeps its stage
+(tp_llama.pipeline_stage_module: layers split, the embedding on stage 0, the
+final norm and output on stage 1), wraps it in a PipelineStage and runs a
+schedule ("GPipe" or "1F1B") over "micro" micro-batches of the step's rows,
+with scale_grads (the default): the loss function returns each micro-batch's
+token mean, the schedule divides the gradients by the number of micro-batches:
+the step's token mean (every micro-batch has the same token count). The last
+stage's mean loss is broadcast to every rank and logged.
+
+Faults ("fault"):
+  clean        as above
+  loss_div     the loss function also divides by the number of micro-batches, on
+               top of scale_grads (the gradient too small by that number)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "schedule": "GPipe", "micro": 2, "rows": 4, "T": 8}
+
+
+def run(cfg: dict) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from dormouse.gate import Recorder
+    from tp_llama import build_model, build_optimizer, pipeline_stage_module
+    from tp_loop import batch_rows
+
+    cfg = {**RUN, **cfg}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    K = cfg["micro"]
+    module = pipeline_stage_module(build_model(seed=cfg["seed"]), rank, world)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+
+    def loss_fn(logits, target):
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
+        return loss / K if cfg["fault"] == "loss_div" else loss
+
+    schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[cfg["schedule"]](stage, K, loss_fn=loss_fn)
+    opt = build_optimizer(module)
+    rec = Recorder(cfg["out"], module, build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
+                   objective="causal_lm", build_kwargs={"seed": cfg["seed"]}, pipeline_stage=stage)
+    for step in range(cfg["steps"]):
+        ids = batch_rows(cfg["seed"], step, cfg["rows"], cfg["T"])
+        losses: list = []
+        if rank == 0:
+            schedule.step(ids)
+        else:
+            schedule.step(target=ids, losses=losses)
+        logged = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        dist.broadcast(logged, src=world - 1)
+        rec.step(loss=logged, optimizer=opt)
+        opt.step()
+        opt.zero_grad()
+    rec.close()
+    del module, stage, schedule, opt, rec
+    gc.collect()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plan", required=True)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    try:
+        for cfg in json.loads(open(a.plan).read()):
+            run(cfg)
+            dist.barrier()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

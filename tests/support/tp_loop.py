@@ -1,0 +1,143 @@
+"""A researcher's tensor-parallel (and 2-D: FSDP2 x TP) training loop over
+tp_llama, recorded for the gate. Run under torchrun (gloo):
+`torchrun --standalone --nproc_per_node=W tp_loop.py --plan PLAN.json`, PLAN a
+JSON list of runs (dicts, see RUN), one after another in the same process group
+(a run with "pp": true is pp_loop.py's pipeline run).
+
+The mesh is (dp, tp) = (W / tp, tp); each DP replica reads its own rows of the
+step's global batch (every TP rank of a replica the same rows), K micro-batches
+of B rows of T tokens. Each micro-batch's loss is its token sum of
+cross-entropy (under loss_parallel: on the vocabulary-sharded logits) divided
+by the replica's token count of the step; FSDP2 averages over the dp ranks:
+the global token mean. The logged loss is that mean all-reduced over dp.
+
+The gate's lines are the three `rec.` calls. Faults ("fault"):
+  clean          as above
+  sp_norm_local  the sequence-parallel norms' weights are plain tensors, their
+                 gradients never reduced over the TP group (tp_llama's knob)
+  tp_grad_x      after the last backward the loop multiplies every TP-sharded
+                 weight's gradient by the TP size (a reduction that sums where it
+                 should average; pytorch #160285's doubled expert gradients)
+  tp_rows        TP rank 1 of each replica reads other rows than its TP rank 0
+  module_x       rank 1 multiplies one module's output ("module") by "factor" (a forward hook;
+                 with tp 1 a plain DDP run over every rank)
+  loss_x         rank 1 backpropagates its loss times "factor" (the logged loss is right)
+  dp_sum         after the backward every gradient is multiplied by the dp size: a sum where DDP or
+                 FSDP2 averages (FSDP2's own divide factor 1 needs PREMUL_SUM, which gloo lacks)
+  loss_local     the logged loss is this replica's own, not reduced over dp
+                 (torchtitan #3329: the gradient right, the logged loss wrong)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "tp": 2, "micro": 2, "rows": 2, "T": 8,
+       "loss_parallel": True, "module": None, "factor": 1.0}
+
+
+def batch_rows(seed: int, step: int, n: int, T: int, vocab: int = 64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    return torch.randint(0, vocab, (n, T), generator=g)
+
+
+def run(cfg: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from dormouse.gate import Recorder
+    from tp_llama import build_model, build_optimizer, parallelize
+
+    cfg = {**RUN, **cfg}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp = cfg["tp"]
+    dp = world // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = rank // tp, rank % tp
+    fault = cfg["fault"]
+    model = build_model(seed=cfg["seed"])
+    if tp > 1:
+        parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local")
+    if fault == "module_x" and rank == 1:  # one module's output off by a factor on rank 1 (a client's hook)
+        model.get_submodule(cfg["module"]).register_forward_hook(lambda mod, a, out: out * cfg["factor"])
+    opt = build_optimizer(model)
+    if tp == 1:  # a plain data-parallel run: DDP over every rank
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    rec = Recorder(cfg["out"], model, build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
+                   objective="causal_lm", build_kwargs={"seed": cfg["seed"]})
+    K, B, T = cfg["micro"], cfg["rows"], cfg["T"]
+    for step in range(cfg["steps"]):
+        rows = batch_rows(cfg["seed"], step, dp * K * B, T)
+        mine = rows[dp_rank * K * B:(dp_rank + 1) * K * B]
+        if fault == "tp_rows" and tp_rank == 1:  # another replica's rows (or, at dp 1, the step's next ones)
+            mine = batch_rows(cfg["seed"] + 99, step, K * B, T)
+        count = K * B * (T - 1)
+        total = 0.0
+        for m in range(K):
+            ids = mine[m * B:(m + 1) * B]
+            if tp == 1:
+                model.require_backward_grad_sync = m == K - 1
+            elif hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(m == K - 1)
+            logits = model(ids)
+            z, y = logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
+            scale = cfg["factor"] if fault == "loss_x" and rank == 1 else 1.0
+            if cfg["loss_parallel"] and tp > 1:
+                with loss_parallel():
+                    loss = F.cross_entropy(z, y, reduction="sum") / count
+                    (loss * scale).backward()
+            else:
+                loss = F.cross_entropy(z, y, reduction="sum") / count
+                (loss * scale).backward()
+            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+            total += float(loss.detach())
+        if fault == "dp_sum":  # the reduced gradient summed over the replicas where DDP/FSDP2 averaged it
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.grad.mul_(dp)
+        if fault == "tp_grad_x":  # the step's TP-sharded gradients summed over the group where averaged
+            with torch.no_grad():
+                for p in model.parameters():
+                    if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+                        p.grad.mul_(tp)
+        logged = torch.tensor(total)
+        if dp > 1 and fault != "loss_local":
+            dist.all_reduce(logged, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+        rec.step(loss=logged, optimizer=opt)
+        opt.step()
+        opt.zero_grad()
+    rec.close()
+    del model, opt, rec
+    gc.collect()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plan", required=True)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    try:
+        for cfg in json.loads(open(a.plan).read()):
+            if cfg.get("pp"):  # a pipeline run (pp_loop.py) in the same launch
+                import pp_loop
+
+                pp_loop.run(cfg)
+            else:
+                run(cfg)
+            dist.barrier()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
