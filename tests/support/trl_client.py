@@ -15,6 +15,8 @@ A run's fields:
                    the base frozen, only the adapters train (build_model builds the same wrapped model)
   completion=1     prompt-completion rows: labels -100 on the prompt (SFT: completion_only_loss over
                    a "completion_mask" column; hf: labels built here)
+  bf16=0|1         TrainingArguments.bf16 (SFTConfig's default is True: CPU bfloat16 autocast; default
+                   here 0, float32, so the gate's bound is 1e-5 rather than 10x the bfloat16 floor)
   ga=K             gradient_accumulation_steps (default 2); seed=S; steps=N (default 4)
   fault=no_items   an SFTTrainer subclass whose compute_loss drops num_items_in_batch (what TRL's
                    distillation trainers did until TRL PR #6006): each micro-batch's own token mean
@@ -73,11 +75,6 @@ def build_model(arch: str = "llama", lora: bool = False, loss_type: str | None =
 
             net = get_peft_model(net, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
                                                  task_type="CAUSAL_LM"))
-            # LoRA's B starts at zero, so the base weights' path alone would carry the first step's gradient
-            # through A only via B = 0: seed B too, so every adapter matrix has a gradient at step 1
-            for n, p in net.named_parameters():
-                if "lora_B" in n:
-                    torch.nn.init.normal_(p, std=0.02)
         return net
     finally:
         torch.random.set_rng_state(g)
@@ -130,10 +127,10 @@ class Padded(torch.utils.data.Dataset):
 def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
     run = {"name": name, "trainer": "sft", "model": "llama", "lora": 0, "completion": 0, "ga": 2, "seed": 0,
-           "steps": 4, "fault": None, "loss_type": None}
+           "steps": 4, "fault": None, "loss_type": None, "bf16": 0}
     for f in fields:
         k, _, v = f.partition("=")
-        if k in ("lora", "completion", "ga", "seed", "steps"):
+        if k in ("lora", "completion", "ga", "seed", "steps", "bf16"):
             run[k] = int(v)
         elif k in ("trainer", "model", "fault", "loss_type"):
             run[k] = v
@@ -159,7 +156,7 @@ def train(run: dict, out: Path) -> None:
     common = dict(output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
                   per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
                   max_steps=run["steps"], logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-                  seed=run["seed"], dataloader_num_workers=0)
+                  seed=run["seed"], dataloader_num_workers=0, bf16=bool(run["bf16"]))
     data = rows(run["seed"], bool(run["completion"]))
     if run["trainer"] == "hf":
         from transformers import Trainer, TrainingArguments
