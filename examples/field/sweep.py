@@ -67,6 +67,18 @@ CONFIGS = {
         ("sft_lora:trainer=sft:lora=1", "trl.SFTTrainer with a PEFT LoRA model"),
         ("sft_gpt2:trainer=sft:model=gpt2", "trl.SFTTrainer, GPT2LMHeadModel as it comes"),
         ("sft_no_items:trainer=sft:fault=no_items", "SFTTrainer.compute_loss ignoring num_items_in_batch"),
+        ("trainer_gc:trainer=hf:gc=1", "transformers.Trainer, Llama, gradient checkpointing"),
+        ("trainer_avg0:trainer=hf:avg=0", "transformers.Trainer, Llama, average_tokens_across_devices=False"),
+        ("trainer_s1:trainer=hf:seed=1", "transformers.Trainer, Llama, data seed 1"),
+        *[(f"trainer_{f}:trainer=hf:model={f}", f"transformers.Trainer, {f} (tiny, random init)")
+          for f in ("qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "olmo2", "granite")],
+        *[(f"trainer_{f}:trainer=hf:model={f}", f"transformers.Trainer, {f} MoE, no router loss (the config's default)")
+          for f in ("mixtral", "qwen3_moe", "olmoe")],
+        *[(f"trainer_{f}_aux:trainer=hf:model={f}:aux=1", f"transformers.Trainer, {f} MoE with its router "
+           "load-balancing loss (output_router_logits=True), objective declared causal_lm")
+          for f in ("mixtral", "qwen3_moe")],
+        ("sft_qwen3:trainer=sft:model=qwen3", "trl.SFTTrainer, qwen3"),
+        ("sft_mixtral:trainer=sft:model=mixtral", "trl.SFTTrainer, mixtral MoE"),
     ]),
 }
 
@@ -132,8 +144,16 @@ def gate(rec_dir: Path) -> dict:
     v = judge_recording(rec_dir)
     bad = [c for c in v.checks if not c.passed]
     g = next(c for c in v.checks if c.name == "gradient")
-    return {"passed": v.passed, "failed": [c.name for c in bad],
-            "cause": bad[0].reason if bad else g.reason, "gradient_worst": g.worst, "gradient_bound": g.bound}
+
+    def short(text: str) -> str:
+        return text if len(text) <= 220 else text[:217] + "..."
+
+    # every failing check's words (the clip check names a clip before the reduce, the replay a schedule),
+    # except a clip check that only points back at the gradient
+    named = [c for c in bad if not (c.name == "clip" and "the gradient itself is wrong" in c.reason)]
+    cause = "; ".join(f"{c.name}: {short(c.reason)}" for c in named) if bad else short(g.reason)
+    return {"passed": v.passed, "failed": [c.name for c in bad], "cause": cause,
+            "gradient_worst": g.worst, "gradient_bound": g.bound}
 
 
 def versions() -> dict:
@@ -176,8 +196,6 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
     for i, r in enumerate(rows, 1):
         g, c = r["gate"], r["check"]
         cause = g["cause"].replace("|", "/").replace("\n", " ")
-        if len(cause) > 260:
-            cause = cause[:257] + "..."
         lines.append(
             f"| {i} | {r['client']} | `{r['spec']}`: {r['what']} | {'PASS' if g['passed'] else '**FAIL**'} | "
             f"{', '.join(g['failed']) or '-'} | {cause} | {g['gradient_worst']:.2g} / {g['gradient_bound']:.2g} | "

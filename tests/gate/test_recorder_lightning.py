@@ -165,3 +165,33 @@ def test_clipping_before_the_reduce_fails_the_clip_check_named(fleet):
         assert norms[r] == pytest.approx(sum(float((t.double() ** 2).sum()) for t in own.values()) ** 0.5, rel=1e-5)
     global_norm = sum(float((t.double() ** 2).sum()) for t in g_global.values()) ** 0.5
     assert min(abs(n - global_norm) for n in norms) > 0.05 * global_norm
+
+
+# --------------------------------------------------------------------------- bad input: one line
+
+
+def test_what_the_callback_cannot_judge_is_refused_in_one_line(tmp_path):
+    """A manual clip's norm without its threshold, value clipping, a network
+    attribute the module lacks: each one RecorderError line, before any step
+    (the hook is called with a real, unfitted Trainer)."""
+    import pytorch_lightning as pl
+
+    from dormouse.gate.record.lightning import RecorderCallback
+    from dormouse.gate.record.recorder import RecorderError
+
+    paths = dict(build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer")
+    with pytest.raises(RecorderError, match="without max_grad_norm"):
+        RecorderCallback(tmp_path, grad_norm_key="grad_norm", **paths)
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = loopmodel.build_model(seed=0)
+
+    quiet = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    value = pl.Trainer(gradient_clip_val=1.0, gradient_clip_algorithm="value", **quiet)
+    with pytest.raises(RecorderError, match="gradient_clip_algorithm") as e:
+        RecorderCallback(tmp_path, module="net", **paths).on_fit_start(value, Lit())
+    assert "\n" not in str(e.value)
+    with pytest.raises(RecorderError, match="has no network attribute 'model'"):
+        RecorderCallback(tmp_path, module="model", **paths).on_fit_start(pl.Trainer(**quiet), Lit())

@@ -10,7 +10,12 @@ the data generated and handed over as token ids (TRL's "processed" path).
 A run's fields:
   trainer=hf|sft   transformers.Trainer (with DataCollatorForLanguageModeling-style padding
                    done here) or trl.SFTTrainer (its own collator pads)
-  model=llama|gpt2 LlamaForCausalLM (hidden 32, 2 layers) or GPT2LMHeadModel (n_embd 32, 2 layers)
+  model=llama|gpt2 LlamaForCausalLM (hidden 32, 2 layers) or GPT2LMHeadModel (n_embd 32, 2 layers),
+                   or a family of families.py (qwen2, qwen3, mistral, gemma, gemma2, phi3, olmo2, granite,
+                   and the MoE mixtral, qwen3_moe, olmoe)
+  aux=1            (MoE) output_router_logits: the model adds its load-balancing loss to the loss
+  gc=1             gradient checkpointing
+  avg=0            average_tokens_across_devices=False (each rank divides by its own token count)
   lora=1           the model wrapped by peft.get_peft_model(LoraConfig(r=4, target q/v or c_attn)):
                    the base frozen, only the adapters train (build_model builds the same wrapped model)
   completion=1     prompt-completion rows: labels -100 on the prompt (SFT: completion_only_loss over
@@ -33,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import families  # noqa: E402
 
 VOCAB, SEQ, EXAMPLES, LR, MODEL_SEED = 64, 16, 64, 3e-3, 1234
 MODULE = "trl_client"
@@ -48,12 +54,16 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
 
 
-def build_model(arch: str = "llama", lora: bool = False, loss_type: str | None = None, **_):
+def build_model(arch: str = "llama", lora: bool = False, loss_type: str | None = None, router_aux: bool = False,
+                **_):
     """The same random-init causal LM in any process (seeded, the caller's RNG restored)."""
     g = torch.random.get_rng_state()
     torch.manual_seed(MODEL_SEED)
     try:
-        if arch == "gpt2":
+        if arch in families.FAMILIES:
+            net = families.build(arch, router_aux=router_aux)
+            targets = ["q_proj", "v_proj"]
+        elif arch == "gpt2":
             from transformers import GPT2Config, GPT2LMHeadModel
 
             net = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
@@ -127,10 +137,11 @@ class Padded(torch.utils.data.Dataset):
 def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
     run = {"name": name, "trainer": "sft", "model": "llama", "lora": 0, "completion": 0, "ga": 2, "seed": 0,
-           "steps": 4, "fault": None, "loss_type": None, "bf16": 0}
+           "steps": 4, "fault": None, "loss_type": None, "bf16": 0, "aux": 0, "gc": 0,
+           "avg": 1}
     for f in fields:
         k, _, v = f.partition("=")
-        if k in ("lora", "completion", "ga", "seed", "steps", "bf16"):
+        if k in ("lora", "completion", "ga", "seed", "steps", "bf16", "aux", "gc", "avg"):
             run[k] = int(v)
         elif k in ("trainer", "model", "fault", "loss_type"):
             run[k] = v
@@ -143,6 +154,8 @@ def build_kwargs(run: dict) -> dict:
     kw = {"arch": run["model"], "lora": bool(run["lora"])}
     if run["loss_type"]:
         kw["loss_type"] = run["loss_type"]
+    if run["aux"]:
+        kw["router_aux"] = True
     return kw
 
 
@@ -156,7 +169,8 @@ def train(run: dict, out: Path) -> None:
     common = dict(output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
                   per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
                   max_steps=run["steps"], logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-                  seed=run["seed"], dataloader_num_workers=0, bf16=bool(run["bf16"]))
+                  seed=run["seed"], dataloader_num_workers=0, bf16=bool(run["bf16"]),
+                  gradient_checkpointing=bool(run["gc"]), average_tokens_across_devices=bool(run["avg"]))
     data = rows(run["seed"], bool(run["completion"]))
     if run["trainer"] == "hf":
         from transformers import Trainer, TrainingArguments
