@@ -1,14 +1,22 @@
 """The gate on a hand-written `accelerate` loop (tests/support/accelerate_loop.py):
 `Accelerator(gradient_accumulation_steps=2, cpu=True)` under torchrun (2 gloo
 ranks), `with accelerator.accumulate(model):`, `accelerator.clip_grad_norm_`,
-recorded by the plain Recorder (three lines). One launch trains every run;
-each verdict is confirmed at step 1 against a one-process gradient computed by
-hand (fieldkit.one_process_gradient), not the gate's reference."""
+recorded by the plain Recorder (three lines).
+
+The fleet is the field sweep's own command on its accelerate slice
+(`examples/field/sweep.py --only accelerate:...`: one launch, the gate's
+reference and verdict per run, the sweep's independent confirmation, the
+report), so CI runs that command too; the tests then judge the recordings
+and confirm each verdict once more against a one-process gradient computed
+by hand here (fieldkit.one_process_gradient), not the gate's reference."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,36 +24,49 @@ pytest.importorskip("accelerate")
 
 import fieldkit  # noqa: E402
 import loopmodel  # noqa: E402
-from gatekit import SUPPORT  # noqa: E402
 
 from dormouse.gate import artifacts as A  # noqa: E402
 from dormouse.gate.judge.recording import judge_recording  # noqa: E402
-from dormouse.gate.record.launcher import torchrun  # noqa: E402
-from dormouse.gate.record.reference import make_reference  # noqa: E402
 
-RUNS = ["clean", "clean_s1:seed=1", "micro_mean:mode=micro_mean", "sched_prepared:mode=sched_prepared"]
+SWEEP = Path(__file__).resolve().parents[2] / "examples" / "field" / "sweep.py"
+RUNS = ["clean", "micro_mean", "sched_prepared"]  # the sweep's accelerate configurations (K = 2)
 W, K = 2, 2
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accelerate")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
-    cmd = torchrun([str(SUPPORT / "accelerate_loop.py"), "--out", str(out), "--k", str(K), *RUNS], world=W)
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("field")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, str(SWEEP), "--out", str(out), "--report", str(out / "report.md"),
+           "--only", ",".join(f"accelerate:{r}" for r in RUNS)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def fleet(sweep):
+    return sweep / "accelerate"
 
 
 _VERDICTS: dict = {}
 
 
 def verdict(fleet, name):
-    if name not in _VERDICTS:
-        make_reference(fleet / name, log=lambda line: None)
+    if name not in _VERDICTS:  # the sweep made the reference; the judge reads it
         _VERDICTS[name] = judge_recording(fleet / name)
     return _VERDICTS[name]
+
+
+def test_the_sweep_command_confirms_its_slice_and_writes_the_report(sweep):
+    """The sweep's accelerate slice: every verdict confirmed by its independent
+    check, and the report holds one row per configuration with its verdict."""
+    rows = json.loads((sweep / "report.json").read_text())
+    assert [r["spec"].split(":")[0] for r in rows] == RUNS and all(r["confirmed"] for r in rows)
+    assert [r["gate"]["passed"] for r in rows] == [True, False, False]
+    text = (sweep / "report.md").read_text()
+    assert "3 configurations" in text and "3 of 3 verdicts confirmed" in text
+    assert text.count("| accelerate |") == 3
 
 
 def checks(v) -> dict:
@@ -67,7 +88,7 @@ def recorded_gradient(fleet, name) -> dict:
     return {n: t.double() / c for n, t in rec.tensors_at(1, "g/").items()}
 
 
-@pytest.mark.parametrize("name, seed", [("clean", 0), ("clean_s1", 1)])
+@pytest.mark.parametrize("name, seed", [("clean", 0)])
 def test_accumulate_with_the_global_token_count_passes_and_equals_one_process(fleet, name, seed):
     """S_m / N_step * K * W under accumulate() (backward divides by K, DDP averages):
     every check passes, and the recorded gradient at step 1 is the hand-computed

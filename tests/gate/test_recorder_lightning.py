@@ -28,7 +28,7 @@ from dormouse.gate.judge.recording import judge_recording  # noqa: E402
 from dormouse.gate.record.launcher import torchrun  # noqa: E402
 from dormouse.gate.record.reference import make_reference  # noqa: E402
 
-RUNS = ["clean", "clean_s1:seed=1", "rank_mean:mode=rank_mean", "micro_mean:mode=micro_mean",
+RUNS = ["clean", "rank_mean:mode=rank_mean", "micro_mean:mode=micro_mean",
         "manual:mode=manual", "clip_local:mode=clip_local"]
 W = 2
 
@@ -82,7 +82,7 @@ def build(seed):
 # --------------------------------------------------------------------------- clean runs pass
 
 
-@pytest.mark.parametrize("name, seed", [("clean", 0), ("clean_s1", 1)])
+@pytest.mark.parametrize("name, seed", [("clean", 0)])  # another seed: docs/field-report.md
 def test_ddp_with_accumulation_and_clipping_passes_and_equals_one_process(fleet, name, seed):
     """training_step returns S_m / N_step * K * W (Lightning divides by K, DDP
     averages over W): every check passes, and the recorded gradient at step 1
