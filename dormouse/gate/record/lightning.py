@@ -57,7 +57,10 @@ does about it:
 
 Refused, one line each (`RecorderError`), at `on_fit_start`: a strategy other
 than single-device or `ddp` (`fsdp` is FSDP1, whose FlatParameter shards the
-Recorder does not assemble; DeepSpeed's partitions likewise; ModelParallel),
+Recorder does not assemble, and does not run on CPU anyway: 2.6.6's
+`_AcceleratorConnector._check_strategy_and_fallback`,
+`trainer/connectors/accelerator_connector.py` 431-438, raises "The strategy
+`fsdp` requires a GPU accelerator"; DeepSpeed's partitions likewise; ModelParallel),
 `gradient_clip_algorithm="value"`, a `module` the LightningModule lacks.
 """
 
