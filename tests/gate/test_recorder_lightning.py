@@ -1,0 +1,197 @@
+"""The gate on a real PyTorch Lightning fleet: loopmodel's tiny causal LM in a
+LightningModule, `pl.Trainer(accelerator="cpu", strategy="ddp", devices=2)`
+under torchrun (gloo), `accumulate_grad_batches=2`, `gradient_clip_val=1.0`,
+variable-length padded sequences, recorded by
+`dormouse.gate.record.lightning.RecorderCallback`.
+
+One launch fits every run (tests/support/lightning_client.py says what each
+mode's training_step does); each test judges its own. Every verdict is also
+confirmed at step 1 against a one-process gradient computed by hand
+(fieldkit.one_process_gradient: the step's micro-batches regenerated from the
+data layout, not read from the recording, and not the gate's reference)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+pytest.importorskip("pytorch_lightning")
+
+import fieldkit  # noqa: E402
+import loopmodel  # noqa: E402
+from gatekit import SUPPORT  # noqa: E402
+
+from dormouse.gate import artifacts as A  # noqa: E402
+from dormouse.gate.judge.recording import judge_recording  # noqa: E402
+from dormouse.gate.record.launcher import torchrun  # noqa: E402
+from dormouse.gate.record.reference import make_reference  # noqa: E402
+
+RUNS = ["clean", "rank_mean:mode=rank_mean", "micro_mean:mode=micro_mean",
+        "manual:mode=manual", "clip_local:mode=clip_local"]
+W = 2
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lightning")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
+    cmd = torchrun([str(SUPPORT / "lightning_client.py"), "--out", str(out), *RUNS], world=W)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+_VERDICTS: dict = {}
+
+
+def verdict(fleet, name):
+    if name not in _VERDICTS:
+        make_reference(fleet / name, log=lambda line: None)
+        _VERDICTS[name] = judge_recording(fleet / name)
+    return _VERDICTS[name]
+
+
+def checks(v) -> dict:
+    return {c.name: c for c in v.checks}
+
+
+def failed(v) -> set[str]:
+    return {c.name for c in v.checks if not c.passed}
+
+
+def step1(seed: int, k: int) -> list[list[dict]]:
+    """Every rank's micro-batches of step 1, regenerated from the data layout."""
+    return [fieldkit.step_batches(seed=seed, world=W, rank=r, k=k, steps=4)[:k] for r in range(W)]
+
+
+def recorded_gradient(fleet, name) -> dict:
+    """Rank 0's recorded gradient at step 1, un-clipped when the loop clipped before recording."""
+    rec = A.RecordingSet(fleet / name)
+    m = rec.step_meta(0, 1)
+    c = m["clip_coef"] if m["clipped"] else 1.0
+    return {n: t.double() / c for n, t in rec.tensors_at(1, "g/").items()}
+
+
+def build(seed):
+    return lambda: loopmodel.build_model(seed=seed)
+
+
+# --------------------------------------------------------------------------- clean runs pass
+
+
+@pytest.mark.parametrize("name, seed", [("clean", 0)])  # another seed: docs/field-report.md
+def test_ddp_with_accumulation_and_clipping_passes_and_equals_one_process(fleet, name, seed):
+    """training_step returns S_m / N_step * K * W (Lightning divides by K, DDP
+    averages over W): every check passes, and the recorded gradient at step 1
+    is the one computed by hand in one process on the 8 rows of the global
+    batch. The callback records before Lightning's clip (on_before_optimizer_step
+    runs first); Lightning's clip acted (a pre-clip norm above 1) and the
+    replay, clipping by torch's rule itself, is bitwise."""
+    v = verdict(fleet, name)
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    c = checks(v)
+    assert c["gradient"].worst <= 1e-5 and "bitwise" in c["replay"].reason
+    assert "equals the declared objective" in c["loss"].reason
+    rec = A.RecordingSet(fleet / name)
+    assert rec.meta["max_grad_norm"] == 1.0 and rec.step_meta(0, 1)["micro_batches"] == 2
+    norms = [sum(float((t.double() ** 2).sum()) for t in rec.tensors_at(k, "g/").values()) ** 0.5 for k in rec.steps]
+    assert max(norms) > 1.0, norms  # Lightning's clip acted at some step
+    batches = [b for rank in step1(seed, 2) for b in rank]
+    assert fieldkit.relative(recorded_gradient(fleet, name), fieldkit.one_process_gradient(build(seed), batches)) < 1e-6
+
+
+def test_manual_optimization_clipping_after_the_reduce_passes(fleet):
+    """Manual optimization: backward (DDP synchronises), clip_grad_norm_ by the
+    synchronised norm, logged as grad_norm for the callback: every check passes,
+    the clip check among them, and the recorded gradient over its clip
+    coefficient is the one-process gradient."""
+    v = verdict(fleet, "manual")
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    assert "equal the one-process gradient's" in checks(v)["clip"].reason
+    batches = [b for rank in step1(0, 1) for b in rank]
+    assert fieldkit.relative(recorded_gradient(fleet, "manual"), fieldkit.one_process_gradient(build(0), batches)) < 1e-6
+
+
+# --------------------------------------------------------------------------- faults fail, named
+
+
+def test_loss_normalised_per_rank_fails_as_the_mean_of_rank_means(fleet):
+    """Each rank divides by its own token count (its two micro-batches' targets):
+    the gradient is the mean of the ranks' token means, which the hand-computed
+    gradient with weights 1 / (W N_r) reproduces and the global mean does not."""
+    v = verdict(fleet, "rank_mean")
+    assert {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    assert "each rank normalised by its own token count" in checks(v)["gradient"].reason
+    ranks = step1(0, 2)
+    batches = [b for rank in ranks for b in rank]
+    weights = [1.0 / (W * sum(fieldkit.targets(b) for b in rank)) for rank in ranks for _ in rank]
+    g = recorded_gradient(fleet, "rank_mean")
+    assert fieldkit.relative(g, fieldkit.one_process_gradient(build(0), batches, weights=weights)) < 1e-6
+    assert fieldkit.relative(g, fieldkit.one_process_gradient(build(0), batches)) > 1e-3
+
+
+def test_accumulation_with_a_per_micro_batch_mean_fails_named(fleet):
+    """training_step returns its micro-batch's own token mean (Lightning's usual
+    idiom), which Lightning divides by K: the mean of per-micro-batch token
+    means, reproduced by hand with weights 1 / (W K n_m)."""
+    v = verdict(fleet, "micro_mean")
+    assert {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    assert "mean of per-micro-batch token means" in checks(v)["gradient"].reason
+    batches = [b for rank in step1(0, 2) for b in rank]
+    weights = [1.0 / (W * 2 * fieldkit.targets(b)) for b in batches]
+    g = recorded_gradient(fleet, "micro_mean")
+    assert fieldkit.relative(g, fieldkit.one_process_gradient(build(0), batches, weights=weights)) < 1e-6
+    assert fieldkit.relative(g, fieldkit.one_process_gradient(build(0), batches)) > 1e-3
+
+
+def test_clipping_before_the_reduce_fails_the_clip_check_named(fleet):
+    """Manual optimization without DDP's sync (opt.toggle_model(sync_grad=False)),
+    each rank clipping its own gradient, then an all-reduce by hand: the clip
+    check names the local norms, and by hand the ranks' own norms differ from
+    the global gradient's."""
+    v = verdict(fleet, "clip_local")
+    assert "clip" in failed(v) and "gradient" in failed(v)
+    assert "clipping by a local norm" in checks(v)["clip"].reason
+    rec = A.RecordingSet(fleet / "clip_local")
+    norms = [rec.step_meta(r, 1)["grad_norm"] for r in range(W)]
+    ranks = step1(0, 1)
+    g_global = fieldkit.one_process_gradient(build(0), [b for rank in ranks for b in rank])
+    total = sum(fieldkit.targets(b) for rank in ranks for b in rank)
+    for r, rank in enumerate(ranks):  # each rank's own gradient: its share of the global loss, times W
+        own = fieldkit.one_process_gradient(build(0), rank, weights=[W / total] * len(rank))
+        assert norms[r] == pytest.approx(sum(float((t.double() ** 2).sum()) for t in own.values()) ** 0.5, rel=1e-5)
+    global_norm = sum(float((t.double() ** 2).sum()) for t in g_global.values()) ** 0.5
+    assert min(abs(n - global_norm) for n in norms) > 0.05 * global_norm
+
+
+# --------------------------------------------------------------------------- bad input: one line
+
+
+def test_what_the_callback_cannot_judge_is_refused_in_one_line(tmp_path):
+    """A manual clip's norm without its threshold, value clipping, a network
+    attribute the module lacks: each one RecorderError line, before any step
+    (the hook is called with a real, unfitted Trainer)."""
+    import pytorch_lightning as pl
+
+    from dormouse.gate.record.lightning import RecorderCallback
+    from dormouse.gate.record.recorder import RecorderError
+
+    paths = dict(build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer")
+    with pytest.raises(RecorderError, match="without max_grad_norm"):
+        RecorderCallback(tmp_path, grad_norm_key="grad_norm", **paths)
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = loopmodel.build_model(seed=0)
+
+    quiet = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    value = pl.Trainer(gradient_clip_val=1.0, gradient_clip_algorithm="value", **quiet)
+    with pytest.raises(RecorderError, match="gradient_clip_algorithm") as e:
+        RecorderCallback(tmp_path, module="net", **paths).on_fit_start(value, Lit())
+    assert "\n" not in str(e.value)
+    with pytest.raises(RecorderError, match="has no network attribute 'model'"):
+        RecorderCallback(tmp_path, module="model", **paths).on_fit_start(pl.Trainer(**quiet), Lit())
