@@ -75,6 +75,7 @@ import torch
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.checks import Check, TensorCheck, Verdict
+from dormouse.gate.judge.finite import check_finite, first_nonfinite_state
 
 # Measured on the plain DDP/FSDP2 loop (tests/support/ddp_loop.py: 2 gloo ranks,
 # GA 3, 6 steps, fp32): fleet vs one process <= 1.4e-7 relative (L2 over all
@@ -114,7 +115,8 @@ def rel(a: dict, b: dict, names=None) -> float:
     names = sorted(b) if names is None else names
     den = _norm(b, names)
     num = math.sqrt(sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in names))
-    return num / den if den > 0 else num
+    x = num / den if den > 0 else num
+    return x if math.isfinite(x) else math.inf  # NaN compares false with every bound: above all of them
 
 
 def fit(a: dict, b: dict, names) -> tuple[float, float]:
@@ -253,7 +255,10 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     bound = arithmetic_bound(rec, ref, INDEP_RTOL, worst_k)
     said = _bound_words(rec, ref, bound, INDEP_RTOL, worst_k)
     ok = not over and not rng
-    if ok:
+    if math.isinf(worst):
+        reason = (f"not judged at step {worst_k}: the per-example or the micro-batch gradients there are not finite "
+                  "(computed at recorded parameters holding NaN or inf: see finite)")
+    elif ok:
         reason = (f"the per-example gradients sum to their micro-batch's at every recorded step (worst "
                   f"{worst:.2g}, {said}; {sampled} of {total} micro-batches differentiated row by "
                   "row: every rank's first at the first step, one a step after, rotating) and do not change with "
@@ -424,7 +429,10 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         unit = near_one and worst_k not in fitted
         named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)), None)
-        if unit:
+        if first_bad is not None and math.isinf(first_bad["error"]):
+            reason = (f"the fleet's gradient at step {first_bad['step']} is not finite, or one process's at the "
+                      "recorded parameters is not: NaN or inf (see finite)")
+        elif unit:
             reason = (f"the fleet's gradient equals {what} at the {len(fits)} recorded step(s) where the fleet's "
                       f"parameters equal the one-process run's, but differs by {worst:.2g} at step {worst_k} "
                       f"(tensor {worst_t}; {stated}), after the parameters parted: the fault is in a step between "
@@ -804,6 +812,7 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
             continue
         reported_any = True
         x = abs(losses[0] - info["loss"]) / max(abs(info["loss"]), 1e-30)
+        x = x if math.isfinite(x) else math.inf  # a NaN logged (or a NaN reference): above every bound
         if x > worst:
             worst, at = x, k
         if x > tol:
@@ -828,6 +837,11 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
     named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)
     reason = (f"the logged loss differs from the declared objective by {worst:.2g} at step {at}"
               + (f": it is {named}, not the global token mean" if named else ""))
+    if math.isinf(worst):
+        logged = rec.step_meta(0, at).get("loss")
+        reason = (f"the logged loss at step {at} is {logged}" if isinstance(logged, float) and not math.isfinite(logged)
+                  else f"the declared objective at step {at} is not finite (the recorded parameters hold NaN or inf)"
+                  ) + ": not compared (see finite)"
     reason += ("; the training itself matches one process (gradient and replay pass): the logged loss is wrong, "
                "not the training" if training_ok else "")
     return Check("loss", False, reason)
@@ -910,7 +924,7 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
         want = info["norm"]
         if ref.meta.get("mode") == "run" and k not in rec.tensor_steps():
             continue
-        bad = [(r, x) for r, x in enumerate(norms) if x is None or abs(x - want) > tol * want]
+        bad = [(r, x) for r, x in enumerate(norms) if x is None or not abs(x - want) <= tol * want]  # NaN: bad
         if bad:
             per = ", ".join(f"rank {r}: {x:.6g}" for r, x in enumerate(norms) if x is not None)
             differ = len({x for x in norms if x is not None}) > 1
@@ -918,6 +932,9 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
             if not rec.sketch and rec.step_meta(0, k).get("tensors", True):
                 g = _fleet_grad(rec, k)
                 own = _norm(g, sorted(g))
+            if any(x is not None and not math.isfinite(x) for x in norms) or not math.isfinite(want):
+                return Check("clip", False, f"at step {k} the gradient norm is not finite (the loop's: {per}; one "
+                                            f"process's: {want:.6g}): not compared (see finite)")
             coefs = f"coefficient {metas[0].get('clip_coef'):.4g}, one process {info['clip_coef']:.4g}"
             if differ:
                 return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
@@ -982,6 +999,7 @@ def judge_recording(out) -> Verdict:
     checks = [Check("complete", True, f"recording of {len(rec.steps)} steps, {rec.world_at(rec.steps[-1])} ranks, "
                                       f"{len(rec.meta['segments'])} segment(s); the one-process reference made "
                                       f"from it ({ref.meta.get('mode')})")]
+    checks.append(check_finite(rec))
     checks.append(check_independence(rec, ref))
     grad = check_gradient(rec, ref)
     checks.append(grad)
@@ -992,6 +1010,10 @@ def judge_recording(out) -> Verdict:
     checks.extend([buffers] if buffers is not None else [])
     checks.append(check_data(rec))
     checks.append(check_loss(rec, ref, grad.passed and replay.passed))
-    checks.append(check_ranks(rec))
+    ranks = check_ranks(rec)
+    if ranks.passed and not checks[1].passed and (where := first_nonfinite_state(rec)):
+        ranks = Check("ranks", False, f"the ranks' parameters agree by hash, but {where} they hold NaN or inf: "
+                                      "not an agreement to pass (see finite)")
+    checks.append(ranks)
     checks.append(check_clip(rec, ref))
     return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"], provenance(rec))
