@@ -76,6 +76,7 @@ import torch
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.checks import Check, TensorCheck, Verdict
 from dormouse.gate.judge.finite import check_finite, first_nonfinite_state
+from dormouse.gate.judge.intact import check_intact
 
 # Measured on the plain DDP/FSDP2 loop (tests/support/ddp_loop.py: 2 gloo ranks,
 # GA 3, 6 steps, fp32): fleet vs one process <= 1.4e-7 relative (L2 over all
@@ -999,7 +1000,9 @@ def judge_recording(out) -> Verdict:
     checks = [Check("complete", True, f"recording of {len(rec.steps)} steps, {rec.world_at(rec.steps[-1])} ranks, "
                                       f"{len(rec.meta['segments'])} segment(s); the one-process reference made "
                                       f"from it ({ref.meta.get('mode')})")]
-    checks.append(check_finite(rec))
+    checks.append(check_intact(rec))
+    finite = check_finite(rec)
+    checks.append(finite)
     checks.append(check_independence(rec, ref))
     grad = check_gradient(rec, ref)
     checks.append(grad)
@@ -1011,7 +1014,7 @@ def judge_recording(out) -> Verdict:
     checks.append(check_data(rec))
     checks.append(check_loss(rec, ref, grad.passed and replay.passed))
     ranks = check_ranks(rec)
-    if ranks.passed and not checks[1].passed and (where := first_nonfinite_state(rec)):
+    if ranks.passed and not finite.passed and (where := first_nonfinite_state(rec)):
         ranks = Check("ranks", False, f"the ranks' parameters agree by hash, but {where} they hold NaN or inf: "
                                       "not an agreement to pass (see finite)")
     checks.append(ranks)

@@ -242,12 +242,7 @@ def _placement(t) -> dict | None:
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return A.tensor_digest(tensors)  # the judge recomputes it from the recorded tensors
 
 
 def _version() -> str:
@@ -629,7 +624,7 @@ class Recorder:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)
         if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
-            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + A.CLIP_EPS))
         clip_coef = _number(clip_coef)
         tensors: dict[str, torch.Tensor] = {}
         for m, b in enumerate(batches):
@@ -681,7 +676,7 @@ class Recorder:
             raise RecorderError("rec.report() with no recorded step to report on: call it after rec.step()")
         grad_norm = _number(grad_norm)
         if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
-            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + A.CLIP_EPS))
         clip_coef = _number(clip_coef)
         if loss is not None:
             meta["loss"] = _number(loss)
