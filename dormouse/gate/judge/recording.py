@@ -74,6 +74,7 @@ from pathlib import Path
 import torch
 
 from dormouse.gate import artifacts as A
+from dormouse.gate.judge import causes as C
 from dormouse.gate.judge.checks import Check, TensorCheck, Verdict
 from dormouse.gate.judge.finite import check_finite, first_nonfinite_state
 from dormouse.gate.judge.intact import check_intact
@@ -364,6 +365,52 @@ def gradient_series(out) -> list[dict]:
     return gradient_rows(A.RecordingSet(out), _Ref(out))
 
 
+def _never_reduced(rec: A.RecordingSet, ref: _Ref, bound: float):
+    """(the first step, (ranks apart, mean against one process)) where the
+    ranks' recorded gradients differ and their mean is one process's
+    (causes.never_reduced): DDP's gradients never all-reduced. None under
+    FSDP2 (each rank holds a shard) or sketches, or where it does not hold."""
+    if rec.meta.get("fsdp") or rec.sketch:
+        return None
+    for k in rec.tensor_steps():
+        w = rec.world_at(k)
+        grads = []
+        for r in range(w):
+            m = rec.step_meta(r, k)
+            coef = m.get("clip_coef") if m.get("clipped") and m.get("clip_coef") else 1.0
+            grads.append({n[2:]: v.double() / coef for n, v in rec.step_tensors(r, k).items() if n.startswith("g/")})
+        found = C.never_reduced(grads, ref.tensors(k, "g/"), rel, bound)
+        if found is not None:
+            return k, found
+    return None
+
+
+def _step_counts(rec: A.RecordingSet, steps: list[int]) -> list[dict] | None:
+    """causes.step_counts at each of `steps` (a built-in token objective only;
+    causal_lm shifts by one), or None where a step's targets are not [rows, T]."""
+    objective = rec.meta.get("objective")
+    if objective not in ("causal_lm", "token_mean"):
+        return None
+    micro_max = max(rec.step_meta(0, k).get("micro_batches", 1) for k in rec.steps)
+    out = []
+    for k in steps:
+        batches = [(r, C.targets_of(b)) for r, _, b in rec.micro_batches(k)]
+        c = C.step_counts(batches, rec.world_at(k), rec.step_meta(0, k).get("micro_batches", 1), micro_max,
+                          shift=1 if objective == "causal_lm" else 0)
+        if c is None:
+            return None
+        out.append(c)
+    return out
+
+
+def _bf16_wire(rec: A.RecordingSet) -> bool:
+    """Every element of the fleet's recorded gradient a bfloat16 value at
+    every tensor step the loop did not clip (clip coefficient 1 or none: a
+    clip multiplies it off the bfloat16 grid); False where no step qualifies."""
+    steps = [k for k in rec.tensor_steps() if rec.step_meta(0, k).get("clip_coef") in (None, 1.0)]
+    return bool(steps) and all(C.bf16_representable(rec.tensors_at(k, "g/")) for k in steps)
+
+
 def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     run = ref.meta.get("mode") == "run"
     rows = gradient_rows(rec, ref)
@@ -430,6 +477,9 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         unit = near_one and worst_k not in fitted
         named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)), None)
+        apart = None if constant or unit else _never_reduced(rec, ref, bound)
+        scalars = [(k, c, r) for k, (c, r) in zip(fitted, fits)]
+        per_step = not constant and not unit and C.per_step_scalar(scalars, bound, FACTOR_AWAY * bound)
         if first_bad is not None and math.isinf(first_bad["error"]):
             reason = (f"the fleet's gradient at step {first_bad['step']} is not finite, or one process's at the "
                       "recorded parameters is not: NaN or inf (see finite)")
@@ -443,6 +493,14 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                       f"K = {micro} micro-batches) at every step: a normalisation applied the wrong number of times")
         elif constant:
             reason = f"the fleet's gradient is {what} times a constant {cs[0]:.4g} at every step"
+        elif apart is not None:
+            k0, (far, off) = apart
+            reason = (f"the gradients were never all-reduced: at step {k0} the ranks' gradients differ from each other "
+                      f"(by {far:.2g}), each its own micro-batches' gradient, and their mean equals {what} (within "
+                      f"{off:.2g}; {stated}): no_sync on every micro-batch (or a hand-written all-reduce that never "
+                      "ran), so each rank steps on its own gradient and the ranks drift apart")
+        elif per_step and not alt_hit:
+            reason = C.describe_scalars(scalars, _step_counts(rec, fitted), factor_rtol) + f" ({stated})"
         elif alt_hit:
             c = alts[alt_hit][0][0]
             desc = {"micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
@@ -459,6 +517,10 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         else:
             reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} (tensor "
                       f"{worst_t}; {stated})" + ("" if near_one else ", not by a constant factor"))
+            if not rec.sketch and _bf16_wire(rec):
+                reason += ("; every element of the fleet's gradient is a bfloat16 value (float32 with its low 16 bits "
+                           "zero) at every step it was not clipped: the gradient was all-reduced in bfloat16 (a bf16 "
+                           "compress hook), whose round-off (~4e-3 relative) the float32 bound does not allow")
             info, _ = ref.step(rec.tensor_steps()[0])
             if info.get("rng_sensitive"):
                 reason += "; the one-process gradient itself changes with the RNG state (see independence)"
@@ -937,6 +999,10 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
                 return Check("clip", False, f"at step {k} the gradient norm is not finite (the loop's: {per}; one "
                                             f"process's: {want:.6g}): not compared (see finite)")
             coefs = f"coefficient {metas[0].get('clip_coef'):.4g}, one process {info['clip_coef']:.4g}"
+            if differ and _never_reduced(rec, ref, arithmetic_bound(rec, ref, GRAD_RTOL, k)) is not None:
+                return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
+                                            "its own gradient's: the gradients were never all-reduced (see gradient),"
+                                            " not a clip by a local norm")
             if differ:
                 return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
                                             f"its own, where the global gradient's norm is {want:.6g}: clipping by "
