@@ -592,6 +592,49 @@ class RecordingSet:
         return t.get("ids")
 
 
+def ranks_apart_from(rec: "RecordingSet", built: dict[str, torch.Tensor]) -> str | None:
+    """Where build_model's state (`built`, full tensors) differs from the
+    recorded initial one: the sentence blaming the RANKS when some rank's
+    recorded initial tensors (its FSDP2 shards, each cut from the full tensor
+    at its offset) equal build_model's and another's do not -- each rank built
+    its own model from other parameters (FSDP2 does not broadcast) -- else None
+    (no rank's equal: build_model's fault, said by the caller)."""
+    world = int(rec.meta["segments"][0]["world"])
+    if world < 2:
+        return None
+    pl = rec.placements()
+    pieces = [read_tensors(init_path(rec.out, r), "initial state")[0] for r in range(world)]
+    same = []
+    for r, piece in enumerate(pieces):
+        ok = True
+        for n, t in piece.items():
+            want = built.get(n)
+            if want is None:
+                ok = False
+                break
+            want = want.detach().cpu()
+            if pl.get(n):
+                dim = pl[n]["dim"]
+                start = sum(pieces[q][n].shape[dim] for q in range(r) if n in pieces[q])
+                if start + t.shape[dim] > want.shape[dim]:
+                    ok = False
+                    break
+                want = want.narrow(dim, start, t.shape[dim])
+            if want.shape != t.shape or want.dtype != t.dtype or not torch.equal(want, t):
+                ok = False
+                break
+        same.append(ok)
+    if not any(same) or all(same):
+        return None
+    good = [r for r, ok in enumerate(same) if ok]
+    bad = [r for r, ok in enumerate(same) if not ok]
+    words = lambda rs: ", ".join(map(str, rs))  # noqa: E731
+    return (f"the ranks started from different parameters: rank {words(good)}'s recorded initial tensors equal "
+            f"build_model's, rank {words(bad)}'s do not: each rank built its own model from other parameters (a seed "
+            "that differs by rank, or none; FSDP2 does not broadcast rank 0's): seed every rank alike before "
+            "build_model, or broadcast rank 0's parameters (build_model is right)")
+
+
 def corpus_digest(path) -> str:
     """sha256 of a corpus file: the whole file up to 256 MiB; beyond, its size
     and its first and last MiB (a recording's corpus is checked against it)."""

@@ -214,6 +214,9 @@ def rebuild(rec: A.RecordingSet):
     for n in sorted(init):
         a, b = state[n].detach().cpu(), init[n]
         if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            apart = A.ranks_apart_from(rec, state)
+            if apart:
+                raise ReferenceError(apart)
             raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
                                  f"recorded initial ones (first: {n}): seed it as the loop does")
     _as_recorded(model, meta)
