@@ -681,6 +681,20 @@ def _row_hashes(batch: dict[str, torch.Tensor]) -> list[str]:
     return out
 
 
+def _identical_ranks(rec: A.RecordingSet, k: int) -> tuple[tuple[int, int], int] | None:
+    """Two ranks whose rows at step k are identical token for token (every
+    row, in order; by _row_hashes): ((q, r), rows), else None."""
+    seen: dict[tuple[str, ...], int] = {}
+    for r in range(rec.world_at(k)):
+        rows = tuple(h for rr, _, b in rec.micro_batches(k) if rr == r for h in _row_hashes(b))
+        if not rows:
+            continue
+        if rows in seen:
+            return (seen[rows], r), len(rows)
+        seen[rows] = r
+    return None
+
+
 def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bool]:
     """Step k's reads: (rank, the row ids it read in the step, micro-batches
     in order) per rank, and whether every id is exact (given) rather than a
@@ -798,6 +812,14 @@ def check_data(rec: A.RecordingSet) -> Check:
     for k, ep in zip(rec.steps, epochs):
         groups, exact = _reads(rec, k)
         all_exact = all_exact and exact
+        same = _identical_ranks(rec, k) if exact else None
+        if same:  # ids given: they never overrule the tokens
+            (q, r), rows = same
+            return Check("data", False, f"at step {k} ranks {q} and {r} read identical rows, token for token (all "
+                                        f"{rows} of them, in order), though the example ids the loop gave differ: "
+                                        "every rank read the same data (no DistributedSampler?) and the ids do not "
+                                        "describe the reads; only a dataset that repeats every one of those rows, in "
+                                        "that order, under other ids would read so")
         step_n = sum(len(ids) for _, ids in groups)
         reads += step_n
         if given_epochs:
