@@ -56,7 +56,7 @@ def _order(key: str) -> tuple[int, str]:
     return next((i for i, (pre, _) in enumerate(KINDS) if key.startswith(pre)), len(KINDS)), key
 
 
-def _first_bad(t: dict[str, torch.Tensor]) -> str | None:
+def _first_bad(t: dict[str, torch.Tensor]) -> tuple[str, str] | None:
     """The first tensor of one file (by KINDS, then name) holding NaN or inf,
     and how many others of its kind do: "gradient of ln1.bias holds NaN (1 of
     16 elements)" (a clip by a NaN norm spreads it to every tensor)."""
@@ -69,33 +69,35 @@ def _first_bad(t: dict[str, torch.Tensor]) -> str | None:
     total = sum(1 for x in t if _order(x)[0] == kind)
     more = ("" if len(same) < 2 else f"; all {total} tensors of its kind hold some" if len(same) == total
             else f"; {len(same)} of the {total} tensors of its kind hold some")
-    return f"{_name(key)} holds {said}{more}"
+    return key, f"{_name(key)} holds {said}{more}"
 
 
-def first_nonfinite(rec: A.RecordingSet) -> tuple[int | None, str] | None:
-    """(the step, or None after the last; the sentence naming the first
-    non-finite value) or None when the recording holds none."""
+def first_nonfinite(rec: A.RecordingSet) -> tuple[int | None, int, str, str] | None:
+    """(the step, or None after the last; the rank; the tensor's key or the
+    logged number's field; the sentence naming the first non-finite value)
+    or None when the recording holds none."""
     for k in rec.steps:
         for r in range(rec.world_at(k)):
-            said = _first_bad(rec.step_tensors(r, k))
-            if said:
-                return k, f"at step {k} rank {r}'s {said}"
+            bad = _first_bad(rec.step_tensors(r, k))
+            if bad:
+                return k, r, bad[0], f"at step {k} rank {r}'s {bad[1]}"
             meta = rec.step_meta(r, k)
             for key, word in NUMBERS:
                 if bad_number(meta.get(key)):
-                    return k, f"at step {k} rank {r}'s {word} is {meta[key]}"
+                    return k, r, key, f"at step {k} rank {r}'s {word} is {meta[key]}"
     for r in range(rec.world_at(rec.steps[-1])):
-        said = _first_bad(A.read_tensors(A.final_tensors_path(rec.out, r), "final tensors")[0])
-        if said:
-            return None, f"after the last step rank {r}'s {said}"
+        bad = _first_bad(A.read_tensors(A.final_tensors_path(rec.out, r), "final tensors")[0])
+        if bad:
+            return None, r, bad[0], f"after the last step rank {r}'s {bad[1]}"
     return None
 
 
-def check_finite(rec: A.RecordingSet) -> Check:
-    found = first_nonfinite(rec)
-    if found is None:
+def check_finite(rec: A.RecordingSet, found=None) -> Check:
+    """`found`: first_nonfinite(rec), when the caller has it."""
+    found = first_nonfinite(rec) if found is None else found
+    if not found:
         return Check("finite", True, "no NaN or inf in any recorded tensor or logged number")
-    k, said = found
+    k, _, _, said = found
     return Check("finite", False, said + ": the first non-finite value of the recording (steps in order, then ranks, "
                                   "then the inputs, parameters, gradient and logged numbers); a check that compares "
                                   "it fails, none passes over it"
