@@ -324,7 +324,8 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
     together; replay mode holds that to "bound" = GRAD_RTOL. Run mode (sketch
     or every-k) holds EACH tensor n to its own bound (run_tolerance); "tensor",
     "tensor_error", "tensor_bound" are the tensor nearest its bound (replay:
-    the tensor that differs most, tensor_bound None). "ok" whether the step
+    the tensor that differs most, tensor_bound None). "scalar" the c fitting
+    g_fleet = c g (a wrong count shows as a c per step). "ok" whether the step
     passes."""
     run = ref.meta.get("mode") == "run"
     tol = run_tolerance(rec, ref, "g/", "ng/") if run else {}
@@ -349,8 +350,9 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
                 tol_k = {n: max(GRAD_RTOL, FLOOR_MULTIPLE * per_t.get(n, 0.0)) for n in names}
                 tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol_k)
                 ok = ok and ratio <= 1.0
+        c = fit(g, g_ref, names)[0] if names else math.nan  # g_fleet ~ c g: the figure draws c beside the error
         rows.append({"step": k, "error": x, "bound": gb if not run else None, "tensor": tn,
-                     "tensor_error": tx, "tensor_bound": tb, "ok": ok})
+                     "tensor_error": tx, "tensor_bound": tb, "ok": ok, "scalar": c})
     return rows
 
 

@@ -261,6 +261,8 @@ def recording_gradient(rows: list[dict], title: str = ""):
     all tensors, against its bound (replay: GRAD_RTOL); sketch / every-k
     recordings hold each tensor to its own bound, so there the tensor nearest
     its bound is drawn with that bound. Steps over their bound are crossed."""
+    import math
+
     from dormouse.gate.judge.recording import FLOOR_MULTIPLE, RUN_MIN_RTOL
 
     if not rows:
@@ -284,6 +286,14 @@ def recording_gradient(rows: list[dict], title: str = ""):
     ax.set(xlabel="step", ylabel="relative gradient difference",
            title=title or f"gradient per step [{'ok' if not bad else 'FAIL'}]")
     _integer_steps(ax)
+    scal = [r.get("scalar") for r in rows]
+    if bad and any(c is not None and math.isfinite(c) and abs(c - 1) > 1e-3 for c in scal):
+        # the fitted scalar c (g_fleet ~ c g) per step, beside the difference: a wrong count shows as a c per step
+        ax2 = ax.twinx()
+        ax2.plot(steps, [c if c is not None and math.isfinite(c) else math.nan for c in scal], "d:", ms=4,
+                 color="tab:purple", label="fitted scalar c (fleet ≈ c · one process)")
+        ax2.set_ylabel("fitted scalar c", color="tab:purple")
+        ax2.legend(fontsize=7, loc="lower right")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     return fig
