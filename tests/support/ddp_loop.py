@@ -213,7 +213,8 @@ def run(cfg: dict) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     fault, K, B, n, mgn = cfg["fault"], cfg["micro"], cfg["batch"], cfg["n"], cfg["max_grad_norm"]
     out = Path(cfg["out"])
-    kw = {"seed": cfg["seed"] + (rank if cfg["rank_seed"] else 0), "bn": fault == "bn", "dropout": 0.1 if fault == "dropout" else 0.0,
+    kw = {"seed": cfg["seed"] + (rank if cfg["rank_seed"] else 0), "bn": fault == "bn",
+          "dropout": 0.1 if fault == "dropout" else 0.0,
           "unused": fault == "unused_zero", "lr": cfg["lr"]}
     builder = "loopmodel:build_model"
     if cfg["model"]:
@@ -338,7 +339,8 @@ def run(cfg: dict) -> None:
             norm = clip_local(model, mgn, cfg["fsdp"], world)
         elif mgn:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), mgn)
-        rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=torch.tensor(idx) + (rank * n if cfg["rank_ids"] else 0) if cfg["ids"] else None,
+        ids = torch.tensor(idx) + (rank * n if cfg["rank_ids"] else 0)  # rank_ids: distinct whatever was read
+        rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=ids if cfg["ids"] else None,
                  epoch=epoch if cfg["epoch"] else None)
         opt.step()
         sched.step()
