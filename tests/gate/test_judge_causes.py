@@ -29,7 +29,7 @@ from dormouse.gate.judge.recording import judge_recording
 from dormouse.gate.record.reference import make_reference
 
 RUNS = {
-    "clean": {},
+    "clean": {"max_grad_norm": 0.5},  # the clip binds: coefficients below 1 to hold max_grad_norm against
     "nan_grad": {"nan": {"step": 2, "rank": 1, "where": "grad"}},  # rank 1 alone, after the all-reduce
     "nan_loss": {"nan": {"step": 2, "rank": 1, "where": "loss"}},  # the all-reduce spreads it; NaN logged
     "count_padding": {"count": "padding"},
@@ -136,7 +136,6 @@ def test_a_rank_whose_tensors_were_edited_with_its_hash_left_fails_intact(record
 @pytest.mark.parametrize("edit,words", [
     (lambda d: _edit(d / "recording.json", world=3), "field 'world' is 3 but its last segment ran at world 2"),
     (lambda d: shutil.copytree(d / "rank1", d / "rank2"), "holds rank2/ beyond its world 2"),
-    (lambda d: _edit(d / "recording.json", max_grad_norm=0.5), "field 'max_grad_norm' is 0.5, but step 1's clip"),
     (lambda d: _edit(d / "rank0" / "step000002.json", lr="0.01"), "field 'lr' is '0.01', not a number or null"),
     (lambda d: _edit(d / "recording.json", dataset_len="48"), "field 'dataset_len' is '48', not an integer"),
     (lambda d: _edit(d / "recording.json", fsdp=True), "field 'fsdp' is True but the initial state holds no sharded"),
@@ -149,6 +148,20 @@ def test_an_edited_field_is_one_line_and_exit_2(recordings, tmp_path, capsys, ed
     assert main(["gate", "check", "--out", str(d)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+@pytest.mark.parametrize("mgn", [1.0, 0.0])
+def test_an_edited_max_grad_norm_fails_clip_against_the_recorded_coefficients(recordings, tmp_path, mgn):
+    d = _copy(recordings, tmp_path)
+    step1 = json.loads(A.step_meta_path(d, 0, 1).read_text())
+    assert step1["clip_coef"] == pytest.approx(0.5 / (step1["grad_norm"] + 1e-6))  # the loop clipped by 0.5
+    assert step1["clip_coef"] < 0.9
+    _edit(d / "recording.json", max_grad_norm=mgn)
+    make_reference(d, log=QUIET)
+    v = judge_recording(d)
+    words = "is not the one max_grad_norm 1 gives" if mgn else "max_grad_norm is 0 (no clipping declared), but"
+    looprec.fails_for(v, "clip", words)
+    assert "recording's max_grad_norm is not the one the loop clipped by" in v.check("clip").reason
 
 
 # --------------------------------------------------------------------------- causes

@@ -36,9 +36,6 @@ import math
 
 import torch
 
-# An implied count is the count a candidate gives when it is within this
-# (relative) of it at every step, or within the fit's own tolerance where that is larger.
-COUNT_RTOL = 1e-4
 SHOWN_STEPS = 4  # per-step figures shown in a reason (the rest summarised)
 
 
@@ -97,9 +94,10 @@ def _words(name: str) -> str:
 
 def name_count(implied: list[float], counts: list[dict[str, float]], rtol: float) -> str | None:
     """The KNOWN_COUNTS candidate the implied counts equal at every step
-    (within rtol; a "short step" candidate counts only at the steps it
-    exists, the targets at the others), or None."""
-    tol = max(COUNT_RTOL, rtol)
+    (within rtol, the tolerance a fitted factor is named within; a "short
+    step" candidate counts only at the steps it exists, the targets at the
+    others), or None."""
+    tol = rtol
     names = {n for c in counts for n in c if n != "targets"}
     for name in sorted(names, key=lambda n: (n.startswith("rank "), n)):
         hits = [c.get(name, c["targets"] if name == "short step" else math.nan) for c in counts]

@@ -998,6 +998,12 @@ def check_ranks(rec: A.RecordingSet) -> Check:
 def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     if mgn <= 0:
+        bound = [(k, c) for k in rec.steps if (c := rec.step_meta(0, k).get("clip_coef")) is not None and c < 1]
+        if bound:
+            return Check("clip", False, f"max_grad_norm is 0 (no clipping declared), but the loop recorded a clip "
+                                        f"coefficient {bound[0][1]:.6g} at step {bound[0][0]}: the recording's "
+                                        "max_grad_norm is not the one the loop clipped by (edited, or another value "
+                                        "given to the Recorder)")
         return Check("clip", True, "no clipping declared (max_grad_norm=0)")
     seen = False
     for k in rec.steps:
@@ -1042,6 +1048,13 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
             return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {norms[0]:.6g}, "
                                         f"neither its synchronised gradient's ({own:.6g}) nor one process's "
                                         f"({want:.6g}): clipping by a local or partial norm ({coefs})")
+        coef, want_c = metas[0].get("clip_coef"), info.get("clip_coef")
+        if coef is not None and want_c is not None and not abs(coef - want_c) <= tol * want_c:
+            # the norms agree: the coefficient is max_grad_norm's at that norm, as the reference works it out
+            return Check("clip", False, f"at step {k} the loop's clip coefficient {coef:.6g} is not the one "
+                                        f"max_grad_norm {mgn:g} gives at the gradient's norm {want:.6g} "
+                                        f"({want_c:.6g}): the recording's max_grad_norm is not the one the loop "
+                                        "clipped by (edited, or another value given to the Recorder)")
     if not seen:
         return Check("clip", True, f"the loop reported no gradient norm: the replay clipped by max_grad_norm "
                                    f"{mgn:g} itself (the replay check covers it)")

@@ -624,7 +624,7 @@ class Recorder:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)
         if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
-            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + A.CLIP_EPS))
+            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
         clip_coef = _number(clip_coef)
         tensors: dict[str, torch.Tensor] = {}
         for m, b in enumerate(batches):
@@ -676,7 +676,7 @@ class Recorder:
             raise RecorderError("rec.report() with no recorded step to report on: call it after rec.step()")
         grad_norm = _number(grad_norm)
         if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
-            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + A.CLIP_EPS))
+            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
         clip_coef = _number(clip_coef)
         if loss is not None:
             meta["loss"] = _number(loss)

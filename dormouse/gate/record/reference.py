@@ -476,7 +476,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                            if floor is not None and objective in OBJECTIVES else None),
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)]}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
-    info["clip_coef"] = min(1.0, mgn / (norm + A.CLIP_EPS)) if mgn > 0 else None
+    info["clip_coef"] = min(1.0, mgn / (norm + 1e-6)) if mgn > 0 else None
     return out, info
 
 
