@@ -104,6 +104,12 @@ def check_main(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="remake the one-process reference even if current")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the reference")
     args = p.parse_args(argv)
+    # the user's builders are imported as `python -m` imports a module: from the working directory first
+    # (the console script's sys.path starts at its own folder, not the one it is run from)
+    import os
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return command_status("gate check", lambda: _check(args), traceback=True)
 
 
@@ -115,17 +121,29 @@ def _check(args) -> int:
 
     torch.set_num_threads(args.threads)
     v = check_recording(args.out, force=args.force, log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_verdict(v))
-    try:  # the figures, where matplotlib is installed (the [notebooks] extra)
-        import matplotlib  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        from dormouse.gate.show.plots import render_recording
+    status = 0 if v.passed else 1
+    try:
+        print(format_verdict(v), flush=True)
+        try:  # the figures, where matplotlib is installed (the [notebooks] extra)
+            import matplotlib  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            from dormouse.gate.show.plots import render_recording
 
-        for path in render_recording(v, args.out):
-            print(f"  figure: {path}")
-    return 0 if v.passed else 1
+            for path in render_recording(v, args.out):
+                print(f"  figure: {path}", flush=True)
+    except BrokenPipeError:  # `dormouse gate check ... | head -1`: the reader has what it wanted
+        quiet_stdout()
+    return status
+
+
+def quiet_stdout() -> None:
+    """stdout to /dev/null: the pipe it wrote to is closed, and Python's flush at exit must not complain."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def main(argv: list[str] | None = None) -> int:

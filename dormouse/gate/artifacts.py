@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -292,6 +293,82 @@ def assemble(shards: list[torch.Tensor], placement: dict | None) -> torch.Tensor
     return full
 
 
+def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over tensors by name: each one's name, dtype, shape and bytes, in
+    name order (a rank's "param_hash": the Recorder writes it, the judge
+    recomputes it from the tensors the rank recorded)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# recording.json's fields and the type each must have: a field of another type is one line (exit 2),
+# not a traceback wherever it is read. (kind, schema, run: checked first; segments: each their own.)
+_INT, _NUM, _STR = (int,), (int, float), (str,)
+RECORDING_FIELDS = {
+    "world": (_INT, False), "build_model": (_STR, False), "build_optimizer": (_STR, False),
+    "build_kwargs": ((dict,), False), "objective": (_STR, False), "buffer_update": (_STR, True),
+    "max_grad_norm": (_NUM, False), "dataset_len": (_INT, False), "example_corpus": (_STR, True),
+    "example_corpus_sha256": (_STR, True), "sketch": (_INT, False), "every": (_INT, False), "seed": (_INT, False),
+    "inputs": ((list,), False), "fsdp": ((bool,), False), "closed": ((bool,), False), "frozen": ((list,), False),
+    "hf_config": ((dict,), True), "provenance": ((dict,), False), "steps": ((list,), True),
+}
+# a step JSON's numbers (None where the loop gave none) and counts
+STEP_NUMBERS = ("lr", "loss", "clip_coef", "grad_norm")
+STEP_FIELDS = {"micro_batches": (_INT, False), "epoch": (_INT, True), "no_grad": ((list,), False),
+               "param_hash": (_STR, True), "tensors": ((bool,), False), "clipped": ((bool,), False)}
+
+
+def _typed(x, types: tuple, nullable: bool) -> bool:
+    if x is None:
+        return nullable
+    if isinstance(x, bool) and bool not in types:  # True is an int to Python, not to a recording
+        return False
+    return isinstance(x, types)
+
+
+def _kind(types: tuple, nullable: bool) -> str:
+    words = {int: "an integer", float: "a number", str: "a string", dict: "an object", list: "a list",
+             bool: "true or false"}
+    return " or ".join([words[types[-1] if types == _NUM else types[0]]] + (["null"] if nullable else []))
+
+
+def validate_recording_meta(meta: dict, path: Path) -> None:
+    """Every field of recording.json of the type it must have (RECORDING_FIELDS),
+    the numbers in range, the segments well formed: one line on the first
+    that is not."""
+    for key, (types, nullable) in RECORDING_FIELDS.items():
+        if key in meta and not _typed(meta[key], types, nullable):
+            raise DormouseError(f"{path}: field {key!r} is {meta[key]!r}, not {_kind(types, nullable)}: the recording "
+                                "was edited or is damaged: re-record")
+    for key, low in (("world", 1), ("max_grad_norm", 0), ("dataset_len", 0), ("sketch", 0), ("every", 1)):
+        if key in meta and not (meta[key] >= low and math.isfinite(meta[key])):
+            raise DormouseError(f"{path}: field {key!r} is {meta[key]!r}, below {low}: re-record")
+    segs = meta.get("segments")
+    if not isinstance(segs, list) or not all(
+            isinstance(sg, dict) and _typed(sg.get("start"), _INT, False) and _typed(sg.get("end"), _INT, True)
+            and _typed(sg.get("world"), _INT, False) and sg["world"] >= 1 for sg in segs):
+        raise DormouseError(f"{path}: field 'segments' is not a list of {{start, end, world}} with integer steps and "
+                            "a world of at least 1: re-record")
+    if segs and "world" in meta and meta["world"] != segs[-1]["world"]:
+        raise DormouseError(f"{path}: field 'world' is {meta['world']} but its last segment ran at world "
+                            f"{segs[-1]['world']}: the recording was edited: re-record")
+
+
+def validate_step_meta(m: dict, path: Path) -> None:
+    """A step JSON's numbers numbers (or null) and its counts of their type: one line."""
+    for key in STEP_NUMBERS:
+        if not _typed(m.get(key), _NUM, True):
+            raise DormouseError(f"{path}: field {key!r} is {m[key]!r}, not a number or null: the recording was "
+                                "edited or is damaged: re-record")
+    for key, (types, nullable) in STEP_FIELDS.items():
+        if key in m and not _typed(m[key], types, nullable):
+            raise DormouseError(f"{path}: field {key!r} is {m[key]!r}, not {_kind(types, nullable)}: re-record")
+
+
 def reference_final_path(out: Path) -> Path:
     return reference_dir(out) / "final.safetensors"
 
@@ -310,6 +387,7 @@ class RecordingSet:
         if self.meta.get("kind") != "recording" or self.meta.get("schema") != RECORDING_SCHEMA:
             raise DormouseError(f"{recording_path(self.out)} is not a recording of schema {RECORDING_SCHEMA}: "
                                 "re-record with this dormouse")
+        validate_recording_meta(self.meta, recording_path(self.out))
         self.steps = recording_steps(self.meta)
         if not self.steps:
             raise DormouseError(f"the recording in {self.out} has no finished segment: the loop must call "
@@ -341,6 +419,9 @@ class RecordingSet:
                 raise DormouseError(f"rank {rank} has no step {step} ({path}): the recording is incomplete "
                                     "(a rank crashed, or it ran another number of steps)")
             m = read_json(path, "step")
+            if not isinstance(m, dict):
+                raise DormouseError(f"{path} is not a step's JSON object: re-record")
+            validate_step_meta(m, path)
             if m.get("run") != self.run:
                 raise DormouseError(f"{path} belongs to another run than {recording_path(self.out)} "
                                     "(run ids differ): record each run into an empty directory")
@@ -362,6 +443,12 @@ class RecordingSet:
             if not rank_dir(self.out, r).is_dir():
                 raise DormouseError(f"the recording in {self.out} has no {rank_name(r)}/ (world {max(worlds)}): "
                                     "copy every rank's directory, or re-record")
+        extra = sorted(p.name for p in self.out.glob("rank*") if p.is_dir() and p.name[4:].isdigit()
+                       and int(p.name[4:]) >= max(worlds))
+        if extra:
+            raise DormouseError(f"the recording in {self.out} holds {', '.join(extra)}/ beyond its world "
+                                f"{max(worlds)}: a rank folder from another recording, or an edited world: re-record "
+                                "into an empty directory")
         for k in self.steps:
             for r in range(self.world_at(k)):
                 self.step_meta(r, k)
@@ -372,6 +459,11 @@ class RecordingSet:
             m = read_json(final_meta_path(self.out, r), "final")
             if m.get("run") != self.run:
                 raise DormouseError(f"{final_meta_path(self.out, r)} belongs to another run: re-record")
+        if bool(self.placements()) != self.meta.get("fsdp", False):
+            raise DormouseError(f"{recording_path(self.out)}: field 'fsdp' is {self.meta.get('fsdp')} but the "
+                                f"initial state holds {'sharded' if self.placements() else 'no sharded'} tensors: the "
+                                "recording was edited: re-record")
+
 
     # tensors
     def placements(self) -> dict:
@@ -462,6 +554,49 @@ class RecordingSet:
     def example_ids(self, rank: int, step: int) -> torch.Tensor | None:
         t = self.step_tensors(rank, step)
         return t.get("ids")
+
+
+def ranks_apart_from(rec: "RecordingSet", built: dict[str, torch.Tensor]) -> str | None:
+    """Where build_model's state (`built`, full tensors) differs from the
+    recorded initial one: the sentence blaming the RANKS when some rank's
+    recorded initial tensors (its FSDP2 shards, each cut from the full tensor
+    at its offset) equal build_model's and another's do not -- each rank built
+    its own model from other parameters (FSDP2 does not broadcast) -- else None
+    (no rank's equal: build_model's fault, said by the caller)."""
+    world = int(rec.meta["segments"][0]["world"])
+    if world < 2:
+        return None
+    pl = rec.placements()
+    pieces = [read_tensors(init_path(rec.out, r), "initial state")[0] for r in range(world)]
+    same = []
+    for r, piece in enumerate(pieces):
+        ok = True
+        for n, t in piece.items():
+            want = built.get(n)
+            if want is None:
+                ok = False
+                break
+            want = want.detach().cpu()
+            if pl.get(n):
+                dim = pl[n]["dim"]
+                start = sum(pieces[q][n].shape[dim] for q in range(r) if n in pieces[q])
+                if start + t.shape[dim] > want.shape[dim]:
+                    ok = False
+                    break
+                want = want.narrow(dim, start, t.shape[dim])
+            if want.shape != t.shape or want.dtype != t.dtype or not torch.equal(want, t):
+                ok = False
+                break
+        same.append(ok)
+    if not any(same) or all(same):
+        return None
+    good = [r for r, ok in enumerate(same) if ok]
+    bad = [r for r, ok in enumerate(same) if not ok]
+    words = lambda rs: ", ".join(map(str, rs))  # noqa: E731
+    return (f"the ranks started from different parameters: rank {words(good)}'s recorded initial tensors equal "
+            f"build_model's, rank {words(bad)}'s do not: each rank built its own model from other parameters (a seed "
+            "that differs by rank, or none; FSDP2 does not broadcast rank 0's): seed every rank alike before "
+            "build_model, or broadcast rank 0's parameters (build_model is right)")
 
 
 def corpus_digest(path) -> str:

@@ -70,10 +70,41 @@ def check_recording(out, *, force: bool = False, log: Log = print) -> Verdict:
     from dormouse.gate.judge.recording import judge_recording
     from dormouse.gate.record.reference import make_reference
 
-    make_reference(out, force=force, log=log)
+    before = _recording_stamp(out)
+    try:
+        make_reference(out, force=force, log=log)
+    except Exception:
+        _refuse_if_rewritten(out, before)
+        raise
+    _refuse_if_rewritten(out, before)
     v = judge_recording(out)
     write_verdict(v, out)
     return v
+
+
+def _recording_stamp(out) -> tuple | None:
+    """recording.json's modification time and bytes (None when there is none): what a training that
+    writes into the recording changes."""
+    from dormouse.gate.artifacts import recording_path
+
+    path = recording_path(out)
+    try:
+        return path.stat().st_mtime_ns, path.read_bytes()
+    except OSError:
+        return None
+
+
+def _refuse_if_rewritten(out, before) -> None:
+    """One line when the recording changed while it was judged: importing the
+    user's builders ran a training that recorded into the same directory."""
+    from dormouse.errors import DormouseError
+
+    if before is not None and _recording_stamp(out) != before:
+        raise DormouseError(f"the recording in {out} was rewritten while it was judged: importing the module of "
+                            "build_model / build_optimizer ran a training that recorded into it (the recording "
+                            "is now that run's, and may be incomplete). Keep that module importable without "
+                            "training: guard the training under `if __name__ == \"__main__\":` (e.g. "
+                            "trainer.train()), then record again")
 
 
 def raise_if_failed(v: Verdict) -> None:

@@ -159,11 +159,13 @@ def test_gpt2_as_it_comes_overcounts_tokens(fleet):
     so the Trainer counts num_items_in_batch over the unshifted labels (one
     target per row too many) and divides the shifted loss sum by it. The
     gradient is the global token mean's scaled, at each step, by
-    N / (N + rows): not a constant, so no named factor; the logged loss is low
-    by the same factor."""
+    N / (N + rows): not a constant, but a scalar per step whose implied count
+    N + rows the verdict names (the targets before the shift); the logged loss
+    is low by the same factor."""
     v = verdict(fleet, "stock")
     gradient_wrong(v)
-    assert "not by a constant factor" in checks(v)["gradient"].reason
+    reason = checks(v)["gradient"].reason
+    assert "a scalar that changes from step to step" in reason and "one extra target per row" in reason, reason
     rec = A.RecordingSet(fleet / "stock")
     for k in rec.steps:
         labels = [b["labels"] for _, _, b in rec.micro_batches(k)]

@@ -50,6 +50,17 @@ A third review's knob:
   "fsdp_layers"    (with fsdp) qkv, fc and out sharded as modules of their own, reshard_after_forward=False
   "left_pad"       rows padded on the left (attention_mask 0 there); TinyLM's positions are absolute
   "position_ids"   the loop passes each row's positions as the forward's position_ids (not a Recorder input)
+The judge's cause-naming knobs (tests/gate/test_judge_causes.py), cfg keys:
+  "nan"            {"step": s, "rank": r, "where": "grad" | "loss"}: at step s rank r writes a NaN into
+                   one element of ln1.bias's synchronised gradient ("grad"), or multiplies its loss by NaN
+                   ("loss": the all-reduce spreads it, and the logged loss is NaN)
+  "count"          how the loop counts the step's tokens it divides by: "targets" (right), "padding"
+                   (every label position, padding counted), "unshifted" (labels != -100 before the shift:
+                   one extra target per row), "rank0" (rank 0's own count x W, broadcast and used by all)
+  "no_sync_all"    DDP's no_sync on every micro-batch: the gradients are never all-reduced
+  "bf16_hook"      a line-for-line copy of torch's bf16_compress_hook (gloo refuses torch's own)
+  "rank_seed"      (FSDP2) each rank builds the model from seed + rank: no broadcast, other parameters
+  "rank_ids"       (with "ids") the example ids passed are the sampler's + rank x n (distinct per rank)
 """
 
 from __future__ import annotations
@@ -79,7 +90,8 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "model": None, "ac_dtype": "bfloat16", "loss_outside": False, "patch_forward": False, "ac_steps": None,
        "ac_micro": None, "eval_modules": [], "freeze": [],
        "position_ids": False, "fsdp_layers": False, "left_pad": False,
-       "eval_rank": None}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "eval_rank": None, "nan": None, "count": "targets", "no_sync_all": False, "bf16_hook": False,
+       "rank_seed": False, "rank_ids": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -159,6 +171,33 @@ def clip_local(model, mgn: float, fsdp: bool, world: int):
     return norm
 
 
+def bf16_wire_hook(process_group, bucket):
+    """torch's bf16_compress_hook (default_hooks._compress_hook), line for line, under another name (DDP refuses
+    that name without NCCL)."""
+    group_to_use = process_group if process_group is not None else dist.group.WORLD
+    world_size = group_to_use.size()
+    buffer = bucket.buffer()
+    compressed_tensor = buffer.to(torch.bfloat16).div_(world_size)
+
+    def decompress(fut):
+        decompressed_tensor = buffer
+        value = fut if isinstance(fut, torch.Tensor) else fut.value()[0]
+        decompressed_tensor.copy_(value)
+        return decompressed_tensor
+
+    fut = dist.all_reduce(compressed_tensor, group=group_to_use, async_op=True).get_future()
+    return fut.then(decompress)
+
+
+def count_of(how: str, mb: dict, sh: int) -> int:
+    """The tokens the loop counts in one micro-batch (the right count: the shifted labels' targets)."""
+    if how == "padding":
+        return int(mb["labels"][:, sh:].numel())
+    if how == "unshifted":
+        return int((mb["labels"] != -100).sum())
+    return int((mb["labels"][:, sh:] != -100).sum())
+
+
 def order_of(fault: str, n: int, world: int, rank: int, seed: int, epoch: int) -> list[int]:
     """This rank's example order in `epoch`."""
     if fault == "same_data":
@@ -174,7 +213,8 @@ def run(cfg: dict) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     fault, K, B, n, mgn = cfg["fault"], cfg["micro"], cfg["batch"], cfg["n"], cfg["max_grad_norm"]
     out = Path(cfg["out"])
-    kw = {"seed": cfg["seed"], "bn": fault == "bn", "dropout": 0.1 if fault == "dropout" else 0.0,
+    kw = {"seed": cfg["seed"] + (rank if cfg["rank_seed"] else 0), "bn": fault == "bn",
+          "dropout": 0.1 if fault == "dropout" else 0.0,
           "unused": fault == "unused_zero", "lr": cfg["lr"]}
     builder = "loopmodel:build_model"
     if cfg["model"]:
@@ -208,6 +248,8 @@ def run(cfg: dict) -> None:
         net = model
     else:
         net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=kw["unused"])
+        if cfg["bf16_hook"]:
+            net.register_comm_hook(None, bf16_wire_hook)
     opt, sched = build_optimizer(model, **kw)
     if fault == "wd_wrong":
         for group in opt.param_groups:
@@ -247,10 +289,14 @@ def run(cfg: dict) -> None:
                 t = mb["input_ids"].shape[1]
                 start = mb["attention_mask"].sum(1, keepdim=True) % 3
                 mb["position_ids"] = (torch.arange(t) + start).clamp(max=TLEN - 1)
-        counts = [int((mb["labels"][:, sh:] != -100).sum()) for mb in mbs]
+        counts = [count_of(cfg["count"], mb, sh) for mb in mbs]
         n_local = sum(counts)
         n_global = torch.tensor(n_local)
-        dist.all_reduce(n_global)
+        if cfg["count"] == "rank0":  # rank 0's count, broadcast, taken for every rank's
+            dist.broadcast(n_global, 0)
+            n_global *= world
+        else:
+            dist.all_reduce(n_global)
         n_global = int(n_global)
         manual = fault == "clip_local"
         c = scale_of(fault, rank, s + 1, cfg["eps"])
@@ -261,7 +307,7 @@ def run(cfg: dict) -> None:
                 model.set_requires_gradient_sync(last)
                 ctx = contextlib.nullcontext()
             else:
-                ctx = net.no_sync() if (manual or not last) else contextlib.nullcontext()
+                ctx = net.no_sync() if (manual or not last or cfg["no_sync_all"]) else contextlib.nullcontext()
             with ctx:
                 precision = cfg["autocast"] and not (fault == "rank1_fp32" and rank == 1)
                 precision = precision and (cfg["ac_steps"] is None or s + 1 in cfg["ac_steps"])
@@ -273,6 +319,9 @@ def run(cfg: dict) -> None:
                     T = logits.shape[1]
                     loss_sum = F.cross_entropy(logits[:, :T - sh].reshape(-1, VOCAB),
                                                mb["labels"][:, sh:].reshape(-1), ignore_index=-100, reduction="sum")
+                nan = cfg["nan"] or {}
+                if nan.get("where") == "loss" and (s + 1, rank) == (nan["step"], nan["rank"]):
+                    loss_sum = loss_sum * float("nan")  # backpropagated and logged: the all-reduce spreads it
                 if fault == "fwd_no_bwd" and last:  # its backward is lost, but DDP must still sync: a zero one
                     (logits.sum() * 0).backward()
                 else:
@@ -283,12 +332,15 @@ def run(cfg: dict) -> None:
                 net(**mbs[0])
         reported = reported_of(fault, local_sum, n_local, n_global, world)
         after_sync(fault, model, cfg["eps"])
+        if cfg["nan"] and cfg["nan"]["where"] == "grad" and (s + 1, rank) == (cfg["nan"]["step"], cfg["nan"]["rank"]):
+            model.ln1.bias.grad[0] = float("nan")
         norm = None
         if manual:
             norm = clip_local(model, mgn, cfg["fsdp"], world)
         elif mgn:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), mgn)
-        rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=torch.tensor(idx) if cfg["ids"] else None,
+        ids = torch.tensor(idx) + (rank * n if cfg["rank_ids"] else 0)  # rank_ids: distinct whatever was read
+        rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=ids if cfg["ids"] else None,
                  epoch=epoch if cfg["epoch"] else None)
         opt.step()
         sched.step()

@@ -82,6 +82,9 @@ from dormouse.gate.judge.bounds import (CLIP_RTOL, FACTOR_AWAY, FACTOR_RTOL, FLO
                                         INDEP_RTOL, LOSS_RTOL, PRECISION_CAP, RUN_MIN_RTOL, SKETCH_DELTA,
                                         floor_bound)
 from dormouse.gate.judge.verdict import Check, TensorCheck, Verdict
+from dormouse.gate.judge import causes as C
+from dormouse.gate.judge.finite import check_finite, first_nonfinite, first_nonfinite_state
+from dormouse.gate.judge.intact import check_intact
 
 
 def _norm(d: dict[str, torch.Tensor], names) -> float:
@@ -97,7 +100,8 @@ def rel(a: dict, b: dict, names=None) -> float:
     names = sorted(b) if names is None else names
     den = _norm(b, names)
     num = math.sqrt(sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in names))
-    return num / den if den > 0 else num
+    x = num / den if den > 0 else num
+    return x if math.isfinite(x) else math.inf  # NaN compares false with every bound: above all of them
 
 
 def fit(a: dict, b: dict, names) -> tuple[float, float]:
@@ -251,7 +255,11 @@ def check_independence(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     ok = not over and not rng and not gm_over and gm_err is None
     one = (f"{gm_words} give a gradient {gm_worst:.2g} away from the micro-batches' sum (step {gm_k})"
            if gm_k is not None else None)
-    if scope == "step":
+    if math.isinf(worst):
+        ok = False
+        reason = (f"not judged at step {worst_k}: the per-example or the micro-batch gradients there are not finite "
+                  "(computed at recorded parameters holding NaN or inf: see finite)")
+    elif scope == "step":
         ok = not rng
         reason = ("the objective is declared over the whole step (objective_scope='step'): one process "
                   "differentiates it once over every rank's micro-batches of the step, so neither the per-example "
@@ -342,7 +350,8 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
     together; replay mode holds that to "bound" = GRAD_RTOL. Run mode (sketch
     or every-k) holds EACH tensor n to its own bound (run_tolerance); "tensor",
     "tensor_error", "tensor_bound" are the tensor nearest its bound (replay:
-    the tensor that differs most, tensor_bound None). "ok" whether the step
+    the tensor that differs most, tensor_bound None). "scalar" the c fitting
+    g_fleet = c g (a wrong count shows as a c per step). "ok" whether the step
     passes."""
     run = ref.meta.get("mode") == "run"
     tol = run_tolerance(rec, ref, "g/", "ng/") if run else {}
@@ -367,8 +376,9 @@ def gradient_rows(rec: A.RecordingSet, ref: _Ref) -> list[dict]:
                 tol_k = {n: floor_bound(per_t.get(n, 0.0), GRAD_RTOL) for n in names}
                 tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol_k)
                 ok = ok and ratio <= 1.0
+        c = fit(g, g_ref, names)[0] if names else math.nan  # g_fleet ~ c g: the figure draws c beside the error
         rows.append({"step": k, "error": x, "bound": gb if not run else None, "tensor": tn,
-                     "tensor_error": tx, "tensor_bound": tb, "ok": ok})
+                     "tensor_error": tx, "tensor_bound": tb, "ok": ok, "scalar": c})
     return rows
 
 
@@ -381,6 +391,52 @@ def gradient_series(out) -> list[dict]:
 
         raise DormouseError(f"{out} holds no one-process reference: run `dormouse gate check --out {out}`")
     return gradient_rows(A.RecordingSet(out), _Ref(out))
+
+
+def _never_reduced(rec: A.RecordingSet, ref: _Ref, bound: float):
+    """(the first step, (ranks apart, mean against one process)) where the
+    ranks' recorded gradients differ and their mean is one process's
+    (causes.never_reduced): DDP's gradients never all-reduced. None under
+    FSDP2 (each rank holds a shard) or sketches, or where it does not hold."""
+    if rec.meta.get("fsdp") or rec.sketch:
+        return None
+    for k in rec.tensor_steps():
+        w = rec.world_at(k)
+        grads = []
+        for r in range(w):
+            m = rec.step_meta(r, k)
+            coef = m.get("clip_coef") if m.get("clipped") and m.get("clip_coef") else 1.0
+            grads.append({n[2:]: v.double() / coef for n, v in rec.step_tensors(r, k).items() if n.startswith("g/")})
+        found = C.never_reduced(grads, ref.tensors(k, "g/"), rel, bound)
+        if found is not None:
+            return k, found
+    return None
+
+
+def _step_counts(rec: A.RecordingSet, steps: list[int]) -> list[dict] | None:
+    """causes.step_counts at each of `steps` (a built-in token objective only;
+    causal_lm shifts by one), or None where a step's targets are not [rows, T]."""
+    objective = rec.meta.get("objective")
+    if objective not in ("causal_lm", "token_mean"):
+        return None
+    micro_max = max(rec.step_meta(0, k).get("micro_batches", 1) for k in rec.steps)
+    out = []
+    for k in steps:
+        batches = [(r, C.targets_of(b)) for r, _, b in rec.micro_batches(k)]
+        c = C.step_counts(batches, rec.world_at(k), rec.step_meta(0, k).get("micro_batches", 1), micro_max,
+                          shift=1 if objective == "causal_lm" else 0)
+        if c is None:
+            return None
+        out.append(c)
+    return out
+
+
+def _bf16_wire(rec: A.RecordingSet) -> bool:
+    """Every element of the fleet's recorded gradient a bfloat16 value at
+    every tensor step the loop did not clip (clip coefficient 1 or none: a
+    clip multiplies it off the bfloat16 grid); False where no step qualifies."""
+    steps = [k for k in rec.tensor_steps() if rec.step_meta(0, k).get("clip_coef") in (None, 1.0)]
+    return bool(steps) and all(C.bf16_representable(rec.tensors_at(k, "g/")) for k in steps)
 
 
 def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
@@ -453,7 +509,13 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)
                         and (alt != "gm" or gm_far)), None)
-        if unit:
+        apart = None if constant or unit else _never_reduced(rec, ref, bound)
+        scalars = [(k, c, r) for k, (c, r) in zip(fitted, fits)]
+        per_step = not constant and not unit and C.per_step_scalar(scalars, bound, FACTOR_AWAY * bound)
+        if first_bad is not None and math.isinf(first_bad["error"]):
+            reason = (f"the fleet's gradient at step {first_bad['step']} is not finite, or one process's at the "
+                      "recorded parameters is not: NaN or inf (see finite)")
+        elif unit:
             reason = (f"the fleet's gradient equals {what} at the {len(fits)} recorded step(s) where the fleet's "
                       f"parameters equal the one-process run's, but differs by {worst:.2g} at step {worst_k} "
                       f"(tensor {worst_t}; {stated}), after the parameters parted: the fault is in a step between "
@@ -463,6 +525,14 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                       f"K = {micro} micro-batches) at every step: a normalisation applied the wrong number of times")
         elif constant:
             reason = f"the fleet's gradient is {what} times a constant {cs[0]:.4g} at every step"
+        elif apart is not None:
+            k0, (far, off) = apart
+            reason = (f"the gradients were never all-reduced: at step {k0} the ranks' gradients differ from each other "
+                      f"(by {far:.2g}), each its own micro-batches' gradient, and their mean equals {what} (within "
+                      f"{off:.2g}; {stated}): no_sync on every micro-batch (or a hand-written all-reduce that never "
+                      "ran), so each rank steps on its own gradient and the ranks drift apart")
+        elif per_step and not alt_hit:
+            reason = C.describe_scalars(scalars, _step_counts(rec, fitted), factor_rtol) + f" ({stated})"
         elif alt_hit:
             c = alts[alt_hit][0][0]
             desc = {"gm": "the gradient of the step's rows in one forward (one process at the global batch: "
@@ -487,6 +557,10 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         else:
             reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} (tensor "
                       f"{worst_t}; {stated})" + ("" if near_one else ", not by a constant factor"))
+            if not rec.sketch and _bf16_wire(rec):
+                reason += ("; every element of the fleet's gradient is a bfloat16 value (float32 with its low 16 bits "
+                           "zero) at every step it was not clipped: the gradient was all-reduced in bfloat16 (a bf16 "
+                           "compress hook), whose round-off (~4e-3 relative) the float32 bound does not allow")
             info, _ = ref.step(rec.tensor_steps()[0])
             if info.get("rng_sensitive"):
                 reason += "; the one-process gradient itself changes with the RNG state (see independence)"
@@ -651,6 +725,20 @@ def _row_hashes(batch: dict[str, torch.Tensor]) -> list[str]:
     return out
 
 
+def _identical_ranks(rec: A.RecordingSet, k: int) -> tuple[tuple[int, int], int] | None:
+    """Two ranks whose rows at step k are identical token for token (every
+    row, in order; by _row_hashes): ((q, r), rows), else None."""
+    seen: dict[tuple[str, ...], int] = {}
+    for r in range(rec.world_at(k)):
+        rows = tuple(h for rr, _, b in rec.micro_batches(k) if rr == r for h in _row_hashes(b))
+        if not rows:
+            continue
+        if rows in seen:
+            return (seen[rows], r), len(rows)
+        seen[rows] = r
+    return None
+
+
 def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bool]:
     """Step k's reads: (rank, the row ids it read in the step, micro-batches
     in order) per rank, and whether every id is exact (given) rather than a
@@ -768,6 +856,14 @@ def check_data(rec: A.RecordingSet) -> Check:
     for k, ep in zip(rec.steps, epochs):
         groups, exact = _reads(rec, k)
         all_exact = all_exact and exact
+        same = _identical_ranks(rec, k) if exact else None
+        if same:  # ids given: they never overrule the tokens
+            (q, r), rows = same
+            return Check("data", False, f"at step {k} ranks {q} and {r} read identical rows, token for token (all "
+                                        f"{rows} of them, in order), though the example ids the loop gave differ: "
+                                        "every rank read the same data (no DistributedSampler?) and the ids do not "
+                                        "describe the reads; only a dataset that repeats every one of those rows, in "
+                                        "that order, under other ids would read so")
         step_n = sum(len(ids) for _, ids in groups)
         reads += step_n
         if given_epochs:
@@ -844,6 +940,7 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
             continue
         reported_any = True
         x = abs(losses[0] - info["loss"]) / max(abs(info["loss"]), 1e-30)
+        x = x if math.isfinite(x) else math.inf  # a NaN logged (or a NaN reference): above every bound
         if x > worst:
             worst, at = x, k
         if x > tol:
@@ -868,6 +965,11 @@ def check_loss(rec: A.RecordingSet, ref: _Ref, training_ok: bool) -> Check:
     named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)
     reason = (f"the logged loss differs from the declared objective by {worst:.2g} at step {at}"
               + (f": it is {named}, not the global token mean" if named else ""))
+    if math.isinf(worst):
+        logged = rec.step_meta(0, at).get("loss")
+        reason = (f"the logged loss at step {at} is {logged}" if isinstance(logged, float) and not math.isfinite(logged)
+                  else f"the declared objective at step {at} is not finite (the recorded parameters hold NaN or inf)"
+                  ) + ": not compared (see finite)"
     reason += ("; the training itself matches one process (gradient and replay pass): the logged loss is wrong, "
                "not the training" if training_ok else "")
     return Check("loss", False, reason)
@@ -940,6 +1042,12 @@ def check_ranks(rec: A.RecordingSet) -> Check:
 def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     if mgn <= 0:
+        bound = [(k, c) for k in rec.steps if (c := rec.step_meta(0, k).get("clip_coef")) is not None and c < 1]
+        if bound:
+            return Check("clip", False, f"max_grad_norm is 0 (no clipping declared), but the loop recorded a clip "
+                                        f"coefficient {bound[0][1]:.6g} at step {bound[0][0]}: the recording's "
+                                        "max_grad_norm is not the one the loop clipped by (edited, or another value "
+                                        "given to the Recorder)")
         return Check("clip", True, "no clipping declared (max_grad_norm=0)")
     seen = False
     for k in rec.steps:
@@ -953,7 +1061,7 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
         want = info["norm"]
         if ref.meta.get("mode") == "run" and k not in rec.tensor_steps():
             continue
-        bad = [(r, x) for r, x in enumerate(norms) if x is None or abs(x - want) > tol * want]
+        bad = [(r, x) for r, x in enumerate(norms) if x is None or not abs(x - want) <= tol * want]  # NaN: bad
         if bad:
             per = ", ".join(f"rank {r}: {x:.6g}" for r, x in enumerate(norms) if x is not None)
             differ = len({x for x in norms if x is not None}) > 1
@@ -961,7 +1069,14 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
             if not rec.sketch and rec.step_meta(0, k).get("tensors", True):
                 g = _fleet_grad(rec, k)
                 own = _norm(g, sorted(g))
+            if any(x is not None and not math.isfinite(x) for x in norms) or not math.isfinite(want):
+                return Check("clip", False, f"at step {k} the gradient norm is not finite (the loop's: {per}; one "
+                                            f"process's: {want:.6g}): not compared (see finite)")
             coefs = f"coefficient {metas[0].get('clip_coef'):.4g}, one process {info['clip_coef']:.4g}"
+            if differ and _never_reduced(rec, ref, arithmetic_bound(rec, ref, GRAD_RTOL, k)) is not None:
+                return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
+                                            "its own gradient's: the gradients were never all-reduced (see gradient),"
+                                            " not a clip by a local norm")
             if differ:
                 return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
                                             f"its own, where the global gradient's norm is {want:.6g}: clipping by "
@@ -977,6 +1092,13 @@ def check_clip(rec: A.RecordingSet, ref: _Ref) -> Check:
             return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {norms[0]:.6g}, "
                                         f"neither its synchronised gradient's ({own:.6g}) nor one process's "
                                         f"({want:.6g}): clipping by a local or partial norm ({coefs})")
+        coef, want_c = metas[0].get("clip_coef"), info.get("clip_coef")
+        if coef is not None and want_c is not None and not abs(coef - want_c) <= tol * want_c:
+            # the norms agree: the coefficient is max_grad_norm's at that norm, as the reference works it out
+            return Check("clip", False, f"at step {k} the loop's clip coefficient {coef:.6g} is not the one "
+                                        f"max_grad_norm {mgn:g} gives at the gradient's norm {want:.6g} "
+                                        f"({want_c:.6g}): the recording's max_grad_norm is not the one the loop "
+                                        "clipped by (edited, or another value given to the Recorder)")
     if not seen:
         return Check("clip", True, f"the loop reported no gradient norm: the replay clipped by max_grad_norm "
                                    f"{mgn:g} itself (the replay check covers it)")
@@ -1025,8 +1147,16 @@ def judge_recording(out) -> Verdict:
     checks = [Check("complete", True, f"recording of {len(rec.steps)} steps, {rec.world_at(rec.steps[-1])} ranks, "
                                       f"{len(rec.meta['segments'])} segment(s); the one-process reference made "
                                       f"from it ({ref.meta.get('mode')})")]
+    checks.append(check_intact(rec))
+    found = first_nonfinite(rec) or ()
+    finite = check_finite(rec, found)
+    checks.append(finite)
     checks.append(check_independence(rec, ref))
     grad = check_gradient(rec, ref)
+    if grad.passed and found and found[2].startswith(("g/", "gs/")):  # a rank's copy the check does not compare
+        grad.passed = False
+        grad.reason = (f"rank {found[1]}'s gradient at step {found[0]} holds NaN or inf (see finite), which no bound "
+                       f"allows; the copy compared: {grad.reason}")
     checks.append(grad)
     checks.append(check_grad_mask(rec, ref))
     replay = check_replay(rec, ref)
@@ -1035,7 +1165,11 @@ def judge_recording(out) -> Verdict:
     checks.extend([buffers] if buffers is not None else [])
     checks.append(check_data(rec))
     checks.append(check_loss(rec, ref, grad.passed and replay.passed))
-    checks.append(check_ranks(rec))
+    ranks = check_ranks(rec)
+    if ranks.passed and not finite.passed and (where := first_nonfinite_state(rec)):
+        ranks = Check("ranks", False, f"the ranks' parameters agree by hash, but {where} they hold NaN or inf: "
+                                      "not an agreement to pass (see finite)")
+    checks.append(ranks)
     checks.append(check_clip(rec, ref))
     from dormouse.gate.judge.layouts import check_layout  # here: layouts imports this module
 

@@ -87,6 +87,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import importlib
 import json
 import math
 from pathlib import Path
@@ -235,6 +236,9 @@ def rebuild(rec: A.RecordingSet):
     for n in sorted(init):
         a, b = state[n].detach().cpu(), init[n]
         if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            apart = A.ranks_apart_from(rec, state)
+            if apart:
+                raise ReferenceError(apart)
             raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
                                  f"recorded initial ones (first: {n}): seed it as the loop does")
     _as_recorded(model, meta)
@@ -290,6 +294,15 @@ def check_provenance(rec: A.RecordingSet) -> None:
     m = rec.meta
     now = code_hashes([m["build_model"], m["build_optimizer"], m["objective"]])
     for mod, h in prov.get("code", {}).items():
+        if now.get(mod) == "" and h:  # not found from here: an import failure, not a change
+            try:
+                importlib.import_module(mod)
+                said = "its source file cannot be found"
+            except Exception as e:
+                said = f"{type(e).__name__}: {e}"
+            raise ReferenceError(f"module {mod!r} does not import from here ({said}): `gate check` imports the "
+                                 "builders as `python -m` does, from the working directory and PYTHONPATH: run it "
+                                 "from the folder the training ran in, or put the module's folder on PYTHONPATH")
         if now.get(mod) != h:
             raise ReferenceError(f"module {mod!r} changed since the recording (its source differs): "
                                  "re-record with the code the references will run")

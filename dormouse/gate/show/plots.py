@@ -35,6 +35,25 @@ def _integer_steps(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _log_y(x) -> float:
+    """A value for a log axis: FLOOR for an exact zero, NaN (a gap) for a value
+    that is None or not finite (verdict.json writes NaN and inf as null)."""
+    import math
+
+    if x is None or not math.isfinite(x):
+        return math.nan
+    return x if x > 0 else FLOOR
+
+
+def _mark_nonfinite(ax, steps, values) -> None:
+    """A red band at each step whose value is None or not finite (a NaN or inf the line cannot draw)."""
+    import math
+
+    bad = [s for s, x in zip(steps, values) if x is None or not math.isfinite(x)]
+    for i, s in enumerate(bad):
+        ax.axvline(s, color="crimson", alpha=0.3, lw=6, label="NaN or inf" if i == 0 else None)
+
+
 def _status(check: dict) -> str:
     return "ok" if check.get("pass") else "FAIL"
 
@@ -92,7 +111,7 @@ def loss_delta(v: dict, name: str = "curve"):
     if not c or not c.get("per_step"):
         return None
     per = c["per_step"]
-    rel = [r if r > 0 else FLOOR for r in per]
+    rel = [_log_y(r) for r in per]
     steps = list(range(1, len(rel) + 1))
     fig = _figure(6.5, 5.6)
     ax, flips_ax = fig.subplots(2, 1, sharex=True, height_ratios=(2.2, 1))
@@ -100,12 +119,12 @@ def loss_delta(v: dict, name: str = "curve"):
     tol = _tolerance(c)
     if tol:
         ax.step(steps, tol, where="mid", color="crimson", ls="--", label="tolerance")
-        bad = [k for k, (r, t) in enumerate(zip(per, tol), 1) if not r <= t]
+        bad = [k for k, (r, t) in enumerate(zip(per, tol), 1) if r is None or not r <= t]
         if bad:
             ax.semilogy(bad, [rel[k - 1] for k in bad], "x", color="crimson", ms=10, mew=2, label="over tolerance")
     floor = c.get("floor_envelope") or c.get("noise_floor")
     if isinstance(floor, list) and len(floor) == len(per):
-        ax.semilogy(steps, [f if f > 0 else FLOOR for f in floor], ":", color="gray", label="measured floor")
+        ax.semilogy(steps, [_log_y(f) for f in floor], ":", color="gray", label="measured floor")
     first = c.get("first_flip_step")
     if first:
         ax.axvline(first, color="darkorange", lw=1, ls="-.", label=f"first routing flip (step {first})")
@@ -146,7 +165,7 @@ def _flips_panel(ax, c: dict, steps: list[int]) -> None:
 
 def _barh(ax, names, values, label, color=None):
     ys = range(len(names))
-    ax.barh(list(ys), [x if x > 0 else FLOOR for x in values], color=color, label=label)
+    ax.barh(list(ys), [_log_y(x) for x in values], color=color, label=label)
     ax.set_yticks(list(ys), names, fontsize=7)
     ax.set_xscale("log")
     ax.invert_yaxis()
@@ -164,8 +183,8 @@ def references(v: dict):
     for (name, c), color in zip(rows, ("tab:blue", "tab:green", "tab:purple")):
         per = c["per_step"]
         steps = list(range(1, len(per) + 1))
-        ax.semilogy(steps, [x if x > 0 else FLOOR for x in per], "o-", ms=3, color=color,
-                    label=f"{name} [{_status(c)}]")
+        ax.semilogy(steps, [_log_y(x) for x in per], "o-", ms=3, color=color, label=f"{name} [{_status(c)}]")
+        _mark_nonfinite(ax, steps, per)
         if c.get("bound"):
             ax.axhline(c["bound"], color=color, ls="--", lw=1)
     ax.set(xlabel="step", ylabel="max relative difference over tensors",
@@ -242,6 +261,8 @@ def recording_gradient(rows: list[dict], title: str = ""):
     all tensors, against its bound (replay: GRAD_RTOL); sketch / every-k
     recordings hold each tensor to its own bound, so there the tensor nearest
     its bound is drawn with that bound. Steps over their bound are crossed."""
+    import math
+
     from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, RUN_MIN_RTOL
 
     if not rows:
@@ -249,21 +270,30 @@ def recording_gradient(rows: list[dict], title: str = ""):
     fig = _figure(6.5, 3.6)
     ax = fig.add_subplot()
     steps = [r["step"] for r in rows]
-    ax.semilogy(steps, [max(r["error"], FLOOR) for r in rows], "o-", ms=4, label="fleet vs one process, all tensors")
+    ax.semilogy(steps, [_log_y(r["error"]) for r in rows], "o-", ms=4, label="fleet vs one process, all tensors")
+    _mark_nonfinite(ax, steps, [r["error"] for r in rows])
     if rows[0].get("bound") is not None:
         ax.step(steps, [r["bound"] for r in rows], where="mid", color="crimson", ls="--", label="bound")
     else:
-        ax.semilogy(steps, [max(r["tensor_error"], FLOOR) for r in rows], "s-", ms=3, color="tab:green",
+        ax.semilogy(steps, [_log_y(r["tensor_error"]) for r in rows], "s-", ms=3, color="tab:green",
                     label="the tensor nearest its bound")
         ax.step(steps, [r["tensor_bound"] for r in rows], where="mid", color="crimson", ls="--",
                 label=f"that tensor's bound ({FLOOR_MULTIPLE:g} x its one-ulp floor, at least {RUN_MIN_RTOL:g})")
     bad = [r for r in rows if not r["ok"]]
     if bad:
-        y = [max(r["error"] if r.get("bound") is not None else r["tensor_error"], FLOOR) for r in bad]
+        y = [_log_y(r["error"] if r.get("bound") is not None else r["tensor_error"]) for r in bad]
         ax.semilogy([r["step"] for r in bad], y, "x", color="crimson", ms=10, mew=2, label="over its bound")
     ax.set(xlabel="step", ylabel="relative gradient difference",
            title=title or f"gradient per step [{'ok' if not bad else 'FAIL'}]")
     _integer_steps(ax)
+    scal = [r.get("scalar") for r in rows]
+    if bad and any(c is not None and math.isfinite(c) and abs(c - 1) > 1e-3 for c in scal):
+        # the fitted scalar c (g_fleet ~ c g) per step, beside the difference: a wrong count shows as a c per step
+        ax2 = ax.twinx()
+        ax2.plot(steps, [c if c is not None and math.isfinite(c) else math.nan for c in scal], "d:", ms=4,
+                 color="tab:purple", label="fitted scalar c (fleet ≈ c · one process)")
+        ax2.set_ylabel("fitted scalar c", color="tab:purple")
+        ax2.legend(fontsize=7, loc="lower right")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     return fig

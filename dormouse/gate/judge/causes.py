@@ -1,0 +1,165 @@
+"""Causes of a wrong gradient the judge can name from numbers alone (issue 27).
+Pure functions of per-step figures (no files read here): recording.py
+gathers the figures from a recording and its reference and words the verdict.
+
+A scalar per step. A loop that divides the step's loss sum by a wrong count
+N' computes g_fleet = (N / N') g, the one-process gradient g (a token mean
+over N targets) times c = N / N', a scalar that changes from step to step as
+the batches do. Fitted per step (c = <g_fleet, g> / <g, g>) and exact (the
+residual ||g_fleet - c g|| / ||c g|| within the gradient's bound at every
+step), it implies the count the loop divided by, N' = N / c, and that count
+names the bug when it equals one the recording knows (KNOWN_COUNTS, every
+step within the fit's tolerance):
+
+  padding       every label position after the shift, padding included
+                (rows x (T - 1) per micro-batch): padding counted as tokens
+  unshifted     the targets before the shift (labels != -100 over all T
+                positions: one extra target per row)
+  every_pos     every position (rows x T): padding and the shift both
+  rank r        W x rank r's own target count, used by every rank (one
+                rank's count broadcast)
+  short step    a step of K_k < K micro-batches still divided by K: c = K_k / K
+                (N' = N K / K_k), 1 at the full steps
+
+Other named patterns, each a pure test below:
+  never_reduced  the ranks' gradients differ (DDP all-reduces them equal) and
+                 their mean is one process's gradient: no_sync on every
+                 micro-batch, the gradients never all-reduced
+  bf16_wire      every element of the fleet's gradient is a bfloat16 value
+                 (its float32 bits end in 16 zeros) where one process's is not:
+                 a gradient all-reduced in bfloat16 (a bf16 compress hook)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SHOWN_STEPS = 4  # per-step figures shown in a reason (the rest summarised)
+
+
+def targets_of(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """A micro-batch's targets as the built-in objectives read them: its
+    "labels"; without them its input_ids (or arg0) with -100 where
+    attention_mask is 0; None when it has neither."""
+    if "labels" in batch:
+        return batch["labels"]
+    ids = batch.get("input_ids", batch.get("arg0"))
+    if ids is None:
+        return None
+    mask = batch.get("attention_mask")
+    return ids.masked_fill(mask == 0, -100) if mask is not None and mask.shape == ids.shape else ids
+
+
+def step_counts(batches: list[tuple[int, torch.Tensor]], world: int, micro: int, micro_max: int,
+                shift: int = 1) -> dict[str, float] | None:
+    """The counts a loop may have divided step k's loss sum by, from the
+    step's (rank, targets) of every micro-batch (targets [rows, T]): the
+    targets after the shift ("targets", the one-process count), and
+    KNOWN_COUNTS' others. None when the targets are not [rows, T]."""
+    if not batches or any(y is None or y.dim() != 2 for _, y in batches):
+        return None
+    out = {"targets": 0.0, "padding": 0.0, "unshifted": 0.0, "every_pos": 0.0}
+    per_rank = [0.0] * world
+    for r, y in batches:
+        rows, t = y.shape
+        n = float((y[:, shift:] != -100).sum())
+        out["targets"] += n
+        out["padding"] += rows * max(t - shift, 0)
+        out["unshifted"] += float((y != -100).sum())
+        out["every_pos"] += rows * t
+        if 0 <= r < world:
+            per_rank[r] += n
+    for r, n in enumerate(per_rank):
+        out[f"rank {r}"] = world * n
+    if micro < micro_max:
+        out["short step"] = out["targets"] * micro_max / micro
+    return out
+
+
+WORDS = {"padding": "every label position after the shift, padding counted as tokens",
+         "unshifted": "the targets before the shift (labels != -100 over every position: one extra target per row)",
+         "every_pos": "every position, padding and the shift both counted",
+         "short step": "the full step's micro-batch count K at a step of fewer micro-batches (a short last step "
+                       "still divided by K)"}
+
+
+def _words(name: str) -> str:
+    if name.startswith("rank "):
+        return (f"{name}'s own target count times W, used by every rank (one rank's count broadcast, not the "
+                "global one all-reduced)")
+    return WORDS[name]
+
+
+def name_count(implied: list[float], counts: list[dict[str, float]], rtol: float) -> str | None:
+    """The KNOWN_COUNTS candidate the implied counts equal at every step
+    (within rtol, the tolerance a fitted factor is named within; a "short
+    step" candidate counts only at the steps it exists, the targets at the
+    others), or None."""
+    tol = rtol
+    names = {n for c in counts for n in c if n != "targets"}
+    for name in sorted(names, key=lambda n: (n.startswith("rank "), n)):
+        hits = [c.get(name, c["targets"] if name == "short step" else math.nan) for c in counts]
+        if name == "short step" and all(name not in c for c in counts):
+            continue
+        if all(math.isfinite(h) and h > 0 and abs(i / h - 1) <= tol for i, h in zip(implied, hits)):
+            return name
+    return None
+
+
+def per_step_scalar(fits: list[tuple[int, float, float]], bound: float, away: float) -> bool:
+    """Whether (step, c, residual) fits say "one process's gradient times a
+    scalar at each step": every residual within `bound` and some c clearly
+    away from 1 (|c - 1| > away)."""
+    return bool(fits) and all(math.isfinite(c) and r <= bound for _, c, r in fits) and \
+        any(abs(c - 1) > away for _, c, _ in fits)
+
+
+def describe_scalars(fits: list[tuple[int, float, float]], counts: list[dict[str, float]] | None,
+                     rtol: float) -> str:
+    """The sentence for an exact per-step scalar: the scalars, the counts they
+    imply against the steps' target counts, and the known count that matches."""
+    show = fits[:SHOWN_STEPS]
+    more = f", ... ({len(fits)} steps)" if len(fits) > SHOWN_STEPS else ""
+    scal = ", ".join(f"{c:.4g}" for _, c, _ in show)
+    steps = ", ".join(str(k) for k, _, _ in show)
+    words = (f"the fleet's gradient is one process's times a scalar that changes from step to step, exact at each "
+             f"(residual within the bound): {scal}{more} at steps {steps}")
+    if not counts:
+        return words
+    implied = [cnt["targets"] / c for (_, c, _), cnt in zip(fits, counts)]
+    imp = ", ".join(f"{x:.6g}" for x in implied[:SHOWN_STEPS])
+    tgt = ", ".join(f"{cnt['targets']:g}" for cnt in counts[:SHOWN_STEPS])
+    words += (f"; the loop divided each step's loss sum by {imp}{more} where the steps hold {tgt} targets "
+              "(implied count = targets / scalar)")
+    named = name_count(implied, counts, rtol)
+    if named:
+        return words + f": that is {_words(named)}"
+    known = ", ".join(sorted(n for n in counts[0] if n != "targets"))
+    return words + f"; none of the counts the recording knows matches ({known})"
+
+
+def never_reduced(rank_grads: list[dict[str, torch.Tensor]], g_ref: dict[str, torch.Tensor],
+                  rel, bound: float) -> tuple[float, float] | None:
+    """Where the ranks' gradients differ from each other (beyond `bound`) and
+    their mean equals one process's gradient (within `bound`): (how far rank
+    1 is from rank 0, how far the mean is from one process's); else None.
+    `rel(a, b, names)` is the judge's relative difference."""
+    if len(rank_grads) < 2:
+        return None
+    names = sorted(set(g_ref).intersection(*rank_grads))
+    if not names:
+        return None
+    apart = max(rel(g, rank_grads[0], names) for g in rank_grads[1:])
+    if not apart > bound:
+        return None
+    mean = {n: sum(g[n].double() for g in rank_grads) / len(rank_grads) for n in names}
+    off = rel(mean, g_ref, names)
+    return (apart, off) if off <= bound else None
+
+
+def bf16_representable(g: dict[str, torch.Tensor]) -> bool:
+    """Every element of every float32 tensor is a bfloat16 value (its low 16 bits zero)."""
+    ts = [t for t in g.values() if t.dtype == torch.float32 and t.numel()]
+    return bool(ts) and all(bool(((t.contiguous().view(torch.int32) & 0xFFFF) == 0).all()) for t in ts)

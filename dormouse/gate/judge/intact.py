@@ -1,0 +1,51 @@
+"""Whether a recording holds what its ranks recorded (issue 27): each rank
+wrote, beside each step's tensors and its final ones, a sha256 of its
+parameters and persistent buffers ("param_hash", artifacts.tensor_digest).
+The judge recomputes every rank's hash from the tensors that rank's files
+hold now: a rank's tensors edited (or damaged) after the run, with its hash
+left as it was, fail here, named, even where the judge reads another rank's
+copy (under DDP the checks read rank 0's parameters; the ranks check
+compares the recorded hashes, not the tensors)."""
+
+from __future__ import annotations
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.judge.checks import Check
+
+
+def _state_at_step(t: dict) -> dict:
+    """What the Recorder hashed at a step: the parameters by their names, the buffers as "b/<name>"
+    (a sketched step: the parameter sketches by their names)."""
+    full = {k[2:]: v for k, v in t.items() if k.startswith("p/")}
+    if full:
+        return {**full, **{k: v for k, v in t.items() if k.startswith("b/")}}
+    return {k[3:]: v for k, v in t.items() if k.startswith("ps/")}
+
+
+def first_mismatch(rec: A.RecordingSet) -> str | None:
+    """The first rank file (in step then rank order, then the final ones)
+    whose tensors do not hash to the hash recorded beside them; None when all do."""
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            want = rec.step_meta(r, k).get("param_hash")
+            if want is None:  # a step without tensors (every > 1)
+                continue
+            if A.tensor_digest(_state_at_step(rec.step_tensors(r, k))) != want:
+                return (f"rank {r}'s recorded parameters at step {k} ({A.step_tensors_path(rec.out, r, k).name}) do "
+                        "not hash to the param_hash that rank recorded beside them")
+    for r in range(rec.world_at(rec.steps[-1])):
+        want = A.read_json(A.final_meta_path(rec.out, r), "final").get("param_hash")
+        t, _ = A.read_tensors(A.final_tensors_path(rec.out, r), "final tensors")
+        if want is not None and A.tensor_digest(t) != want:
+            return (f"rank {r}'s recorded final parameters ({A.final_tensors_path(rec.out, r).name}) do not hash to "
+                    "the param_hash that rank recorded beside them")
+    return None
+
+
+def check_intact(rec: A.RecordingSet) -> Check:
+    bad = first_mismatch(rec)
+    if bad:
+        return Check("intact", False, bad + ": the recording was edited or damaged after the run (its tensors are "
+                                            "not what the rank recorded); re-record")
+    return Check("intact", True, "every rank's recorded parameters (each step's and the final ones) hash to the "
+                                 "sha256 that rank recorded beside them")

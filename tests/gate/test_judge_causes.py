@@ -1,0 +1,230 @@
+"""The judge names what it finds (issue 27), on real 2-rank gloo fleets of the
+plain DDP/FSDP2 loop (tests/support/ddp_loop.py) recorded in ONE torchrun
+launch: the first non-finite value (step, rank, tensor) with no line [ok]
+over it and figures that draw it; a recording edited after the run (a rank's
+tensors, world, max_grad_norm, a step's lr) FAILS or is refused in one line;
+a wrong token count is named from the per-step scalar and the count it
+implies; gradients never all-reduced, a bfloat16 wire, FSDP2 ranks seeded
+apart; ranks reading the same rows under distinct ids. Each finding is
+checked against a computation of this file's own (the loop's count_of, the
+recorded bits, torch.equal), and the clean fleet passes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import looprec
+import pytest
+import torch
+from ddp_loop import count_of
+from looprec import QUIET, failing, launch
+from safetensors.torch import load_file, save_file
+
+from dormouse.errors import DormouseError
+from dormouse.gate import artifacts as A
+from dormouse.gate.judge.recording import judge_recording
+from dormouse.gate.record.reference import make_reference
+
+RUNS = {
+    "clean": {"max_grad_norm": 0.5},  # the clip binds: coefficients below 1 to hold max_grad_norm against
+    "nan_grad": {"nan": {"step": 2, "rank": 1, "where": "grad"}},  # rank 1 alone, after the all-reduce
+    "nan_loss": {"nan": {"step": 2, "rank": 1, "where": "loss"}},  # the all-reduce spreads it; NaN logged
+    "count_padding": {"count": "padding"},
+    "count_unshifted": {"count": "unshifted"},
+    "count_rank0": {"count": "rank0"},
+    "no_sync_all": {"no_sync_all": True},
+    "clip_local": {"fault": "clip_local"},  # each rank clips by its local norm, then all-reduces
+    "bf16_hook": {"bf16_hook": True, "max_grad_norm": 0.0},
+    "fsdp_rank_seed": {"fsdp": True, "rank_seed": True},
+    "same_rows_ids": {"fault": "same_data", "ids": True, "rank_ids": True},
+}
+DEFAULTS = {"steps": 2, "micro": 2}
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("causes")
+    launch([{**DEFAULTS, **cfg, "out": str(root / name)} for name, cfg in RUNS.items()], root)
+    return {name: root / name for name in RUNS}
+
+
+def verdict(recordings, name):
+    return looprec.verdict(recordings[name])
+
+
+def _copy(recordings, tmp_path, name="clean") -> Path:
+    dst = tmp_path / name
+    shutil.copytree(recordings[name], dst, ignore=shutil.ignore_patterns("reference"))
+    return dst
+
+
+def _edit(path: Path, **fields) -> None:
+    meta = json.loads(path.read_text())
+    meta.update(fields)
+    path.write_text(json.dumps(meta))
+
+
+def test_the_clean_fleet_passes_intact_and_finite(recordings):
+    v = verdict(recordings, "clean")
+    assert v.passed, failing(v)
+    assert v.check("intact").passed and v.check("finite").passed
+
+
+# --------------------------------------------------------------------------- non-finite values
+
+
+def _first_nan(out: Path) -> tuple[int, int, list[str]]:
+    """This file's own scan: the first (step, rank) whose files hold a NaN, and which tensors."""
+    rec = A.RecordingSet(out)
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            t = load_file(A.step_tensors_path(out, r, k))
+            bad = sorted(n for n, x in t.items() if x.is_floating_point() and torch.isnan(x).any())
+            if bad:
+                return k, r, bad
+    raise AssertionError("no NaN recorded")
+
+
+@pytest.mark.parametrize("name", ["nan_grad", "nan_loss"])
+def test_the_first_nan_is_the_failing_line_and_no_line_passes_over_it(recordings, name):
+    k, r, bad = _first_nan(recordings[name])
+    assert (k, r) == ((2, 1) if name == "nan_grad" else (2, 0))  # nan_loss: the all-reduce gives rank 0 it first
+    v = verdict(recordings, name)
+    c = v.check("finite")
+    assert not c.passed and f"at step {k} rank {r}'s gradient of {bad[0][2:]} holds NaN" in c.reason, c.reason
+    # every check whose numbers the NaN reaches fails; none says [ok] over it (nan_grad: rank 1's own copy of
+    # the gradient, which the gradient check does not compare, and its logged norm)
+    for check in ("gradient", "clip") + (("loss",) if name == "nan_loss" else ()):
+        assert not v.check(check).passed and "see finite" in v.check(check).reason, v.check(check).reason
+    if name == "nan_loss":  # the loop logged NaN: the loss line says so
+        assert "the logged loss at step 2 is nan" in v.check("loss").reason
+        assert not v.check("ranks").passed  # ranks equal in NaN are not an agreement
+
+
+def test_figures_and_the_cli_draw_a_nan_recording_without_raising(recordings, capsys):
+    from dormouse.__main__ import main
+
+    assert main(["gate", "check", "--out", str(recordings["nan_loss"])]) == 1
+    out = capsys.readouterr()
+    assert "[FAIL] finite: at step 2 rank 0's gradient" in out.out and "Traceback" not in out.err
+    assert (recordings["nan_loss"] / "recording_gradient.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------- tampering
+
+
+def test_a_rank_whose_tensors_were_edited_with_its_hash_left_fails_intact(recordings, tmp_path):
+    d = _copy(recordings, tmp_path)
+    path = A.step_tensors_path(d, 1, 2)
+    t = load_file(path)
+    t["p/fc.bias"] = t["p/fc.bias"] + 0.01  # rank 1's copy: the judge reads rank 0's parameters
+    save_file(t, path)
+    make_reference(d, log=QUIET)
+    v = judge_recording(d)
+    looprec.fails_for(v, "intact", "rank 1's recorded parameters at step 2")
+    assert [c.name for c in v.checks if not c.passed] == ["intact"]  # nothing else sees it
+    shutil.copy(recordings["clean"] / "rank1" / "step000002.safetensors", path)  # put back: then the final file
+    t = load_file(d / "rank0" / "final.safetensors")
+    t["p/head.bias"][0] += 1
+    save_file(t, d / "rank0" / "final.safetensors")
+    assert "rank 0's recorded final parameters" in judge_recording(d).check("intact").reason
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda d: _edit(d / "recording.json", world=3), "field 'world' is 3 but its last segment ran at world 2"),
+    (lambda d: shutil.copytree(d / "rank1", d / "rank2"), "holds rank2/ beyond its world 2"),
+    (lambda d: _edit(d / "rank0" / "step000002.json", lr="0.01"), "field 'lr' is '0.01', not a number or null"),
+    (lambda d: _edit(d / "recording.json", dataset_len="48"), "field 'dataset_len' is '48', not an integer"),
+    (lambda d: _edit(d / "recording.json", fsdp=True), "field 'fsdp' is True but the initial state holds no sharded"),
+])
+def test_an_edited_field_is_one_line_and_exit_2(recordings, tmp_path, capsys, edit, words):
+    from dormouse.__main__ import main
+
+    d = _copy(recordings, tmp_path)
+    edit(d)
+    assert main(["gate", "check", "--out", str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+@pytest.mark.parametrize("mgn", [1.0, 0.0])
+def test_an_edited_max_grad_norm_fails_clip_against_the_recorded_coefficients(recordings, tmp_path, mgn):
+    d = _copy(recordings, tmp_path)
+    step1 = json.loads(A.step_meta_path(d, 0, 1).read_text())
+    assert step1["clip_coef"] == pytest.approx(0.5 / (step1["grad_norm"] + 1e-6))  # the loop clipped by 0.5
+    assert step1["clip_coef"] < 0.9
+    _edit(d / "recording.json", max_grad_norm=mgn)
+    make_reference(d, log=QUIET)
+    v = judge_recording(d)
+    words = "is not the one max_grad_norm 1 gives" if mgn else "max_grad_norm is 0 (no clipping declared), but"
+    looprec.fails_for(v, "clip", words)
+    assert "recording's max_grad_norm is not the one the loop clipped by" in v.check("clip").reason
+
+
+# --------------------------------------------------------------------------- causes
+
+
+def _loop_counts(out: Path, how: str) -> list[int]:
+    """The count the loop divided each step by, recomputed with the loop's own count_of (rank 0's count x W
+    for "rank0")."""
+    rec = A.RecordingSet(out)
+    got = []
+    for k in rec.steps:
+        per = [0] * rec.world_at(k)
+        for r, _, b in rec.micro_batches(k):
+            per[r] += count_of("targets" if how == "rank0" else how, b, 1)
+        got.append(per[0] * len(per) if how == "rank0" else sum(per))
+    return got
+
+
+@pytest.mark.parametrize("name,words", [
+    ("count_padding", "padding counted as tokens"),
+    ("count_unshifted", "one extra target per row"),
+    ("count_rank0", "rank 0's own target count times W, used by every rank"),
+])
+def test_a_wrong_count_is_named_from_its_per_step_scalar(recordings, name, words):
+    c = verdict(recordings, name).check("gradient")
+    assert not c.passed and "a scalar that changes from step to step" in c.reason and words in c.reason, c.reason
+    implied = re.search(r"divided each step's loss sum by ([\d., ]+) where", c.reason).group(1)
+    assert [round(float(x)) for x in implied.split(", ")] == _loop_counts(recordings[name], name.split("_")[1])
+
+
+def test_gradients_never_all_reduced_are_named_not_a_local_clip(recordings):
+    rec = A.RecordingSet(recordings["no_sync_all"])
+    g0, g1 = (load_file(A.step_tensors_path(rec.out, r, 1)) for r in (0, 1))
+    assert not torch.equal(g0["g/head.bias"], g1["g/head.bias"])  # the ranks' recorded gradients differ
+    v = verdict(recordings, "no_sync_all")
+    looprec.fails_for(v, "gradient", "the gradients were never all-reduced: at step 1")
+    assert "never all-reduced" in v.check("clip").reason and "not a clip by a local norm" in v.check("clip").reason
+    # a clip by each rank's local norm, all-reduced after, still reads as that
+    looprec.fails_for(verdict(recordings, "clip_local"), "clip", "clipping by a local norm")
+    assert "never" not in verdict(recordings, "clip_local").check("gradient").reason
+
+
+def test_a_bf16_wire_is_named(recordings):
+    g = load_file(A.step_tensors_path(recordings["bf16_hook"], 1, 1))
+    assert all(torch.equal(t, t.bfloat16().float()) for n, t in g.items() if n.startswith("g/"))
+    looprec.fails_for(verdict(recordings, "bf16_hook"), "gradient", "all-reduced in bfloat16")
+    assert "bfloat16" not in verdict(recordings, "count_padding").check("gradient").reason
+
+
+def test_fsdp_ranks_seeded_apart_are_the_ranks_fault_not_build_models(recordings):
+    from loopmodel import build_model
+
+    d = recordings["fsdp_rank_seed"]
+    shard = load_file(A.init_path(d, 1))["fc.bias"]  # rank 1's half, from seed 1: this file's own check
+    assert torch.equal(shard, build_model(seed=1).state_dict()["fc.bias"][shard.shape[0]:])
+    with pytest.raises(DormouseError, match="the ranks started from different parameters: rank 0's recorded "
+                                            "initial tensors equal build_model's, rank 1's do not"):
+        make_reference(d, log=QUIET)
+
+
+def test_distinct_ids_over_identical_rows_are_a_double_read(recordings):
+    rec = A.RecordingSet(recordings["same_rows_ids"])
+    assert torch.equal(rec.step_tensors(0, 1)["in/0/input_ids"], rec.step_tensors(1, 1)["in/0/input_ids"])
+    assert not set(rec.example_ids(0, 1).tolist()) & set(rec.example_ids(1, 1).tolist())  # the ids differ
+    looprec.fails_for(verdict(recordings, "same_rows_ids"), "data",
+                      "at step 1 ranks 0 and 1 read identical rows, token for token")
