@@ -293,18 +293,6 @@ def assemble(shards: list[torch.Tensor], placement: dict | None) -> torch.Tensor
     return full
 
 
-def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over tensors by name: each one's name, dtype, shape and bytes, in
-    name order (a rank's "param_hash": the Recorder writes it, the judge
-    recomputes it from the tensors the rank recorded)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 # recording.json's fields and the type each must have: a field of another type is one line (exit 2),
 # not a traceback wherever it is read. (kind, schema, run: checked first; segments: each their own.)
 _INT, _NUM, _STR = (int,), (int, float), (str,)

@@ -67,7 +67,7 @@ def check_recording(out, *, force: bool = False, log: Log = print) -> Verdict:
     """`dormouse gate check` and notebook 04 on a recording: the one-process
     reference (made when missing or stale), the verdict, verdict.json; the
     caller draws the figures (show.plots.render_recording)."""
-    from dormouse.gate.judge.recording import judge_recording
+    from dormouse.gate.judge.recorded import judge_recording
     from dormouse.gate.record.reference import make_reference
 
     before = _recording_stamp(out)

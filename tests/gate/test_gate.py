@@ -23,7 +23,7 @@ from dormouse.gate.judge.checks import judge
 from dormouse.gate.settings import GateSettings
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import fleet_recording_dir
-from dormouse.gate.judge.recording import judge_recording
+from dormouse.gate.judge.recorded import judge_recording
 from dormouse.gate.record.reference import make_reference
 from gatekit import QUIET, copy_of, faulty_fleets, fleets, judged, references
 

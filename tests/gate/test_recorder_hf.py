@@ -23,7 +23,8 @@ import hf_client
 from gatekit import SUPPORT
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.recording import fit, judge_recording
+from dormouse.gate.judge.recorded import judge_recording
+from dormouse.gate.judge.recording import fit
 from dormouse.gate.record.launcher import torchrun
 from dormouse.gate.record.reference import make_reference
 

@@ -24,7 +24,7 @@ import trl_client  # noqa: E402
 from gatekit import SUPPORT  # noqa: E402
 
 from dormouse.gate import artifacts as A  # noqa: E402
-from dormouse.gate.judge.recording import judge_recording  # noqa: E402
+from dormouse.gate.judge.recorded import judge_recording  # noqa: E402
 from dormouse.gate.record.launcher import torchrun  # noqa: E402
 from dormouse.gate.record.reference import make_reference  # noqa: E402
 

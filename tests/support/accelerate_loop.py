@@ -31,7 +31,6 @@ the pre-clip norm `clip_grad_norm_` returns, before `optimizer.step()`.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 

@@ -69,7 +69,6 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -16,7 +16,7 @@ import math
 import torch
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.checks import Check
+from dormouse.gate.judge.verdict import Check
 
 # the logged numbers of a step JSON, in the order they are named, and what they are
 NUMBERS = (("loss", "logged loss"), ("grad_norm", "logged gradient norm"), ("clip_coef", "clip coefficient"),

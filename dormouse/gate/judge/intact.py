@@ -1,6 +1,6 @@
 """Whether a recording holds what its ranks recorded (issue 27): each rank
 wrote, beside each step's tensors and its final ones, a sha256 of its
-parameters and persistent buffers ("param_hash", artifacts.tensor_digest).
+parameters and persistent buffers ("param_hash", dormouse.digest.fingerprint).
 The judge recomputes every rank's hash from the tensors that rank's files
 hold now: a rank's tensors edited (or damaged) after the run, with its hash
 left as it was, fail here, named, even where the judge reads another rank's
@@ -9,8 +9,9 @@ compares the recorded hashes, not the tensors)."""
 
 from __future__ import annotations
 
+from dormouse.digest import fingerprint
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.checks import Check
+from dormouse.gate.judge.verdict import Check
 
 
 def _state_at_step(t: dict) -> dict:
@@ -30,13 +31,13 @@ def first_mismatch(rec: A.RecordingSet) -> str | None:
             want = rec.step_meta(r, k).get("param_hash")
             if want is None:  # a step without tensors (every > 1)
                 continue
-            if A.tensor_digest(_state_at_step(rec.step_tensors(r, k))) != want:
+            if fingerprint(_state_at_step(rec.step_tensors(r, k))) != want:
                 return (f"rank {r}'s recorded parameters at step {k} ({A.step_tensors_path(rec.out, r, k).name}) do "
                         "not hash to the param_hash that rank recorded beside them")
     for r in range(rec.world_at(rec.steps[-1])):
         want = A.read_json(A.final_meta_path(rec.out, r), "final").get("param_hash")
         t, _ = A.read_tensors(A.final_tensors_path(rec.out, r), "final tensors")
-        if want is not None and A.tensor_digest(t) != want:
+        if want is not None and fingerprint(t) != want:
             return (f"rank {r}'s recorded final parameters ({A.final_tensors_path(rec.out, r).name}) do not hash to "
                     "the param_hash that rank recorded beside them")
     return None

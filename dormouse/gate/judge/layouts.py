@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.checks import Check
+from dormouse.gate.judge.verdict import Check
 from dormouse.gate.judge.recording import (FACTOR_AWAY, FACTOR_RTOL, GRAD_RTOL, _fleet_grad, _Ref, arithmetic_bound,
                                            fit, rel)
 

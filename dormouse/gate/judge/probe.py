@@ -31,10 +31,9 @@ from __future__ import annotations
 import torch
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.checks import Check
-from dormouse.gate.judge.recording import FLOOR_MULTIPLE, GRAD_RTOL, _Ref, rel
-
-PROBE_RTOL = GRAD_RTOL  # the least bound a module is held to: the gradient check's float32 bound
+from dormouse.gate.judge.verdict import Check
+from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, PROBE_RTOL, floor_bound
+from dormouse.gate.judge.recording import _Ref, rel
 
 
 def _group(rec: A.RecordingSet, r: int) -> list[int]:
@@ -82,7 +81,7 @@ def _one(rec: A.RecordingSet, ref: _Ref, k: int, r: int) -> tuple[str | None, di
             figures["skipped"].append(name)
             continue
         x = rel({name: got}, {name: ro[name]}, [name])
-        bound = max(PROBE_RTOL, FLOOR_MULTIPLE * rel({name: rn[name]}, {name: ro[name]}, [name]))
+        bound = floor_bound(rel({name: rn[name]}, {name: ro[name]}, [name]), PROBE_RTOL)
         if x > bound:
             return (f"at step {k} on {whose} the first module whose forward output departs from "
                     f"one process's is {name} (relative {x:.2g}, bound {bound:.2g}); the {agree} module(s) before it "
@@ -107,7 +106,7 @@ def _one(rec: A.RecordingSet, ref: _Ref, k: int, r: int) -> tuple[str | None, di
             continue
         want = rg[name].double() * c
         x = rel({name: got}, {name: want}, [name])
-        bound = max(PROBE_RTOL, FLOOR_MULTIPLE * rel({name: rgn[name]}, {name: rg[name]}, [name]))
+        bound = floor_bound(rel({name: rgn[name]}, {name: rg[name]}, [name]), PROBE_RTOL)
         if x > bound:
             where = (f"in the backward of the modules between {last} (the last whose output gradient agrees) and it"
                      if last else "at the model's own output (its loss)")

@@ -143,21 +143,3 @@ def reference_probe(model, batch: dict, loss_sum) -> dict[str, torch.Tensor]:
 def is_probe_step(rec, k: int) -> bool:
     """Whether the recording probed step k (rank 0's step JSON says so)."""
     return rec.step_meta(0, k).get("probe_order") is not None
-
-
-def reference_tensors(model, rec, k: int, user) -> dict[str, torch.Tensor]:
-    """reference_probe on every DP replica leader's (every rank with micro-batches) first micro-batch
-    of step k, at the model's current parameters: {"probe/RANK/" + the reference_probe names}."""
-    from dormouse.gate.record.reference import objective_sum
-
-    objective = rec.meta["objective"]
-    out: dict[str, torch.Tensor] = {}
-    if any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
-        return out  # reduced precision: the probe's floors are float32's (the judge says it did not probe)
-    for r, m, batch in rec.micro_batches(k):
-        if m != 0 or rec.autocast(r, k, m) is not None or rec.compute_dtype(r, k, m) is not None:
-            continue
-        torch.random.default_generator.manual_seed(0)
-        got = reference_probe(model, batch, lambda mm, b: objective_sum(objective, mm, b, user)[0])
-        out.update({f"probe/{r}/{n}": v for n, v in got.items()})
-    return out

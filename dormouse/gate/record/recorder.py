@@ -88,6 +88,7 @@ from dormouse import atomic
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.clip import clip_coef as clip
+from dormouse.digest import fingerprint
 from dormouse.gate.record import layouts, probe
 
 OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
@@ -273,7 +274,7 @@ def _placement(t) -> dict | None:
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    return A.tensor_digest(tensors)  # the judge recomputes it from the recorded tensors
+    return fingerprint(tensors)  # the judge recomputes it from the recorded tensors
 
 
 def _version() -> str:

@@ -518,6 +518,28 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     return out, info
 
 
+def probe_tensors(model, rec, k: int, user) -> dict[str, torch.Tensor]:
+    """reference_probe on every DP replica leader's (every rank with micro-batches) first micro-batch
+    of step k, at the model's current parameters: {"probe/RANK/" + the reference_probe names}."""
+    objective = rec.meta["objective"]
+    out: dict[str, torch.Tensor] = {}
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+        return out  # reduced precision: the probe's floors are float32's (the judge says it did not probe)
+    if rec.meta.get("objective_scope") == "step":
+        return out  # an objective over the whole step: no one micro-batch's gradient is the fleet's alone
+    for r, m, batch in BS.forward_inputs(rec, k):  # with the non-tensor arguments the forward got
+        if m != 0 or rec.autocast(r, k, m) is not None or rec.compute_dtype(r, k, m) is not None:
+            continue
+        undo = _attrs(model, rec, r, k, m)  # the plain attributes this forward ran with
+        try:
+            torch.random.default_generator.manual_seed(0)
+            got = probe.reference_probe(model, batch, lambda mm, b: objective_sum(objective, mm, b, user)[0])
+        finally:
+            undo()
+        out.update({f"probe/{r}/{n}": v for n, v in got.items()})
+    return out
+
+
 def _attrs(model, rec: A.RecordingSet, r: int, step: int, m: int):
     try:
         return BS.apply_attrs(model, BS.attr_changes_at(rec, r, step, m), rec.meta.get("attrs"))
@@ -736,7 +758,7 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         ref, info = step_gradients(gmodel, rec, k, user, examples=len(done) if want else None, probe=(i == 0))
         if probe.is_probe_step(rec, k) and (replay or i == 0):  # the probe's one-process side, at the
             # recorded parameters (a run's own reference parts from them after its first step): record/probe.py
-            tensors.update(probe.reference_tensors(gmodel, rec, k, user))
+            tensors.update(probe_tensors(gmodel, rec, k, user))
         if rule is not None:  # after the gradients: the rule may move the probe's buffers (reloaded each step)
             tensors.update({f"bu/{n}": v for n, v in updated_buffers(rule, rec.meta["buffer_update"], probe_model,
                                                                       rec, k).items()})

@@ -14,7 +14,6 @@ the interpreter is still whole.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
