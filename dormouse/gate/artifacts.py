@@ -605,9 +605,15 @@ def corpus_digest(path) -> str:
 
 
 def file_digest(paths: list[Path]) -> str:
-    """sha256 over the bytes of small files (JSONs), in the order given."""
+    """sha256 over the bytes of files, in the order given (each its folder's
+    and its own name, then its bytes, read in blocks)."""
     h = hashlib.sha256()
-    for p in paths:
-        h.update(str(Path(p).name).encode())
-        h.update(Path(p).read_bytes() if Path(p).exists() else b"-")
+    for p in map(Path, paths):
+        h.update(f"{p.parent.name}/{p.name}".encode())
+        if not p.exists():
+            h.update(b"-")
+            continue
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
     return h.hexdigest()

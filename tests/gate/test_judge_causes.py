@@ -40,6 +40,7 @@ RUNS = {
     "bf16_hook": {"bf16_hook": True, "max_grad_norm": 0.0},
     "fsdp_rank_seed": {"fsdp": True, "rank_seed": True},
     "same_rows_ids": {"fault": "same_data", "ids": True, "rank_ids": True},
+    "overlap_row_ids": {"ids": True, "overlap_row": True},
 }
 DEFAULTS = {"steps": 2, "micro": 2}
 
@@ -228,3 +229,30 @@ def test_distinct_ids_over_identical_rows_are_a_double_read(recordings):
     assert not set(rec.example_ids(0, 1).tolist()) & set(rec.example_ids(1, 1).tolist())  # the ids differ
     looprec.fails_for(verdict(recordings, "same_rows_ids"), "data",
                       "at step 1 ranks 0 and 1 read identical rows, token for token")
+
+
+def test_one_row_read_by_two_ranks_under_distinct_ids_is_a_double_read(recordings):
+    rec = A.RecordingSet(recordings["overlap_row_ids"])
+    rows0 = rec.step_tensors(0, 1)["in/0/input_ids"]
+    last1 = rec.step_tensors(1, 1)["in/1/input_ids"][-1]
+    assert torch.equal(rows0[0], last1)  # the test's own: rank 1's last row is rank 0's first
+    assert not set(rec.example_ids(0, 1).tolist()) & set(rec.example_ids(1, 1).tolist())  # the ids differ
+    looprec.fails_for(verdict(recordings, "overlap_row_ids"), "data", "identical rows, token for token, under "
+                                                                      "different ids")
+
+
+def test_an_edited_input_makes_the_reference_stale_and_fails_the_gradient(recordings, tmp_path):
+    """A reference made from the recording, then one recorded input edited: the check does not judge against
+    the reference made before the edit."""
+    from dormouse.gate.record.reference import is_current
+
+    d = _copy(recordings, tmp_path)
+    make_reference(d, log=QUIET)
+    assert is_current(d)
+    path = A.step_tensors_path(d, 1, 1)
+    t = load_file(path)
+    t["in/0/input_ids"][0, 1] = (t["in/0/input_ids"][0, 1] + 1) % 7 + 1  # another token, still not padding
+    save_file(t, path)
+    assert not is_current(d)
+    make_reference(d, log=QUIET)
+    looprec.fails_for(judge_recording(d), "gradient", "")

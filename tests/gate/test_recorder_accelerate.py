@@ -111,7 +111,9 @@ def test_accumulate_with_a_per_micro_batch_token_mean_fails_named(fleet):
     names the mean of per-micro-batch means, which the hand-computed gradient
     with weights 1 / (W K n_m) reproduces."""
     v = verdict(fleet, "micro_mean")
-    assert {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    # (the probe, where it fails too, names the loss: the ranks backpropagate their losses at other scales)
+    assert {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip", "probe"}
+    assert v.check("probe") is None or v.check("probe").passed or "the loss is at fault" in v.check("probe").reason
     assert "mean of per-micro-batch token means" in checks(v)["gradient"].reason
     batches = step1_batches(0)
     weights = [1.0 / (W * K * fieldkit.targets(b)) for b in batches]

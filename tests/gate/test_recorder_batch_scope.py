@@ -33,6 +33,9 @@ RUNS = {
     "pair_undeclared": {"kind": "pair", "micro": 1, "batch": 2, "objective": "batchmodels:contrastive_local"},
     # a bool forward keyword, attributes the loop sets, labels the loss reads and the model is not given
     "switch": {"kind": "switch", "objective": "causal_lm", "flip": True, "attrs": True, "labels": "rec"},
+    # a branch one rank switches alone: a keyword, an attribute
+    "flip_rank1": {"kind": "switch", "objective": "causal_lm", "flip": "rank1"},
+    "attrs_rank1": {"kind": "switch", "objective": "causal_lm", "attrs": "rank1"},
     "labels_unrecorded": {"kind": "switch", "objective": "causal_lm", "labels": "unrecorded", "steps": 1},
     # torch.compile in four placements (backend "eager": dynamo's tracing, which crashed in the Recorder's hook)
     **{f"compile_{w}": {"kind": "switch", "objective": "causal_lm", "compile": w, "attrs": True, "steps": 1}
@@ -178,6 +181,21 @@ def test_a_bool_keyword_loop_set_attributes_and_loss_only_labels_are_recorded(re
     assert rel(fleet, grad_of(model, loss(False))) > 0.01  # the keyword matters: had it been lost, a FAIL
     model.mix.on = False
     assert rel(fleet, grad_of(model, loss(True))) > 0.01  # and so does the attribute
+
+
+@pytest.mark.parametrize("name, words", [("flip_rank1", "non-tensor forward arguments"),
+                                         ("attrs_rank1", "plain attributes")])
+def test_a_branch_one_rank_switches_alone_fails_the_ranks_check_named(recordings, name, words):
+    v = verdict(recordings, name)
+    looprec.fails_for(v, "ranks", words)
+    # the test's own: one process running rank 0's network (no flip, no gain) over every rank's rows of
+    # step 1 is not what the fleet computed
+    model = BM.build_switch()
+    model.mix.on = bool(RUNS[name].get("attrs"))
+    xs = rows_of(name)
+    z = model(torch.cat(xs))
+    loss = F.cross_entropy(z[:, :-1].reshape(-1, BM.VOCAB), torch.cat(xs)[:, 1:].reshape(-1))
+    assert rel(fleet_grad(recordings[name]), grad_of(model, loss)) > 0.01
 
 
 def test_labels_the_model_is_not_given_unrecorded_fail_saying_input_ids_were_the_labels(recordings):

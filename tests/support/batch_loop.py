@@ -10,8 +10,10 @@ kind "moe"     batchmodels.MoELM: next-token cross-entropy + ALPHA x a load-bala
 kind "pair"    batchmodels.PairEncoder: in-batch contrastive loss, the negatives every rank's positives
                (torch.distributed.nn.functional.all_gather, with autograd; one micro-batch a rank)
 kind "switch"  batchmodels.SwitchLM, next-token cross-entropy (objective causal_lm), with knobs:
-               "flip"     the loop passes flip=True (a bool keyword) to micro-batch 0's forward
+               "flip"     the loop passes flip=True (a bool keyword) to micro-batch 0's forward ("rank1": on
+                          rank 1 alone, a branch one rank switches)
                "attrs"    the loop sets model.mix.on = True before the Recorder, and mix.gain = 2.0
+                          ("rank1": mix.gain = 2.0 on rank 1 alone, from step 1 on)
                           from step 2 on
                "labels"   "model": none (the loss reads the input ids); "rec": the loss's labels mask
                           each row's first 3 positions (-100) and the loop gives them with rec.labels;
@@ -76,7 +78,7 @@ def run(cfg: dict) -> None:
                    objective_scope=cfg["scope"], build_kwargs={"seed": cfg["seed"]})
     n_global = world * K * B * (BM.T - 1) if kind != "pair" else world * K * B
     for s in range(cfg["steps"]):
-        if cfg["attrs"] and s == 1:
+        if cfg["attrs"] is True and s == 1 or cfg["attrs"] == "rank1" and s == 0 and rank == 1:
             model.mix.gain = 2.0
         total = torch.zeros(())
         for m in range(K):
@@ -106,7 +108,7 @@ def run(cfg: dict) -> None:
                     ce = F.cross_entropy(q @ keys.T / BM.TAU, target, reduction="sum")
                     loss = ce * world / n_global
                 else:
-                    flip = cfg["flip"] and m == 0
+                    flip = cfg["flip"] and m == 0 and (cfg["flip"] is True or rank == 1)
                     logits = net(input_ids=x, flip=True) if flip else net(input_ids=x)
                     y = x
                     if cfg["labels"] in ("rec", "unrecorded"):  # the prompt's positions are not trained on

@@ -78,14 +78,18 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 _KEEP: list = []
 _INSTALLED: dict = {}  # this process's zygote ("zygote": its Popen) and client ("client": its path)
 APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
+# Read at call time, not when torch is imported (torch.cuda._nvml_based_avail reads it in is_available()):
+# pytorch_lightning's import sets it in the test process, and every command started after would otherwise
+# run cold.
+LAZY = {"PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 
 def _startup_env(env: dict) -> dict:
     """The variables that change how an interpreter (or torch's import) starts."""
-    return {k: v for k, v in env.items()
-            if (k.startswith("PYTHON") and k not in APPLIED) or k == "OMP_NUM_THREADS"
+    return {k: v for k, v in env.items() if k not in LAZY and (
+            (k.startswith("PYTHON") and k not in APPLIED) or k == "OMP_NUM_THREADS"
             or (k.startswith(("TORCH_", "PYTORCH_", "LD_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO_", "NPY_",
-                              "TQDM_")) and not k.startswith("TORCH_NCCL_"))}
+                              "TQDM_")) and not k.startswith("TORCH_NCCL_")))}
 
 
 def client_source(sock: str, real: str = REAL) -> str:

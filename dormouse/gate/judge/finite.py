@@ -60,7 +60,9 @@ def _first_bad(t: dict[str, torch.Tensor]) -> tuple[str, str] | None:
     """The first tensor of one file (by KINDS, then name) holding NaN or inf,
     and how many others of its kind do: "gradient of ln1.bias holds NaN (1 of
     16 elements)" (a clip by a NaN norm spreads it to every tensor)."""
-    bad = [(key, said) for key in sorted(t, key=_order) if (said := describe(t[key]))]
+    # the tensors the checks compare (a TP peer's or a pipeline stage's own inputs, "tp/", and the probe's
+    # module outputs are not the run's data: a later stage's received activations start as empty buffers)
+    bad = [(key, said) for key in sorted(t, key=_order) if _order(key)[0] < len(KINDS) and (said := describe(t[key]))]
     if not bad:
         return None
     key, said = bad[0]

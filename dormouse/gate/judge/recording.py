@@ -737,6 +737,26 @@ def _identical_ranks(rec: A.RecordingSet, k: int) -> tuple[tuple[int, int], int]
     return None
 
 
+def _same_rows_other_ids(rec: A.RecordingSet, k: int, groups: list[tuple[int, list[str]]]) -> str | None:
+    """With example ids given: two rows of step k identical token for token
+    (any ranks, any order) under different ids, the sentence naming them,
+    else None. Ids never overrule the tokens: such rows are one example read
+    twice unless the dataset itself holds those rows twice."""
+    first: dict[str, tuple[int, str]] = {}  # row hash -> (rank, id)
+    for r, ids in groups:  # _reads: each rank's ids in micro-batch order ("id:N")
+        hashes = [h for rr, _, b in rec.micro_batches(k) if rr == r for h in _row_hashes(b)]
+        if len(hashes) != len(ids):
+            return None  # the ids do not count the rows one for one: nothing to pair
+        for h, i in zip(hashes, (x.removeprefix("id:") for x in ids)):
+            if h in first and first[h][1] != i:
+                q, j = first[h]
+                return (f"at step {k} rank {q}'s example {j} and rank {r}'s example {i} are identical rows, token "
+                        "for token, under different ids: one example read twice (the ids do not describe the reads), "
+                        f"unless the dataset itself holds that row at both ids {j} and {i}")
+            first.setdefault(h, (r, i))
+    return None
+
+
 def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bool]:
     """Step k's reads: (rank, the row ids it read in the step, micro-batches
     in order) per rank, and whether every id is exact (given) rather than a
@@ -844,6 +864,7 @@ def check_data(rec: A.RecordingSet) -> Check:
     wrong, unverified = _ids_against_corpus(rec)
     if wrong:
         return Check("data", False, wrong)
+    verified = bool(rec.meta.get("example_corpus")) and not unverified
     n = int(rec.meta.get("dataset_len", 0))
     epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
     given_epochs = all(e is not None for e in epochs)
@@ -862,6 +883,11 @@ def check_data(rec: A.RecordingSet) -> Check:
                                         "every rank read the same data (no DistributedSampler?) and the ids do not "
                                         "describe the reads; only a dataset that repeats every one of those rows, in "
                                         "that order, under other ids would read so")
+        # ids checked against the corpus they are offsets into describe the reads: a repeat of content there
+        # is the corpus repeating itself; ids taken as given never overrule the tokens
+        twice = _same_rows_other_ids(rec, k, groups) if exact and not verified else None
+        if twice:
+            return Check("data", False, twice)
         step_n = sum(len(ids) for _, ids in groups)
         reads += step_n
         if given_epochs:
@@ -883,6 +909,11 @@ def check_data(rec: A.RecordingSet) -> Check:
                         return Check("data", False, f"at step {k} ranks {seen[e]} and {r} read identical rows "
                                                     f"(equal tokens); {IDENTICAL}")
                     if seen[e] != r:
+                        if exact and tuple(dict(groups)[seen[e]]) != whole:
+                            return Check("data", False, f"at step {k} example {e.removeprefix('id:')} was read by "
+                                                        f"ranks {seen[e]} and {r}: the ranks' reads overlap (each "
+                                                        "rank must read its own share: a DistributedSampler, or "
+                                                        "shards of the data)")
                         ident = "" if exact else " (all its rows, in order: the same step's reads)"
                         return Check("data", False, f"at step {k} an example was read by ranks {seen[e]} and {r}"
                                                     f"{ident}: every rank read the same data (no "
@@ -1013,8 +1044,28 @@ def _mode_split(rec: A.RecordingSet) -> str | None:
     return None
 
 
+def _call_split(rec: A.RecordingSet) -> str | None:
+    """Where a rank's micro-batch got other non-tensor forward arguments or ran
+    with other plain attributes than rank 0's same micro-batch (a branch switch
+    one rank sets alone): the sentence that says so, else None. As with the
+    precision, a pattern every rank follows alike is the fleet's own, and the
+    reference reproduces it micro-batch by micro-batch."""
+    for k in rec.steps:
+        for key, what in (("call", "non-tensor forward arguments"), ("attrs", "plain attributes")):
+            states = [[x or None for x in (rec.step_meta(r, k).get(key) or [])][:rec.step_meta(r, k).get(
+                "micro_batches", 0)] for r in range(rec.world_at(k))]
+            for r, st in enumerate(states):
+                for m, a in enumerate(st):
+                    want = states[0][m] if m < len(states[0]) else states[0][-1] if states[0] else a
+                    if a != want:
+                        return (f"at step {k} rank {r}'s micro-batch {m} ran with other {what} ({a}) than rank 0's "
+                                f"same micro-batch ({want}): the fleet's ranks do not run one network (a branch "
+                                "one rank switches alone)")
+    return None
+
+
 def check_ranks(rec: A.RecordingSet) -> Check:
-    split = _precision_split(rec) or _mode_split(rec)
+    split = _precision_split(rec) or _mode_split(rec) or _call_split(rec)
     if split:
         return Check("ranks", False, split)
     if rec.meta.get("fsdp"):

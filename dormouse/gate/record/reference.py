@@ -311,9 +311,12 @@ def check_provenance(rec: A.RecordingSet) -> None:
 def staleness_key(rec: A.RecordingSet) -> str:
     from dormouse.gate.artifacts import source_hash
 
+    # every file the reference reads: the recording's fields and every rank's step JSONs and tensors (an edited
+    # input or gradient makes the reference stale, never a cached one judged against it)
     files = [A.recording_path(rec.out)]
-    for k in rec.steps:
-        files += [A.step_meta_path(rec.out, r, k) for r in range(rec.world_at(k))]
+    ranks = range(max(rec.world_at(k) for k in rec.steps)) if rec.steps else range(0)
+    for r in ranks:
+        files += sorted(p for p in A.rank_dir(rec.out, r).iterdir() if p.is_file())
     return hashlib.sha256((A.file_digest(files) + source_hash()).encode()).hexdigest()
 
 
