@@ -34,7 +34,7 @@ RUNS = {
     # a bool forward keyword, attributes the loop sets, labels the loss reads and the model is not given
     "switch": {"kind": "switch", "objective": "causal_lm", "flip": True, "attrs": True, "labels": "rec"},
     # a branch one rank switches alone: a keyword, an attribute
-    "flip_rank1": {"kind": "switch", "objective": "causal_lm", "flip": "rank1"},
+    "flip_rank1": {"kind": "switch", "objective": "causal_lm", "flip": "rank1", "attrs": True},
     "attrs_rank1": {"kind": "switch", "objective": "causal_lm", "attrs": "rank1"},
     "labels_unrecorded": {"kind": "switch", "objective": "causal_lm", "labels": "unrecorded", "steps": 1},
     # torch.compile in four placements (backend "eager": dynamo's tracing, which crashed in the Recorder's hook)
