@@ -40,6 +40,13 @@ LONGEST_FIRST = (
     "tests/train/test_resume_parity.py",  # 66
     "tests/train/test_exact.py",  # 60
     "tests/gate/test_recorder_hf.py",  # 48
+    "tests/gate/test_recorder_parallel.py",  # 45 (a 2-rank and a 4-rank launch)
+    "tests/gate/test_recorder_batch_scope.py",  # 40
+    "tests/gate/test_recorder_trl_peft.py",  # 35
+    "tests/gate/test_recorder_lightning.py",  # 30
+    "tests/gate/test_recorder_accelerate.py",  # 25
+    "tests/test_distributed.py",  # 20
+    "tests/gate/test_judge_causes.py",  # 20
     "tests/gate/test_gate_exact.py",  # 45
     "tests/gate/test_gate_bf16_model.py",  # 45
     "notebooks/",  # 13 (nbmake: the four notebooks at their defaults, presenting gate_run's gate in a fresh clone)

@@ -40,7 +40,6 @@ RUNS = {
     "bf16_hook": {"bf16_hook": True, "max_grad_norm": 0.0},
     "fsdp_rank_seed": {"fsdp": True, "rank_seed": True},
     "same_rows_ids": {"fault": "same_data", "ids": True, "rank_ids": True},
-    "overlap_row_ids": {"ids": True, "overlap_row": True},
 }
 DEFAULTS = {"steps": 2, "micro": 2}
 
@@ -229,16 +228,6 @@ def test_distinct_ids_over_identical_rows_are_a_double_read(recordings):
     assert not set(rec.example_ids(0, 1).tolist()) & set(rec.example_ids(1, 1).tolist())  # the ids differ
     looprec.fails_for(verdict(recordings, "same_rows_ids"), "data",
                       "at step 1 ranks 0 and 1 read identical rows, token for token")
-
-
-def test_one_row_read_by_two_ranks_under_distinct_ids_is_a_double_read(recordings):
-    rec = A.RecordingSet(recordings["overlap_row_ids"])
-    rows0 = rec.step_tensors(0, 1)["in/0/input_ids"]
-    last1 = rec.step_tensors(1, 1)["in/1/input_ids"][-1]
-    assert torch.equal(rows0[0], last1)  # the test's own: rank 1's last row is rank 0's first
-    assert not set(rec.example_ids(0, 1).tolist()) & set(rec.example_ids(1, 1).tolist())  # the ids differ
-    looprec.fails_for(verdict(recordings, "overlap_row_ids"), "data", "identical rows, token for token, under "
-                                                                      "different ids")
 
 
 def test_an_edited_input_makes_the_reference_stale_and_fails_the_gradient(recordings, tmp_path):

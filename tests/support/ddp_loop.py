@@ -61,8 +61,6 @@ The judge's cause-naming knobs (tests/gate/test_judge_causes.py), cfg keys:
   "bf16_hook"      a line-for-line copy of torch's bf16_compress_hook (gloo refuses torch's own)
   "rank_seed"      (FSDP2) each rank builds the model from seed + rank: no broadcast, other parameters
   "rank_ids"       (with "ids") the example ids passed are the sampler's + rank x n (distinct per rank)
-  "overlap_row"    (with "ids") rank 1's last row of each step is rank 0's first, while the ids it passes
-                   are its sampler's: one row read twice, the ids all distinct
 """
 
 from __future__ import annotations
@@ -92,7 +90,7 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "ac_micro": None, "eval_modules": [], "freeze": [],
        "position_ids": False, "fsdp_layers": False, "left_pad": False,
        "eval_rank": None, "nan": None, "count": "targets", "no_sync_all": False, "bf16_hook": False,
-       "rank_seed": False, "rank_ids": False, "overlap_row": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "rank_seed": False, "rank_ids": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -279,10 +277,7 @@ def run(cfg: dict) -> None:
     for s in range(start, stop):
         epoch, j = divmod(s - start if fault == "resume_data" else s, per_epoch)
         idx = order_of(fault, n, world, rank, cfg["seed"], epoch)[j * K * B:(j + 1) * K * B]
-        read = list(idx)
-        if cfg["overlap_row"] and rank == 1:  # rank 0's first row of the step, under rank 1's own id
-            read[-1] = order_of(fault, n, world, 0, cfg["seed"], epoch)[j * K * B]
-        mbs = [collate([data[i] for i in read[m * B:(m + 1) * B]]) for m in range(K)]
+        mbs = [collate([data[i] for i in idx[m * B:(m + 1) * B]]) for m in range(K)]
         if cfg["left_pad"]:  # each row's padding moved before it (its tokens at the right end)
             for mb in mbs:
                 shift = (mb["attention_mask"] == 0).sum(1).tolist()

@@ -737,26 +737,6 @@ def _identical_ranks(rec: A.RecordingSet, k: int) -> tuple[tuple[int, int], int]
     return None
 
 
-def _same_rows_other_ids(rec: A.RecordingSet, k: int, groups: list[tuple[int, list[str]]]) -> str | None:
-    """With example ids given: two rows of step k identical token for token
-    (any ranks, any order) under different ids, the sentence naming them,
-    else None. Ids never overrule the tokens: such rows are one example read
-    twice unless the dataset itself holds those rows twice."""
-    first: dict[str, tuple[int, str]] = {}  # row hash -> (rank, id)
-    for r, ids in groups:  # _reads: each rank's ids in micro-batch order ("id:N")
-        hashes = [h for rr, _, b in rec.micro_batches(k) if rr == r for h in _row_hashes(b)]
-        if len(hashes) != len(ids):
-            return None  # the ids do not count the rows one for one: nothing to pair
-        for h, i in zip(hashes, (x.removeprefix("id:") for x in ids)):
-            if h in first and first[h][1] != i:
-                q, j = first[h]
-                return (f"at step {k} rank {q}'s example {j} and rank {r}'s example {i} are identical rows, token "
-                        "for token, under different ids: one example read twice (the ids do not describe the reads), "
-                        f"unless the dataset itself holds that row at both ids {j} and {i}")
-            first.setdefault(h, (r, i))
-    return None
-
-
 def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bool]:
     """Step k's reads: (rank, the row ids it read in the step, micro-batches
     in order) per rank, and whether every id is exact (given) rather than a
@@ -864,7 +844,6 @@ def check_data(rec: A.RecordingSet) -> Check:
     wrong, unverified = _ids_against_corpus(rec)
     if wrong:
         return Check("data", False, wrong)
-    verified = bool(rec.meta.get("example_corpus")) and not unverified
     n = int(rec.meta.get("dataset_len", 0))
     epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
     given_epochs = all(e is not None for e in epochs)
@@ -883,11 +862,6 @@ def check_data(rec: A.RecordingSet) -> Check:
                                         "every rank read the same data (no DistributedSampler?) and the ids do not "
                                         "describe the reads; only a dataset that repeats every one of those rows, in "
                                         "that order, under other ids would read so")
-        # ids checked against the corpus they are offsets into describe the reads: a repeat of content there
-        # is the corpus repeating itself; ids taken as given never overrule the tokens
-        twice = _same_rows_other_ids(rec, k, groups) if exact and not verified else None
-        if twice:
-            return Check("data", False, twice)
         step_n = sum(len(ids) for _, ids in groups)
         reads += step_n
         if given_epochs:
