@@ -11,7 +11,6 @@ subclass, a Trainer attribute), never by patching."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,12 +19,11 @@ import pytest
 import torch
 
 import hf_client
-from gatekit import SUPPORT
+import looprec  # noqa: E402
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.recorded import judge_recording
 from dormouse.gate.judge.recording import fit
-from dormouse.gate.record.launcher import torchrun
 from dormouse.gate.record.reference import make_reference
 
 FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)
@@ -52,31 +50,14 @@ RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstr
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
-    cmd = torchrun([str(SUPPORT / "hf_client.py"), "--out", str(out), *RUNS], world=2)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
-
-
-_VERDICTS: dict = {}
+    return looprec.launch_client("hf_client.py", RUNS, tmp_path_factory.mktemp("hf"), world=2, **dict(TRANSFORMERS_VERBOSITY="error"))
 
 
 def verdict(fleet, name):
-    if name not in _VERDICTS:
-        make_reference(fleet / name, log=lambda line: None)
-        _VERDICTS[name] = judge_recording(fleet / name)
-    return _VERDICTS[name]
+    return looprec.verdict(fleet / name)
 
 
-def checks(v) -> dict:
-    return {c.name: c for c in v.checks}
-
-
-def failed(v) -> set[str]:
-    return {c.name for c in v.checks if not c.passed}
+checks, failed = looprec.checks, looprec.failed
 
 
 def gradient_wrong(v) -> None:

@@ -12,8 +12,6 @@ data layout, not read from the recording, and not the gate's reference)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 
 import pytest
 
@@ -21,12 +19,9 @@ pytest.importorskip("pytorch_lightning")
 
 import fieldkit  # noqa: E402
 import loopmodel  # noqa: E402
-from gatekit import SUPPORT  # noqa: E402
+import looprec  # noqa: E402
 
 from dormouse.gate import artifacts as A  # noqa: E402
-from dormouse.gate.judge.recorded import judge_recording  # noqa: E402
-from dormouse.gate.record.launcher import torchrun  # noqa: E402
-from dormouse.gate.record.reference import make_reference  # noqa: E402
 
 RUNS = ["clean", "rank_mean:mode=rank_mean", "micro_mean:mode=micro_mean",
         "manual:mode=manual", "clip_local:mode=clip_local"]
@@ -35,31 +30,14 @@ W = 2
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lightning")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
-    cmd = torchrun([str(SUPPORT / "lightning_client.py"), "--out", str(out), *RUNS], world=W)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
-
-
-_VERDICTS: dict = {}
+    return looprec.launch_client("lightning_client.py", RUNS, tmp_path_factory.mktemp("lightning"), world=W, **dict(PYTHONWARNINGS="ignore"))
 
 
 def verdict(fleet, name):
-    if name not in _VERDICTS:
-        make_reference(fleet / name, log=lambda line: None)
-        _VERDICTS[name] = judge_recording(fleet / name)
-    return _VERDICTS[name]
+    return looprec.verdict(fleet / name)
 
 
-def checks(v) -> dict:
-    return {c.name: c for c in v.checks}
-
-
-def failed(v) -> set[str]:
-    return {c.name for c in v.checks if not c.passed}
+checks, failed = looprec.checks, looprec.failed
 
 
 def step1(seed: int, k: int) -> list[list[dict]]:

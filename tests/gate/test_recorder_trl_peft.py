@@ -9,8 +9,6 @@ own loss code, not the gate's reference)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 
 import pytest
 
@@ -21,12 +19,9 @@ if importlib.util.find_spec("trl") is None or importlib.util.find_spec("peft") i
 
 import fieldkit  # noqa: E402
 import trl_client  # noqa: E402
-from gatekit import SUPPORT  # noqa: E402
+import looprec  # noqa: E402
 
 from dormouse.gate import artifacts as A  # noqa: E402
-from dormouse.gate.judge.recorded import judge_recording  # noqa: E402
-from dormouse.gate.record.launcher import torchrun  # noqa: E402
-from dormouse.gate.record.reference import make_reference  # noqa: E402
 
 RUNS = ["lora:trainer=hf:lora=1", "sft:trainer=sft", "sft_completion:trainer=sft:completion=1",
         "sft_no_items:trainer=sft:fault=no_items"]
@@ -35,32 +30,14 @@ W, K = 2, 2
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trl")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
-    cmd = torchrun([str(SUPPORT / "trl_client.py"), "--out", str(out), *RUNS], world=W)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
-
-
-_VERDICTS: dict = {}
+    return looprec.launch_client("trl_client.py", RUNS, tmp_path_factory.mktemp("trl"), world=W, **dict(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error"))
 
 
 def verdict(fleet, name):
-    if name not in _VERDICTS:
-        make_reference(fleet / name, log=lambda line: None)
-        _VERDICTS[name] = judge_recording(fleet / name)
-    return _VERDICTS[name]
+    return looprec.verdict(fleet / name)
 
 
-def checks(v) -> dict:
-    return {c.name: c for c in v.checks}
-
-
-def failed(v) -> set[str]:
-    return {c.name for c in v.checks if not c.passed}
+checks, failed = looprec.checks, looprec.failed
 
 
 def by_hand(fleet, name, *, weights=None):

@@ -27,6 +27,17 @@ def launch(plan: list[dict], where: Path, script: str = "ddp_loop.py", world: in
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def launch_client(script: str, runs: list[str], out: Path, world: int = 2, **env: str) -> Path:
+    """A framework client (hf_client.py, lightning_client.py, trl_client.py): its runs `runs` ("name:k=v...")
+    in ONE torchrun launch, each recorded into out/<name>; `env`: more variables for it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run(torchrun([str(SUPPORT / script), "--out", str(out), *runs], world=world), env=env,
+                          capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
 _VERDICTS: dict = {}
 
 
@@ -47,6 +58,16 @@ def fails_for(v, check: str, words: str) -> None:
     c = v.check(check)
     assert not v.passed and not c.passed, c.reason
     assert words in c.reason, c.reason
+
+
+def checks(v) -> dict:
+    """The verdict's checks by name."""
+    return {c.name: c for c in v.checks}
+
+
+def failed(v) -> set[str]:
+    """The names of the failing checks."""
+    return {c.name for c in v.checks if not c.passed}
 
 
 def failing(v) -> str:
