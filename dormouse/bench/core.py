@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     res["meta"] = {
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
         "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start, "sections_s": sections,
-        "unix_time": time.time(), "json": str(out),
+        "unix_time": time.time(), "json": os.path.relpath(out),  # as the user named it: no machine's path
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
     }
     atomic.write_text(out, json.dumps(res, indent=1, default=str) + "\n")
