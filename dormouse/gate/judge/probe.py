@@ -62,6 +62,17 @@ def _scale(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() * b.double()).sum()) / bb if bb > 0 else 0.0
 
 
+def _against(name: str, pieces: list[dict], prefix: str, ref: dict, nudged: dict, scale: float = 1.0):
+    """One module's recorded tensor (its pieces assembled) against one process's times `scale`, and its bound
+    (FLOOR_MULTIPLE x the one-ulp copy's distance, at least PROBE_RTOL): (relative, bound), or None when the
+    pieces do not assemble."""
+    got = _assemble([p.get(f"{prefix}{name}") for p in pieces if f"{prefix}{name}" in p], ref[name].shape)
+    if got is None:
+        return None
+    x = rel({name: got}, {name: ref[name].double() * scale}, [name])
+    return x, floor_bound(rel({name: nudged[name]}, {name: ref[name]}, [name]), PROBE_RTOL)
+
+
 def _one(rec: A.RecordingSet, ref: _Ref, k: int, r: int) -> tuple[str | None, dict]:
     """Rank r's first micro-batch at step k: (a finding, or None; the figures)."""
     group = _group(rec, r)
@@ -76,12 +87,11 @@ def _one(rec: A.RecordingSet, ref: _Ref, k: int, r: int) -> tuple[str | None, di
     for name in meta.get("probe_order", []):
         if name not in ro:
             continue
-        got = _assemble([p.get(f"po/{name}") for p in pieces if f"po/{name}" in p], ro[name].shape)
-        if got is None:
+        compared = _against(name, pieces, "po/", ro, rn)
+        if compared is None:
             figures["skipped"].append(name)
             continue
-        x = rel({name: got}, {name: ro[name]}, [name])
-        bound = floor_bound(rel({name: rn[name]}, {name: ro[name]}, [name]), PROBE_RTOL)
+        x, bound = compared
         if x > bound:
             return (f"at step {k} on {whose} the first module whose forward output departs from "
                     f"one process's is {name} (relative {x:.2g}, bound {bound:.2g}); the {agree} module(s) before it "
@@ -100,13 +110,11 @@ def _one(rec: A.RecordingSet, ref: _Ref, k: int, r: int) -> tuple[str | None, di
     for name in meta.get("probe_grad_order", []):
         if name not in rg:
             continue
-        got = _assemble([p.get(f"pg/{name}") for p in pieces if f"pg/{name}" in p], rg[name].shape)
-        if got is None:
+        compared = _against(name, pieces, "pg/", rg, rgn, scale=c)
+        if compared is None:
             figures["skipped"].append(name)
             continue
-        want = rg[name].double() * c
-        x = rel({name: got}, {name: want}, [name])
-        bound = floor_bound(rel({name: rgn[name]}, {name: rg[name]}, [name]), PROBE_RTOL)
+        x, bound = compared
         if x > bound:
             where = (f"in the backward of the modules between {last} (the last whose output gradient agrees) and it"
                      if last else "at the model's own output (its loss)")
