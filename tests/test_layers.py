@@ -155,12 +155,12 @@ def test_only_drivers_import_more_than_one_of_record_judge_and_show():
 def test_a_planted_violation_is_seen(planted):
     """A judge that imports the running side (the settings: the exception once
     known here, when the judge built GateSettings to know which references apply)."""
-    GRAPH["dormouse.gate.judge.checks"].add(planted)
+    GRAPH["dormouse.gate.judge.entry"].add(planted)
     try:
         assert violations("gate.judge", ("dormouse.gate.record", "dormouse.gate.settings")) == [
-            f"dormouse.gate.judge.checks imports {planted}"]
+            f"dormouse.gate.judge.entry imports {planted}"]
     finally:
-        GRAPH["dormouse.gate.judge.checks"].discard(planted)
+        GRAPH["dormouse.gate.judge.entry"].discard(planted)
 
 
 # The layer rules of issue 30's target. Those that hold are kept by the tests

@@ -74,7 +74,7 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
     if steps < STEP:
         raise ValueError(f"the sensitivity perturbs step {STEP}: give steps >= {STEP}, not {steps}")
     from dormouse.gate.record import modes
-    from dormouse.gate.judge.checks import judge
+    from dormouse.gate.judge.entry import judge
     from dormouse.gate.record.launcher import launch_plan
     from dormouse.gate.settings import GateSettings
 
@@ -116,7 +116,7 @@ def pipeline_timing(log=print) -> dict:
     import subprocess
     import time
 
-    from dormouse.gate.judge.checks import judge
+    
     from dormouse.gate.record import modes, produce
     from dormouse.gate.settings import GateSettings
 

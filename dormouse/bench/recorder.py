@@ -176,7 +176,7 @@ def _rank_main(argv: list[str]) -> int:
 def bench_recorder(quick: bool, tmp: Path, log=print) -> dict:
     """Run the rank side in one 2-rank torchrun launch, then time the gate's
     check of the first round's full and sketched recordings (see the module docstring)."""
-    from dormouse.gate.judge.recorded import judge_recording
+    from dormouse.gate.judge.entry import judge_recording
     from dormouse.gate.record.reference import make_reference
 
     # timed steps per kind and round, after one warm-up step: 4 x (1 + 4) x 4 kinds = the 80 steps 5 x 4 x 4 were

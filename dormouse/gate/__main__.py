@@ -165,7 +165,7 @@ def _run(mode: str, args) -> int:
     s = settings_for(mode, args)
     torch.set_num_threads(s.threads)
     if mode == "verdict":
-        from dormouse.gate.judge.checks import judge
+        from dormouse.gate.judge.entry import judge
         from dormouse.gate.show.text import format_verdict, write_verdict
 
         v = judge(s.out_dir, s)

@@ -617,3 +617,33 @@ def file_digest(paths: list[Path]) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+class ReferenceSet:
+    """The reference artifacts of a recording, read once."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.meta = read_json(reference_meta_path(out), "reference")
+        self._cache: dict = {}
+        self._infos: dict = {}
+
+    def step(self, k: int) -> tuple[dict, dict]:
+        if k not in self._cache:
+            t, _ = read_tensors(reference_step_tensors_path(self.out, k), "reference tensors")
+            self._cache = {k: (read_json(reference_step_meta_path(self.out, k), "reference step"), t)}
+        return self._cache[k]
+
+    def info(self, k: int) -> dict:
+        """Step k's reference JSON alone (no tensors read)."""
+        if k not in self._infos:
+            self._infos[k] = read_json(reference_step_meta_path(self.out, k), "reference step")
+        return self._infos[k]
+
+    def tensors(self, k: int, prefix: str) -> dict[str, torch.Tensor]:
+        t = self.step(k)[1]
+        return {n[len(prefix):]: v for n, v in t.items() if n.startswith(prefix)}
+
+    def final(self) -> dict[str, torch.Tensor]:
+        t, _ = read_tensors(reference_final_path(self.out), "reference final")
+        return {n[3:]: v for n, v in t.items() if n.startswith("rp/")}

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from dormouse.errors import EXIT_CRASHED, EXIT_FAILED, DormouseError, OneLineParser, command_status
-from dormouse.gate.judge.checks import Verdict, judge
+from dormouse.gate.judge.entry import judge, judge_recording
+from dormouse.gate.judge.verdict import Verdict
 from dormouse.gate.show.text import VERDICT_FILE, format_verdict, write_verdict
 from dormouse.gate.record.produce import SETS, Log, ensure_all, locked, status
 from dormouse.gate.settings import (ALIASES, ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
@@ -67,7 +68,7 @@ def check_recording(out, *, force: bool = False, log: Log = print) -> Verdict:
     """`dormouse gate check` and notebook 04 on a recording: the one-process
     reference (made when missing or stale), the verdict, verdict.json; the
     caller draws the figures (show.plots.render_recording)."""
-    from dormouse.gate.judge.recorded import judge_recording
+    
     from dormouse.gate.record.reference import make_reference
 
     before = _recording_stamp(out)

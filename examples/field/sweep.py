@@ -137,7 +137,7 @@ def confirm(rec_dir: Path) -> dict:
 
 
 def gate(rec_dir: Path) -> dict:
-    from dormouse.gate.judge.recorded import judge_recording
+    from dormouse.gate.judge.entry import judge_recording
     from dormouse.gate.record.reference import make_reference
 
     make_reference(rec_dir, log=lambda line: None)

@@ -19,11 +19,10 @@ import torch
 from dormouse.gate.record import modes
 from dormouse.gate.artifacts import load_meta, load_tensors
 from dormouse.gate.judge.bounds import BIAS_FLOOR, BIAS_SIGMAS, GRAD_RTOL, LOSS_RTOL, WINDOW_RTOL
-from dormouse.gate.judge.checks import judge
+from dormouse.gate.judge.entry import judge, judge_recording
 from dormouse.gate.settings import GateSettings
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import fleet_recording_dir
-from dormouse.gate.judge.recorded import judge_recording
 from dormouse.gate.record.reference import make_reference
 from gatekit import QUIET, copy_of, faulty_fleets, fleets, judged, references
 

@@ -18,7 +18,7 @@ import pytest
 from dormouse.gate.judge.bounds import BF16_MODEL_RTOL
 from dormouse.gate.record.fixtures import base_run
 from dormouse.gate.settings import GateSettings
-from dormouse.gate.judge.checks import judge
+from dormouse.gate.judge.entry import judge
 from gatekit import faulty_fleets, references
 
 

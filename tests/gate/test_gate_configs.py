@@ -13,7 +13,7 @@ import pytest
 
 from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.gate.artifacts import load_meta
-from dormouse.gate.judge.checks import judge
+from dormouse.gate.judge.entry import judge
 from dormouse.gate.settings import GateSettings
 from gatekit import fleets, references
 

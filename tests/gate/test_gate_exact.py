@@ -10,7 +10,8 @@ import pytest
 
 from dormouse.gate.record import modes
 from dormouse.gate.artifacts import ArtifactSet
-from dormouse.gate.judge.checks import check_exact, judge
+from dormouse.gate.judge.entry import judge
+from dormouse.gate.judge.facts.exact import check_exact
 from dormouse.gate.settings import GateSettings, ParameterError
 from gatekit import QUIET, faulty_fleets, references
 

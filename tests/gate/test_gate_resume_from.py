@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from dormouse.gate.judge.checks import judge
+from dormouse.gate.judge.entry import judge
 from dormouse.gate.record.fixtures import build, make_run
 from dormouse.train.loop import train
 from dormouse.gate.settings import GateSettings, ParameterError

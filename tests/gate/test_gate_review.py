@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 
 from dormouse.gate.settings import GateSettings
-from dormouse.gate.judge.checks import judge
+from dormouse.gate.judge.entry import judge
 from gatekit import faulty_fleets, references
 
 FALSE_PASSES = {

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.recorded import judge_recording
+from dormouse.gate.judge.entry import judge_recording
 from dormouse.gate.record.reference import make_reference
 
 RUNS = {

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dormouse.gate.judge import causes as C
-from dormouse.gate.judge.finite import describe
-from dormouse.gate.judge.recording import rel
+from dormouse.gate.judge.facts.finite import describe
+from dormouse.gate.judge.metrics import rel
 
 
 def _targets(lengths: list[int], t: int) -> torch.Tensor:

@@ -33,7 +33,8 @@ from dormouse.gate import pipeline, settings
 from dormouse.gate.record import produce
 from dormouse.gate.show import plots
 from dormouse.gate.artifacts import ArtifactSet, load_meta, load_tensors, save_artifact
-from dormouse.gate.judge.checks import CurveCheck, Verdict, check_ranks
+from dormouse.gate.judge.facts.ranks import check_ranks_traced
+from dormouse.gate.judge.verdict import CurveCheck, Verdict
 from dormouse.gate.settings import GateSettings, ParameterError
 from dormouse.gate.artifacts import load_trace
 from gatekit import copy_of
@@ -419,8 +420,8 @@ def test_papermill_fleet_notebook_alone_with_only_a_world_runs_the_batch_on_ever
     assert metas[0]["rank_shapes"] == [[2, 64]] * 3
     text = all_text(tmp_path / "out.ipynb")
     assert "[rank2] step=" in text  # rank output streamed into the cell
-    assert check_ranks(ArtifactSet(out)).reason in text  # the ranks table says the judge's word
-    assert check_ranks(ArtifactSet(out)).passed
+    assert check_ranks_traced(ArtifactSet(out)).reason in text  # the ranks table says the judge's word
+    assert check_ranks_traced(ArtifactSet(out)).passed
     assert not (out / "single.json").exists() and not (out / "gradref.json").exists()
 
 

@@ -13,7 +13,7 @@ import torch
 from dormouse.__main__ import main
 from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.recorded import judge_recording
+from dormouse.gate.judge.entry import judge_recording
 from dormouse.gate.record.dormouse_loop import LoopRecorder
 from dormouse.gate.record.reference import make_reference
 from dormouse.gate.settings import GateSettings, ParameterError

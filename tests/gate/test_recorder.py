@@ -20,7 +20,7 @@ from looprec import QUIET, ROOT, failing, launch
 from dormouse.errors import DormouseError
 from dormouse.gate import Recorder
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.recorded import judge_recording
+from dormouse.gate.judge.entry import judge_recording
 from dormouse.gate.record.reference import make_reference
 
 # name -> the run's settings (ddp_loop.RUN); "leg": 1 runs are resumed in a second launch.

@@ -30,7 +30,7 @@ import fieldkit  # noqa: E402
 import loopmodel  # noqa: E402
 
 from dormouse.gate import artifacts as A  # noqa: E402
-from dormouse.gate.judge.recorded import judge_recording  # noqa: E402
+from dormouse.gate.judge.entry import judge_recording
 
 SWEEP = Path(__file__).resolve().parents[2] / "examples" / "field" / "sweep.py"
 RUNS = ["clean", "micro_mean", "sched_prepared"]  # the sweep's accelerate configurations (K = 2)

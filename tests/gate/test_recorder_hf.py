@@ -22,8 +22,8 @@ import hf_client
 import looprec  # noqa: E402
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.recorded import judge_recording
-from dormouse.gate.judge.recording import fit
+from dormouse.gate.judge.entry import judge_recording
+from dormouse.gate.judge.metrics import fit
 from dormouse.gate.record.reference import make_reference
 
 FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)

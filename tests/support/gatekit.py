@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from dormouse.gate.record import modes
-from dormouse.gate.judge.checks import Verdict, judge
+from dormouse.gate.judge.entry import judge
+from dormouse.gate.judge.verdict import Verdict
 from dormouse.gate.record.launcher import launch_plan
 from dormouse.gate.settings import GateSettings
 

@@ -43,7 +43,7 @@ _VERDICTS: dict = {}
 
 def verdict(out: Path):
     """The verdict on the recording in `out` (its reference made first)."""
-    from dormouse.gate.judge.recorded import judge_recording
+    from dormouse.gate.judge.entry import judge_recording
     from dormouse.gate.record.reference import make_reference
 
     key = str(out)

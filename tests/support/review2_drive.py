@@ -10,7 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import looprec  # noqa: E402
 
 from dormouse.gate import artifacts as A  # noqa: E402
-from dormouse.gate.judge.recording import _Ref, precision_floor  # noqa: E402
+from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge.facts.precision import precision_floor
 
 root, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
 root.mkdir(parents=True, exist_ok=True)
@@ -24,7 +25,7 @@ print(f"launch {time.time() - t:.0f}s", flush=True)
 for name in runs:
     out = root / name
     v = looprec.verdict(out)
-    rec, ref = A.RecordingSet(out), _Ref(out)
+    rec, ref = A.RecordingSet(out), ReferenceSet(out)
     fl = precision_floor(rec, ref)
     lf = [ref.info(k).get("loss_floor") for k in rec.steps]
     print(f"== {name}: passed={v.passed} floor={fl} loss_floor={lf} ac={rec.autocast_dtypes()}")

@@ -21,7 +21,7 @@ from dormouse.gate.record.launcher import failure_summary, launch_fleet, torchru
 from dormouse.gate.settings import GateSettings
 from dormouse.model import DormouseModel
 from dormouse.train.distributed import parse_capacity, refuse_incompatible, train_dist
-from dormouse.gate.judge.checks import judge
+from dormouse.gate.judge.entry import judge
 from gatekit import FAULTS, FORK_RANKS, QUIET, SUPPORT, references
 
 # 6 --------------------------------------------------------------------------------------------

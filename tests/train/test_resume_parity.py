@@ -22,7 +22,8 @@ import torch
 
 from dormouse.gate.record import modes
 from dormouse.gate.artifacts import load_meta, load_tensors
-from dormouse.gate.judge.checks import _running_max, _tolerance
+from dormouse.gate.judge.facts.curve import curve_tolerance
+from dormouse.gate.judge.metrics import running_max
 from dormouse.gate.record.launcher import launch_plan
 from dormouse.gate.settings import GateSettings
 
@@ -140,7 +141,7 @@ def within_the_curve_tolerance(runs, name: str, artifact: str) -> None:
     for run in single["floor"].values():
         for k, (x, y) in enumerate(zip(run["losses"], ref)):
             floor[k] = max(floor[k], abs(x - y) / abs(y))
-    tolerance = _tolerance(_running_max(floor))
+    tolerance = curve_tolerance(running_max(floor))
     meta = load_meta(runs[name], artifact)
     assert meta["start_step"] == AT and len(meta["losses"]) == STEPS - AT
     off = [(k + 1, abs(loss - ref[k]) / abs(ref[k]), tolerance[k]) for k, loss in enumerate(meta["losses"], start=AT)]

@@ -26,6 +26,8 @@ the code under test (docs/gate.md, "The checks", says how each was measured).
 
 from __future__ import annotations
 
+import math
+
 from dormouse.numerics import BF16_UNIT_ROUNDOFF  # noqa: F401  (the judge's bf16 bounds are in its units)
 
 GRAD_RTOL = 1e-5
@@ -64,3 +66,27 @@ PROBE_RTOL = GRAD_RTOL
 def floor_bound(floor: float, minimum: float, multiple: float = FLOOR_MULTIPLE) -> float:
     """THE rule for a bound measured as a floor: `multiple` floors, at least `minimum`."""
     return max(multiple * floor, minimum)
+
+
+def arithmetic_rtol(config: dict, float32: float = GRAD_RTOL) -> float:
+    """The gradient bound of a run's arithmetic: `float32`, or BF16_MODEL_RTOL
+    when its (the settings') configuration trains a bfloat16 model."""
+    return BF16_MODEL_RTOL if config.get("model", {}).get("bf16") else float32
+
+
+
+def sketch_detection(k: int, bound: float) -> tuple[float, str]:
+    """CountSketch with k buckets: ||S d||^2 / ||d||^2 has mean 1 and variance
+    <= 2/k, so by Chebyshev it lies in [1 - e, 1 + e], e = sqrt(2 / (k delta)),
+    with probability >= 1 - delta; a relative difference r between two tensors
+    then shows as at least r sqrt((1 - e) / (1 + e)). The checks hold each
+    tensor's sketch to its own bound, so `bound` is the largest tensor bound.
+    Returns the smallest r detected at `bound` and the sentence that says so."""
+    e = math.sqrt(2.0 / (k * SKETCH_DELTA))
+    if e >= 1:
+        return math.inf, (f"sketch k={k}: too few projections for a bound at {1 - SKETCH_DELTA:.0%} "
+                          "(use k >= 64)")
+    r = bound * math.sqrt((1 + e) / (1 - e))
+    return r, (f"sketch k={k}, each tensor's sketch against its own bound: a relative difference above {r:.2g} "
+               f"in any one tensor is detected with probability >= {1 - SKETCH_DELTA:.0%} per tensor and step "
+               f"(e = {e:.2f}; the largest tensor bound {bound:.2g} x sqrt((1 + e) / (1 - e)))")

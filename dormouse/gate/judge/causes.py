@@ -1,6 +1,6 @@
 """Causes of a wrong gradient the judge can name from numbers alone (issue 27).
-Pure functions of per-step figures (no files read here): recording.py
-gathers the figures from a recording and its reference and words the verdict.
+Pure functions of per-step figures (no files read here): facts/gradient.py
+and facts/loss.py gather the figures from a recording and its reference and words the verdict.
 
 A scalar per step. A loop that divides the step's loss sum by a wrong count
 N' computes g_fleet = (N / N') g, the one-process gradient g (a token mean

@@ -1,7 +1,7 @@
 """The one-process references for a recording (record/recorder.py): what one
 process computes from the recorded micro-batches, never from the loop's own
 loss code. It WRITES artifacts (<out>/reference/...); the judge
-(judge/recording.py) compares them with the recording.
+(judge/facts/) compares them with the recording.
 
 Rebuild: `build_model(**build_kwargs)` must give the recorded initial state
 bitwise; `build_optimizer(model, **build_kwargs)` the optimizer (and scheduler).

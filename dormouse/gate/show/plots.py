@@ -256,7 +256,7 @@ FIGURES = {"loss_curves": loss_curves, "loss_delta": loss_delta, "param_divergen
 
 
 def recording_gradient(rows: list[dict], title: str = ""):
-    """A recording's gradient check per step (judge.recording.gradient_rows):
+    """A recording's gradient check per step (judge.facts.gradient.gradient_rows):
     the fleet's gradient against one process's, ||g_fleet - g|| / ||g|| over
     all tensors, against its bound (replay: GRAD_RTOL); sketch / every-k
     recordings hold each tensor to its own bound, so there the tensor nearest
@@ -302,7 +302,7 @@ def recording_gradient(rows: list[dict], title: str = ""):
 def render_recording(v, out: Path | None = None) -> list[Path]:
     """render(v) for a recording's verdict, and the per-step gradient figure
     (recording_gradient) from the recording and its reference in `out`."""
-    from dormouse.gate.judge.recording import gradient_series
+    from dormouse.gate.judge.facts.gradient import gradient_series
 
     v = v.to_dict() if hasattr(v, "to_dict") else v
     out = Path(out or v["out"])

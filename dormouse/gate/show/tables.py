@@ -6,7 +6,8 @@ from __future__ import annotations
 import html
 
 from dormouse.gate.artifacts import ArtifactSet
-from dormouse.gate.judge.checks import Verdict, check_ranks, unequal_to_first
+from dormouse.gate.judge.facts.ranks import check_ranks_traced, unequal_to_first
+from dormouse.gate.judge.verdict import Verdict
 
 
 class Table:
@@ -53,10 +54,10 @@ def loss_table(meta: dict, every: int = 5) -> Table:
 def ranks_table(a: ArtifactSet) -> Table:
     """One row per rank of the fleet's artifacts `a` (record.produce.fleet_set
     reads them whole): shape, final loss, fingerprint, and whether it is
-    bitwise equal to rank0, as the judge finds (check_ranks, unequal_to_first)."""
+    bitwise equal to rank0, as the judge finds (check_ranks_traced, unequal_to_first)."""
     names = a.ranks()
     metas = [a.meta(n) for n in names]
-    c = check_ranks(a)
+    c = check_ranks_traced(a)
     unequal = unequal_to_first(a, names)
     rows = []
     for r, (n, m) in enumerate(zip(names, metas)):
@@ -95,7 +96,7 @@ def verdict_table(v: Verdict | dict) -> Table:
 
 
 def recording_gradient_table(rows: list[dict]) -> Table:
-    """A recording's gradient check per step (judge.recording.gradient_rows):
+    """A recording's gradient check per step (judge.facts.gradient.gradient_rows):
     the error over all tensors, the tensor nearest its bound and that bound
     (replay: the tensor that differs most; the bound is on all tensors together)."""
     return Table(["step", "all tensors", "tensor", "its difference", "its bound", "result"],

@@ -18,10 +18,19 @@ from dormouse.gate.artifacts import PROVENANCE, ArtifactSet, save_artifact
 from dormouse.gate.judge.bounds import (BF16_UNIT_ROUNDOFF, BIAS_SIGMAS, CURVE_MIN_RTOL as MIN_RTOL, GRAD_RTOL,
                                         LOSS_RTOL, WINDOW_RTOL)
 from dormouse.gate.judge.verdict import VERDICT_SCHEMA, Check, CurveCheck, ExactCheck, TensorCheck, Verdict
-from dormouse.gate.judge.checks import (check_bias,
-                                        check_complete, check_config, check_curve, check_exact, check_finite,
-                                        check_gradref, check_loss, check_provenance, check_ranks, check_replay,
-                                        check_window, first_difference, judge, relative, required, ulps)
+from dormouse.gate.judge.entry import judge
+from dormouse.gate.judge.facts.bias import check_bias
+from dormouse.gate.judge.facts.curve import check_curve
+from dormouse.gate.judge.facts.exact import check_exact
+from dormouse.gate.judge.facts.finite import check_finite_traced
+from dormouse.gate.judge.facts.gradref import check_gradref
+from dormouse.gate.judge.facts.independence import check_window
+from dormouse.gate.judge.facts.loss import check_loss_traced
+from dormouse.gate.judge.facts.provenance import check_complete, check_config, check_provenance
+from dormouse.gate.judge.facts.ranks import check_ranks_traced
+from dormouse.gate.judge.facts.replay import check_replay_traced
+from dormouse.gate.judge.facts.series import required
+from dormouse.gate.judge.metrics import first_difference, relative, ulps
 from dormouse.gate.settings import GateSettings, from_record
 
 STEPS, T, ITERS, TOPK, EXPERTS = 3, 3, 2, 2, 4
@@ -317,7 +326,7 @@ def test_artifacts_made_with_other_settings_name_the_setting(tmp_path):
 
 def test_a_nan_loss_fails_finite_naming_artifact_and_step(tmp_path):
     a = clean_set(tmp_path, _nan_loss)
-    c = check_finite(a, a.ranks())
+    c = check_finite_traced(a, a.ranks())
     assert not c.passed and c.reason == "rank1's loss is not finite at step 2"
 
 
@@ -344,17 +353,17 @@ def test_nan_or_inf_in_a_tensor_fails_finite_by_name(tmp_path, artifact, where, 
 
 
 def test_ranks_that_differ_are_named(tmp_path):
-    c = check_ranks(clean_set(tmp_path, _rank1_differs))
+    c = check_ranks_traced(clean_set(tmp_path, _rank1_differs))
     assert not c.passed and c.reason == f"ranks differ: rank1 vs rank0: {W}"
 
 
 def test_ranks_whose_losses_differ_fail(tmp_path):
-    c = check_ranks(clean_set(tmp_path, lambda a: a["rank1"]["losses"].__setitem__(2, LOSSES[2] + 1e-6)))
+    c = check_ranks_traced(clean_set(tmp_path, lambda a: a["rank1"]["losses"].__setitem__(2, LOSSES[2] + 1e-6)))
     assert not c.passed and "rank1 vs rank0: losses" in c.reason
 
 
 def test_a_missing_rank_fails(tmp_path):
-    c = check_ranks(clean_set(tmp_path, lambda a: a.pop("rank1")))
+    c = check_ranks_traced(clean_set(tmp_path, lambda a: a.pop("rank1")))
     assert not c.passed and "found 1 rank artifacts for a world of 2" in c.reason
 
 
@@ -474,7 +483,7 @@ def test_replay_names_the_first_differing_step_tensor_element_and_ulps(tmp_path)
         p[1].view(-1)[4] = torch.nextafter(p[1].view(-1)[4], torch.tensor(math.inf))
         p[2].view(-1)[0] += 1.0  # a later, larger difference: the first one is named
 
-    c = check_replay(clean_set(tmp_path, edit))
+    c = check_replay_traced(clean_set(tmp_path, edit))
     assert isinstance(c, ExactCheck) and not c.passed
     assert (c.first_step, c.first_tensor, c.element, c.ulps) == (2, f"p/{W}", 4, 1.0)
     assert c.steps_equal == [True, False, False]
@@ -486,12 +495,12 @@ def test_replay_judges_the_routing_bias_bitwise(tmp_path):
         p = a["replay"]["state"][f"p/{BIAS}"]
         p[2, 1] = torch.nextafter(p[2, 1], torch.tensor(-math.inf))
 
-    c = check_replay(clean_set(tmp_path, edit))
+    c = check_replay_traced(clean_set(tmp_path, edit))
     assert not c.passed and (c.first_step, c.first_tensor, c.element) == (3, f"p/{BIAS}", 1)
 
 
 def test_replay_fails_on_the_clipping_norm(tmp_path):
-    c = check_replay(clean_set(tmp_path, lambda a: a["rank0"]["trace"]["grad_norm"][1].mul_(1.01)))
+    c = check_replay_traced(clean_set(tmp_path, lambda a: a["rank0"]["trace"]["grad_norm"][1].mul_(1.01)))
     assert not c.passed and "clipping norm is off the replay's own" in c.reason
     assert c.steps_equal == [True] * STEPS  # the parameters themselves were equal
 
@@ -734,7 +743,7 @@ def test_a_single_is_compared_with_the_fleet_through_its_global_batch(tmp_path):
 
 
 def test_a_wrong_logged_loss_fails_the_loss_check_apart_from_the_gradients(tmp_path):
-    c = check_loss(clean_set(tmp_path / "ok"))
+    c = check_loss_traced(clean_set(tmp_path / "ok"))
     assert c.passed and c.worst <= 1e-7 and "eval losses at steps [2]" in c.reason
     v = judge(clean_set(tmp_path / "bad", lambda a: _set_loss(a, 2, 3 * LOSS_RTOL)).out)
     c = v.check("loss")
@@ -747,9 +756,9 @@ def test_a_wrong_eval_loss_fails_the_loss_check(tmp_path):
     def off(a):
         a["rank0"]["meta"]["evals"] = [[2, 5.0 * (1 + 3 * LOSS_RTOL)]]
 
-    c = check_loss(clean_set(tmp_path / "off", off))
+    c = check_loss_traced(clean_set(tmp_path / "off", off))
     assert not c.passed and c.reason.startswith("the logged eval loss is wrong: at step 2")
-    c = check_loss(clean_set(tmp_path / "none", lambda a: a["rank0"]["meta"].pop("evals")))
+    c = check_loss_traced(clean_set(tmp_path / "none", lambda a: a["rank0"]["meta"].pop("evals")))
     assert not c.passed and "reported eval losses at steps [], the recipe evaluates at steps [2]" in c.reason
 
 

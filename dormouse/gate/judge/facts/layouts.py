@@ -18,7 +18,7 @@ layout  passes when, at every recorded step,
           gradient by a constant factor while the other class agrees (a
           reduction that sums over the TP group where it should average:
           c = the TP size, named; pytorch #160285's doubled expert gradients).
-The bound is the gradient check's (judge/recording.py: GRAD_RTOL, or the
+The bound is the gradient check's (facts/gradient.py: GRAD_RTOL, or the
 reduced-precision bound of the step)."""
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ import torch
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.verdict import Check
-from dormouse.gate.judge.recording import (FACTOR_AWAY, FACTOR_RTOL, GRAD_RTOL, _fleet_grad, _Ref, arithmetic_bound,
-                                           fit, rel)
+from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge.bounds import FACTOR_AWAY, FACTOR_RTOL, GRAD_RTOL
+from dormouse.gate.judge.facts.gradient import fleet_grad
+from dormouse.gate.judge.facts.precision import arithmetic_bound
+from dormouse.gate.judge.metrics import fit, rel
 
 
 def _peer_inputs(rec: A.RecordingSet, groups: list[list[int]]) -> str | None:
@@ -58,7 +61,7 @@ def _peer_inputs(rec: A.RecordingSet, groups: list[list[int]]) -> str | None:
     return None
 
 
-def _unreduced(rec: A.RecordingSet, ref: _Ref, groups: list[list[int]], params: dict) -> str | None:
+def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], params: dict) -> str | None:
     """The first gradient that differs between the ranks of a TP group, as a sentence; None when none does."""
     for k in rec.tensor_steps():
         bound = arithmetic_bound(rec, ref, GRAD_RTOL, k)
@@ -85,7 +88,7 @@ def _unreduced(rec: A.RecordingSet, ref: _Ref, groups: list[list[int]], params: 
     return None
 
 
-def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int) -> str | None:
+def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int, dp: int) -> str | None:
     """A constant factor on one class of parameters (split over a model-parallel dimension, or replicated)
     while the other class agrees with one process, as a sentence; None otherwise."""
     split = {n for n, v in params.items() if v.get("model_parallel")}
@@ -95,7 +98,7 @@ def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int
     for k in rec.tensor_steps():
         bound = arithmetic_bound(rec, ref, GRAD_RTOL, k)
         bounds.append(bound)
-        g, g_ref = _fleet_grad(rec, k), ref.tensors(k, "g/")
+        g, g_ref = fleet_grad(rec, k), ref.tensors(k, "g/")
         names = sorted(set(g) & set(g_ref))
         for cls, ns in (("split", [n for n in names if n in split]), ("replicated", [n for n in names if n not in split])):
             if not ns:
@@ -107,7 +110,7 @@ def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int
     cands = [(f"the TP size {tp}", tp), (f"1 / the TP size {tp}", 1 / tp), (f"the DP size {dp}", dp),
              (f"1 / the DP size {dp}", 1 / dp), (f"the world size {tp * dp}", tp * dp),
              (f"1 / the world size {tp * dp}", 1 / (tp * dp))]
-    whole = [fit(_fleet_grad(rec, k), ref.tensors(k, "g/"), sorted(set(_fleet_grad(rec, k)) & set(ref.tensors(k, "g/"))))
+    whole = [fit(fleet_grad(rec, k), ref.tensors(k, "g/"), sorted(set(fleet_grad(rec, k)) & set(ref.tensors(k, "g/"))))
              for k in rec.tensor_steps()]
     cs = [c for c, _ in whole]
     if whole and all(res <= bound for _, res in whole) and max(cs) - min(cs) <= tol * abs(cs[0]) \
@@ -138,7 +141,7 @@ def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int
     return None
 
 
-def _check_pipeline(rec: A.RecordingSet, ref: _Ref, lay: dict) -> Check:
+def _check_pipeline(rec: A.RecordingSet, ref: ReferenceSet, lay: dict) -> Check:
     """A pipeline's stages: every parameter of the whole model recorded by exactly one stage."""
     per = lay.get("stage_params", [])
     seen: dict[str, int] = {}
@@ -159,7 +162,7 @@ def _check_pipeline(rec: A.RecordingSet, ref: _Ref, lay: dict) -> Check:
                                  "forwards are the micro-batches (the others' inputs are activations)")
 
 
-def check_layout(rec: A.RecordingSet, ref: _Ref) -> Check | None:
+def check_layout(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     """The layout check (module docstring); None for a recording without a layout."""
     lay = rec.meta.get("layout")
     if not lay:

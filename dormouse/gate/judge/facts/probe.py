@@ -33,7 +33,8 @@ import torch
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.verdict import Check
 from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, PROBE_RTOL, floor_bound
-from dormouse.gate.judge.recording import _Ref, rel
+from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge.metrics import rel
 
 
 def _group(rec: A.RecordingSet, r: int) -> list[int]:
@@ -73,7 +74,7 @@ def _against(name: str, pieces: list[dict], prefix: str, ref: dict, nudged: dict
     return x, floor_bound(rel({name: nudged[name]}, {name: ref[name]}, [name]), PROBE_RTOL)
 
 
-def _one(rec: A.RecordingSet, ref: _Ref, k: int, r: int) -> tuple[str | None, dict]:
+def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | None, dict]:
     """Rank r's first micro-batch at step k: (a finding, or None; the figures)."""
     group = _group(rec, r)
     pieces = [rec.step_tensors(q, k) for q in group]
@@ -127,7 +128,7 @@ def _one(rec: A.RecordingSet, ref: _Ref, k: int, r: int) -> tuple[str | None, di
     return None, figures
 
 
-def check_probe(rec: A.RecordingSet, ref: _Ref) -> Check | None:
+def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     """The probe check (module docstring); None when no step was probed."""
     steps = [k for k in rec.steps if rec.step_meta(0, k).get("probe_order") is not None]
     if not steps:

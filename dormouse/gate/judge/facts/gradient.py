@@ -1,0 +1,353 @@
+"""Fact 3 for any loop: the synchronised gradient against one process's.
+
+A recording of any loop (entry.judge_recording):
+
+gradient      fact 3: the fleet's synchronised gradient (divided by the clip
+              coefficient where the loop clipped first) against the one-process
+              gradient of the DECLARED objective over every rank's micro-batches
+              at the recorded parameters: ||g_fleet - g|| / ||g|| <= GRAD_RTOL
+              (all tensors together); sketch / every-k recordings hold EACH
+              tensor to its own bound (run_tolerance), the bound a sketch's
+              detection statement is per tensor for.
+              On a failure it fits g_fleet = c g and NAMES c when it is a
+              constant clearly away from 1 (|c - 1| > FACTOR_AWAY x bound:
+              xW, xK, 1/W, ...), or names the weighting the fleet computed
+              (the mean of micro-batch means, each rank its own count).
+grad_mask     the parameters with a gradient are the ones one process gives a
+              gradient: a zero gradient where one process has none is a FAIL
+              (weight decay and the optimizer's moments move them).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge import causes as C
+from dormouse.gate.judge.bounds import (
+    FACTOR_AWAY,
+    FACTOR_RTOL,
+    FLOOR_MULTIPLE,
+    GRAD_RTOL,
+    PRECISION_CAP,
+    RUN_MIN_RTOL,
+    floor_bound,
+    sketch_detection,
+)
+from dormouse.gate.judge.facts.precision import (
+    arithmetic_bound,
+    bound_words,
+    precision_words,
+    too_loose,
+)
+from dormouse.gate.judge.metrics import factor_name, fit, rel
+from dormouse.gate.judge.verdict import Check, TensorCheck
+
+
+def fleet_grad(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
+    g = rec.tensors_at(k, "gs/" if rec.sketch else "g/")
+    m = rec.step_meta(0, k)
+    if m.get("clipped") and m.get("clip_coef"):
+        g = {n: v.double() / m["clip_coef"] for n, v in g.items()}
+    return g
+
+
+
+def run_tolerance(rec: A.RecordingSet, ref: ReferenceSet, ours: str, nudged: str) -> dict[int, dict[str, float]]:
+    """Per tensor step and per tensor n (run mode): FLOOR_MULTIPLE x the
+    running maximum over steps <= k of that tensor's one-ulp floor
+    rel(nudged[n], ours[n]), at least RUN_MIN_RTOL. Each tensor is held to its
+    own floor, so a fault confined to one small tensor is not diluted by the
+    others (a sketch's detection bound is per tensor)."""
+    out, top = {}, {}
+    for k in rec.tensor_steps():
+        a, b = ref.tensors(k, nudged), ref.tensors(k, ours)
+        for n in b:
+            top[n] = max(top.get(n, 0.0), rel({n: a[n]}, {n: b[n]}, [n]) if n in a else 0.0)
+        out[k] = {n: floor_bound(x, RUN_MIN_RTOL) for n, x in top.items()}
+    return out
+
+
+
+def _per_tensor(a: dict, b: dict, names, tol: dict[str, float]) -> tuple[float, str | None, float, float]:
+    """The tensor nearest its own bound: (its rel, its name, its bound, rel / bound)."""
+    best = (0.0, None, 0.0, -1.0)
+    for n in names:
+        x = rel({n: a[n]}, {n: b[n]}, [n])
+        t = tol.get(n, RUN_MIN_RTOL)
+        if x / t > best[3]:
+            best = (x, n, t, x / t)
+    return best
+
+
+
+def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
+    """Per recorded tensor step, the fleet's gradient (divided by the clip
+    coefficient where the loop clipped first) against one process's gradient
+    of the declared objective: "error" ||g_fleet - g|| / ||g|| over all tensors
+    together; replay mode holds that to "bound" = GRAD_RTOL. Run mode (sketch
+    or every-k) holds EACH tensor n to its own bound (run_tolerance); "tensor",
+    "tensor_error", "tensor_bound" are the tensor nearest its bound (replay:
+    the tensor that differs most, tensor_bound None). "scalar" the c fitting
+    g_fleet = c g (a wrong count shows as a c per step). "ok" whether the step
+    passes."""
+    run = ref.meta.get("mode") == "run"
+    tol = run_tolerance(rec, ref, "g/", "ng/") if run else {}
+    tol = {k: {n: max(b, arithmetic_bound(rec, ref, GRAD_RTOL, k)) for n, b in t.items()} for k, t in tol.items()}
+    rows = []
+    for k in rec.tensor_steps():
+        gb = arithmetic_bound(rec, ref, GRAD_RTOL, k)
+        g_ref = ref.tensors(k, "g/")
+        g = fleet_grad(rec, k)
+        names = sorted(set(g) & set(g_ref))
+        x = rel(g, g_ref, names)
+        if run:
+            tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol[k])
+            ok = ratio <= 1.0
+        else:
+            tn = max(names, key=lambda n: rel({n: g[n]}, {n: g_ref[n]}, [n])) if names else None
+            tx = rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0
+            tb, ok = None, x <= gb  # replay: the tensors are bounded together, not one by one
+            per_t = ref.info(k).get("precision_floor_tensors")
+            if per_t:  # reduced precision: each tensor also against FLOOR_MULTIPLE x its own floor
+                # (a fault in one small tensor is diluted in the global norm, whose bound is a few percent)
+                tol_k = {n: floor_bound(per_t.get(n, 0.0), GRAD_RTOL) for n in names}
+                tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol_k)
+                ok = ok and ratio <= 1.0
+        c = fit(g, g_ref, names)[0] if names else math.nan  # g_fleet ~ c g: the figure draws c beside the error
+        rows.append({"step": k, "error": x, "bound": gb if not run else None, "tensor": tn,
+                     "tensor_error": tx, "tensor_bound": tb, "ok": ok, "scalar": c})
+    return rows
+
+
+
+def gradient_series(out) -> list[dict]:
+    """gradient_rows of the recording in `out`, whose reference is made (what
+    notebook 04 plots: the per-step gradient error against its bound)."""
+    out = Path(out)
+    if not A.reference_meta_path(out).exists():
+        from dormouse.errors import DormouseError
+
+        raise DormouseError(f"{out} holds no one-process reference: run `dormouse gate check --out {out}`")
+    return gradient_rows(A.RecordingSet(out), ReferenceSet(out))
+
+
+
+def _never_reduced(rec: A.RecordingSet, ref: ReferenceSet, bound: float):
+    """(the first step, (ranks apart, mean against one process)) where the
+    ranks' recorded gradients differ and their mean is one process's
+    (causes.never_reduced): DDP's gradients never all-reduced. None under
+    FSDP2 (each rank holds a shard) or sketches, or where it does not hold."""
+    if rec.meta.get("fsdp") or rec.sketch:
+        return None
+    for k in rec.tensor_steps():
+        w = rec.world_at(k)
+        grads = []
+        for r in range(w):
+            m = rec.step_meta(r, k)
+            coef = m.get("clip_coef") if m.get("clipped") and m.get("clip_coef") else 1.0
+            grads.append({n[2:]: v.double() / coef for n, v in rec.step_tensors(r, k).items() if n.startswith("g/")})
+        found = C.never_reduced(grads, ref.tensors(k, "g/"), rel, bound)
+        if found is not None:
+            return k, found
+    return None
+
+
+
+def step_counts_of(rec: A.RecordingSet, steps: list[int]) -> list[dict] | None:
+    """causes.step_counts at each of `steps` (a built-in token objective only;
+    causal_lm shifts by one), or None where a step's targets are not [rows, T]."""
+    objective = rec.meta.get("objective")
+    if objective not in ("causal_lm", "token_mean"):
+        return None
+    micro_max = max(rec.step_meta(0, k).get("micro_batches", 1) for k in rec.steps)
+    out = []
+    for k in steps:
+        batches = [(r, C.targets_of(b)) for r, _, b in rec.micro_batches(k)]
+        c = C.step_counts(batches, rec.world_at(k), rec.step_meta(0, k).get("micro_batches", 1), micro_max,
+                          shift=1 if objective == "causal_lm" else 0)
+        if c is None:
+            return None
+        out.append(c)
+    return out
+
+
+
+def bf16_wire(rec: A.RecordingSet) -> bool:
+    """Every element of the fleet's recorded gradient a bfloat16 value at
+    every tensor step the loop did not clip (clip coefficient 1 or none: a
+    clip multiplies it off the bfloat16 grid); False where no step qualifies."""
+    steps = [k for k in rec.tensor_steps() if rec.step_meta(0, k).get("clip_coef") in (None, 1.0)]
+    return bool(steps) and all(C.bf16_representable(rec.tensors_at(k, "g/")) for k in steps)
+
+
+
+def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
+    run = ref.meta.get("mode") == "run"
+    rows = gradient_rows(rec, ref)
+    loose = too_loose(rec, ref)
+    if loose is not None:
+        k, f = loose
+        return TensorCheck("gradient", False,
+                           f"not judged in reduced precision: at step {k} the {precision_words(rec, ref)} floor is "
+                           f"{f:.2g} (the gradient through the loss / 3 against it), so {FLOOR_MULTIPLE:g} x it "
+                           f"exceeds {PRECISION_CAP:g} and a fault of that size would pass as round-off: the network "
+                           "amplifies round-off; gate the float32 run",
+                           worst=max(r["error"] for r in rows), worst_tensor=None, worst_step=k,
+                           bound=FLOOR_MULTIPLE * f, per_step=[r["error"] for r in rows], first_step=k)
+    gb = arithmetic_bound(rec, ref, GRAD_RTOL)  # the largest step's (one bound per step in the rows)
+    tbounds = [r["tensor_bound"] for r in rows] if run else [r["bound"] for r in rows]
+    per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
+    fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": [], "gm": []}
+    first_bad, gm_far = None, False
+    for row in rows:
+        k = row["step"]
+        g_ref = ref.tensors(k, "g/")
+        g = fleet_grad(rec, k)
+        names = sorted(set(g) & set(g_ref))
+        x = row["error"]
+        per.append(x)
+        if not row["ok"] and first_bad is None:
+            first_bad = row
+        over = over or not row["ok"]
+        if x > worst:
+            worst, worst_k, worst_t = x, k, row["tensor"]
+        # a constant factor is named from steps at the same parameters (all of them when replaying)
+        if run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > \
+                arithmetic_bound(rec, ref, GRAD_RTOL, k):
+            continue
+        fits.append(fit(g, g_ref, names))
+        fitted.append(k)
+        for alt in alts:
+            a = ref.tensors(k, f"{alt}/")
+            an = sorted(set(g) & set(a))
+            alts[alt].append(fit(g, a, an) if an else (0.0, math.inf))
+        gm = ref.tensors(k, "gm/")  # the global batch in one forward: named only where it is not the sum's
+        gm_far = gm_far or bool(gm) and rel(gm, g_ref, sorted(set(gm) & set(g_ref))) > \
+            FACTOR_AWAY * arithmetic_bound(rec, ref, GRAD_RTOL, k)
+    ok = not over
+    bound = gb
+    factor_rtol = max(FACTOR_RTOL, gb)  # a fitted constant is as uncertain as the gradients it is fitted to
+    world, micro = rec.world_at(rec.steps[0]), rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
+    what = "one process's gradient of the declared objective"
+    stated = (bound_words(rec, ref, max(tbounds), GRAD_RTOL) if not run else
+              f"each tensor against its own bound, {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor of "
+              f"that tensor, {min(tbounds):.2g} to {max(tbounds):.2g}")
+    if run and first_bad is not None:  # the per-tensor finding: which tensor, by how much, against what
+        worst_k, worst_t = first_bad["step"], first_bad["tensor"]
+    if ok:
+        top = max(rows, key=lambda r: r["tensor_error"] / r["tensor_bound"]) if run else None
+        reason = (f"the fleet's gradient equals {what} ({rec.meta['objective']}) at every recorded step "
+                  f"(worst {worst:.2g}" + (f"; per tensor, worst {top['tensor_error']:.2g} in {top['tensor']} "
+                                          f"at step {top['step']} against its {top['tensor_bound']:.2g}"
+                                          if top else "") + f"; {stated})")
+    else:
+        cs = [c for c, _ in fits]
+        constant = bool(fits) and all(r <= bound for _, r in fits) and max(cs) - min(cs) <= factor_rtol * abs(cs[0])
+        near_one = constant and abs(cs[0] - 1) <= FACTOR_AWAY * bound  # no factor
+        constant = constant and not near_one
+        # run mode fits only the steps where the parameters still agree: a ratio of 1 there, and the
+        # first failing step not among them, puts the fault in a step between
+        unit = near_one and worst_k not in fitted
+        named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
+        alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)
+                        and (alt != "gm" or gm_far)), None)
+        apart = None if constant or unit else _never_reduced(rec, ref, bound)
+        scalars = [(k, c, r) for k, (c, r) in zip(fitted, fits)]
+        per_step = not constant and not unit and C.per_step_scalar(scalars, bound, FACTOR_AWAY * bound)
+        if first_bad is not None and math.isinf(first_bad["error"]):
+            reason = (f"the fleet's gradient at step {first_bad['step']} is not finite, or one process's at the "
+                      "recorded parameters is not: NaN or inf (see finite)")
+        elif unit:
+            reason = (f"the fleet's gradient equals {what} at the {len(fits)} recorded step(s) where the fleet's "
+                      f"parameters equal the one-process run's, but differs by {worst:.2g} at step {worst_k} "
+                      f"(tensor {worst_t}; {stated}), after the parameters parted: the fault is in a step between "
+                      "(see replay)")
+        elif constant and named:
+            reason = (f"the fleet's gradient is {what} times {cs[0]:.4g} = {named} (W = {world} ranks, "
+                      f"K = {micro} micro-batches) at every step: a normalisation applied the wrong number of times")
+        elif constant:
+            reason = f"the fleet's gradient is {what} times a constant {cs[0]:.4g} at every step"
+        elif apart is not None:
+            k0, (far, off) = apart
+            reason = (f"the gradients were never all-reduced: at step {k0} the ranks' gradients differ from each other "
+                      f"(by {far:.2g}), each its own micro-batches' gradient, and their mean equals {what} (within "
+                      f"{off:.2g}; {stated}): no_sync on every micro-batch (or a hand-written all-reduce that never "
+                      "ran), so each rank steps on its own gradient and the ranks drift apart")
+        elif per_step and not alt_hit:
+            reason = C.describe_scalars(scalars, step_counts_of(rec, fitted), factor_rtol) + f" ({stated})"
+        elif alt_hit:
+            c = alts[alt_hit][0][0]
+            desc = {"gm": "the gradient of the step's rows in one forward (one process at the global batch: "
+                          "statistics over every rank's rows, as an all-reduced load-balancing term or negatives "
+                          "gathered from every rank give)",
+                    "micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
+                                  "own count, not the step's)",
+                    "rank_mean": "the mean of the ranks' own token means (each rank normalised by its own "
+                                 "token count)"}[alt_hit]
+            reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
+                      + f", not the global mean the objective declares (off by {worst:.2g} at step {worst_k})")
+            if alt_hit == "gm":
+                reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
+                          + f", not the sum of the micro-batches' own the declared objective gives (off by "
+                          f"{worst:.2g} at step {worst_k}): declare objective_scope='step' with fn(model, batches) "
+                          "computing the statistics over the whole step")
+        elif run and first_bad is not None:
+            reason = (f"the fleet's gradient differs from {what} in tensor {first_bad['tensor']} by "
+                      f"{first_bad['tensor_error']:.2g} at step {first_bad['step']}, above that tensor's bound "
+                      f"{first_bad['tensor_bound']:.2g} (all tensors together: {worst:.2g}; {stated})"
+                      + ("" if near_one else ", not by a constant factor"))
+        else:
+            reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} (tensor "
+                      f"{worst_t}; {stated})" + ("" if near_one else ", not by a constant factor"))
+            if not rec.sketch and bf16_wire(rec):
+                reason += ("; every element of the fleet's gradient is a bfloat16 value (float32 with its low 16 bits "
+                           "zero) at every step it was not clipped: the gradient was all-reduced in bfloat16 (a bf16 "
+                           "compress hook), whose round-off (~4e-3 relative) the float32 bound does not allow")
+            info, _ = ref.step(rec.tensor_steps()[0])
+            if info.get("rng_sensitive"):
+                reason += "; the one-process gradient itself changes with the RNG state (see independence)"
+    if rec.autocast_dtypes():
+        reason += (f"; every micro-batch's forward ran under {' and '.join(rec.autocast_dtypes())} autocast, "
+                   "as the recording says, in the reference too")
+    if rec.compute_dtypes():
+        reason += (f"; every micro-batch's forward ran on parameters cast to {' and '.join(rec.compute_dtypes())} "
+                   "(mixed precision, e.g. FSDP2's MixedPrecisionPolicy), as the recording says, in the reference too")
+    if rec.sketch:
+        reason += "; " + sketch_detection(rec.sketch, max(tbounds))[1]
+    src = ref.info(rec.steps[0]).get("labels") if rec.steps else None
+    if src in ("input_ids", "arg0"):
+        reason += (f"; the objective was judged against {src} as its labels (none were recorded: a loop that "
+                   "gives its loss labels the model is not given records them with rec.labels(labels))")
+    if rec.every > 1:
+        reason += f"; tensors every {rec.every} steps: a fault confined to fewer steps can be missed"
+    return TensorCheck("gradient", ok, reason, worst=worst, worst_tensor=worst_t, worst_step=worst_k,
+                       bound=max(tbounds), per_step=per, first_step=first_bad["step"] if first_bad else None)
+
+
+
+def check_grad_mask(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
+    for k in rec.steps:
+        info, _ = ref.step(k)
+        fleet_none = set(rec.step_meta(0, k).get("no_grad", []))
+        ref_none = set(info.get("no_grad", []))
+        extra = sorted(ref_none - fleet_none)
+        if extra:
+            zero = ""
+            if rec.step_meta(0, k).get("tensors", True) and not rec.sketch:
+                g = rec.tensors_at(k, "g/")
+                if all(n in g and not g[n].any() for n in extra):
+                    zero = " (all zeros)"
+            return Check("grad_mask", False,
+                         f"{', '.join(extra)} had a gradient{zero} in the fleet at step {k} where one process has "
+                         "none: with weight decay or momentum the optimizer moves them (set them to None)")
+        missing = sorted(fleet_none - ref_none)
+        if missing:
+            return Check("grad_mask", False, f"{', '.join(missing)} had no gradient in the fleet at step {k} "
+                                             "where one process has one")
+    return Check("grad_mask", True, "the parameters with a gradient are the ones one process gives a gradient, "
+                                    "at every step")

@@ -1,0 +1,147 @@
+"""Fact 1: the network is a function of each example alone.
+
+The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
+
+window     fact 1, the premise: at every step the batch's gradient equals
+           sum_w t_w g(window w alone) / T and its per-token losses equal
+           each window's alone, within WINDOW_RTOL (else the network depends
+           on which windows share a batch).
+
+A recording of any loop (entry.judge_recording):
+
+independence  fact 1: at every recorded step the per-example gradients of a
+              sample of micro-batches (reference.example_sample), summed
+              with their weights, equal those micro-batches' gradient,
+              ||ex - exb|| / ||exb|| <= INDEP_RTOL, and the gradient does not change
+              with the RNG state (active dropout, per-rank RNG); BatchNorm and
+              dropout modules are named. And the step's rows in one forward
+              ("gm/", as few merged forwards as memory allows) give the
+              micro-batches' gradient within the same bound: else "the rows of
+              a forward interact". Declared objective_scope "forward" states
+              that distance and passes; "step" has neither check.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import ArtifactSet, ReferenceSet
+from dormouse.gate.judge.bounds import INDEP_RTOL, WINDOW_RTOL, arithmetic_rtol
+from dormouse.gate.judge.facts.precision import arithmetic_bound, bound_words
+from dormouse.gate.judge.facts.series import per_step_tensor, series_names
+from dormouse.gate.judge.metrics import rel, relative
+from dormouse.gate.judge.verdict import Check, TensorCheck
+
+
+def check_window(a: ArtifactSet) -> Check:
+    g = a.tensors("gradref")
+    names = series_names(g, "g/")
+    batch = {n: g[f"b/{n}"] for n in names}
+    window = {n: g[f"g/{n}"] for n in names}
+    rtol = arithmetic_rtol(a.meta("gradref").get("config", {}), WINDOW_RTOL)
+    c = per_step_tensor("window", batch, window, names, lambda n, k: rtol,
+                         what="the batch's gradient against the sum of each window's alone")
+    losses = relative(g["batch_losses"], g["window_losses"])
+    if not c.passed:
+        c.reason = ("the network depends on which windows share a batch (a fleet that splits the batch "
+                    "trains another network): " + c.reason)
+    elif losses > rtol:
+        steps = [k + 1 for k in range(len(g["batch_losses"]))
+                 if relative(g["batch_losses"][k], g["window_losses"][k]) > rtol]
+        c.passed, c.first_step = False, steps[0]
+        c.reason = (f"the network depends on which windows share a batch: per-token losses of the batch "
+                    f"differ from each window's alone by {losses:.2e} (first at step {steps[0]})")
+    else:
+        c.reason += f"; per-token losses within {losses:.1e}"
+    return c
+
+
+
+def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
+    per, worst, worst_k = [], 0.0, None
+    rng, sampled, total = False, 0, 0
+    over = False
+    scope = rec.meta.get("objective_scope") or "example"
+    # the step's rows in as few forwards as memory allows ("gm/") against the micro-batches' sum ("g/")
+    gm_worst, gm_k, gm_words, gm_err, gm_over = 0.0, None, None, None, False
+    for k in rec.tensor_steps():
+        info, _ = ref.step(k)
+        rng = rng or bool(info.get("rng_sensitive"))
+        ex = ref.tensors(k, "ex/")
+        g = ref.tensors(k, "exb/") or ref.tensors(k, "g/")  # the sampled micro-batches' own gradient
+        x = rel(ex, g, sorted(set(g) & set(ex)))
+        sampled += len(info.get("ex_micro") or [])
+        total += sum(len(c) for c in info.get("counts", []))
+        per.append(x)
+        over = over or x > arithmetic_bound(rec, ref, INDEP_RTOL, k)
+        merged = info.get("merged") or {}
+        if merged.get("error") and gm_err is None:
+            gm_err = (k, merged["error"], merged.get("words"))
+        elif merged:
+            gm, full = ref.tensors(k, "gm/"), ref.tensors(k, "g/")
+            y = rel(gm, full, sorted(set(gm) & set(full)))
+            gm_words = merged.get("words")
+            gm_over = gm_over or y > arithmetic_bound(rec, ref, INDEP_RTOL, k)
+            if y >= gm_worst:
+                gm_worst, gm_k = y, k
+        if x > worst:
+            worst, worst_k = x, k
+    bn, drop = ref.meta.get("batchnorm", []), ref.meta.get("dropout", [])
+    bound = arithmetic_bound(rec, ref, INDEP_RTOL, worst_k)
+    said = bound_words(rec, ref, bound, INDEP_RTOL, worst_k)
+    ok = not over and not rng and not gm_over and gm_err is None
+    one = (f"{gm_words} give a gradient {gm_worst:.2g} away from the micro-batches' sum (step {gm_k})"
+           if gm_k is not None else None)
+    if math.isinf(worst):
+        ok = False
+        reason = (f"not judged at step {worst_k}: the per-example or the micro-batch gradients there are not finite "
+                  "(computed at recorded parameters holding NaN or inf: see finite)")
+    elif scope == "step":
+        ok = not rng
+        reason = ("the objective is declared over the whole step (objective_scope='step'): one process "
+                  "differentiates it once over every rank's micro-batches of the step, so neither the per-example "
+                  "nor the per-forward check applies" + ("" if ok else "; but the gradient changes with the RNG "
+                                                              "state (active dropout or other unkeyed randomness)"))
+    elif scope == "forward" and not rng:
+        ok = True
+        reason = ("the objective is declared per forward (objective_scope='forward': each forward's own "
+                  "statistics), so one process differentiates each micro-batch as the fleet split the batch, and "
+                  "the split is part of the objective"
+                  + (f"; {one} (what one process at the global batch would train instead)" if one else "")
+                  + f"; each row alone {worst:.2g} from its micro-batch's")
+    elif ok:
+        reason = (f"the per-example gradients sum to their micro-batch's at every recorded step (worst "
+                  f"{worst:.2g}, {said}; {sampled} of {total} micro-batches differentiated row by "
+                  "row: every rank's first at the first step, one a step after, rotating) and do not change with "
+                  "the RNG state" + (f"; {one}" if one else ""))
+    elif bn:
+        reason = (f"BatchNorm ({', '.join(bn)}) computes statistics over the batch: the per-example gradients "
+                  f"differ from the batch's by {worst:.2g} (step {worst_k}; {said}), so splitting "
+                  "the batch over ranks changes the mathematics (SyncBN too: use a per-example norm)")
+    elif rng or drop:
+        reason = ("the gradient changes with the RNG state: active dropout"
+                  + (f" ({', '.join(drop)})" if drop else " or other unkeyed randomness")
+                  + f": its masks are random draws, which no split of the batch draws as one process does, "
+                  f"whether or not the ranks share a seed (per-example vs batch {worst:.2g}); switch it off "
+                  "(p = 0 or the module in eval mode) to gate the loop")
+    else:
+        reason = (f"the network is not a function of each example alone: per-example gradients (each row alone, "
+                  f"trimmed to its attention_mask) differ from the batch's by {worst:.2g} at step {worst_k} "
+                  f"({said}): a forward that depends on the other rows, or on its padding (left padding with "
+                  "absolute positions), computes another function at another split of the batch")
+    if not ok and scope == "example" and not over and not rng and not bn and not drop:
+        if gm_err is not None:
+            reason = (f"the step's rows could not be computed in one forward at step {gm_err[0]} ({gm_err[2]}): "
+                      f"{gm_err[1]}; declare objective_scope='forward' if each forward's own rows are the objective")
+        else:
+            reason = (f"the rows of a forward interact: {one} ({bound_words(rec, ref, arithmetic_bound(rec, ref, INDEP_RTOL, gm_k), INDEP_RTOL, gm_k)}), "
+                      "though each row's gradient alone sums to its micro-batch's: the network or the objective "
+                      "depends on which rows share a forward (statistics over a forward's rows: a load-balancing "
+                      "term, in-batch negatives), so one process at the global batch trains another gradient than "
+                      "the fleet's split; declare objective_scope='step' with fn(model, batches) if the statistics "
+                      "are meant over the global batch (and the fleet computes them so), or "
+                      "objective_scope='forward' if each forward's own statistics are the objective")
+    elif not ok and scope == "example" and gm_over and one:
+        reason += f"; {one}"
+    return TensorCheck("independence", ok, reason, worst=worst, worst_step=worst_k, bound=bound, per_step=per)

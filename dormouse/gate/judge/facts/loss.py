@@ -1,0 +1,136 @@
+"""The reported loss (a wrong metric is its own finding, not a wrong training).
+
+The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
+
+loss       the logged loss: at every step the fleet's reported loss equals the
+           token-weighted mean of gradref's per-token losses, and every eval
+           loss gradref's over the held-out windows, within LOSS_RTOL ("the
+           logged loss is wrong"), with or without a single process.
+
+A recording of any loop (entry.judge_recording):
+
+loss          the loss the loop reported against the declared objective
+              (LOSS_RTOL): reported apart, since a wrong metric is not a wrong
+              training; the weighting it computed instead is named.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import ArtifactSet, ReferenceSet
+from dormouse.gate.judge.bounds import (
+    FLOOR_MULTIPLE,
+    LOSS_RTOL,
+    arithmetic_rtol,
+    floor_bound,
+)
+from dormouse.gate.judge.facts.precision import precision_words
+from dormouse.gate.judge.verdict import Check, TensorCheck
+
+
+def check_loss_traced(a: ArtifactSet) -> Check:
+    """The logged loss. At every step the fleet's reported loss must equal the
+    token-weighted mean of gradref's per-token losses at the same parameters,
+    sum_i l_i / T over the step's T tokens (gradref reads the bytes and
+    counts the tokens itself), within LOSS_RTOL; every eval loss it reported
+    must equal gradref's mean over the held-out windows at the fleet's
+    parameters after that step, at the steps the recipe evaluates (a
+    bfloat16 model: within BF16_MODEL_RTOL, its own round-off). Apart from
+    the gradient checks, and whether or not a single process applies: a
+    fleet can train right and log a wrong curve, which misleads as much."""
+    fleet, g, gm = a.meta("rank0"), a.tensors("gradref"), a.meta("gradref")
+    tol = arithmetic_rtol(gm.get("config", {}), LOSS_RTOL)  # a bfloat16 model's own round-off is wider
+    if "window_losses" not in g:
+        return TensorCheck("loss", False, "gradref holds no per-token losses: re-run gradref", first_step=1)
+    ref = g["window_losses"].double().mean(dim=1).tolist()
+    lf = fleet["losses"]
+    if len(ref) != len(lf):
+        return TensorCheck("loss", False, f"the fleet logged {len(lf)} losses, gradref covers {len(ref)} steps: "
+                           "re-run gradref", first_step=1)
+    rel = [abs(f - r) / abs(r) if r else abs(f - r) for f, r in zip(lf, ref)]
+    worst = max(range(len(rel)), key=lambda k: rel[k]) if rel else 0
+    c = TensorCheck("loss", True, "", worst=max(rel, default=0.0), worst_step=worst + 1, bound=tol,
+                    per_step=rel)
+    bad = next((k for k, r in enumerate(rel) if not r <= tol), None)
+    if bad is not None:
+        c.passed, c.first_step = False, bad + 1
+        c.reason = (f"the logged loss is wrong: at step {bad + 1} the fleet reported {lf[bad]:.7f}, the "
+                    f"token-weighted mean of the step's per-token losses is {ref[bad]:.7f} (relative "
+                    f"{rel[bad]:.1e} > {tol:.0e}); its gradients are judged apart")
+        return c
+    c.reason = (f"the logged loss equals the token-weighted mean of gradref's per-token losses within "
+                f"{max(rel, default=0.0):.1e} at every step (<= {tol:.0e})")
+    want, have = gm.get("evals"), fleet.get("evals") or []
+    if want is None:
+        return c
+    if [k for k, _ in have] != [k for k, _ in want]:
+        c.passed, c.first_step = False, (want or have)[0][0]
+        c.reason = (f"the logged eval loss is wrong: the fleet reported eval losses at steps "
+                    f"{[k for k, _ in have]}, the recipe evaluates at steps {[k for k, _ in want]}")
+        return c
+    erel = [abs(x - y) / abs(y) if y else abs(x - y) for (_, x), (_, y) in zip(have, want)]
+    bad = next((i for i, r in enumerate(erel) if not r <= tol), None)
+    if bad is not None:
+        c.passed, c.first_step = False, want[bad][0]
+        c.reason = (f"the logged eval loss is wrong: at step {want[bad][0]} the fleet reported "
+                    f"{have[bad][1]:.7f}, the held-out windows' token mean at its parameters is "
+                    f"{want[bad][1]:.7f} (relative {erel[bad]:.1e} > {tol:.0e})")
+        return c
+    if want:
+        c.reason += f"; eval losses at steps {[k for k, _ in want]} within {max(erel):.1e}"
+    return c
+
+
+
+def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Check:
+    worst, at, alt_hits = 0.0, None, None
+    reported_any, over, floor = False, False, 0.0
+    # reduced precision: the loss as a loop computing it in the forward's dtype gives it (measured per step)
+    lowp = max((f for k in rec.steps if (f := ref.info(k).get("loss_floor")) is not None), default=None)
+    for k in rec.steps:
+        info, _ = ref.step(k)
+        if info.get("nudged_loss") is not None:  # run mode: the one-process run's own one-ulp floor
+            floor = max(floor, abs(info["nudged_loss"] - info["loss"]) / max(abs(info["loss"]), 1e-30))
+        # a step in reduced precision: the largest loss floor of such steps (one scalar a step is a noisy
+        # measure of a rounding); a float32 step keeps its own bound
+        tol = floor_bound(max(floor, lowp if info.get("loss_floor") is not None else 0.0), LOSS_RTOL)
+        losses = [rec.step_meta(r, k).get("loss") for r in range(rec.world_at(k))]
+        if losses[0] is None:
+            continue
+        reported_any = True
+        x = abs(losses[0] - info["loss"]) / max(abs(info["loss"]), 1e-30)
+        x = x if math.isfinite(x) else math.inf  # a NaN logged (or a NaN reference): above every bound
+        if x > worst:
+            worst, at = x, k
+        if x > tol:
+            over = True
+            hits = {a for a, v in (("micro_mean", info["loss_alt"]["micro_mean"]),
+                                   ("rank_mean", info["loss_alt"]["rank_mean"]),
+                                   ("rank_local", (info["loss_alt"]["rank_local"] or [None])[0]))
+                    if v is not None and abs(losses[0] - v) <= tol * abs(v)}
+            alt_hits = hits if alt_hits is None else alt_hits & hits
+    if not reported_any:
+        return Check("loss", True, "the loop reported no loss (rec.step(loss=...)): not checked")
+    if not over:
+        tol = floor_bound(max(floor, lowp or 0.0), LOSS_RTOL)
+        said = f"bound {tol:.2g}"
+        if lowp is not None and FLOOR_MULTIPLE * lowp > max(LOSS_RTOL, FLOOR_MULTIPLE * floor):
+            said += (f" = {FLOOR_MULTIPLE:g} x the {precision_words(rec, ref)} loss floor {lowp:.2g}, the loss "
+                     "from logits left in the forward's dtype against it, at the largest; each step its own")
+        return Check("loss", True, f"the logged loss equals the declared objective over the global batch at every "
+                                   f"step (worst {worst:.2g}, {said})")
+    desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": "the mean of the ranks' own "
+            "token means", "rank_local": "rank 0's own token mean"}
+    named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)
+    reason = (f"the logged loss differs from the declared objective by {worst:.2g} at step {at}"
+              + (f": it is {named}, not the global token mean" if named else ""))
+    if math.isinf(worst):
+        logged = rec.step_meta(0, at).get("loss")
+        reason = (f"the logged loss at step {at} is {logged}" if isinstance(logged, float) and not math.isfinite(logged)
+                  else f"the declared objective at step {at} is not finite (the recorded parameters hold NaN or inf)"
+                  ) + ": not compared (see finite)"
+    reason += ("; the training itself matches one process (gradient and replay pass): the logged loss is wrong, "
+               "not the training" if training_ok else "")
+    return Check("loss", False, reason)

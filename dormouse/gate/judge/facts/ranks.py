@@ -1,0 +1,156 @@
+"""Fact: every rank holds the same model.
+
+The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
+
+ranks      every rank's tensors and losses bitwise equal to rank 0's.
+
+A recording of any loop (entry.judge_recording):
+
+ranks         every rank's parameters equal before every step and after the
+              last (sha256); under FSDP2 each shard exists once (said so);
+              every micro-batch of a step under one autocast (or none).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import LEG1, ArtifactSet
+from dormouse.gate.judge.metrics import relative
+from dormouse.gate.judge.verdict import Check
+
+
+def check_ranks_traced(a: ArtifactSet) -> Check:
+    legs = a.meta("rank0").get("legs") or [[a.meta("rank0").get("world_size"), None]]
+    bad, worlds = [], []
+    for prefix, (world, _) in zip([LEG1, ""] if len(legs) == 2 else [""], legs):
+        names = a.ranks(prefix)
+        worlds.append(len(names))
+        if len(names) != world:
+            return Check("ranks", False, f"found {len(names)} {prefix}rank artifacts for a world of {world}")
+        bad += _unequal_ranks(a, names)
+    if bad:
+        return Check("ranks", False, "ranks differ: " + "; ".join(bad))
+    sharded = a.meta("rank0")["settings"].get("shard") == "fsdp"
+    note = (" (FSDP2: gathered tensors are equal by construction; this catches buffers gone apart)"
+            if sharded else "")
+    legs_note = f" in each leg (worlds {worlds[0]} then {worlds[1]})" if len(worlds) == 2 else ""
+    if len(worlds) == 1 and len({t for _, t in a.meta("rank0").get("rank_shapes", [])}) > 1:
+        legs_note = " (one launch, no stop and resume: the profile mixes window lengths)"
+    return Check("ranks", True, f"all ranks bitwise equal{legs_note}{note}")
+
+
+
+def unequal_to_first(a: ArtifactSet, names: list[str]) -> dict[str, list[str] | None]:
+    """Per rank artifact after the first: None when its losses and every tensor
+    are bitwise the first's, else the unequal tensors, largest difference first
+    (the tensor that went apart, not those it dragged along; [] when only the
+    losses differ)."""
+    if not names:
+        return {}
+    ref, ref_losses = a.tensors(names[0]), a.meta(names[0])["losses"]
+    out: dict[str, list[str] | None] = {}
+    for n in names[1:]:
+        t = a.tensors(n)
+        unequal = [k for k in ref if k not in t or not torch.equal(ref[k], t[k])]
+        unequal.sort(key=lambda k: -relative(t[k], ref[k]) if k in t else -math.inf)
+        out[n] = unequal if unequal or a.meta(n)["losses"] != ref_losses else None
+    return out
+
+
+
+def _unequal_ranks(a: ArtifactSet, names: list[str]) -> list[str]:
+    return [f"{n} vs {names[0]}: {', '.join(u[:3]) or 'losses'}"
+            for n, u in unequal_to_first(a, names).items() if u is not None]
+
+
+
+def _autocast_words(state: tuple) -> str:
+    a, cast = state
+    words = "no autocast" if a is None else f"{a['device_type']} {a['dtype']} autocast"
+    return words + (f" on parameters cast to {cast}" if cast else "")
+
+
+
+def _precision_split(rec: A.RecordingSet) -> str | None:
+    """Where a rank's micro-batches ran in other precisions than rank 0's
+    same micro-batches (one rank without the others' autocast, or on
+    parameters cast otherwise): the sentence that says so, else None. A
+    pattern every rank follows alike (the first micro-batch under autocast
+    on each) is the fleet's own, and the reference mirrors it."""
+    for k in rec.steps:
+        states = [[(rec.autocast(r, k, m), rec.compute_dtype(r, k, m))
+                   for m in range(rec.step_meta(r, k).get("micro_batches", 0))] for r in range(rec.world_at(k))]
+        for r, st in enumerate(states):
+            for m, a in enumerate(st):
+                want = states[0][m] if m < len(states[0]) else states[0][-1] if states[0] else a
+                if a != want:
+                    return (f"at step {k} rank {r} ran micro-batch {m} under {_autocast_words(a)}, rank 0 under "
+                            f"{_autocast_words(want)}: the fleet's ranks do not compute in one precision")
+    return None
+
+
+
+def _mode_split(rec: A.RecordingSet) -> str | None:
+    """Where a micro-batch ran other submodules in eval mode than rank 0's
+    first micro-batch of the step (whose modes the reference sets): the
+    sentence that says so, else None."""
+    for k in rec.steps:
+        want = set(rec.eval_modules(k))
+        for r in range(rec.world_at(k)):
+            for m in range(rec.step_meta(r, k).get("micro_batches", 0)):
+                got = set(rec.eval_modules(k, r, m))
+                if got != want:
+                    words = lambda s: ", ".join(sorted(s)) or "none"  # noqa: E731
+                    return (f"at step {k} rank {r}'s micro-batch {m} ran other submodules in eval mode ({words(got)}) "
+                            f"than rank 0's first ({words(want)}): the fleet's ranks do not run one network")
+    return None
+
+
+
+def _call_split(rec: A.RecordingSet) -> str | None:
+    """Where a rank's micro-batch got other non-tensor forward arguments or ran
+    with other plain attributes than rank 0's same micro-batch (a branch switch
+    one rank sets alone): the sentence that says so, else None. As with the
+    precision, a pattern every rank follows alike is the fleet's own, and the
+    reference reproduces it micro-batch by micro-batch."""
+    for k in rec.steps:
+        for key, what in (("call", "non-tensor forward arguments"), ("attrs", "plain attributes")):
+            states = [[x or None for x in (rec.step_meta(r, k).get(key) or [])][:rec.step_meta(r, k).get(
+                "micro_batches", 0)] for r in range(rec.world_at(k))]
+            for r, st in enumerate(states):
+                for m, a in enumerate(st):
+                    want = states[0][m] if m < len(states[0]) else states[0][-1] if states[0] else a
+                    if a != want:
+                        return (f"at step {k} rank {r}'s micro-batch {m} ran with other {what} ({a}) than rank 0's "
+                                f"same micro-batch ({want}): the fleet's ranks do not run one network (a branch "
+                                "one rank switches alone)")
+    return None
+
+
+
+def check_ranks(rec: A.RecordingSet) -> Check:
+    split = _precision_split(rec) or _mode_split(rec) or _call_split(rec)
+    if split:
+        return Check("ranks", False, split)
+    if rec.meta.get("fsdp"):
+        return Check("ranks", True, "FSDP2: each rank holds its own shard (each parameter exists once); the "
+                                    "assembled tensors are what the other checks judge")
+    if (rec.meta.get("layout") or {}).get("pipeline"):  # judge/facts/layouts.py: each stage's parameters exist once
+        return Check("ranks", True, "pipeline: each rank holds its own stage's parameters (each exists once); "
+                                    "merged by name, they are what the other checks judge")
+    for k in rec.tensor_steps():
+        hashes = [rec.step_meta(r, k).get("param_hash") for r in range(rec.world_at(k))]
+        bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        if bad:
+            return Check("ranks", False, f"rank {bad[0]}'s parameters or persistent buffers differ from rank 0's "
+                                         f"before step {k}")
+    w = rec.world_at(rec.steps[-1])
+    finals = [A.read_json(A.final_meta_path(rec.out, r), "final").get("param_hash") for r in range(w)]
+    if any(h != finals[0] for h in finals):
+        return Check("ranks", False, "the ranks' parameters or persistent buffers differ after the last step")
+    return Check("ranks", True, "every rank's parameters and persistent buffers are equal before every "
+                                "recorded step and after the last")

@@ -1,0 +1,185 @@
+"""Fact 4: the same update.
+
+The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
+
+replay     fact 4: the fleet's whole run replayed in one process from init,
+           on the fleet's own recorded gradients and gradref's loads, equals
+           the fleet's parameters and routing bias BITWISE at every step, its
+           final tensors, and its optimizer state at the mid-run checkpoint.
+
+A recording of any loop (entry.judge_recording):
+
+replay        fact 4: the user's optimizer and scheduler replayed in one process
+              from the initial state on the recorded gradients give the recorded
+              parameters BITWISE before every step and after the last, across
+              resumes, and the recorded lr; a resume that reset the scheduler is
+              named. (Sketch / every-k recordings: the one-process run trained
+              on the declared objective instead, within FLOOR_MULTIPLE x its
+              own drift from a copy started one ulp away.)
+buffers       (when the loop declared buffer_update: state outside the optimizer
+              that moves by a rule of its own, dormouse's routing bias) the
+              rule applied in one process at the recorded state before every
+              step k to every rank's micro-batches of k gives the buffers
+              recorded before k + 1 (after the last step: the final ones)
+              BITWISE; the buffer and the rule are named.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import ArtifactSet, ReferenceSet
+from dormouse.gate.judge.bounds import (
+    FLOOR_MULTIPLE,
+    RUN_MIN_RTOL,
+    arithmetic_rtol,
+    sketch_detection,
+)
+from dormouse.gate.judge.facts.gradient import _per_tensor, run_tolerance
+from dormouse.gate.judge.facts.precision import arithmetic_bound
+from dormouse.gate.judge.facts.series import bitwise_steps
+from dormouse.gate.judge.metrics import rel, relative
+from dormouse.gate.judge.verdict import Check, ExactCheck
+
+
+def check_replay_traced(a: ArtifactSet) -> Check:
+    fleet, r = a.trace("rank0"), a.tensors("replay")
+    keys = sorted(k for k in r if k.startswith("p/"))
+    if not all(k in fleet for k in keys):
+        return ExactCheck("replay", False, "the fleet's trace lacks per-step tensors")
+    steps = min(len(r[keys[0]]), len(fleet[keys[0]]))
+    c = bitwise_steps("replay", fleet, r, keys, steps,
+                       "the fleet's run replayed in one process on its own gradients (parameters and routing bias)")
+    final = a.tensors("rank0")
+    off = [k for k in final if f"p/{k}" in r and not torch.equal(final[k], r[f"p/{k}"][steps - 1])]
+    if off:
+        c.passed, c.first_step = False, c.first_step or steps
+        c.reason += f"; the fleet's final tensors are not its traced last step: {', '.join(off[:3])}"
+    state = a.meta("replay").get("optimizer_state")
+    if state:
+        if state["unequal"] or state["checkpoint_step"] != state["step"]:
+            c.passed, c.first_step = False, min(c.first_step or state["step"], state["step"])
+            c.reason += (f"; the optimizer state the fleet checkpointed at step {state['checkpoint_step']} is not the "
+                         f"replay's at step {state['step']}: {', '.join(state['unequal'][:3])}")
+        else:
+            c.reason += f"; its optimizer state at the step-{state['step']} checkpoint bitwise ({state['tensors']} tensors)"
+    if "grad_norm" in r:
+        if "grad_norm" not in fleet:
+            c.passed, c.reason = False, "the fleet recorded no gradient norms although it clips"
+        else:
+            off = relative(fleet["grad_norm"], r["grad_norm"])
+            # a bfloat16 model's norm is a bfloat16 number: FSDP2 sums shard norms in another order
+            lim = arithmetic_rtol(a.meta("gradref").get("config", {}) if a.has("gradref") else {})
+            if not off <= lim:
+                scale = r["grad_norm"].double().abs().max()
+                over = ((fleet["grad_norm"].double() - r["grad_norm"].double()).abs() / scale > lim).nonzero()
+                at = int(over[0]) + 1 if len(over) else 1
+                c.passed, c.first_step = False, min(c.first_step or at, at)
+                c.reason += f"; the fleet's clipping norm is off the replay's own by {off:.2e} > {lim:.0e}"
+            else:
+                c.reason += f"; the fleet's clipping norms within {off:.1e} of the replay's own"
+    return c
+
+
+
+def first_unequal(a: dict, b: dict) -> tuple[str, float] | None:
+    for n in sorted(b):
+        if n not in a or a[n].shape != b[n].shape or not torch.equal(a[n].to(b[n].dtype), b[n]):
+            return n, (rel({n: a[n]}, {n: b[n]}, [n]) if n in a and a[n].shape == b[n].shape else math.inf)
+    return None
+
+
+
+def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
+    resumed = set(rec.resumed_at())
+    steps = rec.steps
+    # the lr the loop used against the uninterrupted scheduler's
+    for k in steps:
+        lr, want = rec.step_meta(0, k).get("lr"), ref.step(k)[0].get("replay_lr")
+        if lr is not None and want is not None and abs(lr - want) > 1e-12 * max(abs(want), 1e-30):
+            if k in resumed or any(s <= k for s in resumed):
+                first = min(s for s in resumed if s <= k)
+                return Check("replay", False,
+                             f"after the resume at step {first} the loop's lr at step {k} is {lr:.6g} where the "
+                             f"uninterrupted scheduler gives {want:.6g}: the resume dropped the lr scheduler's state")
+            return Check("replay", False, f"the loop's lr at step {k} is {lr:.6g} where its scheduler, replayed, "
+                                          f"gives {want:.6g}")
+    if ref.meta.get("mode") == "run":
+        tol = run_tolerance(rec, ref, "rp/", "np/")
+        # reduced precision: a one-ulp nudge mostly vanishes in the cast, so the run's own drift
+        # under-measures; each step's precision bound (a gradient's, so loose for parameters) instead
+        tol = {k: {n: max(b, arithmetic_bound(rec, ref, RUN_MIN_RTOL, k)) for n, b in t.items()}
+               for k, t in tol.items()}
+        worst, at, name, ok = (0.0, 0.0), None, None, True
+        pre = "ps/" if rec.sketch else "p/"
+        for k in rec.tensor_steps():
+            a, b = rec.tensors_at(k, pre), ref.tensors(k, "rp/")
+            x, n, t, ratio = _per_tensor(a, b, sorted(set(a) & set(b)), tol[k])
+            ok = ok and ratio <= 1.0
+            if ratio > worst[1]:
+                worst, at, name = (x, ratio), k, n
+        last = tol[rec.tensor_steps()[-1]]
+        a, b = rec.final(pre), ref.final()
+        x, n, t, ratio = _per_tensor(a, b, sorted(set(a) & set(b)), last)
+        ok = ok and ratio <= 1.0
+        if ratio > worst[1]:
+            worst, at, name = (x, ratio), "final", n
+        bounds = [v for d in tol.values() for v in d.values()]
+        why = (f"the recorded parameters {'match' if ok else 'differ from'} one process trained on the declared "
+               f"objective over the recorded micro-batches (each tensor against its own bound, {FLOOR_MULTIPLE:g} "
+               f"x that run's one-ulp floor of the tensor, {min(bounds):.2g} to {max(bounds):.2g}; nearest its "
+               f"bound: {name} at step {at}, {worst[0]:.2g}, {worst[1]:.2g} x its bound; the recording keeps no "
+               "full gradients to replay, so facts 3 and 4 are judged together)")
+        if rec.sketch:
+            why += "; " + sketch_detection(rec.sketch, max(bounds))[1]
+        return Check("replay", ok, why)
+    for k in steps:
+        diff = first_unequal(rec.tensors_at(k, "p/"), ref.tensors(k, "rp/"))
+        if diff:
+            where = ("the parameters the resume loaded" if k in resumed else
+                     f"the fleet's update at step {k - 1}" if k > steps[0] else "the recorded initial state")
+            return Check("replay", False,
+                         f"{where} differs from the replay of the user's optimizer on the recorded gradients: "
+                         f"parameters before step {k} differ (first: {diff[0]}, relative {diff[1]:.2g})")
+    diff = first_unequal(rec.final("p/"), ref.final())
+    if diff:
+        return Check("replay", False, f"the fleet's update at step {steps[-1]} differs from the replay: final "
+                                      f"parameters differ (first: {diff[0]}, relative {diff[1]:.2g})")
+    segs = len(rec.meta["segments"])
+    return Check("replay", True, f"the user's optimizer and scheduler, replayed from the initial state on the "
+                                 f"recorded gradients, give the recorded parameters bitwise at all {len(steps)} "
+                                 f"steps" + (f", across {segs - 1} resume(s)" if segs > 1 else ""))
+
+
+
+def check_buffers(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
+    """None when the recording declares no buffer_update (the check is not part of its verdict)."""
+    path = rec.meta.get("buffer_update")
+    if not path:
+        return None
+    rule = ref.meta.get("buffer_rule")
+    if ref.meta.get("mode") != "replay" or rule is None:
+        return Check("buffers", True, f"the buffers' declared update ({path}) is not checked: the recording keeps "
+                                      "no full tensors at every step (sketch or every > 1)")
+    steps, names = rec.steps, set()
+    for i, k in enumerate(steps):
+        want = ref.tensors(k, "bu/")
+        after = f"before step {steps[i + 1]}" if i + 1 < len(steps) else "after the last step"
+        got = rec.tensors_at(steps[i + 1], "b/") if i + 1 < len(steps) else rec.final("b/")
+        for n in sorted(want):
+            names.add(n)
+            if n not in got:
+                return Check("buffers", False, f"the recording holds no buffer {n} {after}, which its declared "
+                                               f"update ({rule}) moves: record the model's persistent buffers")
+            if got[n].shape != want[n].shape or not torch.equal(got[n].to(want[n].dtype), want[n]):
+                d = (float((got[n].double() - want[n].double()).abs().max()) if got[n].shape == want[n].shape
+                     else math.inf)
+                return Check("buffers", False, f"{n} {after} is not its declared update of step {k} ({rule}; max "
+                                               f"difference {d:.3g}): the loop moved it by other inputs or by "
+                                               "another rule")
+    shown = ", ".join(sorted(names)) or "no buffer"
+    return Check("buffers", True, f"{shown} follow{'s' if len(names) < 2 else ''} the declared update ({rule}) from every rank's recorded "
+                                  f"micro-batches, bitwise, at all {len(steps)} steps")

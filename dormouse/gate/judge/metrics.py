@@ -1,0 +1,96 @@
+"""The judge's measures of difference: relative (max-norm, per tensor) for the gate's traced
+series, rel (L2, tensors as one vector) for recordings, ulps, a least-squares fit and the
+named constant factor it may be.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dormouse.gate.judge.bounds import FACTOR_RTOL
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (max |a - b| where b is all zero)."""
+    a, b = a.double(), b.double()
+    if not b.numel():
+        return 0.0
+    scale = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest number of representable floats between a and b, element by
+    element (float32; float64 for float64 inputs): 1 for float neighbours."""
+    dtype, itype = (torch.float64, torch.int64) if torch.float64 in (a.dtype, b.dtype) else (torch.float32, torch.int32)
+
+    def ordered(x):  # the bit patterns, made monotone in the value
+        i = x.to(dtype).contiguous().view(itype).to(torch.int64)
+        if itype == torch.int32:
+            return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+        return torch.where(i < 0, -(i & 0x7FFFFFFFFFFFFFFF), i)
+
+    return float((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0.0
+
+
+
+def running_max(xs: list[float]) -> list[float]:
+    out, top = [], 0.0
+    for x in xs:
+        top = max(top, x)
+        out.append(top)
+    return out
+
+
+
+def first_difference(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple[str, int, float] | None:
+    """The first (tensor, flat element, ulps) that differs, or None."""
+    for name, x, y in pairs:
+        if not torch.equal(x, y):
+            flat = (x.reshape(-1) != y.reshape(-1)).nonzero()
+            i = int(flat[0]) if len(flat) else 0
+            return name, i, ulps(x.reshape(-1)[i:i + 1], y.reshape(-1)[i:i + 1])
+    return None
+
+
+
+def norm(d: dict[str, torch.Tensor], names) -> float:
+    return math.sqrt(sum(float((d[n].double() ** 2).sum()) for n in names))
+
+
+
+def dot(a, b, names) -> float:
+    return sum(float((a[n].double().reshape(-1) * b[n].double().reshape(-1)).sum()) for n in names)
+
+
+
+def rel(a: dict, b: dict, names=None) -> float:
+    """||a - b|| / ||b|| over the tensors `names` (all of b's) taken as one vector."""
+    names = sorted(b) if names is None else names
+    den = norm(b, names)
+    num = math.sqrt(sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in names))
+    x = num / den if den > 0 else num
+    return x if math.isfinite(x) else math.inf  # NaN compares false with every bound: above all of them
+
+
+
+def fit(a: dict, b: dict, names) -> tuple[float, float]:
+    """The c minimising ||a - c b|| and the residual ||a - c b|| / ||c b||."""
+    bb = dot(b, b, names)
+    c = dot(a, b, names) / bb if bb > 0 else 0.0
+    scaled = {n: b[n].double() * c for n in names}
+    return c, (rel(a, scaled, names) if c else math.inf)
+
+
+
+def factor_name(c: float, world: int, micro: int, rtol: float = FACTOR_RTOL) -> str | None:
+    """W, K, 1/W, ... : the named constant c is, within rtol (None if none fits)."""
+    W, K = world, micro
+    cands = [("W", W), ("1/W", 1 / W), ("K", K), ("1/K", 1 / K), ("W·K", W * K), ("1/(W·K)", 1 / (W * K)),
+             ("W/K", W / K), ("K/W", K / W), ("W²", W * W), ("1/W²", 1 / (W * W))]
+    names = [n for n, v in cands if v != 1 and abs(c / v - 1) <= rtol]
+    return " = ".join(names) if names else None
