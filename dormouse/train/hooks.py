@@ -7,6 +7,9 @@ The loop and every synchroniser call them at fixed places of each step
                                  (after any resume: `Start.step` steps are done);
                                  the model is the one the loop calls (sharded
                                  under FSDP2), not yet stepped
+    on_batch(Batch)              the step's windows this process read, before
+                                 any forward: a hook may replace them
+                                 (`Batch.read` reads another step's)
     for each slice of this process: forward, backward
     on_local_grads(LocalGrads)   the gradient this process contributes, before
                                  any reduce reads it: `grads` are the very
@@ -22,6 +25,8 @@ The loop and every synchroniser call them at fixed places of each step
     on_clipped(Clipped)          the gradient the optimizer is about to apply
                                  (clipped; as reduced when clipping is off)
     optimizer step / routing bias / on_step
+    on_eval(Evaluated)           at an eval step, the held-out loss before it is
+                                 logged and reported (a hook may replace `loss`)
     on_end(report)               once, after the last step, with train()'s report
                                  (every rank reaches it: a hook may synchronise)
 
@@ -44,7 +49,7 @@ first. Nothing here changes training unless a hook does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -89,6 +94,25 @@ class Clipped:
 
 
 @dataclass
+class Batch:
+    """The windows this process computes at a step, before any forward."""
+
+    step: int  # the step (from 1)
+    rank: int  # this process's rank (0 alone)
+    batches: list  # (x, y) per group of slices this process computes, in its order (a hook may replace it)
+    read: Callable[[int], list]  # read(k): the batches this process would read at step k (from 1)
+
+
+@dataclass
+class Evaluated:
+    """An eval of the held-out tail after a step."""
+
+    step: int  # the step just done (from 1)
+    rank: int  # this process's rank (0 alone)
+    loss: float  # the token-mean held-out loss (a hook may replace it)
+
+
+@dataclass
 class Start:
     """The run as train() is about to step it."""
 
@@ -110,6 +134,16 @@ class Hooks:
     on_start: list[Callable[[Start], None]] = field(default_factory=list)
     on_end: list[Callable[[dict], None]] = field(default_factory=list)
     on_clipped: list[Callable[[Clipped], None]] = field(default_factory=list)
+    on_batch: list[Callable[[Batch], None]] = field(default_factory=list)
+    on_eval: list[Callable[[Evaluated], None]] = field(default_factory=list)
+
+    def batch(self, state: Batch) -> None:
+        for h in self.on_batch:
+            h(state)
+
+    def evaluated(self, state: Evaluated) -> None:
+        for h in self.on_eval:
+            h(state)
 
     def clipped(self, state: Clipped) -> None:
         for h in self.on_clipped:
@@ -136,9 +170,7 @@ class Hooks:
             h(step, model, info)
 
     def __add__(self, other: "Hooks") -> "Hooks":
-        return Hooks(self.on_local_grads + other.on_local_grads, self.on_reduced + other.on_reduced,
-                     self.on_step + other.on_step, self.on_start + other.on_start, self.on_end + other.on_end,
-                     self.on_clipped + other.on_clipped)
+        return Hooks(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(Hooks)})
 
 
 _INSTALLED: list[Hooks] = []

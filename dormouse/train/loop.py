@@ -45,7 +45,7 @@ from dormouse.model import DormouseModel
 from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
 from dormouse.clip import clip_coef
 from dormouse.train.data import ByteCorpus, FleetPlan, builtin_corpus
-from dormouse.train.hooks import Clipped, Hooks, LocalGrads, Reduced, Start, for_call
+from dormouse.train.hooks import Batch, Clipped, Evaluated, Hooks, LocalGrads, Reduced, Start, for_call
 from dormouse.train.exact import put_grads, split_stats, stats_row, take_grads, tree_sum
 from dormouse.train.optim import MixOptimizer
 
@@ -240,7 +240,10 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         loads = None
         topk = []
         windows: list[int] = []  # where each window read starts: the examples' identities (hooks.Reduced)
-        for r, (x, y) in zip(sync.mine, corpus.step_batch(step, plan.shapes, sync.mine, windows)):
+        batch = Batch(step + 1, sync.rank, corpus.step_batch(step, plan.shapes, sync.mine, windows),
+                      lambda k: corpus.step_batch(k - 1, plan.shapes, sync.mine))
+        hooks.batch(batch)
+        for r, (x, y) in zip(sync.mine, batch.batches):
             m = plan.slice_batch(r)
             for j, (xs, ys) in enumerate(zip(x.split(m), y.split(m))):
                 share = ys.numel() / total_tokens  # t_i / T
@@ -289,7 +292,9 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 with open(metrics, "a") as f:
                     f.write(json.dumps({"step": done, "loss": loss_value, "lr": lr, "tokens_per_s": tps}) + "\n")
         if cfg.eval_every and done % cfg.eval_every == 0:
-            evals.append([done, evaluate(model, corpus, run)])
+            ev = Evaluated(done, sync.rank, evaluate(model, corpus, run))
+            hooks.evaluated(ev)
+            evals.append([done, ev.loss])
             log(f"eval step={done} loss={evals[-1][1]:.7f}")
         if ckpt is not None and (done % cfg.ckpt_every == 0 or done == end):
             save_checkpoint(ckpt, model=model, opt=opt, step=done, run=run, peers=sync)

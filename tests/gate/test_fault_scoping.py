@@ -1,79 +1,77 @@
-"""fleet_faults.scoped undoes a fault after its run (several faulted fleets
-share one torchrun launch): in process, faults of the three kinds a shallow
-snapshot of dormouse's module attributes once missed, each of which leaked into
-the next run of a launch (review2, measured in a real world-2 launch: the clean
-run after it failed the gate for the fault's reason)."""
+"""Planted faults act only through the seams the loop and the gate's modes
+offer (hooks, run hooks, model hooks, run scopes), never by replacing a
+module attribute; fleet_faults.scoped then undoes a fault after its run
+(several faulted fleets share one torchrun launch) by emptying those seams."""
 
 from __future__ import annotations
 
-import subprocess
+import importlib
+import pkgutil
 import sys
 
-import torch.nn.functional as F
+import torch
 
-import dormouse.gate.record.fixtures as fixtures
 import fleet_faults
-from gatekit import SUPPORT
 
 
-def test_an_in_place_edit_of_the_recipe_is_undone():
-    with fleet_faults.scoped("recipe_inplace"):
-        assert fixtures.RECIPE["grad_clip"] == 0.0
-    assert fixtures.RECIPE["grad_clip"] == 0.05
+def _attributes() -> list[tuple[object, dict]]:
+    """The attributes of every module and class of dormouse's trainer, model
+    and running gate (what a fleet or a mode runs), torch's public functions
+    (torch, torch.nn.functional, torch.distributed), torch.nn.Module's and
+    torch.Tensor's: what a fault that replaced an attribute would change."""
+    import dormouse.model
+    import dormouse.train
+
+    for pkg in (dormouse.train, dormouse.model):
+        for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+            importlib.import_module(m.name)
+    for name in RUNNING:
+        importlib.import_module(name)
+    owners = [sys.modules[n] for n in ("torch", "torch.nn.functional", "torch.distributed")]
+    owners += [torch.nn.Module, torch.Tensor]
+    for name, mod in sorted(sys.modules.items()):
+        if name == "dormouse" or name.startswith("dormouse."):
+            owners.append(mod)
+            owners += [o for o in vars(mod).values() if isinstance(o, type) and o.__module__ == name]
+    return [(o, dict(vars(o))) for o in owners]
 
 
-def test_a_replaced_torch_function_is_put_back():
-    ce = F.cross_entropy
-    with fleet_faults.scoped("torch_ce_patch"):
-        assert F.cross_entropy is not ce
-    assert F.cross_entropy is ce
+RUNNING = ("dormouse.gate.record.modes", "dormouse.gate.record.dormouse_loop", "dormouse.gate.record.recorder",
+           "dormouse.gate.record.reference", "dormouse.gate.record.fixtures", "dormouse.gate.record.trace")
 
 
-def test_a_fault_on_a_module_a_run_imports_lazily_is_undone():
-    # a fresh process: the Recorder's module is not yet imported when the first run's snapshot is taken
-    code = ("import fleet_faults, sys; assert 'dormouse.gate.record.recorder' not in sys.modules\n"
-            "with fleet_faults.scoped('recorder_lr_patch'): pass\n"
-            "import dormouse.gate.record.recorder as r, inspect\n"
-            "assert inspect.getmodule(r.Recorder.step) is r, 'the patched Recorder.step outlived its run'\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=SUPPORT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-1500:]
+def _changed(before: list[tuple[object, dict]]) -> list[str]:
+    return [f"{getattr(o, '__name__', o)}.{k}" for o, attrs in before
+            for k in set(attrs) | set(vars(o)) if vars(o).get(k, None) is not attrs.get(k, None)
+            and k not in ("__dict__", "__weakref__", "__slotnames__")]
 
 
-def test_every_fault_scoped_to_one_run_is_undone_after_it_and_unscoped_it_stays(monkeypatch):
-    """The mechanism behind the shared launch, in this process: after
-    `scoped(fault)` every dormouse attribute and installed hook is the one
-    before it; planted without the scope, the fault's changes stay (what a
-    leak into the next run would be)."""
-    import fleet_faults
-
+def test_no_fault_replaces_a_module_attribute(monkeypatch):
     monkeypatch.setenv("DORMOUSE_TEST_FAULT_SCALE", "1")
+    before = _attributes()
+    try:
+        for fault, plant in fleet_faults.FAULTS.items():
+            plant()  # unscoped: whatever it changes stays until the end of this test
+            assert not _changed(before), f"{fault} replaced {_changed(before)}: plant it through a hook"
+    finally:
+        for seam in fleet_faults.seams():
+            seam.clear()
 
-    def state():  # per owner: its attributes by name, a hook list's items by position, a container's contents
-        out = []
-        for o, a in fleet_faults._snapshot():
-            if isinstance(o, tuple):  # ("contents", obj): a deep copy, compared by what it holds
-                out.append((o[1], {"contents": repr(a)}))
-            else:
-                out.append((o, dict(enumerate(a)) if isinstance(a, list) else a))
-        return out
 
-    def same(a, b):
-        return len(a) == len(b) and all(
-            oa is ob and da.keys() == db.keys() and all(da[k] is db[k] or (k == "contents" and da[k] == db[k])
-                                                        for k in da)
-            for (oa, da), (ob, db) in zip(a, b))
-
-    state()  # the first snapshot's deep copies cache copyreg's __slotnames__ on classes: not a fault's
-    before = state()
+def test_scoped_removes_every_hook_a_fault_installed_and_unscoped_they_stay(monkeypatch):
+    monkeypatch.setenv("DORMOUSE_TEST_FAULT_SCALE", "1")
+    before = [list(s) for s in fleet_faults.seams()]
     for fault in fleet_faults.FAULTS:
         with fleet_faults.scoped(fault):
-            pass
-        assert same(state(), before), f"{fault} left a change behind"
-    saved = fleet_faults._snapshot()
+            installed = [list(s) for s in fleet_faults.seams()]
+        assert [list(s) for s in fleet_faults.seams()] == before, f"{fault} left a hook behind"
+        assert installed != before or fault in NOT_A_HOOK, f"{fault} installed nothing"
+    fleet_faults.FAULTS["grad_x2"]()  # planted without the scope: its hook stays (what a leak would be)
     try:
-        fleet_faults.FAULTS["grad_x2"]()  # an installed hook
-        fleet_faults.FAULTS["capacity_moe"]()  # a replaced builder and a replaced module constant
-        assert not same(state(), before)
+        assert [list(s) for s in fleet_faults.seams()] != before
     finally:
-        fleet_faults._restore(saved)
-    assert same(state(), before)
+        for seam, items in zip(fleet_faults.seams(), before):
+            seam[:] = items
+
+
+NOT_A_HOOK: set[str] = set()  # every fault acts through at least one seam

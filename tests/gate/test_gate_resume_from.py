@@ -29,7 +29,7 @@ def resumed(tmp_path_factory):
         s = GateSettings(out=str(base / k), steps=4, resume_world=0, **kw).validate()
         run = make_run(s, name="first", dist=False)
         run.train.stop_at, run.train.ckpt_every = 2, 2
-        train(build(s), run, log=QUIET)
+        train(build(run), run, log=QUIET)
         ckpt = s.out_dir / "ckpts" / "first.pt"
         second[k] = dataclasses.replace(s, resume_from=str(ckpt)).validate()
     fleets(list(second.values()))

@@ -13,9 +13,8 @@ The fault is named by DORMOUSE_TEST_FAULT:
   grad_x2          the fleet's reduced gradient is doubled (a double or missing division)
   wrong_step       the fleet reads step k+8's bytes at step k
   skip_param       head.weight keeps its local gradient: left out of the reduce
-  seeds            each rank builds its model from seed + rank, and the start-up
-                   identity check is switched off
-  seeds_checked    each rank builds from seed + rank; the identity check stays
+  seeds            each rank's model starts from seed + rank, after the start-up
+                   identity check (the loop's on_start)
   capacity_moe     the MoE drops by capacity (factor 0.5) and the refusal of that
                    configuration is bypassed (run it in every mode: it is the network)
   batch_stats      the router's logits are centred over the batch: a batch statistic,
@@ -26,12 +25,11 @@ The fault is named by DORMOUSE_TEST_FAULT:
 Review attacks (tests/gate/test_gate_review.py; see the section at the end):
   lr_x1_5, lr_last_x3, ns_bf16, ns_bf16_minlr, no_clip_mixed   the fleet's run config
                    differs from the recipe and is recorded (the replay trusts it)
-  lr_restart_leg2  the lr schedule restarts at the resume
   final_tamper     the final model differs from the traced one
   sustained_5e6/8e6  g += eps max|g| * fixed sign pattern, every step
   bf16_bias, bf16_decay, bf16_decay_small  systematic bias inside the bf16 wire bound
   eval_wrong       the eval reports 0
-  exact_reversed_tree, loads_rank0, loads_reversed (the routing bias moved by the loads reversed)
+  loads_rank0, loads_reversed (the routing bias moved by the loads reversed)
 
 Issue 16 (tests/gate/test_gate_trust.py):
   mean_of_ranks_loss   the fleet logs the plain mean of its ranks' losses (gradients right)
@@ -42,29 +40,28 @@ Issue 16 (tests/gate/test_gate_trust.py):
 Review 4 (tests/gate/test_launcher.py):
   hash_order           each rank orders its gradients for the reduce by Python's string hash
 
-How a fault enters, through explicit seams first:
-- a fault in the training step (the gradient a rank contributes, the reduced
-  gradient, the loads, the logged loss, the weights a step computes on, a
-  rank dying after a step) is a hook of dormouse.train.hooks, `install`ed for
-  every train() of the process (on_local_grads: after the local gradient;
-  on_reduced: after the reduce; on_step: after the step);
+How a fault enters: only through explicit seams.
+- a fault in the training step (the windows a rank reads, the gradient it
+  contributes, the reduced gradient, the loads, the logged loss or eval, the
+  weights a step computes on, the model after the last step, a rank dying
+  after a step) is a hook of dormouse.train.hooks, `install`ed for every
+  train() of the process (on_start, on_batch, on_local_grads, on_reduced,
+  on_step, on_eval, on_end);
 - a fault in the run a mode trains (the fleet's recipe, its checkpoints) is a
   run hook of the gate's modes (modes.install_run_hook), which the artifacts
   then record as the mode's config;
-- the rest change what has no seam (the model's construction and network,
-  the corpus's reading, the schedule, the exact tree, the eval, the final
-  model) and replace the public module attribute that builds it; only
-  `seeds` switches off a private check (the ranks' start-up identity check,
-  which is not part of a step).
+- a fault in the network itself (a batch statistic, a capacity limit), in
+  every mode, is a model hook of the gate's modes (modes.install_model_hook).
 
 Several faulted fleets share one torchrun launch (a plan, as clean fleets
 do): DORMOUSE_TEST_FAULTS maps each run's out dir to its fault, and
-`scoped` undoes a fault's replaced attributes and hooks after its run, so
+`scoped` removes a fault's hooks after its run, so
 the next run of the plan trains clean (gatekit.faulty_fleets; a clean run
 after a faulted one in the same launch shows it).
 
-To add a fault: add a function here that installs the hooks (or replaces the
-builder) it needs and name it in FAULTS.
+To add a fault: add a function here that installs the hooks it needs (the
+loop's, or the modes' run hooks, model hooks and run scopes) and name it in
+FAULTS. A fault never replaces a module attribute.
 """
 
 from __future__ import annotations
@@ -76,11 +73,7 @@ import sys
 
 import torch
 
-import dormouse.gate.record.fixtures as fixtures
 import dormouse.gate.record.modes as modes
-import dormouse.model.network as network
-import dormouse.train.data as data
-import dormouse.train.distributed as distributed
 from dormouse.train.hooks import Hooks, install
 
 
@@ -152,8 +145,10 @@ def zero_fill() -> None:
 
 
 def wrong_step() -> None:
-    step_batch = data.ByteCorpus.step_batch
-    data.ByteCorpus.step_batch = lambda self, step, *rest: step_batch(self, step + 8, *rest)
+    def later(batch):  # the loop's on_batch: the windows of step k + 8 instead of k's
+        batch.batches = batch.read(batch.step + 8)
+
+    install(Hooks(on_batch=[later]))
 
 
 def skip_param() -> None:
@@ -169,39 +164,42 @@ def skip_param() -> None:
     install(Hooks(on_local_grads=[keep], on_reduced=[restore]))
 
 
-def seeds_checked() -> None:
-    build = modes.build
-    modes.build = lambda s: build(dataclasses.replace(s, seed=s.seed + int(os.environ.get("RANK", "0"))))
-
-
 def seeds() -> None:
-    seeds_checked()
-    distributed._check_identical = lambda model, rank: None
+    """Each rank's model starts from seed + rank, past the fleet's start-up
+    identity check (the loop's on_start runs after it): ranks that never
+    broadcast their initial state."""
+    def apart(st):
+        if st.rank:
+            torch.manual_seed(st.run.train.seed + st.rank)
+            fresh = type(st.model)(st.run.model).to(next(st.model.parameters()).dtype)
+            with torch.no_grad():
+                for p, q in zip(st.model.parameters(), fresh.parameters()):
+                    p.copy_(q)
+
+    install(Hooks(on_start=[apart]))
 
 
 def capacity_moe() -> None:
-    fixtures.TINY = dataclasses.replace(fixtures.TINY, moe_capacity=0.5)
-    refuse = distributed.refuse_incompatible
+    """Every mode's network drops by capacity (factor 0.5): the built model's
+    MoE keeps each expert's first assignments only (a configuration the
+    fleet refuses, set on the built modules, past the refusal)."""
+    def capped(s, model):
+        for m in model.modules():
+            if hasattr(m, "capacity") and hasattr(m, "n_experts"):
+                m.capacity = 0.5
 
-    def lenient(run, *, world_size, model=None):
-        # Every other refusal still applies, to a dropless copy of the run.
-        dropless = dataclasses.replace(run, model=dataclasses.replace(run.model, moe_capacity=0.0))
-        return refuse(dropless, world_size=world_size)
-
-    distributed.refuse_incompatible = lenient
+    modes.install_model_hook(capped)
 
 
 def batch_stats() -> None:
-    init = network.DormouseModel.__init__
-
-    def centred(self, *a, **k):
-        init(self, *a, **k)
-        for m in self.modules():
+    """Every mode's router logits are centred over the batch: a batch statistic."""
+    def centred(s, model):
+        for m in model.modules():
             if hasattr(m, "router") and isinstance(m.router, torch.nn.Linear):
                 # (N, E) logits of every token in the batch, minus their batch mean
                 m.router.register_forward_hook(lambda mod, inp, out: out - out.mean(dim=0, keepdim=True))
 
-    network.DormouseModel.__init__ = centred
+    modes.install_model_hook(centred)
 
 
 def one_ulp() -> None:
@@ -217,7 +215,7 @@ def one_ulp() -> None:
 
 
 FAULTS = {f.__name__: f for f in (kill_rank1, raise_rank1, plain_mean, window_weights, grad_x2, zero_fill, wrong_step, skip_param, seeds,
-                                  seeds_checked, capacity_moe, batch_stats, one_ulp)}
+                                  capacity_moe, batch_stats, one_ulp)}
 
 
 # ----------------------------------------------------------------- review attacks
@@ -247,36 +245,17 @@ def lr_last_x3() -> None:
     _fleet_run_tweak(min_lr_frac=0.9)
 
 
-def lr_restart_leg2() -> None:
-    """Classic resume bug: after the resume the schedule restarts from step 0."""
-    import dormouse.train.loop as loop
-    lr_at = loop.lr_at
-    if "--leg=2" in sys.argv or ("--leg" in sys.argv and sys.argv[sys.argv.index("--leg") + 1] == "2"):
-        state = {"first": None}
-
-        def restarted(step, run):
-            if state["first"] is None:
-                state["first"] = step
-            return lr_at(step - state["first"], run)
-
-        loop.lr_at = restarted
-
-
 def final_tamper() -> None:
     """Every rank's trained model gets head.weight += 1e-3 after the last
     step (after the trace recorded it): the artifacts the fleet hands over are
     not the network it traced."""
-    train_dist = modes.train_dist
+    held = []
 
-    def tampered(*a, **k):
-        report = train_dist(*a, **k)
+    def tampered(report):  # the loop's on_end: after the last step and its trace
         with torch.no_grad():
-            for n, p in report["model"].named_parameters():
-                if n == "head.weight":
-                    p.add_(1e-3)
-        return report
+            dict(held.pop().named_parameters())["head.weight"].add_(1e-3)
 
-    modes.train_dist = tampered
+    install(Hooks(on_start=[lambda st: held.append(st.model)], on_end=[tampered]))
 
 
 def _after_reduce(perturb) -> None:
@@ -325,19 +304,14 @@ def bf16_decay() -> None:
 
 def eval_wrong() -> None:
     """The fleet's eval reports a constant: nothing judges the eval."""
-    import dormouse.train.loop as loop
-    loop.evaluate = lambda model, corpus, run: 0.0
+    def zero(ev):
+        ev.loss = 0.0
+
+    install(Hooks(on_eval=[zero]))
 
 
-FAULTS.update({f.__name__: f for f in (lr_x1_5, lr_last_x3, lr_restart_leg2, final_tamper, sustained_5e6,
+FAULTS.update({f.__name__: f for f in (lr_x1_5, lr_last_x3, final_tamper, sustained_5e6,
                                        sustained_8e6, bf16_bias, bf16_decay, eval_wrong)})
-
-
-def exact_reversed_tree() -> None:
-    """Under reduce='exact': the fleet sums slices by the pairwise tree over
-    the REVERSED slice order (same numbers, another order)."""
-    tree_sum = distributed.tree_sum
-    distributed.tree_sum = lambda x: tree_sum(x.flip(0))
 
 
 def loads_rank0() -> None:
@@ -367,7 +341,7 @@ def loads_reversed() -> None:
     install(Hooks(on_reduced=[reverse_loads]))
 
 
-FAULTS.update({f.__name__: f for f in (exact_reversed_tree, loads_rank0, loads_reversed)})
+FAULTS.update({f.__name__: f for f in (loads_rank0, loads_reversed)})
 
 
 def ns_bf16() -> None:
@@ -504,151 +478,44 @@ FAULTS.update({f.__name__: f for f in (hash_order,)})
 # ----------------------------------------------------------------- several faults in one launch
 
 
-# Imported before the first snapshot: a module a run imports lazily (the
-# Recorder's, when a run records) would otherwise first enter sys.modules
-# after the snapshot, so a fault on it would outlive its run.
-_PRELOAD = ("dormouse.gate.record.dormouse_loop", "dormouse.gate.record.recorder", "dormouse.gate.record.reference")
-# Non-dormouse modules whose attributes a fault may replace (torch's functions the network calls).
-_FOREIGN = ("torch", "torch.nn.functional", "torch.nn.utils", "torch.nn.init", "torch.distributed")
-_CONTAINERS = (dict, list, set)
-
-
-def _snapshot() -> list:
-    """What a fault may change: every dormouse module's and class's attributes
-    (the modules imported first, _PRELOAD), torch's public functions
-    (_FOREIGN, torch.nn.Module, torch.Tensor), the installed hooks, and a deep
-    copy of every module-level container and dataclass instance of dormouse
-    (a fault that edits fixtures.RECIPE or fixtures.TINY in place)."""
-    import copy
-    import importlib
-    import pkgutil
-
-    import dormouse.model
-    import dormouse.train
+def seams() -> list[list]:
+    """Every list a fault may add to: the loop's installed hooks and the gate
+    modes' run hooks, model hooks and run scopes. A fault acts only through
+    these (tests/gate/test_fault_scoping.py holds every fault to it)."""
     import dormouse.train.hooks as hooks
 
-    for pkg in (dormouse.train, dormouse.model):
-        for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
-            importlib.import_module(m.name)
-    for name in _PRELOAD:
-        importlib.import_module(name)
-    saved = [(hooks._INSTALLED, list(hooks._INSTALLED)), (modes._RUN_HOOKS, list(modes._RUN_HOOKS))]
-    for name in _FOREIGN:
-        saved.append((sys.modules[name], dict(vars(sys.modules[name]))))
-    for cls in (torch.nn.Module, torch.Tensor):
-        saved.append((cls, {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}))
-    for name, mod in list(sys.modules.items()):
-        if name == "dormouse" or name.startswith("dormouse."):
-            saved.append((mod, dict(vars(mod))))
-            for obj in list(vars(mod).values()):
-                if isinstance(obj, type) and obj.__module__ == name:
-                    saved.append((obj, {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}))
-                elif isinstance(obj, _CONTAINERS) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
-                    try:
-                        saved.append((("contents", obj), copy.deepcopy(obj)))
-                    except Exception:  # noqa: BLE001 (not copyable: left as it is)
-                        pass
-    return saved
-
-
-def _restore(saved: list) -> None:
-    for owner, attrs in saved:
-        if isinstance(owner, list):
-            owner[:] = attrs
-            continue
-        if isinstance(owner, tuple):  # ("contents", obj): put its contents back in place
-            obj = owner[1]
-            if isinstance(obj, list):
-                obj[:] = attrs
-            elif isinstance(obj, (dict, set)):
-                obj.clear()
-                obj.update(attrs)
-            else:
-                for f in dataclasses.fields(obj):
-                    object.__setattr__(obj, f.name, getattr(attrs, f.name))
-            continue
-        now = vars(owner)
-        for k in [k for k in now if k not in attrs and k not in ("__dict__", "__weakref__")]:
-            delattr(owner, k)
-        for k, v in attrs.items():
-            if now.get(k) is not v:
-                setattr(owner, k, v)
+    return [hooks._INSTALLED, modes._RUN_HOOKS, modes._MODEL_HOOKS, modes._RUN_SCOPES]
 
 
 class scoped:
     """`with scoped(fault):` the fault (or none) for one run, undone after it:
-    every attribute it replaced is put back and its hooks removed."""
+    every hook it installed is removed."""
 
     def __init__(self, fault: str | None):
         self.fault = fault
 
     def __enter__(self):
-        self.saved = _snapshot()
+        self.saved = [(s, list(s)) for s in seams()]
         if self.fault:
             FAULTS[self.fault]()
         return self
 
     def __exit__(self, *exc):
-        _restore(self.saved)
+        for s, items in self.saved:
+            s[:] = items
         return False
 
 
 def per_run(table: dict[str, str | None]) -> None:
     """DORMOUSE_TEST_FAULTS: {out dir: fault or null} for the runs of one
-    launch's plan; each run gets its own fault, none leaks into the next."""
-    one, plan_of = modes.rank_run, modes.run_rank_plan
+    launch's plan; each run gets its own fault (a run scope of the modes),
+    none leaks into the next."""
+    def scope(s):
+        if str(s.out_dir) not in table:  # a run the table does not name would silently train clean
+            raise SystemExit(f"DORMOUSE_TEST_FAULTS names {sorted(table)}, not the run {str(s.out_dir)!r}")
+        return scoped(table[str(s.out_dir)])
 
-    def run(s, log=print, leg=0):
-        with scoped(table[str(s.out_dir)]):
-            return one(s, log, leg)
-
-    def checked(plan, log=print, leg=0):  # a run the table does not name would silently train clean
-        # (the table covers every launch of the plan: gatekit.faulty_fleets checks it names no other run)
-        if not {str(s.out_dir) for s in plan} <= set(table):
-            raise SystemExit(f"DORMOUSE_TEST_FAULTS names {sorted(table)}, not every run of the plan "
-                             f"{[str(s.out_dir) for s in plan]}")
-        return plan_of(plan, log, leg)
-
-    modes.rank_run, modes.run_rank_plan = run, checked
-
-
-# ----------------------------------------------------------------- faults the scoping once let leak (tests/gate/test_fault_scoping.py)
-
-
-def recipe_inplace() -> None:
-    """No clipping, written as an in-place edit of the fixture's recipe dict
-    (fixtures.RECIPE["grad_clip"] = 0): the same object stays bound, so
-    `scoped` (a shallow snapshot of module attributes) cannot undo it."""
-    fixtures.RECIPE["grad_clip"] = 0.0
-
-
-def recorder_lr_patch() -> None:
-    """The Recorder records lr x 1.001 at step 2 (a lazily imported module:
-    not in the snapshot taken before the fault)."""
-    import dormouse.gate.record.recorder as recorder
-
-    step = recorder.Recorder.step
-
-    def patched(self, *, lr=None, **k):
-        if lr is not None and self.k == 1:
-            lr = lr * 1.001
-        return step(self, lr=lr, **k)
-
-    recorder.Recorder.step = patched
-
-
-FAULTS.update({f.__name__: f for f in (recipe_inplace, recorder_lr_patch)})
-
-
-def torch_ce_patch() -> None:
-    """The loss with label smoothing 0.01: torch.nn.functional.cross_entropy replaced
-    (a torch attribute: not in the snapshot of dormouse modules)."""
-    import functools
-    import torch.nn.functional as F
-    F.cross_entropy = functools.partial(F.cross_entropy, label_smoothing=0.01)
-
-
-FAULTS.update({f.__name__: f for f in (torch_ce_patch,)})
+    modes.install_run_scope(scope)
 
 
 if __name__ == "__main__":

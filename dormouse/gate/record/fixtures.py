@@ -122,11 +122,11 @@ def make_run(s, *, name: str, dist: bool, steps: int | None = None, resume_from:
     return RunConfig(source=base.source, model=base.model, train=dataclasses.replace(base.train, **over))
 
 
-def build(s) -> DormouseModel:
-    """The one init every mode shares: same seed, same model, same order, and
-    cast to bfloat16 when the configuration trains in it (model.bf16): every
-    mode builds and casts its model itself, the fleet's ranks included."""
-    torch.manual_seed(s.seed)
-    cfg = base_run(s).model
-    model = DormouseModel(cfg)
-    return model.to(torch.bfloat16) if cfg.bf16 else model
+def build(run: RunConfig) -> DormouseModel:
+    """The one init every mode shares: the run's network seeded by its
+    train.seed (the settings' seed), same order, and cast to bfloat16 when the
+    configuration trains in it (model.bf16): every mode builds and casts its
+    model itself, the fleet's ranks included."""
+    torch.manual_seed(run.train.seed)
+    model = DormouseModel(run.model)
+    return model.to(torch.bfloat16) if run.model.bf16 else model

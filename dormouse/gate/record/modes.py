@@ -33,8 +33,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +47,7 @@ from dormouse.numerics import BF16_UNIT_ROUNDOFF
 from dormouse.gate.artifacts import (fleet_recording_dir, load_meta, load_tensors, load_trace,
                                      save_artifact)
 from dormouse.gate.layout import INIT, rank_name
-from dormouse.gate.record.fixtures import build, corpus_path, make_run
+from dormouse.gate.record.fixtures import build, make_run
 from dormouse.gate.settings import GateSettings, from_dict
 from dormouse.gate.record.trace import Trace
 from dormouse.train.distributed import close_fleet, fleet_env, train_dist
@@ -60,10 +62,14 @@ WIRE_RUNS = 3  # under reduce="bf16": floor runs whose gradients are rounded as 
 QUIET = lambda line: None  # noqa: E731
 
 
-# --------------------------------------------------------------------------- the run seam
+# --------------------------------------------------------------------------- the seams
 
 RunHook = Callable[[GateSettings, RunConfig], "RunConfig | None"]
+ModelHook = Callable[[GateSettings, torch.nn.Module], None]
+RunScope = Callable[[GateSettings], ContextManager]
 _RUN_HOOKS: list[RunHook] = []
+_MODEL_HOOKS: list[ModelHook] = []
+_RUN_SCOPES: list[RunScope] = []
 
 
 def install_run_hook(hook: RunHook) -> Callable[[], None]:
@@ -77,6 +83,25 @@ def install_run_hook(hook: RunHook) -> Callable[[], None]:
     Returns the function that removes it."""
     _RUN_HOOKS.append(hook)
     return lambda: _RUN_HOOKS.remove(hook)
+
+
+def install_model_hook(hook: ModelHook) -> Callable[[], None]:
+    """Add `hook` to every mode of this process: every model a mode builds
+    (Mode.model: the fleet's on every rank, the references', the floor runs')
+    is passed to hook(settings, model) right after its seeded build, before
+    anything reads it. The seam for a change to the network itself (a test's
+    planted batch statistic). Returns the function that removes it."""
+    _MODEL_HOOKS.append(hook)
+    return lambda: _MODEL_HOOKS.remove(hook)
+
+
+def install_run_scope(scope: RunScope) -> Callable[[], None]:
+    """Add `scope` to every fleet run of this process: run_rank_plan enters
+    scope(settings) around each run of its plan (several runs share one
+    launch), so what the scope installs acts on that run alone. Returns the
+    function that removes it."""
+    _RUN_SCOPES.append(scope)
+    return lambda: _RUN_SCOPES.remove(scope)
 
 
 def deterministic_kernels(s: GateSettings) -> bool:
@@ -97,44 +122,63 @@ def deterministic_kernels(s: GateSettings) -> bool:
     return True
 
 
-def mode_run(s: GateSettings, **kw) -> RunConfig:
-    """The RunConfig a mode runs: fixtures.make_run(s, **kw), then every
-    installed run hook; deterministic kernels where the settings need them."""
+# --------------------------------------------------------------------------- one mode's values
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One run of a mode, worked out once from the settings and handed down:
+    the RunConfig it trains (fixtures.make_run, then every run hook), the
+    device, and the settings it records. Everything a mode needs beyond them
+    is derived from these, not from the settings again."""
+
+    s: GateSettings
+    run: RunConfig
+    device: torch.device
+
+    def model(self) -> torch.nn.Module:
+        """A fresh seeded build of the run's network (fixtures.build), every
+        model hook applied; on the CPU (the caller moves it)."""
+        model = build(self.run)
+        for hook in _MODEL_HOOKS:
+            hook(self.s, model)
+        return model
+
+    def start_state(self) -> tuple[dict, int]:
+        """The parameters the mode starts from, and the step: the seeded
+        build, or with resume_from the checkpoint's weights and steps done
+        (read whole, whichever topology wrote it). Its fingerprint is every
+        artifact's `init`."""
+        if not self.s.resume_from:
+            return named_state(self.model()), 0
+        from dormouse.train.checkpoint import load_model_weights
+
+        model, _, step = load_model_weights(Path(self.s.resume_path()), build=lambda run: self.model())
+        return named_state(model), step
+
+    def save(self, name: str, state, losses, *, init: str, **extra) -> dict:
+        """Write artifact `name` with the settings' record and this run's provenance."""
+        prov = provenance(device=self.s.device, corpus=Path(self.run.train.data), init=init)
+        save_artifact(self.s.out_dir, name, state, losses, settings=self.s.record(), provenance=prov, **extra)
+        return load_meta(self.s.out_dir, name)
+
+
+def mode(s: GateSettings, **kw) -> Mode:
+    """A mode's values: the RunConfig fixtures.make_run(s, **kw) gives after
+    every installed run hook, and the device (deterministic kernels where the
+    settings need them)."""
     deterministic_kernels(s)
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise DormouseError("device 'cuda' asked for but CUDA is not available: use --device cpu")
     run = make_run(s, **kw)
     for hook in _RUN_HOOKS:
         run = hook(s, run) or run
-    return run
+    return Mode(s, run, torch.device(s.device))
 
 
-def _device(s: GateSettings) -> torch.device:
-    if s.device == "cuda" and not torch.cuda.is_available():
-        raise DormouseError("device 'cuda' asked for but CUDA is not available: use --device cpu")
-    return torch.device(s.device)
-
-
-def _save(s: GateSettings, name: str, state, losses, *, init: str, **extra) -> dict:
-    prov = provenance(device=s.device, corpus=corpus_path(s), init=init)
-    save_artifact(s.out_dir, name, state, losses, settings=s.record(), provenance=prov, **extra)
-    return load_meta(s.out_dir, name)
-
-
-def start_state(s: GateSettings) -> tuple[dict, int]:
-    """The parameters every mode starts from, and the step: the seeded build,
-    or with resume_from the checkpoint's weights and steps done (read whole,
-    whichever topology wrote it). Its fingerprint is every artifact's `init`."""
-    model = build(s)
-    if not s.resume_from:
-        return named_state(model), 0
-    from dormouse.train.checkpoint import load_model_weights
-
-    model, _, step = load_model_weights(Path(s.resume_path()), build=lambda run: build(s))
-    return named_state(model), step
-
-
-def _traced(s: GateSettings, model, run, name: str, log) -> tuple[dict, Trace]:
+def _traced(m: Mode, model, log, run: RunConfig | None = None) -> tuple[dict, Trace]:
     trace = Trace(snapshots=True)
-    report = train(model, run, log=log, on_step=trace, on_grads=trace.record_grads)
+    report = train(model, run or m.run, log=log, on_step=trace, on_grads=trace.record_grads)
     return report, trace
 
 
@@ -147,16 +191,15 @@ def run_single(s: GateSettings, log=print) -> dict:
     if s.plan.global_batch is None:
         raise DormouseError(f"profile {s.profile!r} mixes window lengths: one process cannot hold that "
                             "global batch as one batch; gradref and the replay are this fleet's references")
-    out = s.out_dir
-    run = mode_run(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
-    model = build(s).to(_device(s))
-    init = fingerprint(start_state(s)[0])
-    report, trace = _traced(s, model, run, "single", log)
-    trace.save(out, "single")
-    floor = measure_floor(s, run, trace, start=report["start_step"])
-    meta = _save(s, "single", named_state(model), report["losses"], init=init, mode="single",
-                 global_batch=run.train.batch, config=run.to_dict(), wall_s=report["wall_s"], floor=floor,
-                 start_step=report["start_step"])
+    m = mode(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
+    init = fingerprint(m.start_state()[0])
+    model = m.model().to(m.device)
+    report, trace = _traced(m, model, log)
+    trace.save(s.out_dir, "single")
+    floor = measure_floor(m, trace, start=report["start_step"])
+    meta = m.save("single", named_state(model), report["losses"], init=init, mode="single",
+                  global_batch=m.run.train.batch, config=m.run.to_dict(), wall_s=report["wall_s"], floor=floor,
+                  start_step=report["start_step"])
     if s.reduce == "exact":
         run_exact(s, log=QUIET)
     return meta
@@ -208,7 +251,7 @@ def round_like_wire(tensors, seed: int, *, cancel: float = 0.0) -> None:
             t.copy_(((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(t.dtype))
 
 
-def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dict:
+def measure_floor(m: Mode, reference: Trace, start: int = 0) -> dict:
     """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics,
     each compared step by step with the reference. ulp0 starts from parameters
     nudged by one ulp; ulp1 nudges every step's gradient by one ulp of each
@@ -226,41 +269,42 @@ def measure_floor(s: GateSettings, run, reference: Trace, start: int = 0) -> dic
     independent draw each; the last reads elements below the resolution of
     W summands as zero), replace the gradient nudges (2^16 times smaller
     than that rounding)."""
+    s, run = m.s, m.run
     quiet = dataclasses.replace(run.train, ckpt_every=0, eval_every=0, log_every=max(1, run.train.steps))
     ref = reference.tensors()
     out = {}
     kinds = ["ulp0"] + ([f"wire{j}" for j in range(WIRE_RUNS)] if s.reduce == "bf16"
                         else [f"ulp{j}" for j in range(1, ULP_RUNS)])
     for i, kind in enumerate(kinds):
-        model = build(s).to(_device(s))
+        model = m.model().to(m.device)
         seed = s.seed * 1000 + i
         if kind.startswith("wire"):
             # the last draw: elements below the resolution of W summands read as zero
             cancel = float(max(x.world for x in s.legs())) if kind == f"wire{WIRE_RUNS - 1}" else 0.0
 
-            def on_grads(step, m, seed=seed, cancel=cancel):
-                round_like_wire([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step,
+            def on_grads(step, net, seed=seed, cancel=cancel):
+                round_like_wire([p.grad for p in net.parameters() if p.grad is not None], seed * 100_003 + step,
                                 cancel=cancel)
         elif i == 0 and not start:
             nudge(list(model.parameters()), seed)
             on_grads = None
         elif i == 0:
-            def on_grads(step, m, seed=seed, first=start + 1):
+            def on_grads(step, net, seed=seed, first=start + 1):
                 if step == first:
-                    nudge(list(m.parameters()), seed)
+                    nudge(list(net.parameters()), seed)
         elif i == 1:
-            def on_grads(step, m, seed=seed):
-                nudge([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
+            def on_grads(step, net, seed=seed):
+                nudge([p.grad for p in net.parameters() if p.grad is not None], seed * 100_003 + step)
         else:
-            def on_grads(step, m, seed=seed):
-                nudge_absolute([p.grad for p in m.parameters() if p.grad is not None], seed * 100_003 + step)
+            def on_grads(step, net, seed=seed):
+                nudge_absolute([p.grad for p in net.parameters() if p.grad is not None], seed * 100_003 + step)
         r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_{kind}"))
         trace = Trace(snapshots=True)
 
-        def both(step, m, trace=trace, on_grads=on_grads):
+        def both(step, net, trace=trace, on_grads=on_grads):
             if on_grads:
-                on_grads(step, m)
-            trace.record_grads(step, m)
+                on_grads(step, net)
+            trace.record_grads(step, net)
 
         report = train(model, r, log=QUIET, on_step=trace, on_grads=both)
         t = trace.tensors()
@@ -276,19 +320,15 @@ def run_exact(s: GateSettings, log=print) -> dict:
     """The exact reference: one process computing the fleet's own slices
     (micro_batch windows each, in global slice order) summed in the fixed
     order of reduce="exact": a fleet must equal it bitwise."""
-    run = mode_run(s, name="exact", dist=False, reduce="exact", micro_batch=_exact_slice(s),
-                   resume_from=s.resume_path())
-    model = build(s).to(_device(s))
-    init = fingerprint(start_state(s)[0])
-    report, trace = _traced(s, model, run, "exact", log)
+    # micro_batch: the fleet's own slices (FleetPlan.exact_slice)
+    m = mode(s, name="exact", dist=False, reduce="exact", micro_batch=s.plan.exact_slice(),
+             resume_from=s.resume_path())
+    init = fingerprint(m.start_state()[0])
+    model = m.model().to(m.device)
+    report, trace = _traced(m, model, log)
     trace.save(s.out_dir, "exact")
-    return _save(s, "exact", named_state(model), report["losses"], init=init, mode="exact",
-                 config=run.to_dict(), micro_batch=run.train.micro_batch, global_batch=run.train.batch)
-
-
-def _exact_slice(s: GateSettings) -> int:
-    """The exact reference's micro-batch: the fleet's own slices (FleetPlan.exact_slice)."""
-    return s.plan.exact_slice()
+    return m.save("exact", named_state(model), report["losses"], init=init, mode="exact",
+                  config=m.run.to_dict(), micro_batch=m.run.train.micro_batch, global_batch=m.run.train.batch)
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -310,7 +350,10 @@ def run_rank_plan(plan: list[GateSettings], log=print, leg: int | list[int] = 0)
     metas = []
     try:
         for s, one in zip(plan, legs):
-            metas.append(rank_run(s, log, one))  # looked up at call time: a test or the bench may wrap it
+            with ExitStack() as scopes:  # each installed run scope, around this run alone
+                for scope in list(_RUN_SCOPES):
+                    scopes.enter_context(scope(s))
+                metas.append(rank_run(s, log, one))
     except BaseException:
         close_fleet(wait=False)  # the peers may be in a step this rank never reaches (close_fleet)
         raise
@@ -333,19 +376,20 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
     k = s.stop_step()
     ckpt = str(s.out_dir / "ckpts" / ("fleet.dcp" if s.shard == "fsdp" else "fleet.pt"))
     if leg == 1:
-        run = mode_run(me, name="fleet", dist=True)
-        run.train.stop_at, run.train.ckpt_every = k, k
+        m = mode(me, name="fleet", dist=True)
+        m.run.train.stop_at, m.run.train.ckpt_every = k, k
     elif leg == 2:
-        run = mode_run(me, name="fleet", dist=True, resume_from=ckpt)
+        m = mode(me, name="fleet", dist=True, resume_from=ckpt)
     else:
-        run = mode_run(me, name="fleet", dist=True, resume_from=s.resume_path())
+        m = mode(me, name="fleet", dist=True, resume_from=s.resume_path())
+    run = m.run
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the references build it too); train_dist checks it.
-    model = build(s)
-    start, start_step = start_state(s)  # a resumed fleet starts from the checkpoint's weights
+    model = m.model()
+    start, start_step = m.start_state()  # a resumed fleet starts from the checkpoint's weights
     init = fingerprint(start)
     if rank == 0 and leg != 2:
-        _save(s, INIT, start, [], init=init, mode="init", start_step=start_step)
+        m.save(INIT, start, [], init=init, mode="init", start_step=start_step)
     gather = s.shard == "fsdp"  # FSDP2 shards: record the GATHERED tensors (a collective)
     # Ranks end bitwise equal (the verdict checks it), so rank 0's snapshots
     # stand for the fleet; every rank keeps its own tokens' routing (per leg:
@@ -370,12 +414,12 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
     plan = me.plan
     name = rank_name(rank, first_leg=leg == 1)
     trace.save(s.out_dir, name)
-    meta = _save(s, name, state, earlier + report["losses"], init=init, mode="rank", rank=rank,
-                 world_size=report["world_size"], shapes=plan.lines(),
-                 rank_shapes=[[sh.batch, sh.seq_len] for sh in plan.shapes], config=run.to_dict(),
-                 start_step=0 if leg == 2 else report["start_step"], wall_s=report["wall_s"],
-                 resumed_at=k if leg == 2 else None, legs=[[x.world, x.profile] for x in legs],
-                 evals=earlier_evals + report.get("evals", []))
+    meta = m.save(name, state, earlier + report["losses"], init=init, mode="rank", rank=rank,
+                  world_size=report["world_size"], shapes=plan.lines(),
+                  rank_shapes=[[sh.batch, sh.seq_len] for sh in plan.shapes], config=run.to_dict(),
+                  start_step=0 if leg == 2 else report["start_step"], wall_s=report["wall_s"],
+                  resumed_at=k if leg == 2 else None, legs=[[x.world, x.profile] for x in legs],
+                  evals=earlier_evals + report.get("evals", []))
     del report, model
     return meta
 
@@ -470,11 +514,11 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     and scaled_dot_product_attention has no CPU batching rule for its forward
     or backward (vmap falls back to a per-example loop)."""
     fleet, init, trace = _fleet_record(s)
-    run = mode_run(s, name="gradref", dist=False)
-    device = _device(s)
+    m = mode(s, name="gradref", dist=False)
+    run, device = m.run, m.device
     steps = len(fleet["losses"])
     first = fleet.get("start_step", 0)  # a fleet resumed from resume_from: its steps are first + k
-    model = build(s).to(device)
+    model = m.model().to(device)
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
     n_flat = sum(p.numel() for p in params)
@@ -563,9 +607,9 @@ def run_gradref(s: GateSettings, log=print) -> dict:
                 model.load_state_dict({n: trace[f"p/{n}"][done - first - 1] for n in init})
                 evals.append([done, eval_loss(model, corpus, train_bytes, t.seq_len, device)])
     log(f"gradref: {steps} steps, {len(prof)} ranks, {tokens[0]} tokens per step")
-    return _save(s, "gradref", tensors, [], init=fingerprint(init), mode="gradref", tokens=tokens,
-                 profile=[list(p) for p in prof], steps=steps, config=run.to_dict(),
-                 fleet=fleet["fingerprint"], evals=evals)
+    return m.save("gradref", tensors, [], init=fingerprint(init), mode="gradref", tokens=tokens,
+                  profile=[list(p) for p in prof], steps=steps, config=run.to_dict(),
+                  fleet=fleet["fingerprint"], evals=evals)
 
 
 EVAL_WINDOWS = 64  # the documented eval rule reads at most this many held-out windows
@@ -598,10 +642,10 @@ def run_replay(s: GateSettings, log=print) -> dict:
     fleet, init, trace = _fleet_record(s)
     # The recipe the SETTINGS give (not the one the fleet recorded): a fleet
     # at another lr, schedule or clip must not be replayed at its own.
-    run = mode_run(s, name="replay", dist=False)
-    device = _device(s)
+    m = mode(s, name="replay", dist=False)
+    run, device = m.run, m.device
     gradref = load_tensors(s.out_dir, "gradref")
-    model = build(s)
+    model = m.model()
     model.load_state_dict(init)
     model.to(device)
     opt = make_optimizer(model, run)
@@ -610,14 +654,14 @@ def run_replay(s: GateSettings, log=print) -> dict:
         from dormouse.train.checkpoint import load_checkpoint
         from dormouse.train.loop import LocalSync
 
-        load_checkpoint(Path(s.resume_path()), model=build(s).to(device), opt=opt, run=run, peers=LocalSync(run))
+        load_checkpoint(Path(s.resume_path()), model=m.model().to(device), opt=opt, run=run, peers=LocalSync(run))
     steps = len(fleet["losses"])
     snaps: dict[str, list[torch.Tensor]] = {}
     own: list[float] = []
     opt_state = None
     for k in range(steps):
         if fleet.get("resumed_at") and k == fleet["resumed_at"]:
-            opt_state = _compare_optimizer_state(s, run, opt, k)
+            opt_state = _compare_optimizer_state(m, opt, k)
         opt.set_lr(lr_at(start + k, run))
         for n, p in model.named_parameters():
             p.grad = trace[f"g/{n}"][k].to(device).clone()
@@ -643,19 +687,20 @@ def run_replay(s: GateSettings, log=print) -> dict:
     if own:
         tensors["grad_norm"] = torch.tensor(own, dtype=torch.float32)
     log(f"replay: {steps} steps of the fleet's recorded gradients")
-    return _save(s, "replay", tensors, [], init=fingerprint(init), mode="replay", steps=steps,
-                 fleet=fleet["fingerprint"], optimizer_state=opt_state)
+    return m.save("replay", tensors, [], init=fingerprint(init), mode="replay", steps=steps,
+                  fleet=fleet["fingerprint"], optimizer_state=opt_state)
 
 
-def _compare_optimizer_state(s: GateSettings, run, opt, step: int) -> dict:
+def _compare_optimizer_state(m: Mode, opt, step: int) -> dict:
     """The replay's optimizer state after `step` steps against the one the
     fleet checkpointed there (its first leg; a .dcp of shards under FSDP,
     read whole): every moment and momentum buffer bitwise."""
     from dormouse.train.checkpoint import load_checkpoint
     from dormouse.train.loop import LocalSync
 
+    s, run = m.s, m.run
     path = s.out_dir / "ckpts" / ("fleet.dcp" if s.shard == "fsdp" else "fleet.pt")
-    model = build(s).to(_device(s))
+    model = m.model().to(m.device)
     theirs = make_optimizer(model, run)
     at = load_checkpoint(path, model=model, opt=theirs, run=run, peers=LocalSync(run))
     mine, other = opt.state_dict(), theirs.state_dict()
