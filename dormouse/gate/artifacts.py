@@ -172,6 +172,9 @@ def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
 #   <out>/reference/reference.json           what the references were made from (their staleness key)
 
 RECORDING_SCHEMA = 1
+# how a recorded loop's gradient reduce rounds (Recorder(wire=...)): "fp32", or "bf16" (every summand and
+# partial sum rounded to bfloat16 on the wire: DDP's bf16_compress_hook, dormouse's reduce="bf16")
+WIRES = ("fp32", "bf16")
 
 
 def fleet_recording_dir(out: Path) -> Path:
@@ -298,7 +301,7 @@ def assemble(shards: list[torch.Tensor], placement: dict | None) -> torch.Tensor
 _INT, _NUM, _STR = (int,), (int, float), (str,)
 RECORDING_FIELDS = {
     "world": (_INT, False), "build_model": (_STR, False), "build_optimizer": (_STR, False),
-    "build_kwargs": ((dict,), False), "objective": (_STR, False), "buffer_update": (_STR, True),
+    "build_kwargs": ((dict,), False), "objective": (_STR, False), "wire": (_STR, True), "buffer_update": (_STR, True),
     "max_grad_norm": (_NUM, False), "dataset_len": (_INT, False), "example_corpus": (_STR, True),
     "example_corpus_sha256": (_STR, True), "sketch": (_INT, False), "every": (_INT, False), "seed": (_INT, False),
     "inputs": ((list,), False), "fsdp": ((bool,), False), "closed": ((bool,), False), "frozen": ((list,), False),
@@ -335,6 +338,8 @@ def validate_recording_meta(meta: dict, path: Path) -> None:
     for key, low in (("world", 1), ("max_grad_norm", 0), ("dataset_len", 0), ("sketch", 0), ("every", 1)):
         if key in meta and not (meta[key] >= low and math.isfinite(meta[key])):
             raise DormouseError(f"{path}: field {key!r} is {meta[key]!r}, below {low}: re-record")
+    if meta.get("wire") not in (None, *WIRES):
+        raise DormouseError(f"{path}: field 'wire' is {meta['wire']!r}, none of {', '.join(WIRES)}: re-record")
     segs = meta.get("segments")
     if not isinstance(segs, list) or not all(
             isinstance(sg, dict) and _typed(sg.get("start"), _INT, False) and _typed(sg.get("end"), _INT, True)

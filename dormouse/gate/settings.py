@@ -214,10 +214,6 @@ class GateSettings:
             raise ParameterError(f"recording = 1 is not allowed with resume_from = {s.resume_from!r}: a recording "
                                  "starts from the model build_model rebuilds, not from a checkpoint; set recording "
                                  "to 0, or resume_from to ''.")
-        if s.recording and s.reduce == "bf16":
-            raise ParameterError("recording = 1 is not allowed with reduce = 'bf16': the recording's judge holds the "
-                                 "gradient to fp32 round-off and has no bound for the bf16 wire; set recording to 0 "
-                                 "(the gate's own checks bound the wire), or reduce to 'fp32' or 'exact'.")
         if s.device == "cuda":
             _cuda(max(s.world, s.resume_world))
         why = _unwritable(s.out_dir)

@@ -38,6 +38,9 @@ RUNS = {
     "no_sync_all": {"no_sync_all": True},
     "clip_local": {"fault": "clip_local"},  # each rank clips by its local norm, then all-reduces
     "bf16_hook": {"bf16_hook": True, "max_grad_norm": 0.0},
+    "bf16_wire": {"bf16_hook": True, "max_grad_norm": 0.0, "wire": "bf16"},  # declared: judged by its bound
+    "bf16_wire_decay": {"bf16_hook": True, "max_grad_norm": 0.0, "wire": "bf16", "fault": "wire_decay"},
+    "fp32_declared_bf16": {"wire": "bf16", "max_grad_norm": 0.0},  # a declaration the run does not bear out
     "fsdp_rank_seed": {"fsdp": True, "rank_seed": True},
     "same_rows_ids": {"fault": "same_data", "ids": True, "rank_ids": True},
 }
@@ -208,7 +211,59 @@ def test_a_bf16_wire_is_named(recordings):
     g = load_file(A.step_tensors_path(recordings["bf16_hook"], 1, 1))
     assert all(torch.equal(t, t.bfloat16().float()) for n, t in g.items() if n.startswith("g/"))
     looprec.fails_for(verdict(recordings, "bf16_hook"), "gradient", "all-reduced in bfloat16")
+    assert "declare it, Recorder(wire='bf16')" in verdict(recordings, "bf16_hook").check("gradient").reason
     assert "bfloat16" not in verdict(recordings, "count_padding").check("gradient").reason
+
+
+def _wire_figures(out: Path) -> tuple[float, float]:
+    """This file's own computation at step 1 (the model at build_model's init):
+    the largest |g_fleet - g| / (W u sum_r |g_r| + 1e-5 max|g|) over the elements,
+    and the mean of (g_fleet - g) sign(p) / (W u |g|): g each rank's and the
+    global gradient by hand (fieldkit's token-weighted sums, none of the gate's code)."""
+    import fieldkit
+    from loopmodel import build_model
+
+    rec = A.RecordingSet(out)
+    mbs = rec.micro_batches(1)
+    world = rec.world_at(1)
+    n = sum(fieldkit.targets(b) for _, _, b in mbs)
+    per_rank = [fieldkit.one_process_gradient(build_model, [b for r, _, b in mbs if r == q],
+                                              weights=[1 / n] * sum(r == q for r, _, _ in mbs)) for q in range(world)]
+    g = {k: sum(pr[k] for pr in per_rank) for k in per_rank[0]}
+    fleet = {k[2:]: v for k, v in load_file(A.step_tensors_path(out, 0, 1)).items() if k.startswith("g/")}
+    params = dict(build_model().named_parameters())
+    u = 2.0 ** -8
+    ratio, num, den = 0.0, 0.0, 0
+    for k in g:
+        d = (fleet[k].double() - g[k].double())
+        bound = world * u * sum(pr[k].double().abs() for pr in per_rank) + 1e-5 * g[k].double().abs().max()
+        ratio = max(ratio, float((d.abs() / bound).max()))
+        keep = g[k] != 0
+        num += float((d * torch.sign(params[k].detach().double()))[keep].div(world * u * g[k].double().abs()[keep])
+                     .sum())
+        den += int(keep.sum())
+    return ratio, num / den
+
+
+def test_a_declared_bf16_wire_is_judged_by_its_rounding_bound_and_a_bias_inside_it_fails(recordings):
+    """Recorder(wire='bf16'): the clean bf16-hook fleet passes, each element within W u sum_r |g_r| / T
+    (this file's own figure below 1); a hook that folds an extra weight decay of 0.05 W u |g_r| sign(p)
+    into each rank's gradient passes the gradient check (inside the bound, by this file's figure) and
+    fails the bias test, whose mean along sign(p) this file measures clearly positive; a float32 fleet
+    declared bf16 is refused."""
+    clean = verdict(recordings, "bf16_wire")
+    assert clean.passed, failing(clean)
+    assert "declared bf16 wire's bound" in clean.check("gradient").reason
+    assert clean.check("bias").passed
+    ratio, decay = _wire_figures(recordings["bf16_wire"])
+    assert ratio < 1 and abs(decay) < 0.1, (ratio, decay)
+    biased = verdict(recordings, "bf16_wire_decay")
+    ratio, decay = _wire_figures(recordings["bf16_wire_decay"])
+    assert ratio < 1 and decay > 0.02, (ratio, decay)  # inside the bound, biased along sign(p)
+    assert biased.check("gradient").passed, biased.check("gradient").reason
+    looprec.fails_for(biased, "bias", "biased beyond the bf16 wire's rounding")
+    assert "decay" in biased.check("bias").reason
+    looprec.fails_for(verdict(recordings, "fp32_declared_bf16"), "gradient", "declares a bf16 wire")
 
 
 def test_fsdp_ranks_seeded_apart_are_the_ranks_fault_not_build_models(recordings):

@@ -61,6 +61,9 @@ The judge's cause-naming knobs (tests/gate/test_judge_causes.py), cfg keys:
   "bf16_hook"      a line-for-line copy of torch's bf16_compress_hook (gloo refuses torch's own)
   "rank_seed"      (FSDP2) each rank builds the model from seed + rank: no broadcast, other parameters
   "rank_ids"       (with "ids") the example ids passed are the sampler's + rank x n (distinct per rank)
+  "wire"           Recorder(wire=...): "bf16" declares the bf16 wire (with "bf16_hook")
+fault "wire_decay": (with "bf16_hook") the hook folds an extra weight decay into each rank's gradient before
+                   compressing it, g_r += 0.05 W u |g_r| sign(p) (u = 2^-8): a bias inside the wire's bound
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "ac_micro": None, "eval_modules": [], "freeze": [],
        "position_ids": False, "fsdp_layers": False, "left_pad": False,
        "eval_rank": None, "nan": None, "count": "targets", "no_sync_all": False, "bf16_hook": False,
-       "rank_seed": False, "rank_ids": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "rank_seed": False, "rank_ids": False, "wire": "fp32"}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -188,6 +191,16 @@ def bf16_wire_hook(process_group, bucket):
     return fut.then(decompress)
 
 
+def bf16_wire_decay_hook(process_group, bucket):
+    """bf16_wire_hook after adding 0.05 W u |g| sign(p) to this rank's gradient (an extra weight decay
+    folded into the compress step): the result stays bfloat16-valued, inside the wire's bound, and biased."""
+    world = (process_group if process_group is not None else dist.group.WORLD).size()
+    with torch.no_grad():
+        for q, g in zip(bucket.parameters(), bucket.gradients()):
+            g.add_(0.05 * world * 2.0**-8 * g.abs() * torch.sign(q))
+    return bf16_wire_hook(process_group, bucket)
+
+
 def count_of(how: str, mb: dict, sh: int) -> int:
     """The tokens the loop counts in one micro-batch (the right count: the shifted labels' targets)."""
     if how == "padding":
@@ -248,7 +261,7 @@ def run(cfg: dict) -> None:
     else:
         net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=kw["unused"])
         if cfg["bf16_hook"]:
-            net.register_comm_hook(None, bf16_wire_hook)
+            net.register_comm_hook(None, bf16_wire_decay_hook if fault == "wire_decay" else bf16_wire_hook)
     opt, sched = build_optimizer(model, **kw)
     if fault == "wd_wrong":
         for group in opt.param_groups:
@@ -270,7 +283,8 @@ def run(cfg: dict) -> None:
             group["lr"] *= 1.01
     rec = Recorder(out, net, build_model=builder, build_optimizer="loopmodel:build_optimizer",
                    objective="causal_lm", max_grad_norm=mgn, dataset_len=n, build_kwargs=kw,
-                   sketch=cfg["sketch"], every=cfg["every"], resume=start if cfg["leg"] == 2 else False)
+                   sketch=cfg["sketch"], every=cfg["every"], resume=start if cfg["leg"] == 2 else False,
+                   wire=cfg["wire"])
     data = data_of(fault, n, cfg["seed"])
     per_epoch = n // (world * K * B)  # DistributedSampler and DataLoader with drop_last
     sh = shift_of(fault)

@@ -23,7 +23,7 @@ from pathlib import Path
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import LEG1, ArtifactSet, ReferenceSet, references
-from dormouse.gate.judge.facts.bias import check_bias
+from dormouse.gate.judge.facts.bias import check_bias, check_bias_recorded
 from dormouse.gate.judge.facts.clip import check_clip
 from dormouse.gate.judge.facts.curve import check_curve, first_failure
 from dormouse.gate.judge.facts.data import check_data
@@ -135,6 +135,8 @@ def judge_recording(out) -> Verdict:
         grad.reason = (f"rank {found[1]}'s gradient at step {found[0]} holds NaN or inf (see finite), which no bound "
                        f"allows; the copy compared: {grad.reason}")
     checks.append(grad)
+    if rec.meta.get("wire") == "bf16":  # the declared bf16 wire's rounding, unbiased (facts/bias.py)
+        checks.append(check_bias_recorded(rec, ref))
     checks.append(check_grad_mask(rec, ref))
     replay = check_replay(rec, ref)
     checks.append(replay)

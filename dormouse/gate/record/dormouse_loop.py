@@ -187,6 +187,7 @@ class LoopRecorder:
                             objective=OBJECTIVE, max_grad_norm=run.train.grad_clip,
                             build_kwargs={"run": rebuild.to_dict()}, resume=st.step if st.step else False,
                             buffer_update=BUFFER_UPDATE if moving_bias(run) else None,
+                            wire="bf16" if run.train.dist and run.train.dist_reduce == "bf16" else "fp32",
                             example_corpus=str(loop.resolve_corpus(run)))
 
     def _reduced(self, st: Reduced) -> None:

@@ -382,6 +382,7 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
         m = mode(me, name="fleet", dist=True, resume_from=ckpt)
     else:
         m = mode(me, name="fleet", dist=True, resume_from=s.resume_path())
+    m = dataclasses.replace(m, s=s)  # this launch's run; the artifacts record the whole run's settings
     run = m.run
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the references build it too); train_dist checks it.

@@ -103,6 +103,7 @@ INPUTS = ("input_ids", "attention_mask", "labels")
 #   step     fn(model, batches) -> (loss_sum, count) over every recorded micro-batch of every rank of
 #            the step (rank then micro order), differentiated once (statistics over the global batch)
 SCOPES = ("example", "forward", "step")
+WIRES = A.WIRES  # how the loop's gradient reduce rounds (artifacts.WIRES)
 # Labels the loop gives its loss and not the model (rec.labels): recorded under this key, which the
 # reference never passes to the forward; the built-in objectives read them before "labels"
 LOSS_LABELS = "loss_labels"
@@ -360,7 +361,7 @@ def _number(x):
 
 def check_options(*, build_model: str, build_optimizer: str, objective: str = "causal_lm", max_grad_norm: float = 0.0,
                   dataset_len: int = 0, sketch: int = 0, every: int = 1, build_kwargs: dict | None = None,
-                  buffer_update: str | None = None, objective_scope: str = "example") -> None:
+                  buffer_update: str | None = None, objective_scope: str = "example", wire: str = "fp32") -> None:
     """The Recorder's arguments that can be judged before any model exists
     (the HF callback checks them when it is built, before training starts)."""
     for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"), (objective, "objective"),
@@ -378,6 +379,12 @@ def check_options(*, build_model: str, build_optimizer: str, objective: str = "c
                             "path 'package.module:function' of fn(model, batch) -> (loss_sum, count)")
     if objective_scope not in SCOPES:
         raise RecorderError(f"objective_scope {objective_scope!r} is none of {', '.join(SCOPES)}")
+    if wire not in WIRES:
+        raise RecorderError(f"wire {wire!r} is none of {', '.join(WIRES)}: 'bf16' when the gradient is all-reduced "
+                            "in bfloat16 (a bf16 compress hook), else 'fp32'")
+    if wire == "bf16" and int(sketch):
+        raise RecorderError(f"wire='bf16' with sketch={sketch}: the bf16 wire's bound holds element by element, "
+                            "which a sketch cannot show; record full tensors (sketch=0)")
     if objective_scope == "step" and objective in OBJECTIVES:
         raise RecorderError(f"objective_scope='step' needs objective='pkg.mod:fn' with fn(model, batches) -> "
                             f"(loss_sum, count) over the step's micro-batches, not the built-in {objective!r}")
@@ -472,16 +479,20 @@ class Recorder:
     objective_scope  what the objective is a function of (SCOPES): "example" (each row alone, the
                      default), "forward" (each forward's own statistics, declared), "step"
                      (objective fn(model, batches) over every rank's micro-batches of the step)
+    wire             how the gradient's reduce rounds (WIRES): "fp32", or "bf16" when every summand is
+                     rounded to bfloat16 on the wire (DDP's bf16_compress_hook): the gradient is then
+                     judged element by element against that rounding's bound, and for bias
     """
 
     def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
                  buffer_update: str | None = None, example_corpus: str | None = None,
-                 objective_scope: str = "example", probe_steps=None, pipeline_stage=None):
+                 objective_scope: str = "example", probe_steps=None, pipeline_stage=None, wire: str = "fp32"):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
-                      build_kwargs=build_kwargs, buffer_update=buffer_update, objective_scope=objective_scope)
+                      build_kwargs=build_kwargs, buffer_update=buffer_update, objective_scope=objective_scope,
+                      wire=wire)
         if pipeline_stage is not None and int(sketch):  # each stage's sketches would need summing by name
             raise RecorderError(f"sketch={sketch} with pipeline_stage: a pipeline is recorded in full tensors "
                                 "(sketch=0)")
@@ -546,7 +557,7 @@ class Recorder:
             "segments": segments + [{"start": self.k + 1, "end": None, "world": self.world,
                                      "resumed": prior is not None}],
             "build_model": build_model, "build_optimizer": build_optimizer, "build_kwargs": build_kwargs or {},
-            "objective": objective, "objective_scope": objective_scope, "buffer_update": buffer_update, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
+            "objective": objective, "objective_scope": objective_scope, "wire": wire, "buffer_update": buffer_update, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
             "example_corpus": str(Path(example_corpus).resolve()) if example_corpus else None,
             "example_corpus_sha256": A.corpus_digest(example_corpus) if example_corpus else None,
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),

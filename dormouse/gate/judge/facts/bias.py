@@ -6,6 +6,10 @@ bias       bf16 wire only: the fleet's differences from gradref, scaled by their
            rounding bound, average to zero within BIAS_SIGMAS standard errors
            along an offset, a scale and a decay direction (round-to-nearest is
            unbiased; a systematic error far below the bound is not).
+
+A recording that declares the bf16 wire (Recorder(wire="bf16")): the same
+statistic on the fleet's gradient against one process's, the bound
+W u sum_r |g_r| / T from the reference's sum over the ranks' contributions.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dormouse.gate.artifacts import ArtifactSet
-from dormouse.gate.judge.bounds import BF16_UNIT_ROUNDOFF, BIAS_FLOOR, BIAS_SIGMAS
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import ArtifactSet, ReferenceSet
+from dormouse.gate.judge.bounds import BF16_UNIT_ROUNDOFF, BIAS_FLOOR, BIAS_SIGMAS, GRAD_RTOL
+from dormouse.gate.judge.facts.gradient import fleet_grad
 from dormouse.gate.judge.facts.series import series_names, world_at
 from dormouse.gate.judge.verdict import Check
 from dormouse.gate.layout import INIT, rank_name
@@ -32,6 +38,49 @@ class BiasCheck(Check):
     samples: int = 0
     smallest: float = 0.0  # the decay-like bias, in units of the bound, that would be caught
 
+
+
+DIRECTIONS = ("offset", "scale", "decay")
+
+
+def bias_check(series, what: str) -> BiasCheck:
+    """The bias statistic over `series`: per tensor (d, b, ref, before), each
+    stacked over steps: d the fleet's gradient minus the reference's, b its
+    rounding bound (elements with b = 0 left out), ref the reference gradient,
+    before the parameters before each step. Per element e and step k,
+    z = d / b; for each direction s (1: an offset; sign(ref): a scale;
+    sign(before): a decay) S = sum_e c_e / sqrt(sum_e c_e^2), c_e = sum_k s z
+    (see check_bias). `what` names the reference in the verdict's words."""
+    num = dict.fromkeys(DIRECTIONS, 0.0)
+    den = dict.fromkeys(DIRECTIONS, 0.0)
+    count = 0
+    for d, b, ref, before in series:
+        keep = b > 0
+        z = torch.where(keep, d / torch.where(keep, b, torch.ones_like(b)), torch.zeros_like(b))
+        count += int(keep.sum())
+        for name, sign in (("offset", torch.ones_like(z)), ("scale", torch.sign(ref)), ("decay", torch.sign(before))):
+            per_element = (sign * z).sum(dim=0)
+            num[name] += float(per_element.sum())
+            den[name] += float((per_element ** 2).sum())
+    stats = {k: num[k] / math.sqrt(den[k]) if den[k] > 0 else 0.0 for k in DIRECTIONS}
+    means = {k: num[k] / count if count else 0.0 for k in DIRECTIONS}
+    # the smallest bias caught along the decay direction (an extra weight decay: the review's attack)
+    smallest = max(BIAS_SIGMAS * math.sqrt(den["decay"]) / count, BIAS_FLOOR["decay"]) if count else math.inf
+    biased = [k for k in DIRECTIONS if not (abs(stats[k]) <= BIAS_SIGMAS or abs(means[k]) <= BIAS_FLOOR[k])]
+    text = ", ".join(f"{k} {stats[k]:+.1f} ({means[k]:+.1e})" for k in DIRECTIONS)
+    c = BiasCheck("bias", True, "", stats=stats, means=means, samples=count, smallest=smallest)
+    if biased:
+        k = max(biased, key=lambda d: abs(stats[d]))
+        c.passed = False
+        c.reason = (f"the fleet's reduced gradient is biased beyond the bf16 wire's rounding: its differences from "
+                    f"{what}, scaled by their bound, do not average to zero ({k}: {stats[k]:+.1f} standard errors "
+                    f"> {BIAS_SIGMAS:g}, mean {means[k]:+.1e} of the bound > {BIAS_FLOOR[k]:.0e}; over {count} "
+                    f"element-steps, per direction S (mean): {text})")
+    else:
+        c.reason = (f"the bf16 wire's rounding errors, scaled by their bound, average to zero along every "
+                    f"direction, S in standard errors (mean in units of the bound): {text}, over {count} "
+                    f"element-steps; a decay-like bias of {smallest:.1e} x the bound would be caught")
+    return c
 
 
 def check_bias(a: ArtifactSet) -> BiasCheck:
@@ -54,10 +103,7 @@ def check_bias(a: ArtifactSet) -> BiasCheck:
     below the per-element bound."""
     fleet, g, meta, init = a.trace(rank_name(0)), a.tensors("gradref"), a.meta(rank_name(0)), a.tensors(INIT)
     names = series_names(g, "g/")
-    directions = ("offset", "scale", "decay")
-    num = dict.fromkeys(directions, 0.0)
-    den = dict.fromkeys(directions, 0.0)
-    count = 0
+    series = []
     for n in names:
         if f"a/{n}" not in g or f"g/{n}" not in fleet or f"p/{n}" not in fleet or n not in init:
             return BiasCheck("bias", False, f"the bias test lacks {n}'s series (fleet trace, gradref's |g| sums "
@@ -66,31 +112,29 @@ def check_bias(a: ArtifactSet) -> BiasCheck:
         steps = ref.shape[0]
         world = torch.tensor([float(world_at(meta, k)) for k in range(steps)], dtype=torch.float64)
         b = world.view(-1, *[1] * (ref.dim() - 1)) * BF16_UNIT_ROUNDOFF * g[f"a/{n}"].double()
-        d = fleet[f"g/{n}"][:steps].double() - ref
-        keep = b > 0
-        z = torch.where(keep, d / torch.where(keep, b, torch.ones_like(b)), torch.zeros_like(b))
         before = torch.cat([init[n].unsqueeze(0), fleet[f"p/{n}"][:steps - 1]]).double()
-        count += int(keep.sum())
-        for name, sign in (("offset", torch.ones_like(z)), ("scale", torch.sign(ref)), ("decay", torch.sign(before))):
-            per_element = (sign * z).sum(dim=0)
-            num[name] += float(per_element.sum())
-            den[name] += float((per_element ** 2).sum())
-    stats = {k: num[k] / math.sqrt(den[k]) if den[k] > 0 else 0.0 for k in directions}
-    means = {k: num[k] / count if count else 0.0 for k in directions}
-    # the smallest bias caught along the decay direction (an extra weight decay: the review's attack)
-    smallest = max(BIAS_SIGMAS * math.sqrt(den["decay"]) / count, BIAS_FLOOR["decay"]) if count else math.inf
-    biased = [k for k in directions if not (abs(stats[k]) <= BIAS_SIGMAS or abs(means[k]) <= BIAS_FLOOR[k])]
-    text = ", ".join(f"{k} {stats[k]:+.1f} ({means[k]:+.1e})" for k in directions)
-    c = BiasCheck("bias", True, "", stats=stats, means=means, samples=count, smallest=smallest)
-    if biased:
-        k = max(biased, key=lambda d: abs(stats[d]))
-        c.passed = False
-        c.reason = (f"the fleet's reduced gradient is biased beyond the bf16 wire's rounding: its differences from "
-                    f"gradref, scaled by their bound, do not average to zero ({k}: {stats[k]:+.1f} standard errors "
-                    f"> {BIAS_SIGMAS:g}, mean {means[k]:+.1e} of the bound > {BIAS_FLOOR[k]:.0e}; over {count} "
-                    f"element-steps, per direction S (mean): {text})")
-    else:
-        c.reason = (f"the bf16 wire's rounding errors, scaled by their bound, average to zero along every "
-                    f"direction, S in standard errors (mean in units of the bound): {text}, over {count} "
-                    f"element-steps; a decay-like bias of {smallest:.1e} x the bound would be caught")
-    return c
+        series.append((fleet[f"g/{n}"][:steps].double() - ref, b, ref, before))
+    return bias_check(series, "gradref")
+
+
+def check_bias_recorded(rec: A.RecordingSet, ref: ReferenceSet) -> BiasCheck:
+    """check_bias on a recording that declares the bf16 wire: the fleet's
+    gradient (divided by the clip coefficient) minus one process's, against
+    the gradient check's element bound W u sum_r |g_r| / T + GRAD_RTOL max|g|
+    (sum_r |g_r| the reference summed, "wa/"; the float32 term keeps elements
+    whose ranks' contributions nearly vanish from weighing in by their
+    float32 round-off alone), with the recorded parameters before each step;
+    every recorded tensor step."""
+    steps = rec.tensor_steps()
+    per: dict[str, list] = {}
+    for k in steps:
+        g, g_ref, wa = fleet_grad(rec, k), ref.tensors(k, "g/"), ref.tensors(k, "wa/")
+        before = rec.tensors_at(k, "p/")
+        w = rec.world_at(k)
+        for n in sorted(set(g) & set(g_ref) & set(wa) & set(before)):
+            # the gradient check's bound (facts/gradient.py wire_ratio): the wire's rounding and the float32 term
+            b = w * BF16_UNIT_ROUNDOFF * wa[n].double() + GRAD_RTOL * float(g_ref[n].double().abs().max())
+            per.setdefault(n, []).append((g[n].double() - g_ref[n].double(), b, g_ref[n].double(),
+                                          before[n].double()))
+    series = [tuple(torch.stack([x[i] for x in items]) for i in range(4)) for items in per.values()]
+    return bias_check(series, "one process's gradient")
