@@ -38,7 +38,10 @@ depends on which rows share its forward. objective_scope (recording.json):
 (the judge holds gm to g only under "example"); "step" calls the declared
 fn(model, batches) once on every rank's micro-batches of the step (rank then
 micro order) and differentiates loss_sum / count (no per-example sample, no
-merged forward, no alternative weightings).
+merged forward); beside it, with more than one rank, "rank_mean": fn over
+each rank's micro-batches alone, (1/W) sum_r grad(loss_sum_r / count_r) (the
+step's statistics over each rank's own rows: what a fleet that never reduces
+them trains).
 What each forward received beyond its tensors (its non-tensor arguments, the
 model's plain attributes the loop set) is put back as recorded (batchscope).
 
