@@ -8,7 +8,10 @@ load-balancing term over every rank's routing counts. The clean run passes;
 each planted fault fails, named, and is confirmed against the plain model's own
 autograd on the global batch (the test's own code, none of the gate's), read
 straight from the recorded files. A bad declaration is refused in one line
-before the run starts."""
+before the run starts. The same launch runs hand-written (Megatron-style)
+tensor parallelism declared the same way: the output head split over the
+vocabulary as plain tensors, clean and with the input gradient's all-reduce
+left out."""
 
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ RUNS = {
     "clean": {"seed": 0},
     "ep_grad_unscaled": {"fault": "ep_grad_unscaled", "seed": 1},
     "aux_local": {"fault": "aux_local", "seed": 2},
+    "tp_clean": {"tp": True, "seed": 3},
+    "tp_no_reduce": {"tp": True, "fault": "tp_no_reduce", "seed": 4},
 }
 EXPERTS = ("moe.w1", "moe.w2")
 
@@ -46,11 +51,11 @@ def plain_gradient(out: Path, *, local_counts: bool = False) -> dict[str, torch.
     from tp_loop import batch_rows
 
     rec = A.RecordingSet(out)
-    kw, world = rec.meta["build_kwargs"], rec.meta["world"]
-    ids = batch_rows(kw["seed"], 0, world * RUN["rows"], RUN["T"])
+    kw, replicas = rec.meta["build_kwargs"], len(rec.meta["layout"]["groups"])  # EP: every rank; TP: one
+    ids = batch_rows(kw["seed"], 0, replicas * RUN["rows"], RUN["T"])
     model = build_model(**kw)
     E = model.moe.experts
-    parts = ids.chunk(world) if local_counts else [ids]
+    parts = ids.chunk(replicas) if local_counts else [ids]
     for rows in parts:
         z = model(rows)
         probs, idx = model.moe.stats
@@ -159,3 +164,31 @@ def test_a_sharding_whose_pieces_do_not_assemble_to_build_models_shape_is_refuse
                                             r"\[0\]\) to shape \[2, 16, 24\], but build_model's is \[4, 16, 24\]"):
         _recorder(tmp_path, model, {"moe.w*": shard(0, [0], "expert")})
     assert torch.equal(torch.random.get_rng_state(), state)  # build_model ran on the meta device, RNG put back
+
+
+def test_a_clean_hand_written_tensor_parallel_run_declared_the_same_way_passes(ep):
+    v = looprec.verdict(ep["tp_clean"])
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
+    layout = v.check("layout")
+    assert "('out.*' along dim 0 over ranks [0, 1] (tensor parallel))" in layout.reason, layout.reason
+    assert "1 data-parallel replica(s) of 2 tensor-parallel rank(s)" in layout.reason, layout.reason
+    rec = A.RecordingSet(ep["tp_clean"])
+    assert [r for r, _, _ in rec.micro_batches(1)] == [0]  # the replica's rows once: rank 1's kept apart
+    assert rec.step_meta(1, 1)["tp_micro_batches"] == 1
+    want = plain_gradient(ep["tp_clean"])
+    for rank in (0, 1):
+        got = recorded(ep["tp_clean"], rank)
+        assert got["out.weight"].shape == want["out.weight"].shape == (64, 16)
+        assert max(rel(got[n], want[n]) for n in want) < 5e-6
+
+
+def test_a_hand_written_all_reduce_left_out_of_the_backward_fails_named(ep):
+    v = looprec.verdict(ep["tp_no_reduce"])
+    c = v.check("layout")
+    assert not v.passed and not c.passed, failing(v)
+    assert "differs between ranks 0 and 1 of TP group [0, 1]" in c.reason and "not reduced over it" in c.reason
+    # independently: the head's (assembled) gradient is one process's, the replicated ones are not
+    want, got = plain_gradient(ep["tp_no_reduce"]), recorded(ep["tp_no_reduce"], 0)
+    assert rel(got["out.weight"], want["out.weight"]) < 5e-6
+    assert rel(got["norm.weight"], want["norm.weight"]) > 1e-2

@@ -80,6 +80,41 @@ class MoE(nn.Module):
         return a2a(torch.cat(outs), send_rank, recv_rank, dist.group.WORLD)
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's copy_to_tensor_model_parallel_region: the forward passes the input to this rank's
+    column shard, the backward sums the ranks' input gradients (each holds its columns' part)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+
+        g = g.contiguous().clone()
+        dist.all_reduce(g)
+        return g
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Megatron's gather_from_tensor_model_parallel_region on the last dimension: the forward all-gathers
+    the ranks' vocabulary shards of the logits, the backward keeps this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, z, rank: int, size: int):
+        import torch.distributed as dist
+
+        ctx.rank, ctx.n = rank, z.shape[-1]
+        parts = [torch.empty_like(z) for _ in range(size)]
+        dist.all_gather(parts, z.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[..., ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n].contiguous(), None, None
+
+
 class TinyMoELM(nn.Module):
     def __init__(self, top_k: int = 2):
         super().__init__()
@@ -87,12 +122,17 @@ class TinyMoELM(nn.Module):
         self.moe = MoE(D, H, E, top_k)
         self.norm = nn.LayerNorm(D)
         self.out = nn.Linear(D, VOCAB)
+        self._tp = None  # (rank, size, reduce) with a vocabulary-parallel output head (shard_output)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
         B, T, d = x.shape
         x = x + self.moe(x.reshape(-1, d)).reshape(B, T, d)
-        return self.out(self.norm(x))
+        if self._tp is None:
+            return self.out(self.norm(x))
+        rank, size, reduce = self._tp
+        h = self.norm(x)
+        return _GatherVocab.apply(self.out(_CopyToTP.apply(h) if reduce else h), rank, size)
 
 
 def build_model(seed: int = 0, top_k: int = 2) -> TinyMoELM:
@@ -111,6 +151,20 @@ def shard_experts(model: TinyMoELM, rank: int, size: int) -> TinyMoELM:
         moe.w1 = nn.Parameter(moe.w1[rank * el:(rank + 1) * el].clone())
         moe.w2 = nn.Parameter(moe.w2[rank * el:(rank + 1) * el].clone())
     moe._ep = (rank, size)
+    return model
+
+
+def shard_output(model: TinyMoELM, rank: int, size: int, reduce: bool = True) -> TinyMoELM:
+    """Hand-written (Megatron-style) tensor parallelism: this rank keeps rows [rank * V/size, (rank + 1) *
+    V/size) of the output head (a column-parallel linear over the vocabulary, plain tensors) and gathers the
+    logits; every other parameter is replicated over the ranks, which read the same rows. reduce=False
+    leaves out the all-reduce of the head's input gradient (copy_to_tensor_model_parallel_region's
+    backward): each rank's replicated parameters then get only its own vocabulary shard's part."""
+    v = VOCAB // size
+    with torch.no_grad():
+        model.out.weight = nn.Parameter(model.out.weight[rank * v:(rank + 1) * v].clone())
+        model.out.bias = nn.Parameter(model.out.bias[rank * v:(rank + 1) * v].clone())
+    model._tp = (rank, size, reduce)
     return model
 
 
