@@ -31,6 +31,7 @@ RUNS = {
     "aux_local": {"fault": "aux_local", "seed": 2},
     "tp_clean": {"tp": True, "seed": 3},
     "tp_no_reduce": {"tp": True, "fault": "tp_no_reduce", "seed": 4},
+    "declare_reversed": {"fault": "declare_reversed", "seed": 5, "steps": 1},
 }
 EXPERTS = ("moe.w1", "moe.w2")
 
@@ -192,3 +193,19 @@ def test_a_hand_written_all_reduce_left_out_of_the_backward_fails_named(ep):
     want, got = plain_gradient(ep["tp_no_reduce"]), recorded(ep["tp_no_reduce"], 0)
     assert rel(got["out.weight"], want["out.weight"]) < 5e-6
     assert rel(got["norm.weight"], want["norm.weight"]) > 1e-2
+
+
+def test_a_declaration_naming_the_ranks_out_of_order_is_refused_at_the_rebuild_naming_the_sharding(ep):
+    from dormouse.gate.record.reference import ReferenceError, make_reference
+
+    with pytest.raises(ReferenceError) as e:
+        make_reference(ep["declare_reversed"], log=lambda *a: None)
+    said = str(e.value)
+    assert "builds moe.w1 other than the recorded initial one, which the declared sharding 'moe.w*' assembled" in said
+    assert "declared in another order than the pieces concatenate in" in said and "\n" not in said, said
+    # independently: the recorded initial experts are build_model's with the two ranks' halves swapped
+    from ep_moe import build_model
+
+    init, _ = A.read_tensors(A.init_path(ep["declare_reversed"], 0), "initial state")
+    w1 = build_model(seed=5).moe.w1.detach()
+    assert torch.equal(init["moe.w1"], torch.cat([w1[2:], w1[:2]]))

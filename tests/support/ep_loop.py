@@ -21,6 +21,8 @@ The gate's lines: the declared sharding and the three `rec.` calls. Faults ("fau
                    process's while the loss is right (pytorch #160285, Megatron #5956)
   aux_local        the balancing term's routing counts are this rank's own, not
                    all-reduced (torchtitan #3000): another objective than the declared one
+  declare_reversed the run is clean, its declaration names the ranks in the reverse of
+                   the order their experts concatenate in (a wrong declaration)
 
 With "tp": true the run is hand-written (Megatron-style) tensor parallelism
 instead: every expert on every rank, the output head split over the ranks'
@@ -63,7 +65,7 @@ def run(cfg: dict) -> None:
         sharding, dp, dp_rank = {"out.*": shard(0, ranks)}, 1, 0
     else:  # the experts split over the ranks, which are data-parallel ranks too
         model, sharding, dp, dp_rank = shard_experts(build_model(**kw), rank, world), \
-            {"moe.w*": shard(0, ranks, "expert")}, world, rank
+            {"moe.w*": shard(0, ranks[::-1] if fault == "declare_reversed" else ranks, "expert")}, world, rank
     opt = build_optimizer(model)
     rec = Recorder(cfg["out"], model, build_model="ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
                    objective="ep_moe:objective", objective_scope="step", build_kwargs=kw, sharding=sharding)

@@ -242,6 +242,12 @@ def rebuild(rec: A.RecordingSet):
             apart = A.ranks_apart_from(rec, state)
             if apart:
                 raise ReferenceError(apart)
+            pattern = (((meta.get("layout") or {}).get("params") or {}).get(n) or {}).get("pattern")
+            if pattern and a.shape == b.shape and a.dtype == b.dtype:  # assembled by a declared sharding (declared.py)
+                raise ReferenceError(f"build_model {meta['build_model']!r} builds {n} other than the recorded initial "
+                                     f"one, which the declared sharding {pattern!r} assembled from its ranks' pieces: "
+                                     "if every rank built build_model's model, the group's ranks are declared in "
+                                     "another order than the pieces concatenate in (or along another dim)")
             raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
                                  f"recorded initial ones (first: {n}): seed it as the loop does")
     _as_recorded(model, meta)
