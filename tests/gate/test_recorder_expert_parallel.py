@@ -141,6 +141,7 @@ def _recorder(tmp_path, model, sharding):
      "moe.w1 is matched by two patterns of the sharding, 'moe.w*' and 'moe.w1'"),
     ({"moe.w*": {"dim": 0, "group": [0, 1], "parallel": "expert"}}, "is not a list of distinct ranks of this run"),
     ({"moe.w*": {"dim": 0, "group": [0], "parallel": "pipeline"}}, "parallel 'pipeline' is none of tensor, expert"),
+    ({"moe.w*": {"dim": 3, "group": [0], "parallel": "expert"}}, "moe.w1 has 3 dimension(s), no dim 3"),
 ])
 def test_a_bad_declared_sharding_is_refused_in_one_line(tmp_path, sharding, words):
     from ep_moe import build_model
@@ -165,6 +166,18 @@ def test_a_sharding_whose_pieces_do_not_assemble_to_build_models_shape_is_refuse
                                             r"\[0\]\) to shape \[2, 16, 24\], but build_model's is \[4, 16, 24\]"):
         _recorder(tmp_path, model, {"moe.w*": shard(0, [0], "expert")})
     assert torch.equal(torch.random.get_rng_state(), state)  # build_model ran on the meta device, RNG put back
+
+
+def test_a_declared_sharding_is_refused_with_sketches_or_the_probe(tmp_path):
+    from ep_moe import build_model
+
+    from dormouse.gate import Recorder, shard
+    from dormouse.gate.record.recorder import RecorderError
+
+    for extra in ({"sketch": 64}, {"probe_steps": [1]}):
+        with pytest.raises(RecorderError, match="a declared sharding is recorded in full tensors"):
+            Recorder(tmp_path, build_model(seed=0), build_model="ep_moe:build_model",
+                     build_optimizer="ep_moe:build_optimizer", sharding={"moe.w*": shard(0, [0], "expert")}, **extra)
 
 
 def test_a_clean_hand_written_tensor_parallel_run_declared_the_same_way_passes(ep):

@@ -487,9 +487,9 @@ class Recorder:
         if pipeline_stage is not None and int(sketch):  # each stage's sketches would need summing by name
             raise RecorderError(f"sketch={sketch} with pipeline_stage: a pipeline is recorded in full tensors "
                                 "(sketch=0)")
-        if sharding is not None and (int(sketch) or pipeline_stage is not None):
-            raise RecorderError(f"sharding with sketch={sketch} or pipeline_stage: a declared sharding is recorded "
-                                "in full tensors (sketch=0), without a pipeline")
+        if sharding is not None and (int(sketch) or pipeline_stage is not None or probe_steps):
+            raise RecorderError(f"sharding with sketch={sketch}, pipeline_stage or probe_steps: a declared sharding is "
+                                "recorded in full tensors (sketch=0), without a pipeline, and not probed")
         self.out = Path(out_dir)
         self.module = core_module(model)  # under DDP and torch.compile wrappers, in any order
         import torch.distributed as dist

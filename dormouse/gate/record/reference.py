@@ -435,7 +435,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         raise ReferenceError(f"step {step} recorded no micro-batch: the model's forward never ran in training mode "
                              "between two rec.step() calls (is the Recorder on the model the loop calls?)")
     if rec.meta.get("objective_scope") == "step":  # fn(model, batches) over the whole step, once
-        return _step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp)
+        return _step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp, alts=examples is not None)
     rng_sensitive = None
     sample = example_sample(mbs, examples) if examples is not None else set()
     cast_models: dict[str, torch.nn.Module] = {}  # the model at this step's parameters, cast for the forward
@@ -596,7 +596,7 @@ def _global_forward(base, cast_models, rec: A.RecordingSet, step: int, user, mbs
 
 
 def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, probe: bool,
-                          lowp: list) -> tuple[dict, dict]:
+                          lowp: list, alts: bool = True) -> tuple[dict, dict]:
     """objective_scope="step": fn(model, batches) over every rank's
     micro-batches of the step (rank then micro order), differentiated once
     (statistics over the global batch: load balancing over all-reduced
@@ -655,7 +655,7 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
     # rank's own rows, e.g. routing counts not reduced over the ranks), so that the judge can name that split
     rank_mean: dict[str, torch.Tensor] = {}
     try:
-        for r in ranks if len(ranks) > 1 else []:
+        for r in ranks if len(ranks) > 1 and alts else []:  # at judged steps
             _, cr, gr = once(0, part=[b for rr, _, b in mbs if rr == r])
             for n in names:
                 if gr.get(n) is not None and cr > 0:
