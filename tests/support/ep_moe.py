@@ -64,7 +64,7 @@ class MoE(nn.Module):
         import torch.distributed as dist
         from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
 
-        rank, size = self._ep
+        size = self._ep[1]
         el = self.experts // size
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts)  # from each rank q: its counts for my el experts

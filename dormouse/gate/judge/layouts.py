@@ -90,7 +90,8 @@ def _unreduced(rec: A.RecordingSet, ref: _Ref, groups: list[list[int]], params: 
     return None
 
 
-def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int, ep: int | None = None) -> str | None:
+def _class_factor(rec: A.RecordingSet, ref: _Ref, params: dict, tp: int, dp: int,
+                  ep: int | None = None) -> str | None:
     """A constant factor on one class of parameters (split over a model-parallel dimension, or replicated)
     while the other class agrees with one process, as a sentence; None otherwise. `ep`: the expert-parallel
     size of a declared sharding (its factor named first)."""

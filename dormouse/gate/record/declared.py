@@ -156,7 +156,7 @@ def assembled_shapes(mine: list[dict], shapes: list[dict[str, list[int]]]) -> di
             raise ShardingError(f"rank {r}'s model has other parameters than rank 0's: every rank records the same "
                                 "model, each holding its own pieces")
         if set(mine[r]) != set(mine[0]):
-            odd = sorted(set(mine[r]) ^ set(mine[0]))[0]
+            odd = min(set(mine[r]) ^ set(mine[0]))
             on, off = (0, r) if odd in mine[0] else (r, 0)
             raise ShardingError(f"{odd} is declared sharded on rank {on} but not on rank {off}: every rank "
                                 "declares the same sharding")
@@ -203,7 +203,8 @@ class DeclaredLayout:
             for n, shape in full.items():
                 if n in built and built[n] != shape:
                     how = (f"assembled by the sharding ({mine[n]['pattern']!r}: dim {mine[n]['dim']} over ranks "
-                           f"{mine[n]['ranks']}) to" if n in mine else "held whole (replicated: no pattern shards it) as")
+                           f"{mine[n]['ranks']}) to" if n in mine else
+                           "held whole (replicated: no pattern shards it) as")
                     raise ShardingError(f"{n} is {how} shape {shape}, but build_model's is {built[n]}: declare the "
                                         "dimension and group its pieces concatenate along")
         self.sharded = mine
