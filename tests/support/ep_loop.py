@@ -65,7 +65,8 @@ def run(cfg: dict) -> None:
         sharding, dp, dp_rank = {"out.*": shard(0, ranks)}, 1, 0
     else:  # the experts split over the ranks, which are data-parallel ranks too
         model, sharding, dp, dp_rank = shard_experts(build_model(**kw), rank, world), \
-            {"moe.w*": shard(0, ranks[::-1] if fault == "declare_reversed" else ranks, "expert")}, world, rank
+            {"moe.w*": shard(0, ranks[::-1] if fault == "declare_reversed" else dist.new_group(ranks), "expert")}, \
+            world, rank  # the group as a ProcessGroup (its ranks in its order), or a list of ranks
     opt = build_optimizer(model)
     rec = Recorder(cfg["out"], model, build_model="ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
                    objective="ep_moe:objective", objective_scope="step", build_kwargs=kw, sharding=sharding)
