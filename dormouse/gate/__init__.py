@@ -16,4 +16,8 @@ def __getattr__(name):
         from dormouse.gate.record.recorder import Recorder
 
         return Recorder
+    if name == "shard":  # a declared sharding's entry (record/declared.py)
+        from dormouse.gate.record.declared import shard
+
+        return shard
     raise AttributeError(f"module 'dormouse.gate' has no attribute {name!r}")

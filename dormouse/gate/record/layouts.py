@@ -70,7 +70,7 @@ def needs_layout(module, world: int) -> bool:
     return False
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
+def full(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """The whole tensor on the CPU, a copy of its own: a DTensor's full_tensor()
     (a collective: every rank, same order), a plain tensor as it is."""
     t = t.detach()

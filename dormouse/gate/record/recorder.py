@@ -89,7 +89,7 @@ from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.clip import clip_coef as clip
 from dormouse.digest import fingerprint
-from dormouse.gate.record import layouts, probe
+from dormouse.gate.record import declared, layouts, probe
 
 OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
 EXAMPLE_ID_KEYS = ("idx", "example_id")
@@ -242,7 +242,7 @@ def code_hashes(paths: list[str]) -> dict[str, str]:
     return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def _local(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """This rank's part of t on the CPU, always a copy: the digest's .numpy()
     marks a storage non-resizable, and FSDP2 resizes the storage of its
     unsharded parameters (a live one, after a no-grad forward at world 1)."""
@@ -472,7 +472,9 @@ class Recorder:
     pipeline_stage   None, or this rank's torch.distributed.pipelining PipelineStage (model: its module):
                      stage 0's forwards are the data, each stage records its own parameters (layouts.py)
     probe_steps      the steps whose first micro-batch is probed module by module (record/probe.py):
-                     None = the first recorded step, () = none
+                     None = the first recorded step (none under pipeline_stage or sharding), () = none
+    sharding         None, or a declared sharding of plain-tensor shards (record/declared.py: hand-written
+                     tensor parallelism, expert parallelism): {pattern: "replicated" | shard(dim, group, parallel)}
     example_corpus   None, or a file of bytes whose byte offsets the loop's example ids are (each row
                      its input tokens read from that offset, as dormouse's loop reads its windows):
                      the data check then requires every recorded row to be those bytes
@@ -488,7 +490,8 @@ class Recorder:
                  max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
                  buffer_update: str | None = None, example_corpus: str | None = None,
-                 objective_scope: str = "example", probe_steps=None, pipeline_stage=None, wire: str = "fp32"):
+                 objective_scope: str = "example", probe_steps=None, pipeline_stage=None, sharding=None,
+                 wire: str = "fp32"):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
                       build_kwargs=build_kwargs, buffer_update=buffer_update, objective_scope=objective_scope,
@@ -496,6 +499,9 @@ class Recorder:
         if pipeline_stage is not None and int(sketch):  # each stage's sketches would need summing by name
             raise RecorderError(f"sketch={sketch} with pipeline_stage: a pipeline is recorded in full tensors "
                                 "(sketch=0)")
+        if sharding is not None and (int(sketch) or pipeline_stage is not None or probe_steps):
+            raise RecorderError(f"sharding with sketch={sketch}, pipeline_stage or probe_steps: a declared sharding is "
+                                "recorded in full tensors (sketch=0), without a pipeline, and not probed")
         self.out = Path(out_dir)
         self.module = core_module(model)  # under DDP and torch.compile wrappers, in any order
         import torch.distributed as dist
@@ -548,8 +554,11 @@ class Recorder:
         # a tensor-parallel (or 2-D) layout: full tensors, each DP replica's micro-batches once (layouts.py)
         self.layout, layout_meta = (layouts.pipeline(pipeline_stage, self.module, self.rank, self._gather)
                                     if pipeline_stage is not None else
+                                    declared.of(self.module, sharding, self.rank, self.world, self._gather,
+                                                build_model, build_kwargs) if sharding is not None else
                                     layouts.of(self.module, self.rank, self.world, self._gather))
-        self._full = layouts.full if self.layout is not None else _local
+        self._full = (self.layout.full if sharding is not None else layouts.full if self.layout is not None
+                      else _local)  # _full(tensor, name): a declared sharding assembles by parameter name
         placements = {} if self.layout is not None else {n: _placement(t) for n, t in self.module.state_dict().items()}
         self.placements = {n: p for n, p in placements.items() if p}
         self.meta = {
@@ -577,7 +586,7 @@ class Recorder:
         if prior is None:
             # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
             # which safetensors refuses to store as shared memory
-            state = {n: self._full(t).clone() for n, t in self.module.state_dict().items()}
+            state = {n: self._full(t, n).clone() for n, t in self.module.state_dict().items()}
             atomic.write_bytes(A.init_path(self.out, self.rank),
                                st_save(state, metadata={"placements": json.dumps(self.placements)}))
         self._write_recording()
@@ -587,8 +596,9 @@ class Recorder:
         self._writer = _Writer()
         self._attrs0 = self.meta["attrs"]
         # the probe's steps (record/probe.py): its hooks go before the Recorder's own pre-hook
-        self._probe_steps = ({self.k + 1} if pipeline_stage is None else set()) if probe_steps is None else \
-            {int(x) for x in probe_steps}  # a pipeline's stages are not probed (docs/parallelisms.md)
+        self._probe_steps = ({self.k + 1} if pipeline_stage is None and sharding is None else set()) \
+            if probe_steps is None else {int(x) for x in probe_steps}  # a pipeline's stages, a declared
+        # sharding's pieces are not probed (docs/parallelisms.md)
         self._probe = probe.Probe(self.module) if self._probe_steps else None
         # the hooks run eagerly under torch.compile (a graph break, in any placement of the compile)
         self._hook = self.module.register_forward_pre_hook(_eager(self._pre), with_kwargs=True)
@@ -805,8 +815,8 @@ class Recorder:
             tensors.update({f"gs/{n}": v for n, v in gs.items()})
             param_hash = _digest(ps)
         elif self._tensor_step(k):
-            params = {n: self._full(p) for n, p in named}
-            grads = {n: self._full(p.grad) for n, p in named if p.grad is not None}
+            params = {n: self._full(p, n) for n, p in named}
+            grads = {n: self._full(p.grad, n) for n, p in named if p.grad is not None}
             tensors.update({f"p/{n}": v for n, v in params.items()})
             tensors.update({f"g/{n}": v for n, v in grads.items()})
             # named_buffers, not state_dict(): under FSDP2 a state_dict mid-step reshards (its hook)
@@ -882,7 +892,7 @@ class Recorder:
         self._writer.flush()
         self._writer.stop()
         named = list(self.module.named_parameters())
-        params = {n: self._full(p) for n, p in named}
+        params = {n: self._full(p, n) for n, p in named}
         if self.sketch_k:
             params = {f"ps/{n}": v for n, v in self._sketch_all(params, {n: p.numel() for n, p in named}).items()}
             bufs = {}

@@ -38,7 +38,10 @@ depends on which rows share its forward. objective_scope (recording.json):
 (the judge holds gm to g only under "example"); "step" calls the declared
 fn(model, batches) once on every rank's micro-batches of the step (rank then
 micro order) and differentiates loss_sum / count (no per-example sample, no
-merged forward, no alternative weightings).
+merged forward); beside it, with more than one rank, "rank_mean": fn over
+each rank's micro-batches alone, (1/W) sum_r grad(loss_sum_r / count_r) (the
+step's statistics over each rank's own rows: what a fleet that never reduces
+them trains).
 What each forward received beyond its tensors (its non-tensor arguments, the
 model's plain attributes the loop set) is put back as recorded (batchscope).
 
@@ -239,6 +242,12 @@ def rebuild(rec: A.RecordingSet):
             apart = A.ranks_apart_from(rec, state)
             if apart:
                 raise ReferenceError(apart)
+            pattern = (((meta.get("layout") or {}).get("params") or {}).get(n) or {}).get("pattern")
+            if pattern and a.shape == b.shape and a.dtype == b.dtype:  # assembled by a declared sharding (declared.py)
+                raise ReferenceError(f"build_model {meta['build_model']!r} builds {n} other than the recorded initial "
+                                     f"one, which the declared sharding {pattern!r} assembled from its ranks' pieces: "
+                                     "if every rank built build_model's model, the group's ranks are declared in "
+                                     "another order than the pieces concatenate in (or along another dim)")
             raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
                                  f"recorded initial ones (first: {n}): seed it as the loop does")
     _as_recorded(model, meta)
@@ -426,7 +435,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         raise ReferenceError(f"step {step} recorded no micro-batch: the model's forward never ran in training mode "
                              "between two rec.step() calls (is the Recorder on the model the loop calls?)")
     if rec.meta.get("objective_scope") == "step":  # fn(model, batches) over the whole step, once
-        return _step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp)
+        return _step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp, alts=examples is not None)
     rng_sensitive = None
     sample = example_sample(mbs, examples) if examples is not None else set()
     cast_models: dict[str, torch.nn.Module] = {}  # the model at this step's parameters, cast for the forward
@@ -592,7 +601,7 @@ def _global_forward(base, cast_models, rec: A.RecordingSet, step: int, user, mbs
 
 
 def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, probe: bool,
-                          lowp: list) -> tuple[dict, dict]:
+                          lowp: list, alts: bool = True) -> tuple[dict, dict]:
     """objective_scope="step": fn(model, batches) over every rank's
     micro-batches of the step (rank then micro order), differentiated once
     (statistics over the global batch: load balancing over all-reduced
@@ -612,12 +621,12 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
     ac = rec.autocast(mbs[0][0], step, mbs[0][1])
     batches = [b for _, _, b in mbs]
 
-    def once(seed: int, scale: float = 1.0):
+    def once(seed: int, scale: float = 1.0, part: list | None = None):
         model.zero_grad(set_to_none=True)
         torch.random.default_generator.manual_seed(seed)
         with _autocast(ac):
             try:
-                ls, c = user(model, batches)
+                ls, c = user(model, batches if part is None else part)
             except DormouseError:
                 raise
             except Exception as e:
@@ -646,8 +655,19 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
         sq = {n: float(((g3[n].double() * 3 / c - v) ** 2).sum()) for n, v in g.items() if g3.get(n) is not None}
         floor = math.sqrt(sum(sq.values())) / norm if norm > 0 else 0.0
         floors = {n: math.sqrt(x) / max(float(g[n].norm()), 1e-300) for n, x in sq.items()}
-    model.zero_grad(set_to_none=True)
     ranks = sorted({r for r, _, _ in mbs})
+    # beside it, each rank's micro-batches alone, their objectives averaged ("rank_mean": statistics over each
+    # rank's own rows, e.g. routing counts not reduced over the ranks), so that the judge can name that split
+    rank_mean: dict[str, torch.Tensor] = {}
+    try:
+        for r in ranks if len(ranks) > 1 and alts else []:  # at judged steps
+            _, cr, gr = once(0, part=[b for rr, _, b in mbs if rr == r])
+            for n in names:
+                if gr.get(n) is not None and cr > 0:
+                    rank_mean[n] = rank_mean.get(n, 0) + gr[n].double() / (cr * len(ranks))
+    except DormouseError:  # an objective that needs the whole step: no alternative to name, the check unchanged
+        rank_mean = {}
+    model.zero_grad(set_to_none=True)
     info = {"loss": ls / c, "loss_sum": ls, "count": c,
             "loss_alt": {"micro_mean": None, "rank_mean": None, "rank_local": []},
             "counts": [[None for rr, _, _ in mbs if rr == r] for r in ranks],
@@ -656,7 +676,7 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
             "loss_floor": None, "ex_micro": [], "merged": None, "labels": None, "scope": "step"}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
-    return {"g": g, "micro_mean": {}, "rank_mean": {}}, info
+    return {"g": g, "micro_mean": {}, "rank_mean": rank_mean}, info
 
 
 # --------------------------------------------------------------------------- the reference as a whole

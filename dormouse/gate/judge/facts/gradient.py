@@ -346,8 +346,14 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                                   "own count, not the step's)",
                     "rank_mean": "the mean of the ranks' own token means (each rank normalised by its own "
                                  "token count)"}[alt_hit]
+            declared = "the global mean the objective declares"
+            if alt_hit == "rank_mean" and rec.meta.get("objective_scope") == "step":
+                desc = ("the mean over the ranks of the declared objective, each rank's over its own micro-batches "
+                        "alone (the step's statistics, such as a load-balancing term's routing counts, computed "
+                        "over each rank's own rows and never reduced over the ranks that share them)")
+                declared = "the objective declared over the whole step (objective_scope='step')"
             reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
-                      + f", not the global mean the objective declares (off by {worst:.2g} at step {worst_k})")
+                      + f", not {declared} (off by {worst:.2g} at step {worst_k})")
             if alt_hit == "gm":
                 reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
                           + f", not the sum of the micro-batches' own the declared objective gives (off by "

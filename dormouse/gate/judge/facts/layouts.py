@@ -18,6 +18,11 @@ layout  passes when, at every recorded step,
           gradient by a constant factor while the other class agrees (a
           reduction that sums over the TP group where it should average:
           c = the TP size, named; pytorch #160285's doubled expert gradients).
+A declared sharding (record/declared.py: plain-tensor shards, Megatron-style
+TP or expert parallel) is judged the same way from its "declared" entry: its
+"tensor" groups are the model-parallel groups above; an "expert" group's
+ranks are data-parallel ranks (each its own rows), and a factor on the expert
+parameters alone is named by the expert-parallel size (pytorch #160285).
 The bound is the gradient check's (facts/gradient.py: GRAD_RTOL, or the
 reduced-precision bound of the step)."""
 
@@ -88,9 +93,11 @@ def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], 
     return None
 
 
-def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int, dp: int) -> str | None:
+def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int, dp: int,
+                  ep: int | None = None) -> str | None:
     """A constant factor on one class of parameters (split over a model-parallel dimension, or replicated)
-    while the other class agrees with one process, as a sentence; None otherwise."""
+    while the other class agrees with one process, as a sentence; None otherwise. `ep`: the expert-parallel
+    size of a declared sharding (its factor named first)."""
     split = {n for n, v in params.items() if v.get("model_parallel")}
     fits: dict[str, list] = {"split": [], "replicated": []}
     agree = {"split": True, "replicated": True}
@@ -110,6 +117,8 @@ def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int,
     cands = [(f"the TP size {tp}", tp), (f"1 / the TP size {tp}", 1 / tp), (f"the DP size {dp}", dp),
              (f"1 / the DP size {dp}", 1 / dp), (f"the world size {tp * dp}", tp * dp),
              (f"1 / the world size {tp * dp}", 1 / (tp * dp))]
+    if ep:  # a declared expert-parallel sharding: the split parameters are experts, their factor the EP size's
+        cands = [(f"the expert-parallel size {ep}", ep), (f"1 / the expert-parallel size {ep}", 1 / ep)] + cands
     whole = [fit(fleet_grad(rec, k), ref.tensors(k, "g/"), sorted(set(fleet_grad(rec, k)) & set(ref.tensors(k, "g/"))))
              for k in rec.tensor_steps()]
     cs = [c for c, _ in whole]
@@ -133,11 +142,20 @@ def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int,
         what = ("parameters split over a model-parallel mesh dimension" if cls == "split"
                 else "parameters replicated over the TP group")
         n_cls = len([n for n in params if (n in split) == (cls == "split")])
+        why = ("a reduction that sums over the TP group where it should average (or a gradient counted once "
+               "per TP rank)" if cls == "split" else "a reduction over the group applied to the replicated "
+               "parameters' gradients the wrong number of times")
+        if ep and cls == "split":
+            what = "expert parameters (declared sharded over the expert-parallel ranks)"
+            why = ("each expert's gradient sums every rank's tokens (the all_to_all's backward) while the dense "
+                   "gradients are averaged over the same data-parallel ranks: the expert gradients must be divided "
+                   "by the expert-parallel size too (pytorch #160285)") if named and "expert" in named else why
+        elif ep:
+            what = "dense parameters (replicated: each rank holds all of them)"
+            why = "their reduction over the data-parallel ranks applied the wrong number of times"
         return (f"the gradients of the {n_cls} {what} are one process's times {cs[0]:.4g}"
                 + (f" = {named}" if named else "") + f" at every recorded step, while the {other} ones agree: "
-                + ("a reduction that sums over the TP group where it should average (or a gradient counted once "
-                   "per TP rank)" if cls == "split" else "a reduction over the group applied to the replicated "
-                   "parameters' gradients the wrong number of times"))
+                + why)
     return None
 
 
@@ -171,11 +189,24 @@ def check_layout(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     if lay.get("pipeline"):
         return _check_pipeline(rec, ref, lay)
     tp, dp = max(len(g) for g in groups), len(groups)
-    finding = _peer_inputs(rec, groups) or _unreduced(rec, ref, groups, params) or _class_factor(rec, ref, params, tp, dp)
+    decl = lay.get("declared") or {}
+    ep = max((len(g) for d in decl.values() if d.get("parallel") == "expert" for g in d.get("groups", [])),
+             default=None)
+    finding = _peer_inputs(rec, groups) or _unreduced(rec, ref, groups, params) or \
+        _class_factor(rec, ref, params, tp, dp, ep)
     if finding:
         return Check("layout", False, finding)
-    meshes = "; ".join(" x ".join(f"{nm} {s}" for nm, s in zip(m["names"], m["shape"])) for m in lay["meshes"])
     n_split = sum(1 for v in params.values() if v.get("model_parallel"))
+    if decl:
+        said = "; ".join(f"{p!r} along dim {d['dim']} over ranks {' and '.join(map(str, d['groups']))} "
+                         f"({d['parallel']} parallel)" for p, d in decl.items() if d.get("groups"))
+        return Check("layout", True, f"declared sharding ({said or 'every parameter replicated'}): {n_split} of "
+                                     f"{len(params)} parameters assembled from their ranks' pieces, the rest "
+                                     f"replicated; {dp} data-parallel replica(s) of {tp} tensor-parallel rank(s); "
+                                     "neither class of parameters is off from one process's gradient by a constant "
+                                     "factor while the other agrees" + (", and every TP rank of a replica read its "
+                                                                        "leader's rows" if tp > 1 else ""))
+    meshes = "; ".join(" x ".join(f"{nm} {s}" for nm, s in zip(m["names"], m["shape"])) for m in lay["meshes"])
     return Check("layout", True, f"DTensor layout read from the parameters (mesh {meshes}; data dimensions "
                                  f"{', '.join(lay['data_dims']) or 'none'}): {dp} data-parallel replica(s) of {tp} "
                                  f"model-parallel rank(s); {n_split} of {len(params)} parameters split over a "
