@@ -104,7 +104,7 @@ def confirm(rec_dir: Path) -> dict:
     import torch
 
     from dormouse.gate import artifacts as A
-    from dormouse.gate.record.recorder import import_path
+    from dormouse.gate.record.userfns import import_path
 
     rec = A.RecordingSet(rec_dir)
     kw = rec.meta.get("build_kwargs") or {}

@@ -172,7 +172,7 @@ def test_a_declared_sharding_is_refused_with_sketches_or_the_probe(tmp_path):
     from ep_moe import build_model
 
     from dormouse.gate import Recorder, shard
-    from dormouse.gate.record.recorder import RecorderError
+    from dormouse.gate.record.options import RecorderError
 
     for extra in ({"sketch": 64}, {"probe_steps": [1]}):
         with pytest.raises(RecorderError, match="a declared sharding is recorded in full tensors"):

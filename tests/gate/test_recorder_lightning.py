@@ -159,7 +159,7 @@ def test_what_the_callback_cannot_judge_is_refused_in_one_line(tmp_path):
     import pytorch_lightning as pl
 
     from dormouse.gate.record.lightning import RecorderCallback
-    from dormouse.gate.record.recorder import RecorderError
+    from dormouse.gate.record.options import RecorderError
 
     paths = dict(build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer")
     with pytest.raises(RecorderError, match="without max_grad_norm"):

@@ -255,7 +255,7 @@ def test_a_2d_run_whose_dp_reduction_sums_fails_named_by_the_mesh(dp_tp):
 
 def test_a_pipeline_recording_with_sketches_is_refused_in_one_line(tmp_path):
     from dormouse.gate import Recorder
-    from dormouse.gate.record.recorder import RecorderError
+    from dormouse.gate.record.options import RecorderError
 
     class Stage:  # a PipelineStage's two fields the Recorder reads
         stage_index, num_stages = 0, 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dormouse.gate.record.recorder import SKETCH_CHUNK, Sketcher, sketch, sketch_buckets
+from dormouse.gate.record.sketch import SKETCH_CHUNK, Sketcher, sketch, sketch_buckets
 
 K = 64
 

@@ -37,7 +37,7 @@ import json
 import torch
 
 from dormouse.errors import DormouseError
-from dormouse.gate.record.recorder import LOSS_LABELS, PLAIN
+from dormouse.gate.record.options import LOSS_LABELS, PLAIN
 
 # positions (rows x padded length) of one merged forward: larger global batches are merged in chunks
 MERGE_TOKENS = 1 << 16

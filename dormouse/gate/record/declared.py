@@ -44,6 +44,7 @@ import random
 import torch
 
 from dormouse.errors import DormouseError
+from dormouse.gate.record.userfns import import_path
 
 PARALLEL = ("tensor", "expert")
 
@@ -94,8 +95,6 @@ def _spec(pattern, spec, world: int) -> dict:
 def _model_shapes(build_model: str, build_kwargs: dict) -> dict[str, list[int]] | None:
     """build_model's parameter shapes, built on the meta device with the process's random state put
     back; None when it cannot be built so (the reference's rebuild then compares the shapes)."""
-    from dormouse.gate.record.recorder import import_path
-
     try:
         fn = import_path(build_model, "build_model")
         py = random.getstate()

@@ -78,7 +78,8 @@ import torch.nn.functional as F
 
 from dormouse.config import RunConfig
 from dormouse.gate import artifacts as A
-from dormouse.gate.record.recorder import Recorder, RecorderError
+from dormouse.gate.record.options import RecorderError
+from dormouse.gate.record.recorder import Recorder
 from dormouse.train import loop
 from dormouse.train.hooks import Clipped, Hooks, Reduced, Start
 

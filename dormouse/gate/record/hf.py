@@ -49,7 +49,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dormouse.gate.record.recorder import INPUTS, Recorder, RecorderError, check_options
+from dormouse.gate.record.options import INPUTS, RecorderError, check_options
+from dormouse.gate.record.recorder import Recorder
 
 try:
     from transformers import TrainerCallback

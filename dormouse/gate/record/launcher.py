@@ -30,7 +30,6 @@ from dormouse.gate.artifacts import load_meta
 from dormouse.gate.layout import rank_names
 from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 
-
 # Two ways to start a fleet's ranks, both torchrun's own CLI, elastic agent,
 # rendezvous, restarts and failure report:
 # - one fresh interpreter per rank (the gate's default, what a user's torchrun

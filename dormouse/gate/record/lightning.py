@@ -70,7 +70,8 @@ from pathlib import Path
 
 import torch
 
-from dormouse.gate.record.recorder import INPUTS, Recorder, RecorderError, check_options
+from dormouse.gate.record.options import INPUTS, RecorderError, check_options
+from dormouse.gate.record.recorder import Recorder
 
 try:
     import pytorch_lightning as pl

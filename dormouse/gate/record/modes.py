@@ -42,19 +42,23 @@ import torch
 import torch.nn.functional as F
 
 from dormouse.config import RunConfig
+from dormouse.digest import fingerprint
 from dormouse.errors import DormouseError
-from dormouse.numerics import BF16_UNIT_ROUNDOFF
-from dormouse.gate.artifacts import (fleet_recording_dir, load_meta, load_tensors, load_trace,
-                                     save_artifact)
+from dormouse.gate.artifacts import (
+    fleet_recording_dir,
+    load_meta,
+    load_tensors,
+    load_trace,
+    save_artifact,
+)
 from dormouse.gate.layout import INIT, rank_name
 from dormouse.gate.record.fixtures import build, make_run
-from dormouse.gate.settings import GateSettings, from_dict
+from dormouse.gate.record.provenance import provenance
 from dormouse.gate.record.trace import Trace
+from dormouse.gate.settings import GateSettings, from_dict
+from dormouse.numerics import BF16_UNIT_ROUNDOFF, rel_per_step
 from dormouse.train.distributed import close_fleet, fleet_env, train_dist
 from dormouse.train.loop import lr_at, make_optimizer, train
-from dormouse.digest import fingerprint
-from dormouse.gate.record.provenance import provenance
-from dormouse.numerics import rel_per_step
 from dormouse.train.tensors import named_state
 
 ULP_RUNS = 3  # one-ulp nudges of the reference whose maximum is the floor

@@ -22,9 +22,15 @@ from typing import Callable
 import torch
 
 from dormouse.errors import DormouseError
-from dormouse.gate.record import modes
 from dormouse.gate.artifacts import LEG1, ArtifactSet, load_meta, source_hash
-from dormouse.gate.layout import INIT, is_fleet_file, is_one_process_file, rank_name, rank_names
+from dormouse.gate.layout import (
+    INIT,
+    is_fleet_file,
+    is_one_process_file,
+    rank_name,
+    rank_names,
+)
+from dormouse.gate.record import modes
 from dormouse.gate.record.launcher import launch_fleet
 from dormouse.gate.settings import GateSettings
 

@@ -74,172 +74,30 @@ checkpoint holds the state after step K): a new segment.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import uuid
-import zlib
 from pathlib import Path
 
 import torch
 from safetensors.torch import save as st_save
 
 from dormouse import atomic
-from dormouse.errors import DormouseError
-from dormouse.gate import artifacts as A
 from dormouse.clip import clip_coef as clip
 from dormouse.digest import fingerprint
+from dormouse.gate import artifacts as A
 from dormouse.gate.record import declared, layouts, probe
-
-OBJECTIVES = ("causal_lm", "token_mean", "example_mean")
-EXAMPLE_ID_KEYS = ("idx", "example_id")
-INPUTS = ("input_ids", "attention_mask", "labels")
-# What the declared objective is a function of (docs/your-loop.md, "Objectives over more than one row"):
-#   example  each row alone: a sum over rows (the default); the reference checks that a row's
-#            gradient does not depend on the rows beside it, nor on which rows share a forward
-#   forward  each forward's own statistics (a per-forward load-balancing term, what HF's MoE models
-#            compute): differentiated micro-batch by micro-batch as recorded; the verdict states how far
-#            the global batch in one forward is
-#   step     fn(model, batches) -> (loss_sum, count) over every recorded micro-batch of every rank of
-#            the step (rank then micro order), differentiated once (statistics over the global batch)
-SCOPES = ("example", "forward", "step")
-WIRES = A.WIRES  # how the loop's gradient reduce rounds (artifacts.WIRES)
-# Labels the loop gives its loss and not the model (rec.labels): recorded under this key, which the
-# reference never passes to the forward; the built-in objectives read them before "labels"
-LOSS_LABELS = "loss_labels"
-# Plain attribute values of the model's modules the Recorder records (and the reference sets)
-PLAIN = (bool, int, float, str, type(None))
-# attributes that change how a forward is computed, not what: not recorded (gradient checkpointing
-# needs a function the loop installed beside the flag)
-NEUTRAL_ATTRS = ("training", "gradient_checkpointing")
-
-
-class RecorderError(DormouseError):
-    """The Recorder was asked for something it cannot record."""
-
-
-# --------------------------------------------------------------------------- sketches
-
-
-SKETCH_CHUNK = 1 << 14  # elements summed in float32 before the float64 total (round-off ~1e-7 relative)
-
-
-def sketch_buckets(name: str, numel: int, k: int, seed: int, lo: int = 0, n: int | None = None) -> torch.Tensor:
-    """Bucket-and-sign of elements lo..lo+n of tensor `name` (flat global
-    index, numel elements in all): b in [0, 2k), b < k bucket b with sign +1,
-    b >= k bucket b-k with sign -1; returned offset by 2k per chunk of
-    SKETCH_CHUNK elements (int32), the layout `sketch` sums."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    b = torch.randint(0, 2 * k, (numel,), generator=g)
-    n = numel - lo if n is None else n
-    b = b[lo:lo + n]
-    return (b + 2 * k * (torch.arange(n) // SKETCH_CHUNK)).to(torch.int32)
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor's buckets are summed in: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _chunks(numel: int) -> int:
-    return max(-(-numel // SKETCH_CHUNK), 1)
-
-
-def sketch(x: torch.Tensor, buckets: torch.Tensor, k: int) -> torch.Tensor:
-    """The CountSketch S x (float64, k numbers) of a flat piece of a tensor
-    whose elements' buckets are `buckets` (from sketch_buckets): each chunk's
-    buckets summed in float32 (float64 for a float64 x) in element order,
-    then the chunks in float64 in chunk order. One tensor through Sketcher."""
-    one = Sketcher(k)
-    one.buckets["x"] = buckets
-    return one({"x": x})["x"]
-
-
-class Sketcher:
-    """CountSketches of many tensors at once (the Recorder's and the
-    reference's per-step sketches; `sketch` is one tensor through it).
-    `buckets[name]` are the tensor's (or piece's) buckets from sketch_buckets.
-    The tensors summed in the same dtype share one buffer, each chunk of each
-    tensor with its own 2k buckets: one index_add_ per tensor sums its chunks'
-    buckets (float32, or float64 for float64 tensors; each bucket's elements in
-    element order), then one index_add_ sums each tensor's chunks (float64, in
-    chunk order) for all of them: per tensor the same additions in the same
-    order whichever tensors share the call, so the same numbers, in about two
-    operations per tensor instead of a dozen, and no copy of the tensors
-    first (index_add_ reads them where they are, before the optimizer steps;
-    from another device, through one copy to the CPU each). The sketch itself,
-    S x with (S x)_j = sum_{h(i)=j} s(i) x_i, is the module docstring's."""
-
-    def __init__(self, k: int):
-        self.k = k
-        self.buckets: dict[str, torch.Tensor] = {}
-        self._layouts: dict[tuple, tuple[list[int], torch.Tensor, int]] = {}
-
-    def _layout(self, names: tuple[str, ...]) -> tuple[list[int], torch.Tensor, int]:
-        """Each tensor's offset in the shared buffer, each chunk's tensor, the buffer's size."""
-        if names not in self._layouts:
-            offsets, owner, off = [], [], 0
-            for j, n in enumerate(names):
-                chunks = _chunks(self.buckets[n].numel())
-                offsets.append(off)
-                owner += [j] * chunks
-                off += chunks * 2 * self.k
-            self._layouts[names] = (offsets, torch.tensor(owner, dtype=torch.int64), off)
-        return self._layouts[names]
-
-    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        k, groups, out = self.k, {}, {}
-        for n, t in tensors.items():
-            groups.setdefault(_acc(t.dtype), []).append(n)
-        for acc, names in groups.items():
-            offsets, owner, size = self._layout(tuple(names))
-            z = torch.zeros(size, dtype=acc)
-            for n, off in zip(names, offsets):
-                b, x = self.buckets[n], tensors[n].detach().reshape(-1).to("cpu", acc)
-                z[off:off + _chunks(b.numel()) * 2 * k].index_add_(0, b, x)
-            s = torch.zeros(len(names), 2 * k, dtype=torch.float64)
-            s.index_add_(0, owner, z.view(-1, 2 * k).double())
-            s = s[:, :k] - s[:, k:]
-            out.update({n: s[j].clone() for j, n in enumerate(names)})  # each its own storage (safetensors)
-        return {n: out[n] for n in tensors}
-
-
-def import_path(path: str, what: str):
-    """The object an import path "pkg.mod:name" names, or one line saying why not."""
-    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise RecorderError(f"{what} {path!r} is not an import path: write it as 'package.module:function'")
-    mod, name = path.split(":")
-    try:
-        module = importlib.import_module(mod)
-    except Exception as e:
-        raise RecorderError(f"{what} {path!r} does not load: importing {mod!r} failed ({type(e).__name__}: {e}); "
-                            "put its package on PYTHONPATH") from None
-    obj = module
-    for part in name.split("."):
-        if not hasattr(obj, part):
-            raise RecorderError(f"{what} {path!r} does not load: {mod!r} has no {name!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
-def code_hashes(paths: list[str]) -> dict[str, str]:
-    """sha256 of the source file of each import path's module (the user's code
-    the references will run), without importing it."""
-    out = {}
-    for p in paths:
-        if not isinstance(p, str) or ":" not in p:
-            continue
-        mod = p.split(":")[0]
-        try:
-            spec = importlib.util.find_spec(mod)
-        except Exception:
-            spec = None
-        origin = getattr(spec, "origin", None)
-        if origin and Path(origin).is_file():
-            out[mod] = hashlib.sha256(Path(origin).read_bytes()).hexdigest()
-        else:
-            out[mod] = ""
-    return out
+from dormouse.gate.record.options import (
+    EXAMPLE_ID_KEYS,
+    INPUTS,
+    LOSS_LABELS,
+    NEUTRAL_ATTRS,
+    PLAIN,
+    RecorderError,
+    check_options,
+)
+from dormouse.gate.record.sketch import Sketcher, sketch_buckets
+from dormouse.gate.record.userfns import code_hashes
+from dormouse.gate.record.writer import Writer
 
 
 def _local(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
@@ -357,97 +215,6 @@ def _number(x):
             x = x.full_tensor()
         return float(x.detach().float().item())
     return float(x)
-
-
-def check_options(*, build_model: str, build_optimizer: str, objective: str = "causal_lm", max_grad_norm: float = 0.0,
-                  dataset_len: int = 0, sketch: int = 0, every: int = 1, build_kwargs: dict | None = None,
-                  buffer_update: str | None = None, objective_scope: str = "example", wire: str = "fp32") -> None:
-    """The Recorder's arguments that can be judged before any model exists
-    (the HF callback checks them when it is built, before training starts)."""
-    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"), (objective, "objective"),
-                        (buffer_update, "buffer_update")):
-        if isinstance(value, str) and value.split(":")[0] == "__main__":
-            raise RecorderError(f"{what} {value!r} names the script being run, which the check cannot import in "
-                                "another process: name its module instead ('mytrain:fn', with its folder on "
-                                "PYTHONPATH), or move the function into an importable module")
-    for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"),
-                        *(((buffer_update, "buffer_update"),) if buffer_update is not None else ())):
-        if not isinstance(value, str) or value.count(":") != 1:
-            raise RecorderError(f"{what} {value!r} is not an import path: write it as 'package.module:function'")
-    if objective not in OBJECTIVES and (not isinstance(objective, str) or objective.count(":") != 1):
-        raise RecorderError(f"objective {objective!r} is none of {', '.join(OBJECTIVES)} and not an import "
-                            "path 'package.module:function' of fn(model, batch) -> (loss_sum, count)")
-    if objective_scope not in SCOPES:
-        raise RecorderError(f"objective_scope {objective_scope!r} is none of {', '.join(SCOPES)}")
-    if wire not in WIRES:
-        raise RecorderError(f"wire {wire!r} is none of {', '.join(WIRES)}: 'bf16' when the gradient is all-reduced "
-                            "in bfloat16 (a bf16 compress hook), else 'fp32'")
-    if wire == "bf16" and int(sketch):
-        raise RecorderError(f"wire='bf16' with sketch={sketch}: the bf16 wire's bound holds element by element, "
-                            "which a sketch cannot show; record full tensors (sketch=0)")
-    if objective_scope == "step" and objective in OBJECTIVES:
-        raise RecorderError(f"objective_scope='step' needs objective='pkg.mod:fn' with fn(model, batches) -> "
-                            f"(loss_sum, count) over the step's micro-batches, not the built-in {objective!r}")
-    if int(sketch) < 0 or int(every) < 1:
-        raise RecorderError(f"sketch={sketch}, every={every}: sketch is 0 (full tensors) or the number of "
-                            "projections per tensor, every a whole number >= 1")
-    if max_grad_norm < 0 or dataset_len < 0:
-        raise RecorderError(f"max_grad_norm={max_grad_norm}, dataset_len={dataset_len}: both must be >= 0")
-    try:
-        json.dumps(build_kwargs or {})
-    except TypeError as e:
-        raise RecorderError(f"build_kwargs must be JSON-able ({e})") from None
-
-
-# --------------------------------------------------------------------------- the Recorder
-
-
-class _Writer:
-    """Writes files atomically, in order, on a thread of its own: the loop does
-    not wait for the serialisation or the disk (fsync). `data` is bytes, or a
-    dict of tensors that the thread serialises (safetensors): the caller's
-    own copies, taken before the optimizer changes the tensors, which nothing
-    changes afterwards. An error is raised at the next write or at flush."""
-
-    def __init__(self):
-        import queue
-        import threading
-
-        self.q: queue.Queue = queue.Queue()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="dormouse-recorder-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while True:
-            item = self.q.get()
-            try:
-                if item is None:
-                    return
-                if self.error is None:
-                    path, data = item
-                    atomic.write_bytes(path, data if isinstance(data, bytes) else st_save(data))
-            except BaseException as e:  # handed to the loop's thread at the next call
-                self.error = e
-            finally:
-                self.q.task_done()
-
-    def _raise(self):
-        if self.error is not None:
-            e, self.error = self.error, None
-            raise RecorderError(f"the Recorder could not write its files ({type(e).__name__}: {e})") from e
-
-    def write(self, path: Path, data: bytes | dict[str, torch.Tensor]) -> None:
-        self._raise()
-        self.q.put((path, data))
-
-    def flush(self) -> None:
-        self.q.join()
-        self._raise()
-
-    def stop(self) -> None:
-        self.q.put(None)
-        self.thread.join()
 
 
 class Recorder:
@@ -593,7 +360,7 @@ class Recorder:
         if self.sketch_k:  # the buckets once, here, so that no step pays for them
             named = list(self.module.named_parameters())
             self._sketch_all({n: self._piece(p) for n, p in named}, {n: p.numel() for n, p in named})
-        self._writer = _Writer()
+        self._writer = Writer()
         self._attrs0 = self.meta["attrs"]
         # the probe's steps (record/probe.py): its hooks go before the Recorder's own pre-hook
         self._probe_steps = ({self.k + 1} if pipeline_stage is None and sharding is None else set()) \

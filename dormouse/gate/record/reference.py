@@ -97,15 +97,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save as st_save
 
 from dormouse import atomic
+from dormouse.clip import clip_coef
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
-from dormouse.clip import clip_coef
 from dormouse.gate.record import batchscope as BS
 from dormouse.gate.record import probe
-from dormouse.gate.record.recorder import LOSS_LABELS, OBJECTIVES, Sketcher, code_hashes, import_path, sketch_buckets
-from safetensors.torch import save as st_save
+from dormouse.gate.record.options import LOSS_LABELS, OBJECTIVES
+from dormouse.gate.record.sketch import Sketcher, sketch_buckets
+from dormouse.gate.record.userfns import code_hashes, import_path
 
 REFERENCE_SCHEMA = 1
 

@@ -1,0 +1,61 @@
+"""The Recorder's writer: files written atomically, in order, on a thread of
+its own, so the loop does not wait for serialisation or the disk."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as st_save
+
+from dormouse import atomic
+from dormouse.gate.record.options import RecorderError
+
+
+class Writer:
+    """Writes files atomically, in order, on a thread of its own: the loop does
+    not wait for the serialisation or the disk (fsync). `data` is bytes, or a
+    dict of tensors that the thread serialises (safetensors): the caller's
+    own copies, taken before the optimizer changes the tensors, which nothing
+    changes afterwards. An error is raised at the next write or at flush."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.q: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="dormouse-recorder-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            item = self.q.get()
+            try:
+                if item is None:
+                    return
+                if self.error is None:
+                    path, data = item
+                    atomic.write_bytes(path, data if isinstance(data, bytes) else st_save(data))
+            except BaseException as e:  # handed to the loop's thread at the next call
+                self.error = e
+            finally:
+                self.q.task_done()
+
+    def _raise(self):
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise RecorderError(f"the Recorder could not write its files ({type(e).__name__}: {e})") from e
+
+    def write(self, path: Path, data: bytes | dict[str, torch.Tensor]) -> None:
+        self._raise()
+        self.q.put((path, data))
+
+    def flush(self) -> None:
+        self.q.join()
+        self._raise()
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.thread.join()
