@@ -26,10 +26,11 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dormouse import atomic
+from dormouse.digest import fingerprint
 from dormouse.errors import DormouseError
+
 # LEG1 and ONE_PROCESS are re-exported: the names are layout's
 from dormouse.gate.layout import LEG1, ONE_PROCESS, rank_name, rank_of, trace_file  # noqa: F401
-from dormouse.digest import fingerprint
 
 SCHEMA = 2
 # Settings that say how the global batch is cut among the fleet's ranks (and
@@ -73,11 +74,21 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
-def file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+def file_hash(path) -> str:
+    """sha256 of a file (a corpus): the whole file up to 256 MiB; beyond, its
+    size and its first and last MiB. The one file hasher of every provenance
+    and of a recording's example corpus."""
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(p, "rb") as f:
+        if size <= 256 << 20:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            h.update(f.read(1 << 20))
+            f.seek(size - (1 << 20))
+            h.update(f.read())
     return h.hexdigest()
 
 
@@ -591,22 +602,6 @@ def ranks_apart_from(rec: "RecordingSet", built: dict[str, torch.Tensor]) -> str
             "that differs by rank, or none; FSDP2 does not broadcast rank 0's): seed every rank alike before "
             "build_model, or broadcast rank 0's parameters (build_model is right)")
 
-
-def corpus_digest(path) -> str:
-    """sha256 of a corpus file: the whole file up to 256 MiB; beyond, its size
-    and its first and last MiB (a recording's corpus is checked against it)."""
-    p = Path(path)
-    size = p.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(p, "rb") as f:
-        if size <= 256 << 20:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        else:
-            h.update(f.read(1 << 20))
-            f.seek(size - (1 << 20))
-            h.update(f.read())
-    return h.hexdigest()
 
 
 def file_digest(paths: list[Path]) -> str:

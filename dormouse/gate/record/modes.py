@@ -53,7 +53,7 @@ from dormouse.gate.artifacts import (
 )
 from dormouse.gate.layout import INIT, rank_name
 from dormouse.gate.record.fixtures import build, make_run
-from dormouse.gate.record.provenance import provenance
+from dormouse.gate.record.provenance import gate_provenance
 from dormouse.gate.record.trace import Trace
 from dormouse.gate.settings import GateSettings, from_dict
 from dormouse.numerics import BF16_UNIT_ROUNDOFF, rel_per_step
@@ -162,7 +162,7 @@ class Mode:
 
     def save(self, name: str, state, losses, *, init: str, **extra) -> dict:
         """Write artifact `name` with the settings' record and this run's provenance."""
-        prov = provenance(device=self.s.device, corpus=Path(self.run.train.data), init=init)
+        prov = gate_provenance(device=self.s.device, corpus=Path(self.run.train.data), init=init)
         save_artifact(self.s.out_dir, name, state, losses, settings=self.s.record(), provenance=prov, **extra)
         return load_meta(self.s.out_dir, name)
 

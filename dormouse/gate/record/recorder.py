@@ -95,6 +95,7 @@ from dormouse.gate.record.options import (
     RecorderError,
     check_options,
 )
+from dormouse.gate.record.provenance import provenance
 from dormouse.gate.record.sketch import Sketcher, sketch_buckets
 from dormouse.gate.record.userfns import code_hashes
 from dormouse.gate.record.writer import Writer
@@ -135,11 +136,6 @@ def _placement(t) -> dict | None:
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return fingerprint(tensors)  # the judge recomputes it from the recorded tensors
 
-
-def _version() -> str:
-    import dormouse
-
-    return dormouse.__version__
 
 
 def _autocast_state(device_type: str) -> dict | None:
@@ -335,7 +331,7 @@ class Recorder:
             "build_model": build_model, "build_optimizer": build_optimizer, "build_kwargs": build_kwargs or {},
             "objective": objective, "objective_scope": objective_scope, "wire": wire, "buffer_update": buffer_update, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
             "example_corpus": str(Path(example_corpus).resolve()) if example_corpus else None,
-            "example_corpus_sha256": A.corpus_digest(example_corpus) if example_corpus else None,
+            "example_corpus_sha256": A.file_hash(example_corpus) if example_corpus else None,
             "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
             "fsdp": bool(self.placements), "closed": False, "layout": layout_meta,
             # the model as the loop runs it, beyond its tensors: the parameters it froze, and a
@@ -345,10 +341,8 @@ class Recorder:
             "hf_config": _hf_config(self.module),
             # the modules' plain attributes at the start (the reference sets those build_model's differ in)
             "attrs": plain_attrs(self.module),
-            "provenance": {"torch": torch.__version__, "dormouse": _version(), "source": A.source_hash(),
-                           "device": self._device(), "threads": torch.get_num_threads(),
-                           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                           "code": code_hashes([build_model, build_optimizer, objective, buffer_update])},
+            "provenance": provenance(device=self._device_type,
+                                     code=code_hashes([build_model, build_optimizer, objective, buffer_update])),
         }
         if prior is None:
             # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
@@ -382,11 +376,6 @@ class Recorder:
                         for m in self.module.modules()}
 
     # ------------------------------------------------------------------ plumbing
-
-    def _device(self) -> str:
-        p = next(self.module.parameters(), None)
-        dev = p.device.type if p is not None else "cpu"
-        return dev if dev != "cuda" else f"cuda:{torch.cuda.get_device_name()}"
 
     def _broadcast(self, obj):
         if not self._dist:

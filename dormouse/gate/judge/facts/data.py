@@ -92,7 +92,7 @@ def _ids_against_corpus(rec: A.RecordingSet) -> tuple[str | None, str]:
     p = Path(path)
     if not p.is_file():
         return None, f"not checked against the corpus: {str(p)!r} is no longer there"
-    if rec.meta.get("example_corpus_sha256") not in (None, A.corpus_digest(p)):
+    if rec.meta.get("example_corpus_sha256") not in (None, A.file_hash(p)):
         return None, f"not checked against the corpus: {str(p)!r} changed since the recording (sha256)"
     corpus = np.memmap(p, dtype=np.uint8, mode="r")
     windows: dict = {}  # epoch -> [(first byte, end, step, rank)] of every window read in it
