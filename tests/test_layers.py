@@ -19,7 +19,7 @@ difference, the unit round-offs, optional packages) are base modules
 gradref (gate/record/modes.py) re-derives the fleet's bytes by its own
 arithmetic: it must not touch the trainer's FleetPlan or data rule.
 
-gate/layout.py (the names of a run's artifacts) is of the artifacts layer. No
+gate/artifacts/layout.py (the names of a run's artifacts) is of the artifacts layer. No
 module imports itself back through others (no circle).
 """
 
@@ -82,7 +82,7 @@ def layer(module: str) -> str | None:
     if module in DRIVERS or module.startswith("dormouse.bench"):
         return "driver"
     for prefix, name in (("dormouse.gate.record", "gate.record"), ("dormouse.gate.settings", "gate.record"),
-                         ("dormouse.gate.artifacts", "gate.artifacts"), ("dormouse.gate.layout", "gate.artifacts"), ("dormouse.gate.judge", "gate.judge"),
+                         ("dormouse.gate.artifacts", "gate.artifacts"), ("dormouse.gate.judge", "gate.judge"),
                          ("dormouse.gate.show", "gate.show"), ("dormouse.gate", "gate"),
                          ("dormouse.train", "train"), ("dormouse.model", "model"), ("dormouse.config", "config")):
         if module == prefix or module.startswith(prefix + "."):

@@ -1,4 +1,4 @@
-"""dormouse.gate.layout names a gate run's artifacts in one place: ranks and
+"""dormouse.gate.artifacts.layout names a gate run's artifacts in one place: ranks and
 legs, the fleet's files and the one-process references' files, and the
 trace format's reader finds ranks by those names."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from dormouse.gate.artifacts import ArtifactSet
-from dormouse.gate.layout import (INIT, LEG1, is_fleet_file, is_one_process_file, rank_name, rank_names, rank_of,
+from dormouse.gate.artifacts.layout import (INIT, LEG1, is_fleet_file, is_one_process_file, rank_name, rank_names, rank_of,
                                   trace_file)
 
 NAMES = ["rank0.json", "rank12.safetensors", "leg1_rank3.json", "rank1_trace.safetensors", "init.json",

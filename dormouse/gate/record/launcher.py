@@ -27,7 +27,7 @@ from pathlib import Path
 from dormouse import atomic
 from dormouse.errors import PEER_LOST, FleetError
 from dormouse.gate.artifacts import load_meta
-from dormouse.gate.layout import rank_names
+from dormouse.gate.artifacts.layout import rank_names
 from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 
 # Two ways to start a fleet's ranks, both torchrun's own CLI, elastic agent,

@@ -24,7 +24,7 @@ replay  - the fleet's whole run replayed in one process from init: the
           fleet's recorded reduced gradients, clipped, the optimizer, and
           gradref's expert loads moving the routing bias, step after step.
 
-Artifacts (artifacts.py): `<name>` holds tensors after the run, `<name>_trace`
+Artifacts (dormouse.gate.artifacts): `<name>` holds tensors after the run, `<name>_trace`
 per-step series (trace.py).
 """
 
@@ -51,7 +51,7 @@ from dormouse.gate.artifacts import (
     load_trace,
     save_artifact,
 )
-from dormouse.gate.layout import INIT, rank_name
+from dormouse.gate.artifacts.layout import INIT, rank_name
 from dormouse.gate.record.fixtures import build, make_run
 from dormouse.gate.record.provenance import gate_provenance
 from dormouse.gate.record.trace import Trace

@@ -23,7 +23,7 @@ import torch
 
 from dormouse.errors import DormouseError
 from dormouse.gate.artifacts import LEG1, ArtifactSet, load_meta, source_hash
-from dormouse.gate.layout import (
+from dormouse.gate.artifacts.layout import (
     INIT,
     is_fleet_file,
     is_one_process_file,

@@ -25,7 +25,7 @@ from dormouse.gate.judge.bounds import BF16_UNIT_ROUNDOFF, BIAS_FLOOR, BIAS_SIGM
 from dormouse.gate.judge.facts.gradient import fleet_grad
 from dormouse.gate.judge.facts.series import series_names, world_at
 from dormouse.gate.judge.verdict import Check
-from dormouse.gate.layout import INIT, rank_name
+from dormouse.gate.artifacts.layout import INIT, rank_name
 
 
 @dataclass

@@ -33,7 +33,7 @@ from dormouse.gate.artifacts import (
 )
 from dormouse.gate.judge.facts.series import settings_of
 from dormouse.gate.judge.verdict import Check
-from dormouse.gate.layout import rank_name
+from dormouse.gate.artifacts.layout import rank_name
 
 
 def check_complete(a: ArtifactSet, s=None) -> Check:

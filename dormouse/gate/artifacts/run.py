@@ -1,105 +1,36 @@
-"""Gate artifacts: `<name>.json` (losses, fingerprint, configuration, extras)
-beside `<name>.safetensors` (every parameter and persistent buffer by name).
-
-Every artifact records its `provenance` (see `provenance`): what bitwise
-results depend on besides the settings. The verdict refuses to compare
-artifacts whose provenance differs, and the pipeline re-produces artifacts
-made by other code.
-
-The tensors are written first and the JSON last, each atomically, so a JSON
-that exists always describes a complete set of tensors; a run killed midway
-leaves either nothing or the previous artifact. The JSON records the
-configuration that made it (`settings`), so a reader can tell an artifact
-from another configuration apart from a missing one.
-"""
+"""The readers of a run: the gate's traced artifacts (ArtifactSet), a
+recording (RecordingSet, its fields validated) and its one-process
+references (ReferenceSet). What the judge sees."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from dormouse import atomic
-from dormouse.digest import fingerprint
 from dormouse.errors import DormouseError
-
-# LEG1 and ONE_PROCESS are re-exported: the names are layout's
-from dormouse.gate.layout import LEG1, ONE_PROCESS, rank_name, rank_of, trace_file  # noqa: F401
-
-SCHEMA = 2
-# Settings that say how the global batch is cut among the fleet's ranks (and
-# whether the fleet stops and resumes at another world): the one-process
-# references (single, exact) depend on them only through the global batch, so
-# they are compared with the fleet through it (normalised to the fleet's profile).
-PROFILE_FIELDS = ("world", "batch", "capacity", "profile", "resume_world")
-# Provenance keys every artifact of one gate run must share.
-PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "ns_kernel", "corpus", "init")
-
-
-def references(settings: dict) -> list[str]:
-    """The artifacts a verdict needs, from a gate run's settings as every
-    artifact records them (GateSettings.record()): init, gradref and the
-    replay always; single when the fleet's profile has one global batch
-    (`global_batch` not None: one window length, so one process can hold it;
-    a run from resume_from resumes it too); exact under reduce "exact" beside
-    single. From the settings alone, never from the other artifacts under
-    judgement (a rank artifact that lost its profile must not make a
-    reference optional)."""
-    if not isinstance(settings, dict) or "global_batch" not in settings or "reduce" not in settings:
-        raise DormouseError("the settings record no global_batch or reduce (made by older code): re-run every mode")
-    need = ["init", "gradref", "replay"]
-    if settings["global_batch"] is not None:
-        need.insert(0, "single")
-    if settings["reduce"] == "exact" and "single" in need:
-        need.append("exact")
-    return need
-
-
-@functools.lru_cache(maxsize=1)
-def source_hash() -> str:
-    """sha256 over the dormouse package's Python source, file by file in path order."""
-    import dormouse
-
-    root = Path(dormouse.__file__).resolve().parent
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")):
-        h.update(str(p.relative_to(root)).encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()
-
-
-def file_hash(path) -> str:
-    """sha256 of a file (a corpus): the whole file up to 256 MiB; beyond, its
-    size and its first and last MiB. The one file hasher of every provenance
-    and of a recording's example corpus."""
-    p = Path(path)
-    size = p.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(p, "rb") as f:
-        if size <= 256 << 20:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        else:
-            h.update(f.read(1 << 20))
-            f.seek(size - (1 << 20))
-            h.update(f.read())
-    return h.hexdigest()
-
-
-def save_artifact(out: Path, name: str, state: dict[str, torch.Tensor], losses: list[float],
-                  **extra) -> Path:
-    out = Path(out)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    atomic.write_bytes(out / f"{name}.safetensors", st_save(tensors))
-    meta = {"schema": SCHEMA, "name": name, "losses": losses, "fingerprint": fingerprint(tensors),
-            "params": f"{name}.safetensors", **extra}
-    return atomic.write_text(out / f"{name}.json", json.dumps(meta, indent=1))
+from dormouse.gate.artifacts.layout import (
+    RECORDING_SCHEMA,
+    SCHEMA,
+    WIRES,
+    final_meta_path,
+    final_tensors_path,
+    init_path,
+    rank_dir,
+    rank_name,
+    rank_of,
+    recording_path,
+    reference_final_path,
+    reference_meta_path,
+    reference_step_meta_path,
+    reference_step_tensors_path,
+    step_meta_path,
+    step_tensors_path,
+    trace_path,
+)
 
 
 def load_meta(out: Path, name: str) -> dict:
@@ -160,86 +91,9 @@ class ArtifactSet:
         return self._cache[key]
 
 
-def trace_path(out: Path, name: str) -> Path:
-    """Where the per-step trace of artifact `name` lives."""
-    return Path(out) / trace_file(name)
-
-
 def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
     path = trace_path(out, name)
     return st_load(path.read_bytes()) if path.exists() else None
-
-
-# --------------------------------------------------------------------------- recordings (issue 13)
-# A recording of any training loop (written by record/recorder.py) and the
-# one-process references made from it (record/reference.py). Layout:
-#   <out>/recording.json                     the run: world, segments, import paths, objective, provenance
-#   <out>/rank{r}/init.safetensors           rank r's initial state (local shards under FSDP2; placements in
-#                                            the file's metadata)
-#   <out>/rank{r}/step{k:06d}.safetensors    in/{m}/{key}, p/ g/ b/ (full; b/ persistent buffers) or ps/ gs/ (sketched)
-#   <out>/rank{r}/step{k:06d}.json           lr, loss, clip, no-grad names, param hash, ...
-#   <out>/rank{r}/final.safetensors|.json    the parameters after the last step
-#   <out>/reference/step{k:06d}.safetensors|.json  the references at step k
-#   <out>/reference/reference.json           what the references were made from (their staleness key)
-
-RECORDING_SCHEMA = 1
-# how a recorded loop's gradient reduce rounds (Recorder(wire=...)): "fp32", or "bf16" (every summand and
-# partial sum rounded to bfloat16 on the wire: DDP's bf16_compress_hook, dormouse's reduce="bf16")
-WIRES = ("fp32", "bf16")
-
-
-def fleet_recording_dir(out: Path) -> Path:
-    """Where a gate's fleet writes its recording (GateSettings.recording = 1)."""
-    return Path(out) / "recording"
-
-
-def recording_path(out: Path) -> Path:
-    return Path(out) / "recording.json"
-
-
-def rank_dir(out: Path, rank: int) -> Path:
-    return Path(out) / rank_name(rank)
-
-
-def init_path(out: Path, rank: int) -> Path:
-    return rank_dir(out, rank) / "init.safetensors"
-
-
-def step_tensors_path(out: Path, rank: int, step: int) -> Path:
-    return rank_dir(out, rank) / f"step{step:06d}.safetensors"
-
-
-def step_meta_path(out: Path, rank: int, step: int) -> Path:
-    return rank_dir(out, rank) / f"step{step:06d}.json"
-
-
-def step_files(out: Path, rank: int) -> list[Path]:
-    """Every step JSON rank r wrote (any segment), in step order."""
-    return sorted(rank_dir(out, rank).glob("step[0-9][0-9][0-9][0-9][0-9][0-9].json"))
-
-
-def final_tensors_path(out: Path, rank: int) -> Path:
-    return rank_dir(out, rank) / "final.safetensors"
-
-
-def final_meta_path(out: Path, rank: int) -> Path:
-    return rank_dir(out, rank) / "final.json"
-
-
-def reference_dir(out: Path) -> Path:
-    return Path(out) / "reference"
-
-
-def reference_meta_path(out: Path) -> Path:
-    return reference_dir(out) / "reference.json"
-
-
-def reference_step_tensors_path(out: Path, step: int) -> Path:
-    return reference_dir(out) / f"step{step:06d}.safetensors"
-
-
-def reference_step_meta_path(out: Path, step: int) -> Path:
-    return reference_dir(out) / f"step{step:06d}.json"
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -310,6 +164,8 @@ def assemble(shards: list[torch.Tensor], placement: dict | None) -> torch.Tensor
 # recording.json's fields and the type each must have: a field of another type is one line (exit 2),
 # not a traceback wherever it is read. (kind, schema, run: checked first; segments: each their own.)
 _INT, _NUM, _STR = (int,), (int, float), (str,)
+
+
 RECORDING_FIELDS = {
     "world": (_INT, False), "build_model": (_STR, False), "build_optimizer": (_STR, False),
     "build_kwargs": ((dict,), False), "objective": (_STR, False), "wire": (_STR, True), "buffer_update": (_STR, True),
@@ -318,8 +174,12 @@ RECORDING_FIELDS = {
     "inputs": ((list,), False), "fsdp": ((bool,), False), "closed": ((bool,), False), "frozen": ((list,), False),
     "hf_config": ((dict,), True), "provenance": ((dict,), False), "steps": ((list,), True),
 }
+
+
 # a step JSON's numbers (None where the loop gave none) and counts
 STEP_NUMBERS = ("lr", "loss", "clip_coef", "grad_norm")
+
+
 STEP_FIELDS = {"micro_batches": (_INT, False), "epoch": (_INT, True), "no_grad": ((list,), False),
                "param_hash": (_STR, True), "tensors": ((bool,), False), "clipped": ((bool,), False)}
 
@@ -371,10 +231,6 @@ def validate_step_meta(m: dict, path: Path) -> None:
     for key, (types, nullable) in STEP_FIELDS.items():
         if key in m and not _typed(m[key], types, nullable):
             raise DormouseError(f"{path}: field {key!r} is {m[key]!r}, not {_kind(types, nullable)}: re-record")
-
-
-def reference_final_path(out: Path) -> Path:
-    return reference_dir(out) / "final.safetensors"
 
 
 class RecordingSet:
@@ -601,22 +457,6 @@ def ranks_apart_from(rec: "RecordingSet", built: dict[str, torch.Tensor]) -> str
             f"build_model's, rank {words(bad)}'s do not: each rank built its own model from other parameters (a seed "
             "that differs by rank, or none; FSDP2 does not broadcast rank 0's): seed every rank alike before "
             "build_model, or broadcast rank 0's parameters (build_model is right)")
-
-
-
-def file_digest(paths: list[Path]) -> str:
-    """sha256 over the bytes of files, in the order given (each its folder's
-    and its own name, then its bytes, read in blocks)."""
-    h = hashlib.sha256()
-    for p in map(Path, paths):
-        h.update(f"{p.parent.name}/{p.name}".encode())
-        if not p.exists():
-            h.update(b"-")
-            continue
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 class ReferenceSet:

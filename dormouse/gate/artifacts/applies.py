@@ -1,0 +1,36 @@
+"""Which references a gate run needs, from its recorded settings (the one
+place that says so), and the fields its artifacts' provenance and profile
+are compared by."""
+
+from __future__ import annotations
+
+from dormouse.errors import DormouseError
+
+# Settings that say how the global batch is cut among the fleet's ranks (and
+# whether the fleet stops and resumes at another world): the one-process
+# references (single, exact) depend on them only through the global batch, so
+# they are compared with the fleet through it (normalised to the fleet's profile).
+PROFILE_FIELDS = ("world", "batch", "capacity", "profile", "resume_world")
+
+
+# Provenance keys every artifact of one gate run must share.
+PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "ns_kernel", "corpus", "init")
+
+
+def references(settings: dict) -> list[str]:
+    """The artifacts a verdict needs, from a gate run's settings as every
+    artifact records them (GateSettings.record()): init, gradref and the
+    replay always; single when the fleet's profile has one global batch
+    (`global_batch` not None: one window length, so one process can hold it;
+    a run from resume_from resumes it too); exact under reduce "exact" beside
+    single. From the settings alone, never from the other artifacts under
+    judgement (a rank artifact that lost its profile must not make a
+    reference optional)."""
+    if not isinstance(settings, dict) or "global_batch" not in settings or "reduce" not in settings:
+        raise DormouseError("the settings record no global_batch or reduce (made by older code): re-run every mode")
+    need = ["init", "gradref", "replay"]
+    if settings["global_batch"] is not None:
+        need.insert(0, "single")
+    if settings["reduce"] == "exact" and "single" in need:
+        need.append("exact")
+    return need
