@@ -13,7 +13,7 @@ import torch
 from dormouse.__main__ import main
 from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.gate import artifacts as A
-from dormouse.gate.judge.entry import judge_recording
+from dormouse.gate.judge.entry import judge, judge_recording
 from dormouse.gate.record.dormouse_loop import LoopRecorder
 from dormouse.gate.record.reference import make_reference
 from dormouse.gate.settings import GateSettings, ParameterError
@@ -36,6 +36,9 @@ def test_dormouse_train_record_then_gate_check_passes_in_one_process(tmp_path, c
     assert main(["gate", "check", "--out", str(rec)]) == 0
     v = judge_recording(rec)
     assert v.passed, reasons(v)
+    # the one entry: a recording is judged by judge_recording's facts (the gate's traced artifacts by
+    # judge_gate's: tests/gate/judge)
+    assert [(c.name, c.passed, c.reason) for c in judge(rec).checks] == [(c.name, c.passed, c.reason) for c in v.checks]
     assert v.check("gradient").worst < 1e-6
     assert "bitwise at all 5 steps" in v.check("replay").reason
     # eval forwards (every 2 steps, eval mode) are not recorded as training micro-batches

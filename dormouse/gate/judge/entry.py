@@ -58,11 +58,22 @@ from dormouse.gate.judge.verdict import Check, Verdict
 
 
 def judge(out, settings=None) -> Verdict:
-    """Every check that applies, over what `out` holds, for `settings` (the
-    drivers pass the settings the run was asked for; None: those rank 0 was
-    launched with). Which references apply comes from the settings
-    (artifacts.references of their record). A
-    missing fleet or reference fails; a PASS needs every check to pass."""
+    """The verdict on `out`: a recording (recording.json: any loop's, through
+    the Recorder) by judge_recording, else the gate's traced artifacts by
+    judge_gate for `settings`."""
+    if A.recording_path(out).exists():
+        if settings is not None:
+            raise DormouseError(f"{out} holds a recording: its settings are its own (recording.json), not a gate's")
+        return judge_recording(out)
+    return judge_gate(out, settings)
+
+
+def judge_gate(out, settings=None) -> Verdict:
+    """Every check that applies, over the gate's traced artifacts in `out`, for
+    `settings` (the drivers pass the settings the run was asked for; None:
+    those rank 0 was launched with). Which references apply comes from the
+    settings (artifacts.references of their record). A missing fleet or
+    reference fails; a PASS needs every check to pass."""
     a = ArtifactSet(Path(out))
     if not a.has("rank0"):
         c = Check("complete", False, f"incomplete: no fleet artifacts (rank0.json) in {str(out)!r}: run the rank mode")
