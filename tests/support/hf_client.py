@@ -36,7 +36,7 @@ optimizer and schedule (`build_optimizer`), on the same generated data
               logits to its loss (modeling_qwen3_moe.py, Qwen3MoeForCausalLM.forward)
   bs=B        per_device_train_batch_size (default 2)
   scope=S     the RecorderCallback's objective_scope (default "example")
-  objective=O the RecorderCallback's objective (default causal_lm)
+  objective=O the RecorderCallback's objective (default causal_lm; "global": moe_global_step below)
   build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
   loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
               (its class name holds no "ForCausalLM"), so transformers 5.24's
@@ -138,6 +138,22 @@ def build_optimizer(model, unused: bool = False, moe: bool = False):
     return opt, get_linear_schedule_with_warmup(opt, WARMUP, MAX_STEPS)
 
 
+def moe_global_step(model, batches):
+    """The MoE model's objective over the GLOBAL batch, for objective_scope="step"
+    (what a user declares who means one process at the global batch): every row
+    of the step in ONE forward, the token mean of the shifted labels' cross-entropy
+    plus router_aux_loss_coef x the model's load-balancing term over that
+    forward's routing statistics, the global batch's. Returns (loss_sum, count)."""
+    import torch.nn.functional as F
+
+    ids, mask, labels = (torch.cat([b[k] for b in batches]) for k in ("input_ids", "attention_mask", "labels"))
+    out = model(input_ids=ids, attention_mask=mask)
+    y = labels[:, 1:]
+    n = int((y != -100).sum())
+    ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
+    return ce + model.router_aux_loss_coef * out.aux_loss * n, n
+
+
 class PaddedSequences(torch.utils.data.Dataset):
     """n (EXAMPLES) random token sequences of lengths 3..SEQ, right-padded with 0:
     attention_mask 0 and labels -100 at the padding."""
@@ -227,7 +243,7 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
     # the gate's line: a bad argument fails here, in one line, before anything is built
     kw = {**({"unused": True} if run["unused"] else {}), **({"moe": True} if run["moe"] else {})}
     recorder = [RecorderCallback(out / run["name"], build_model=f"{run['build']}:build_model",
-                                 build_optimizer=f"{run['build']}:build_optimizer", objective=run["objective"],
+                                 build_optimizer=f"{run['build']}:build_optimizer", objective=run["objective"] if run["objective"] != "global" else f"{run['build']}:moe_global_step",
                                  build_kwargs=kw, objective_scope=run["scope"])] if record else []
     args = TrainingArguments(
         output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",

@@ -453,7 +453,7 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
     gb = arithmetic_bound(rec, ref, GRAD_RTOL)  # the largest step's (one bound per step in the rows)
     tbounds = [r["tensor_bound"] for r in rows] if run else [r["bound"] for r in rows]
     per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
-    fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": [], "gm": []}
+    fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": [], "gm": [], "fwd": []}
     first_bad, gm_far = None, False
     for row in rows:
         k = row["step"]
@@ -539,9 +539,18 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                     "micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
                                   "own count, not the step's)",
                     "rank_mean": "the mean of the ranks' own token means (each rank normalised by its own "
-                                 "token count)"}[alt_hit]
+                                 "token count)",
+                    "fwd": "the causal LM loss with the model's own load-balancing term over each forward's own "
+                           "routing statistics (router_aux_loss_coef x each micro-batch's aux_loss, each counted "
+                           "once: what transformers' MoE models compute per forward under the Trainer)"}[alt_hit]
             reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
                       + f", not the global mean the objective declares (off by {worst:.2g} at step {worst_k})")
+            if alt_hit == "fwd":
+                reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
+                          + f", not the declared objective over the whole step (off by {worst:.2g} at step "
+                          f"{worst_k}): the fleet computes the statistics per micro-batch; declare objective="
+                          "'causal_lm' with objective_scope='forward' if each forward's own statistics are the "
+                          "objective, or compute them over the step in the loop")
             if alt_hit == "gm":
                 reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
                           + f", not the sum of the micro-batches' own the declared objective gives (off by "

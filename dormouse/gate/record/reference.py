@@ -677,6 +677,7 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
         sq = {n: float(((g3[n].double() * 3 / c - v) ** 2).sum()) for n, v in g.items() if g3.get(n) is not None}
         floor = math.sqrt(sum(sq.values())) / norm if norm > 0 else 0.0
         floors = {n: math.sqrt(x) / max(float(g[n].norm()), 1e-300) for n, x in sq.items()}
+    fwd = _per_forward_moe(model, mbs, ac)
     model.zero_grad(set_to_none=True)
     ranks = sorted({r for r, _, _ in mbs})
     info = {"loss": ls / c, "loss_sum": ls, "count": c,
@@ -687,7 +688,28 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
             "loss_floor": None, "ex_micro": [], "merged": None, "labels": None, "scope": "step"}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
-    return {"g": g, "micro_mean": {}, "rank_mean": {}}, info
+    return {"g": g, "micro_mean": {}, "rank_mean": {}, **({"fwd": fwd} if fwd else {})}, info
+
+
+def _per_forward_moe(model, mbs, ac) -> dict:
+    """Beside a step-scoped objective, for a transformers MoE model that adds its
+    own load-balancing term (routeraux): the causal LM loss with that term over
+    each forward's own routing statistics, as the fleet split the step (what the
+    model and HF's Trainer compute), the judge's name for a fleet that computes
+    per forward what the declaration computes over the step. {} otherwise."""
+    aw = _aux_weight("causal_lm", model, mbs)
+    if aw is None or not aw:
+        return {}
+    acc: dict = {}
+    try:
+        for _, _, b in mbs:
+            _, _, grads = _grads(model, "causal_lm", b, None, ac, aux_weight=aw)
+            for n, v in grads.items():
+                if v is not None:
+                    acc[n] = acc.get(n, 0) + v.double()
+    except ReferenceError:
+        return {}
+    return {n: v / aw for n, v in acc.items()}
 
 
 # --------------------------------------------------------------------------- the reference as a whole
