@@ -61,6 +61,11 @@ The judge's cause-naming knobs (tests/gate/test_judge_causes.py), cfg keys:
   "bf16_hook"      a line-for-line copy of torch's bf16_compress_hook (gloo refuses torch's own)
   "rank_seed"      (FSDP2) each rank builds the model from seed + rank: no broadcast, other parameters
   "rank_ids"       (with "ids") the example ids passed are the sampler's + rank x n (distinct per rank)
+  "pad_to"         every micro-batch right-padded to this length (labels -100, attention_mask 0 there):
+                   the same padded length on every rank (with "count": "padding", equal padding)
+and the fault
+  last_k_twice     the last micro-batch's loss divided by K once more (the accumulation's 1/K applied twice
+                   to it, on top of the step's normalisation the others get)
 """
 
 from __future__ import annotations
@@ -90,7 +95,7 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "ac_micro": None, "eval_modules": [], "freeze": [],
        "position_ids": False, "fsdp_layers": False, "left_pad": False,
        "eval_rank": None, "nan": None, "count": "targets", "no_sync_all": False, "bf16_hook": False,
-       "rank_seed": False, "rank_ids": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "rank_seed": False, "rank_ids": False, "pad_to": 0}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -283,6 +288,11 @@ def run(cfg: dict) -> None:
                 shift = (mb["attention_mask"] == 0).sum(1).tolist()
                 for key in ("input_ids", "attention_mask", "labels"):
                     mb[key] = torch.stack([row.roll(sh) for row, sh in zip(mb[key], shift)])
+        if cfg["pad_to"]:  # padded to one fixed length on every rank
+            for mb in mbs:
+                extra = cfg["pad_to"] - mb["input_ids"].shape[1]
+                for key, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
+                    mb[key] = F.pad(mb[key], (0, extra), value=fill)
         if cfg["position_ids"]:  # each row's positions start at its length mod 3 (a forward keyword the gate
             for mb in mbs:       # must record without being told: it is not among Recorder(inputs=...))
                 t = mb["input_ids"].shape[1]
@@ -324,7 +334,10 @@ def run(cfg: dict) -> None:
                 if fault == "fwd_no_bwd" and last:  # its backward is lost, but DDP must still sync: a zero one
                     (logits.sum() * 0).backward()
                 else:
-                    (loss_of(fault, loss_sum, counts[m], n_local, n_global, world, K) * c).backward()
+                    loss = loss_of(fault, loss_sum, counts[m], n_local, n_global, world, K) * c
+                    if fault == "last_k_twice" and last:
+                        loss = loss / K
+                    loss.backward()
             local_sum += loss_sum.detach()
         if fault == "nograd_log":  # a probe loss for the log: a train-mode forward without gradients
             with torch.no_grad():

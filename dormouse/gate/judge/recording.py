@@ -510,6 +510,11 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         apart = None if constant or unit else _never_reduced(rec, ref, bound)
         scalars = [(k, c, r) for k, (c, r) in zip(fitted, fits)]
         per_step = not constant and not unit and C.per_step_scalar(scalars, bound, FACTOR_AWAY * bound)
+        lasts = [(k, *C.last_micro_fit(_fleet_grad(rec, k), ref.tensors(k, "g/"), ref.tensors(k, "last/"),
+                                       sorted(set(ref.tensors(k, "g/")) & set(_fleet_grad(rec, k)))))
+                 for k in fitted] if not constant and not unit and not per_step and fitted and ref.tensors(fitted[0], "last/") \
+            else []
+        last_apart = C.last_micro_weighted(lasts, bound, FACTOR_AWAY * bound)
         if first_bad is not None and math.isinf(first_bad["error"]):
             reason = (f"the fleet's gradient at step {first_bad['step']} is not finite, or one process's at the "
                       "recorded parameters is not: NaN or inf (see finite)")
@@ -556,6 +561,10 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                           + f", not the sum of the micro-batches' own the declared objective gives (off by "
                           f"{worst:.2g} at step {worst_k}): declare objective_scope='step' with fn(model, batches) "
                           "computing the statistics over the whole step")
+        elif last_apart:
+            micros = [rec.step_meta(0, k).get("micro_batches", 1) for k, *_ in lasts]
+            reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} ({stated}): "
+                      + C.describe_last(lasts, micros, _step_counts(rec, [k for k, *_ in lasts]), factor_rtol))
         elif run and first_bad is not None:
             reason = (f"the fleet's gradient differs from {what} in tensor {first_bad['tensor']} by "
                       f"{first_bad['tensor_error']:.2g} at step {first_bad['step']}, above that tensor's bound "

@@ -433,7 +433,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     check; see the module docstring)."""
     objective = rec.meta["objective"]
     names = [n for n, _ in model.named_parameters()]
-    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled", "gm")}
+    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled", "gm", "last")}
     rank_acc: dict[int, dict] = {}
     rank_n: dict[int, float] = {}
     rank_loss: dict[int, float] = {}
@@ -485,6 +485,8 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                         aux = routeraux.term(out, model, batch)
                     native += float(objective_of_logits(objective, _logits(out), batch, upcast=False)[0])
                     native += float(aux) * aw if aux is not None and aw is not None else 0.0
+        if m == max(mm for rr, mm, _ in mbs if rr == r) and m > 0:  # each rank's last micro-batch (causes)
+            add(acc["last"], grads)
         rank_acc.setdefault(r, {})
         add(rank_acc[r], grads)
         rank_n[r] = rank_n.get(r, 0.0) + c
@@ -523,6 +525,8 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         if rank_n[r] > 0:
             for n, v in d.items():
                 out["rank_mean"][n] = out["rank_mean"].get(n, 0) + v / rank_n[r] / world
+    if acc["last"]:
+        out["last"] = {n: v / n_total for n, v in acc["last"].items()}
     if merged is not None and merged.get("count"):
         out["gm"] = {n: v / merged["count"] for n, v in acc["gm"].items()}
     if sample:
