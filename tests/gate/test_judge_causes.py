@@ -35,6 +35,8 @@ RUNS = {
     "count_padding": {"count": "padding"},
     "count_unshifted": {"count": "unshifted"},
     "count_rank0": {"count": "rank0"},
+    "count_padding_equal": {"count": "padding", "pad_to": 12},  # every rank padded to one length
+    "last_k_twice": {"fault": "last_k_twice", "micro": 3},
     "no_sync_all": {"no_sync_all": True},
     "clip_local": {"fault": "clip_local"},  # each rank clips by its local norm, then all-reduces
     "bf16_hook": {"bf16_hook": True, "max_grad_norm": 0.0},
@@ -184,12 +186,59 @@ def _loop_counts(out: Path, how: str) -> list[int]:
     ("count_padding", "padding counted as tokens"),
     ("count_unshifted", "one extra target per row"),
     ("count_rank0", "rank 0's own target count times W, used by every rank"),
+    ("count_padding_equal", "padding counted as tokens"),
 ])
 def test_a_wrong_count_is_named_from_its_per_step_scalar(recordings, name, words):
     c = verdict(recordings, name).check("gradient")
     assert not c.passed and "a scalar that changes from step to step" in c.reason and words in c.reason, c.reason
     implied = re.search(r"divided each step's loss sum by ([\d., ]+) where", c.reason).group(1)
     assert [round(float(x)) for x in implied.split(", ")] == _loop_counts(recordings[name], name.split("_")[1])
+
+
+def test_padding_to_one_length_on_every_rank_is_the_padding_the_count_holds(recordings):
+    rec = A.RecordingSet(recordings["count_padding_equal"])
+    assert {rec.step_tensors(r, 1)["in/0/input_ids"].shape[1] for r in range(2)} == {12}
+
+
+def test_the_loss_divided_by_k_twice_on_the_last_micro_batch_is_named_with_its_count(recordings):
+    """The loop divides the last micro-batch's loss by K = 3 once more: the fleet's gradient, recomputed here
+    from the recorded rows with the loop's own model and count (not the gate's reference), is the one-process
+    gradient with each rank's last micro-batch weighted 1/3; the gate names it, the count its loss sum was
+    divided by (3 x the step's targets) and K."""
+    from loopmodel import VOCAB, build_model
+
+    d = recordings["last_k_twice"]
+    meta = json.loads((d / "recording.json").read_text())
+    files = [load_file(A.step_tensors_path(d, r, 1)) for r in range(2)]
+    mbs = [[{k: f[f"in/{m}/{k}"] for k in ("input_ids", "attention_mask", "labels")} for m in range(3)]
+           for f in files]
+    n = sum(count_of("targets", b, 1) for rank in mbs for b in rank)
+    model = build_model(**meta["build_kwargs"])
+
+    def grad(last_weight: float) -> dict:
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for rank in mbs:
+            for m, b in enumerate(rank):
+                z = model(**b)
+                s = torch.nn.functional.cross_entropy(z[:, :-1].reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1),
+                                                      ignore_index=-100, reduction="sum")
+                total = total + s * (last_weight if m == 2 else 1.0)
+        (total / n).backward()
+        return {k: p.grad.double() for k, p in model.named_parameters()}
+
+    fleet = {k[2:]: v.double() for k, v in files[0].items() if k.startswith("g/")}
+    step1 = json.loads(A.step_meta_path(d, 0, 1).read_text())
+    coef = step1["clip_coef"] if step1.get("clipped") else 1.0  # the recorded gradient is the clipped one
+    for w, close in ((1 / 3, True), (1.0, False)):
+        g = grad(w)
+        err = sum(float(((fleet[k] / coef - g[k]) ** 2).sum()) for k in g) ** 0.5 / \
+            sum(float((v ** 2).sum()) for v in g.values()) ** 0.5
+        assert (err < 1e-5) == close, (w, err)
+    c = verdict(recordings, "last_k_twice").check("gradient")
+    assert not c.passed and "the loss divided by K twice on the last micro-batch (K = 3" in c.reason, c.reason
+    assert "last micro-batch 0.3333, 0.3333 times the other micro-batches" in c.reason
+    assert f"its loss sum was divided by {3 * n}, " in c.reason, c.reason  # step 1: 3 x its targets
 
 
 def test_gradients_never_all_reduced_are_named_not_a_local_clip(recordings):

@@ -189,7 +189,7 @@ def describe_last(fits: list[tuple[int, float, float, float]], micros: list[int]
     steps = ", ".join(str(k) for k, *_ in show)
     words = (f"the fleet's gradient weights each rank's last micro-batch {', '.join(f'{x:.4g}' for _, _, x, _ in show)}"
              f"{more} times the other micro-batches at steps {steps} (exact at each: the residual within the bound)")
-    if counts:
+    if counts and all(abs(x) > rtol for _, _, x, _ in fits):
         own = ", ".join(f"{cnt['targets'] / (a * x):.6g}" for (_, a, x, _), cnt in zip(show, counts))
         tgt = ", ".join(f"{cnt['targets']:g}" for cnt in counts[:SHOWN_STEPS])
         words += f"; its loss sum was divided by {own}{more} where the steps hold {tgt} targets"
