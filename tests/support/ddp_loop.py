@@ -63,6 +63,10 @@ The judge's cause-naming knobs (tests/gate/test_judge_causes.py), cfg keys:
   "rank_ids"       (with "ids") the example ids passed are the sampler's + rank x n (distinct per rank)
   "pad_to"         every micro-batch right-padded to this length (labels -100, attention_mask 0 there):
                    the same padded length on every rank (with "count": "padding", equal padding)
+  "fixed_len"      every row cut to this many tokens (every row holds at least 3): no padding, every
+                   micro-batch the same token count
+  "short_last"     the run's last step reads K - 1 micro-batches (an epoch's short end); the loop's
+                   normalisation is left as it is (micro_mean still divides by K there)
 and the fault
   last_k_twice     the last micro-batch's loss divided by K once more (the accumulation's 1/K applied twice
                    to it, on top of the step's normalisation the others get)
@@ -95,7 +99,8 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "ac_micro": None, "eval_modules": [], "freeze": [],
        "position_ids": False, "fsdp_layers": False, "left_pad": False,
        "eval_rank": None, "nan": None, "count": "targets", "no_sync_all": False, "bf16_hook": False,
-       "rank_seed": False, "rank_ids": False, "pad_to": 0}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "rank_seed": False, "rank_ids": False, "pad_to": 0,
+       "fixed_len": 0, "short_last": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -277,12 +282,15 @@ def run(cfg: dict) -> None:
                    objective="causal_lm", max_grad_norm=mgn, dataset_len=n, build_kwargs=kw,
                    sketch=cfg["sketch"], every=cfg["every"], resume=start if cfg["leg"] == 2 else False)
     data = data_of(fault, n, cfg["seed"])
+    if cfg["fixed_len"]:
+        data = [r[:cfg["fixed_len"]] for r in data]
     per_epoch = n // (world * K * B)  # DistributedSampler and DataLoader with drop_last
     sh = shift_of(fault)
     for s in range(start, stop):
         epoch, j = divmod(s - start if fault == "resume_data" else s, per_epoch)
         idx = order_of(fault, n, world, rank, cfg["seed"], epoch)[j * K * B:(j + 1) * K * B]
-        mbs = [collate([data[i] for i in idx[m * B:(m + 1) * B]]) for m in range(K)]
+        k_s = K - 1 if cfg["short_last"] and s == stop - 1 else K  # the micro-batches this step reads
+        mbs = [collate([data[i] for i in idx[m * B:(m + 1) * B]]) for m in range(k_s)]
         if cfg["left_pad"]:  # each row's padding moved before it (its tokens at the right end)
             for mb in mbs:
                 shift = (mb["attention_mask"] == 0).sum(1).tolist()
@@ -311,7 +319,7 @@ def run(cfg: dict) -> None:
         c = scale_of(fault, rank, s + 1, cfg["eps"])
         local_sum = torch.zeros(())
         for m, mb in enumerate(mbs):
-            last = m == K - 1
+            last = m == k_s - 1
             if cfg["fsdp"]:
                 model.set_requires_gradient_sync(last)
                 ctx = contextlib.nullcontext()

@@ -506,7 +506,8 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
         unit = near_one and worst_k not in fitted
         named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)
-                        and (alt != "gm" or gm_far)), None)
+                        and max(c for c, _ in fs) - min(c for c, _ in fs) <= factor_rtol * abs(fs[0][0])
+                        and (alt != "gm" or gm_far)), None)  # one factor at every step: the words state one
         apart = None if constant or unit else _never_reduced(rec, ref, bound)
         scalars = [(k, c, r) for k, (c, r) in zip(fitted, fits)]
         per_step = not constant and not unit and C.per_step_scalar(scalars, bound, FACTOR_AWAY * bound)
