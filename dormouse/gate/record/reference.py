@@ -38,7 +38,13 @@ depends on which rows share its forward. objective_scope (recording.json):
 (the judge holds gm to g only under "example"); "step" calls the declared
 fn(model, batches) once on every rank's micro-batches of the step (rank then
 micro order) and differentiates loss_sum / count (no per-example sample, no
-merged forward, no alternative weightings).
+merged forward, no alternative weightings; on a transformers MoE model, "fwd":
+the causal LM loss with the model's own term per forward, the judge's name for
+a fleet that computes per forward what the declaration computes over the step).
+A transformers MoE model's own per-forward load-balancing term joins the
+built-in objectives, weighted by the step's count (routeraux). "last": each
+rank's last micro-batch's share of g (the judge's causes name a last
+micro-batch weighted apart from the others).
 What each forward received beyond its tensors (its non-tensor arguments, the
 model's plain attributes the loop set) is put back as recorded (batchscope).
 
