@@ -199,9 +199,13 @@ def test_a_wrong_count_is_named_from_its_per_step_scalar(recordings, name, words
     assert [round(float(x)) for x in implied.split(", ")] == _loop_counts(recordings[name], name.split("_")[1])
 
 
-def test_padding_to_one_length_on_every_rank_is_the_padding_the_count_holds(recordings):
+def test_the_two_padding_runs_pad_ranks_to_one_length_and_to_their_own(recordings):
+    """count_padding_equal pads every rank to 12; count_padding pads each micro-batch to its longest row, so the
+    ranks' padded lengths differ: the padding counted is equal across ranks in one, unequal in the other."""
     rec = A.RecordingSet(recordings["count_padding_equal"])
     assert {rec.step_tensors(r, 1)["in/0/input_ids"].shape[1] for r in range(2)} == {12}
+    rec = A.RecordingSet(recordings["count_padding"])
+    assert any(len({rec.step_tensors(r, k)["in/0/input_ids"].shape[1] for r in range(2)}) > 1 for k in rec.steps)
 
 
 def test_the_loss_divided_by_k_twice_on_the_last_micro_batch_is_named_with_its_count(recordings):

@@ -595,9 +595,13 @@ def check_gradient(rec: A.RecordingSet, ref: _Ref) -> TensorCheck:
                    "gives its loss labels the model is not given records them with rec.labels(labels))")
     aux = ref.info(rec.steps[0]).get("router_aux") if rec.steps else None
     if aux is not None:  # record/routeraux.py: a transformers MoE model's own per-forward term
+        k0 = rec.steps[0]
+        forwards = sum(rec.step_meta(r, k0).get("micro_batches", 1) for r in range(rec.world_at(k0)))
         reason += (f"; the objective holds the model's own load-balancing term as transformers' MoE models add it to "
                    f"their loss: router_aux_loss_coef {aux:g} x each forward's aux_loss (over that forward's own "
-                   "routing statistics), each forward's term counted once")
+                   f"routing statistics), each forward's term counted once ({forwards} forwards at step {k0}: the "
+                   "term weighs that many times one forward's, where one process at the global batch computes it "
+                   "once)")
     if rec.every > 1:
         reason += f"; tensors every {rec.every} steps: a fault confined to fewer steps can be missed"
     return TensorCheck("gradient", ok, reason, worst=worst, worst_tensor=worst_t, worst_step=worst_k,
