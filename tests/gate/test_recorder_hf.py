@@ -47,8 +47,8 @@ RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstr
     f"resume_no_sched:leg=1:{FIX}", f"resume_no_sched:leg=2:fault=no_sched_file:{FIX}",
     # a tiny Qwen3-MoE (output_router_logits=True), one row a micro-batch: its load-balancing term over each
     # forward's own routing, declared per forward; undeclared; declared over the global batch (hf_client)
-    "moe:moe=1:bs=1:steps=2:scope=forward", "moe_undeclared:moe=1:bs=1:steps=2",
-    "moe_global:moe=1:bs=1:steps=2:scope=step:objective=global",
+    "moe:moe=1:bs=1:steps=2:scope=forward", "moe_undeclared:moe=1:bs=1:steps=1",
+    "moe_global:moe=1:bs=1:steps=1:scope=step:objective=global",
 ]
 
 
