@@ -35,6 +35,12 @@ RUNS = {
     "count_padding": {"count": "padding"},
     "count_unshifted": {"count": "unshifted"},
     "count_rank0": {"count": "rank0"},
+    "count_padding_equal": {"count": "padding", "pad_to": 12},  # every rank padded to one length
+    "last_k_twice": {"fault": "last_k_twice", "micro": 3},
+    # rows of 3 tokens (every micro-batch 6 targets), the last step reads 2 of K = 3 micro-batches: the textbook
+    # mean / K accumulation is then the token mean at full steps, and 2/3 of it at the short one; and right
+    "short_step": {"fault": "micro_mean", "fixed_len": 3, "short_last": True, "micro": 3},
+    "short_step_clean": {"fixed_len": 3, "short_last": True, "micro": 3},
     "no_sync_all": {"no_sync_all": True},
     "clip_local": {"fault": "clip_local"},  # each rank clips by its local norm, then all-reduces
     "bf16_hook": {"bf16_hook": True, "max_grad_norm": 0.0},
@@ -187,12 +193,94 @@ def _loop_counts(out: Path, how: str) -> list[int]:
     ("count_padding", "padding counted as tokens"),
     ("count_unshifted", "one extra target per row"),
     ("count_rank0", "rank 0's own target count times W, used by every rank"),
+    ("count_padding_equal", "padding counted as tokens"),
 ])
 def test_a_wrong_count_is_named_from_its_per_step_scalar(recordings, name, words):
     c = verdict(recordings, name).check("gradient")
     assert not c.passed and "a scalar that changes from step to step" in c.reason and words in c.reason, c.reason
     implied = re.search(r"divided each step's loss sum by ([\d., ]+) where", c.reason).group(1)
     assert [round(float(x)) for x in implied.split(", ")] == _loop_counts(recordings[name], name.split("_")[1])
+
+
+def test_the_two_padding_runs_pad_ranks_to_one_length_and_to_their_own(recordings):
+    """count_padding_equal pads every rank to 12; count_padding pads each micro-batch to its longest row, so the
+    ranks' padded lengths differ: the padding counted is equal across ranks in one, unequal in the other."""
+    rec = A.RecordingSet(recordings["count_padding_equal"])
+    assert {rec.step_tensors(r, 1)["in/0/input_ids"].shape[1] for r in range(2)} == {12}
+    rec = A.RecordingSet(recordings["count_padding"])
+    assert any(len({rec.step_tensors(r, k)["in/0/input_ids"].shape[1] for r in range(2)}) > 1 for k in rec.steps)
+
+
+def test_the_loss_divided_by_k_twice_on_the_last_micro_batch_is_named_with_its_count(recordings):
+    """The loop divides the last micro-batch's loss by K = 3 once more: the fleet's gradient, recomputed here
+    from the recorded rows with the loop's own model and count (not the gate's reference), is the one-process
+    gradient with each rank's last micro-batch weighted 1/3; the gate names it, the count its loss sum was
+    divided by (3 x the step's targets) and K."""
+    from loopmodel import VOCAB, build_model
+
+    d = recordings["last_k_twice"]
+    meta = json.loads((d / "recording.json").read_text())
+    files = [load_file(A.step_tensors_path(d, r, 1)) for r in range(2)]
+    mbs = [[{k: f[f"in/{m}/{k}"] for k in ("input_ids", "attention_mask", "labels")} for m in range(3)]
+           for f in files]
+    n = sum(count_of("targets", b, 1) for rank in mbs for b in rank)
+    model = build_model(**meta["build_kwargs"])
+
+    def grad(last_weight: float) -> dict:
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for rank in mbs:
+            for m, b in enumerate(rank):
+                z = model(**b)
+                s = torch.nn.functional.cross_entropy(z[:, :-1].reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1),
+                                                      ignore_index=-100, reduction="sum")
+                total = total + s * (last_weight if m == 2 else 1.0)
+        (total / n).backward()
+        return {k: p.grad.double() for k, p in model.named_parameters()}
+
+    fleet = {k[2:]: v.double() for k, v in files[0].items() if k.startswith("g/")}
+    step1 = json.loads(A.step_meta_path(d, 0, 1).read_text())
+    coef = step1["clip_coef"] if step1.get("clipped") else 1.0  # the recorded gradient is the clipped one
+    for w, close in ((1 / 3, True), (1.0, False)):
+        g = grad(w)
+        err = sum(float(((fleet[k] / coef - g[k]) ** 2).sum()) for k in g) ** 0.5 / \
+            sum(float((v ** 2).sum()) for v in g.values()) ** 0.5
+        assert (err < 1e-5) == close, (w, err)
+    c = verdict(recordings, "last_k_twice").check("gradient")
+    assert not c.passed and "the loss divided by K twice on the last micro-batch (K = 3" in c.reason, c.reason
+    assert "last micro-batch 0.3333, 0.3333 times the other micro-batches" in c.reason
+    assert f"its loss sum was divided by {3 * n}, " in c.reason, c.reason  # step 1: 3 x its targets
+
+
+def test_a_short_last_step_still_divided_by_k_is_named_and_one_divided_right_passes(recordings):
+    """Step 2 reads 2 of K = 3 micro-batches and the loop still divides each micro-batch's mean by K: recomputed
+    here from step 2's recorded rows and parameters with the loop's model (not the gate's reference), the
+    fleet's gradient is 2/3 of the token mean's; the gate names the short step from the per-step scalars
+    (1 at step 1, 2/3 at step 2) and the count they imply. The same short step divided right passes."""
+    from loopmodel import VOCAB, build_model
+
+    d = recordings["short_step"]
+    assert [json.loads(A.step_meta_path(d, 0, k).read_text())["micro_batches"] for k in (1, 2)] == [3, 2]
+    files = [load_file(A.step_tensors_path(d, r, 2)) for r in range(2)]
+    model = build_model(**json.loads((d / "recording.json").read_text())["build_kwargs"])
+    model.load_state_dict({k[2:]: v for k, v in files[0].items() if k.startswith("p/")})
+    batches = [{k: f[f"in/{m}/{k}"] for k in ("input_ids", "attention_mask", "labels")} for f in files for m in range(2)]
+    n = sum(count_of("targets", b, 1) for b in batches)
+    total = sum(torch.nn.functional.cross_entropy(model(**b)[:, :-1].reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1),
+                                                  ignore_index=-100, reduction="sum") for b in batches)
+    (total / n).backward()
+    g = {k: p.grad.double() for k, p in model.named_parameters()}
+    step2 = json.loads(A.step_meta_path(d, 0, 2).read_text())
+    coef = step2["clip_coef"] if step2.get("clipped") else 1.0
+    fleet = {k[2:]: v.double() / coef for k, v in files[0].items() if k.startswith("g/")}
+    err = sum(float(((fleet[k] - 2 / 3 * g[k]) ** 2).sum()) for k in g) ** 0.5 / \
+        sum(float(((2 / 3 * v) ** 2).sum()) for v in g.values()) ** 0.5
+    assert err < 1e-5, err
+    c = verdict(recordings, "short_step").check("gradient")
+    assert not c.passed and "1, 0.6667 at steps 1, 2" in c.reason and "a short last step still divided by K" in c.reason
+    assert f", {n * 3 // 2} where the steps hold " in c.reason and f", {n} targets" in c.reason, c.reason  # N K / K_k
+    v = verdict(recordings, "short_step_clean")
+    assert v.passed, failing(v)
 
 
 def test_gradients_never_all_reduced_are_named_not_a_local_clip(recordings):

@@ -89,3 +89,24 @@ def test_describe_names_nan_and_inf_with_their_count():
     assert describe(torch.tensor([1.0, 2.0])) is None
     assert describe(torch.tensor([1, 2])) is None  # integers hold no NaN
     assert rel({"a": torch.tensor([math.nan])}, {"a": torch.tensor([1.0])}) == math.inf  # above every bound
+
+
+def test_the_last_micro_batch_weighted_apart_is_fitted_and_named_by_its_weight():
+    gen = torch.Generator().manual_seed(1)
+    others, last = {"w": torch.randn(50, generator=gen)}, {"w": torch.randn(50, generator=gen)}
+    g = {"w": others["w"] + last["w"]}  # one process: every micro-batch at weight 1
+    counts = [{"targets": 40.0}, {"targets": 30.0}]
+    for weight, words in ((1 / 3, "the loss divided by K twice on the last micro-batch (K = 3"),
+                          (0.0, "last micro-batch's loss was never backpropagated"), (3.0, "not divided by K = 3 where the others")):
+        fleet = {"w": others["w"] + weight * last["w"]}
+        a, ratio, res = C.last_micro_fit(fleet, g, last, ["w"])
+        assert a == pytest.approx(1, abs=1e-6) and ratio == pytest.approx(weight, abs=1e-6) and res < 1e-6  # float32 inputs
+        fits = [(1, a, ratio, res), (2, a, ratio, res)]
+        assert C.last_micro_weighted(fits, bound=1e-5, away=1e-4)
+        text = C.describe_last(fits, [3, 3], counts, 1e-5)
+        assert words in text, text
+        if weight:  # the count the last micro-batch's loss sum was divided by: the step's targets / its weight
+            assert f"divided by {40 / weight:.6g}, {30 / weight:.6g} where the steps hold 40, 30 targets" in text
+    noisy = {"w": others["w"] + last["w"] / 3 + 0.01 * torch.randn(50, generator=gen)}  # not of that form
+    assert not C.last_micro_weighted([(1, *C.last_micro_fit(noisy, g, last, ["w"]))], bound=1e-5, away=1e-4)
+    assert not C.last_micro_weighted([(1, 1.0, 1.0, 0.0)], bound=1e-5, away=1e-4)  # weight 1: nothing apart

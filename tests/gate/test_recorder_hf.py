@@ -45,6 +45,10 @@ RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstr
     f"uneven_drop:examples=18:steps=4:drop=1:{FIX}",  # dataloader_drop_last=True: two epochs of 16
     f"resume:leg=1:{FIX}", f"resume:leg=2:{FIX}",  # a checkpoint after step 2, resumed to step 4
     f"resume_no_sched:leg=1:{FIX}", f"resume_no_sched:leg=2:fault=no_sched_file:{FIX}",
+    # a tiny Qwen3-MoE (output_router_logits=True), one row a micro-batch: its load-balancing term over each
+    # forward's own routing, declared per forward; undeclared; declared over the global batch (hf_client)
+    "moe:moe=1:bs=1:steps=2:scope=forward", "moe_undeclared:moe=1:bs=1:steps=1",
+    "moe_global:moe=1:bs=1:steps=1:scope=step:objective=global",
 ]
 
 
@@ -274,6 +278,87 @@ def test_logged_loss_of_rank_means_fails_the_loss_alone(fleet):
     assert failed(v) == {"loss"}
     reason = checks(v)["loss"].reason
     assert "mean of the ranks' own token means" in reason and "not the training" in reason
+
+
+# --------------------------------------------------------------------------- an MoE model's load-balancing term
+
+
+def moe_gradients(out) -> tuple[dict, dict, dict]:
+    """This file's own one-process gradients at step 1 (the initial model) of the MoE runs, from the
+    micro-batches the ranks recorded (read from their files): HF's (each forward's CE sum over the step's
+    target count N, plus router_aux_loss_coef x transformers' load_balancing_loss_func over THAT forward's
+    router logits, each forward's term counted once: Qwen3MoeForCausalLM.forward's loss under the Trainer's
+    x W, DDP's / W, no / K), the global batch's (every row in one forward, the term over all of them), and
+    the fleet's recorded (clipped) gradient."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    files = [load_file(str(A.step_tensors_path(out, r, 1))) for r in range(2)]
+    batches = [{k: t[f"in/{m}/{k}"] for k in ("input_ids", "attention_mask", "labels")} for t in files
+               for m in range(2)]
+    model = hf_client.build_model(moe=True)
+    n = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+
+    def loss(group):
+        out = model(input_ids=group["input_ids"], attention_mask=group["attention_mask"], output_router_logits=True)
+        ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), group["labels"][:, 1:].flatten(), ignore_index=-100,
+                             reduction="sum")
+        aux = load_balancing_loss_func(out.router_logits, hf_client.EXPERTS, 2, group["attention_mask"])
+        return ce / n + hf_client.AUX_COEF * aux
+
+    def grad(total):
+        model.zero_grad(set_to_none=True)
+        total.backward()
+        return {k: p.grad.double().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    per_forward = grad(sum(loss(b) for b in batches))
+    one_forward = grad(loss({k: torch.cat([b[k] for b in batches]) for k in batches[0]}))
+    fleet = {k[2:]: v.double() for k, v in files[0].items() if k.startswith("g/")}
+    return per_forward, one_forward, fleet
+
+
+def clipped_rel(fleet: dict, g: dict) -> float:
+    """||fleet - c g|| / ||c g||, c the clip coefficient max_grad_norm 1 gives g (torch's rule)."""
+    norm = float(torch.sqrt(sum((v ** 2).sum() for v in g.values())))
+    c = min(1.0, 1.0 / (norm + 1e-6))
+    num = sum(float(((fleet[k] - c * g[k]) ** 2).sum()) for k in g)
+    return (num ** 0.5) / (c * norm)
+
+
+def test_an_moe_models_per_forward_load_balancing_declared_per_forward_passes(fleet):
+    """Qwen3-MoE under the Trainer, one row a micro-batch (2 ranks x GA 2): each forward adds its own
+    load-balancing term, a choice declared with objective_scope='forward'. The gate passes and says how far
+    one process at the global batch is; this file's own computation agrees: the fleet computed HF's
+    per-forward objective, 10% or more away from the global batch's in one forward."""
+    v = verdict(fleet, "moe")
+    assert v.passed, looprec.failing(v)
+    assert "router_aux_loss_coef 0.5 x each forward's aux_loss" in checks(v)["gradient"].reason
+    ind = checks(v)["independence"].reason
+    assert "declared per forward" in ind and "the step's 4 rows in 1 forward give a gradient" in ind, ind
+    per_forward, one_forward, got = moe_gradients(fleet / "moe")
+    assert clipped_rel(got, per_forward) < 1e-5
+    assert clipped_rel(got, one_forward) > 0.1, clipped_rel(got, one_forward)
+
+
+def test_an_moe_models_per_forward_term_undeclared_fails_as_rows_of_a_forward_interacting(fleet):
+    """The same fleet with nothing declared (the global batch's semantics): the issue's false pass, one row
+    a forward, where the per-example check sees nothing, now fails on the step's rows in one forward."""
+    v = verdict(fleet, "moe_undeclared")
+    looprec.fails_for(v, "independence", "the rows of a forward interact: the step's 4 rows in 1 forward")
+    assert failed(v) == {"independence"}  # the micro-batches' sum is what the fleet computed
+    per_forward, one_forward, got = moe_gradients(fleet / "moe_undeclared")
+    assert clipped_rel(got, per_forward) < 1e-5 and clipped_rel(got, one_forward) > 0.1
+
+
+def test_an_moe_fleet_judged_against_a_declared_global_batch_fails_naming_each_forwards_statistics(fleet):
+    """The user declares the global batch's objective (objective_scope='step', every row in one forward);
+    the Trainer computes each forward's own: the gradient line fails and names what the fleet computed."""
+    v = verdict(fleet, "moe_global")
+    looprec.fails_for(v, "gradient", "over each forward's own routing statistics")
+    assert "not the declared objective over the whole step" in checks(v)["gradient"].reason
+    per_forward, one_forward, got = moe_gradients(fleet / "moe_global")
+    assert clipped_rel(got, per_forward) < 1e-5 and clipped_rel(got, one_forward) > 0.1
 
 
 # --------------------------------------------------------------------------- bad input, one line

@@ -61,9 +61,18 @@ The judge's cause-naming knobs (tests/gate/test_judge_causes.py), cfg keys:
   "bf16_hook"      a line-for-line copy of torch's bf16_compress_hook (gloo refuses torch's own)
   "rank_seed"      (FSDP2) each rank builds the model from seed + rank: no broadcast, other parameters
   "rank_ids"       (with "ids") the example ids passed are the sampler's + rank x n (distinct per rank)
+  "pad_to"         every micro-batch right-padded to this length (labels -100, attention_mask 0 there):
+                   the same padded length on every rank (with "count": "padding", equal padding)
+  "fixed_len"      every row cut to this many tokens (every row holds at least 3): no padding, every
+                   micro-batch the same token count
+  "short_last"     the run's last step reads K - 1 micro-batches (an epoch's short end); the loop's
+                   normalisation is left as it is (micro_mean still divides by K there)
   "wire"           Recorder(wire=...): "bf16" declares the bf16 wire (with "bf16_hook")
 fault "wire_decay": (with "bf16_hook") the hook folds an extra weight decay into each rank's gradient before
                    compressing it, g_r += 0.05 W u |g_r| sign(p) (u = 2^-8): a bias inside the wire's bound
+and the fault
+  last_k_twice     the last micro-batch's loss divided by K once more (the accumulation's 1/K applied twice
+                   to it, on top of the step's normalisation the others get)
 """
 
 from __future__ import annotations
@@ -93,7 +102,8 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "ac_micro": None, "eval_modules": [], "freeze": [],
        "position_ids": False, "fsdp_layers": False, "left_pad": False,
        "eval_rank": None, "nan": None, "count": "targets", "no_sync_all": False, "bf16_hook": False,
-       "rank_seed": False, "rank_ids": False, "wire": "fp32"}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "rank_seed": False, "rank_ids": False, "wire": "fp32", "pad_to": 0,
+       "fixed_len": 0, "short_last": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -286,17 +296,25 @@ def run(cfg: dict) -> None:
                    sketch=cfg["sketch"], every=cfg["every"], resume=start if cfg["leg"] == 2 else False,
                    wire=cfg["wire"])
     data = data_of(fault, n, cfg["seed"])
+    if cfg["fixed_len"]:
+        data = [r[:cfg["fixed_len"]] for r in data]
     per_epoch = n // (world * K * B)  # DistributedSampler and DataLoader with drop_last
     sh = shift_of(fault)
     for s in range(start, stop):
         epoch, j = divmod(s - start if fault == "resume_data" else s, per_epoch)
         idx = order_of(fault, n, world, rank, cfg["seed"], epoch)[j * K * B:(j + 1) * K * B]
-        mbs = [collate([data[i] for i in idx[m * B:(m + 1) * B]]) for m in range(K)]
+        k_s = K - 1 if cfg["short_last"] and s == stop - 1 else K  # the micro-batches this step reads
+        mbs = [collate([data[i] for i in idx[m * B:(m + 1) * B]]) for m in range(k_s)]
         if cfg["left_pad"]:  # each row's padding moved before it (its tokens at the right end)
             for mb in mbs:
                 shift = (mb["attention_mask"] == 0).sum(1).tolist()
                 for key in ("input_ids", "attention_mask", "labels"):
                     mb[key] = torch.stack([row.roll(sh) for row, sh in zip(mb[key], shift)])
+        if cfg["pad_to"]:  # padded to one fixed length on every rank
+            for mb in mbs:
+                extra = cfg["pad_to"] - mb["input_ids"].shape[1]
+                for key, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
+                    mb[key] = F.pad(mb[key], (0, extra), value=fill)
         if cfg["position_ids"]:  # each row's positions start at its length mod 3 (a forward keyword the gate
             for mb in mbs:       # must record without being told: it is not among Recorder(inputs=...))
                 t = mb["input_ids"].shape[1]
@@ -315,7 +333,7 @@ def run(cfg: dict) -> None:
         c = scale_of(fault, rank, s + 1, cfg["eps"])
         local_sum = torch.zeros(())
         for m, mb in enumerate(mbs):
-            last = m == K - 1
+            last = m == k_s - 1
             if cfg["fsdp"]:
                 model.set_requires_gradient_sync(last)
                 ctx = contextlib.nullcontext()
@@ -338,7 +356,10 @@ def run(cfg: dict) -> None:
                 if fault == "fwd_no_bwd" and last:  # its backward is lost, but DDP must still sync: a zero one
                     (logits.sum() * 0).backward()
                 else:
-                    (loss_of(fault, loss_sum, counts[m], n_local, n_global, world, K) * c).backward()
+                    loss = loss_of(fault, loss_sum, counts[m], n_local, n_global, world, K) * c
+                    if fault == "last_k_twice" and last:
+                        loss = loss / K
+                    loss.backward()
             local_sum += loss_sum.detach()
         if fault == "nograd_log":  # a probe loss for the log: a train-mode forward without gradients
             with torch.no_grad():

@@ -30,6 +30,13 @@ optimizer and schedule (`build_optimizer`), on the same generated data
               position_ids restarting at each sequence (a forward keyword the callback is not told of)
   drop=1      dataloader_drop_last=True (the uneven end of an epoch is dropped instead)
   unused=1    the model holds a parameter its forward never uses (build_model(unused=True))
+  moe=1       the model is a tiny random-init Qwen3-MoE (build_model(moe=True)) with
+              output_router_logits=True: its forward adds router_aux_loss_coef x
+              transformers' load_balancing_loss_func over that forward's own router
+              logits to its loss (modeling_qwen3_moe.py, Qwen3MoeForCausalLM.forward)
+  bs=B        per_device_train_batch_size (default 2)
+  scope=S     the RecorderCallback's objective_scope (default "example")
+  objective=O the RecorderCallback's objective (default causal_lm; "global": moe_global_step below)
   build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
   loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
               (its class name holds no "ForCausalLM"), so transformers 5.24's
@@ -82,21 +89,36 @@ LR = 3e-3       # AdamW's peak lr
 WARMUP = 0      # linear warm-up steps (HF's default 0), then linear decay to 0 at MAX_STEPS
 MAX_STEPS = 4   # the schedule's horizon (runs may stop earlier)
 MODEL_SEED = 1234  # the initial model's seed: one initial model for every run
+EXPERTS = 4     # the MoE model's experts (moe=1), two routed a token
+AUX_COEF = 0.5  # its router_aux_loss_coef: large, so that the load-balancing term shows in the gradient
 MODULE = "hf_client"  # this file's module name wherever tests/support is on sys.path (not __main__)
 
 
-def build_model(unused: bool = False):
+def build_model(unused: bool = False, moe: bool = False):
     """The same random-init GPT-2 in any process: 2 layers, n_embd 32, no dropout;
-    `unused` adds a Linear(4, 4) the forward never calls (`model.extra`)."""
+    `unused` adds a Linear(4, 4) the forward never calls (`model.extra`).
+    moe: a Qwen3-MoE instead (1 layer, hidden 32, EXPERTS experts, top 2,
+    output_router_logits=True, router_aux_loss_coef AUX_COEF)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    if moe:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                             num_experts=EXPERTS, num_experts_per_tok=2, max_position_embeddings=SEQ,
+                             output_router_logits=True, router_aux_loss_coef=AUX_COEF, initializer_range=0.2,
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+        model_class = Qwen3MoeForCausalLM
+    else:
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=1, eos_token_id=1, pad_token_id=0)
+        model_class = GPT2LMHeadModel
     g = torch.random.get_rng_state()
     torch.manual_seed(MODEL_SEED)
     try:
-        model = GPT2LMHeadModel(cfg)
+        model = model_class(cfg)
         if unused:
             model.extra = torch.nn.Linear(4, 4)
         return model
@@ -104,7 +126,7 @@ def build_model(unused: bool = False):
         torch.random.set_rng_state(g)
 
 
-def build_optimizer(model, unused: bool = False):
+def build_optimizer(model, unused: bool = False, moe: bool = False):
     """AdamW (weight decay 0.01 on matrices, none on biases and LayerNorm, HF's
     split) and a linear warm-up/decay schedule: what every run hands the Trainer."""
     from transformers import get_linear_schedule_with_warmup
@@ -114,6 +136,22 @@ def build_optimizer(model, unused: bool = False):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.999), eps=1e-8)
     return opt, get_linear_schedule_with_warmup(opt, WARMUP, MAX_STEPS)
+
+
+def moe_global_step(model, batches):
+    """The MoE model's objective over the GLOBAL batch, for objective_scope="step"
+    (what a user declares who means one process at the global batch): every row
+    of the step in ONE forward, the token mean of the shifted labels' cross-entropy
+    plus router_aux_loss_coef x the model's load-balancing term over that
+    forward's routing statistics, the global batch's. Returns (loss_sum, count)."""
+    import torch.nn.functional as F
+
+    ids, mask, labels = (torch.cat([b[k] for b in batches]) for k in ("input_ids", "attention_mask", "labels"))
+    out = model(input_ids=ids, attention_mask=mask)
+    y = labels[:, 1:]
+    n = int((y != -100).sum())
+    ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
+    return ce + model.router_aux_loss_coef * out.aux_loss * n, n
 
 
 class PaddedSequences(torch.utils.data.Dataset):
@@ -179,14 +217,15 @@ def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
     run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "eval": 0, "fault": None,
            "loss_type": None, "build": MODULE, "leg": 0, "stop": 2, "gc": 0, "bf16": 0,
-           "unused": 0, "examples": EXAMPLES, "drop": 0, "flat": 0}
+           "unused": 0, "examples": EXAMPLES, "drop": 0, "flat": 0, "moe": 0, "bs": 2, "scope": "example",
+           "objective": "causal_lm"}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
             run["avg"] = v == "1"
-        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16", "unused", "examples", "drop", "flat"):
+        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16", "unused", "examples", "drop", "flat", "moe", "bs"):
             run[k] = int(v)
-        elif k in ("fault", "loss_type"):
+        elif k in ("fault", "loss_type", "scope", "objective"):
             run[k] = v
         elif k == "build":
             run[k] = "__main__" if v == "main" else v
@@ -202,13 +241,13 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
     from dormouse.gate.record.hf import RecorderCallback
 
     # the gate's line: a bad argument fails here, in one line, before anything is built
-    kw = {"unused": True} if run["unused"] else {}
+    kw = {**({"unused": True} if run["unused"] else {}), **({"moe": True} if run["moe"] else {})}
     recorder = [RecorderCallback(out / run["name"], build_model=f"{run['build']}:build_model",
-                                 build_optimizer=f"{run['build']}:build_optimizer", objective="causal_lm",
-                                 build_kwargs=kw)] if record else []
+                                 build_optimizer=f"{run['build']}:build_optimizer", objective=run["objective"] if run["objective"] != "global" else f"{run['build']}:moe_global_step",
+                                 build_kwargs=kw, objective_scope=run["scope"])] if record else []
     args = TrainingArguments(
         output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
-        per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
+        per_device_train_batch_size=run["bs"], gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
         max_steps=run["stop"] if run["leg"] == 1 else run["steps"], logging_steps=1,
         save_strategy="steps" if run["leg"] == 1 else "no", save_steps=run["stop"], report_to="none",
         disable_tqdm=True, seed=run["seed"], average_tokens_across_devices=run["avg"],

@@ -21,6 +21,16 @@ step within the fit's tolerance):
   short step    a step of K_k < K micro-batches still divided by K: c = K_k / K
                 (N' = N K / K_k), 1 at the full steps
 
+The last micro-batch weighted apart. A loop whose last micro-batch of each
+rank (where gradient accumulation syncs, and where `if last:` branches live)
+is normalised apart from the others computes g_fleet = a (g - L) + c L, L the
+last micro-batches' share of the one-process gradient g. Fitted per step
+(last_micro_fit: least squares in a and b = c - a, exact when the residual is
+within the gradient's bound at every step), the ratio c / a per step and the
+count the last micro-batch's loss sum was divided by (N / c) name it
+(describe_last): 1/K the loss divided by K twice on the last micro-batch, 0 its
+loss never backpropagated, K its division by K skipped.
+
 Other named patterns, each a pure test below:
   never_reduced  the ranks' gradients differ (DDP all-reduces them equal) and
                  their mean is one process's gradient: no_sync on every
@@ -138,6 +148,63 @@ def describe_scalars(fits: list[tuple[int, float, float]], counts: list[dict[str
         return words + f": that is {_words(named)}"
     known = ", ".join(sorted(n for n in counts[0] if n != "targets"))
     return words + f"; none of the counts the recording knows matches ({known})"
+
+
+def last_micro_fit(gf: dict[str, torch.Tensor], g: dict[str, torch.Tensor], last: dict[str, torch.Tensor],
+                   names: list[str]) -> tuple[float, float, float]:
+    """g_fleet fitted as a g + b L (L the ranks' last micro-batches' share of
+    g): (a, c / a with c = a + b the last micro-batches' weight, the residual
+    ||g_fleet - a g - b L|| / ||g_fleet||); nan, nan, inf where L and g are
+    parallel (one micro-batch) or a is 0."""
+    names = [n for n in names if n in last]
+
+    def dot(x, y):
+        return sum(float((x[n].double() * y[n].double()).sum()) for n in names)
+    gg, gl, ll, fg, fl = dot(g, g), dot(g, last), dot(last, last), dot(gf, g), dot(gf, last)
+    det = gg * ll - gl * gl
+    if not names or not det > 1e-9 * gg * ll:
+        return math.nan, math.nan, math.inf
+    a, b = (fg * ll - fl * gl) / det, (gg * fl - gl * fg) / det
+    res = sum(float(((gf[n].double() - a * g[n].double() - b * last[n].double()) ** 2).sum()) for n in names)
+    ff = dot(gf, gf)
+    if a == 0 or ff <= 0:
+        return math.nan, math.nan, math.inf
+    return a, (a + b) / a, math.sqrt(res / ff)
+
+
+def last_micro_weighted(fits: list[tuple[int, float, float, float]], bound: float, away: float) -> bool:
+    """Whether (step, a, ratio, residual) fits say "the last micro-batches
+    weighted apart": every residual within `bound`, some ratio away from 1."""
+    return bool(fits) and all(math.isfinite(x) and r <= bound for _, a, x, r in fits) and \
+        any(abs(x - 1) > away for _, _, x, _ in fits)
+
+
+def describe_last(fits: list[tuple[int, float, float, float]], micros: list[int],
+                  counts: list[dict[str, float]] | None, rtol: float) -> str:
+    """The sentence for the last micro-batches weighted apart: the per-step
+    ratio, the count the last micro-batch's loss sum was divided by against
+    the step's targets, and the name where every step agrees on one."""
+    show = fits[:SHOWN_STEPS]
+    more = f", ... ({len(fits)} steps)" if len(fits) > SHOWN_STEPS else ""
+    steps = ", ".join(str(k) for k, *_ in show)
+    words = (f"the fleet's gradient weights each rank's last micro-batch {', '.join(f'{x:.4g}' for _, _, x, _ in show)}"
+             f"{more} times the other micro-batches at steps {steps} (exact at each: the residual within the bound)")
+    if counts and all(abs(x) > rtol for _, _, x, _ in fits):
+        own = ", ".join(f"{cnt['targets'] / (a * x):.6g}" for (_, a, x, _), cnt in zip(show, counts))
+        tgt = ", ".join(f"{cnt['targets']:g}" for cnt in counts[:SHOWN_STEPS])
+        words += f"; its loss sum was divided by {own}{more} where the steps hold {tgt} targets"
+    others = [a for _, a, _, _ in fits]
+    if any(abs(a - 1) > rtol for a in others):
+        words += f"; the other micro-batches times {', '.join(f'{a:.4g}' for a in others[:SHOWN_STEPS])}"
+    ratios = [x for _, _, x, _ in fits]
+    if all(abs(x * K - 1) <= rtol for x, K in zip(ratios, micros)):
+        return words + (f": the loss divided by K twice on the last micro-batch (K = {micros[0]} micro-batches: its "
+                        "normalisation, then the accumulation's 1/K once more)")
+    if all(abs(x) <= rtol for x in ratios):
+        return words + ": the last micro-batch's loss was never backpropagated (forwarded, its backward lost)"
+    if all(abs(x / K - 1) <= rtol for x, K in zip(ratios, micros)):
+        return words + f": the last micro-batch's loss not divided by K = {micros[0]} where the others are"
+    return words
 
 
 def never_reduced(rank_grads: list[dict[str, torch.Tensor]], g_ref: dict[str, torch.Tensor],

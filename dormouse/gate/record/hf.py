@@ -67,7 +67,8 @@ class RecorderCallback(TrainerCallback):
     build_optimizer  "pkg.mod:fn": fn(model) returns the optimizer and lr scheduler the Trainer uses
                      (hand the same to the Trainer: `optimizers=build_optimizer(model)`)
     objective        what the reference differentiates: "causal_lm" (HF's convention: logits against
-                     labels shifted by one, ignore_index -100, token mean over the GLOBAL batch),
+                     labels shifted by one, ignore_index -100, token mean over the GLOBAL batch; an MoE model's
+                     own router_aux_loss_coef x aux_loss of each forward with it, record/routeraux.py),
                      "token_mean", "example_mean", or "pkg.mod:fn" with fn(model, batch) -> (loss_sum, count)
     sketch, every    the Recorder's scale settings: k projections per tensor (0 = full), every k-th step
     inputs           the forward keyword arguments that are the batch

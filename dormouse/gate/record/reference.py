@@ -41,7 +41,13 @@ micro order) and differentiates loss_sum / count (no per-example sample, no
 merged forward); beside it, with more than one rank, "rank_mean": fn over
 each rank's micro-batches alone, (1/W) sum_r grad(loss_sum_r / count_r) (the
 step's statistics over each rank's own rows: what a fleet that never reduces
-them trains).
+them trains); on a transformers MoE model, "fwd": the causal LM loss with the
+model's own term per forward, the judge's name for a fleet that computes per
+forward what the declaration computes over the step.
+A transformers MoE model's own per-forward load-balancing term joins the
+built-in objectives, weighted by the step's count (routeraux). "last": each
+rank's last micro-batch's share of g (the judge's causes name a last
+micro-batch weighted apart from the others).
 What each forward received beyond its tensors (its non-tensor arguments, the
 model's plain attributes the loop set) is put back as recorded (batchscope).
 
@@ -108,6 +114,7 @@ from dormouse.gate.record import probe
 from dormouse.gate.record.options import LOSS_LABELS, OBJECTIVES
 from dormouse.gate.record.sketch import Sketcher, sketch_buckets
 from dormouse.gate.record.userfns import code_hashes, import_path
+from dormouse.gate.record import routeraux
 
 REFERENCE_SCHEMA = 1
 
@@ -154,9 +161,12 @@ def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return ids.masked_fill(mask == 0, -100) if mask is not None else ids
 
 
-def objective_sum(objective: str, model, batch: dict[str, torch.Tensor], user=None, *, upcast: bool = True):
+def objective_sum(objective: str, model, batch: dict[str, torch.Tensor], user=None, *, upcast: bool = True,
+                  aux_weight: float | None = None):
     """(loss_sum, count) of one micro-batch under the declared objective (see the module docstring).
-    upcast=False leaves the logits in the dtype the forward gives (a reduced-precision loop's loss)."""
+    upcast=False leaves the logits in the dtype the forward gives (a reduced-precision loop's loss).
+    A transformers MoE model's own load-balancing term (routeraux) joins a built-in objective's loss
+    sum weighted by aux_weight (the step's count; this batch's own count when None)."""
     if objective not in OBJECTIVES:
         try:
             loss_sum, count = user(model, batch)
@@ -165,7 +175,30 @@ def objective_sum(objective: str, model, batch: dict[str, torch.Tensor], user=No
         except Exception as e:
             raise ReferenceError(f"objective {objective!r} failed on a recorded batch ({type(e).__name__}: {e})")
         return loss_sum, float(count)
-    return objective_of_logits(objective, _logits(_call(model, batch)), batch, upcast=upcast)
+    out = _call(model, batch)
+    loss_sum, count = objective_of_logits(objective, _logits(out), batch, upcast=upcast)
+    aux = routeraux.term(out, model, batch)
+    if aux is not None:
+        loss_sum = loss_sum + aux * (count if aux_weight is None else aux_weight)
+    return loss_sum, count
+
+
+def objective_count(objective: str, batch: dict[str, torch.Tensor]) -> float:
+    """A built-in objective's count of one micro-batch, from its labels alone (no forward)."""
+    y = _labels(batch)
+    if objective == "causal_lm":
+        y = y[..., 1:]
+    if objective == "example_mean":
+        return float(y.shape[0])
+    return float((y != -100).sum())
+
+
+def _aux_weight(objective: str, model, mbs) -> float | None:
+    """The step's count, which a transformers MoE model's per-forward load-balancing term is weighted by
+    (routeraux), where the objective is built in and the model adds one; else None."""
+    if objective not in OBJECTIVES or not any(routeraux.coef(model, b) is not None for _, _, b in mbs):
+        return None
+    return sum(objective_count(objective, b) for _, _, b in mbs)
 
 
 def objective_of_logits(objective: str, z: torch.Tensor, batch: dict[str, torch.Tensor], *, upcast: bool = True):
@@ -387,10 +420,10 @@ def _autocast(ac: dict | None):
     return torch.autocast("cpu", dtype=_dtype(ac.get("dtype")))
 
 
-def _grads(model, objective, batch, user, ac=None, scale: float = 1.0):
+def _grads(model, objective, batch, user, ac=None, scale: float = 1.0, aux_weight: float | None = None):
     model.zero_grad(set_to_none=True)
     with _autocast(ac):  # the forward (and the objective) under the loop's autocast; the backward outside
-        ls, c = objective_sum(objective, model, batch, user)
+        ls, c = objective_sum(objective, model, batch, user, aux_weight=aux_weight)
     if not isinstance(ls, torch.Tensor) or not ls.requires_grad:
         raise ReferenceError(f"objective {objective!r} gives a loss with no gradient: it must be computed from "
                              "the model's outputs")
@@ -417,7 +450,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     check; see the module docstring)."""
     objective = rec.meta["objective"]
     names = [n for n, _ in model.named_parameters()]
-    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled", "gm")}
+    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled", "gm", "last")}
     rank_acc: dict[int, dict] = {}
     rank_n: dict[int, float] = {}
     rank_loss: dict[int, float] = {}
@@ -438,6 +471,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                              "between two rec.step() calls (is the Recorder on the model the loop calls?)")
     if rec.meta.get("objective_scope") == "step":  # fn(model, batches) over the whole step, once
         return _step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp, alts=examples is not None)
+    aw = _aux_weight(objective, model, mbs)  # an MoE model's own per-forward term: weighted by the step's count
     rng_sensitive = None
     sample = example_sample(mbs, examples) if examples is not None else set()
     cast_models: dict[str, torch.nn.Module] = {}  # the model at this step's parameters, cast for the forward
@@ -455,17 +489,21 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         # the model's plain attributes this forward ran with (a flag the loop set), put back after it
         undo = _attrs(model, rec, r, step, m)
         torch.random.default_generator.manual_seed(0)
-        ls, c, grads = _grads(model, objective, batch, user, ac)
+        ls, c, grads = _grads(model, objective, batch, user, ac, aux_weight=aw)
         present |= {n for n, g in grads.items() if g is not None}
         add(acc["g"], grads)
         if measure:  # the precision floor: the same gradient through the loss / 3
-            _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3)
+            _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3, aux_weight=aw)
             add(acc["scaled"], g3, 3.0)
             if objective in OBJECTIVES:  # and the loss from the logits as the forward gives them, computed
                 with torch.no_grad():  # outside autocast (where cross_entropy would run in float32)
                     with _autocast(ac):
-                        z = _logits(_call(model, batch))
-                    native += float(objective_of_logits(objective, z, batch, upcast=False)[0])
+                        out = _call(model, batch)
+                        aux = routeraux.term(out, model, batch)
+                    native += float(objective_of_logits(objective, _logits(out), batch, upcast=False)[0])
+                    native += float(aux) * aw if aux is not None and aw is not None else 0.0
+        if m == max(mm for rr, mm, _ in mbs if rr == r) and m > 0:  # each rank's last micro-batch (causes)
+            add(acc["last"], grads)
         rank_acc.setdefault(r, {})
         add(rank_acc[r], grads)
         rank_n[r] = rank_n.get(r, 0.0) + c
@@ -478,20 +516,20 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
             micro_means.append(ls / c)
         if probe and rng_sensitive is None:  # the same micro-batch under another RNG state
             torch.random.default_generator.manual_seed(1)
-            _, _, again = _grads(model, objective, batch, user, ac)
+            _, _, again = _grads(model, objective, batch, user, ac, aux_weight=aw)
             rng_sensitive = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
                                 for a, b in zip(grads.values(), again.values()))
         if i in sample:
             add(acc["exb"], grads)
             for row in _rows(batch):
                 torch.random.default_generator.manual_seed(0)
-                _, _, g1 = _grads(model, objective, row, user, ac)
+                _, _, g1 = _grads(model, objective, row, user, ac, aux_weight=aw)
                 add(acc["ex"], g1)
         undo()
     model = base
     merged = None
     if examples is not None:  # a judged step: its rows in as few forwards as memory allows (batchscope)
-        merged = _global_forward(base, cast_models, rec, step, user, mbs, lambda grads: add(acc["gm"], grads))
+        merged = _global_forward(base, cast_models, rec, step, user, mbs, lambda grads: add(acc["gm"], grads), aw)
     model.zero_grad(set_to_none=True)
     if n_total <= 0:
         raise ReferenceError(f"step {step}: the declared objective {objective!r} counts no tokens/examples in the "
@@ -509,6 +547,8 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         if rank_n[r] > 0:
             for n, v in d.items():
                 out["rank_mean"][n] = out["rank_mean"].get(n, 0) + v / rank_n[r] / world
+    if acc["last"]:
+        out["last"] = {n: v / n_total for n, v in acc["last"].items()}
     if merged is not None and merged.get("count"):
         out["gm"] = {n: v / merged["count"] for n, v in acc["gm"].items()}
     if sample:
@@ -531,7 +571,8 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
             "loss_floor": (abs(native - loss_total) / max(abs(loss_total), 1e-30)
                            if floor is not None and objective in OBJECTIVES else None),
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)], "merged": merged,
-            "labels": _labels_source(mbs[0][2]) if objective in OBJECTIVES else None}
+            "labels": _labels_source(mbs[0][2]) if objective in OBJECTIVES else None,
+            "router_aux": routeraux.coef(base, mbs[0][2]) if aw is not None else None}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     return out, info
@@ -546,13 +587,16 @@ def probe_tensors(model, rec, k: int, user) -> dict[str, torch.Tensor]:
         return out  # reduced precision: the probe's floors are float32's (the judge says it did not probe)
     if rec.meta.get("objective_scope") == "step":
         return out  # an objective over the whole step: no one micro-batch's gradient is the fleet's alone
-    for r, m, batch in BS.forward_inputs(rec, k):  # with the non-tensor arguments the forward got
+    mbs = BS.forward_inputs(rec, k)
+    aw = _aux_weight(objective, model, mbs)
+    for r, m, batch in mbs:  # with the non-tensor arguments the forward got
         if m != 0 or rec.autocast(r, k, m) is not None or rec.compute_dtype(r, k, m) is not None:
             continue
         undo = _attrs(model, rec, r, k, m)  # the plain attributes this forward ran with
         try:
             torch.random.default_generator.manual_seed(0)
-            got = probe.reference_probe(model, batch, lambda mm, b: objective_sum(objective, mm, b, user)[0])
+            got = probe.reference_probe(model, batch,
+                                        lambda mm, b: objective_sum(objective, mm, b, user, aux_weight=aw)[0])
         finally:
             undo()
         out.update({f"probe/{r}/{n}": v for n, v in got.items()})
@@ -571,7 +615,8 @@ def _labels_source(batch: dict) -> str:
     return next((k for k in (LOSS_LABELS, "labels", "input_ids", "arg0") if k in batch), "none")
 
 
-def _global_forward(base, cast_models, rec: A.RecordingSet, step: int, user, mbs, add) -> dict:
+def _global_forward(base, cast_models, rec: A.RecordingSet, step: int, user, mbs, add,
+                    aux_weight: float | None = None) -> dict:
     """The declared objective's gradient over the step's rows merged into as
     few forwards as memory allows (batchscope.merge_plan), each forward's
     gradient handed to `add`: {"forwards", "rows", "words", "count"}, or
@@ -588,7 +633,8 @@ def _global_forward(base, cast_models, rec: A.RecordingSet, step: int, user, mbs
         undo = _attrs(model, rec, r, step, m)
         torch.random.default_generator.manual_seed(0)
         try:
-            _, n, grads = _grads(model, objective, BS.merged([mbs[i][2] for i in c]), user, ac)
+            _, n, grads = _grads(model, objective, BS.merged([mbs[i][2] for i in c]), user, ac,
+                                 aux_weight=aux_weight)
         except ReferenceError as e:
             model.zero_grad(set_to_none=True)
             return {"error": str(e), "words": words, "forwards": len(chunks)}
@@ -657,6 +703,8 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
         sq = {n: float(((g3[n].double() * 3 / c - v) ** 2).sum()) for n, v in g.items() if g3.get(n) is not None}
         floor = math.sqrt(sum(sq.values())) / norm if norm > 0 else 0.0
         floors = {n: math.sqrt(x) / max(float(g[n].norm()), 1e-300) for n, x in sq.items()}
+    fwd = _per_forward_moe(model, mbs, ac)
+    model.zero_grad(set_to_none=True)
     ranks = sorted({r for r, _, _ in mbs})
     # beside it, each rank's micro-batches alone, their objectives averaged ("rank_mean": statistics over each
     # rank's own rows, e.g. routing counts not reduced over the ranks), so that the judge can name that split
@@ -678,7 +726,28 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
             "loss_floor": None, "ex_micro": [], "merged": None, "labels": None, "scope": "step"}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
-    return {"g": g, "micro_mean": {}, "rank_mean": rank_mean}, info
+    return {"g": g, "micro_mean": {}, "rank_mean": rank_mean, **({"fwd": fwd} if fwd else {})}, info
+
+
+def _per_forward_moe(model, mbs, ac) -> dict:
+    """Beside a step-scoped objective, for a transformers MoE model that adds its
+    own load-balancing term (routeraux): the causal LM loss with that term over
+    each forward's own routing statistics, as the fleet split the step (what the
+    model and HF's Trainer compute), the judge's name for a fleet that computes
+    per forward what the declaration computes over the step. {} otherwise."""
+    aw = _aux_weight("causal_lm", model, mbs)
+    if aw is None or not aw:
+        return {}
+    acc: dict = {}
+    try:
+        for _, _, b in mbs:
+            _, _, grads = _grads(model, "causal_lm", b, None, ac, aux_weight=aw)
+            for n, v in grads.items():
+                if v is not None:
+                    acc[n] = acc.get(n, 0) + v.double()
+    except ReferenceError:
+        return {}
+    return {n: v / aw for n, v in acc.items()}
 
 
 # --------------------------------------------------------------------------- the reference as a whole

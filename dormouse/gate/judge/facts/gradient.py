@@ -238,7 +238,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     gb = arithmetic_bound(rec, ref, GRAD_RTOL)  # the largest step's (one bound per step in the rows)
     tbounds = [r["tensor_bound"] for r in rows] if run else [r["bound"] for r in rows]
     per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
-    fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": [], "gm": []}
+    fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": [], "gm": [], "fwd": []}
     first_bad, gm_far = None, False
     for row in rows:
         k = row["step"]
@@ -312,10 +312,16 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
         unit = near_one and worst_k not in fitted
         named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)
-                        and (alt != "gm" or gm_far)), None)
+                        and max(c for c, _ in fs) - min(c for c, _ in fs) <= factor_rtol * abs(fs[0][0])
+                        and (alt != "gm" or gm_far)), None)  # one factor at every step: the words state one
         apart = None if constant or unit else _never_reduced(rec, ref, bound)
         scalars = [(k, c, r) for k, (c, r) in zip(fitted, fits)]
         per_step = not constant and not unit and C.per_step_scalar(scalars, bound, FACTOR_AWAY * bound)
+        lasts = [(k, *C.last_micro_fit(fleet_grad(rec, k), ref.tensors(k, "g/"), ref.tensors(k, "last/"),
+                                       sorted(set(ref.tensors(k, "g/")) & set(fleet_grad(rec, k)))))
+                 for k in fitted] if not constant and not unit and not per_step and fitted and ref.tensors(fitted[0], "last/") \
+            else []
+        last_apart = C.last_micro_weighted(lasts, bound, FACTOR_AWAY * bound)
         if first_bad is not None and math.isinf(first_bad["error"]):
             reason = (f"the fleet's gradient at step {first_bad['step']} is not finite, or one process's at the "
                       "recorded parameters is not: NaN or inf (see finite)")
@@ -345,7 +351,10 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                     "micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
                                   "own count, not the step's)",
                     "rank_mean": "the mean of the ranks' own token means (each rank normalised by its own "
-                                 "token count)"}[alt_hit]
+                                 "token count)",
+                    "fwd": "the causal LM loss with the model's own load-balancing term over each forward's own "
+                           "routing statistics (router_aux_loss_coef x each micro-batch's aux_loss, each counted "
+                           "once: what transformers' MoE models compute per forward under the Trainer)"}[alt_hit]
             declared = "the global mean the objective declares"
             if alt_hit == "rank_mean" and rec.meta.get("objective_scope") == "step":
                 desc = ("the mean over the ranks of the declared objective, each rank's over its own micro-batches "
@@ -354,11 +363,21 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                 declared = "the objective declared over the whole step (objective_scope='step')"
             reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
                       + f", not {declared} (off by {worst:.2g} at step {worst_k})")
+            if alt_hit == "fwd":
+                reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
+                          + f", not the declared objective over the whole step (off by {worst:.2g} at step "
+                          f"{worst_k}): the fleet computes the statistics per micro-batch; declare objective="
+                          "'causal_lm' with objective_scope='forward' if each forward's own statistics are the "
+                          "objective, or compute them over the step in the loop")
             if alt_hit == "gm":
                 reason = (f"the fleet's gradient is {desc}" + (f" times {c:.4g}" if abs(c - 1) > factor_rtol else "")
                           + f", not the sum of the micro-batches' own the declared objective gives (off by "
                           f"{worst:.2g} at step {worst_k}): declare objective_scope='step' with fn(model, batches) "
                           "computing the statistics over the whole step")
+        elif last_apart:
+            micros = [rec.step_meta(0, k).get("micro_batches", 1) for k, *_ in lasts]
+            reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} ({stated}): "
+                      + C.describe_last(lasts, micros, step_counts_of(rec, [k for k, *_ in lasts]), factor_rtol))
         elif run and first_bad is not None:
             reason = (f"the fleet's gradient differs from {what} in tensor {first_bad['tensor']} by "
                       f"{first_bad['tensor_error']:.2g} at step {first_bad['step']}, above that tensor's bound "
@@ -387,6 +406,15 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     if src in ("input_ids", "arg0"):
         reason += (f"; the objective was judged against {src} as its labels (none were recorded: a loop that "
                    "gives its loss labels the model is not given records them with rec.labels(labels))")
+    aux = ref.info(rec.steps[0]).get("router_aux") if rec.steps else None
+    if aux is not None:  # record/routeraux.py: a transformers MoE model's own per-forward term
+        k0 = rec.steps[0]
+        forwards = sum(rec.step_meta(r, k0).get("micro_batches", 1) for r in range(rec.world_at(k0)))
+        reason += (f"; the objective holds the model's own load-balancing term as transformers' MoE models add it to "
+                   f"their loss: router_aux_loss_coef {aux:g} x each forward's aux_loss (over that forward's own "
+                   f"routing statistics), each forward's term counted once ({forwards} forwards at step {k0}: the "
+                   "term weighs that many times one forward's, where one process at the global batch computes it "
+                   "once)")
     if rec.every > 1:
         reason += f"; tensors every {rec.every} steps: a fault confined to fewer steps can be missed"
     return TensorCheck("gradient", ok, reason, worst=worst, worst_tensor=worst_t, worst_step=worst_k,
