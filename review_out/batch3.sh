@@ -9,3 +9,4 @@ r sft_clean 2 hf_run.py --kind sft --build hf_run:build_model
 r sft_packing 2 hf_run.py --kind sft_pack --build hf_run:build_model
 r sft_lora 2 hf_run.py --kind sft_lora --build hf_run:build_lora
 r hf_lora_double_k 2 hf_run.py --kind hf_lora --fault double_k --build hf_run:build_lora
+r pp_mb_mean_no_scale_k3 2 pp_run.py --schedule gpipe --fault mb_mean_no_scale --mask 0 --micro 3

@@ -304,6 +304,9 @@ RECORDING_FIELDS = {
     "inputs": ((list,), False), "fsdp": ((bool,), False), "closed": ((bool,), False), "frozen": ((list,), False),
     "hf_config": ((dict,), True), "provenance": ((dict,), False), "steps": ((list,), True),
 }
+# a micro-batch's labels the loop gave its loss and not the model (rec.labels): recorded under this key,
+# never passed to the forward; the built-in objectives (and the judge's counts) read them before "labels"
+LOSS_LABELS = "loss_labels"
 # a step JSON's numbers (None where the loop gave none) and counts
 STEP_NUMBERS = ("lr", "loss", "clip_coef", "grad_norm")
 STEP_FIELDS = {"micro_batches": (_INT, False), "epoch": (_INT, True), "no_grad": ((list,), False),

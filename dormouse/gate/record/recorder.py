@@ -103,9 +103,7 @@ INPUTS = ("input_ids", "attention_mask", "labels")
 #   step     fn(model, batches) -> (loss_sum, count) over every recorded micro-batch of every rank of
 #            the step (rank then micro order), differentiated once (statistics over the global batch)
 SCOPES = ("example", "forward", "step")
-# Labels the loop gives its loss and not the model (rec.labels): recorded under this key, which the
-# reference never passes to the forward; the built-in objectives read them before "labels"
-LOSS_LABELS = "loss_labels"
+LOSS_LABELS = A.LOSS_LABELS  # rec.labels's key (artifacts.py)
 # Plain attribute values of the model's modules the Recorder records (and the reference sets)
 PLAIN = (bool, int, float, str, type(None))
 # attributes that change how a forward is computed, not what: not recorded (gradient checkpointing

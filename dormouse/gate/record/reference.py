@@ -101,6 +101,7 @@ from dormouse.gate import artifacts as A
 from dormouse.clip import clip_coef
 from dormouse.gate.record import batchscope as BS
 from dormouse.gate.record import probe
+from dormouse.gate.record.layouts import equal_shards
 from dormouse.gate.record.recorder import LOSS_LABELS, OBJECTIVES, Sketcher, code_hashes, import_path, sketch_buckets
 from safetensors.torch import save as st_save
 
@@ -240,7 +241,8 @@ def rebuild(rec: A.RecordingSet):
             if apart:
                 raise ReferenceError(apart)
             raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
-                                 f"recorded initial ones (first: {n}): seed it as the loop does")
+                                 f"recorded initial ones (first: {n}): "
+                                 + (equal_shards(meta.get("layout"), n, b) or "seed it as the loop does"))
     _as_recorded(model, meta)
     return model
 
