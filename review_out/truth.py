@@ -72,7 +72,15 @@ for k in steps:
     else:
         data = [common.batch(k, r, m, a.vocab, mask=bool(a.mask)) + (None,)
                 for r in range(a.dp) for m in range(a.micro)]
-    for x, y, am in data:
+    seqs = []
+    for x, y, am in data:                            # a packed, padding-free row: each sequence alone
+        if am and "position_ids" in am:
+            pos = am["position_ids"][0]
+            starts = (pos == 0).nonzero().flatten().tolist() + [x.shape[1]]
+            seqs += [(x[:, a:e], y[:, a:e], None) for a, e in zip(starts[:-1], starts[1:])]
+        else:
+            seqs.append((x, y, am))
+    for x, y, am in seqs:
         out = model(x) if am is None else model(input_ids=x, **am)
         logits = out.logits if hasattr(out, "logits") else out
         lab = common.shifted(y)
@@ -87,7 +95,7 @@ for k in steps:
     err = rel(gf, gt)
     c = float(gf @ gt / (gt @ gt))
     worst = sorted(((rel(grads[nm], g1[nm]), nm) for nm in g1), reverse=True)[:3]
-    lerr = abs(per_rank[0]["loss"] - float(ce / n)) / float(ce / n)
+    lerr = abs(per_rank[0]["loss"] - float(ce.detach() / n)) / float(ce.detach() / n)
     lerr = 0.0 if lerr != lerr else lerr            # a client that saved no loss (nan): not compared
     ok = err < 1e-5 and not split
     right &= ok
