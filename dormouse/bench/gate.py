@@ -116,7 +116,7 @@ def pipeline_timing(log=print) -> dict:
     import subprocess
     import time
 
-    
+    from dormouse.gate.judge.entry import judge
     from dormouse.gate.record import modes, produce
     from dormouse.gate.settings import GateSettings
 

@@ -34,6 +34,7 @@ RUNS = {
     "nan_loss": {"nan": {"step": 2, "rank": 1, "where": "loss"}},  # the all-reduce spreads it; NaN logged
     "count_padding": {"count": "padding"},
     "count_unshifted": {"count": "unshifted"},
+    "count_unshifted_same_rows": {"count": "unshifted", "fault": "same_data"},  # every rank the same rows
     "count_rank0": {"count": "rank0"},
     "count_padding_equal": {"count": "padding", "pad_to": 12},  # every rank padded to one length
     "last_k_twice": {"fault": "last_k_twice", "micro": 3},
@@ -281,6 +282,15 @@ def test_a_short_last_step_still_divided_by_k_is_named_and_one_divided_right_pas
     assert f", {n * 3 // 2} where the steps hold " in c.reason and f", {n} targets" in c.reason, c.reason  # N K / K_k
     v = verdict(recordings, "short_step_clean")
     assert v.passed, failing(v)
+def test_a_wrong_count_on_ranks_reading_the_same_rows_is_named_by_its_count_not_as_the_ranks_own_means(recordings):
+    # every rank's own token mean IS the global one here, so "the mean of the ranks' own token means"
+    # cannot be what the fleet computes instead of it
+    c = verdict(recordings, "count_unshifted_same_rows").check("gradient")
+    assert not c.passed and "one extra target per row" in c.reason, c.reason
+    assert "the ranks' own token means" not in c.reason, c.reason
+    implied = re.search(r"divided each step's loss sum by ([\d., ]+) where", c.reason).group(1)
+    assert [round(float(x)) for x in implied.split(", ")] == _loop_counts(recordings["count_unshifted_same_rows"],
+                                                                          "unshifted")
 
 
 def test_gradients_never_all_reduced_are_named_not_a_local_clip(recordings):
@@ -388,3 +398,16 @@ def test_an_edited_input_makes_the_reference_stale_and_fails_the_gradient(record
     assert not is_current(d)
     make_reference(d, log=QUIET)
     looprec.fails_for(judge_recording(d), "gradient", "")
+
+
+def test_the_counts_a_cause_is_named_from_read_the_labels_given_to_rec_labels_first():
+    # a loop that calls model(input_ids) and gives its loss labels through rec.labels: the step's targets
+    # are those labels' (-100 masked), not every position of input_ids
+    from dormouse.gate.judge import causes as C
+
+    ids = torch.arange(8).reshape(2, 4)
+    labels = ids.masked_fill(torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1]]).bool(), -100)
+    batch = {"input_ids": ids, A.LOSS_LABELS: labels}
+    assert torch.equal(C.targets_of(batch), labels)
+    counts = C.step_counts([(0, C.targets_of(batch))], world=1, micro=1, micro_max=1)
+    assert counts["targets"] == 2 == int((labels[:, 1:] != -100).sum())

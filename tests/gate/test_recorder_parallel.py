@@ -40,6 +40,9 @@ TP_RUNS = {
     "pp_gpipe": {"pp": True, "schedule": "GPipe", "micro": 2, "rows": 4, "seed": 11},
     "pp_1f1b": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "seed": 12},
     "pp_loss_div": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "loss_div", "seed": 13},
+    "pp_stale": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "stale", "seed": 14},
+    # last in the launch: DTensor's random ops on sharded parameters
+    "tp_init_shards": {"fault": "init_shards", "seed": 15, "steps": 1},
 }
 DP_TP_RUNS = {
     "clean": {"seed": 0},
@@ -242,6 +245,49 @@ def test_a_pipeline_loss_divided_by_the_micro_batches_on_top_of_scale_grads_fail
     assert not v.passed and not c.passed, failing(v)
     assert "times 0.3333 = 1/K" in c.reason and "K = 3 micro-batches" in c.reason, c.reason
     assert not v.check("loss").passed
+
+
+def test_a_pipeline_stage_that_never_zeroes_its_gradients_fails_named_with_its_tensors(tp):
+    import torch.nn.functional as F
+    from tp_llama import build_model
+    from tp_loop import RUN, batch_rows
+
+    out = tp["pp_stale"]
+    v = looprec.verdict(out)
+    c = v.check("gradient")
+    assert not v.passed and not c.passed, failing(v)
+    assert "not zeroed between steps: from step 2 on" in c.reason and "times 0.3333 = 1/K" in c.reason, c.reason
+    # by hand: the plain model at the recorded step-2 parameters, on step 2's rows; the last stage's
+    # recorded gradient is that plus a third of its step-1 gradient, the first stage's is that alone
+    t = {**A.read_tensors(A.step_tensors_path(out, 0, 2), "step tensors")[0],
+         **A.read_tensors(A.step_tensors_path(out, 1, 2), "step tensors")[0]}
+    model = build_model(seed=14)
+    model.load_state_dict({n[2:]: v for n, v in t.items() if n.startswith("p/")})
+    ids = batch_rows(14, 1, 6, RUN["T"])
+    z = model(ids)
+    F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    g1 = recorded(out, 1, 1)
+    for n, p in model.named_parameters():
+        got = t[f"g/{n}"]
+        assert rel(got - p.grad, g1[n] / 3) < 5e-6 if n in g1 else rel(got, p.grad) < 5e-6, n
+
+
+def test_a_tp_run_initialised_shard_by_shard_after_parallelising_is_refused_naming_the_copied_shards(tp):
+    from tp_llama import build_model
+
+    from dormouse.errors import DormouseError
+    from dormouse.gate.record.reference import make_reference
+
+    out = tp["tp_init_shards"]
+    init, _ = A.read_tensors(A.step_tensors_path(out, 0, 1), "step tensors")
+    built = dict(build_model(seed=15).named_parameters())
+    w = init["p/layers.0.attention.wq.weight"]  # ColwiseParallel: split along dim 0
+    top, bottom = w.chunk(2, 0)
+    assert torch.equal(top, bottom) and not torch.equal(w, built["layers.0.attention.wq.weight"].detach())
+    with pytest.raises(DormouseError) as e:
+        make_reference(out)
+    assert "equal copies of one shard along dim 0" in str(e.value) and "after parallelize_module" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_a_2d_run_whose_dp_reduction_sums_fails_named_by_the_mesh(dp_tp):

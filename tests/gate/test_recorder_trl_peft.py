@@ -24,7 +24,7 @@ import looprec  # noqa: E402
 from dormouse.gate import artifacts as A  # noqa: E402
 
 RUNS = ["lora:trainer=hf:lora=1", "sft:trainer=sft", "sft_completion:trainer=sft:completion=1",
-        "sft_no_items:trainer=sft:fault=no_items"]
+        "sft_no_items:trainer=sft:fault=no_items", "sft_packing:trainer=sft:packing=1"]
 W, K = 2, 2
 
 
@@ -93,3 +93,31 @@ def test_lora_under_the_trainer_records_the_frozen_base_and_passes(fleet):
     g, ref, _ = by_hand(fleet, "lora")
     assert set(g) == set(ref) and all("lora_" in n for n in g) and not (set(g) & frozen)
     assert fieldkit.relative(g, ref) < 1e-6
+
+
+def test_sft_trainer_with_packing_passes_though_each_rank_passes_its_own_longest_sequence(fleet):
+    """SFTTrainer(packing=True): padding-free micro-batches, each with TRL's max_length_q/k (its longest
+    packed sequence: data, not a branch) that differ between the ranks. The run passes, and its recorded
+    gradient at step 1 is the global token mean over every packed sequence computed alone, by hand."""
+    import torch.nn.functional as F
+
+    rec = A.RecordingSet(fleet / "sft_packing")
+    calls = [rec.step_meta(r, 1)["call"] for r in range(W)]
+    assert any(a != b for a, b in zip(calls[0], calls[1])), calls  # the ranks' max_length_q/k differ
+    v = verdict(fleet, "sft_packing")
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    m = rec.step_meta(0, 1)
+    g = {n: t.double() / m["clip_coef"] for n, t in rec.tensors_at(1, "g/").items()}
+    model = trl_client.build_model(**rec.meta["build_kwargs"])
+    ce, n = 0.0, 0
+    for _, _, b in rec.micro_batches(1):
+        x, y, pos = b["input_ids"][0], b["labels"][0], b["position_ids"][0]
+        starts = (pos == 0).nonzero().flatten().tolist() + [len(x)]
+        for a, e in zip(starts[:-1], starts[1:]):  # each packed sequence alone
+            logits = model(input_ids=x[None, a:e]).logits[0]
+            ce = ce + F.cross_entropy(logits[:-1], y[a + 1:e], ignore_index=-100, reduction="sum")
+            n += int((y[a + 1:e] != -100).sum())
+    (ce / n).backward()
+    ref = {k: p.grad.double() for k, p in model.named_parameters()}
+    num = sum(float((g[k] - ref[k]).pow(2).sum()) for k in ref) ** 0.5
+    assert num / sum(float(ref[k].pow(2).sum()) for k in ref) ** 0.5 < 1e-6

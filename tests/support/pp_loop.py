@@ -15,6 +15,8 @@ Faults ("fault"):
   clean        as above
   loss_div     the loss function also divides by the number of micro-batches, on
                top of scale_grads (the gradient too small by that number)
+  stale        the last stage never zeroes its gradients: each step's adds to the
+               last one's, which scale_grads divides by the micro-batches again
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def run(cfg: dict) -> None:
         dist.broadcast(logged, src=world - 1)
         rec.step(loss=logged, optimizer=opt)
         opt.step()
-        opt.zero_grad()
+        if not (cfg["fault"] == "stale" and rank == world - 1):
+            opt.zero_grad()
     rec.close()
     del module, stage, schedule, opt, rec
     gc.collect()

@@ -26,6 +26,9 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
                  FSDP2 averages (FSDP2's own divide factor 1 needs PREMUL_SUM, which gloo lacks)
   loss_local     the logged loss is this replica's own, not reduced over dp
                  (torchtitan #3329: the gradient right, the logged loss wrong)
+  init_shards    after parallelising, the loop initialises every TP-split weight in
+                 place under the run's seed: each rank draws its own shard from the
+                 same RNG state (torchtitan's init-after-parallelize flow)
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ def run(cfg: dict) -> None:
     model = build_model(seed=cfg["seed"])
     if tp > 1:
         parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local")
+    if fault == "init_shards":
+        torch.manual_seed(cfg["seed"])
+        with torch.no_grad():
+            for p in model.parameters():
+                if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+                    p.normal_(0.0, 0.02)
     if fault == "module_x" and rank == 1:  # one module's output off by a factor on rank 1 (a client's hook)
         model.get_submodule(cfg["module"]).register_forward_hook(lambda mod, a, out: out * cfg["factor"])
     opt = build_optimizer(model)

@@ -22,6 +22,8 @@ A run's fields:
                    a "completion_mask" column; hf: labels built here)
   bf16=0|1         TrainingArguments.bf16 (SFTConfig's default is True: CPU bfloat16 autocast; default
                    here 0, float32, so the gate's bound is 1e-5 rather than 10x the bfloat16 floor)
+  packing=1        SFTConfig(packing=True): rows packed into padding-free micro-batches (position_ids,
+                   and TRL's max_length_q/k keywords, each micro-batch its own)
   ga=K             gradient_accumulation_steps (default 2); seed=S; steps=N (default 4)
   fault=no_items   an SFTTrainer subclass whose compute_loss drops num_items_in_batch (what TRL's
                    distillation trainers did until TRL PR #6006): each micro-batch's own token mean
@@ -138,10 +140,10 @@ def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
     run = {"name": name, "trainer": "sft", "model": "llama", "lora": 0, "completion": 0, "ga": 2, "seed": 0,
            "steps": 4, "fault": None, "loss_type": None, "bf16": 0, "aux": 0, "gc": 0,
-           "avg": 1}
+           "avg": 1, "packing": 0}
     for f in fields:
         k, _, v = f.partition("=")
-        if k in ("lora", "completion", "ga", "seed", "steps", "bf16", "aux", "gc", "avg"):
+        if k in ("lora", "completion", "ga", "seed", "steps", "bf16", "aux", "gc", "avg", "packing"):
             run[k] = int(v)
         elif k in ("trainer", "model", "fault", "loss_type"):
             run[k] = v
@@ -191,7 +193,7 @@ def train(run: dict, out: Path) -> None:
         elif run["fault"]:
             raise SystemExit(f"trl_client: unknown fault {run['fault']!r}")
         cfg = SFTConfig(**common, max_length=SEQ, completion_only_loss=bool(run["completion"]),
-                        dataset_num_proc=None, packing=False)
+                        dataset_num_proc=None, packing=bool(run["packing"]))
         trainer = cls(model=model, args=cfg, train_dataset=Dataset.from_list(data), processing_class=tokenizer(),
                       optimizers=build_optimizer(model), callbacks=[callback])
     trainer.train()

@@ -140,3 +140,8 @@ def reference_step_meta_path(out: Path, step: int) -> Path:
 
 def reference_final_path(out: Path) -> Path:
     return reference_dir(out) / "final.safetensors"
+
+
+# a micro-batch's labels the loop gave its loss and not the model (rec.labels): recorded under this key,
+# never passed to the forward; the built-in objectives (and the judge's counts) read them before "labels"
+LOSS_LABELS = "loss_labels"

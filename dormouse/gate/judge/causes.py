@@ -35,6 +35,10 @@ Other named patterns, each a pure test below:
   never_reduced  the ranks' gradients differ (DDP all-reduces them equal) and
                  their mean is one process's gradient: no_sync on every
                  micro-batch, the gradients never all-reduced
+  stale_gradient at every failing step, the tensors that differ hold one
+                 process's gradient plus the gradient the loop applied at the
+                 step before (every other tensor agrees): the gradients were
+                 not zeroed between steps (on every rank, or on one stage)
   bf16_wire      every element of the fleet's gradient is a bfloat16 value
                  (its float32 bits end in 16 zeros) where one process's is not:
                  a gradient all-reduced in bfloat16 (a bf16 compress hook)
@@ -46,15 +50,18 @@ import math
 
 import torch
 
+from dormouse.gate import artifacts as A
+
 SHOWN_STEPS = 4  # per-step figures shown in a reason (the rest summarised)
 
 
 def targets_of(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """A micro-batch's targets as the built-in objectives read them: its
-    "labels"; without them its input_ids (or arg0) with -100 where
-    attention_mask is 0; None when it has neither."""
-    if "labels" in batch:
-        return batch["labels"]
+    """A micro-batch's targets as the built-in objectives read them: the
+    labels given to rec.labels, else its "labels"; without them its input_ids
+    (or arg0) with -100 where attention_mask is 0; None when it has neither."""
+    for key in (A.LOSS_LABELS, "labels"):
+        if key in batch:
+            return batch[key]
     ids = batch.get("input_ids", batch.get("arg0"))
     if ids is None:
         return None
@@ -224,6 +231,22 @@ def never_reduced(rank_grads: list[dict[str, torch.Tensor]], g_ref: dict[str, to
     mean = {n: sum(g[n].double() for g in rank_grads) / len(rank_grads) for n in names}
     off = rel(mean, g_ref, names)
     return (apart, off) if off <= bound else None
+
+
+def stale_gradient(prev: dict[str, torch.Tensor], g: dict[str, torch.Tensor], g_ref: dict[str, torch.Tensor],
+                   rel, fit, bound: float) -> tuple[list[str], float] | None:
+    """(the tensors whose gradient `g` differs from one process's `g_ref`
+    beyond `bound`, c) when that difference is c times `prev`, the gradient
+    the loop applied at the step before (the residual within `bound`; c = 1
+    for a plain loop, 1/K where a pipeline schedule's scale_grads divides
+    what was left too); None otherwise. `rel(a, b, names)` and `fit(a, b,
+    names)` are the judge's relative difference and fitted constant."""
+    names = sorted(set(g) & set(g_ref))
+    off = [n for n in names if rel(g, g_ref, [n]) > bound]
+    if not off or any(n not in prev for n in off):
+        return None
+    c, res = fit({n: g[n].double() - g_ref[n].double() for n in off}, prev, off)
+    return (off, c) if res <= bound and c > bound else None
 
 
 def bf16_representable(g: dict[str, torch.Tensor]) -> bool:

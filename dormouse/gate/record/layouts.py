@@ -26,6 +26,8 @@ Recorder records shard by shard, record/recorder.py)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 # mesh dimension names that are data-parallel when FSDP2's own mesh cannot be read (torchtitan's names)
@@ -192,3 +194,32 @@ def pipeline(stage, module, rank: int, gather) -> tuple[PipelineLayout, dict]:
                       for ns in names for n in ns}
     meta["stage_params"] = names
     return lay, meta
+
+
+def equal_shards(layout: dict | None, name: str, t: torch.Tensor) -> str | None:
+    """A sentence when the recorded initial `t` of parameter `name`, split over a
+    model-parallel mesh dimension along tensor dim d, is the same shard repeated
+    along d: each TP rank initialised its own shard from the same RNG state (an
+    init run after parallelize_module, on the DTensor shards), so the fleet starts
+    from another network than one process builds (and from another one at each TP
+    degree); None otherwise."""
+    if not layout or layout.get("pipeline"):
+        return None
+    p = layout.get("params", {}).get(name, {})
+    if not p.get("model_parallel") or not layout.get("groups"):
+        return None
+    tp = max(len(g) for g in layout["groups"])
+    data = set(layout.get("data_dims", []))
+    for dim_name, pl in zip(p.get("mesh") or [], p.get("placements", [])):
+        m = re.fullmatch(r"Shard\(dim=(\d+)\)", pl)
+        if dim_name in data or not m or int(m.group(1)) >= t.dim() or t.shape[int(m.group(1))] % tp:
+            continue
+        d = int(m.group(1))
+        pieces = t.chunk(tp, d)
+        if all(torch.equal(x, pieces[0]) for x in pieces[1:]) and not torch.equal(pieces[0], torch.zeros_like(pieces[0])):
+            return (f"the recorded initial {name} is {tp} equal copies of one shard along dim {d}, the dimension "
+                    f"it is split over the TP group ({dim_name}): each TP rank initialised its own shard from the "
+                    "same seed (an init run after parallelize_module, on the DTensor shards), so the fleet starts "
+                    "from another network than one process builds, and from another one at each TP degree; "
+                    "initialise the model before parallelising it (or from one RNG stream for the whole tensor)")
+    return None

@@ -32,9 +32,7 @@ SCOPES = ("example", "forward", "step")
 WIRES = A.WIRES  # how the loop's gradient reduce rounds (artifacts.WIRES)
 
 
-# Labels the loop gives its loss and not the model (rec.labels): recorded under this key, which the
-# reference never passes to the forward; the built-in objectives read them before "labels"
-LOSS_LABELS = "loss_labels"
+LOSS_LABELS = A.LOSS_LABELS  # rec.labels's key (artifacts.layout)
 
 
 # Plain attribute values of the model's modules the Recorder records (and the reference sets)

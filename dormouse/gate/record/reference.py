@@ -115,6 +115,7 @@ from dormouse.gate.record.options import LOSS_LABELS, OBJECTIVES
 from dormouse.gate.record.sketch import Sketcher, sketch_buckets
 from dormouse.gate.record.userfns import code_hashes, import_path
 from dormouse.gate.record import routeraux
+from dormouse.gate.record.layouts import equal_shards
 
 REFERENCE_SCHEMA = 1
 
@@ -284,7 +285,8 @@ def rebuild(rec: A.RecordingSet):
                                      "if every rank built build_model's model, the group's ranks are declared in "
                                      "another order than the pieces concatenate in (or along another dim)")
             raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
-                                 f"recorded initial ones (first: {n}): seed it as the loop does")
+                                 f"recorded initial ones (first: {n}): "
+                                 + (equal_shards(meta.get("layout"), n, b) or "seed it as the loop does"))
     _as_recorded(model, meta)
     return model
 

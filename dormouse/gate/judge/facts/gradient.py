@@ -184,6 +184,25 @@ def _never_reduced(rec: A.RecordingSet, ref: ReferenceSet, bound: float):
 
 
 
+def _stale(rec: A.RecordingSet, ref: ReferenceSet, bound: float, failing: list[int]) -> tuple[int, list[str], float] | None:
+    """(the first failing step, its stale tensors) when every failing step's gradient is one process's
+    plus the gradient applied at the step before in the tensors that differ (causes.stale_gradient),
+    each failing step right after a recorded one of the same segment; None otherwise (or sketches)."""
+    steps = rec.tensor_steps()
+    if rec.sketch or not failing:
+        return None
+    found = []
+    for k in failing:
+        i = steps.index(k)
+        if i == 0 or steps[i - 1] != k - 1 or k in rec.resumed_at():
+            return None
+        off = C.stale_gradient(rec.tensors_at(k - 1, "g/"), fleet_grad(rec, k), ref.tensors(k, "g/"), rel, fit, bound)
+        if off is None:
+            return None
+        found.append(off)
+    return failing[0], found[0][0], found[0][1]
+
+
 def step_counts_of(rec: A.RecordingSet, steps: list[int]) -> list[dict] | None:
     """causes.step_counts at each of `steps` (a built-in token objective only;
     causal_lm shifts by one), or None where a step's targets are not [rows, T]."""
@@ -239,6 +258,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     tbounds = [r["tensor_bound"] for r in rows] if run else [r["bound"] for r in rows]
     per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
     fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": [], "gm": [], "fwd": []}
+    alt_far = dict.fromkeys(alts, False)
     first_bad, gm_far = None, False
     for row in rows:
         k = row["step"]
@@ -262,6 +282,10 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
             a = ref.tensors(k, f"{alt}/")
             an = sorted(set(g) & set(a))
             alts[alt].append(fit(g, a, an) if an else (0.0, math.inf))
+            # an alternative is named only where it is not the declared objective's own gradient (every
+            # rank's own token mean IS the global one when the ranks hold as many tokens)
+            alt_far[alt] = alt_far[alt] or bool(an) and rel(a, g_ref, an) > \
+                FACTOR_AWAY * arithmetic_bound(rec, ref, GRAD_RTOL, k)
         gm = ref.tensors(k, "gm/")  # the global batch in one forward: named only where it is not the sum's
         gm_far = gm_far or bool(gm) and rel(gm, g_ref, sorted(set(gm) & set(g_ref))) > \
             FACTOR_AWAY * arithmetic_bound(rec, ref, GRAD_RTOL, k)
@@ -313,8 +337,10 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
         named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)
                         and max(c for c, _ in fs) - min(c for c, _ in fs) <= factor_rtol * abs(fs[0][0])
-                        and (alt != "gm" or gm_far)), None)  # one factor at every step: the words state one
+                        and (alt != "gm" or gm_far) and alt_far.get(alt, True)), None)  # one factor at every step
         apart = None if constant or unit else _never_reduced(rec, ref, bound)
+        stale = None if constant or unit or apart is not None or run else \
+            _stale(rec, ref, bound, [r["step"] for r in rows if not r["ok"]])
         scalars = [(k, c, r) for k, (c, r) in zip(fitted, fits)]
         per_step = not constant and not unit and C.per_step_scalar(scalars, bound, FACTOR_AWAY * bound)
         lasts = [(k, *C.last_micro_fit(fleet_grad(rec, k), ref.tensors(k, "g/"), ref.tensors(k, "last/"),
@@ -341,6 +367,15 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                       f"(by {far:.2g}), each its own micro-batches' gradient, and their mean equals {what} (within "
                       f"{off:.2g}; {stated}): no_sync on every micro-batch (or a hand-written all-reduce that never "
                       "ran), so each rank steps on its own gradient and the ranks drift apart")
+        elif stale is not None:
+            k0, off, c = stale
+            share = "" if abs(c - 1) <= factor_rtol else f" times {c:.4g}" + (
+                f" = {factor_name(c, world, micro, factor_rtol)}" if factor_name(c, world, micro, factor_rtol) else "")
+            reason = (f"the gradients were not zeroed between steps: from step {k0} on, the fleet's gradient of "
+                      f"{len(off)} tensor(s) ({', '.join(off[:3])}{', ...' if len(off) > 3 else ''}) is {what} plus "
+                      f"the gradient the loop applied at the step before{share}, and every other tensor agrees "
+                      f"({stated}): optimizer.zero_grad() is missing where those tensors live (every rank, or one "
+                      "pipeline stage)")
         elif per_step and not alt_hit:
             reason = C.describe_scalars(scalars, step_counts_of(rec, fitted), factor_rtol) + f" ({stated})"
         elif alt_hit:
@@ -443,3 +478,5 @@ def check_grad_mask(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                                              "where one process has one")
     return Check("grad_mask", True, "the parameters with a gradient are the ones one process gives a gradient, "
                                     "at every step")
+
+

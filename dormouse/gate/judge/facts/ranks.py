@@ -111,6 +111,17 @@ def _mode_split(rec: A.RecordingSet) -> str | None:
 
 
 
+# forward keywords that describe the micro-batch's own rows, not the network: transformers' flash-attention
+# metadata of a packed, padding-free batch (its longest sequence), which TRL's collator passes as ints. They
+# differ between ranks as the rows do; the reference passes each micro-batch its own.
+BATCH_METADATA = ("max_length_q", "max_length_k")
+
+
+def _network_call(x):
+    """A micro-batch's recorded non-tensor forward arguments without BATCH_METADATA."""
+    return {n: v for n, v in x.items() if n not in BATCH_METADATA} or None if isinstance(x, dict) else x
+
+
 def _call_split(rec: A.RecordingSet) -> str | None:
     """Where a rank's micro-batch got other non-tensor forward arguments or ran
     with other plain attributes than rank 0's same micro-batch (a branch switch
@@ -119,8 +130,8 @@ def _call_split(rec: A.RecordingSet) -> str | None:
     reference reproduces it micro-batch by micro-batch."""
     for k in rec.steps:
         for key, what in (("call", "non-tensor forward arguments"), ("attrs", "plain attributes")):
-            states = [[x or None for x in (rec.step_meta(r, k).get(key) or [])][:rec.step_meta(r, k).get(
-                "micro_batches", 0)] for r in range(rec.world_at(k))]
+            states = [[(_network_call(x) if key == "call" else x) or None for x in (rec.step_meta(r, k).get(key) or [])][
+                :rec.step_meta(r, k).get("micro_batches", 0)] for r in range(rec.world_at(k))]
             for r, st in enumerate(states):
                 for m, a in enumerate(st):
                     want = states[0][m] if m < len(states[0]) else states[0][-1] if states[0] else a
