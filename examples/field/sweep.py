@@ -26,6 +26,7 @@ beyond those.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -79,6 +80,20 @@ CONFIGS = {
           for f in ("mixtral", "qwen3_moe")],
         ("sft_qwen3:trainer=sft:model=qwen3", "trl.SFTTrainer, qwen3"),
         ("sft_mixtral:trainer=sft:model=mixtral", "trl.SFTTrainer, mixtral MoE"),
+        ("sft_pack:trainer=sft:pack=1", "trl.SFTTrainer, packing=True (BFD: padding-free rows, position_ids "
+         "restarting per example, recorded as a forward input)"),
+        ("sft_padfree:trainer=sft:pf=1", "trl.SFTTrainer, padding_free=True without packing (each micro-batch's "
+         "examples in one row)"),
+        ("trainer_left:trainer=hf:pad=left", "transformers.Trainer, Llama, rows padded on the left"),
+        ("trainer_compile:trainer=hf:compile=1", "transformers.Trainer, Llama, torch_compile=True (inductor on CPU)"),
+        ("trainer_uneven:trainer=hf:examples=18:steps=3", "transformers.Trainer, 18 examples at a global batch of "
+         "8: the epoch ends on an uneven batch (step 3: one micro-batch per rank)"),
+        ("trainer_uneven_drop:trainer=hf:examples=18:steps=4:drop=1", "the same with dataloader_drop_last=True, "
+         "over two epochs"),
+        ("dpo:trainer=dpo", "trl.DPOTrainer, sigmoid loss, beta 0.1, ref_model the initial model; objective "
+         "declared per pair over the step"),
+        ("dpo_sft:trainer=dpo:dpo=sigmoid+sft", "trl.DPOTrainer, loss_type=['sigmoid', 'sft'] (RPO's NLL term), "
+         "declared as one process at the global batch computes it"),
     ]),
 }
 
@@ -99,7 +114,7 @@ def launch(client: str, specs: list[str], out: Path, log) -> None:
 
 
 def confirm(rec_dir: Path) -> dict:
-    """The independent step-1 gradient and lr comparison (see the module docstring)."""
+    """The independent gradient, data and lr comparison (see the module docstring)."""
     import fieldkit
     import torch
 
@@ -109,17 +124,36 @@ def confirm(rec_dir: Path) -> dict:
     rec = A.RecordingSet(rec_dir)
     kw = rec.meta.get("build_kwargs") or {}
     build = import_path(rec.meta["build_model"], "build_model")
-    batches = [b for _, _, b in rec.micro_batches(1)]
-    m = rec.step_meta(0, 1)
-    c = m["clip_coef"] if m.get("clipped") else 1.0
-    g = {n: t.double() / c for n, t in rec.tensors_at(1, "g/").items()}
+    objective = rec.meta["objective"]
+    dpo = objective.endswith("dpo_objective") or objective.endswith("dpo_sft_objective")
+    sft = "global" if objective.endswith("dpo_sft_objective") else None
     autocast = any(a for r in range(rec.meta["world"]) for a in (rec.step_meta(r, 1).get("autocast") or []))
-    if autocast:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ref = fieldkit.one_process_gradient(lambda: build(**kw), batches)
-    else:
-        ref = fieldkit.one_process_gradient(lambda: build(**kw), batches)
-    rel = fieldkit.relative(g, ref) if set(g) == set(ref) else float("inf")
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+
+    def at(k: int, weighting: str | None = sft) -> float:
+        """The fleet's gradient at step k (over its clip coefficient) against one process's by hand."""
+        batches = [b for _, _, b in rec.micro_batches(k)]
+        m = rec.step_meta(0, k)
+        c = m["clip_coef"] if m.get("clipped") else 1.0
+        g = {n: t.double() / c for n, t in rec.tensors_at(k, "g/").items()}
+        params = rec.tensors_at(k, "p/") if k != rec.steps[0] else None
+        with ctx():
+            if dpo:
+                from trl_client import DPO_BETA
+
+                ref = fieldkit.dpo_gradient(lambda: build(**kw), batches, beta=DPO_BETA, sft=weighting, params=params)
+            else:
+                ref = fieldkit.one_process_gradient(lambda: build(**kw), batches, params=params)
+        return fieldkit.relative(g, ref) if set(g) == set(ref) else float("inf")
+
+    steps = sorted({rec.steps[0], rec.steps[-1]})
+    rels = {k: at(k) for k in steps}
+    rel = max(rels.values())
+    # rows read twice within an epoch (the loop's epochs where it said them, else the run as one)
+    epochs: dict = {}
+    for k in rec.steps:
+        epochs.setdefault(rec.step_meta(0, k).get("epoch"), []).extend(b for _, _, b in rec.micro_batches(k))
+    repeats = fieldkit.repeated_rows(list(epochs.values()))
     # the lr: the user's scheduler stepped once per optimizer step, from a model built the same way
     opt, sched = import_path(rec.meta["build_optimizer"], "build_optimizer")(build(**kw), **kw)
     lrs = []
@@ -132,8 +166,11 @@ def confirm(rec_dir: Path) -> dict:
     recorded = [rec.step_meta(0, k)["lr"] for k in rec.steps]
     lr_off = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(recorded, lrs))
     bound = 5e-2 if autocast else 1e-5
-    return {"grad_rel": rel, "lr_rel": lr_off, "bound": bound, "autocast": autocast,
-            "agrees": rel <= bound and lr_off <= 1e-9}
+    out = {"grad_rel": rel, "steps": steps, "lr_rel": lr_off, "repeats": repeats, "bound": bound,
+           "autocast": autocast, "agrees": rel <= bound and lr_off <= 1e-9 and repeats == 0}
+    if sft:  # what the fleet computed instead: each micro-batch's own token mean of the chosen completions
+        out["micro_rel"] = at(rec.steps[0], "micro")
+    return out
 
 
 def gate(rec_dir: Path) -> dict:
