@@ -24,7 +24,7 @@ import looprec  # noqa: E402
 from dormouse.gate import artifacts as A  # noqa: E402
 
 RUNS = ["lora:trainer=hf:lora=1", "sft:trainer=sft", "sft_completion:trainer=sft:completion=1",
-        "sft_no_items:trainer=sft:fault=no_items"]
+        "sft_no_items:trainer=sft:fault=no_items", "dpo:trainer=dpo", "dpo_sft:trainer=dpo:dpo=sigmoid+sft"]
 W, K = 2, 2
 
 
@@ -93,3 +93,36 @@ def test_lora_under_the_trainer_records_the_frozen_base_and_passes(fleet):
     g, ref, _ = by_hand(fleet, "lora")
     assert set(g) == set(ref) and all("lora_" in n for n in g) and not (set(g) & frozen)
     assert fieldkit.relative(g, ref) < 1e-6
+
+
+def dpo_by_hand(fleet, name, sft):
+    """(recorded gradient at step 1 over its clip coefficient, DPO's gradient by fieldkit's own pair code)."""
+    rec = A.RecordingSet(fleet / name)
+    batches = [b for _, _, b in rec.micro_batches(1)]
+    g = {n: t.double() / rec.step_meta(0, 1)["clip_coef"] for n, t in rec.tensors_at(1, "g/").items()}
+    kw = rec.meta["build_kwargs"]
+    return g, fieldkit.dpo_gradient(lambda: trl_client.build_model(**kw), batches, beta=trl_client.DPO_BETA, sft=sft)
+
+
+def test_dpo_trainer_declared_per_pair_passes_and_equals_one_process(fleet):
+    """DPOTrainer (sigmoid, the initial model as ref_model), its objective declared per
+    pair over the whole step: every check passes, and the recorded gradient at step 1
+    is the mean over the step's pairs computed by hand (each micro-batch B chosen rows
+    then B rejected)."""
+    v = verdict(fleet, "dpo")
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    assert checks(v)["gradient"].worst <= 1e-5 and "objective_scope='step'" in checks(v)["independence"].reason
+    g, ref = dpo_by_hand(fleet, "dpo", None)
+    assert fieldkit.relative(g, ref) < 1e-6
+
+
+def test_dpo_sft_term_is_a_per_micro_batch_token_mean_and_fails(fleet):
+    """loss_type ["sigmoid", "sft"]: DPOTrainer's sft term is each micro-batch's own token
+    mean, so the fleet trains the mean of those, not one process's token mean over the
+    global batch: the gradient fails; by hand the fleet equals the micro-batch-mean
+    weighting and not the global one."""
+    v = verdict(fleet, "dpo_sft")
+    assert "gradient" in failed(v), "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    g, micro = dpo_by_hand(fleet, "dpo_sft", "micro")
+    _, global_mean = dpo_by_hand(fleet, "dpo_sft", "global")
+    assert fieldkit.relative(g, micro) < 1e-6 < 1e-2 < fieldkit.relative(g, global_mean)
