@@ -24,7 +24,8 @@ import looprec  # noqa: E402
 from dormouse.gate import artifacts as A  # noqa: E402
 
 RUNS = ["lora:trainer=hf:lora=1", "sft:trainer=sft", "sft_completion:trainer=sft:completion=1",
-        "sft_no_items:trainer=sft:fault=no_items", "dpo:trainer=dpo", "dpo_sft:trainer=dpo:dpo=sigmoid+sft"]
+        "sft_no_items:trainer=sft:fault=no_items", "dpo:trainer=dpo:steps=2",
+        "dpo_sft:trainer=dpo:dpo=sigmoid+sft:steps=2"]
 W, K = 2, 2
 
 
