@@ -185,13 +185,15 @@ def gate(rec_dir: Path) -> dict:
     bad = [c for c in v.checks if not c.passed]
     g = next(c for c in v.checks if c.name == "gradient")
 
-    def short(text: str) -> str:
-        return text if len(text) <= 220 else text[:217] + "..."
+    def short(text: str, limit: int = 220) -> str:
+        return text if len(text) <= limit else text[:limit - 3] + "..."
 
     # every failing check's words (the clip check names a clip before the reduce, the replay a schedule),
     # except a clip check that only points back at the gradient
     named = [c for c in bad if not (c.name == "clip" and "the gradient itself is wrong" in c.reason)]
-    cause = "; ".join(f"{c.name}: {short(c.reason)}" for c in named) if bad else short(g.reason)
+    # the gradient's words in full (a named count, a named weighting), the others' first lines
+    cause = ("; ".join(f"{c.name}: {short(c.reason, 480 if c.name == 'gradient' else 220)}" for c in named)
+             if bad else short(g.reason))
     return {"passed": v.passed, "failed": [c.name for c in bad], "cause": cause,
             "gradient_worst": g.worst, "gradient_bound": g.bound}
 
@@ -336,9 +338,10 @@ def _new_findings(rows: list[dict]) -> list[str]:
             ".mean()` in `DPOTrainer._compute_loss`, not normalised by `num_items_in_batch`, so under gradient "
             "accumulation and data parallelism the fleet trains the mean of the micro-batches' token means, "
             "not one process's token mean over the global batch. Row `dpo_sft`: the gate fails the gradient "
-            f"({dpo_sft['gate']['gradient_worst']:.2g} at its worst step); independently, at step 1 the fleet's "
-            f"gradient is {c['grad_rel']:.2g} from one process's at the global batch and "
-            f"{c.get('micro_rel', float('nan')):.1e} from the mean of micro-batch token means. Reproduction, one "
+            f"({dpo_sft['gate']['gradient_worst']:.2g} at its worst step); independently, the fleet's gradient "
+            f"is up to {c['grad_rel']:.2g} from one process's at the global batch (first and last step) and, at "
+            f"step 1, {c.get('micro_rel', float('nan')):.1e} from the mean of micro-batch token means. "
+            "Reproduction, one "
             "process, CPU: `examples/field/dpo_sft_term.py` (4 pairs, gradient accumulation 2 x 2 pairs "
             "against 1 x 4 pairs: 6.9e-2 apart with the sft term, 9.9e-8 without). No upstream issue found; "
             "the pairwise terms are unaffected as long as every micro-batch holds the same number of pairs.")
@@ -349,7 +352,9 @@ def _new_findings(rows: list[dict]) -> list[str]:
         out.append(
             "- **Packing and padding-free (TRL's SFTTrainer)**: " + words + ". The micro-batch is one row of "
             "concatenated examples with `position_ids` restarting at each and no attention mask; transformers "
-            "5.24 builds the block-diagonal mask from the position_ids, so no example attends to another. The "
+            "5.24 builds the block-diagonal mask from the position_ids when no attention mask is given "
+            "(`masking_utils._preprocess_mask_arguments` -> `find_packed_sequence_indices`), so no example "
+            "attends to another, with sdpa on CPU too. The "
             "gate needs `position_ids` among the recorded inputs (`RecorderCallback(inputs=(..., "
             "'position_ids'))`): without it the reference computes the row as one sequence. The independent "
             "check computes each example in a forward of its own, so a cross-contaminated row would disagree.")
