@@ -84,7 +84,7 @@ CONFIGS = {
         ("sft_qwen3:trainer=sft:model=qwen3", "trl.SFTTrainer, qwen3"),
         ("sft_mixtral:trainer=sft:model=mixtral", "trl.SFTTrainer, mixtral MoE"),
         ("sft_pack:trainer=sft:pack=1", "trl.SFTTrainer, packing=True (BFD: padding-free rows, position_ids "
-         "restarting per example, recorded as a forward input)"),
+         "restarting per example)"),
         ("sft_padfree:trainer=sft:pf=1", "trl.SFTTrainer, padding_free=True without packing (each micro-batch's "
          "examples in one row)"),
         ("trainer_left:trainer=hf:pad=left", "transformers.Trainer, Llama, rows padded on the left"),
@@ -355,9 +355,9 @@ def _new_findings(rows: list[dict]) -> list[str]:
             "5.24 builds the block-diagonal mask from the position_ids when no attention mask is given "
             "(`masking_utils._preprocess_mask_arguments` -> `find_packed_sequence_indices`), so no example "
             "attends to another, with sdpa on CPU too. The "
-            "gate needs `position_ids` among the recorded inputs (`RecorderCallback(inputs=(..., "
-            "'position_ids'))`): without it the reference computes the row as one sequence. The independent "
-            "check computes each example in a forward of its own, so a cross-contaminated row would disagree.")
+            "Recorder records the position_ids (a tensor keyword with the batch's rows), so the reference "
+            "computes what the fleet computed; the independent check computes each example in a forward of "
+            "its own, so a cross-contaminated row would disagree.")
     left = _row(rows, "trainer_left")
     if left:
         out.append(

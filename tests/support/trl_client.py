@@ -28,7 +28,8 @@ A run's fields:
   loss_type=T      model.loss_type (GPT-2's is None: the Trainer then counts unshifted labels)
   pack=1           SFT: packing=True (TRL's default "bfd" strategy, which turns padding-free on: each
                    micro-batch one row of concatenated examples, position_ids restarting at each, no
-                   attention_mask; the callback records position_ids too)
+                   attention_mask; the Recorder records position_ids as it records every tensor keyword
+                   with the batch's rows)
   pf=1             SFT: padding_free=True without packing (the micro-batch's examples concatenated)
   pad=left         hf: the rows padded on the left (Padded; the attention mask starts with zeros)
   examples=N       the dataset's examples (default 64); drop=1 dataloader_drop_last=True
@@ -281,19 +282,15 @@ def build_kwargs(run: dict) -> dict:
 def train(run: dict, out: Path) -> None:
     from dormouse.gate.record.hf import RecorderCallback
 
-    from dormouse.gate.record.recorder import INPUTS
-
     kw = build_kwargs(run)
     model = build_model(**kw)
     objective, scope = "causal_lm", "example"
     if run["trainer"] == "dpo":  # per pair, over the whole step (see the module docstring)
         objective = f"{MODULE}:{'dpo_sft_objective' if 'sft' in run['dpo'].split('+') else 'dpo_objective'}"
         scope = "step"
-    # padding-free micro-batches carry where each example starts in position_ids: the forward's input too
-    inputs = (*INPUTS, "position_ids") if run["pack"] or run["pf"] else INPUTS
     callback = RecorderCallback(out / run["name"], build_model=f"{MODULE}:build_model",
                                 build_optimizer=f"{MODULE}:build_optimizer", objective=objective, build_kwargs=kw,
-                                objective_scope=scope, inputs=inputs)
+                                objective_scope=scope)
     common = dict(output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
                   per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
                   max_steps=run["steps"], logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
