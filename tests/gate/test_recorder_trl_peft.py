@@ -25,7 +25,7 @@ from dormouse.gate import artifacts as A  # noqa: E402
 
 RUNS = ["lora:trainer=hf:lora=1", "sft:trainer=sft", "sft_completion:trainer=sft:completion=1",
         "sft_no_items:trainer=sft:fault=no_items", "dpo:trainer=dpo:steps=2",
-        "dpo_sft:trainer=dpo:dpo=sigmoid+sft:steps=2"]
+        "dpo_sft:trainer=dpo:dpo=sigmoid+sft:steps=2", "padfree:trainer=sft:pf=1:steps=2"]
 W, K = 2, 2
 
 
@@ -127,3 +127,18 @@ def test_dpo_sft_term_is_a_per_micro_batch_token_mean_and_fails(fleet):
     g, micro = dpo_by_hand(fleet, "dpo_sft", "micro")
     _, global_mean = dpo_by_hand(fleet, "dpo_sft", "global")
     assert fieldkit.relative(g, micro) < 1e-6 < 1e-2 < fieldkit.relative(g, global_mean)
+
+
+def test_padding_free_sft_passes_with_its_length_hints_differing_between_ranks(fleet):
+    """padding_free=True: each micro-batch one row of concatenated examples (position_ids restarting at
+    each); TRL's collator passes the longest example as int forward arguments (max_length_q/_k),
+    which differ between ranks as the data does: data, not a branch one rank switches alone (a bool
+    flipped on one rank still fails: test_recorder_batch_scope). Every check passes, and the fleet's
+    gradient at step 1 is fieldkit's, each example computed in a forward of its own."""
+    rec = A.RecordingSet(fleet / "padfree")
+    hints = {tuple(c.get("max_length_q") for c in rec.step_meta(r, k)["call"]) for k in rec.steps for r in (0, 1)}
+    assert len(hints) > 1 and "attention_mask" not in rec.micro_batches(1)[0][2]
+    v = verdict(fleet, "padfree")
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    g, ref, _ = by_hand(fleet, "padfree")
+    assert fieldkit.relative(g, ref) < 1e-6
