@@ -128,7 +128,7 @@ def confirm(rec_dir: Path) -> dict:
     kw = rec.meta.get("build_kwargs") or {}
     build = import_path(rec.meta["build_model"], "build_model")
     objective = rec.meta["objective"]
-    dpo = objective.endswith("dpo_objective") or objective.endswith("dpo_sft_objective")
+    dpo = objective.endswith(("dpo_objective", "dpo_sft_objective"))
     sft = "global" if objective.endswith("dpo_sft_objective") else None
     autocast = any(a for r in range(rec.meta["world"]) for a in (rec.step_meta(r, 1).get("autocast") or []))
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
@@ -371,7 +371,8 @@ def _new_findings(rows: list[dict]) -> list[str]:
         out.append(
             f"- **`torch_compile=True`** under the HF Trainer (inductor on CPU): "
             f"{'PASS' if comp['gate']['passed'] else 'FAIL'} (worst {comp['gate']['gradient_worst']:.2g}); "
-            "dynamo traces the Recorder's forward hooks too (recompiling them per module type).")
+            "dynamo traces the Recorder's forward hooks too: it recompiles them for each kind of module "
+            "output until its recompile limit (8), then runs them eagerly.")
     unev, drop = _row(rows, "trainer_uneven"), _row(rows, "trainer_uneven_drop")
     if unev:
         out.append(

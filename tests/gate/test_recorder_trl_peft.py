@@ -126,7 +126,8 @@ def test_dpo_sft_term_is_a_per_micro_batch_token_mean_and_fails(fleet):
     assert "gradient" in failed(v), "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     g, micro = dpo_by_hand(fleet, "dpo_sft", "micro")
     _, global_mean = dpo_by_hand(fleet, "dpo_sft", "global")
-    assert fieldkit.relative(g, micro) < 1e-6 < 1e-2 < fieldkit.relative(g, global_mean)
+    assert fieldkit.relative(g, micro) < 1e-6
+    assert fieldkit.relative(g, global_mean) > 1e-2
 
 
 def test_padding_free_sft_passes_with_its_length_hints_differing_between_ranks(fleet):

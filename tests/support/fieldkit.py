@@ -13,6 +13,8 @@ them: the gate's reference counts for itself."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -49,7 +51,7 @@ def loss_sum(net, batch: dict) -> tuple[torch.Tensor, int]:
         total, n = 0.0, 0
         for row in range(batch["input_ids"].shape[0]):
             starts = batch["position_ids"][row].eq(0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
-            for a, b in zip(starts[:-1], starts[1:]):
+            for a, b in itertools.pairwise(starts):
                 if b - a < 2:
                     continue  # a lone token (or the right padding's zeros) has no next-token target
                 s, c = loss_sum(net, {"input_ids": batch["input_ids"][row:row + 1, a:b],
@@ -164,7 +166,7 @@ def repeated_rows(epochs: list[list[dict]]) -> int:
                     pieces = [tuple(ids[b["attention_mask"][i].bool()].tolist())]
                 elif "position_ids" in b:
                     cut = b["position_ids"][i].eq(0).nonzero().flatten().tolist() + [ids.shape[0]]
-                    pieces = [tuple(ids[x:y].tolist()) for x, y in zip(cut[:-1], cut[1:]) if y - x > 1]
+                    pieces = [tuple(ids[x:y].tolist()) for x, y in itertools.pairwise(cut) if y - x > 1]
                 else:
                     pieces = [tuple(ids.tolist())]
                 for piece in pieces:
