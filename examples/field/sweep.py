@@ -7,25 +7,29 @@ docs/field-report.md.
 
 Each configuration is a run of one of the real clients in tests/support
 (Lightning: lightning_client.py; a hand-written accelerate loop:
-accelerate_loop.py; the HF Trainer, TRL's SFTTrainer and PEFT LoRA:
-trl_client.py), trained by a real torchrun fleet of 2 gloo ranks on CPU
+accelerate_loop.py; the HF Trainer, TRL's SFTTrainer and DPOTrainer and PEFT
+LoRA: trl_client.py), trained by a real torchrun fleet of 2 gloo ranks on CPU
 (random-init models, generated data, nothing downloaded; one launch per
 client), recorded, and judged by `dormouse gate check`'s reference and judge.
 
 The confirmation is computed here, apart from the gate: the one-process
-gradient at step 1 of the global token mean over every rank's recorded
-micro-batches, differentiated by this file's own loss code
-(tests/support/fieldkit.py), against the fleet's recorded gradient (over its
-clip coefficient where it was clipped before recording), and the lr the
-fleet used at each step against the user's scheduler stepped once per step.
-A PASS is confirmed when both agree (gradient within 1e-5 relative, 5e-2
-under bfloat16 autocast; lr within 1e-9); a FAIL when either disagrees
-beyond those.
+gradient at the first and the last recorded step (the last from the
+parameters recorded there) of the global token mean over every rank's
+recorded micro-batches (DPO: the mean over pairs), differentiated by the
+sweep's own loss code (tests/support/fieldkit.py; a padding-free row example
+by example), against the fleet's recorded gradient (over its clip
+coefficient where it was clipped before recording); the rows read twice
+within an epoch, counted from the recorded tokens; and the lr the fleet used
+at each step against the user's scheduler stepped once per step. A PASS is
+confirmed when all three agree (gradient within 1e-5 relative, 5e-2 under
+bfloat16 autocast; no repeated row; lr within 1e-9); a FAIL when any
+disagrees.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -79,6 +83,20 @@ CONFIGS = {
           for f in ("mixtral", "qwen3_moe")],
         ("sft_qwen3:trainer=sft:model=qwen3", "trl.SFTTrainer, qwen3"),
         ("sft_mixtral:trainer=sft:model=mixtral", "trl.SFTTrainer, mixtral MoE"),
+        ("sft_pack:trainer=sft:pack=1", "trl.SFTTrainer, packing=True (BFD: padding-free rows, position_ids "
+         "restarting per example)"),
+        ("sft_padfree:trainer=sft:pf=1", "trl.SFTTrainer, padding_free=True without packing (each micro-batch's "
+         "examples in one row)"),
+        ("trainer_left:trainer=hf:pad=left", "transformers.Trainer, Llama, rows padded on the left"),
+        ("trainer_compile:trainer=hf:compile=1", "transformers.Trainer, Llama, torch_compile=True (inductor on CPU)"),
+        ("trainer_uneven:trainer=hf:examples=18:steps=3", "transformers.Trainer, 18 examples at a global batch of "
+         "8: the epoch ends on an uneven batch (step 3: one micro-batch per rank)"),
+        ("trainer_uneven_drop:trainer=hf:examples=18:steps=4:drop=1", "the same with dataloader_drop_last=True, "
+         "over two epochs"),
+        ("dpo:trainer=dpo", "trl.DPOTrainer, sigmoid loss, beta 0.1, ref_model the initial model; objective "
+         "declared per pair over the step"),
+        ("dpo_sft:trainer=dpo:dpo=sigmoid+sft", "trl.DPOTrainer, loss_type=['sigmoid', 'sft'] (RPO's NLL term), "
+         "declared as one process at the global batch computes it"),
     ]),
 }
 
@@ -99,7 +117,7 @@ def launch(client: str, specs: list[str], out: Path, log) -> None:
 
 
 def confirm(rec_dir: Path) -> dict:
-    """The independent step-1 gradient and lr comparison (see the module docstring)."""
+    """The independent gradient, data and lr comparison (see the module docstring)."""
     import fieldkit
     import torch
 
@@ -109,17 +127,36 @@ def confirm(rec_dir: Path) -> dict:
     rec = A.RecordingSet(rec_dir)
     kw = rec.meta.get("build_kwargs") or {}
     build = import_path(rec.meta["build_model"], "build_model")
-    batches = [b for _, _, b in rec.micro_batches(1)]
-    m = rec.step_meta(0, 1)
-    c = m["clip_coef"] if m.get("clipped") else 1.0
-    g = {n: t.double() / c for n, t in rec.tensors_at(1, "g/").items()}
+    objective = rec.meta["objective"]
+    dpo = objective.endswith(("dpo_objective", "dpo_sft_objective"))
+    sft = "global" if objective.endswith("dpo_sft_objective") else None
     autocast = any(a for r in range(rec.meta["world"]) for a in (rec.step_meta(r, 1).get("autocast") or []))
-    if autocast:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ref = fieldkit.one_process_gradient(lambda: build(**kw), batches)
-    else:
-        ref = fieldkit.one_process_gradient(lambda: build(**kw), batches)
-    rel = fieldkit.relative(g, ref) if set(g) == set(ref) else float("inf")
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+
+    def at(k: int, weighting: str | None = sft) -> float:
+        """The fleet's gradient at step k (over its clip coefficient) against one process's by hand."""
+        batches = [b for _, _, b in rec.micro_batches(k)]
+        m = rec.step_meta(0, k)
+        c = m["clip_coef"] if m.get("clipped") else 1.0
+        g = {n: t.double() / c for n, t in rec.tensors_at(k, "g/").items()}
+        params = rec.tensors_at(k, "p/") if k != rec.steps[0] else None
+        with ctx():
+            if dpo:
+                from trl_client import DPO_BETA
+
+                ref = fieldkit.dpo_gradient(lambda: build(**kw), batches, beta=DPO_BETA, sft=weighting, params=params)
+            else:
+                ref = fieldkit.one_process_gradient(lambda: build(**kw), batches, params=params)
+        return fieldkit.relative(g, ref) if set(g) == set(ref) else float("inf")
+
+    steps = sorted({rec.steps[0], rec.steps[-1]})
+    rels = {k: at(k) for k in steps}
+    rel = max(rels.values())
+    # rows read twice within an epoch (the loop's epochs where it said them, else the run as one)
+    epochs: dict = {}
+    for k in rec.steps:
+        epochs.setdefault(rec.step_meta(0, k).get("epoch"), []).extend(b for _, _, b in rec.micro_batches(k))
+    repeats = fieldkit.repeated_rows(list(epochs.values()))
     # the lr: the user's scheduler stepped once per optimizer step, from a model built the same way
     opt, sched = import_path(rec.meta["build_optimizer"], "build_optimizer")(build(**kw), **kw)
     lrs = []
@@ -132,8 +169,11 @@ def confirm(rec_dir: Path) -> dict:
     recorded = [rec.step_meta(0, k)["lr"] for k in rec.steps]
     lr_off = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(recorded, lrs))
     bound = 5e-2 if autocast else 1e-5
-    return {"grad_rel": rel, "lr_rel": lr_off, "bound": bound, "autocast": autocast,
-            "agrees": rel <= bound and lr_off <= 1e-9}
+    out = {"grad_rel": rel, "steps": steps, "lr_rel": lr_off, "repeats": repeats, "bound": bound,
+           "autocast": autocast, "agrees": rel <= bound and lr_off <= 1e-9 and repeats == 0}
+    if sft:  # what the fleet computed instead: each micro-batch's own token mean of the chosen completions
+        out["micro_rel"] = at(rec.steps[0], "micro")
+    return out
 
 
 def gate(rec_dir: Path) -> dict:
@@ -145,13 +185,15 @@ def gate(rec_dir: Path) -> dict:
     bad = [c for c in v.checks if not c.passed]
     g = next(c for c in v.checks if c.name == "gradient")
 
-    def short(text: str) -> str:
-        return text if len(text) <= 220 else text[:217] + "..."
+    def short(text: str, limit: int = 220) -> str:
+        return text if len(text) <= limit else text[:limit - 3] + "..."
 
     # every failing check's words (the clip check names a clip before the reduce, the replay a schedule),
     # except a clip check that only points back at the gradient
     named = [c for c in bad if not (c.name == "clip" and "the gradient itself is wrong" in c.reason)]
-    cause = "; ".join(f"{c.name}: {short(c.reason)}" for c in named) if bad else short(g.reason)
+    # the gradient's words in full (a named count, a named weighting), the others' first lines
+    cause = ("; ".join(f"{c.name}: {short(c.reason, 480 if c.name == 'gradient' else 220)}" for c in named)
+             if bad else short(g.reason))
     return {"passed": v.passed, "failed": [c.name for c in bad], "cause": cause,
             "gradient_worst": g.worst, "gradient_bound": g.bound}
 
@@ -178,22 +220,29 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
         "",
         f"Generated by `python examples/field/sweep.py` ({seconds:.0f} s on {os.cpu_count()} CPU cores). "
         f"{n} configurations, each a real 2-rank gloo fleet on CPU (random-init models, generated "
-        "right-padded variable-length data, 4 optimizer steps), recorded and judged by the gate; "
-        f"{passes} PASS, {n - passes} FAIL; {confirmed} of {n} verdicts confirmed by the independent "
-        "check (the one-process gradient at step 1 of the global token mean, computed by the sweep's own "
-        "loss code from every rank's recorded micro-batches, and the lr against the user's scheduler "
-        "stepped once per step; bounds 1e-5 relative in float32, 5e-2 under bfloat16 autocast).",
+        "variable-length data, right-padded unless the row says otherwise, 4 optimizer steps unless it "
+        f"says otherwise), recorded and judged by the gate; {passes} PASS, {n - passes} FAIL; {confirmed} of "
+        f"{n} verdicts confirmed by the independent check: the one-process gradient at the first and at the "
+        "last recorded step (the last from the parameters recorded there) of the global token mean, or of "
+        "DPO's mean over pairs, computed by the sweep's own loss code (tests/support/fieldkit.py: a "
+        "padding-free row example by example, each in a forward of its own) from every rank's recorded "
+        "micro-batches; the rows read twice within an epoch, counted from the recorded tokens; and the lr "
+        "against the user's scheduler stepped once per step. A verdict is confirmed when PASS coincides "
+        "with all three agreeing (gradient within 1e-5 relative in float32, 5e-2 under bfloat16 autocast; "
+        "no repeated row; lr within 1e-9) and FAIL with any of them disagreeing.",
         "",
         "Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".",
         "",
         "The configurations are listed in the script; six of them are faults planted on purpose "
         "(Lightning's rank_mean, micro_mean and clip_local, accelerate's micro_mean and sched_prepared, "
         "SFT's no_items), the rest are configurations as "
-        "people run them. Not yet swept: DPO, packing and padding-free collators, torch_compile, left "
-        "padding, Lightning precision plugins, an uneven epoch end (the HF client's tests cover the last).",
+        "people run them. Not yet swept: Lightning precision plugins; DPO's other losses (ipo, "
+        "sigmoid_norm, WPO weighting), `precompute_ref_log_probs` and a PEFT adapter as DPO's reference; "
+        "torch_compile and an uneven epoch end under Lightning and accelerate; left padding to each "
+        "micro-batch's longest row (the rows here are padded to a fixed length).",
         "",
         "| # | trainer | configuration | verdict | fails | cause (the gate's words) | worst gradient / bound | "
-        "independent: gradient rel. at step 1, lr | confirmed |",
+        "independent: gradient rel. (worst of first, last step), lr, repeated rows | confirmed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows, 1):
@@ -202,7 +251,7 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
         lines.append(
             f"| {i} | {r['client']} | `{r['spec']}`: {r['what']} | {'PASS' if g['passed'] else '**FAIL**'} | "
             f"{', '.join(g['failed']) or '-'} | {cause} | {g['gradient_worst']:.2g} / {g['gradient_bound']:.2g} | "
-            f"{c['grad_rel']:.2g}, lr {c['lr_rel']:.2g}{' (bf16)' if c['autocast'] else ''} | "
+            f"{c['grad_rel']:.2g}, lr {c['lr_rel']:.2g}, {c.get('repeats', 0)}{' (bf16)' if c['autocast'] else ''} | "
             f"{'yes' if r['confirmed'] else '**NO**'} |")
     lines += ["", "## Findings", "",
               "- **GPT2LMHeadModel as it comes** (`loss_type=None`), under the Trainer and under TRL's "
@@ -237,14 +286,104 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
               "`num_items_in_batch` dropped in SFTTrainer.",
               "- Strategy coverage: Lightning's `strategy='fsdp'` does not run on CPU (2.6.6 raises 'requires "
               "a GPU accelerator'); not swept.",
+              *_new_findings(rows),
               "",
               "## History",
               "",
               "- First generation of the report (issue 29's first slice). No verdict was contradicted by its "
               "independent check, so no FAIL here is the gate's own mistake.",
+              "- Second generation: DPO, packing and padding-free, left padding, torch_compile and an uneven "
+              "epoch end swept; the independent check extended to the last recorded step and to repeated "
+              "rows. One FAIL was the gate's own mistake, fixed before this generation: the ranks check "
+              "failed `sft_padfree` (its gradient, loss and replay passing) because TRL's padding-free "
+              "collator passes the micro-batch's longest example as int forward arguments (`max_length_q`, "
+              "`max_length_k`), which differ between ranks as the data does; the check read them as a branch "
+              "one rank switches alone. It now compares int arguments by name only (bools, strings and None "
+              "still by value: a flag one rank sets alone still fails, tests/gate/test_recorder_batch_scope.py).",
               ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _row(rows: list[dict], name: str) -> dict | None:
+    return next((r for r in rows if r["spec"].split(":")[0] == name), None)
+
+
+def _new_findings(rows: list[dict]) -> list[str]:
+    """The findings of the second generation's rows, with their figures (those swept)."""
+    out = []
+    dpo, dpo_sft = _row(rows, "dpo"), _row(rows, "dpo_sft")
+    if dpo:
+        out.append(
+            "- **DPO, declared**: trl 1.16's `DPOTrainer._compute_loss` (`trl/trainer/dpo_trainer.py`) puts a "
+            "micro-batch's B pairs in one forward of 2B rows (chosen first, `DataCollatorForPreference`), sums "
+            "each row's completion log-probabilities (`fused_lm_head=True`, labels -100 outside the completion), "
+            "pairs row i with row i + B (`logps.chunk(2)`), takes the reference log-probabilities from "
+            "`ref_model` under `no_grad`, and returns the MEAN over the micro-batch's pairs of "
+            "-logsigmoid(beta x margin); `loss_is_scaled_for_ga = False`, so the Trainer divides by the "
+            "accumulation steps and DDP averages the ranks. With B pairs in every micro-batch that is the "
+            "mean over the global batch's pairs. The gate's built-in objectives are sums over rows and a pair "
+            "is two rows of one forward, so the objective is declared over the whole step "
+            "(`objective_scope='step'`, `fn(model, batches) -> (loss summed over pairs, pairs)`, "
+            "tests/support/trl_client.py `dpo_objective`), the reference model rebuilt as the initial one. "
+            f"Row `dpo`: {'PASS' if dpo['gate']['passed'] else 'FAIL'}, worst {dpo['gate']['gradient_worst']:.2g}. "
+            "What the gate does not check under scope 'step': that a pair's gradient does not depend on the "
+            "pairs beside it (no per-example or merged-forward check), and it names no alternative weighting "
+            "on a failure (it says 'not by a constant factor').")
+    if dpo_sft:
+        c = dpo_sft["check"]
+        out.append(
+            "- **DPOTrainer's `sft` loss term is a per-micro-batch token mean** (`loss_type=['sigmoid', "
+            "'sft']`, the RPO-style NLL of the chosen completions): `-chosen_per_token_logps[chosen_mask]"
+            ".mean()` in `DPOTrainer._compute_loss`, not normalised by `num_items_in_batch`, so under gradient "
+            "accumulation and data parallelism the fleet trains the mean of the micro-batches' token means, "
+            "not one process's token mean over the global batch. Row `dpo_sft`: the gate fails the gradient "
+            f"({dpo_sft['gate']['gradient_worst']:.2g} at its worst step); independently, the fleet's gradient "
+            f"is up to {c['grad_rel']:.2g} from one process's at the global batch (first and last step) and, at "
+            f"step 1, {c.get('micro_rel', float('nan')):.1e} from the mean of micro-batch token means. "
+            "Reproduction, one "
+            "process, CPU: `examples/field/dpo_sft_term.py` (4 pairs, gradient accumulation 2 x 2 pairs "
+            "against 1 x 4 pairs: 6.9e-2 apart with the sft term, 9.9e-8 without). No upstream issue found; "
+            "the pairwise terms are unaffected as long as every micro-batch holds the same number of pairs.")
+    pack, pf = _row(rows, "sft_pack"), _row(rows, "sft_padfree")
+    if pack or pf:
+        words = ", ".join(f"`{r['spec'].split(':')[0]}` {'PASS' if r['gate']['passed'] else 'FAIL'} "
+                          f"(independent {r['check']['grad_rel']:.2g})" for r in (pack, pf) if r)
+        out.append(
+            "- **Packing and padding-free (TRL's SFTTrainer)**: " + words + ". The micro-batch is one row of "
+            "concatenated examples with `position_ids` restarting at each and no attention mask; transformers "
+            "5.24 builds the block-diagonal mask from the position_ids when no attention mask is given "
+            "(`masking_utils._preprocess_mask_arguments` -> `find_packed_sequence_indices`), so no example "
+            "attends to another, with sdpa on CPU too. The "
+            "Recorder records the position_ids (a tensor keyword with the batch's rows), so the reference "
+            "computes what the fleet computed; the independent check computes each example in a forward of "
+            "its own, so a cross-contaminated row would disagree.")
+    left = _row(rows, "trainer_left")
+    if left:
+        out.append(
+            f"- **Left padding** (`trainer_left`, rows padded on the left to a fixed length): "
+            f"{'PASS' if left['gate']['passed'] else 'FAIL'}. Llama's positions count from the first pad, so "
+            "a row's output depends on its padding; padded to a fixed length, that padding is the example's "
+            "own. Padded to each micro-batch's longest row (a collator's `padding_side='left'`), it would "
+            "depend on the rows beside it: not swept.")
+    comp = _row(rows, "trainer_compile")
+    if comp:
+        out.append(
+            f"- **`torch_compile=True`** under the HF Trainer (inductor on CPU): "
+            f"{'PASS' if comp['gate']['passed'] else 'FAIL'} (worst {comp['gate']['gradient_worst']:.2g}); "
+            "dynamo traces the Recorder's forward hooks too: it recompiles them for each kind of module "
+            "output until its recompile limit (8), then runs them eagerly.")
+    unev, drop = _row(rows, "trainer_uneven"), _row(rows, "trainer_uneven_drop")
+    if unev:
+        out.append(
+            f"- **An uneven epoch end** (`trainer_uneven`, 18 examples at a global batch of 8): "
+            f"{'PASS' if unev['gate']['passed'] else 'FAIL ' + ', '.join(unev['gate']['failed'])}: accelerate's "
+            "`even_batches` fills the last batch on every rank with the epoch's first examples, which one "
+            f"process does not read again ({unev['check']['repeats']} repeated rows counted independently); the "
+            "short last step's gradient (one micro-batch per rank) is right (the Trainer counts that step's "
+            "tokens). " + (f"With `dataloader_drop_last=True` (`trainer_uneven_drop`, two epochs): "
+                           f"{'PASS' if drop['gate']['passed'] else 'FAIL'}." if drop else ""))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             confirmed = c["agrees"] == g["passed"]
             rows.append({"client": client, "spec": spec, "what": what, "gate": g, "check": c, "confirmed": confirmed})
             log(f"  {spec}: {'PASS' if g['passed'] else 'FAIL ' + ','.join(g['failed'])}; independent "
-                f"gradient {c['grad_rel']:.2g}, lr {c['lr_rel']:.2g}: {'confirmed' if confirmed else 'NOT CONFIRMED'}")
+                f"gradient {c['grad_rel']:.2g}, lr {c['lr_rel']:.2g}, repeats {c['repeats']}: "
+                f"{'confirmed' if confirmed else 'NOT CONFIRMED'}")
     if not rows:
         raise SystemExit(f"sweep: --only {a.only!r} names no configuration (client:name, e.g. lightning:clean)")
     report(rows, a.report, time.time() - t0)
