@@ -124,6 +124,7 @@ def format_table(res: dict) -> str:
             "goal <= 3")
     else:
         row("recorder_overhead", "null", d.get("recorder_error", "")[:80])
+    recorder_2d_rows(res, row)
     if lf:
         row("fleet_launch_fixed_s", "", "")
         row("  import_torch_s", _fmt(lf["import_torch_s"], ".2f"),
@@ -163,6 +164,26 @@ def format_table(res: dict) -> str:
         L.append(f"note: {n}")
     L.append(f"written: {res['meta']['json']}")
     return "\n".join(L)
+
+
+def recorder_2d_rows(res: dict, row) -> None:
+    """The 2-D run's Recorder rows (dormouse.bench.recorder_2d), beside the DP ones."""
+    rb = res["details"].get("recorder_2d")
+    if not rb:
+        if "recorder_2d_overhead" in res:  # a bench.json from before the section: no row
+            row("recorder_2d_overhead", "null", res["details"].get("recorder_2d_error", "")[:80])
+        return
+    o, j = rb["overhead"], rb["judge_cost"]
+    row("recorder_2d_overhead", _fmt(res["recorder_2d_overhead"], ".3f"),
+        f"2-D run, dp 2 x tp 2 (FSDP2 + TP, {rb['world']} ranks): sketch k=256 every step, median of "
+        f"{rb['rounds']} rounds of {rb['steps']} timed steps (after one warm-up), spread {_spread(o['sketch'])}; "
+        f"CPU {o['sketch']['cpu_ratio']:.3f}, inside rec.step {o['sketch']['in_step_fraction']:.1%} of the step; "
+        f"full tensors {o['full']['median']:.3f} (spread {_spread(o['full'])}, CPU {o['full']['cpu_ratio']:.3f}, "
+        f"inside {o['full']['in_step_fraction']:.1%}); plain step {rb['step_s_median']['none'] * 1e3:.0f} ms "
+        f"({rb['params']} params, {rb['tokens_per_rank_step']} tokens/rank/step)")
+    row("recorder_2d_judge_cost", _fmt(res["recorder_2d_judge_cost"], ".2f"),
+        f"gate check {j['sketch']['judge_cpu_s']:.1f} CPU s / fleet {j['sketch']['fleet_cpu_s']:.1f} CPU s "
+        f"(sketched, {j['sketch']['verdict']}); full tensors {j['full']['ratio']:.2f} ({j['full']['verdict']})")
 
 
 def docs_page(res: dict) -> str:
