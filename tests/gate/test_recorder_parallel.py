@@ -297,7 +297,7 @@ def test_a_2d_run_whose_dp_reduction_sums_fails_named_by_the_mesh(dp_tp):
     assert "every gradient is one process's times 2 = the DP size 2" in c.reason, c.reason
     # the gradient check counts W in data-parallel replicas, not ranks: 2 replicas of 2 TP ranks
     g = v.check("gradient").reason
-    assert "times 2 = W = K (W = 2 data-parallel replica(s) of 2 model-parallel ranks, K = 2" in g, g
+    assert "times 2 = W = K = the TP size 2 (W = 2 data-parallel replica(s) of 2 model-parallel ranks, K = 2" in g, g
     want, got = plain_gradient(dp_tp["dp_sum"]), recorded(dp_tp["dp_sum"], 3)
     assert max(rel(got[n], 2 * want[n]) for n in want) < 5e-6
 

@@ -261,12 +261,12 @@ def rank_mean_words(rec: A.RecordingSet) -> str:
 
 
 def _factor_words(rec: A.RecordingSet, c: float, micro: int, rtol: float) -> str | None:
-    """factor_name over W = the data-parallel replicas (replicas), with the TP size first where the
-    layout has a model-parallel dimension and c is it."""
+    """factor_name over W = the data-parallel replicas (replicas), then the TP size where the layout
+    has a model-parallel dimension and c is it."""
     lay = rec.meta.get("layout") or {}
     tp = max((len(g) for g in lay.get("groups", [])), default=1) if not lay.get("pipeline") else 1
-    names = [f"the TP size {tp}"] if tp > 1 and abs(c / tp - 1) <= rtol else []
-    names += [n for n in [factor_name(c, replicas(rec)[0], micro, rtol)] if n]
+    names = [n for n in [factor_name(c, replicas(rec)[0], micro, rtol)] if n]
+    names += [f"the TP size {tp}"] if tp > 1 and abs(c / tp - 1) <= rtol else []
     return " = ".join(names) or None
 
 
