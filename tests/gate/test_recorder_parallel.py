@@ -204,6 +204,22 @@ def test_the_probe_names_the_module_a_dp_rank_computes_wrong(tp):
     assert not v.passed and not c.passed, failing(v)
     assert "on rank 1's first micro-batch the first module whose forward output departs" in c.reason, c.reason
     assert "is layers.0.attention.wv" in c.reason and "the 4 module(s) before it" in c.reason, c.reason
+    # independently: rank 1's recorded wv output on its first micro-batch is the plain model's x 1.01, the
+    # module before it (wk) the plain model's, and rank 0's wv output the plain model's
+    from tp_llama import build_model
+    from tp_loop import RUN, batch_rows
+
+    model, seen = build_model(seed=8), {}
+    for name in ("wk", "wv"):
+        getattr(model.layers["0"].attention, name).register_forward_hook(
+            lambda m, i, o, name=name: seen.__setitem__(name, o.detach()))
+    K, B = RUN["micro"], RUN["rows"]
+    rows = batch_rows(8, 0, 2 * K * B, RUN["T"])
+    for rank, factor in ((0, 1.0), (1, 1.01)):
+        t, _ = A.read_tensors(A.step_tensors_path(tp["dp_wv"], rank, 1), "step tensors")
+        model(rows[rank * K * B:rank * K * B + B])
+        assert rel(t["po/layers.0.attention.wk"], seen["wk"]) < 1e-5
+        assert rel(t["po/layers.0.attention.wv"], factor * seen["wv"]) < 1e-5
 
 
 def test_the_probe_names_the_loss_when_a_rank_backpropagates_another_multiple_of_it(tp):

@@ -265,7 +265,8 @@ def _factor_words(rec: A.RecordingSet, c: float, micro: int, rtol: float) -> str
     has a model-parallel dimension and c is it."""
     lay = rec.meta.get("layout") or {}
     tp = max((len(g) for g in lay.get("groups", [])), default=1) if not lay.get("pipeline") else 1
-    names = [n for n in [factor_name(c, replicas(rec)[0], micro, rtol)] if n]
+    w = replicas(rec)[0]
+    names = [n for n in (factor_name(c, w, micro, rtol) or "").split(" = ") if n and (w > 1 or "W" not in n)]
     names += [f"the TP size {tp}"] if tp > 1 and abs(c / tp - 1) <= rtol else []
     return " = ".join(names) or None
 
