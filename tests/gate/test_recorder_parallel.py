@@ -41,6 +41,7 @@ TP_RUNS = {
     "pp_1f1b": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "seed": 12},
     "pp_loss_div": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "loss_div", "seed": 13},
     "pp_stale": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "stale", "seed": 14},
+    "tp_loss_x2": {"fault": "loss_x_all", "factor": 2.0, "seed": 16, "steps": 1},  # every gradient x 2 in TP alone
     # last in the launch: DTensor's random ops on sharded parameters
     "tp_init_shards": {"fault": "init_shards", "seed": 15, "steps": 1},
 }
@@ -105,6 +106,19 @@ def test_a_clean_tensor_parallel_run_passes_at_float32_resolution(tp, run):
     for rank in (0, 1):
         got = recorded(tp[run], rank)
         assert max(rel(got[n], want[n]) for n in want) < 5e-6
+
+
+def test_a_factor_on_every_gradient_of_a_tp_run_is_named_by_the_tp_size_not_the_ranks(tp):
+    """A TP-only run has one data-parallel replica: its ranks are no W to normalise by."""
+    v = looprec.verdict(tp["tp_loss_x2"])
+    g, lay = v.check("gradient"), v.check("layout")
+    assert not v.passed and not g.passed and not lay.passed, failing(v)
+    assert ("times 2 = K = the TP size 2 (W = 1 data-parallel replica(s) of 2 model-parallel ranks, K = 2 "
+            "micro-batches)") in g.reason, g.reason
+    assert "every gradient is one process's times 2 = the TP size 2" in lay.reason, lay.reason
+    assert "world size" not in lay.reason, lay.reason
+    want, got = plain_gradient(tp["tp_loss_x2"]), recorded(tp["tp_loss_x2"], 0)
+    assert max(rel(got[n], 2 * want[n]) for n in want) < 5e-6
 
 
 def test_the_tp_peer_records_its_inputs_apart_so_the_data_check_counts_each_replica_once(tp):
