@@ -60,6 +60,10 @@ recorder_overhead, recorder_judge_cost
     model: its step-time overhead with sketches (goal <= 1.05) and the cost of
     `dormouse gate check` over the fleet's compute for the recorded steps
     (goal <= 3); see dormouse.bench.recorder.
+recorder_2d_overhead, recorder_2d_judge_cost
+    the same on a 2-D run beside them: a torchtitan-style llama on a (dp 2,
+    tp 2) mesh of 4 ranks (FSDP2 on dp, torchtitan's TP plan on tp), full
+    tensors and sketches every step; see dormouse.bench.recorder_2d.
 gate_smallest_caught_eps
     the gate's sensitivity (dormouse.bench.gate): the smallest eps for which
     rank 1's local gradient times (1 + eps N(0,1)) at one step of a 2-rank
@@ -140,6 +144,12 @@ def _recorder(quick: bool, tmp: Path, log) -> dict:
     return bench_recorder(quick, tmp, log)
 
 
+def _recorder_2d(quick: bool, tmp: Path, log) -> dict:
+    from dormouse.bench.recorder_2d import bench_recorder_2d
+
+    return bench_recorder_2d(quick, tmp, log)
+
+
 def _sensitivity(quick: bool, tmp: Path, log) -> dict:
     from dormouse.bench.gate import sensitivity
 
@@ -172,6 +182,11 @@ SECTIONS = (
             _recorder, lambda r: {"recorder_overhead": r["overhead"]["sketch"]["median"],
                                   "recorder_judge_cost": r["judge_cost"]["sketch"]["ratio"]},
             detail="recorder", failed="recorder bench failed", catch=ANY_FAILED, keep_error=True),
+    Section("recorder_2d", "recorder 2-D: a dp 2 x tp 2 loop (FSDP2 + TP, 4 ranks) with and without the Recorder, "
+            "then gate check ...", _recorder_2d,
+            lambda r: {"recorder_2d_overhead": r["overhead"]["sketch"]["median"],
+                       "recorder_2d_judge_cost": r["judge_cost"]["sketch"]["ratio"]},
+            detail="recorder_2d", failed="recorder 2-D bench failed", catch=ANY_FAILED, keep_error=True),
     Section("launch", "launch fixed costs ...", lambda quick, tmp, log: bench_launch(quick, tmp),
             lambda lf: {"fleet_launch_fixed_s": lf}, failed="launch timing failed", catch=LAUNCH_FAILED),
     Section("sensitivity", "gate sensitivity: the smallest one-rank, one-step gradient perturbation the verdict "
@@ -185,7 +200,8 @@ SECTIONS = (
 # bench.json's headline keys, in the order it writes them (null until their section gives them)
 FIGURES = (*SINGLE_FIGURES, "ns_cliff_small", "sample_bytes_per_s_small", "profile_small_top", "fleet_vs_ddp",
            "scaling_efficiency", "exact_vs_ring", "pipeline_verdict_s", "pipeline_wall_s", "pipeline_parts_s",
-           "fleet_launch_fixed_s", "gate_smallest_caught_eps", "recorder_overhead", "recorder_judge_cost")
+           "fleet_launch_fixed_s", "gate_smallest_caught_eps", "recorder_overhead", "recorder_judge_cost",
+           "recorder_2d_overhead", "recorder_2d_judge_cost")
 
 
 def run_sections(sections, quick: bool, tmp: Path, log, t_start: float) -> tuple[dict, dict, dict, list[str]]:

@@ -92,6 +92,41 @@ def build_optimizer(model, **_):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
+def timed_rounds(out: Path, kinds: list[str], rounds: int, steps: int, new_run, **about) -> None:
+    """The rank side's rounds (see the module docstring): each round runs every kind once, in an order
+    rotated round by round, each on a fresh run from `new_run(kind, path) -> (step, rec, model)` (step():
+    (wall s, s inside rec.step)), one untimed warm-up step then `steps` timed ones; rank 0 writes
+    times.json (with `about`)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    in_rec: dict[str, list[float]] = {k: [] for k in times}
+    cpu: dict[str, list[float]] = {k: [] for k in times}  # the fleet's CPU seconds per step (all ranks, all threads)
+    for r in range(rounds):
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotated round by round
+            step, rec, model = new_run(kind, out / f"{kind}_r{r}")
+            dist.barrier()
+            step()  # the untimed warm-up step (recorded)
+            dist.barrier()
+            c0 = time.process_time()
+            per = [step() for _ in range(steps)]
+            if rec is not None:
+                rec.close()  # the writer thread's work counts: it is flushed here
+            c = torch.tensor(time.process_time() - c0, dtype=torch.float64)
+            dist.all_reduce(c)
+            cpu[kind].append(float(c) / steps)
+            dist.barrier()
+            times[kind].append(statistics.median(t for t, _ in per))
+            in_rec[kind].append(statistics.median(x for _, x in per))
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its whole tensor's
+        (out / "times.json").write_text(json.dumps({"times": times, "in_rec": in_rec, "cpu": cpu, "world": world,
+                                                    "steps": steps, "recorded_steps": steps + 1,
+                                                    "params": params, **about}))
+    dist.barrier()
+
+
 def _rank_main(argv: list[str]) -> int:
     import torch.distributed as dist
 
@@ -112,82 +147,67 @@ def _rank_main(argv: list[str]) -> int:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     kw = {"d": a.width, "layers": a.layers, "seq": a.seq, "seed": 0}
-    out = Path(a.out)
-    times: dict[str, list[float]] = {k: [] for k in a.kinds.split(",")}
-    in_rec: dict[str, list[float]] = {k: [] for k in times}
-    cpu: dict[str, list[float]] = {k: [] for k in times}  # the fleet's CPU seconds per step (all ranks, all threads)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, VOCAB, (a.batch, a.seq), generator=g) for _ in range(a.micro)]
-    kinds = list(times)
-    for r in range(a.rounds):
-        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotated round by round
-            model = build_model(**kw)
-            net = torch.nn.parallel.DistributedDataParallel(model)
-            opt = build_optimizer(model)
-            rec = None
-            if KINDS[kind] is not None:
-                rec = Recorder(out / f"{kind}_r{r}", net, build_model="dormouse.bench.recorder:build_model",
-                               build_optimizer="dormouse.bench.recorder:build_optimizer", objective="causal_lm",
-                               max_grad_norm=1.0, build_kwargs=kw, **KINDS[kind])
 
-            def step() -> tuple[float, float]:
-                """One optimizer step: (its wall seconds, those inside rec.step)."""
-                t0 = time.perf_counter()
-                total, inside = torch.zeros(()), 0.0
-                for m, ids in enumerate(batches):  # equal lengths: the mean of micro-batch means is the token mean
-                    with net.no_sync() if m < a.micro - 1 else contextlib.nullcontext():
-                        logits = net(input_ids=ids, labels=ids)
-                        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-                        (loss / a.micro).backward()
-                    total += loss.detach()
-                dist.all_reduce(total)
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                if rec is not None:
-                    t1 = time.perf_counter()
-                    rec.step(loss=total / (a.micro * world), optimizer=opt, grad_norm=norm)
-                    inside = time.perf_counter() - t1
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return time.perf_counter() - t0, inside
+    def new_run(kind: str, path: Path):
+        """A fresh model, its DDP loop and (for a recorded kind) its Recorder: (step, rec, model)."""
+        model = build_model(**kw)
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = build_optimizer(model)
+        rec = None
+        if KINDS[kind] is not None:
+            rec = Recorder(path, net, build_model="dormouse.bench.recorder:build_model",
+                           build_optimizer="dormouse.bench.recorder:build_optimizer", objective="causal_lm",
+                           max_grad_norm=1.0, build_kwargs=kw, **KINDS[kind])
 
-            dist.barrier()
-            step()  # the untimed warm-up step (recorded)
-            dist.barrier()
-            c0 = time.process_time()
-            per = [step() for _ in range(a.steps)]
+        def step() -> tuple[float, float]:
+            """One optimizer step: (its wall seconds, those inside rec.step)."""
+            t0 = time.perf_counter()
+            total, inside = torch.zeros(()), 0.0
+            for m, ids in enumerate(batches):  # equal lengths: the mean of micro-batch means is the token mean
+                with net.no_sync() if m < a.micro - 1 else contextlib.nullcontext():
+                    logits = net(input_ids=ids, labels=ids)
+                    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+                    (loss / a.micro).backward()
+                total += loss.detach()
+            dist.all_reduce(total)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if rec is not None:
-                rec.close()  # the writer thread's work counts: it is flushed here
-            c = torch.tensor(time.process_time() - c0, dtype=torch.float64)
-            dist.all_reduce(c)
-            cpu[kind].append(float(c) / a.steps)
-            dist.barrier()
-            times[kind].append(statistics.median(t for t, _ in per))
-            in_rec[kind].append(statistics.median(x for _, x in per))
-    if rank == 0:
-        (out / "times.json").write_text(json.dumps({"times": times, "in_rec": in_rec, "cpu": cpu, "world": world,
-                                                    "steps": a.steps, "recorded_steps": a.steps + 1,
-                                                    "tokens_per_rank_step": a.micro * a.batch * a.seq,
-                                                    "params": sum(p.numel() for p in model.parameters())}))
+                t1 = time.perf_counter()
+                rec.step(loss=total / (a.micro * world), optimizer=opt, grad_norm=norm)
+                inside = time.perf_counter() - t1
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0, inside
+
+        return step, rec, model
+
+    timed_rounds(Path(a.out), a.kinds.split(","), a.rounds, a.steps, new_run,
+                 tokens_per_rank_step=a.micro * a.batch * a.seq)
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
-def bench_recorder(quick: bool, tmp: Path, log=print) -> dict:
-    """Run the rank side in one 2-rank torchrun launch, then time the gate's
-    check of the first round's full and sketched recordings (see the module docstring)."""
+def bench_recorder(quick: bool, tmp: Path, log=print, *, module: str = "dormouse.bench.recorder", world: int = 2,
+                   name: str = "recorder", sizes: tuple[tuple[int, int], tuple[int, int]] = ((2, 3), (4, 4)),
+                   args: tuple[str, ...] = ()) -> dict:
+    """Run the rank side (`module`) in one `world`-rank torchrun launch, then time the gate's
+    check of the first round's full and sketched recordings (see the module docstring).
+    `sizes`: (rounds, timed steps) quick and full."""
     from dormouse.gate.judge.entry import judge_recording
     from dormouse.gate.record.reference import make_reference
 
     # timed steps per kind and round, after one warm-up step: 4 x (1 + 4) x 4 kinds = the 80 steps 5 x 4 x 4 were
-    rounds, steps = (2, 3) if quick else (4, 4)
-    out = Path(tmp) / "recorder"
-    cmd = torchrun(["-m", "dormouse.bench.recorder", "--out", str(out), "--rounds", str(rounds),
-                    "--steps", str(steps)], world=2)
+    rounds, steps = sizes[0] if quick else sizes[1]
+    out = Path(tmp) / name
+    cmd = torchrun(["-m", module, "--out", str(out), "--rounds", str(rounds), "--steps", str(steps), *args],
+                   world=world)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
-        raise RuntimeError(f"recorder bench failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+        raise RuntimeError(f"{name} bench failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
     t = json.loads((out / "times.json").read_text())
     times = t["times"]
     res: dict = {"rounds": rounds, "steps": steps, "world": t["world"], "params": t["params"],
@@ -219,7 +239,7 @@ def bench_recorder(quick: bool, tmp: Path, log=print) -> dict:
                                        "ratio": judge_cpu / fleet_cpu, "verdict": "PASS" if v.passed else "FAIL"}
     finally:
         torch.set_num_threads(threads)
-    log(f"recorder: overhead {res['overhead']}, judge cost {res['judge_cost']}")
+    log(f"{name}: overhead {res['overhead']}, judge cost {res['judge_cost']}")
     return res
 
 

@@ -19,6 +19,17 @@ def _spread(ratio: dict) -> str:
     return f"{ratio['min']:.3f}..{ratio['max']:.3f}"
 
 
+def _line(key: str, value: str, note: str = "") -> str:
+    return f"{key:<24} {value:>12}  {note}"
+
+
+def recorder_table(res: dict) -> str:
+    """The Recorder's rows alone (DP and 2-D, one run's), as the table prints them."""
+    L: list[str] = []
+    recorder_rows(res, lambda key, value, note="": L.append(_line(key, value, note)))
+    return "\n".join(L)
+
+
 def format_table(res: dict) -> str:
     d = res["details"]
     s = d["single"]
@@ -32,7 +43,7 @@ def format_table(res: dict) -> str:
     L.append("-" * 96)
 
     def row(key, value, note=""):
-        L.append(f"{key:<24} {value:>12}  {note}")
+        L.append(_line(key, value, note))
 
     row("tokens_per_s_tiny", _fmt(res["tokens_per_s_tiny"], ".0f"),
         f"batch {s['shapes']['tiny'][0]} x {s['shapes']['tiny'][1]}, step {s['tiny_step_s'] * 1e3:.1f} ms")
@@ -108,22 +119,7 @@ def format_table(res: dict) -> str:
     row("gate_smallest_caught_eps", _fmt(res.get("gate_smallest_caught_eps")),
         f"rank {sens.get('rank')} x (1 + eps N(0,1)) at step {sens.get('step')}; largest passed "
         f"{_fmt(sens.get('largest_passed'))}" if sens else "")
-    rb = d.get("recorder")
-    if rb:
-        o, j = rb["overhead"], rb["judge_cost"]
-        row("recorder_overhead", _fmt(res["recorder_overhead"], ".3f"),
-            f"sketch k=256 every step, median of {rb['rounds']} rounds of {rb['steps']} timed steps (after one "
-            f"warm-up), spread {_spread(o['sketch'])}; CPU {o['sketch']['cpu_ratio']:.3f}, inside rec.step "
-            f"{o['sketch']['in_step_fraction']:.1%} of the step; full tensors {o['full']['median']:.3f} (CPU "
-            f"{o['full']['cpu_ratio']:.3f}, inside {o['full']['in_step_fraction']:.1%}), sketch every 10th "
-            f"{o['sketch_every10']['median']:.3f} (inside {o['sketch_every10']['in_step_fraction']:.1%}; "
-            f"{rb['params']} params, {rb['tokens_per_rank_step']} tokens/rank/step; goal <= 1.05)")
-        row("recorder_judge_cost", _fmt(res["recorder_judge_cost"], ".2f"),
-            f"gate check {j['sketch']['judge_cpu_s']:.1f} CPU s / fleet {j['sketch']['fleet_cpu_s']:.1f} CPU s "
-            f"(sketched, {j['sketch']['verdict']}); full tensors {j['full']['ratio']:.2f} ({j['full']['verdict']}); "
-            "goal <= 3")
-    else:
-        row("recorder_overhead", "null", d.get("recorder_error", "")[:80])
+    recorder_rows(res, row)
     if lf:
         row("fleet_launch_fixed_s", "", "")
         row("  import_torch_s", _fmt(lf["import_torch_s"], ".2f"),
@@ -163,6 +159,47 @@ def format_table(res: dict) -> str:
         L.append(f"note: {n}")
     L.append(f"written: {res['meta']['json']}")
     return "\n".join(L)
+
+
+def recorder_rows(res: dict, row) -> None:
+    """The Recorder's rows: the plain DDP run's (dormouse.bench.recorder), then the 2-D run's beside them."""
+    rb = res["details"].get("recorder")
+    if rb:
+        o, j = rb["overhead"], rb["judge_cost"]
+        row("recorder_overhead", _fmt(res["recorder_overhead"], ".3f"),
+            f"sketch k=256 every step, median of {rb['rounds']} rounds of {rb['steps']} timed steps (after one "
+            f"warm-up), spread {_spread(o['sketch'])}; CPU {o['sketch']['cpu_ratio']:.3f}, inside rec.step "
+            f"{o['sketch']['in_step_fraction']:.1%} of the step; full tensors {o['full']['median']:.3f} (CPU "
+            f"{o['full']['cpu_ratio']:.3f}, inside {o['full']['in_step_fraction']:.1%}), sketch every 10th "
+            f"{o['sketch_every10']['median']:.3f} (inside {o['sketch_every10']['in_step_fraction']:.1%}; "
+            f"{rb['params']} params, {rb['tokens_per_rank_step']} tokens/rank/step; goal <= 1.05)")
+        row("recorder_judge_cost", _fmt(res["recorder_judge_cost"], ".2f"),
+            f"gate check {j['sketch']['judge_cpu_s']:.1f} CPU s / fleet {j['sketch']['fleet_cpu_s']:.1f} CPU s "
+            f"(sketched, {j['sketch']['verdict']}); full tensors {j['full']['ratio']:.2f} ({j['full']['verdict']}); "
+            "goal <= 3")
+    else:
+        row("recorder_overhead", "null", res["details"].get("recorder_error", "")[:80])
+    recorder_2d_rows(res, row)
+
+
+def recorder_2d_rows(res: dict, row) -> None:
+    """The 2-D run's Recorder rows (dormouse.bench.recorder_2d), beside the DP ones."""
+    rb = res["details"].get("recorder_2d")
+    if not rb:
+        if "recorder_2d_overhead" in res:  # a bench.json from before the section: no row
+            row("recorder_2d_overhead", "null", res["details"].get("recorder_2d_error", "")[:80])
+        return
+    o, j = rb["overhead"], rb["judge_cost"]
+    row("recorder_2d_overhead", _fmt(res["recorder_2d_overhead"], ".3f"),
+        f"2-D run, dp 2 x tp 2 (FSDP2 + TP, {rb['world']} ranks): sketch k=256 every step, median of "
+        f"{rb['rounds']} rounds of {rb['steps']} timed steps (after one warm-up), spread {_spread(o['sketch'])}; "
+        f"CPU {o['sketch']['cpu_ratio']:.3f}, inside rec.step {o['sketch']['in_step_fraction']:.1%} of the step; "
+        f"full tensors {o['full']['median']:.3f} (spread {_spread(o['full'])}, CPU {o['full']['cpu_ratio']:.3f}, "
+        f"inside {o['full']['in_step_fraction']:.1%}); plain step {rb['step_s_median']['none'] * 1e3:.0f} ms "
+        f"({rb['params']} params, {rb['tokens_per_rank_step']} tokens/rank/step)")
+    row("recorder_2d_judge_cost", _fmt(res["recorder_2d_judge_cost"], ".2f"),
+        f"gate check {j['sketch']['judge_cpu_s']:.1f} CPU s / fleet {j['sketch']['fleet_cpu_s']:.1f} CPU s "
+        f"(sketched, {j['sketch']['verdict']}); full tensors {j['full']['ratio']:.2f} ({j['full']['verdict']})")
 
 
 def docs_page(res: dict) -> str:

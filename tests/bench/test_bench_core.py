@@ -102,4 +102,5 @@ def test_a_section_that_fails_leaves_its_figures_null_and_says_why_while_the_oth
     assert list(seconds) == ["one", "two", "a", "b"] and lines[0] == "one ..."
     with pytest.raises(RuntimeError, match="launch refused"):
         run_sections((dataclasses.replace(table[1], catch=()),), True, tmp_path, lines.append, 0.0)
-    assert [s.name for s in SECTIONS] == ["single", "fleet", "exact", "recorder", "launch", "sensitivity", "pipeline"]
+    assert [s.name for s in SECTIONS] == ["single", "fleet", "exact", "recorder", "recorder_2d", "launch", "sensitivity",
+                                          "pipeline"]

@@ -41,6 +41,7 @@ TP_RUNS = {
     "pp_1f1b": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "seed": 12},
     "pp_loss_div": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "loss_div", "seed": 13},
     "pp_stale": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "stale", "seed": 14},
+    "tp_loss_x2": {"fault": "loss_x_all", "factor": 2.0, "seed": 16, "steps": 1},  # every gradient x 2 in TP alone
     # last in the launch: DTensor's random ops on sharded parameters
     "tp_init_shards": {"fault": "init_shards", "seed": 15, "steps": 1},
 }
@@ -105,6 +106,19 @@ def test_a_clean_tensor_parallel_run_passes_at_float32_resolution(tp, run):
     for rank in (0, 1):
         got = recorded(tp[run], rank)
         assert max(rel(got[n], want[n]) for n in want) < 5e-6
+
+
+def test_a_factor_on_every_gradient_of_a_tp_run_is_named_by_the_tp_size_not_the_ranks(tp):
+    """A TP-only run has one data-parallel replica: its ranks are no W to normalise by."""
+    v = looprec.verdict(tp["tp_loss_x2"])
+    g, lay = v.check("gradient"), v.check("layout")
+    assert not v.passed and not g.passed and not lay.passed, failing(v)
+    assert ("times 2 = K = the TP size 2 (W = 1 data-parallel replica(s) of 2 model-parallel ranks, K = 2 "
+            "micro-batches)") in g.reason, g.reason
+    assert "every gradient is one process's times 2 = the TP size 2" in lay.reason, lay.reason
+    assert "world size" not in lay.reason, lay.reason
+    want, got = plain_gradient(tp["tp_loss_x2"]), recorded(tp["tp_loss_x2"], 0)
+    assert max(rel(got[n], 2 * want[n]) for n in want) < 5e-6
 
 
 def test_the_tp_peer_records_its_inputs_apart_so_the_data_check_counts_each_replica_once(tp):
@@ -204,6 +218,22 @@ def test_the_probe_names_the_module_a_dp_rank_computes_wrong(tp):
     assert not v.passed and not c.passed, failing(v)
     assert "on rank 1's first micro-batch the first module whose forward output departs" in c.reason, c.reason
     assert "is layers.0.attention.wv" in c.reason and "the 4 module(s) before it" in c.reason, c.reason
+    # independently: rank 1's recorded wv output on its first micro-batch is the plain model's x 1.01, the
+    # module before it (wk) the plain model's, and rank 0's wv output the plain model's
+    from tp_llama import build_model
+    from tp_loop import RUN, batch_rows
+
+    model, seen = build_model(seed=8), {}
+    for name in ("wk", "wv"):
+        getattr(model.layers["0"].attention, name).register_forward_hook(
+            lambda m, i, o, name=name: seen.__setitem__(name, o.detach()))
+    K, B = RUN["micro"], RUN["rows"]
+    rows = batch_rows(8, 0, 2 * K * B, RUN["T"])
+    for rank, factor in ((0, 1.0), (1, 1.01)):
+        t, _ = A.read_tensors(A.step_tensors_path(tp["dp_wv"], rank, 1), "step tensors")
+        model(rows[rank * K * B:rank * K * B + B])
+        assert rel(t["po/layers.0.attention.wk"], seen["wk"]) < 1e-5
+        assert rel(t["po/layers.0.attention.wv"], factor * seen["wv"]) < 1e-5
 
 
 def test_the_probe_names_the_loss_when_a_rank_backpropagates_another_multiple_of_it(tp):
@@ -295,6 +325,9 @@ def test_a_2d_run_whose_dp_reduction_sums_fails_named_by_the_mesh(dp_tp):
     c = v.check("layout")
     assert not v.passed and not c.passed, failing(v)
     assert "every gradient is one process's times 2 = the DP size 2" in c.reason, c.reason
+    # the gradient check counts W in data-parallel replicas, not ranks: 2 replicas of 2 TP ranks
+    g = v.check("gradient").reason
+    assert "times 2 = W = K = the TP size 2 (W = 2 data-parallel replica(s) of 2 model-parallel ranks, K = 2" in g, g
     want, got = plain_gradient(dp_tp["dp_sum"]), recorded(dp_tp["dp_sum"], 3)
     assert max(rel(got[n], 2 * want[n]) for n in want) < 5e-6
 

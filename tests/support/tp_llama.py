@@ -1,131 +1,21 @@
-"""A torchtitan-style tiny llama and its parallelisation, as a researcher's
-client of the gate (tests/gate/test_recorder_parallel.py).
+"""The tests' TP, 2-D and pipeline client: dormouse.bench.tp_llama (a
+torchtitan-style tiny llama and torchtitan's TP plan), with the fault the
+tests plant through this client's own code:
 
-The model is torchtitan's llama in miniature (token embedding, blocks of
-RMSNorm + causal multi-head attention + RMSNorm + SwiGLU feed-forward, a
-final RMSNorm and the output projection), random init, seeded. `parallelize`
-applies torchtitan's tensor-parallel plan (its `apply_tp` of parallelize_llama
-before the move to spmd_types: RowwiseParallel embedding to sequence shards,
-SequenceParallel norms, PrepareModuleInput before attention and feed-forward,
-ColwiseParallel wq/wk/wv/w1/w3, RowwiseParallel wo/w2 back to sequence
-shards, ColwiseParallel output with loss_parallel's vocabulary-sharded logits)
-on the "tp" dimension of a device mesh, then FSDP2 (`fully_shard` per block
-and on the whole model) on its "dp" dimension when that has more than one rank.
-
-Knobs (the faults the tests plant, through this client's own code):
   sp_norm_local   the sequence-parallel norms keep a plain (not distributed)
                   weight and normalise their local sequence shard: the weight's
                   gradient is then this rank's positions' alone, never reduced
                   over the TP group (Megatron's sequence-parallel norm bug)
+
+Recordings name `tp_llama:build_model`: the gate's reference builds the same
+model through this module.
 """
 
 from __future__ import annotations
 
-import math
-
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int):
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        # -1 heads: under TP each rank holds n_heads / tp of them (torchtitan's view)
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int):
-        super().__init__()
-        self.attention_norm = RMSNorm(dim)
-        self.attention = Attention(dim, n_heads)
-        self.ffn_norm = RMSNorm(dim)
-        self.feed_forward = FeedForward(dim, hidden)
-
-    def forward(self, x):
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class TinyLlama(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, n_heads: int = 4, n_layers: int = 2, hidden: int = 64):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, hidden) for i in range(n_layers)})
-        self.norm = RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, input_ids):
-        # a pipeline stage holds some of the parts (torchtitan's way: the others set to None)
-        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
-        for layer in self.layers.values():
-            h = layer(h)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
-
-
-def pipeline_stage_module(model, stage: int, stages: int = 2):
-    """Stage `stage` of `stages` of the model, torchtitan's way: the layers of the other stages deleted,
-    the embedding only on the first stage, the final norm and output only on the last; parameter names
-    as in the whole model."""
-    n = len(model.layers)
-    keep = set(range(stage * n // stages, (stage + 1) * n // stages))
-    for i in [i for i in range(n) if i not in keep]:
-        del model.layers[str(i)]
-    if stage != 0:
-        model.tok_embeddings = None
-    if stage != stages - 1:
-        model.norm, model.output = None, None
-    return model
-
-
-def build_model(seed: int = 0, **_):
-    torch.manual_seed(seed)
-    model = TinyLlama()
-    with torch.no_grad():  # random, not a trained model's, and not all-ones norms (their gradients show)
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif p.dim() == 2:
-                p.normal_(0, 1 / math.sqrt(p.shape[1]))
-    return model
-
-
-def build_optimizer(model, lr: float = 1e-2, **_):
-    # foreach=False: the same per-tensor arithmetic on DTensor shards as on full tensors
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=False)
+from dormouse.bench.tp_llama import (Attention, Block, FeedForward, RMSNorm, TinyLlama,  # noqa: F401
+                                     build_model, build_optimizer, pipeline_stage_module)
+from dormouse.bench.tp_llama import parallelize as _parallelize
 
 
 class LocalSequenceNorm:
@@ -152,43 +42,8 @@ class LocalSequenceNorm:
         return module
 
 
-def parallelize(model, mesh, *, loss_parallel: bool = True, sp_norm_local: bool = False):
-    """torchtitan's TP plan on mesh["tp"] (or a 1-D mesh), then FSDP2 on mesh["dp"] where there is one."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
 
-    names = mesh.mesh_dim_names or ()
-    tp = mesh["tp"] if "tp" in names and mesh.ndim > 1 else mesh
-    norm = (lambda: LocalSequenceNorm(tp)) if sp_norm_local else SequenceParallel
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1),
-                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    }
-    parallelize_module(model, tp, plan)
-    for block in model.layers.values():
-        layer_plan = {
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        parallelize_module(block, tp, layer_plan)
-        for name in ("attention_norm", "ffn_norm"):
-            style = norm()
-            if sp_norm_local:
-                style.apply(getattr(block, name))
-            else:
-                parallelize_module(getattr(block, name), tp, style)
-    if "dp" in names and mesh["dp"].size() > 1:
-        dp = mesh["dp"]
-        for block in model.layers.values():
-            fully_shard(block, mesh=dp)
-        fully_shard(model, mesh=dp)
-    return model
+def parallelize(model, mesh, *, loss_parallel: bool = True, sp_norm_local: bool = False):
+    """dormouse.bench.tp_llama.parallelize; with sp_norm_local the block norms are LocalSequenceNorm's."""
+    norm = (lambda tp, module: LocalSequenceNorm(tp).apply(module)) if sp_norm_local else None
+    return _parallelize(model, mesh, loss_parallel=loss_parallel, norm=norm)

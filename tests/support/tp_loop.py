@@ -22,6 +22,7 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
   module_x       rank 1 multiplies one module's output ("module") by "factor" (a forward hook;
                  with tp 1 a plain DDP run over every rank)
   loss_x         rank 1 backpropagates its loss times "factor" (the logged loss is right)
+  loss_x_all     every rank backpropagates its loss times "factor" (the logged loss is right)
   dp_sum         after the backward every gradient is multiplied by the dp size: a sum where DDP or
                  FSDP2 averages (FSDP2's own divide factor 1 needs PREMUL_SUM, which gloo lacks)
   loss_local     the logged loss is this replica's own, not reduced over dp
@@ -98,7 +99,7 @@ def run(cfg: dict) -> None:
                 model.set_requires_gradient_sync(m == K - 1)
             logits = model(ids)
             z, y = logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
-            scale = cfg["factor"] if fault == "loss_x" and rank == 1 else 1.0
+            scale = cfg["factor"] if (fault == "loss_x" and rank == 1) or fault == "loss_x_all" else 1.0
             if cfg["loss_parallel"] and tp > 1:
                 with loss_parallel():
                     loss = F.cross_entropy(z, y, reduction="sum") / count

@@ -241,6 +241,36 @@ def _off_the_bf16_grid(rec: A.RecordingSet) -> int | None:
     return None
 
 
+def replicas(rec: A.RecordingSet) -> tuple[int, str]:
+    """W, the count a data-parallel normalisation divides by, and its words: a plain data-parallel run's
+    ranks; under a layout with a model-parallel dimension (TP, 2-D) or a pipeline, its data-parallel
+    replicas (the layout's groups), the ranks of each named."""
+    lay = rec.meta.get("layout") or {}
+    if not lay.get("groups"):
+        world = rec.world_at(rec.steps[0])
+        return world, f"W = {world} ranks"
+    n, size = len(lay["groups"]), max(len(g) for g in lay["groups"])
+    each = f"{size} pipeline stages" if lay.get("pipeline") else f"{size} model-parallel ranks"
+    return n, f"W = {n} data-parallel replica(s) of {each}"
+
+
+def rank_mean_words(rec: A.RecordingSet) -> str:
+    """The alternative weighting "each data-parallel unit normalised by its own count", in the run's terms."""
+    return ("the mean of the data-parallel replicas' own token means" if replicas(rec)[0] < rec.world_at(rec.steps[0])
+            else "the mean of the ranks' own token means")
+
+
+def _factor_words(rec: A.RecordingSet, c: float, micro: int, rtol: float) -> str | None:
+    """factor_name over W = the data-parallel replicas (replicas), then the TP size where the layout
+    has a model-parallel dimension and c is it."""
+    lay = rec.meta.get("layout") or {}
+    tp = max((len(g) for g in lay.get("groups", [])), default=1) if not lay.get("pipeline") else 1
+    w = replicas(rec)[0]
+    names = [n for n in (factor_name(c, w, micro, rtol) or "").split(" = ") if n and (w > 1 or "W" not in n)]
+    names += [f"the TP size {tp}"] if tp > 1 and abs(c / tp - 1) <= rtol else []
+    return " = ".join(names) or None
+
+
 def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     run = ref.meta.get("mode") == "run"
     rows = gradient_rows(rec, ref)
@@ -334,7 +364,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
         # run mode fits only the steps where the parameters still agree: a ratio of 1 there, and the
         # first failing step not among them, puts the fault in a step between
         unit = near_one and worst_k not in fitted
-        named = factor_name(cs[0], world, micro, factor_rtol) if constant else None
+        named = _factor_words(rec, cs[0], micro, factor_rtol) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)
                         and max(c for c, _ in fs) - min(c for c, _ in fs) <= factor_rtol * abs(fs[0][0])
                         and (alt != "gm" or gm_far) and alt_far.get(alt, True)), None)  # one factor at every step
@@ -357,7 +387,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                       f"(tensor {worst_t}; {stated}), after the parameters parted: the fault is in a step between "
                       "(see replay)")
         elif constant and named:
-            reason = (f"the fleet's gradient is {what} times {cs[0]:.4g} = {named} (W = {world} ranks, "
+            reason = (f"the fleet's gradient is {what} times {cs[0]:.4g} = {named} ({replicas(rec)[1]}, "
                       f"K = {micro} micro-batches) at every step: a normalisation applied the wrong number of times")
         elif constant:
             reason = f"the fleet's gradient is {what} times a constant {cs[0]:.4g} at every step"
@@ -370,7 +400,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
         elif stale is not None:
             k0, off, c = stale
             share = "" if abs(c - 1) <= factor_rtol else f" times {c:.4g}" + (
-                f" = {factor_name(c, world, micro, factor_rtol)}" if factor_name(c, world, micro, factor_rtol) else "")
+                f" = {_factor_words(rec, c, micro, factor_rtol)}" if _factor_words(rec, c, micro, factor_rtol) else "")
             reason = (f"the gradients were not zeroed between steps: from step {k0} on, the fleet's gradient of "
                       f"{len(off)} tensor(s) ({', '.join(off[:3])}{', ...' if len(off) > 3 else ''}) is {what} plus "
                       f"the gradient the loop applied at the step before{share}, and every other tensor agrees "
@@ -385,8 +415,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                           "gathered from every rank give)",
                     "micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
                                   "own count, not the step's)",
-                    "rank_mean": "the mean of the ranks' own token means (each rank normalised by its own "
-                                 "token count)",
+                    "rank_mean": rank_mean_words(rec) + " (each normalised by its own token count)",
                     "fwd": "the causal LM loss with the model's own load-balancing term over each forward's own "
                            "routing statistics (router_aux_loss_coef x each micro-batch's aux_loss, each counted "
                            "once: what transformers' MoE models compute per forward under the Trainer)"}[alt_hit]

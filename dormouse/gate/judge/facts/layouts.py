@@ -115,8 +115,9 @@ def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int,
     bound = max(bounds, default=GRAD_RTOL)
     tol = max(FACTOR_RTOL, bound)
     cands = [(f"the TP size {tp}", tp), (f"1 / the TP size {tp}", 1 / tp), (f"the DP size {dp}", dp),
-             (f"1 / the DP size {dp}", 1 / dp), (f"the world size {tp * dp}", tp * dp),
-             (f"1 / the world size {tp * dp}", 1 / (tp * dp))]
+             (f"1 / the DP size {dp}", 1 / dp)]
+    if tp > 1 and dp > 1:  # with one of them 1 the world size is the other's: named by it
+        cands += [(f"the world size {tp * dp}", tp * dp), (f"1 / the world size {tp * dp}", 1 / (tp * dp))]
     if ep:  # a declared expert-parallel sharding: the split parameters are experts, their factor the EP size's
         cands = [(f"the expert-parallel size {ep}", ep), (f"1 / the expert-parallel size {ep}", 1 / ep)] + cands
     whole = [fit(fleet_grad(rec, k), ref.tensors(k, "g/"), sorted(set(fleet_grad(rec, k)) & set(ref.tensors(k, "g/"))))

@@ -26,6 +26,7 @@ from dormouse.gate.judge.bounds import (
     arithmetic_rtol,
     floor_bound,
 )
+from dormouse.gate.judge.facts.gradient import rank_mean_words
 from dormouse.gate.judge.facts.precision import precision_words
 from dormouse.gate.judge.verdict import Check, TensorCheck
 
@@ -121,8 +122,8 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
                      "from logits left in the forward's dtype against it, at the largest; each step its own")
         return Check("loss", True, f"the logged loss equals the declared objective over the global batch at every "
                                    f"step (worst {worst:.2g}, {said})")
-    desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": "the mean of the ranks' own "
-            "token means", "rank_local": "rank 0's own token mean"}
+    desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": rank_mean_words(rec),
+            "rank_local": "rank 0's own token mean"}
     named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)
     reason = (f"the logged loss differs from the declared objective by {worst:.2g} at step {at}"
               + (f": it is {named}, not the global token mean" if named else ""))
