@@ -328,7 +328,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                              / max(norm(ref.tensors(r["step"], "g/"), sorted(ref.tensors(r["step"], "g/"))), 1e-300)
                              for r in rows), default=gb))
     factor_rtol = max(FACTOR_RTOL, bound)  # a fitted constant is as uncertain as the gradients it is fitted to
-    world, micro = rec.world_at(rec.steps[0]), rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
+    micro = rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
     what = "one process's gradient of the declared objective"
     stated = (bound_words(rec, ref, max(tbounds), GRAD_RTOL) if not run else
               f"each tensor against its own bound, {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor of "
