@@ -33,7 +33,7 @@ CLEAN = {
     "resume3": {"resume_world": 3, "steps": 10},  # ... or at three ranks of 2 windows (after step 5)
     "fsdp": {"shard": "fsdp", "steps": 10, "recording": 1},  # recorded: FSDP2's clip norm is its own order
     "adamw": {"opt": "adamw", "steps": 10},
-    "bf16": {"reduce": "bf16", "steps": 10},
+    "bf16": {"reduce": "bf16", "steps": 10, "recording": 1},  # recorded: the Recorder declares the bf16 wire
     "buckets": {"bucket_mb": 0.05},  # ~13 buckets instead of one
     "mixed": {"profile": "4x32,2x64", "resume_world": 0, "steps": 10},  # no single process holds this batch
     # ... and records itself through the Recorder too (judged by `dormouse gate check`)
@@ -248,6 +248,19 @@ def test_the_fleets_recording_passes_the_recording_judge_across_its_resume(clean
     assert "bitwise at all 10 steps, across 1 resume(s)" in v.check("replay").reason
     assert "equal the one-process gradient's at every step" in v.check("clip").reason  # the loop's own norm
     assert "block.moe.router_bias follows the declared update" in v.check("buffers").reason  # across the resume
+
+
+def test_the_bf16_fleets_recording_declares_its_wire_and_passes_within_the_wires_bound(clean):
+    """The gate's own bf16 fleet records through the Recorder with wire='bf16': the recording judge holds
+    its gradient to the wire's element bound (beyond the float32 one: the wire really rounded) and finds
+    its rounding unbiased, across the stop and resume."""
+    out = fleet_recording_dir(clean["bf16"])
+    assert A.RecordingSet(out).meta["wire"] == "bf16"
+    make_reference(out, log=QUIET)
+    v = judge_recording(out)
+    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
+    assert "the declared bf16 wire's bound" in v.check("gradient").reason and v.check("gradient").worst > 1e-5
+    assert v.check("bias").passed
 
 
 def test_gradient_made_up_where_every_window_has_none_fails_gradref_exactly(faulty):
