@@ -415,7 +415,9 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                           "gathered from every rank give)",
                     "micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
                                   "own count, not the step's)",
-                    "rank_mean": rank_mean_words(rec) + " (each normalised by its own token count)",
+                    "rank_mean": rank_mean_words(rec) + (" (each replica normalised by its own token count)"
+                                                         if "replicas" in rank_mean_words(rec) else
+                                                         " (each rank normalised by its own token count)"),
                     "fwd": "the causal LM loss with the model's own load-balancing term over each forward's own "
                            "routing statistics (router_aux_loss_coef x each micro-batch's aux_loss, each counted "
                            "once: what transformers' MoE models compute per forward under the Trainer)"}[alt_hit]
