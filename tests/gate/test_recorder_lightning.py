@@ -30,7 +30,8 @@ W = 2
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    return looprec.launch_client("lightning_client.py", RUNS, tmp_path_factory.mktemp("lightning"), world=W, **dict(PYTHONWARNINGS="ignore"))
+    return looprec.launch_client("lightning_client.py", RUNS, tmp_path_factory.mktemp("lightning"), world=W,
+                                 preload=("pytorch_lightning",), **dict(PYTHONWARNINGS="ignore"))
 
 
 def verdict(fleet, name):
