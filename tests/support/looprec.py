@@ -33,7 +33,8 @@ def agent_imports(cmd: list[str], modules: tuple[str, ...]) -> list[str]:
     had imported them first, and the fleet pays a framework's import once instead of once per rank."""
     i = cmd.index("torch.distributed.run")
     assert cmd[i - 1] == "-m" and "--run-path" in cmd, cmd
-    code = (f"import {', '.join(modules)}; import runpy; "
+    # gc.freeze: the collector of a forked rank never walks (and so never copies) the imported modules' objects
+    code = (f"import {', '.join(modules)}; import gc, runpy; gc.freeze(); "
             "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)")
     return [*cmd[:i - 1], "-c", code, *cmd[i + 1:]]
 
