@@ -41,8 +41,8 @@ LONGEST_FIRST = (
     "tests/gate/test_gate_review.py",  # 68
     "tests/train/test_exact.py",  # 57
     "tests/train/test_resume_parity.py",  # 55 (FSDP2 ranks find DTensor imported: warm.PRELOAD)
-    "tests/gate/test_recorder_hf.py",  # 40 (transformers imported once per launch: looprec.agent_imports)
     "tests/gate/test_recorder_parallel.py",  # 42 (a 2-rank and a 4-rank launch)
+    "tests/gate/test_recorder_hf.py",  # 40 (transformers imported once per launch: looprec.agent_imports)
     "tests/gate/test_recorder_batch_scope.py",  # 40
     "tests/gate/test_recorder_trl_peft.py",  # 29
     "tests/gate/test_recorder_lightning.py",  # 27
