@@ -31,19 +31,21 @@ def pytest_unconfigure(config):
 # finished file), so the long ones start early and the end is left to short
 # ones; in one timestamped run of the suite the two workers finished 5 s
 # apart. Only the order changes; a file not named here runs after these, in
-# collection order.
+# collection order. The figures from test_exact.py to test_recorder_lightning.py
+# are the earlier ones scaled by each file's CPU seconds measured before and
+# after its last speed-up, side by side on a loaded machine (not a suite run).
 LONGEST_FIRST = (
     "tests/gate/test_notebooks.py",  # 200 (the session's pipeline run, gate_run)
     "tests/test_cli.py",  # 100
     "tests/gate/test_gate.py",  # 130 (reads gate_run after its own fleets)
     "tests/gate/test_gate_review.py",  # 68
-    "tests/train/test_resume_parity.py",  # 66
-    "tests/train/test_exact.py",  # 60
-    "tests/gate/test_recorder_hf.py",  # 48
-    "tests/gate/test_recorder_parallel.py",  # 45 (a 2-rank and a 4-rank launch)
+    "tests/train/test_exact.py",  # 57
+    "tests/train/test_resume_parity.py",  # 55 (FSDP2 ranks find DTensor imported: warm.PRELOAD)
+    "tests/gate/test_recorder_parallel.py",  # 42 (a 2-rank and a 4-rank launch)
+    "tests/gate/test_recorder_hf.py",  # 40 (transformers imported once per launch: looprec.agent_imports)
     "tests/gate/test_recorder_batch_scope.py",  # 40
-    "tests/gate/test_recorder_trl_peft.py",  # 35
-    "tests/gate/test_recorder_lightning.py",  # 30
+    "tests/gate/test_recorder_trl_peft.py",  # 29
+    "tests/gate/test_recorder_lightning.py",  # 27
     "tests/gate/test_recorder_accelerate.py",  # 25
     "tests/test_distributed.py",  # 20
     "tests/gate/test_judge_causes.py",  # 20

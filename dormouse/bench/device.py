@@ -82,16 +82,18 @@ def throughput(device: str, *, steps: int, name: str = "small", log=print) -> di
     return out
 
 
-def gates(device: str, tmp: Path, *, log=print) -> dict:
-    """The tiny gate's verdicts on the device: micro-batched fleet of one rank, then the same under exact."""
+def gates(device: str, tmp: Path, *, steps: int | None = None, log=print) -> dict:
+    """The tiny gate's verdicts on the device: micro-batched fleet of one rank, then the same under exact
+    (`steps`: the gate's optimizer steps, its own default when None)."""
     from dormouse.gate.pipeline import check, gate
 
     out = {}
     for key, extra in (("gate_micro", {}), ("gate_exact", {"reduce": "exact"})):
+        extra = {**extra, **({"steps": steps} if steps is not None else {})}
         s = check(world=1, profile="6", micro_batch=2, resume_world=0, device=device, out=str(tmp / key), **extra)
         t0 = time.perf_counter()
         v = gate(s, log=lambda line: None)
-        out[key] = {"passed": v.passed, "seconds": time.perf_counter() - t0,
+        out[key] = {"passed": v.passed, "seconds": time.perf_counter() - t0, "steps": s.steps,
                     "checks": [{"name": c.name, "passed": c.passed, "reason": c.reason} for c in v.checks]}
         log(f"  {key}: {'PASS' if v.passed else 'FAIL'} in {out[key]['seconds']:.1f} s")
     return out
@@ -108,7 +110,8 @@ def section(res: dict) -> str:
                      f"MFU {r['mfu_vs_matmul']:.3f} of the measured {r['matmul_tflops']:.3g} TFLOP/s "
                      f"square matmul{vs_peak}")
     for key, g in res["gates"].items():
-        lines.append(f"{key}: {'PASS' if g['passed'] else 'FAIL'} ({g['seconds']:.1f} s)")
+        steps = f"{g['steps']} steps, " if "steps" in g else ""
+        lines.append(f"{key}: {'PASS' if g['passed'] else 'FAIL'} ({steps}{g['seconds']:.1f} s)")
         lines += [f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['reason']}" for c in g["checks"]]
     return "\n".join(lines + ["```", ""])
 
@@ -121,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--steps", type=int, default=10, help="timed steps of the small preset per dtype")
     p.add_argument("--quick", action="store_true", help="3 timed steps (with --preset tiny: the CPU's dry run)")
+    p.add_argument("--gate-steps", type=int, default=None, metavar="N",
+                   help="optimizer steps of each gate (default: the gate's own; the tests' dry run takes fewer)")
     p.add_argument("--preset", default="small", choices=sorted(SHAPES), help="the preset whose steps are timed")
     p.add_argument("--peak-tflops", default="", metavar="F32,BF16",
                    help="the device's datasheet peaks in TFLOP/s, e.g. 67,989 (H100/H200 SXM dense)")
@@ -138,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                 peaks = dict(zip(DTYPES, map(float, args.peak_tflops.split(","))))
             except ValueError:
                 raise DormouseError(f"--peak-tflops {args.peak_tflops!r}: give two numbers, F32,BF16") from None
+        if args.gate_steps is not None:
+            from dormouse.gate.settings import check
+
+            check(steps=args.gate_steps)  # the gate's own rule, before anything runs
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         torch.set_num_threads(1)
         res = {"device": args.device, "device_name": device_name(args.device),
@@ -145,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"dormouse bench.device on {res['device_name']}")
         res["throughput"] = throughput(args.device, steps=3 if args.quick else args.steps, name=args.preset, log=log)
         with tempfile.TemporaryDirectory(prefix="dormouse-device-") as tmp:
-            res["gates"] = gates(args.device, Path(tmp), log=log)
+            res["gates"] = gates(args.device, Path(tmp), steps=args.gate_steps, log=log)
         out = Path(args.out) if args.out else artifacts_dir() / "bench_device.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(out, json.dumps(res, indent=1))

@@ -54,7 +54,9 @@ RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstr
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    return looprec.launch_client("hf_client.py", RUNS, tmp_path_factory.mktemp("hf"), world=2, **dict(TRANSFORMERS_VERBOSITY="error"))
+    return looprec.launch_client("hf_client.py", RUNS, tmp_path_factory.mktemp("hf"), world=2,
+                                 preload=("transformers.trainer", "transformers.models.gpt2.modeling_gpt2"),
+                                 **dict(TRANSFORMERS_VERBOSITY="error"))
 
 
 def verdict(fleet, name):

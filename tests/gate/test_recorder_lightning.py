@@ -13,9 +13,14 @@ data layout, not read from the recording, and not the gate's reference)."""
 from __future__ import annotations
 
 
+import importlib.util
+
 import pytest
 
-pytest.importorskip("pytorch_lightning")
+# found, not imported: the fleet's ranks import it, and the one test here that needs it (~5 CPU-s, which
+# every pytest worker would otherwise pay while collecting)
+if importlib.util.find_spec("pytorch_lightning") is None:
+    pytest.skip("needs pytorch_lightning (pip install 'dormouse[dev]')", allow_module_level=True)
 
 import fieldkit  # noqa: E402
 import loopmodel  # noqa: E402
@@ -30,7 +35,8 @@ W = 2
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    return looprec.launch_client("lightning_client.py", RUNS, tmp_path_factory.mktemp("lightning"), world=W, **dict(PYTHONWARNINGS="ignore"))
+    return looprec.launch_client("lightning_client.py", RUNS, tmp_path_factory.mktemp("lightning"), world=W,
+                                 preload=("pytorch_lightning",), **dict(PYTHONWARNINGS="ignore"))
 
 
 def verdict(fleet, name):

@@ -31,7 +31,10 @@ W, K = 2, 2
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    return looprec.launch_client("trl_client.py", RUNS, tmp_path_factory.mktemp("trl"), world=W, **dict(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error"))
+    return looprec.launch_client("trl_client.py", RUNS, tmp_path_factory.mktemp("trl"), world=W,
+                                 preload=("transformers.trainer", "transformers.models.llama.modeling_llama", "peft",
+                                          "trl.trainer.sft_trainer"),
+                                 **dict(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error"))
 
 
 def verdict(fleet, name):

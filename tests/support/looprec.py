@@ -27,12 +27,27 @@ def launch(plan: list[dict], where: Path, script: str = "ddp_loop.py", world: in
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def launch_client(script: str, runs: list[str], out: Path, world: int = 2, **env: str) -> Path:
+def agent_imports(cmd: list[str], modules: tuple[str, ...]) -> list[str]:
+    """torchrun's command `cmd` (launcher.torchrun, its ranks forked from the agent) with `modules`
+    imported by the agent before it starts: every rank is forked with them imported, as if its script
+    had imported them first, and the fleet pays a framework's import once instead of once per rank."""
+    i = cmd.index("torch.distributed.run")
+    assert cmd[i - 1] == "-m" and "--run-path" in cmd, cmd
+    # gc.freeze: the collector of a forked rank never walks (and so never copies) the imported modules' objects
+    code = (f"import {', '.join(modules)}; import gc, runpy; gc.freeze(); "
+            "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)")
+    return [*cmd[:i - 1], "-c", code, *cmd[i + 1:]]
+
+
+def launch_client(script: str, runs: list[str], out: Path, world: int = 2, preload: tuple[str, ...] = (),
+                  **env: str) -> Path:
     """A framework client (hf_client.py, lightning_client.py, trl_client.py): its runs `runs` ("name:k=v...")
-    in ONE torchrun launch, each recorded into out/<name>; `env`: more variables for it."""
+    in ONE torchrun launch, each recorded into out/<name>; `preload`: the framework's modules, imported
+    once by torchrun's agent before it forks the ranks (agent_imports); `env`: more variables for it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env,
            "PYTHONPATH": os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run(torchrun([str(SUPPORT / script), "--out", str(out), *runs], world=world), env=env,
+    cmd = torchrun([str(SUPPORT / script), "--out", str(out), *runs], world=world)
+    done = subprocess.run(agent_imports(cmd, preload) if preload else cmd, env=env,
                           capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out

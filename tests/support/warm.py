@@ -68,9 +68,11 @@ from pathlib import Path
 
 REAL = sys.executable
 # What every test child imports first (torch.distributed.run itself is left
-# out: `-m torch.distributed.run` must find it unimported, as python -m does).
+# out: `-m torch.distributed.run` must find it unimported, as python -m does),
+# and DTensor with FSDP2 (~1 CPU-s a process): the ranks of the suite's FSDP2
+# and tensor-parallel fleets import them.
 PRELOAD = ("torch", "torch.distributed.launcher.api", "torch.distributed.elastic.multiprocessing", "numpy",
-           "safetensors.torch")
+           "safetensors.torch", "torch.distributed.tensor", "torch.distributed.fsdp")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # The zygote's own standard streams, kept from being closed (their file
 # descriptors are the child's now) until the interpreter's end, after it has

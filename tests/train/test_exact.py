@@ -79,6 +79,20 @@ def differing(a: dict, b: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """single(ns=ns) at its defaults, computed once per dtype in this module (three tests hold the
+    float32 one against something): a dict nobody edits."""
+    done: dict[str, dict] = {}
+
+    def get(ns: str) -> dict:
+        if ns not in done:
+            done[ns] = single(tmp_path_factory.mktemp(f"single_{ns}"), ns=ns)
+        return done[ns]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def fleets(tmp_path_factory) -> Path:
     """Every fleet of this module: one launch per world size (4, then 2)."""
     base = tmp_path_factory.mktemp("exact")
@@ -108,8 +122,8 @@ def fleets(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("ns", NS)
-def test_one_process_two_ranks_and_four_ranks_end_bitwise_equal(fleets, tmp_path, ns):
-    ref = single(tmp_path, ns=ns)
+def test_one_process_two_ranks_and_four_ranks_end_bitwise_equal(fleets, plain, ns):
+    ref = plain(ns)
     for world in (2, 4):
         for r in range(world):  # every rank holds the same bits
             got = fleet_result(fleets / f"w{world}_{ns}", r)
@@ -172,16 +186,16 @@ def test_tree_sum_is_the_fixed_pairwise_tree_of_the_slice_count():
     assert torch.equal(tree_sum(rows)[2:4], tree_sum(rows[:, 2:4]))  # chunks sum alike
 
 
-def test_exact_single_process_is_the_same_whether_slices_come_from_shapes_or_micro_batch(tmp_path):
-    by_micro = single(tmp_path / "a", ns="float32")
+def test_exact_single_process_is_the_same_whether_slices_come_from_shapes_or_micro_batch(tmp_path, plain):
+    by_micro = plain("float32")
     by_shapes = single(tmp_path / "b", ns="float32", micro=0, shapes=[RankShape(1, 64)] * 4)
     assert differing(by_micro, by_shapes) == []
 
 
-def test_one_ulp_in_one_slice_is_seen_by_the_exact_reference(tmp_path):
+def test_one_ulp_in_one_slice_is_seen_by_the_exact_reference(tmp_path, plain):
     from dormouse.train import hooks
 
-    ref = single(tmp_path / "ref", ns="float32")
+    ref = plain("float32")  # computed without the hook below
     seen = []
 
     def nudge(piece):  # step 2, slice 1: every element to its float neighbour
