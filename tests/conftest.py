@@ -31,32 +31,33 @@ def pytest_unconfigure(config):
 # finished file), so the long ones start early and the end is left to short
 # ones; in one timestamped run of the suite the two workers finished 5 s
 # apart. Only the order changes; a file not named here runs after these, in
-# collection order. The figures from test_exact.py to test_recorder_lightning.py
+# collection order. The figures from test_exact.py to test_lightning.py
 # are the earlier ones scaled by each file's CPU seconds measured before and
 # after its last speed-up, side by side on a loaded machine (not a suite run).
 LONGEST_FIRST = (
-    "tests/gate/test_notebooks.py",  # 200 (the session's pipeline run, gate_run)
+    "tests/gate/drivers/test_notebooks.py",  # 200 (the session's pipeline run, gate_run)
     "tests/test_cli.py",  # 100
-    "tests/gate/test_gate.py",  # 130 (reads gate_run after its own fleets)
-    "tests/gate/test_gate_review.py",  # 68
+    "tests/gate/catches/test_own_fleet_faults.py",  # 130 (reads gate_run after its own fleets)
+    "tests/gate/catches/test_own_fleet_once_false_passes_and_alarms.py",  # 68
     "tests/train/test_exact.py",  # 57
     "tests/train/test_resume_parity.py",  # 55 (FSDP2 ranks find DTensor imported: warm.PRELOAD)
-    "tests/gate/test_recorder_parallel.py",  # 42 (a 2-rank and a 4-rank launch)
-    "tests/gate/test_recorder_hf.py",  # 40 (transformers imported once per launch: looprec.agent_imports)
-    "tests/gate/test_recorder_batch_scope.py",  # 40
-    "tests/gate/test_recorder_trl_peft.py",  # 29
-    "tests/gate/test_recorder_lightning.py",  # 27
-    "tests/gate/test_recorder_accelerate.py",  # 25
+    "tests/gate/catches/test_tensor_and_pipeline_parallel.py",  # 42 (a 2-rank and a 4-rank launch)
+    "tests/gate/catches/test_hf_trainer.py",  # 40 (transformers imported once per launch: looprec.agent_imports)
+    "tests/gate/catches/test_batch_level_objectives.py",  # 40
+    "tests/gate/catches/test_trl_peft.py",  # 29
+    "tests/gate/catches/test_lightning.py",  # 27
+    "tests/gate/catches/test_accelerate.py",  # 25
+    "tests/gate/catches/test_expert_parallel.py",  # 30 (one 2-rank launch of 6 recordings)
     "tests/test_distributed.py",  # 20
-    "tests/gate/test_judge_causes.py",  # 20
-    "tests/gate/test_gate_exact.py",  # 45
-    "tests/gate/test_gate_bf16_model.py",  # 45
+    "tests/gate/catches/test_named_causes.py",  # 20
+    "tests/gate/catches/test_own_fleet_exact.py",  # 45
+    "tests/gate/catches/test_own_fleet_bf16_model.py",  # 45
     "notebooks/",  # 13 (nbmake: the four notebooks at their defaults, presenting gate_run's gate in a fresh clone)
-    "tests/gate/test_recorder.py",  # 39
-    "tests/gate/test_gate_configs.py",  # 32
+    "tests/gate/catches/test_ddp_fsdp_loops.py",  # 39
+    "tests/gate/catches/test_own_fleet_configs.py",  # 32
     "tests/train/test_fleet.py",  # 29
-    "tests/gate/test_seed_recipe.py",  # 28
-    "tests/gate/test_recorder_review.py",  # 26
+    "tests/gate/catches/test_seed_recipe.py",  # 28
+    "tests/gate/catches/test_ddp_loops_written_from_the_docs.py",  # 26
 )
 
 

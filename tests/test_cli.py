@@ -326,7 +326,7 @@ def test_torchrun_trains_a_fleet_with_rank_0_logging_and_per_rank_logs(fleet_run
 
 
 def test_the_fleets_recording_passes_the_recording_judge(fleet_run):
-    # (the command `dormouse gate check` itself: tests/gate/test_own_trainer_recording.py, one process)
+    # (the command `dormouse gate check` itself: tests/gate/catches/test_own_trainer_recording.py, one process)
     from dormouse.gate.judge.entry import judge_recording
     from dormouse.gate.record.reference import make_reference
 

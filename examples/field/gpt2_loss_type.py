@@ -17,7 +17,7 @@ One process is enough to see it (no fleet): the script trains one step of a
 tiny random-init GPT-2 with the Trainer (max_grad_norm 0, so nothing clips),
 reads the gradient the Trainer hands the optimizer (`on_pre_optimizer_step`),
 and compares it with the gradient of the token mean computed by hand. The
-gate (tests/gate/test_recorder_hf.py, `stock`; docs/field-report.md) fails
+gate (tests/gate/catches/test_hf_trainer.py, `stock`; docs/field-report.md) fails
 the same configuration on its gradient check, "not by a constant factor".
 """
 

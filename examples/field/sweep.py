@@ -298,8 +298,9 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
               "failed `sft_padfree` (its gradient, loss and replay passing) because TRL's padding-free "
               "collator passes the micro-batch's longest example as int forward arguments (`max_length_q`, "
               "`max_length_k`), which differ between ranks as the data does; the check read them as a branch "
-              "one rank switches alone. It now compares int arguments by name only (bools, strings and None "
-              "still by value: a flag one rank sets alone still fails, tests/gate/test_recorder_batch_scope.py).",
+              "one rank switches alone (a review found the same with packed SFT). The check now leaves out "
+              "that flash-attention batch metadata, and only it (facts/ranks.py BATCH_METADATA): any other "
+              "argument one rank sets alone still fails (tests/gate/catches/test_batch_level_objectives.py).",
               ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

@@ -1,6 +1,6 @@
 """The gate tests' session fixture: one run of the whole pipeline at the
 defaults, shared by every test file that reads a default gate (the notebooks'
-tests, tests/gate/test_gate.py's default fleet)."""
+tests, tests/gate/catches/test_own_fleet_faults.py's default fleet)."""
 
 from __future__ import annotations
 

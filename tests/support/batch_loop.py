@@ -1,5 +1,5 @@
 """A researcher's plain DDP loop whose objective is more than a sum over rows,
-recorded for the gate (tests/gate/test_recorder_batch_scope.py). Run under
+recorded for the gate (tests/gate/catches/test_batch_level_objectives.py). Run under
 torchrun (gloo): `torchrun --standalone --nproc_per_node=2 batch_loop.py --plan PLAN.json`,
 PLAN a JSON list of runs (see RUN), one after another in one process group.
 

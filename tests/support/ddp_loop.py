@@ -22,7 +22,7 @@ hooks below (`loss_of`, `scale_of`, `after_sync`, ...) selected by each run's "f
   loss_rank_mean   the logged loss is a mean of rank means (the gradient is right)
   resume_data      the resume restarts the epoch's data order from its beginning
   rank_lr          rank 1's optimizer has another lr (the ranks drift apart)
-The reviewer's faults (tests/gate/test_recorder_review.py):
+The reviewer's faults (tests/gate/catches/test_ddp_loops_written_from_the_docs.py):
   rank1_eps        rank 1 scales its loss by 1 + eps (cfg "eps")
   bias_x2          after the all-reduce, one small tensor's gradient (ln1.bias) doubled on every rank
   bias_eps         ... ln1.bias's gradient scaled by 1 + eps (cfg "eps") on every rank
@@ -36,7 +36,7 @@ The reviewer's faults (tests/gate/test_recorder_review.py):
   dup_data         a clean loop over a dataset with duplicate rows (data[2j+1] == data[2j])
   nograd_log       a clean loop that also runs a no_grad forward in train mode to log a probe loss
   rank1_fp32       (with autocast) rank 1 runs its forward without the autocast the others run under
-The second reviewer's knobs (tests/gate/test_review2_precision.py), cfg keys, not faults:
+The second reviewer's knobs (tests/gate/catches/test_reduced_precision_loops.py), cfg keys, not faults:
   "model"          {"kind": ...}: loopmodel:build_review_model with those kwargs (FlatLM, HeadAutocastLM, AmpLM)
   "ac_dtype"       the autocast dtype ("bfloat16"; "float16")
   "loss_outside"   the cross-entropy computed outside the autocast (on the forward's bfloat16 logits)
@@ -50,7 +50,7 @@ A third review's knob:
   "fsdp_layers"    (with fsdp) qkv, fc and out sharded as modules of their own, reshard_after_forward=False
   "left_pad"       rows padded on the left (attention_mask 0 there); TinyLM's positions are absolute
   "position_ids"   the loop passes each row's positions as the forward's position_ids (not a Recorder input)
-The judge's cause-naming knobs (tests/gate/test_judge_causes.py), cfg keys:
+The judge's cause-naming knobs (tests/gate/catches/test_named_causes.py), cfg keys:
   "nan"            {"step": s, "rank": r, "where": "grad" | "loss"}: at step s rank r writes a NaN into
                    one element of ln1.bias's synchronised gradient ("grad"), or multiplies its loss by NaN
                    ("loss": the all-reduce spreads it, and the logged loss is NaN)

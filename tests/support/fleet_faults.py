@@ -22,7 +22,7 @@ The fault is named by DORMOUSE_TEST_FAULT:
   one_ulp          at step 3, rank 1 moves every element of head.weight's local
                    gradient (one slice's) to its float neighbour before the reduce
 
-Review attacks (tests/gate/test_gate_review.py; see the section at the end):
+Review attacks (tests/gate/catches/test_own_fleet_once_false_passes_and_alarms.py; see the section at the end):
   lr_x1_5, lr_last_x3, ns_bf16, ns_bf16_minlr, no_clip_mixed   the fleet's run config
                    differs from the recipe and is recorded (the replay trusts it)
   final_tamper     the final model differs from the traced one
@@ -31,13 +31,13 @@ Review attacks (tests/gate/test_gate_review.py; see the section at the end):
   eval_wrong       the eval reports 0
   loads_rank0, loads_reversed (the routing bias moved by the loads reversed)
 
-Issue 16 (tests/gate/test_gate_trust.py):
+Issue 16 (tests/gate/catches/test_own_fleet_logged_loss_and_stale_weights.py):
   mean_of_ranks_loss   the fleet logs the plain mean of its ranks' losses (gradients right)
   stale_weights        at step 3, rank 1 computes on the previous step's weights
   fsdp_stale_shard     at step 3, rank 1's FSDP2 gradient shard is the one of step 2
   bf16_decay_scaled    bf16_decay at DORMOUSE_TEST_FAULT_SCALE x W u |g| sign(p) (measuring the smallest caught)
 
-Review 4 (tests/gate/test_launcher.py):
+Review 4 (tests/gate/record/test_launcher.py):
   hash_order           each rank orders its gradients for the reduce by Python's string hash
 
 How a fault enters: only through explicit seams.
@@ -481,7 +481,7 @@ FAULTS.update({f.__name__: f for f in (hash_order,)})
 def seams() -> list[list]:
     """Every list a fault may add to: the loop's installed hooks and the gate
     modes' run hooks, model hooks and run scopes. A fault acts only through
-    these (tests/gate/test_fault_scoping.py holds every fault to it)."""
+    these (tests/gate/record/test_fault_seams.py holds every fault to it)."""
     import dormouse.train.hooks as hooks
 
     return [hooks._INSTALLED, modes._RUN_HOOKS, modes._MODEL_HOOKS, modes._RUN_SCOPES]

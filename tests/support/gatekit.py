@@ -25,7 +25,7 @@ QUIET = lambda line: None  # noqa: E731
 # torch imported once a launch, not once a rank. Their subject is the judge and
 # the fleet's mathematics, not per-interpreter state; the gate's default (an
 # interpreter per rank) runs in the pipeline, the notebooks, the seed's recipe
-# and tests/gate/test_launcher.py, which shows what only it sees.
+# and tests/gate/record/test_launcher.py, which shows what only it sees.
 FORK_RANKS = True
 
 

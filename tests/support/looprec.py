@@ -1,6 +1,6 @@
 """Recording tests' kit: ddp_loop.py's runs under one real torchrun launch
 (2 gloo ranks), and the verdict of a recording (reference made in this process,
-then judged), cached per directory: tests/gate/test_recorder*.py share it."""
+then judged), cached per directory: the tests of tests/gate/catches share it."""
 
 from __future__ import annotations
 

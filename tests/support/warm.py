@@ -24,7 +24,7 @@ What the child shares with a fresh interpreter, and what it does not:
   strings alike, as ranks forked from one torchrun agent do, and that
   includes the ranks of the gate's fleets of "one interpreter per rank"
   (an agent's children start warm too). The one test about what only
-  separate interpreters show (tests/gate/test_launcher.py, a fault that
+  separate interpreters show (tests/gate/record/test_launcher.py, a fault that
   orders gradients by string hash) starts its fleet with
   DORMOUSE_TEST_WARM=0 in the fleet's environment: the zygote declines a
   command whose environment says so, and the real Python runs it and,

@@ -5,7 +5,7 @@ batch (4 windows) and the micro-batch: one process (LocalSync, 4 slices),
 2 ranks x 2 and 4 ranks x 1 end bitwise equal, every parameter, buffer and
 logged loss, at lr 1e-2 over 8 steps (where the fp32 ring's round-off has
 grown far beyond one ulp) (3 uneven ranks "2,1,1": the exact gate,
-tests/gate/test_gate_exact.py, bitwise at every step). An uneven profile "3,1" equals "2,2", and a
+tests/gate/catches/test_own_fleet_exact.py, bitwise at every step). An uneven profile "3,1" equals "2,2", and a
 checkpoint written by 4 ranks at step 4 resumes on 2 ranks to the same bits.
 FSDP2 with one slice per rank is exact too. The fp32 ring at 4 ranks over the
 same slices is NOT bitwise equal: the check can fail. One torchrun launch per world size carries all its runs (a plan).
@@ -110,7 +110,7 @@ def fleets(tmp_path_factory) -> Path:
     two.append(entry(base / "w2_buckets", batch=2, ns="float32"))
     two[-1]["train"]["dist_bucket_mb"] = 0.05  # ~13 buckets, each its own all_to_all and all_gather
     # Clipping off here; with clipping the exact FSDP2 fleet computes the norm from whole gathered
-    # gradients (loop.clip_grad_norm), bitwise too: tests/gate/test_gate_exact.py shows it.
+    # gradients (loop.clip_grad_norm), bitwise too: tests/gate/catches/test_own_fleet_exact.py shows it.
     four.append(entry(base / "w4_fsdp", batch=1, ns="float32", micro=0, shard="fsdp"))
     four[-1]["train"]["grad_clip"] = 0.0
     two.append(entry(base / "w2_fsdp_micro_ring", batch=2, ns="float32", reduce="fp32", shard="fsdp"))

@@ -1,6 +1,6 @@
 """The fleet on torch.distributed: real torchrun launches on CPU (gloo) — a
 two-agent rendezvous, FleetSync's overlap, the refusals before any collective,
-a refused and a killed fleet. The gate's verdicts are tests/gate/test_gate*.py."""
+a refused and a killed fleet. The gate's verdicts are tests/gate/catches/test_own_fleet_*.py."""
 
 from __future__ import annotations
 

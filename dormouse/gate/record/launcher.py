@@ -42,7 +42,7 @@ from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 #   interpreter state: Python's string-hash secret above all, which no forked
 #   process can change. A fleet whose ranks agree only because they hash alike
 #   (code ordering its gradients by iterating a set of names) passes forked and
-#   fails with an interpreter per rank (tests/gate/test_launcher.py), so the
+#   fails with an interpreter per rank (tests/gate/record/test_launcher.py), so the
 #   gate's verdicts come from fresh interpreters, and forked ranks are for runs
 #   whose subject is not that (the tests' many fleets, the bench) and for a
 #   launch of one rank (the default stop-and-resume's second leg): with no

@@ -17,7 +17,7 @@ import pytest
 
 from inproc import run_main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STEPS = "20"
 
 

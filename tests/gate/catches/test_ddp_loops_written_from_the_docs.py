@@ -1,5 +1,5 @@
 """A reviewer's attacks on the recording gate (issue 13): faults that
-tests/gate/test_recorder.py does not plant, and clean loops at settings it
+tests/gate/catches/test_ddp_fsdp_loops.py does not plant, and clean loops at settings it
 does not try, through tests/support/ddp_loop.py (the same plain DDP loop, 2
 gloo ranks, real torchrun: ONE launch records every run). Attacks the gate catches
 are plain tests; a false pass or a false alarm is an xfail(strict=True) that

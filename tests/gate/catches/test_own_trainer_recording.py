@@ -1,6 +1,6 @@
 """dormouse's own trainer records through the public Recorder (issue 13):
 `dormouse train --record DIR` and `dormouse gate check --out DIR`, one
-process here (the fleet's recording rides in test_gate.py's launches)."""
+process here (the fleet's recording rides in test_own_fleet_faults.py's launches)."""
 
 from __future__ import annotations
 

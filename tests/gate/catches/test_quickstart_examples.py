@@ -4,7 +4,7 @@ of its own, launched there with `torchrun --standalone --nproc_per_node=2
 ddp_train.py`, then `dormouse gate check --out runs/ddp` from the same folder
 through the installed console script (nothing added to PYTHONPATH): it
 passes. Its HF twin (hf_train.py) runs the same way (`RUN_HF_QUICKSTART=1`
-adds it here); the suite's HF Trainer runs are tests/gate/test_recorder_hf.py."""
+adds it here); the suite's HF Trainer runs are tests/gate/catches/test_hf_trainer.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "quickstart"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "quickstart"
 CONSOLE = Path(sys.prefix) / "bin" / "dormouse"  # the installed console script (sys.executable may be a warm client)
 
 

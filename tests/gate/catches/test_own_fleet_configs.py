@@ -1,9 +1,9 @@
 """The gate on configurations other than the tiny fixture: a preset, a
 RunConfig file written by hand (Engram off, the block applied three times),
 the user's own corpus, and clean fixture runs over seeds 1-3 (no false alarm;
-the wider sweeps of docs/gate.md and tests/gate/test_gate_review.py's seeds
+the wider sweeps of docs/gate.md and tests/gate/catches/test_own_fleet_once_false_passes_and_alarms.py's seeds
 stand behind the suite's few). All in one torchrun launch, without the
-stop-and-resume (tests/gate/test_gate.py gates that)."""
+stop-and-resume (tests/gate/catches/test_own_fleet_faults.py gates that)."""
 
 from __future__ import annotations
 
@@ -71,4 +71,4 @@ def test_clean_fixture_runs_pass_for_every_seed(runs, seed):
     verdict(runs, f"seed{seed}")
 
 
-# `dormouse pipeline --config` on the run.json a `dormouse train` wrote: tests/gate/test_gate_bf16_model.py
+# `dormouse pipeline --config` on the run.json a `dormouse train` wrote: tests/gate/catches/test_own_fleet_bf16_model.py

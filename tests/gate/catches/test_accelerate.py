@@ -32,7 +32,7 @@ import loopmodel  # noqa: E402
 from dormouse.gate import artifacts as A  # noqa: E402
 from dormouse.gate.judge.entry import judge_recording
 
-SWEEP = Path(__file__).resolve().parents[2] / "examples" / "field" / "sweep.py"
+SWEEP = Path(__file__).resolve().parents[3] / "examples" / "field" / "sweep.py"
 RUNS = ["clean", "micro_mean", "sched_prepared"]  # the sweep's accelerate configurations (K = 2)
 W, K = 2, 2
 

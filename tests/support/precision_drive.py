@@ -1,4 +1,4 @@
-"""Reviewer 2's driver: `python review2_drive.py ROOT PLAN.json` with PLAN a dict
+"""Reviewer 2's driver: `python precision_drive.py ROOT PLAN.json` with PLAN a dict
 name -> ddp_loop RUN overrides; launches them in one torchrun and prints each
 verdict: passed, and per check passed / worst / bound / reason (shortened)."""
 import json
