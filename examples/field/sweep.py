@@ -301,6 +301,12 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
               "one rank switches alone (a review found the same with packed SFT). The check now leaves out "
               "that flash-attention batch metadata, and only it (facts/ranks.py BATCH_METADATA): any other "
               "argument one rank sets alone still fails (tests/gate/catches/test_batch_level_objectives.py).",
+              "- Third generation: `causal_lm` now holds a transformers MoE model's own load-balancing term "
+              "(router_aux_loss_coef x each forward's aux_loss, as the model adds it to its loss), so the MoE rows "
+              "whose model computes that term (`*_aux`, and `sft_mixtral`: the SFTTrainer turns it on) declared "
+              "with the default scope now fail the independence check, named: the term is over each forward's "
+              "rows, which interact; before, they failed the gradient check as 'not by a constant factor'. "
+              "Declaring `objective_scope='forward'` passes them (tests/gate/catches/test_hf_trainer.py).",
               ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
