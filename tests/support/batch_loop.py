@@ -27,10 +27,8 @@ Every run: the Recorder's objective and objective_scope from "objective" and "sc
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import sys
 from pathlib import Path
 
@@ -39,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plan  # noqa: E402  (tests/support)
 import batchmodels as BM  # noqa: E402
 
 from dormouse.gate import Recorder  # noqa: E402
@@ -131,20 +130,5 @@ def run(cfg: dict) -> None:
     gc.collect()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--plan", required=True, help="a JSON list of runs (see RUN)")
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        for cfg in json.loads(Path(args.plan).read_text()):
-            run(cfg)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(plan.main(run))

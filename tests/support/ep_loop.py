@@ -37,14 +37,14 @@ replicated parameters' gradients are already equal on every rank. Its fault:
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import plan  # tests/support: the loops' one main
 
 RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "rows": 4, "T": 8, "top_k": 2, "tp": False}
 EXPERT_PARAMS = ("moe.w1", "moe.w2")
@@ -99,20 +99,5 @@ def run(cfg: dict) -> None:
     gc.collect()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--plan", required=True)
-    a = ap.parse_args()
-    dist.init_process_group("gloo")
-    try:
-        for cfg in json.loads(open(a.plan).read()):
-            run(cfg)
-            dist.barrier()
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    sys.exit(plan.main(run))

@@ -34,14 +34,14 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import plan  # tests/support: the loops' one main
 
 RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "tp": 2, "micro": 2, "rows": 2, "T": 8,
        "loss_parallel": True, "module": None, "factor": 1.0}
@@ -129,25 +129,15 @@ def run(cfg: dict) -> None:
     gc.collect()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--plan", required=True)
-    a = ap.parse_args()
-    dist.init_process_group("gloo")
-    try:
-        for cfg in json.loads(open(a.plan).read()):
-            if cfg.get("pp"):  # a pipeline run (pp_loop.py) in the same launch
-                import pp_loop
+def run_any(cfg: dict) -> None:
+    """A tensor-parallel run, or a pipeline run (pp_loop.py) in the same launch."""
+    if cfg.get("pp"):
+        import pp_loop
 
-                pp_loop.run(cfg)
-            else:
-                run(cfg)
-            dist.barrier()
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        pp_loop.run(cfg)
+    else:
+        run(cfg)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    sys.exit(plan.main(run_any))
