@@ -133,6 +133,9 @@ def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     steps = [k for k in rec.steps if rec.step_meta(0, k).get("probe_order") is not None]
     if not steps:
         return None
+    if not any(ref.tensors(k, "probe/") for k in steps) and rec.meta.get("objective_scope") == "step":
+        return Check("probe", True, "not probed: the objective is declared over the whole step "
+                                    "(objective_scope='step'), so no one micro-batch's gradient is the fleet's alone")
     if not any(ref.tensors(k, "probe/") for k in steps):
         return Check("probe", True, "not probed: the probed micro-batches ran in reduced precision (autocast, cast or "
                                     "bfloat16/float16 parameters), or the reference ran past the recorded "
