@@ -30,7 +30,6 @@ the global token mean for clean) and the manual ones `grad_norm` (rank-local).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plan  # noqa: E402  (tests/support)
 import fieldkit  # noqa: E402
 import loopmodel  # noqa: E402
 
@@ -149,24 +149,7 @@ def fit(run: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("runs", nargs="+")
-    a = p.parse_args(argv)
-    from dormouse.errors import DormouseError
-
-    rc = 0
-    for text in a.runs:
-        try:
-            fit(parse_run(text), a.out)
-        except DormouseError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            rc = 2
-            break
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return rc
+    return plan.runs_main(fit, parse_run, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

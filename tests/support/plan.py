@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -27,3 +28,28 @@ def main(run: Callable[[dict], None]) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def runs_main(one: Callable[[dict, Path], None], parse: Callable[[str], dict], description: str,
+              argv: list[str] | None = None) -> int:
+    """The main of a framework client (lightning_client, trl_client): `--out DIR RUN...`, each RUN text
+    parsed and run in order (the framework initialises the process group itself); a DormouseError is one
+    line on stderr and exit 2; the group, if any, destroyed at the end."""
+    from dormouse.errors import DormouseError
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("runs", nargs="+")
+    a = p.parse_args(argv)
+    rc = 0
+    for text in a.runs:
+        try:
+            one(parse(text), a.out)
+        except DormouseError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            rc = 2
+            break
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return rc

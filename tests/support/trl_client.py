@@ -73,7 +73,6 @@ DPO, read from trl 1.16's `trl/trainer/dpo_trainer.py`:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -82,6 +81,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plan  # noqa: E402  (tests/support)
 import families  # noqa: E402
 
 VOCAB, SEQ, EXAMPLES, LR, MODEL_SEED = 64, 16, 64, 3e-3, 1234
@@ -336,26 +336,7 @@ def train(run: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("runs", nargs="+")
-    a = p.parse_args(argv)
-    import torch.distributed as dist
-
-    from dormouse.errors import DormouseError
-
-    rc = 0
-    for text in a.runs:
-        try:
-            train(parse_run(text), a.out)
-        except DormouseError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            rc = 2
-            break
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return rc
+    return plan.runs_main(train, parse_run, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

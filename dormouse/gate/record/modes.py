@@ -148,13 +148,14 @@ class Mode:
             hook(self.s, model)
         return model
 
-    def start_state(self) -> tuple[dict, int]:
-        """The parameters the mode starts from, and the step: the seeded
-        build, or with resume_from the checkpoint's weights and steps done
-        (read whole, whichever topology wrote it). Its fingerprint is every
-        artifact's `init`."""
+    def start_state(self, built: torch.nn.Module) -> tuple[dict, int]:
+        """The parameters the mode starts from, and the step: `built` (a
+        fresh Mode.model(), not yet trained) as it stands, or with
+        resume_from the checkpoint's weights and steps done (read whole,
+        whichever topology wrote it). Its fingerprint is every artifact's
+        `init`."""
         if not self.s.resume_from:
-            return named_state(self.model()), 0
+            return named_state(built), 0
         from dormouse.train.checkpoint import load_model_weights
 
         model, _, step = load_model_weights(Path(self.s.resume_path()), build=lambda run: self.model())
@@ -196,8 +197,8 @@ def run_single(s: GateSettings, log=print) -> dict:
         raise DormouseError(f"profile {s.profile!r} mixes window lengths: one process cannot hold that "
                             "global batch as one batch; gradref and the replay are this fleet's references")
     m = mode(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
-    init = fingerprint(m.start_state()[0])
     model = m.model().to(m.device)
+    init = fingerprint(m.start_state(model)[0])
     report, trace = _traced(m, model, log)
     trace.save(s.out_dir, "single")
     floor = measure_floor(m, trace, start=report["start_step"])
@@ -327,8 +328,8 @@ def run_exact(s: GateSettings, log=print) -> dict:
     # micro_batch: the fleet's own slices (FleetPlan.exact_slice)
     m = mode(s, name="exact", dist=False, reduce="exact", micro_batch=s.plan.exact_slice(),
              resume_from=s.resume_path())
-    init = fingerprint(m.start_state()[0])
     model = m.model().to(m.device)
+    init = fingerprint(m.start_state(model)[0])
     report, trace = _traced(m, model, log)
     trace.save(s.out_dir, "exact")
     return m.save("exact", named_state(model), report["losses"], init=init, mode="exact",
@@ -391,7 +392,7 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the references build it too); train_dist checks it.
     model = m.model()
-    start, start_step = m.start_state()  # a resumed fleet starts from the checkpoint's weights
+    start, start_step = m.start_state(model)  # a resumed fleet starts from the checkpoint's weights
     init = fingerprint(start)
     if rank == 0 and leg != 2:
         m.save(INIT, start, [], init=init, mode="init", start_step=start_step)

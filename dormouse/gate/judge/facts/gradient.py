@@ -124,9 +124,12 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
         row = {"step": k, "error": x, "bound": gb if not run else None, "tensor": tn,
                "tensor_error": tx, "tensor_bound": tb, "ok": ok, "scalar": c}
         if wire:  # the declared bf16 wire: every element within its rounding bound, not the float32 one
-            ratio, tn = wire_ratio(g, g_ref, ref.tensors(k, "wa/"), rec.world_at(k), names)
+            wa = ref.tensors(k, "wa/")
+            ratio, tn = wire_ratio(g, g_ref, wa, rec.world_at(k), names)
             row.update(ok=ratio <= 1.0, wire_ratio=ratio, tensor=tn,
-                       tensor_error=rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0)
+                       tensor_error=rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0,
+                       # the wire's bound as one relative difference (the L2 analogue a fitted factor is held to)
+                       wire_rel=rec.world_at(k) * BF16_UNIT_ROUNDOFF * norm(wa, sorted(wa)) / max(norm(g_ref, names), 1e-300))
         rows.append(row)
     return rows
 
@@ -323,10 +326,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     bound = gb
     wire = rec.meta.get("wire") == "bf16"
     if wire:  # a fitted factor, and the alternatives, are judged within the wire's rounding (an L2 analogue)
-        bound = max(gb, max((rec.world_at(r["step"]) * BF16_UNIT_ROUNDOFF
-                             * norm(ref.tensors(r["step"], "wa/"), sorted(ref.tensors(r["step"], "wa/")))
-                             / max(norm(ref.tensors(r["step"], "g/"), sorted(ref.tensors(r["step"], "g/"))), 1e-300)
-                             for r in rows), default=gb))
+        bound = max(gb, max((r["wire_rel"] for r in rows), default=gb))
     factor_rtol = max(FACTOR_RTOL, bound)  # a fitted constant is as uncertain as the gradients it is fitted to
     micro = rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
     what = "one process's gradient of the declared objective"
@@ -367,7 +367,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
         named = _factor_words(rec, cs[0], micro, factor_rtol) if constant else None
         alt_hit = next((alt for alt, fs in alts.items() if fs and all(r <= bound for _, r in fs)
                         and max(c for c, _ in fs) - min(c for c, _ in fs) <= factor_rtol * abs(fs[0][0])
-                        and (alt != "gm" or gm_far) and alt_far.get(alt, True)), None)  # one factor at every step
+                        and (alt != "gm" or gm_far) and alt_far[alt]), None)  # one factor at every step
         apart = None if constant or unit else _never_reduced(rec, ref, bound)
         stale = None if constant or unit or apart is not None or run else \
             _stale(rec, ref, bound, [r["step"] for r in rows if not r["ok"]])
@@ -410,14 +410,14 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
             reason = C.describe_scalars(scalars, step_counts_of(rec, fitted), factor_rtol) + f" ({stated})"
         elif alt_hit:
             c = alts[alt_hit][0][0]
+            per_unit = rank_mean_words(rec)
             desc = {"gm": "the gradient of the step's rows in one forward (one process at the global batch: "
                           "statistics over every rank's rows, as an all-reduced load-balancing term or negatives "
                           "gathered from every rank give)",
                     "micro_mean": "the mean of per-micro-batch token means (each micro-batch normalised by its "
                                   "own count, not the step's)",
-                    "rank_mean": rank_mean_words(rec) + (" (each replica normalised by its own token count)"
-                                                         if "replicas" in rank_mean_words(rec) else
-                                                         " (each rank normalised by its own token count)"),
+                    "rank_mean": per_unit + f" (each {'replica' if 'replicas' in per_unit else 'rank'} normalised by "
+                                            "its own token count)",
                     "fwd": "the causal LM loss with the model's own load-balancing term over each forward's own "
                            "routing statistics (router_aux_loss_coef x each micro-batch's aux_loss, each counted "
                            "once: what transformers' MoE models compute per forward under the Trainer)"}[alt_hit]
