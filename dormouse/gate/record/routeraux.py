@@ -20,7 +20,7 @@ What transformers computes, read from transformers 5.24:
   over the ranks. The step's gradient is therefore that of
       CE_sum / N + router_aux_loss_coef x (aux_f summed over the W x K forwards)
   each forward's term counted once, at its full weight: the term's weight
-  grows with W and K (transformers issue #48690 reports the factor W).
+  grows with W and K.
 
 The reference so adds coef x aux_f x N to each forward's loss sum (N the
 step's target count, counted by the reference from the recorded labels, never
