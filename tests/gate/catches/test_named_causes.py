@@ -46,6 +46,7 @@ RUNS = {
     "clip_local": {"fault": "clip_local"},  # each rank clips by its local norm, then all-reduces
     "bf16_hook": {"bf16_hook": True, "max_grad_norm": 0.0},
     "bf16_wire": {"bf16_hook": True, "max_grad_norm": 0.0, "wire": "bf16"},  # declared: judged by its bound
+    "bf16_wire_clip": {"bf16_hook": True, "max_grad_norm": 0.05, "wire": "bf16"},  # and the clip binds
     "bf16_wire_decay": {"bf16_hook": True, "max_grad_norm": 0.0, "wire": "bf16", "fault": "wire_decay"},
     "fp32_declared_bf16": {"wire": "bf16", "max_grad_norm": 0.0},  # a declaration the run does not bear out
     "fsdp_rank_seed": {"fsdp": True, "rank_seed": True},
@@ -328,7 +329,10 @@ def _wire_figures(out: Path) -> tuple[float, float]:
     per_rank = [fieldkit.one_process_gradient(build_model, [b for r, _, b in mbs if r == q],
                                               weights=[1 / n] * sum(r == q for r, _, _ in mbs)) for q in range(world)]
     g = {k: sum(pr[k] for pr in per_rank) for k in per_rank[0]}
-    fleet = {k[2:]: v for k, v in load_file(A.step_tensors_path(out, 0, 1)).items() if k.startswith("g/")}
+    step1 = json.loads(A.step_meta_path(out, 0, 1).read_text())
+    coef = step1["clip_coef"] if step1.get("clipped") else 1.0  # the recorded gradient is the clipped one
+    fleet = {k[2:]: v.double() / coef for k, v in load_file(A.step_tensors_path(out, 0, 1)).items()
+             if k.startswith("g/")}
     params = dict(build_model().named_parameters())
     u = 2.0 ** -8
     ratio, num, den = 0.0, 0.0, 0
@@ -355,6 +359,11 @@ def test_a_declared_bf16_wire_is_judged_by_its_rounding_bound_and_a_bias_inside_
     assert clean.check("bias").passed
     ratio, decay = _wire_figures(recordings["bf16_wire"])
     assert ratio < 1 and abs(decay) < 0.1, (ratio, decay)
+    # the clip binding: its norm is the wire-rounded gradient's, judged within the wire's bound too
+    clipped = verdict(recordings, "bf16_wire_clip")
+    assert clipped.passed, failing(clipped)
+    assert json.loads(A.step_meta_path(recordings["bf16_wire_clip"], 0, 1).read_text())["clip_coef"] < 1
+    assert _wire_figures(recordings["bf16_wire_clip"])[0] < 1
     biased = verdict(recordings, "bf16_wire_decay")
     ratio, decay = _wire_figures(recordings["bf16_wire_decay"])
     assert ratio < 1 and decay > 0.02, (ratio, decay)  # inside the bound, biased along sign(p)

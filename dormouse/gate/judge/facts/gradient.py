@@ -44,8 +44,9 @@ from dormouse.gate.judge.facts.precision import (
     bound_words,
     precision_words,
     too_loose,
+    wire_bound,
 )
-from dormouse.gate.judge.metrics import factor_name, fit, norm, rel
+from dormouse.gate.judge.metrics import factor_name, fit, rel
 from dormouse.gate.judge.verdict import Check, TensorCheck
 
 
@@ -128,8 +129,7 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
             ratio, tn = wire_ratio(g, g_ref, wa, rec.world_at(k), names)
             row.update(ok=ratio <= 1.0, wire_ratio=ratio, tensor=tn,
                        tensor_error=rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0,
-                       # the wire's bound as one relative difference (the L2 analogue a fitted factor is held to)
-                       wire_rel=rec.world_at(k) * BF16_UNIT_ROUNDOFF * norm(wa, sorted(wa)) / max(norm(g_ref, names), 1e-300))
+                       wire_rel=wire_bound(rec, ref, k))  # what a fitted factor is held to
         rows.append(row)
     return rows
 

@@ -19,7 +19,13 @@ from __future__ import annotations
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
-from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, PRECISION_CAP, floor_bound
+from dormouse.gate.judge.bounds import (
+    BF16_UNIT_ROUNDOFF,
+    FLOOR_MULTIPLE,
+    PRECISION_CAP,
+    floor_bound,
+)
+from dormouse.gate.judge.metrics import norm
 
 
 def precision_floor(rec: A.RecordingSet, ref: ReferenceSet, k: int | None = None) -> float | None:
@@ -40,6 +46,17 @@ def arithmetic_bound(rec: A.RecordingSet, ref: ReferenceSet, float32: float, k: 
     floor = precision_floor(rec, ref, k)
     return float32 if floor is None else floor_bound(floor, float32)
 
+
+
+def wire_bound(rec: A.RecordingSet, ref: ReferenceSet, k: int) -> float:
+    """A declared bf16 wire's rounding at step k as one relative difference:
+    W u ||sum_r |g_r| / T|| / ||g|| (the element bound W u sum_r |g_r| / T,
+    "wa/", taken as a vector), what it lets the gradient's norm, a fitted
+    factor or the clip coefficient move by; 0 without a declared bf16 wire."""
+    if rec.meta.get("wire") != "bf16":
+        return 0.0
+    wa, g = ref.tensors(k, "wa/"), ref.tensors(k, "g/")
+    return rec.world_at(k) * BF16_UNIT_ROUNDOFF * norm(wa, sorted(wa)) / max(norm(g, sorted(g)), 1e-300)
 
 
 def too_loose(rec: A.RecordingSet, ref: ReferenceSet) -> tuple[int, float] | None:
