@@ -54,7 +54,7 @@ pipeline_verdict_s, pipeline_wall_s, pipeline_parts_s
     the tiny `dormouse pipeline` as a user runs it: seconds until its verdict
     is printed and until it ends (the four notebooks presented), and each part
     alone (dormouse.bench.gate.pipeline_timing): the single run with its
-    floors, the fleet's launches, gradref, the replay, the judge, one notebook.
+    floors, the fleet's launches, gradref, the recording's reference, the judge, one notebook.
 recorder_overhead, recorder_judge_cost
     the Recorder (issue 13) on a plain 2-rank DDP loop of a small GPT-like
     model: its step-time overhead with sketches (goal <= 1.05) and the cost of

@@ -9,7 +9,7 @@ rank at ONE step that the verdict catches.
 A ladder of fleets (one torchrun launch, a plan) each multiplies rank 1's local
 gradient at step `STEP` by (1 + eps * xi), xi ~ N(0, 1) per element (seeded),
 before the reduce; every other step and rank is clean. Each fleet is judged
-with the full set of references (single, gradref, replay); the figure is the
+with the full set of references (single, gradref, the recording's own); the figure is the
 smallest eps whose verdict fails, with the check that failed.
 
     python -m dormouse.bench.gate            # prints the ladder, writes nothing
@@ -73,9 +73,11 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
     perturbed."""
     if steps < STEP:
         raise ValueError(f"the sensitivity perturbs step {STEP}: give steps >= {STEP}, not {steps}")
-    from dormouse.gate.record import modes
+    from dormouse.gate.artifacts import FLOOR, SINGLE, gate_reference_path, reference_dir
     from dormouse.gate.judge.entry import judge
+    from dormouse.gate.record import modes
     from dormouse.gate.record.launcher import launch_plan
+    from dormouse.gate.record.reference import make_reference
     from dormouse.gate.settings import GateSettings
 
     rows = []
@@ -88,18 +90,20 @@ def sensitivity(log=print, eps=EPS, steps: int = 6) -> dict:
                     env={ENV: json.dumps(table)})
         modes.run_single(plan[0], log=lambda line: None)
         for s, e in zip(plan, eps):
-            if s is not plan[0]:
-                for f in plan[0].out_dir.glob("single*"):
-                    shutil.copy(f, s.out_dir / f.name)
+            if s is not plan[0]:  # the same one-process references: single, its floor (same settings)
+                mine, theirs = reference_dir(plan[0].out_dir), reference_dir(s.out_dir)
+                theirs.mkdir(parents=True, exist_ok=True)
+                shutil.copytree(mine / SINGLE, theirs / SINGLE)
+                shutil.copy(gate_reference_path(plan[0].out_dir, FLOOR), gate_reference_path(s.out_dir, FLOOR))
             modes.run_gradref(s, log=lambda line: None)
-            modes.run_replay(s, log=lambda line: None)
+            make_reference(s.out_dir, log=lambda line: None)
             v = judge(s.out_dir, s)
             failed = [c.name for c in v.checks if not c.passed]
-            gradref = v.check("gradref")
+            gradient = v.check("gradient")
             rows.append({"eps": e, "caught": not v.passed, "failed": failed,
-                         "gradref_worst": getattr(gradref, "worst", None)})
+                         "gradient_worst": getattr(gradient, "worst", None)})
             log(f"  eps {e:8.1e}: {'CAUGHT by ' + ', '.join(failed) if failed else 'passed'}"
-                f" (gradref worst {rows[-1]['gradref_worst']:.2e})")
+                f" (gradient worst {rows[-1]['gradient_worst']})")
     caught = [r["eps"] for r in rows if r["caught"]]
     return {"step": STEP, "rank": 1, "profile": plan[0].profile, "ladder": rows,
             "smallest_caught": min(caught) if caught else None,
@@ -112,12 +116,14 @@ def pipeline_timing(log=print) -> dict:
     the process ends (the four notebooks presented). Then each part alone, in
     this process, in another fresh out dir: the single run with its floors, the
     fleet (its torchrun launches), gradref, the replay, the judge, and one
-    notebook's kernel on fresh artifacts (04: start-up, imports, tables, figures)."""
+    notebook's kernel on fresh artifacts (04: start-up, imports, tables, figures).
+    The fleet's parts: gradref, and the recording's one-process reference."""
     import subprocess
     import time
 
     from dormouse.gate.judge.entry import judge
     from dormouse.gate.record import modes, produce
+    from dormouse.gate.record.reference import make_reference
     from dormouse.gate.settings import GateSettings
 
     res: dict = {}
@@ -150,7 +156,7 @@ def pipeline_timing(log=print) -> dict:
         timed("single_and_floors", lambda: produce.run_single(s, log=quiet))
         timed("fleet", lambda: produce.run_fleet(s, stream=quiet))
         timed("gradref", lambda: modes.run_gradref(s, log=quiet))
-        timed("replay", lambda: modes.run_replay(s, log=quiet))
+        timed("reference", lambda: make_reference(s.out_dir, log=quiet, force=True))
         timed("judge", lambda: judge(s.out_dir, s))
         try:
             import papermill as pm

@@ -6,16 +6,18 @@ GateSettings field.
     python -m torch.distributed.run --standalone --nproc_per_node=2 \\
         -m dormouse.gate --mode rank --out G --steps 20 --batch 2
     python -m dormouse.gate gradref --out G
-    python -m dormouse.gate replay --out G
+    python -m dormouse.gate reference --out G
     python -m dormouse.gate verdict --out G [--json]
     python -m dormouse.gate check --out DIR      # a recording of YOUR loop (dormouse.gate.Recorder)
 
-single: one process at the fleet's GLOBAL batch (the reference curve, its
-one-ulp floor and, under --reduce exact, the exact reference); rank: one
-process per rank under torchrun (the fleet); gradref: the hand-computed
-token-weighted gradient at every step of the fleet's run; replay: the fleet's
-run replayed in one process from its recorded gradients; verdict: judge what
-the out dir holds; check: judge a recording made by dormouse.gate.Recorder
+The out dir is the fleet's recording (rank: one process per rank under
+torchrun, recorded through the Recorder); single: one process at the fleet's
+GLOBAL batch (the reference curve, its one-ulp floor and, under --reduce
+exact, the exact reference), recorded into <out>/reference/; gradref: the
+bytes of every step by the data rule's own arithmetic, and the eval losses;
+reference: the recording's one-process reference (every step's gradient at
+the global batch, the replay of the optimizer); verdict: judge what the out
+dir holds; check: judge a recording made by dormouse.gate.Recorder
 (making its one-process reference first when missing or stale), print the
 verdict, write <out>/verdict.json. `--mode NAME` and the bare NAME are the same.
 
@@ -23,8 +25,8 @@ verdict, write <out>/verdict.json. `--mode NAME` and the bare NAME are the same.
 batch, a rank's its own (every rank's, unless --profile gives one per rank).
 By hand the fleet runs in one launch; `--resume-world N` stops it at half its
 steps and resumes it at N ranks (then launch it twice, --leg 1 and --leg 2,
-as the pipeline does). gradref, replay and verdict take their settings from
-the fleet's artifacts in --out; a flag given to them overrides its value.
+as the pipeline does). gradref, reference and verdict take their settings
+from the fleet's recording in --out; a flag given to them overrides its value.
 
 Exit status: 0 the gate passed (or a mode ran), 1 the gate failed, 2 bad
 input, 3 a run crashed.
@@ -37,7 +39,7 @@ import sys
 
 from dormouse.errors import EXIT_BAD_INPUT, DormouseError, OneLineParser, command_status, end_rank_process
 
-MODES = ("single", "rank", "gradref", "replay", "verdict")
+MODES = ("single", "rank", "gradref", "reference", "verdict")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,14 +71,14 @@ def settings_for(mode: str, args: argparse.Namespace):
     then the by-hand defaults."""
     import os
 
-    from dormouse.gate.artifacts import ArtifactSet
-    from dormouse.gate.settings import FIELDS, by_hand, resolve_out
+    from dormouse.gate.artifacts import RecordingSet, recording_path
+    from dormouse.gate.settings import FIELDS, REFERENCE_MODES, by_hand, resolve_out
 
     given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
     recorded = None
-    fleet = ArtifactSet(resolve_out(given.get("out", "")))
-    if mode in ("gradref", "replay", "verdict") and fleet.has("rank0"):
-        recorded = fleet.meta("rank0").get("settings")
+    out = resolve_out(given.get("out", ""))
+    if mode in REFERENCE_MODES and recording_path(out).exists():
+        recorded = RecordingSet(out).extra.get("settings")
     world = int(os.environ["WORLD_SIZE"]) if mode == "rank" and "WORLD_SIZE" in os.environ else None
     return by_hand(mode, given, recorded=recorded, world_size=world, validated=args.validated)
 
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     mode = args.mode or args.mode_flag
     if mode is None or (args.mode and args.mode_flag and args.mode != args.mode_flag):
-        print("error: name one mode: single, rank, gradref, replay or verdict (see dormouse gate --help)",
+        print("error: name one mode: single, rank, gradref, reference or verdict (see dormouse gate --help)",
               file=sys.stderr)
         return EXIT_BAD_INPUT
     return command_status("gate", lambda: _run(mode, args), traceback=True)
@@ -192,6 +194,11 @@ def _run(mode: str, args) -> int:
         return 0
     if args.plan:
         raise DormouseError("--plan is for the rank mode only")
+    if mode == "reference":
+        from dormouse.gate.record.reference import make_reference
+
+        make_reference(s.out_dir, log=print)
+        return 0
     modes.MODES[mode](s, log=print)
     return 0
 

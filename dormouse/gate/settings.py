@@ -79,7 +79,6 @@ class GateSettings:
     bucket_mb: float = 4.0  # size of one flattened gradient all-reduce bucket (MiB)
     timeout_s: float = 300.0  # a fleet still running after this is killed (all ranks)
     produce: bool = True  # notebooks: produce missing or stale artifacts (False: only read them)
-    recording: int = 0  # 1: the fleet also writes a Recorder recording into out/recording, judged by dormouse gate check (0: off)
 
     # ------------------------------------------------------------------ derived
 
@@ -115,7 +114,7 @@ class GateSettings:
         window lengths): what the judge needs to know which references apply
         (artifacts.references)."""
         d = dataclasses.asdict(self)
-        for k in ("out", "timeout_s", "produce", "recording"):  # recording: a copy of the run, not its mathematics
+        for k in ("out", "timeout_s", "produce"):
             d.pop(k)
         d["global_batch"] = self.plan.global_batch
         return d
@@ -146,8 +145,7 @@ class GateSettings:
             return self
         v = {}
         for name, low, eg in (("steps", 1, 20), ("batch", 1, 2), ("world", 1, 2), ("seed", 0, 7),
-                              ("threads", 1, 1), ("micro_batch", 0, 1), ("resume_world", 0, 1),
-                              ("recording", 0, 1)):
+                              ("threads", 1, 1), ("micro_batch", 0, 1), ("resume_world", 0, 1)):
             v[name] = _whole(name, getattr(self, name), low, eg)
         for name, choices in (("opt", OPTIMIZERS), ("shard", DIST_SHARDS), ("reduce", DIST_REDUCES),
                               ("device", DEVICES), ("data_order", DATA_ORDERS)):
@@ -208,12 +206,6 @@ class GateSettings:
             except PlanError as e:
                 raise ParameterError(f"resume_world = {s.resume_world} is not allowed: {e.reason}; resume_world "
                                      "must split the global batch evenly, or be 0 (no stop and resume).") from None
-        if s.recording > 1:
-            raise _bad("recording", s.recording, "0 (off) or 1 (the fleet writes out/recording)")
-        if s.recording and s.resume_from:
-            raise ParameterError(f"recording = 1 is not allowed with resume_from = {s.resume_from!r}: a recording "
-                                 "starts from the model build_model rebuilds, not from a checkpoint; set recording "
-                                 "to 0, or resume_from to ''.")
         if s.device == "cuda":
             _cuda(max(s.world, s.resume_world))
         why = _unwritable(s.out_dir)
@@ -346,7 +338,7 @@ def from_args(args: argparse.Namespace, explicit: set[str] | None = None) -> Gat
 # asks for the stop and resume; the pipeline and the notebooks keep
 # GateSettings' own default (the richer gate).
 BY_HAND_RESUME_WORLD = 0
-REFERENCE_MODES = ("gradref", "replay", "verdict")  # modes that follow the fleet they check
+REFERENCE_MODES = ("gradref", "reference", "verdict")  # modes that follow the fleet they check
 
 
 def by_hand(mode: str, given: dict, *, recorded: dict | None = None, world_size: int | None = None,
@@ -363,8 +355,8 @@ def by_hand(mode: str, given: dict, *, recorded: dict | None = None, world_size:
       `single --batch 4` and a 2-rank `rank --batch 2` are the same gate.
     - under torchrun, `world` is torchrun's WORLD_SIZE (`world_size`) unless given;
     - the fleet runs in one launch (resume_world 0) unless --resume-world is given;
-    - gradref, replay and verdict start from the settings the fleet recorded
-      (`recorded`: rank0's), so `--out` alone names the gate they check;
+    - gradref, reference and verdict start from the settings the fleet recorded
+      (`recorded`: its recording's), so `--out` alone names the gate they check;
     - `validated` (the launcher's VALIDATED_FLAG on a rank): `given` is every
       flag of validated settings (to_argv), taken as they are.
     """

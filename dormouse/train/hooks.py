@@ -80,6 +80,7 @@ class Reduced:
     local_loss: float | None = None  # this process's share of the loss, sum over its slices of t_i L_i / T
     examples: list[int] | None = None  # where each window this process read starts in the corpus (their identities)
     epoch: int | None = None  # the data's epoch this step belongs to (data.py: each whole span once an epoch)
+    routes: list | None = None  # this process's tokens' expert choices: per forward, per iteration (B, T, k)
 
 
 @dataclass

@@ -263,7 +263,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 f"update; {kept}. Lower train.lr or set train.grad_clip"
             )
         reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, local_loads, plan, float(loss_share),
-                          windows, corpus.epoch_of(step, plan.span))
+                          windows, corpus.epoch_of(step, plan.span), topk)
         hooks.reduced(reduced)
         loss_value, loads = reduced.loss, reduced.loads
         if on_grads is not None:

@@ -5,6 +5,7 @@ are compared by."""
 from __future__ import annotations
 
 from dormouse.errors import DormouseError
+from dormouse.gate.artifacts.layout import EXACT, FLOOR, GRADREF, SINGLE
 
 # Settings that say how the global batch is cut among the fleet's ranks (and
 # whether the fleet stops and resumes at another world): the one-process
@@ -18,19 +19,19 @@ PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capabilit
 
 
 def references(settings: dict) -> list[str]:
-    """The artifacts a verdict needs, from a gate run's settings as every
-    artifact records them (GateSettings.record()): init, gradref and the
-    replay always; single when the fleet's profile has one global batch
+    """The gate's own references a verdict on its fleet needs, from the
+    settings its recording keeps (GateSettings.record()): gradref always;
+    single and its floor when the fleet's profile has one global batch
     (`global_batch` not None: one window length, so one process can hold it;
     a run from resume_from resumes it too); exact under reduce "exact" beside
-    single. From the settings alone, never from the other artifacts under
-    judgement (a rank artifact that lost its profile must not make a
-    reference optional)."""
+    single. The one-process reference every recording gets (reference/) is
+    needed too. From the settings alone, never from the other artifacts under
+    judgement (a recording that lost a reference must not make it optional)."""
     if not isinstance(settings, dict) or "global_batch" not in settings or "reduce" not in settings:
         raise DormouseError("the settings record no global_batch or reduce (made by older code): re-run every mode")
-    need = ["init", "gradref", "replay"]
+    need = [GRADREF]
     if settings["global_batch"] is not None:
-        need.insert(0, "single")
-    if settings["reduce"] == "exact" and "single" in need:
-        need.append("exact")
+        need = [SINGLE, FLOOR] + need
+        if settings["reduce"] == "exact":
+            need.append(EXACT)
     return need

@@ -1,68 +1,18 @@
-"""Every name of the gate's run format, typed once: rank and leg names, the
-files of a recording and of its references, the trace format's files (until
-the fleet's recording replaces them), the schema numbers and the wires.
-
-The names of a gate run's artifacts, typed once: a rank's name (`rank<r>`,
-the first leg's `leg1_rank<r>`), the fleet's initial state, a trace's file,
-and which files belong to one launch of the fleet or to the one-process
-references. Everything that writes, finds, drops or judges them by name
-(artifacts, record, judge) asks here; the format's readers live in
-dormouse.gate.artifacts.
+"""Every name of the one run format, typed once: a recording's files, its
+references' files, dormouse's own gate's references beside them, the schema
+numbers and the wires. Everything that writes, finds or judges a file by name
+(record, artifacts, judge) asks here; the readers live in dormouse.gate.artifacts.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-RANK = "rank"  # a rank's artifacts: rank<r>.json / .safetensors (trace format), rank<r>/ (a recording)
-LEG1 = "leg1_"  # prefix of the first leg's rank artifacts (a fleet that stops and resumes at another world)
-INIT = "init"  # the fleet's initial state
-TRACE = "_trace"  # <name>_trace.safetensors: a run's trace beside its artifact
-ONE_PROCESS = ("single", "exact")  # the references that run the global batch in one process
-SUFFIXES = ("json", "safetensors")
+RANK = "rank"  # rank r's files of a recording: rank<r>/
 
 
-def rank_name(rank: int, *, first_leg: bool = False) -> str:
-    """rank<r>, or leg1_rank<r> for the first leg of a fleet that stopped and resumed."""
-    return f"{LEG1 if first_leg else ''}{RANK}{rank}"
-
-
-def rank_names(world: int, *, first_leg: bool = False) -> list[str]:
-    """Every rank's name of a world, in rank order."""
-    return [rank_name(r, first_leg=first_leg) for r in range(world)]
-
-
-def rank_of(name: str, prefix: str = "") -> int | None:
-    """r for a name `<prefix>rank<r>` (None for any other name)."""
-    m = re.fullmatch(re.escape(prefix + RANK) + r"([0-9]+)", name)
-    return int(m.group(1)) if m else None
-
-
-def trace_file(name: str) -> str:
-    return f"{name}{TRACE}.safetensors"
-
-
-def _artifact(stems: str, filename: str) -> bool:
-    return re.fullmatch(rf"({stems})\.({'|'.join(SUFFIXES)})", filename) is not None
-
-
-def is_fleet_file(filename: str) -> bool:
-    """A file one launch of the fleet writes: init, every leg's ranks and their traces."""
-    return _artifact(rf"({LEG1})?{RANK}[0-9]+({TRACE})?|{INIT}", filename)
-
-
-def is_one_process_file(filename: str) -> bool:
-    """A file of the one-process references (single, exact) or their traces."""
-    return _artifact(rf"({'|'.join(ONE_PROCESS)})({TRACE})?", filename)
-
-
-SCHEMA = 2
-
-
-def trace_path(out: Path, name: str) -> Path:
-    """Where the per-step trace of artifact `name` lives."""
-    return Path(out) / trace_file(name)
+def rank_name(rank: int) -> str:
+    return f"{RANK}{rank}"
 
 
 # A recording of any training loop (written by record/recorder.py) and the
@@ -77,16 +27,12 @@ def trace_path(out: Path, name: str) -> Path:
 #   <out>/reference/reference.json           what the references were made from (their staleness key)
 
 RECORDING_SCHEMA = 1
+EXTRA = "x/"  # a step's tensors a client keeps beside the run (Recorder.step(extra=...)): this rank's own
 
 
 # how a recorded loop's gradient reduce rounds (Recorder(wire=...)): "fp32", or "bf16" (every summand and
 # partial sum rounded to bfloat16 on the wire: DDP's bf16_compress_hook, dormouse's reduce="bf16")
 WIRES = ("fp32", "bf16")
-
-
-def fleet_recording_dir(out: Path) -> Path:
-    """Where a gate's fleet writes its recording (GateSettings.recording = 1)."""
-    return Path(out) / "recording"
 
 
 def recording_path(out: Path) -> Path:
@@ -145,3 +91,23 @@ def reference_final_path(out: Path) -> Path:
 # a micro-batch's labels the loop gave its loss and not the model (rec.labels): recorded under this key,
 # never passed to the forward; the built-in objectives (and the judge's counts) read them before "labels"
 LOSS_LABELS = "loss_labels"
+
+
+# dormouse's own gate: its out dir is its fleet's recording; the references only its own trainer has
+# live in that recording's reference folder, beside the one-process reference every recording gets:
+#   <out>/reference/single/        a recording of one process at the global batch
+#   <out>/reference/floor.json     that run's round-off floor (its nudged runs, step by step)
+#   <out>/reference/exact/         a recording of the exact reference (reduce="exact")
+#   <out>/reference/gradref.json   the bytes, tokens and evals by the data rule's own arithmetic
+GATE_SCHEMA = 3  # floor.json, gradref.json
+SINGLE, EXACT, GRADREF, FLOOR = "single", "exact", "gradref", "floor"
+
+
+def gate_reference_dir(out: Path, name: str) -> Path:
+    """The recording of one of the gate's one-process references (SINGLE, EXACT)."""
+    return reference_dir(out) / name
+
+
+def gate_reference_path(out: Path, name: str) -> Path:
+    """A JSON reference of the gate's (GRADREF, FLOOR)."""
+    return reference_dir(out) / f"{name}.json"

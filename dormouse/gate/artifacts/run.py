@@ -1,6 +1,6 @@
-"""The readers of a run: the gate's traced artifacts (ArtifactSet), a
-recording (RecordingSet, its fields validated) and its one-process
-references (ReferenceSet). What the judge sees."""
+"""The readers of a run: a recording (RecordingSet, its fields validated),
+its one-process references (ReferenceSet) and dormouse's own gate's
+references beside them (GateReferences). What the judge sees."""
 
 from __future__ import annotations
 
@@ -9,19 +9,21 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
-
 from dormouse.errors import DormouseError
 from dormouse.gate.artifacts.layout import (
+    EXACT,
+    EXTRA,
+    FLOOR,
+    GATE_SCHEMA,
+    GRADREF,
     RECORDING_SCHEMA,
-    SCHEMA,
+    SINGLE,
     WIRES,
     final_meta_path,
     final_tensors_path,
     init_path,
     rank_dir,
     rank_name,
-    rank_of,
     recording_path,
     reference_final_path,
     reference_meta_path,
@@ -29,71 +31,9 @@ from dormouse.gate.artifacts.layout import (
     reference_step_tensors_path,
     step_meta_path,
     step_tensors_path,
-    trace_path,
+    gate_reference_dir,
+    gate_reference_path,
 )
-
-
-def load_meta(out: Path, name: str) -> dict:
-    path = Path(out) / f"{name}.json"
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DormouseError(f"artifact {str(path)!r} is missing: run the mode that writes it") from None
-    except ValueError as e:
-        raise DormouseError(f"artifact {str(path)!r} is not valid JSON ({e})") from e
-    if meta.get("schema") != SCHEMA:
-        raise DormouseError(f"artifact {str(path)!r} has schema {meta.get('schema')}, expected {SCHEMA}: re-run it")
-    return meta
-
-
-def load_tensors(out: Path, name: str) -> dict[str, torch.Tensor]:
-    meta = load_meta(out, name)
-    path = Path(out) / meta["params"]
-    try:
-        return st_load(path.read_bytes())
-    except (OSError, Exception) as e:
-        raise DormouseError(f"artifact tensors {str(path)!r} cannot be read ({e}): re-run the mode") from e
-
-
-class ArtifactSet:
-    """The artifacts of one out dir, read lazily and once: what the judge sees."""
-
-    def __init__(self, out: Path):
-        self.out = Path(out)
-        self._cache: dict = {}
-
-    def has(self, name: str) -> bool:
-        return (self.out / f"{name}.json").exists()
-
-    def ranks(self, prefix: str = "") -> list[str]:
-        """rank0, rank1, ... (prefix "leg1_": the first leg of a fleet that stopped and resumed)."""
-        names = [p.stem for p in self.out.glob("*.json") if rank_of(p.stem, prefix) is not None]
-        return sorted(names, key=lambda x: rank_of(x, prefix))
-
-    def meta(self, name: str) -> dict:
-        return self._get(("meta", name), lambda: load_meta(self.out, name))
-
-    def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        return self._get(("tensors", name), lambda: load_tensors(self.out, name))
-
-    def trace(self, name: str) -> dict[str, torch.Tensor] | None:
-        def read():
-            path = trace_path(self.out, name)
-            try:
-                return st_load(path.read_bytes()) if path.exists() else None
-            except Exception as e:
-                raise DormouseError(f"trace {str(path)!r} cannot be read ({e}): re-run the mode") from e
-        return self._get(("trace", name), read)
-
-    def _get(self, key, make):
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
-
-
-def load_trace(out: Path, name: str) -> dict[str, torch.Tensor] | None:
-    path = trace_path(out, name)
-    return st_load(path.read_bytes()) if path.exists() else None
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -172,7 +112,7 @@ RECORDING_FIELDS = {
     "max_grad_norm": (_NUM, False), "dataset_len": (_INT, False), "example_corpus": (_STR, True),
     "example_corpus_sha256": (_STR, True), "sketch": (_INT, False), "every": (_INT, False), "seed": (_INT, False),
     "inputs": ((list,), False), "fsdp": ((bool,), False), "closed": ((bool,), False), "frozen": ((list,), False),
-    "hf_config": ((dict,), True), "provenance": ((dict,), False), "steps": ((list,), True),
+    "hf_config": ((dict,), True), "provenance": ((dict,), False), "steps": ((list,), True), "extra": ((dict,), True),
 }
 
 
@@ -415,6 +355,24 @@ class RecordingSet:
         t = self.step_tensors(rank, step)
         return t.get("ids")
 
+    # what a client keeps beside the run (Recorder(extra=...), Recorder.step(extra=...))
+    @property
+    def extra(self) -> dict:
+        return self.meta.get("extra") or {}
+
+    def step_extra(self, rank: int, step: int, name: str) -> torch.Tensor | None:
+        return self.step_tensors(rank, step).get(EXTRA + name)
+
+    # the run as a series
+    def losses(self) -> list[float | None]:
+        """The loss the loop reported at every step (rank 0's)."""
+        return [self.step_meta(0, k).get("loss") for k in self.steps]
+
+    def state_after(self, step: int, prefix: str = "p/") -> dict[str, torch.Tensor]:
+        """The tensors after `step` (full): those before the next step, or after the last."""
+        i = self.steps.index(step)
+        return self.tensors_at(self.steps[i + 1], prefix) if i + 1 < len(self.steps) else self.final(prefix)
+
 
 def ranks_apart_from(rec: "RecordingSet", built: dict[str, torch.Tensor]) -> str | None:
     """Where build_model's state (`built`, full tensors) differs from the
@@ -487,3 +445,38 @@ class ReferenceSet:
     def final(self) -> dict[str, torch.Tensor]:
         t, _ = read_tensors(reference_final_path(self.out), "reference final")
         return {n[3:]: v for n, v in t.items() if n.startswith("rp/")}
+
+
+def read_gate_json(path: Path, what: str) -> dict:
+    """One of the gate's JSON references (gradref.json, floor.json), of this schema."""
+    meta = read_json(path, what)
+    if not isinstance(meta, dict) or meta.get("schema") != GATE_SCHEMA:
+        raise DormouseError(f"{what} {str(path)!r} has schema {meta.get('schema') if isinstance(meta, dict) else '?'},"
+                            f" expected {GATE_SCHEMA}: re-run it")
+    return meta
+
+
+class GateReferences:
+    """dormouse's own gate's references in a recording's reference folder
+    (layout.py): the single process's and the exact reference's recordings,
+    the floor and gradref; each None when absent. Which must be present is
+    applies.references' to say."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+
+    def has(self, name: str) -> bool:
+        if name in (SINGLE, EXACT):
+            return recording_path(gate_reference_dir(self.out, name)).exists()
+        return gate_reference_path(self.out, name).exists()
+
+    def recording(self, name: str) -> "RecordingSet | None":
+        return RecordingSet(gate_reference_dir(self.out, name)) if self.has(name) else None
+
+    def meta(self, name: str) -> dict | None:
+        path = gate_reference_path(self.out, name)
+        return read_gate_json(path, name) if path.exists() else None
+
+    @property
+    def present(self) -> list[str]:
+        return [n for n in (SINGLE, FLOOR, EXACT, GRADREF) if self.has(n)]

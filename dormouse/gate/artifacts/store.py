@@ -1,5 +1,4 @@
-"""Writing and hashing: an artifact written tensors first and JSON last, each
-atomically; the package's source hash and the one file hasher every
+"""Writing and hashing: the gate's JSON references, atomically; the package's source hash and the one file hasher every
 provenance uses."""
 
 from __future__ import annotations
@@ -9,12 +8,9 @@ import hashlib
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import save as st_save
 
 from dormouse import atomic
-from dormouse.digest import fingerprint
-from dormouse.gate.artifacts.layout import SCHEMA
+from dormouse.gate.artifacts.layout import GATE_SCHEMA
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,14 +44,9 @@ def file_hash(path) -> str:
     return h.hexdigest()
 
 
-def save_artifact(out: Path, name: str, state: dict[str, torch.Tensor], losses: list[float],
-                  **extra) -> Path:
-    out = Path(out)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    atomic.write_bytes(out / f"{name}.safetensors", st_save(tensors))
-    meta = {"schema": SCHEMA, "name": name, "losses": losses, "fingerprint": fingerprint(tensors),
-            "params": f"{name}.safetensors", **extra}
-    return atomic.write_text(out / f"{name}.json", json.dumps(meta, indent=1))
+def write_gate_json(path: Path, meta: dict) -> Path:
+    """One of the gate's JSON references (gradref.json, floor.json), atomically, with its schema."""
+    return atomic.write_text(Path(path), json.dumps({"schema": GATE_SCHEMA, **meta}, indent=1))
 
 
 def file_digest(paths: list[Path]) -> str:

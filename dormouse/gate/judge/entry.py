@@ -1,14 +1,16 @@
-"""The judge's entry: one call per run format, each listing every fact that applies in the
-order the verdict prints them. `judge(out)` takes either a recording (any loop, and
-dormouse's own fleet's recording) or the gate's traced artifacts.
+"""The judge's entry: one call, `judge(out)`, for every recording: any loop's
+(through the Recorder) and dormouse's own fleet's, which adds the references
+only its own trainer has (gradref, the single process and its floor, the
+exact reference: artifacts.references says which apply). Each fact's check,
+in the order the verdict prints them.
 
-The judge: pure functions from a gate run's artifacts to typed results. It
-trains nothing (the references, the replay included, are artifacts the
-running side produced) and writes nothing.
+The judge: pure functions from a run's artifacts to typed results. It trains
+nothing (the references, the replay included, are artifacts the running side
+produced) and writes nothing.
 
 What a PASS claims: this fleet trains the network one process would train at
 the global batch. The checks, each against a reference that shares as little
-code as possible with the fleet:
+code as possible with the fleet.
 
 What no reference can see: code shared by the fleet and every reference (the
 optimizer's internals, the lr schedule, the data rule's own helpers are used
@@ -22,100 +24,73 @@ from pathlib import Path
 
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import LEG1, ArtifactSet, ReferenceSet, references
-from dormouse.gate.judge.facts.bias import check_bias, check_bias_recorded
+from dormouse.gate.artifacts import EXACT, FLOOR, GRADREF, SINGLE, GateReferences, ReferenceSet
+from dormouse.gate.judge.facts.bias import check_bias_recorded
 from dormouse.gate.judge.facts.clip import check_clip
 from dormouse.gate.judge.facts.curve import check_curve, first_failure
 from dormouse.gate.judge.facts.data import check_data
 from dormouse.gate.judge.facts.exact import check_exact
-from dormouse.gate.judge.facts.finite import (
-    check_finite,
-    check_finite_traced,
-    first_nonfinite,
-    first_nonfinite_state,
-)
+from dormouse.gate.judge.facts.finite import check_finite, first_nonfinite, first_nonfinite_state
 from dormouse.gate.judge.facts.gradient import check_grad_mask, check_gradient
 from dormouse.gate.judge.facts.gradref import check_gradref
-from dormouse.gate.judge.facts.independence import check_independence, check_window
+from dormouse.gate.judge.facts.independence import check_independence
 from dormouse.gate.judge.facts.intact import check_intact
 from dormouse.gate.judge.facts.layouts import check_layout
-from dormouse.gate.judge.facts.loss import check_loss, check_loss_traced
+from dormouse.gate.judge.facts.loss import check_loss
 from dormouse.gate.judge.facts.probe import check_probe
 from dormouse.gate.judge.facts.provenance import (
     check_complete,
     check_config,
     check_provenance,
+    gate_settings,
     provenance,
 )
-from dormouse.gate.judge.facts.ranks import check_ranks, check_ranks_traced
-from dormouse.gate.judge.facts.replay import (
-    check_buffers,
-    check_replay,
-    check_replay_traced,
-)
-from dormouse.gate.judge.facts.series import settings_of
+from dormouse.gate.judge.facts.ranks import check_ranks
+from dormouse.gate.judge.facts.replay import check_buffers, check_replay
 from dormouse.gate.judge.verdict import Check, Verdict
 
 
 def judge(out, settings=None) -> Verdict:
-    """The verdict on `out`: a recording (recording.json: any loop's, through
-    the Recorder) by judge_recording, else the gate's traced artifacts by
-    judge_gate for `settings`."""
-    if A.recording_path(out).exists():
-        if settings is not None:
-            raise DormouseError(f"{out} holds a recording: its settings are its own (recording.json), not a gate's")
-        return judge_recording(out)
-    return judge_gate(out, settings)
-
-
-def judge_gate(out, settings=None) -> Verdict:
-    """Every check that applies, over the gate's traced artifacts in `out`, for
+    """The verdict on the recording in `out` (recording.json): every fact
+    every recording gets, then, for dormouse's own fleet (its recording keeps
+    the gate's settings), those of the gate's references, judged against
     `settings` (the drivers pass the settings the run was asked for; None:
-    those rank 0 was launched with). Which references apply comes from the
-    settings (artifacts.references of their record). A missing fleet or
-    reference fails; a PASS needs every check to pass."""
-    a = ArtifactSet(Path(out))
-    if not a.has("rank0"):
-        c = Check("complete", False, f"incomplete: no fleet artifacts (rank0.json) in {str(out)!r}: run the rank mode")
-        return Verdict(str(out), False, [c], [])
+    those the fleet recorded)."""
+    out = Path(out)
+    if not A.recording_path(out).exists():
+        return Verdict(str(out), False, [Check("complete", False, f"incomplete: no recording in {str(out)!r} "
+                                               "(recording.json): run the fleet (02), or point at the directory "
+                                               "a Recorder wrote")], [])
+    v = judge_recording(out)
+    rec = A.RecordingSet(out)
+    want = gate_settings(rec, settings)
+    if want is None:
+        if settings is not None:
+            raise DormouseError(f"{out} holds a recording of another loop than dormouse's gate fleet: its settings "
+                                "are its own (recording.json), not a gate's")
+        return v
+    checks = _gate_checks(rec, GateReferences(out), want, v.checks)
+    return Verdict(v.out, all(c.passed for c in v.checks + checks), v.checks + checks,
+                   v.references + [n for n in GateReferences(out).present], v.provenance)
+
+
+def _gate_checks(rec: A.RecordingSet, refs: GateReferences, settings: dict, before: list[Check]) -> list[Check]:
+    """The facts of dormouse's own gate's references, in the order printed."""
     try:
-        s = settings_of(a, settings)
-        need = references(s)
+        complete = check_complete(refs, settings)
     except DormouseError as e:
-        c = Check("complete", False, f"cannot tell which references apply: {e}")
-        return Verdict(str(out), False, [c], [])
-    checks = [check_complete(a, settings)]
-    present = [n for n in need if a.has(n)]
-    names = a.ranks(LEG1) + a.ranks() + present
-    checks.append(check_provenance(a, names, settings))
-    if checks[-1].passed and present and (a.has("gradref") or a.has("single")):
-        checks.append(check_config(a, "gradref" if a.has("gradref") else "single"))
-    if checks[1].passed:
-        checks.append(check_finite_traced(a, names))
-        checks.append(check_ranks_traced(a))
-        if a.has("gradref"):
-            checks.append(check_window(a))
-            checks.append(check_gradref(a))
-            if s["reduce"] == "bf16" and not a.meta("gradref").get("config", {}).get("model", {}).get("bf16"):
-                checks.append(check_bias(a))  # (a bfloat16 model's own arithmetic is no wire rounding)
-            checks.append(check_loss_traced(a))
-        if a.has("replay"):
-            checks.append(check_replay_traced(a))
-        exact = check_exact(a) if a.has("exact") else None
-        if a.has("single") and "single" in need:
-            checks.append(check_curve(a, failed=first_failure(checks + ([exact] if exact else []))))
-        if exact:
-            checks.append(exact)
-    ok = all(c.passed for c in checks)
-    return Verdict(str(out), ok, checks, present, a.meta("rank0").get("provenance", {}))
-
-
-
-def judge_references(out) -> Verdict:
-    """The per-step references alone (03): window, gradref and replay."""
-    a = ArtifactSet(Path(out))
-    checks = [check_window(a), check_gradref(a), check_replay_traced(a)]
-    return Verdict(str(out), all(c.passed for c in checks), checks, ["gradref", "replay"])
+        return [Check("complete", False, f"cannot tell which references apply: {e}")]
+    checks = [complete, check_provenance(rec, refs, settings)]
+    if refs.has(GRADREF):
+        checks.append(check_config(rec, refs))
+        checks.append(check_gradref(rec, refs.meta(GRADREF)))
+    exact = check_exact(rec, refs.recording(EXACT)) if refs.has(EXACT) else None
+    if refs.has(SINGLE) and refs.has(FLOOR):
+        checks.append(check_curve(rec, refs.recording(SINGLE), refs.meta(FLOOR),
+                                  failed=first_failure(before + checks + ([exact] if exact else []))))
+    if exact:
+        checks.append(exact)
+    return checks
 
 
 def judge_recording(out) -> Verdict:
@@ -166,3 +141,13 @@ def judge_recording(out) -> Verdict:
     probed = check_probe(rec, ref)  # where the run parts from one process, module by module (judge/facts/probe.py)
     checks.extend([probed] if probed is not None else [])
     return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"], provenance(rec))
+
+
+def judge_references(out) -> Verdict:
+    """The per-step references of dormouse's fleet alone (notebook 03): every
+    fact of its recording against the one-process reference, and gradref."""
+    v = judge_recording(out)
+    refs = GateReferences(out)
+    g = (check_gradref(A.RecordingSet(out), refs.meta(GRADREF)) if refs.has(GRADREF)
+         else Check("gradref", False, "incomplete: no gradref (run 03)"))
+    return Verdict(v.out, v.passed and g.passed, v.checks + [g], v.references + [GRADREF], v.provenance)

@@ -31,13 +31,17 @@ It enters train() only through its explicit hooks (dormouse.train.hooks):
                 lr_at(step) (the loop's one schedule)
     on_end      rec.close() (every rank: it synchronises)
 
-How one process rebuilds the run (build_kwargs = {"run": the RunConfig as a dict}):
+How one process rebuilds the run (build_kwargs = {"run": the RunConfig as a
+dict}; a run continued from a checkpoint of another run and recorded afresh
+(LoopRecorder(fresh=True)) adds "checkpoint" and "start", its steps done):
 
     build_model      loop.build_model(run): seeded by train.seed, the same init
+                     (with a checkpoint: its weights, read whole)
     build_optimizer  MixOptimizer (Muon for hidden matrices, AdamW for the rest;
                      loop.make_optimizer) behind torch.optim.Optimizer's
-                     interface, and the loop's lr schedule as an LRScheduler:
-                     lr of step k (0-based) = lr_at(k, run)
+                     interface (with a checkpoint: its state), and the loop's lr
+                     schedule as an LRScheduler: lr of step k (0-based) =
+                     lr_at(k, run), counting from `start`
     objective        next_byte: the model's loss, a token mean of next-byte
                      cross-entropy over the GLOBAL batch, declared as
                      loss_sum(b) = sum_{i,t} CE(z_{i,t}, y_{i,t}), count(b) = |y|,
@@ -62,10 +66,12 @@ before the next step to it bitwise.
 Engram memory is parameters only (its hash multipliers are a constant,
 non-persistent buffer): the optimizer and the gradient check cover it.
 
-Not in a recording (dormouse-only, the gate's trace keeps them): every
-token's expert choice per iteration (`topk`) and the step's loads, which
-explain a difference by a routing flip; gradref re-deriving the bytes by its
-own arithmetic; the exact reference.
+Beside what every recording holds, for dormouse's own gate: each step's
+expert choices of this rank's tokens (x/topk: a routing flip explains where
+two runs part), the loop's evals and the gate's settings and provenance
+(recording.json's "extra"). gradref (the data rule's bytes by its own
+arithmetic), the single process and the exact reference are the gate's own
+references (record/modes.py), written into the recording's reference folder.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.record.options import RecorderError
 from dormouse.gate.record.recorder import Recorder
 from dormouse.train import loop
-from dormouse.train.hooks import Clipped, Hooks, Reduced, Start
+from dormouse.train.hooks import Clipped, Evaluated, Hooks, Reduced, Start
 
 HERE = __name__
 BUILD_MODEL = f"{HERE}:build_model"
@@ -95,9 +101,14 @@ def _run(run) -> RunConfig:
     return run if isinstance(run, RunConfig) else RunConfig.from_dict(run)
 
 
-def build_model(run: dict, **_) -> torch.nn.Module:
-    """The run's initial model in a fresh process (loop.build_model)."""
-    return loop.build_model(_run(run))
+def build_model(run: dict, checkpoint: str | None = None, **_) -> torch.nn.Module:
+    """The run's initial model in a fresh process (loop.build_model), or the
+    checkpoint's weights it continued from."""
+    if checkpoint is None:
+        return loop.build_model(_run(run))
+    from dormouse.train.checkpoint import load_model_weights
+
+    return load_model_weights(Path(checkpoint), build=lambda r: loop.build_model(_run(run)))[0]
 
 
 class MixAsTorch(torch.optim.Optimizer):
@@ -125,21 +136,27 @@ class MixAsTorch(torch.optim.Optimizer):
 
 
 class LoopSchedule(torch.optim.lr_scheduler.LRScheduler):
-    """The loop's schedule: the lr of step k (0-based) is lr_at(k, run)."""
+    """The loop's schedule: the lr of step k (0-based) is lr_at(k, run), the
+    first step being `start` (the steps a checkpoint had done)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, run: RunConfig):
-        self.run = run
+    def __init__(self, optimizer: torch.optim.Optimizer, run: RunConfig, start: int = 0):
+        self.run, self.start = run, start
         super().__init__(optimizer)
 
     def get_lr(self):
-        return [loop.lr_at(self.last_epoch, self.run) for _ in self.optimizer.param_groups]
+        return [loop.lr_at(self.start + self.last_epoch, self.run) for _ in self.optimizer.param_groups]
 
 
-def build_optimizer(model: torch.nn.Module, run: dict, **_):
-    """(optimizer, scheduler) as the loop steps them, for `model`."""
+def build_optimizer(model: torch.nn.Module, run: dict, checkpoint: str | None = None, start: int = 0, **_):
+    """(optimizer, scheduler) as the loop steps them, for `model` (with a
+    checkpoint: its optimizer state, and the schedule from step `start`)."""
     run = _run(run)
     opt = MixAsTorch(model, run)
-    return opt, LoopSchedule(opt, run)
+    if checkpoint is not None:
+        from dormouse.train.checkpoint import load_checkpoint
+
+        load_checkpoint(Path(checkpoint), model=model, opt=opt.mix, run=run, peers=loop.LocalSync(run))
+    return opt, LoopSchedule(opt, run, start)
 
 
 def next_byte(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -161,47 +178,68 @@ def moving_bias(run: RunConfig) -> bool:
 
 class LoopRecorder:
     """Records one train() (or train_dist()) call into `out_dir` through the
-    Recorder, by the hooks of `hooks()` (see the module docstring)."""
+    Recorder, by the hooks of `hooks()` (see the module docstring). `extra`:
+    what the caller keeps in recording.json beside the run (the gate's settings
+    and provenance); the loop's evals are added to it as "evals" ([step, loss],
+    every segment's), and each step's expert choices (an MoE's, this rank's
+    tokens in order) kept as its x/topk (the curve's routing flips). A run
+    that resumes continues the recording in out_dir; `fresh`: a new recording
+    even so (a run continued from another run's checkpoint: its first step
+    is the checkpoint's next, rebuilt from that checkpoint)."""
 
-    def __init__(self, out_dir):
+    def __init__(self, out_dir, extra: dict | None = None, *, fresh: bool = False):
         self.out = Path(out_dir)
+        self.extra, self.fresh = extra, fresh
         self.rec: Recorder | None = None
         self.run: RunConfig | None = None
         self.loss: float | None = None
         self.examples: list[int] | None = None  # the windows' byte offsets: the data check's exact ids
         self.epoch: int | None = None
+        self.routes: torch.Tensor | None = None
 
     def hooks(self) -> Hooks:
         return Hooks(on_start=[self._start], on_reduced=[self._reduced], on_clipped=[self._clipped],
-                     on_end=[self._end])
+                     on_eval=[self._evaluated], on_end=[self._end])
 
     def _start(self, st: Start) -> None:
         run = st.run
-        if st.step and not A.recording_path(self.out).exists():
+        if st.step and not self.fresh and not A.recording_path(self.out).exists():
             raise RecorderError(f"the run resumed at step {st.step} but {self.out} holds no recording of its first "
                                 "steps: record from step 0 into that directory, or drop --record")
         # what rebuilds the run: its recipe, not this launch's resuming or stopping
         rebuild = dataclasses.replace(run, train=dataclasses.replace(run.train, resume=False, resume_from="",
                                                                      stop_at=0))
+        kwargs = {"run": rebuild.to_dict()}
+        if self.fresh and st.step:  # rebuilt from the checkpoint it continues
+            kwargs.update(checkpoint=str(Path(run.train.resume_from).resolve()), start=st.step)
         self.run = run
         self.rec = Recorder(self.out, st.model, build_model=BUILD_MODEL, build_optimizer=BUILD_OPTIMIZER,
-                            objective=OBJECTIVE, max_grad_norm=run.train.grad_clip,
-                            build_kwargs={"run": rebuild.to_dict()}, resume=st.step if st.step else False,
+                            objective=OBJECTIVE, max_grad_norm=run.train.grad_clip, build_kwargs=kwargs,
+                            resume=st.step if st.step and not self.fresh else False,
+                            start=st.step if self.fresh else 0,
                             buffer_update=BUFFER_UPDATE if moving_bias(run) else None,
                             wire="bf16" if run.train.dist and run.train.dist_reduce == "bf16" else "fp32",
-                            example_corpus=str(loop.resolve_corpus(run)))
+                            example_corpus=str(loop.resolve_corpus(run)), extra=self.extra)
+        # a resumed segment keeps the evals of the steps before it, not those it runs again
+        self.rec.extra["evals"] = [e for e in self.rec.extra.get("evals", []) if e[0] <= st.step]
 
     def _reduced(self, st: Reduced) -> None:
         self.loss, self.examples, self.epoch = st.loss, st.examples, st.epoch
+        slices = [torch.stack(per_it, dim=2) for per_it in (st.routes or []) if per_it]  # each (B, T, I, k)
+        self.routes = torch.cat(slices, dim=0).to(torch.int16) if slices else None
 
     def _clipped(self, st: Clipped) -> None:
         clipping = self.run.train.grad_clip > 0
         self.rec.step(loss=self.loss, lr=loop.lr_at(st.step - 1, self.run),
                       clip_coef=st.clip_coef if clipping else None, grad_norm=st.grad_norm if clipping else None,
-                      example_ids=self.examples, epoch=self.epoch)
+                      example_ids=self.examples, epoch=self.epoch,
+                      extra={"topk": self.routes} if self.routes is not None else None)
         if self.rec.k != st.step:
             raise RecorderError(f"the recording's step {self.rec.k} is not the loop's step {st.step}: "
                                 "record each run into its own directory")
+
+    def _evaluated(self, ev: Evaluated) -> None:
+        self.rec.extra["evals"].append([ev.step, ev.loss])
 
     def _end(self, report: dict) -> None:
         if self.rec is not None:

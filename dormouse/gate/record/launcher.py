@@ -26,8 +26,7 @@ from pathlib import Path
 
 from dormouse import atomic
 from dormouse.errors import PEER_LOST, FleetError
-from dormouse.gate.artifacts import load_meta
-from dormouse.gate.artifacts.layout import rank_names
+from dormouse.gate.artifacts import RecordingSet
 from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 
 # Two ways to start a fleet's ranks, both torchrun's own CLI, elastic agent,
@@ -94,8 +93,8 @@ def torchrun_command(s: GateSettings, *, entry: list[str] | None = None, plan: P
 
 def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry: list[str] | None = None,
                  torchrun_args: list[str] | None = None, env: dict | None = None,
-                 fork_ranks: bool = False) -> list[dict]:
-    """Run the fleet for settings `s`; returns rank0..rank{W-1}'s artifact metadata.
+                 fork_ranks: bool = False) -> RecordingSet:
+    """Run the fleet for settings `s`; returns its recording.
 
     entry: what each rank runs instead of dormouse.gate's entry point (tests pass a
     script that injects a fault, then calls dormouse.gate's main).
@@ -108,11 +107,11 @@ def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry
 
 def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=print,
                 entry: list[str] | None = None, torchrun_args: list[str] | None = None,
-                env: dict | None = None, fork_ranks: bool = False) -> list[list[dict]]:
+                env: dict | None = None, fork_ranks: bool = False) -> list[RecordingSet]:
     """Several fleet runs in as few torchrun launches as their world sizes
     allow: the runs of one launch run one after another in the same process
-    group (the same code path as one run per launch); returns each run's rank
-    metadata, in the plan's order. A fleet that stops and resumes at another
+    group (the same code path as one run per launch); returns each run's
+    recording, in the plan's order. A fleet that stops and resumes at another
     world size (resume_world) runs its two legs in two launches (--leg 1,
     then --leg 2): every first leg, and every run in one launch, goes before
     any second leg, so one launch holds the second legs of every run that
@@ -138,7 +137,7 @@ def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=prin
                                fork_ranks=fork_ranks)
         stream(f"$ {' '.join(cmd)}")
         _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
-    return [[load_meta(s.out_dir, n) for n in rank_names(s.legs()[-1].world)] for s in plan]
+    return [RecordingSet(s.out_dir) for s in plan]
 
 
 def launches(plan: list[GateSettings]) -> list[tuple[list[int], list[GateSettings]]]:

@@ -1,31 +1,25 @@
-"""The gate's modes: the running side. Each writes artifacts into the settings'
-out dir and judges nothing (dormouse.gate.judge compares them).
+"""The gate's modes: the running side. Each writes into the settings' out dir,
+which is its fleet's recording (artifacts/layout.py), and judges nothing
+(dormouse.gate.judge compares them).
 
-single  - one process at the GLOBAL batch: the reference curve, with every
-          step's parameters and gradients (trace). Beside it, its round-off
-          floor: the same run started from parameters nudged by one ulp, with
-          ULP_RUNS different nudges (never a run that splits the batch: that
-          would share the bugs of a split). Under reduce="exact" also the
-          exact reference: one process computing the fleet's own slices,
-          summed in the fixed order (`exact`).
-rank    - one process per rank under torchrun: the fleet (rank<r>), with the
-          initial parameters (init) and, on rank 0, every step's parameters
-          and reduced gradients; with settings.recording also a Recorder
-          recording of the same run (out/recording: `dormouse gate check`).
-gradref - from the fleet's parameters before each step (init, then rank 0's
-          trace) and that step's bytes, read by its OWN arithmetic from the
-          documented data rule: each window's gradient computed alone and
-          weighted by the tokens counted from the targets it built,
-          g = sum_w t_w g_w / sum_w t_w (summed in float64). Beside it, the
-          batch's own gradient and per-token losses at the same parameters
-          (the per-window premise), and the expert loads counted from the
-          ranks' own slices.
-replay  - the fleet's whole run replayed in one process from init: the
-          fleet's recorded reduced gradients, clipped, the optimizer, and
-          gradref's expert loads moving the routing bias, step after step.
-
-Artifacts (dormouse.gate.artifacts): `<name>` holds tensors after the run, `<name>_trace`
-per-step series (trace.py).
+rank    - one process per rank under torchrun: the fleet, recorded through the
+          Recorder (record/dormouse_loop.py) into out: every step's micro-batches,
+          parameters, applied gradients, buffers, loss and expert choices, with
+          the gate's settings, provenance and evals in recording.json's extra.
+single  - one process at the GLOBAL batch, recorded into reference/single/: the
+          reference curve. Beside it, its round-off floor (reference/floor.json):
+          the same run started from parameters nudged by one ulp, with ULP_RUNS
+          different nudges (never a run that splits the batch: that would share
+          the bugs of a split). Under reduce="exact" also the exact reference
+          (reference/exact/): one process computing the fleet's own slices,
+          summed in the fixed order.
+gradref - from the fleet's recording, by its OWN arithmetic from the documented
+          data rule: the bytes every step's windows must hold (each rank's slice
+          in rank order), the tokens counted from the targets it built, and the
+          held-out loss at the fleet's recorded parameters after each eval step
+          (reference/gradref.json). The one-process gradient, the replay and
+          the routing bias's update are the recording's own reference
+          (record/reference.py), which every loop's recording gets.
 """
 
 from __future__ import annotations
@@ -45,20 +39,23 @@ from dormouse.config import RunConfig
 from dormouse.digest import fingerprint
 from dormouse.errors import DormouseError
 from dormouse.gate.artifacts import (
-    fleet_recording_dir,
-    load_meta,
-    load_tensors,
-    load_trace,
-    save_artifact,
+    EXACT,
+    FLOOR,
+    GRADREF,
+    SINGLE,
+    RecordingSet,
+    gate_reference_dir,
+    gate_reference_path,
+    write_gate_json,
 )
-from dormouse.gate.artifacts.layout import INIT, rank_name
+from dormouse.gate.record.dormouse_loop import LoopRecorder
 from dormouse.gate.record.fixtures import build, make_run
 from dormouse.gate.record.provenance import gate_provenance
-from dormouse.gate.record.trace import Trace
 from dormouse.gate.settings import GateSettings, from_dict
 from dormouse.numerics import BF16_UNIT_ROUNDOFF, rel_per_step
-from dormouse.train.distributed import close_fleet, fleet_env, train_dist
-from dormouse.train.loop import lr_at, make_optimizer, train
+from dormouse.train.distributed import close_fleet, train_dist
+from dormouse.train.hooks import Clipped, Hooks
+from dormouse.train.loop import train
 from dormouse.train.tensors import named_state
 
 ULP_RUNS = 3  # one-ulp nudges of the reference whose maximum is the floor
@@ -161,11 +158,17 @@ class Mode:
         model, _, step = load_model_weights(Path(self.s.resume_path()), build=lambda run: self.model())
         return named_state(model), step
 
-    def save(self, name: str, state, losses, *, init: str, **extra) -> dict:
-        """Write artifact `name` with the settings' record and this run's provenance."""
+    def gate_extra(self, init: str, **more) -> dict:
+        """What a recording of this mode keeps beside the run (recording.json's
+        extra, GateReferences' JSON): the settings' record and the gate's
+        provenance, the initial parameters' fingerprint `init` among it."""
         prov = gate_provenance(device=self.s.device, corpus=Path(self.run.train.data), init=init)
-        save_artifact(self.s.out_dir, name, state, losses, settings=self.s.record(), provenance=prov, **extra)
-        return load_meta(self.s.out_dir, name)
+        return {"settings": self.s.record(), "provenance": prov, **more}
+
+    def recorder(self, out: Path, built: torch.nn.Module) -> LoopRecorder:
+        """A fresh recording of this mode's run into `out` (LoopRecorder), `built`
+        its fresh model; a run from resume_from is rebuilt from that checkpoint."""
+        return LoopRecorder(out, extra=self.gate_extra(fingerprint(self.start_state(built)[0])), fresh=True)
 
 
 def mode(s: GateSettings, **kw) -> Mode:
@@ -181,30 +184,50 @@ def mode(s: GateSettings, **kw) -> Mode:
     return Mode(s, run, torch.device(s.device))
 
 
-def _traced(m: Mode, model, log, run: RunConfig | None = None) -> tuple[dict, Trace]:
-    trace = Trace(snapshots=True)
-    report = train(model, run or m.run, log=log, on_step=trace, on_grads=trace.record_grads)
-    return report, trace
+class Capture:
+    """A floor run's series in memory, by the loop's hooks: each step's applied
+    (clipped) gradient and the parameters after it. The floors compare it with
+    the single process's recording step by step; nothing is written."""
+
+    def __init__(self):
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self.params: list[dict[str, torch.Tensor]] = []
+
+    def hooks(self, on_grads=None) -> Hooks:
+        def clipped(st: Clipped) -> None:
+            self.grads.append({n: p.grad.detach().clone() for n, p in st.model.named_parameters()
+                               if p.grad is not None})
+
+        def stepped(step: int, model, info: dict) -> None:
+            self.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+        return Hooks(on_clipped=[clipped], on_step=[stepped])
+
+
+def record_one_process(m: Mode, name: str, log) -> tuple[dict, RecordingSet]:
+    """Train mode `m` in this process, recorded into the reference folder's
+    `name`; returns train()'s report and the recording."""
+    model = m.model().to(m.device)
+    out = gate_reference_dir(m.s.out_dir, name)
+    report = train(model, m.run, log=log, hooks=m.recorder(out, model).hooks())
+    return report, RecordingSet(out)
 
 
 # --------------------------------------------------------------------------- single
 
 
 def run_single(s: GateSettings, log=print) -> dict:
-    """One process at the fleet's global batch, its ulp floor, and under
-    reduce="exact" the exact reference."""
+    """One process at the fleet's global batch (reference/single/), its ulp
+    floor (reference/floor.json), and under reduce="exact" the exact reference."""
     if s.plan.global_batch is None:
         raise DormouseError(f"profile {s.profile!r} mixes window lengths: one process cannot hold that "
-                            "global batch as one batch; gradref and the replay are this fleet's references")
-    m = mode(s, name="single", dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
-    model = m.model().to(m.device)
-    init = fingerprint(m.start_state(model)[0])
-    report, trace = _traced(m, model, log)
-    trace.save(s.out_dir, "single")
-    floor = measure_floor(m, trace, start=report["start_step"])
-    meta = m.save("single", named_state(model), report["losses"], init=init, mode="single",
-                  global_batch=m.run.train.batch, config=m.run.to_dict(), wall_s=report["wall_s"], floor=floor,
-                  start_step=report["start_step"])
+                            "global batch as one batch; gradref and the recording's reference are this fleet's")
+    m = mode(s, name=SINGLE, dist=False, reduce="fp32", micro_batch=0, resume_from=s.resume_path())
+    report, single = record_one_process(m, SINGLE, log)
+    floor = measure_floor(m, single, start=report["start_step"])
+    meta = m.gate_extra(single.extra["provenance"]["init"], run=single.run, runs=floor,
+                        global_batch=m.run.train.batch, wall_s=report["wall_s"])
+    write_gate_json(gate_reference_path(s.out_dir, FLOOR), meta)
     if s.reduce == "exact":
         run_exact(s, log=QUIET)
     return meta
@@ -256,17 +279,18 @@ def round_like_wire(tensors, seed: int, *, cancel: float = 0.0) -> None:
             t.copy_(((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(t.dtype))
 
 
-def measure_floor(m: Mode, reference: Trace, start: int = 0) -> dict:
+def measure_floor(m: Mode, single: RecordingSet, start: int = 0) -> dict:
     """The reference's round-off floor: ULP_RUNS runs of the SAME mathematics,
-    each compared step by step with the reference. ulp0 starts from parameters
-    nudged by one ulp; ulp1 nudges every step's gradient by one ulp of each
-    element, ulp2 by one ulp of its tensor's mean magnitude (the round-off a
-    reduce's summation order adds is an ulp of the summands), before the
-    optimizer, in random directions. None splits the batch: a floor
-    from a split run would share the bugs of a split. Per run: per-step
-    relative loss difference and, per tensor, per-step relative differences
-    of parameters and gradients. A run resumed at step `start` nudges the
-    parameters it loaded, before its first update.
+    each compared step by step with the single process's recording. ulp0
+    starts from parameters nudged by one ulp; ulp1 nudges every step's
+    gradient by one ulp of each element, ulp2 by one ulp of its tensor's mean
+    magnitude (the round-off a reduce's summation order adds is an ulp of the
+    summands), before the optimizer, in random directions. None splits the
+    batch: a floor from a split run would share the bugs of a split. Per run:
+    per-step relative loss difference and, per tensor, per-step relative
+    differences of parameters (after each step) and applied gradients. A run
+    resumed at step `start` nudges the parameters it loaded, before its first
+    update.
 
     Under reduce="bf16" the fleet's every reduced gradient is rounded to
     bfloat16 on the wire: ulp0, then WIRE_RUNS runs wire0.. whose every
@@ -276,7 +300,8 @@ def measure_floor(m: Mode, reference: Trace, start: int = 0) -> dict:
     than that rounding)."""
     s, run = m.s, m.run
     quiet = dataclasses.replace(run.train, ckpt_every=0, eval_every=0, log_every=max(1, run.train.steps))
-    ref = reference.tensors()
+    ref_p = {n: torch.stack([single.state_after(k)[n] for k in single.steps]) for n in single.final("p/")}
+    ref_g = [single.tensors_at(k, "g/") for k in single.steps]
     out = {}
     kinds = ["ulp0"] + ([f"wire{j}" for j in range(WIRE_RUNS)] if s.reduce == "bf16"
                         else [f"ulp{j}" for j in range(1, ULP_RUNS)])
@@ -304,36 +329,28 @@ def measure_floor(m: Mode, reference: Trace, start: int = 0) -> dict:
             def on_grads(step, net, seed=seed):
                 nudge_absolute([p.grad for p in net.parameters() if p.grad is not None], seed * 100_003 + step)
         r = dataclasses.replace(run, train=dataclasses.replace(quiet, ckpt_name=f"floor_{kind}"))
-        trace = Trace(snapshots=True)
-
-        def both(step, net, trace=trace, on_grads=on_grads):
-            if on_grads:
-                on_grads(step, net)
-            trace.record_grads(step, net)
-
-        report = train(model, r, log=QUIET, on_step=trace, on_grads=both)
-        t = trace.tensors()
+        capture = Capture()
+        report = train(model, r, log=QUIET, on_grads=on_grads, hooks=capture.hooks())
+        p = {n: torch.stack([x[n] for x in capture.params]) for n in ref_p}
+        grads = sorted({n for g in ref_g for n in g})
         out[kind] = {
             "losses": report["losses"],
-            "param_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("p/")},
-            "grad_rel": {k[2:]: rel_per_step(t[k], ref[k]) for k in ref if k.startswith("g/")},
+            "param_rel": {n: rel_per_step(p[n], ref_p[n]) for n in ref_p},
+            "grad_rel": {n: [float(rel_per_step(c[n][None], r_[n][None])[0]) if n in c and n in r_ else 0.0
+                             for c, r_ in zip(capture.grads, ref_g)] for n in grads},
         }
     return out
 
 
 def run_exact(s: GateSettings, log=print) -> dict:
-    """The exact reference: one process computing the fleet's own slices
-    (micro_batch windows each, in global slice order) summed in the fixed
-    order of reduce="exact": a fleet must equal it bitwise."""
+    """The exact reference (reference/exact/): one process computing the
+    fleet's own slices (micro_batch windows each, in global slice order)
+    summed in the fixed order of reduce="exact": a fleet must equal it bitwise."""
     # micro_batch: the fleet's own slices (FleetPlan.exact_slice)
-    m = mode(s, name="exact", dist=False, reduce="exact", micro_batch=s.plan.exact_slice(),
+    m = mode(s, name=EXACT, dist=False, reduce="exact", micro_batch=s.plan.exact_slice(),
              resume_from=s.resume_path())
-    model = m.model().to(m.device)
-    init = fingerprint(m.start_state(model)[0])
-    report, trace = _traced(m, model, log)
-    trace.save(s.out_dir, "exact")
-    return m.save("exact", named_state(model), report["losses"], init=init, mode="exact",
-                  config=m.run.to_dict(), micro_batch=m.run.train.micro_batch, global_batch=m.run.train.batch)
+    report, _ = record_one_process(m, EXACT, log)
+    return report
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -368,16 +385,16 @@ def run_rank_plan(plan: list[GateSettings], log=print, leg: int | list[int] = 0)
 
 def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
     """One fleet run of this rank in the process group it has joined (the
-    unit of a plan); run_rank_plan calls it once per run and leaves the fleet
-    at the end. The seam where a benchmark or a test's fault acts on one run
-    of a plan (keyed by s.out_dir)."""
+    unit of a plan), recorded into the settings' out dir; run_rank_plan calls
+    it once per run and leaves the fleet at the end. The seam where a
+    benchmark or a test's fault acts on one run of a plan (keyed by s.out_dir).
+    Returns train()'s report (the trained model dropped)."""
     legs = s.legs()
     if (len(legs) == 2) != (leg in (1, 2)):
         raise DormouseError(f"resume_world = {s.resume_world}: this fleet runs in {len(legs)} launch(es); "
                             + ("launch it with --leg 1, then --leg 2 at resume_world ranks (the gate's launcher "
                                "does both)" if len(legs) == 2 else "drop --leg"))
     me = legs[leg - 1] if leg else s  # this launch's world and profile
-    rank = fleet_env()[0]
     k = s.stop_step()
     ckpt = str(s.out_dir / "ckpts" / ("fleet.dcp" if s.shard == "fsdp" else "fleet.pt"))
     if leg == 1:
@@ -387,47 +404,16 @@ def rank_run(s: GateSettings, log=print, leg: int = 0) -> dict:
         m = mode(me, name="fleet", dist=True, resume_from=ckpt)
     else:
         m = mode(me, name="fleet", dist=True, resume_from=s.resume_path())
-    m = dataclasses.replace(m, s=s)  # this launch's run; the artifacts record the whole run's settings
-    run = m.run
+    m = dataclasses.replace(m, s=s)  # this launch's run; the recording keeps the whole run's settings
     # Seeded BEFORE joining the fleet, so every rank builds the same model (and
     # the references build it too); train_dist checks it.
     model = m.model()
-    start, start_step = m.start_state(model)  # a resumed fleet starts from the checkpoint's weights
-    init = fingerprint(start)
-    if rank == 0 and leg != 2:
-        m.save(INIT, start, [], init=init, mode="init", start_step=start_step)
-    gather = s.shard == "fsdp"  # FSDP2 shards: record the GATHERED tensors (a collective)
-    # Ranks end bitwise equal (the verdict checks it), so rank 0's snapshots
-    # stand for the fleet; every rank keeps its own tokens' routing (per leg:
-    # the judge joins the legs' ranks step by step).
-    trace = Trace(snapshots=rank == 0, gather=gather)
-    earlier: list[float] = []
-    earlier_evals: list = []
-    if leg == 2:
-        first = load_trace(s.out_dir, rank_name(0, first_leg=True))
-        if rank == 0:
-            trace.extend(first)
-        leg1 = load_meta(s.out_dir, rank_name(rank if rank < s.world else 0, first_leg=True))
-        earlier, earlier_evals = leg1["losses"], leg1.get("evals", [])
-    hooks = None
-    if s.recording:  # the same run through the Recorder (leg 2: a new segment after the checkpoint's step)
-        from dormouse.gate.record.dormouse_loop import LoopRecorder
-
-        hooks = LoopRecorder(fleet_recording_dir(s.out_dir)).hooks()
-    report = train_dist(run, log=log, device_type=s.device, model=model, close=False, on_step=trace,
-                        on_grads=trace.record_grads, hooks=hooks)
-    state = named_state(report["model"], gather=gather)
-    plan = me.plan
-    name = rank_name(rank, first_leg=leg == 1)
-    trace.save(s.out_dir, name)
-    meta = m.save(name, state, earlier + report["losses"], init=init, mode="rank", rank=rank,
-                  world_size=report["world_size"], shapes=plan.lines(),
-                  rank_shapes=[[sh.batch, sh.seq_len] for sh in plan.shapes], config=run.to_dict(),
-                  start_step=0 if leg == 2 else report["start_step"], wall_s=report["wall_s"],
-                  resumed_at=k if leg == 2 else None, legs=[[x.world, x.profile] for x in legs],
-                  evals=earlier_evals + report.get("evals", []))
-    del report, model
-    return meta
+    # the second leg continues the first's recording: its settings and provenance (the run's init) stand
+    rec = LoopRecorder(s.out_dir) if leg == 2 else m.recorder(s.out_dir, model)
+    report = train_dist(m.run, log=log, device_type=s.device, model=model, close=False, hooks=rec.hooks())
+    report.pop("model", None)
+    del model
+    return report
 
 
 def load_plan(path: str, *, validated: bool = False) -> tuple[list[GateSettings], list[int]]:
@@ -486,136 +472,52 @@ def step_windows(corpus: bytes, train_bytes: int, prof: list[tuple[int, int]], s
     return ranks
 
 
-def _fleet_record(s: GateSettings) -> tuple[dict, dict, dict]:
-    """What the references start from: the fleet's metadata, its initial
-    tensors and rank 0's per-step trace."""
-    trace = load_trace(s.out_dir, rank_name(0))
-    if trace is None or not any(k.startswith("p/") for k in trace):
-        raise DormouseError(f"no trace of rank0 in {str(s.out_dir)!r}: run the fleet (rank mode) first")
-    return load_meta(s.out_dir, rank_name(0)), load_tensors(s.out_dir, INIT), trace
-
-
-def _flat_grad(params) -> torch.Tensor:
-    """Every parameter's gradient in float64, flattened and concatenated in
-    order; a parameter without one (an expert no token chose) counts as zero."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params]).double()
-
-
-def _unflat(flat: torch.Tensor, params) -> list[torch.Tensor]:
-    """A flat vector cut back into tensors of the parameters' shapes."""
-    return [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in params]), params)]
+def recorded_windows(fleet: RecordingSet, step: int) -> list[torch.Tensor]:
+    """Every window the fleet's ranks computed at `step`, in rank then forward
+    order: each row of each micro-batch's input, its target's last byte appended."""
+    rows = []
+    for _, _, b in fleet.micro_batches(step):
+        x, y = b["arg0"], b["arg1"]
+        rows.extend(torch.cat([xi, yi[-1:]]) for xi, yi in zip(x, y))
+    return rows
 
 
 def run_gradref(s: GateSettings, log=print) -> dict:
-    """The hand-computed reference at every step of the fleet's run (needs
-    init and rank0's trace in out).
-
-    Each window's gradient is its own forward and backward over a (1, T)
-    batch: batching the windows into one forward would assume the very
-    independence (fact 1) that g/ against b/ checks. torch.func.vmap, which
-    would keep each window alone, does not apply here (torch 2.13, CPU): the
-    dropless MoE's dispatch (bincount, then a loop over its counts) fails under
-    vmap ("Cannot access data pointer of Tensor that doesn't have storage"),
-    and scaled_dot_product_attention has no CPU batching rule for its forward
-    or backward (vmap falls back to a per-example loop)."""
-    fleet, init, trace = _fleet_record(s)
-    m = mode(s, name="gradref", dist=False)
-    run, device = m.run, m.device
-    steps = len(fleet["losses"])
-    first = fleet.get("start_step", 0)  # a fleet resumed from resume_from: its steps are first + k
-    model = m.model().to(device)
-    names = [n for n, _ in model.named_parameters()]
-    params = list(model.parameters())
-    n_flat = sum(p.numel() for p in params)
-    t = run.train
+    """The data rule by gradref's own arithmetic, at every step of the fleet's
+    recording (reference/gradref.json): the windows each step must hold
+    (bytes read from the corpus by the documented rule, each rank's slice in
+    rank order) against every window the fleet's forwards saw, the tokens
+    counted from the targets it built, and under an eval recipe the held-out
+    loss at the fleet's recorded parameters after each eval step."""
+    fleet = RecordingSet(s.out_dir)
+    fleet.validate()
+    m = mode(s, name=GRADREF, dist=False)
+    t = m.run.train
     prof = profile(s.profile, s.world, s.batch, t.seq_len)
     corpus = Path(t.data).read_bytes()
     train_bytes = len(corpus) - int(len(corpus) * t.eval_frac)
-    order = t.data_order
-    slice_len = s.micro_batch  # the fleet's forward slices, for the loads it counts
-    legs = s.legs()
-    prof2 = profile(legs[-1].profile, legs[-1].world, s.batch, t.seq_len)  # the second leg's ranks
-    ref, absref, batch_grad = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}
-    tokens, loads, wl, bl = [], [], [], []
-    for k in range(steps):
-        state = init if k == 0 else {n: trace[f"p/{n}"][k - 1] for n in init}
-        model.load_state_dict(state)
-        windows = step_windows(corpus, train_bytes, prof, first + k, order, s.seed)
-        flat = [w for r in windows for w in r]
-        total = sum(int(y.numel()) for _, y in flat)  # tokens counted from the targets
-        tokens.append(total)
-        # Each window alone, weighted by its tokens, summed in float64 (every
-        # parameter's gradient as one flat vector: the same sums, element by element).
-        acc = torch.zeros(n_flat, dtype=torch.float64, device=device)
-        absacc = torch.zeros_like(acc)  # sum_w t_w |g_w| / T: bf16 wire bound
-        w_losses = []
-        for x, y in flat:
-            model.zero_grad(set_to_none=True)
-            logits, loss, _ = model(x.to(device), y.to(device))
-            loss.backward()
-            w_losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(),
-                                            reduction="none").detach().cpu())
-            g = _flat_grad(params)
-            acc += g * (y.numel() / total)
-            absacc += g.abs() * (y.numel() / total)
-        for n, a, b in zip(names, _unflat(acc, params), _unflat(absacc.float(), params)):
-            ref[n].append(a.cpu())
-            absref[n].append(b.cpu())
-        wl.append(torch.cat(w_losses))
-        # The batch's own gradient at the same parameters: the global batch as
-        # one batch (equal window lengths), else each rank's batch weighted.
-        groups = [flat] if len({tt for _, tt in prof}) == 1 else windows
-        bacc = torch.zeros(n_flat, dtype=torch.float64, device=device)
-        b_losses = []
-        for g in groups:
-            x = torch.cat([w[0] for w in g]).to(device)
-            y = torch.cat([w[1] for w in g]).to(device)
-            model.zero_grad(set_to_none=True)
-            logits, loss, _ = model(x, y)
-            loss.backward()
-            b_losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
-                            .detach().cpu())
-            bacc += _flat_grad(params) * (y.numel() / total)
-        for n, b in zip(names, _unflat(bacc, params)):
-            batch_grad[n].append(b.cpu())
-        bl.append(torch.cat(b_losses))
-        # Expert loads as the fleet's slices see them (its routing is per
-        # token; counting over its own slices keeps near-ties as the fleet
-        # broke them), summed over ranks by hand.
-        step_loads = None
-        if len(legs) == 2 and k >= s.stop_step():
-            flat_it = iter(flat)  # the same windows, cut into the second leg's ranks
-            slices = [[next(flat_it) for _ in range(b)] for b, _ in prof2]
-        else:
-            slices = windows
-        with torch.no_grad():
-            for r in slices:
-                size = slice_len or len(r)
-                for i in range(0, len(r), size):
-                    x = torch.cat([w[0] for w in r[i:i + size]]).to(device)
-                    y = torch.cat([w[1] for w in r[i:i + size]]).to(device)
-                    aux = model(x, y)[2]
-                    step_loads = aux["loads"].float().cpu() if step_loads is None else step_loads + aux["loads"].float().cpu()
-        if step_loads is not None:
-            loads.append(step_loads)
-    tensors = {f"g/{n}": torch.stack(v) for n, v in ref.items()}
-    tensors.update({f"b/{n}": torch.stack(v) for n, v in batch_grad.items()})
-    tensors.update({f"a/{n}": torch.stack(v) for n, v in absref.items()})
-    tensors["window_losses"] = torch.stack(wl)
-    tensors["batch_losses"] = torch.stack(bl)
-    if loads:
-        tensors["loads"] = torch.stack(loads)
+    rows = []
+    for k in fleet.steps:
+        want = [torch.cat([x[0], y[0, -1:]]) for r in step_windows(corpus, train_bytes, prof, k - 1, t.data_order,
+                                                                      s.seed) for x, y in r]
+        have = recorded_windows(fleet, k)
+        unequal = next((i for i, (a, b) in enumerate(zip(have, want)) if not torch.equal(a, b)), None)
+        rows.append({"step": k, "windows": len(want), "recorded": len(have), "first_unequal": unequal,
+                     "tokens": sum(len(w) - 1 for w in want)})
     evals = []
-    if t.eval_every:  # at the fleet's (global) steps the recipe evaluates, from its parameters after them
-        for done in range(first + 1, first + steps + 1):
-            if done % t.eval_every == 0:
-                model.load_state_dict({n: trace[f"p/{n}"][done - first - 1] for n in init})
-                evals.append([done, eval_loss(model, corpus, train_bytes, t.seq_len, device)])
-    log(f"gradref: {steps} steps, {len(prof)} ranks, {tokens[0]} tokens per step")
-    return m.save("gradref", tensors, [], init=fingerprint(init), mode="gradref", tokens=tokens,
-                  profile=[list(p) for p in prof], steps=steps, config=run.to_dict(),
-                  fleet=fleet["fingerprint"], evals=evals)
+    model = m.model().to(m.device)
+    init = fingerprint(m.start_state(model)[0])  # the settings' own initial state, built here
+    if t.eval_every:  # at the fleet's steps the recipe evaluates, from its recorded state after them
+        for k in fleet.steps:
+            if k % t.eval_every == 0:
+                model.load_state_dict({**fleet.state_after(k, "p/"), **fleet.state_after(k, "b/")})
+                evals.append([k, eval_loss(model, corpus, train_bytes, t.seq_len, m.device)])
+    log(f"gradref: {len(rows)} steps, {len(prof)} ranks, {rows[0]['tokens'] if rows else 0} tokens per step")
+    meta = m.gate_extra(init, run=fleet.run, steps=rows, evals=evals,
+                        config=m.run.to_dict(),
+                        profile=[list(p) for p in prof])
+    write_gate_json(gate_reference_path(s.out_dir, GRADREF), meta)
+    return meta
 
 
 EVAL_WINDOWS = 64  # the documented eval rule reads at most this many held-out windows
@@ -639,81 +541,4 @@ def eval_loss(model, corpus: bytes, train_bytes: int, seq_len: int, device) -> f
     return total / count
 
 
-# --------------------------------------------------------------------------- replay
-
-
-def run_replay(s: GateSettings, log=print) -> dict:
-    """The fleet's whole run replayed in one process from init (needs init,
-    rank0's trace and gradref's loads)."""
-    fleet, init, trace = _fleet_record(s)
-    # The recipe the SETTINGS give (not the one the fleet recorded): a fleet
-    # at another lr, schedule or clip must not be replayed at its own.
-    m = mode(s, name="replay", dist=False)
-    run, device = m.run, m.device
-    gradref = load_tensors(s.out_dir, "gradref")
-    model = m.model()
-    model.load_state_dict(init)
-    model.to(device)
-    opt = make_optimizer(model, run)
-    start = fleet.get("start_step", 0)
-    if s.resume_from:  # the optimizer state the fleet resumed with (its weights are init)
-        from dormouse.train.checkpoint import load_checkpoint
-        from dormouse.train.loop import LocalSync
-
-        load_checkpoint(Path(s.resume_path()), model=m.model().to(device), opt=opt, run=run, peers=LocalSync(run))
-    steps = len(fleet["losses"])
-    snaps: dict[str, list[torch.Tensor]] = {}
-    own: list[float] = []
-    opt_state = None
-    for k in range(steps):
-        if fleet.get("resumed_at") and k == fleet["resumed_at"]:
-            opt_state = _compare_optimizer_state(m, opt, k)
-        opt.set_lr(lr_at(start + k, run))
-        for n, p in model.named_parameters():
-            p.grad = trace[f"g/{n}"][k].to(device).clone()
-        if run.train.grad_clip:
-            # The replay's own norm is compared with the fleet's (round-off:
-            # FSDP sums shard norms in another order); the scale applied is the
-            # one clip_grad_norm_ computes from the fleet's norm, so the replay
-            # checks the optimizer's map bitwise given that scale.
-            grads = [p.grad for p in model.parameters()]
-            own.append(float(torch.nn.utils.get_total_norm(grads)))  # clip_grad_norm_'s own norm
-            # (a fleet that did not clip recorded no norm: the replay's own, and the steps part)
-            fleet_norm = float(trace["grad_norm"][k]) if "grad_norm" in trace else own[-1]
-            # The scale as clip_grad_norm_ computes it, in the gradients' dtype (a
-            # bfloat16 model's norm is a bfloat16 number, recorded exactly).
-            torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), run.train.grad_clip,
-                                                 torch.tensor(fleet_norm, dtype=grads[0].dtype, device=device))
-        opt.step()
-        if "loads" in gradref:
-            model.balance_experts(gradref["loads"][k].to(device))
-        for n, t in named_state(model).items():
-            snaps.setdefault(n, []).append(t.clone())
-    tensors = {f"p/{n}": torch.stack(v) for n, v in snaps.items()}
-    if own:
-        tensors["grad_norm"] = torch.tensor(own, dtype=torch.float32)
-    log(f"replay: {steps} steps of the fleet's recorded gradients")
-    return m.save("replay", tensors, [], init=fingerprint(init), mode="replay", steps=steps,
-                  fleet=fleet["fingerprint"], optimizer_state=opt_state)
-
-
-def _compare_optimizer_state(m: Mode, opt, step: int) -> dict:
-    """The replay's optimizer state after `step` steps against the one the
-    fleet checkpointed there (its first leg; a .dcp of shards under FSDP,
-    read whole): every moment and momentum buffer bitwise."""
-    from dormouse.train.checkpoint import load_checkpoint
-    from dormouse.train.loop import LocalSync
-
-    s, run = m.s, m.run
-    path = s.out_dir / "ckpts" / ("fleet.dcp" if s.shard == "fsdp" else "fleet.pt")
-    model = m.model().to(m.device)
-    theirs = make_optimizer(model, run)
-    at = load_checkpoint(path, model=model, opt=theirs, run=run, peers=LocalSync(run))
-    mine, other = opt.state_dict(), theirs.state_dict()
-    unequal = [f"{n}.{k}" for n in mine for k, t in mine[n].items()
-               if not torch.is_tensor(t) or not torch.equal(t.cpu(), other[n][k].cpu())]
-    return {"step": step, "checkpoint_step": at, "tensors": sum(len(v) for v in mine.values()), "unequal": unequal}
-
-
-MODES = {"single": run_single, "rank": run_rank, "gradref": run_gradref, "replay": run_replay,
-         "exact": run_exact}
+MODES = {SINGLE: run_single, "rank": run_rank, GRADREF: run_gradref, EXACT: run_exact}

@@ -50,7 +50,8 @@ class RecorderError(DormouseError):
 
 def check_options(*, build_model: str, build_optimizer: str, objective: str = "causal_lm", max_grad_norm: float = 0.0,
                   dataset_len: int = 0, sketch: int = 0, every: int = 1, build_kwargs: dict | None = None,
-                  buffer_update: str | None = None, objective_scope: str = "example", wire: str = "fp32") -> None:
+                  buffer_update: str | None = None, objective_scope: str = "example", wire: str = "fp32",
+                  extra: dict | None = None) -> None:
     """The Recorder's arguments that can be judged before any model exists
     (the HF callback checks them when it is built, before training starts)."""
     for value, what in ((build_model, "build_model"), (build_optimizer, "build_optimizer"), (objective, "objective"),
@@ -66,6 +67,13 @@ def check_options(*, build_model: str, build_optimizer: str, objective: str = "c
     if objective not in OBJECTIVES and (not isinstance(objective, str) or objective.count(":") != 1):
         raise RecorderError(f"objective {objective!r} is none of {', '.join(OBJECTIVES)} and not an import "
                             "path 'package.module:function' of fn(model, batch) -> (loss_sum, count)")
+    if extra is not None:
+        try:
+            json.dumps(extra)
+            assert isinstance(extra, dict)
+        except (TypeError, ValueError, AssertionError):
+            raise RecorderError(f"extra is a {type(extra).__name__} that is not a JSON object: pass a dict of "
+                                "JSON values (strings, numbers, lists, dicts)") from None
     if objective_scope not in SCOPES:
         raise RecorderError(f"objective_scope {objective_scope!r} is none of {', '.join(SCOPES)}")
     if wire not in WIRES:

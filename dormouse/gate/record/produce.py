@@ -1,19 +1,21 @@
-"""Producing a gate run's artifact sets, once, under a lock (the running side
+"""Producing a gate run's artifacts, once, under a lock (the running side
 the notebooks and the pipeline call).
 
-One out dir holds every set: `single` (the reference, its floors and, under
-reduce="exact", the exact reference), `fleet` (rank0..rank{W-1} and init),
-`gradref` and `replay` (both computed from the fleet's recorded run). A set
-is produced again when it is missing, was made with other settings, by other
-code (the source hash in its provenance), or from another fleet run. Each set
-is produced under an flock on `.<set>.lock`, so two notebooks running at once
-never produce (or read) a half-written set.
+One out dir is the fleet's recording and holds every set (artifacts/layout.py):
+`fleet` (the recording itself), `single` (reference/single/, its floor and,
+under reduce="exact", reference/exact/), `gradref` (reference/gradref.json)
+and `reference` (the one-process reference every recording gets, made from
+the fleet's recording). A set is produced again when it is missing, was made
+with other settings, by other code (the source hash in its provenance), or
+from another fleet run. Each set is produced under an flock on
+`.<set>.lock`, so two notebooks running at once never produce (or read) a
+half-written set.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,20 +24,15 @@ from typing import Callable
 import torch
 
 from dormouse.errors import DormouseError
-from dormouse.gate.artifacts import LEG1, ArtifactSet, load_meta, source_hash
-from dormouse.gate.artifacts.layout import (
-    INIT,
-    is_fleet_file,
-    is_one_process_file,
-    rank_name,
-    rank_names,
-)
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import EXACT, FLOOR, GRADREF, SINGLE, GateReferences, RecordingSet, source_hash
 from dormouse.gate.record import modes
 from dormouse.gate.record.launcher import launch_fleet
 from dormouse.gate.settings import GateSettings
 
 Log = Callable[[str], None]
-SETS = ("single", "fleet", "gradref", "replay")
+FLEET, REFERENCE = "fleet", "reference"
+SETS = (SINGLE, FLEET, GRADREF, REFERENCE)
 
 
 class MissingArtifactError(DormouseError):
@@ -61,24 +58,31 @@ def locked(directory: Path, *sets: str):
             f.close()
 
 
-def _meta(d: Path, name: str) -> dict | None:
+def _recorded(d: Path) -> dict | None:
+    """The extra (settings, provenance) of the recording in `d`, None when there is none to read."""
     try:
-        return json.loads((d / f"{name}.json").read_text())
-    except (OSError, ValueError):
+        rec = RecordingSet(d)
+        return {**rec.extra, "run": rec.run, "world": rec.world_at(rec.steps[-1]), "closed": rec.meta["closed"]}
+    except DormouseError:
         return None
 
 
-def stale(d: Path, name: str, s: GateSettings) -> str | None:
-    """None when artifact `name` was made by this code with settings `s`, else why not."""
-    m = _meta(d, name)
-    if m is None:
+def _gate_json(d: Path, name: str) -> dict | None:
+    try:
+        return GateReferences(d).meta(name)
+    except DormouseError:
+        return None
+
+
+def stale(made: dict | None, name: str, s: GateSettings) -> str | None:
+    """None when `made` (a set's recorded settings and provenance) was made by this code with settings `s`."""
+    if made is None:
         return f"{name} missing"
-    have = m.get("settings", {})
-    want = s.record()
-    diff = [f"{k}={have.get(k)!r} (want {v!r})" for k, v in want.items() if have.get(k) != v]
+    have = made.get("settings") or {}
+    diff = [f"{k}={have.get(k)!r} (want {v!r})" for k, v in s.record().items() if have.get(k) != v]
     if diff:
         return f"{name} made with " + ", ".join(diff)
-    if m.get("provenance", {}).get("source") != source_hash():
+    if (made.get("provenance") or {}).get("source") != source_hash():
         return f"{name} made by other code"
     return None
 
@@ -86,22 +90,25 @@ def stale(d: Path, name: str, s: GateSettings) -> str | None:
 def status(set_name: str, s: GateSettings) -> str | None:
     """Why artifact set `set_name` must be produced again (None: it fits)."""
     d = s.out_dir
-    if set_name == "single":
-        why = stale(d, "single", s)
-        if why is None and s.reduce == "exact":
-            why = stale(d, "exact", s)
+    if set_name == SINGLE:
+        return next((w for w in (stale(_recorded(A.gate_reference_dir(d, n)), n, s) for n in
+                                  [SINGLE] + ([EXACT] if s.reduce == "exact" else [])) if w), None) \
+            or stale(_gate_json(d, FLOOR), FLOOR, s)
+    fleet = _recorded(d)
+    if set_name == FLEET:
+        why = stale(fleet, FLEET, s)
+        if why is None and (not fleet["closed"] or fleet["world"] != s.legs()[-1].world):
+            why = f"the fleet's recording is unfinished or of {fleet['world']} ranks, not {s.legs()[-1].world}"
         return why
-    if set_name == "fleet":
-        names, world = ArtifactSet(d).ranks(), s.legs()[-1].world
-        if names != rank_names(world):
-            return f"found {names or 'no ranks'} for a world of {world}"
-        return next((w for w in (stale(d, n, s) for n in [INIT, *names]) if w), None)
-    # gradref and replay are computed from one fleet run: they must name it.
-    why = stale(d, set_name, s)
-    fleet = _meta(d, rank_name(0))
-    if why is None and (fleet is None or _meta(d, set_name).get("fleet") != fleet.get("fingerprint")):
-        why = f"{set_name} was computed from another fleet run"
-    return why
+    if fleet is None:
+        return f"{set_name}: no fleet recording"
+    if set_name == REFERENCE:
+        from dormouse.gate.record.reference import is_current
+
+        return None if is_current(d) else "the recording's one-process reference is missing or stale"
+    g = _gate_json(d, GRADREF)  # computed from one fleet run: it must name it
+    why = stale(g, GRADREF, s)
+    return why or (None if g.get("run") == fleet["run"] else "gradref was computed from another fleet run")
 
 
 def _ensure(s: GateSettings, set_name: str, make: Callable[[], None], *, force: bool, log: Log,
@@ -112,8 +119,7 @@ def _ensure(s: GateSettings, set_name: str, make: Callable[[], None], *, force: 
     d = s.out_dir
     with locked(d, set_name):
         why = status(set_name, s)
-        fresh = why is None and all(p.stat().st_mtime >= since for p in d.glob("*.json")
-                                    if p.stem in _members(set_name, s))
+        fresh = why is None and all(p.stat().st_mtime >= since for p in _members(set_name, s) if p.exists())
         if why is None and (not force or fresh):
             log(f"{set_name}: using {d} (same settings, same code)")
             return "reused"
@@ -129,9 +135,13 @@ def _ensure(s: GateSettings, set_name: str, make: Callable[[], None], *, force: 
         return "produced"
 
 
-def _members(set_name: str, s: GateSettings) -> list[str]:
-    return {"single": ["single"] + (["exact"] if s.reduce == "exact" else []),
-            "fleet": [INIT, *rank_names(s.legs()[-1].world)]}.get(set_name, [set_name])
+def _members(set_name: str, s: GateSettings) -> list[Path]:
+    """The file whose writing completes each of the set's parts."""
+    d = s.out_dir
+    return {SINGLE: [A.recording_path(A.gate_reference_dir(d, SINGLE)), A.gate_reference_path(d, FLOOR)]
+            + ([A.recording_path(A.gate_reference_dir(d, EXACT))] if s.reduce == "exact" else []),
+            FLEET: [A.recording_path(d)], GRADREF: [A.gate_reference_path(d, GRADREF)],
+            REFERENCE: [A.reference_meta_path(d)]}[set_name]
 
 
 @contextmanager
@@ -144,11 +154,13 @@ def _threads(n: int):
         torch.set_num_threads(before)
 
 
-def _drop(d: Path, belongs: Callable[[str], bool]) -> None:
-    """Remove the artifacts whose file names `belongs` (JSON first: it is what says complete)."""
-    files = [p for p in d.iterdir() if belongs(p.name)]
-    for p in sorted(files, key=lambda p: p.suffix != ".json"):
-        p.unlink(missing_ok=True)
+def _drop_fleet(d: Path) -> None:
+    """A new fleet's recording starts in an emptied out dir: the old recording
+    (its JSON first: it is what says complete), every rank's folder."""
+    A.recording_path(d).unlink(missing_ok=True)
+    for p in d.glob(f"{A.RANK}[0-9]*"):
+        if p.is_dir():
+            shutil.rmtree(p)
 
 
 def run_single(s: GateSettings, *, force: bool = True, log: Log = print) -> str:
@@ -157,32 +169,36 @@ def run_single(s: GateSettings, *, force: bool = True, log: Log = print) -> str:
         with _threads(s.threads):
             modes.run_single(s, log=log)
 
-    return _ensure(s, "single", make, force=force, log=log, hint="01_single.ipynb")
+    return _ensure(s, SINGLE, make, force=force, log=log, hint="01_single.ipynb")
 
 
 def run_fleet(s: GateSettings, *, force: bool = True, stream: Log = print) -> str:
     """02: the fleet under torchrun (rank output streamed)."""
     def make():
-        _drop(s.out_dir, is_fleet_file)  # never two launches' ranks
+        _drop_fleet(s.out_dir)  # never two launches' ranks
         launch_fleet(s, timeout_s=s.timeout_s, stream=stream)
 
-    return _ensure(s, "fleet", make, force=force, log=stream, hint="02_fleet_launcher.ipynb")
+    return _ensure(s, FLEET, make, force=force, log=stream, hint="02_fleet_launcher.ipynb")
 
 
 def run_references(s: GateSettings, *, force: bool = True, log: Log = print) -> dict[str, str]:
-    """03: gradref and the replay, from the fleet's recorded run."""
-    def make(mode):
-        def run():
-            with _threads(s.threads):
-                modes.MODES[mode](s, log=log)
-        return run
+    """03: gradref and the recording's one-process reference, from the fleet's recording."""
+    def gradref():
+        with _threads(s.threads):
+            modes.run_gradref(s, log=log)
 
-    with locked(s.out_dir, "fleet"):
-        if status("fleet", s) is not None:
+    def reference():
+        from dormouse.gate.record.reference import make_reference
+
+        with _threads(s.threads):
+            make_reference(s.out_dir, log=log, force=True)
+
+    with locked(s.out_dir, FLEET):
+        if status(FLEET, s) is not None:
             raise MissingArtifactError(f"no fleet run with these settings in {str(s.out_dir)!r} "
-                                       f"({status('fleet', s)}): run 02_fleet_launcher.ipynb first")
-        return {m: _ensure(s, m, make(m), force=force, log=log, hint="03_gradref.ipynb")
-                for m in ("gradref", "replay")}
+                                       f"({status(FLEET, s)}): run 02_fleet_launcher.ipynb first")
+        return {n: _ensure(s, n, make, force=force, log=log, hint="03_gradref.ipynb")
+                for n, make in ((GRADREF, gradref), (REFERENCE, reference))}
 
 
 def ensure_all(s: GateSettings, *, log: Log = print) -> None:
@@ -190,8 +206,10 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
     if s.plan.global_batch is None:
         log(f"profile {s.profile!r} mixes window lengths: no single-process curve; gradref and the "
             "replay are the references")
-        with locked(s.out_dir, "single"):
-            _drop(s.out_dir, is_one_process_file)
+        with locked(s.out_dir, SINGLE):
+            shutil.rmtree(A.gate_reference_dir(s.out_dir, SINGLE), ignore_errors=True)
+            shutil.rmtree(A.gate_reference_dir(s.out_dir, EXACT), ignore_errors=True)
+            A.gate_reference_path(s.out_dir, FLOOR).unlink(missing_ok=True)
         run_fleet(s, force=False, stream=log)
     else:
         # The fleet (torchrun's processes) runs while this process computes the
@@ -212,15 +230,10 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
     run_references(s, force=False, log=log)
 
 
-def fleet_set(s: GateSettings) -> ArtifactSet:
-    """The fleet's artifacts (every leg's ranks), read whole under the fleet's
-    lock, so no producer replaces them while they are shown."""
-    with locked(s.out_dir, "fleet"):
-        a = ArtifactSet(s.out_dir)
-        for n in a.ranks(LEG1) + a.ranks():
-            a.meta(n), a.tensors(n)
-    return a
-
-
-def fleet_metas(s: GateSettings) -> list[dict]:
-    return [load_meta(s.out_dir, n) for n in rank_names(s.legs()[-1].world)]
+def fleet_recording(s: GateSettings) -> RecordingSet:
+    """The fleet's recording, checked complete under the fleet's lock, so no
+    producer replaces it while it is shown."""
+    with locked(s.out_dir, FLEET):
+        rec = RecordingSet(s.out_dir)
+        rec.validate()
+    return rec

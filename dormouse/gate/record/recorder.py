@@ -247,6 +247,13 @@ class Recorder:
     wire             how the gradient's reduce rounds (WIRES): "fp32", or "bf16" when every summand is
                      rounded to bfloat16 on the wire (DDP's bf16_compress_hook): the gradient is then
                      judged element by element against that rounding's bound, and for bias
+    start            a fresh recording's first step is start + 1 (a run continued from a checkpoint of
+                     another run: build_model and build_optimizer must then rebuild the state after
+                     step `start`, and the scheduler its lr from there)
+    extra            None, or a JSON object kept in recording.json as "extra" (rec.extra, until close;
+                     a resumed segment starts from the earlier one's): what a client keeps beside the
+                     run (dormouse's own gate: its settings, provenance and evals); no fact reads it
+                     but a client's own
     """
 
     def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
@@ -254,11 +261,11 @@ class Recorder:
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
                  buffer_update: str | None = None, example_corpus: str | None = None,
                  objective_scope: str = "example", probe_steps=None, pipeline_stage=None, sharding=None,
-                 wire: str = "fp32"):
+                 wire: str = "fp32", extra: dict | None = None, start: int = 0):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
                       build_kwargs=build_kwargs, buffer_update=buffer_update, objective_scope=objective_scope,
-                      wire=wire)
+                      wire=wire, extra=extra)
         if pipeline_stage is not None and int(sketch):  # each stage's sketches would need summing by name
             raise RecorderError(f"sketch={sketch} with pipeline_stage: a pipeline is recorded in full tensors "
                                 "(sketch=0)")
@@ -299,7 +306,9 @@ class Recorder:
         if prior is None:
             run = uuid.uuid4().hex if self.rank == 0 else None
             run = self._broadcast(run)
-            self.k = 0
+            if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+                raise RecorderError(f"start={start!r}: the number of steps done before this recording (an int >= 0)")
+            self.k = start
             segments = []
             self._clear()
         else:
@@ -311,6 +320,7 @@ class Recorder:
             segments = prior["segments"]
         self.run = run
         self.segment = len(segments)
+        self.extra = {**((prior or {}).get("extra") or {}), **(extra or {})}  # recording.json's "extra"
         params = {n for n, _ in self.module.named_parameters()}
         # persistent buffers (state outside the optimizer, e.g. a routing bias): "b/" at tensor steps
         self._buffers = [n for n in self.module.state_dict() if n not in params]
@@ -343,6 +353,7 @@ class Recorder:
             "attrs": plain_attrs(self.module),
             "provenance": provenance(device=self._device_type,
                                      code=code_hashes([build_model, build_optimizer, objective, buffer_update])),
+            "extra": self.extra,
         }
         if prior is None:
             # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
@@ -512,7 +523,7 @@ class Recorder:
     # ------------------------------------------------------------------ the loop's calls
 
     def step(self, *, loss=None, lr=None, optimizer=None, clip_coef=None, grad_norm=None, example_ids=None,
-             epoch=None) -> None:
+             epoch=None, extra: dict | None = None) -> None:
         """Record the step about to be taken: call after the last backward
         (gradients synchronised), before optimizer.step(). `clip_coef` or
         `grad_norm` (with max_grad_norm > 0) say the gradients were already
@@ -520,7 +531,9 @@ class Recorder:
         `example_ids` (this rank's examples in this step, e.g. the sampler's
         indices) make the data check exact; `epoch` (the loop's epoch, e.g.
         what it passed to sampler.set_epoch) gives the data check the loop's
-        own epochs instead of ones inferred from dataset_len."""
+        own epochs instead of ones inferred from dataset_len. `extra`: tensors
+        of this rank's own kept with the step as x/<name> (not assembled, not
+        judged but by a client's own facts)."""
         if self.closed:
             raise RecorderError("rec.step() after rec.close()")
         self.k += 1
@@ -547,6 +560,8 @@ class Recorder:
                 tensors[f"in/{m}/{key}"] = t
         if example_ids is not None:
             tensors["ids"] = torch.as_tensor(example_ids).detach().cpu().reshape(-1).clone()
+        for name, t in (extra or {}).items():
+            tensors[f"{A.EXTRA}{name}"] = torch.as_tensor(t).detach().cpu().clone()
         if self.placements or self.layout is not None:  # FSDP2: the sharded parameters, which hold the
             self._reshard()  # reduced gradients (see _reshard)
         if self.layout is not None and self.rank != self.layout.leader:  # a TP peer's inputs: kept apart

@@ -58,16 +58,15 @@ def _status(check: dict) -> str:
     return "ok" if check.get("pass") else "FAIL"
 
 
-def losses(metas: list[dict], title: str = "loss curve"):
-    """The loss curves of some artifacts (their JSON metadata), one line each."""
-    metas = [m for m in metas if m and m.get("losses")]
-    if not metas:
+def losses(curves: dict[str, list], title: str = "loss curve"):
+    """Loss curves, one line each: {label: [loss of each step]}."""
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
         return None
     fig = _figure(6.5, 3.6)
     ax = fig.add_subplot()
-    for m in metas:
-        ls = m["losses"]
-        ax.plot(range(1, len(ls) + 1), ls, "o-", ms=3, label=m.get("name", "?"))
+    for label, ls in curves.items():
+        ax.plot(range(1, len(ls) + 1), ls, "o-", ms=3, label=label)
     ax.set(xlabel="step", ylabel="loss", title=title)
     _integer_steps(ax)
     ax.legend()
@@ -145,7 +144,7 @@ def _flips_panel(ax, c: dict, steps: list[int]) -> None:
     ax.set(ylabel="routing flips\n(tokens)")
     ax.grid(alpha=0.3)
     if not flips or not any(map(any, flips)):
-        why = ("no routing trace recorded" if "routing_flips" not in c else
+        why = ("no expert choices recorded" if "routing_flips" not in c else
                "routing not comparable token by token (ranks of different window lengths)" if flips is None else
                f"no routing flips: every token chose the same experts in single and fleet at all {len(flips)} steps")
         ax.text(0.5, 0.5, why, transform=ax.transAxes, ha="center", va="center", fontsize=8, color="dimgray")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import html
 
-from dormouse.gate.artifacts import ArtifactSet
-from dormouse.gate.judge.facts.ranks import check_ranks_traced, unequal_to_first
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import RecordingSet
+from dormouse.gate.judge.facts.ranks import check_ranks
 from dormouse.gate.judge.verdict import Verdict
 
 
@@ -45,26 +46,30 @@ def params_table(s, names: list[str] | None = None) -> Table:
     return Table(["parameter", "value"], [[k, rec[k]] for k in (names or rec)], "parameters")
 
 
-def loss_table(meta: dict, every: int = 5) -> Table:
-    losses = meta["losses"]
-    rows = [[i + 1, l] for i, l in enumerate(losses) if (i + 1) % every == 0 or i in (0, len(losses) - 1)]
-    return Table(["step", "loss"], rows, f"{meta['name']}: global batch {meta.get('global_batch', '?')}")
+def loss_table(rec: RecordingSet, title: str, every: int = 5) -> Table:
+    """A recording's logged loss, every `every` steps, its first and its last."""
+    losses = rec.losses()
+    rows = [[k, l] for i, (k, l) in enumerate(zip(rec.steps, losses))
+            if k % every == 0 or i in (0, len(losses) - 1)]
+    return Table(["step", "loss"], rows, title)
 
 
-def ranks_table(a: ArtifactSet) -> Table:
-    """One row per rank of the fleet's artifacts `a` (record.produce.fleet_set
-    reads them whole): shape, final loss, fingerprint, and whether it is
-    bitwise equal to rank0, as the judge finds (check_ranks_traced, unequal_to_first)."""
-    names = a.ranks()
-    metas = [a.meta(n) for n in names]
-    c = check_ranks_traced(a)
-    unequal = unequal_to_first(a, names)
+def ranks_table(rec: RecordingSet) -> Table:
+    """One row per rank of the fleet's recording (record.produce.fleet_recording
+    reads it whole): its windows of the last step, its logged loss there, the
+    hash of its parameters after the last step, and whether it equals rank 0's,
+    with the judge's ranks check as the title."""
+    last = rec.steps[-1]
+    world = rec.world_at(last)
+    hashes = [A.read_json(A.final_meta_path(rec.out, r), "final").get("param_hash") for r in range(world)]
     rows = []
-    for r, (n, m) in enumerate(zip(names, metas)):
-        shape = (m.get("shapes") or ["?"] * len(names))[r]
-        rows.append([n, shape, m["losses"][-1] if m["losses"] else None, m["fingerprint"][:16],
-                     "reference" if r == 0 else "yes" if unequal[n] is None else "NO"])
-    return Table(["rank", "shape", "final loss", "fingerprint", "bitwise = rank0"], rows, f"{a.out}: {c.reason}")
+    for r in range(world):
+        m = rec.step_meta(r, last)
+        windows = sum(int(b["arg0"].shape[0]) for rr, _, b in rec.micro_batches(last) if rr == r and "arg0" in b)
+        rows.append([A.rank_name(r), windows, m.get("loss"), (hashes[r] or "?")[:16],
+                     "reference" if r == 0 else "yes" if hashes[r] == hashes[0] else "NO"])
+    return Table(["rank", "windows", "final loss", "parameter hash", "= rank0"], rows,
+                 f"{rec.out}: {check_ranks(rec).reason}")
 
 
 def references_table(v: Verdict | dict) -> Table:

@@ -1,15 +1,12 @@
 """Fact 3 under the bf16 wire: round-off, not a systematic error.
 
-The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
-
-bias       bf16 wire only: the fleet's differences from gradref, scaled by their
-           rounding bound, average to zero within BIAS_SIGMAS standard errors
+bias       a recording that declares the bf16 wire (Recorder(wire="bf16");
+           dormouse's fleet under reduce="bf16"): the fleet's differences from
+           one process's gradient, scaled by their rounding bound
+           W u sum_r |g_r| / T (the reference's sum over the ranks'
+           contributions), average to zero within BIAS_SIGMAS standard errors
            along an offset, a scale and a decay direction (round-to-nearest is
            unbiased; a systematic error far below the bound is not).
-
-A recording that declares the bf16 wire (Recorder(wire="bf16")): the same
-statistic on the fleet's gradient against one process's, the bound
-W u sum_r |g_r| / T from the reference's sum over the ranks' contributions.
 """
 
 from __future__ import annotations
@@ -20,12 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import ArtifactSet, ReferenceSet
+from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import BF16_UNIT_ROUNDOFF, BIAS_FLOOR, BIAS_SIGMAS, GRAD_RTOL
 from dormouse.gate.judge.facts.gradient import fleet_grad
-from dormouse.gate.judge.facts.series import series_names, world_at
 from dormouse.gate.judge.verdict import Check
-from dormouse.gate.artifacts.layout import INIT, rank_name
 
 
 @dataclass
@@ -81,40 +76,6 @@ def bias_check(series, what: str) -> BiasCheck:
                     f"direction, S in standard errors (mean in units of the bound): {text}, over {count} "
                     f"element-steps; a decay-like bias of {smallest:.1e} x the bound would be caught")
     return c
-
-
-def check_bias(a: ArtifactSet) -> BiasCheck:
-    """Under the bf16 wire, the rounding is unbiased. Per element e and step k,
-    z = (g_fleet - g_ref) / b with b = W u sum_w t_w |g_w| / T (the rounding
-    bound gradref's check uses; elements with b = 0 left out). Round-to-nearest
-    errors average to zero, also when multiplied by a sign d that does not
-    depend on them: for each direction d (1: an offset; sign(g_ref): a scale;
-    sign(p) of the parameters before the step: a decay) the statistic
-
-        S = sum_e c_e / sqrt(sum_e c_e^2),   c_e = sum_k d_ek z_ek,
-
-    is a standard normal (errors summed per element first, so an element whose
-    errors repeat from step to step counts once: a cluster-robust standard
-    error). It fails when |S| > BIAS_SIGMAS and the mean sum_e c_e / N (N
-    element-steps) exceeds the direction's BIAS_FLOOR (round-to-nearest's own
-    pull towards zero on log-distributed magnitudes stays far below it). A
-    bias of beta times the bound along d gives S ~ beta N / sqrt(sum c^2): the
-    smallest caught is max(BIAS_SIGMAS sqrt(sum c^2) / N, BIAS_FLOOR[d]), far
-    below the per-element bound."""
-    fleet, g, meta, init = a.trace(rank_name(0)), a.tensors("gradref"), a.meta(rank_name(0)), a.tensors(INIT)
-    names = series_names(g, "g/")
-    series = []
-    for n in names:
-        if f"a/{n}" not in g or f"g/{n}" not in fleet or f"p/{n}" not in fleet or n not in init:
-            return BiasCheck("bias", False, f"the bias test lacks {n}'s series (fleet trace, gradref's |g| sums "
-                             "or init): re-run the modes")
-        ref = g[f"g/{n}"].double()
-        steps = ref.shape[0]
-        world = torch.tensor([float(world_at(meta, k)) for k in range(steps)], dtype=torch.float64)
-        b = world.view(-1, *[1] * (ref.dim() - 1)) * BF16_UNIT_ROUNDOFF * g[f"a/{n}"].double()
-        before = torch.cat([init[n].unsqueeze(0), fleet[f"p/{n}"][:steps - 1]]).double()
-        series.append((fleet[f"g/{n}"][:steps].double() - ref, b, ref, before))
-    return bias_check(series, "gradref")
 
 
 def check_bias_recorded(rec: A.RecordingSet, ref: ReferenceSet) -> BiasCheck:

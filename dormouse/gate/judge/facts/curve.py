@@ -1,17 +1,16 @@
 """Fact 2 at the global batch: the curve and every tensor against the reference's floor.
 
-The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
-
-curve      fact 2 at the global batch: per-step loss within a tolerance from
-           the reference's floor runs, nudged by one ulp at the start or at
-           every step's gradient (under the bf16 wire: every step's gradient
-           rounded to bfloat16 as the wire rounds, independent draws) (10 x
-           their running maximum, at least CURVE_MIN_RTOL; never from a run that
-           splits the batch), the first step's gradients within GRAD_RTOL
-           (both start from the same parameters), and every tensor within its
-           own floor at every step (the routing bias excepted: discrete,
-           judged by routing flips). A divergence is excused as round-off after
-           a routing flip only before any per-step check failed; else the
+curve      dormouse's own fleet against the single process at the global
+           batch (reference/single/): per-step loss within a tolerance from the
+           reference's floor runs (reference/floor.json), nudged by one ulp at
+           the start or at every step's gradient (under the bf16 wire: every
+           step's gradient rounded to bfloat16 as the wire rounds, independent
+           draws) (10 x their running maximum, at least CURVE_MIN_RTOL; never
+           from a run that splits the batch), the first step's gradients
+           within the arithmetic's bound (both start from the same parameters),
+           and every parameter within its own floor after every step. A
+           divergence is excused as round-off after a routing flip (the
+           recordings' x/topk) only before any per-step check failed; else the
            summary names the first failing check and step.
 """
 
@@ -21,7 +20,7 @@ import math
 
 import torch
 
-from dormouse.gate.artifacts import LEG1, ArtifactSet
+from dormouse.gate import artifacts as A
 from dormouse.gate.judge.bounds import (
     BF16_UNIT_ROUNDOFF,
     CURVE_MIN_RTOL,
@@ -29,44 +28,54 @@ from dormouse.gate.judge.bounds import (
     arithmetic_rtol,
     floor_bound,
 )
-from dormouse.gate.judge.facts.series import series_names, world_at
 from dormouse.gate.judge.metrics import relative, running_max
 from dormouse.gate.judge.verdict import Check, CurveCheck
 from dormouse.numerics import rel_per_step
-
-BIAS = "router_bias"  # tensors whose name ends so are discrete: judged by routing flips
-
 
 
 def curve_tolerance(envelope: list[float], multiple: float = FLOOR_MULTIPLE) -> list[float]:
     return [floor_bound(e, CURVE_MIN_RTOL, multiple) for e in envelope]
 
 
+def run_config(rec: A.RecordingSet) -> dict:
+    """The RunConfig (as a dict) a recording of dormouse's loop rebuilds its run from."""
+    return (rec.meta.get("build_kwargs") or {}).get("run") or {}
 
-def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE,
+
+def _unclipped(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
+    """Step k's gradient before clipping: the applied one over its recorded coefficient."""
+    coef = rec.step_meta(0, k).get("clip_coef") or 1.0
+    return {n: g.double() / coef for n, g in rec.tensors_at(k, "g/").items()}
+
+
+def _after(rec: A.RecordingSet) -> dict[str, torch.Tensor]:
+    """Every parameter after every step, stacked (steps, *shape)."""
+    per = [rec.state_after(k) for k in rec.steps]
+    return {n: torch.stack([p[n] for p in per]) for n in per[0]}
+
+
+def check_curve(fleet: A.RecordingSet, single: A.RecordingSet, floor: dict, *, multiple: float = FLOOR_MULTIPLE,
                 failed: tuple[str, int] | None = None) -> CurveCheck:
     """The global-batch curve. `failed`: the first per-step check that failed
     (name, step), which no divergence at or after it may be excused by."""
-    single, fleet = a.meta("single"), a.meta("rank0")
-    ls, lf = single["losses"], fleet["losses"]
-    if len(ls) != len(lf) or not lf or single.get("start_step", 0) != fleet.get("start_step", 0):
-        return CurveCheck("curve", False, f"single and fleet are not comparable: single ran {len(ls)} steps from "
-                          f"step {single.get('start_step', 0)}, the fleet {len(lf)} from {fleet.get('start_step', 0)}")
-    wire = fleet["settings"].get("reduce", "fp32")
-    runs = single.get("floor", {})
+    ls, lf = single.losses(), fleet.losses()
+    if single.steps != fleet.steps:
+        return CurveCheck("curve", False, f"single and fleet are not comparable: single recorded steps "
+                          f"{single.steps[:1]}..{single.steps[-1:]}, the fleet {fleet.steps[:1]}..{fleet.steps[-1:]}")
+    wire = (fleet.extra.get("settings") or {}).get("reduce", "fp32")
+    runs = floor.get("runs", {})
     if wire == "bf16" and not any(k.startswith("wire") for k in runs):
         return CurveCheck("curve", False, "the single process measured no bf16 wire floor (floor runs whose "
                           "gradients are rounded as the wire rounds): re-run single", wire=wire)
     rel = [abs(f - s) / abs(s) if s else abs(f - s) for s, f in zip(ls, lf)]
-    floor = [0.0] * len(ls)
+    noise = [0.0] * len(ls)
     floors: dict[str, list[float]] = {}
     for run in runs.values():
         for k, (x, y) in enumerate(zip(run["losses"], ls)):
-            floor[k] = max(floor[k], abs(x - y) / abs(y) if y else abs(x - y))
+            noise[k] = max(noise[k], abs(x - y) / abs(y) if y else abs(x - y))
         for name, series in run["param_rel"].items():
             floors[name] = [max(p, q) for p, q in zip(floors.get(name, [0.0] * len(series)), series)]
-    envelope = running_max(floor)
-    tolerance = curve_tolerance(envelope, multiple)
+    tolerance = curve_tolerance(running_max(noise), multiple)
     if wire == "bf16":
         why = (f"{multiple:g} x the running maximum of {len(runs)} floor runs of the reference: its start nudged "
                f"by one ulp, and {sum(k.startswith('wire') for k in runs)} whose every gradient is rounded to "
@@ -74,29 +83,29 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE,
     else:
         why = (f"{multiple:g} x the running maximum of {len(runs)} one-ulp nudges of the "
                f"reference (its start; every step's gradient), at least {CURVE_MIN_RTOL:.0e}")
-    c = CurveCheck("curve", True, "", wire=wire, single=ls, fleet=lf, per_step=rel, noise_floor=floor,
+    c = CurveCheck("curve", True, "", wire=wire, single=ls, fleet=lf, per_step=rel, noise_floor=noise,
                    tolerance=tolerance, tolerance_why=why)
     bad = [k for k, (r, t) in enumerate(zip(rel, tolerance)) if not r <= t]
     # Gradients at the first step: both start from the same parameters.
-    st, ft = a.trace("single"), a.trace("rank0")
-    gnames = series_names(st, "g/")
-    c.grad_step1 = max((relative(ft[f"g/{n}"][0], st[f"g/{n}"][0]) for n in gnames), default=0.0)
-    grad_lim = arithmetic_rtol(single["config"]) if wire != "bf16" else max(
-        2 * world_at(fleet, 0) * BF16_UNIT_ROUNDOFF, arithmetic_rtol(single["config"], 0.0))
-    # Every tensor against its own floor (the routing bias through flips).
-    first_param = None
-    train, model = single["config"]["train"], single["config"]["model"]  # the settings', not the fleet's
-    # Tensors are judged against their own floor where the optimizer's map is
+    first = fleet.steps[0]
+    sg, fg = _unclipped(single, first), _unclipped(fleet, first)
+    c.grad_step1 = max((relative(fg[n], sg[n]) for n in sg if n in fg), default=0.0)
+    config = run_config(single)  # the settings' recipe, not the fleet's
+    grad_lim = arithmetic_rtol(config) if wire != "bf16" else max(
+        2 * fleet.world_at(first) * BF16_UNIT_ROUNDOFF, arithmetic_rtol(config, 0.0))
+    # Every parameter against its own floor. Judged where the optimizer's map is
     # float32: bfloat16 Newton-Schulz (or a bf16 model) rounds updates to 8
     # bits, so a few ulps of gradient round-off move a parameter by ~2^-8 of
-    # its update; there gradref (every step's gradient) and the bitwise replay
-    # (every step's update) carry the proof. The bf16 wire rounds gradients,
-    # not the map: its floor runs round them the same way.
-    judge_tensors = train.get("ns_dtype") != "bfloat16" and not model.get("bf16")
-    for name in series_names(st, "p/"):
-        series = rel_per_step(ft[f"p/{name}"], st[f"p/{name}"])
+    # its update; there the recording's gradient (every step's) and bitwise
+    # replay (every step's update) carry the proof. The bf16 wire rounds
+    # gradients, not the map: its floor runs round them the same way.
+    judge_tensors = config.get("train", {}).get("ns_dtype") != "bfloat16" and not config.get("model", {}).get("bf16")
+    first_param = None
+    sp, fp = _after(single), _after(fleet)
+    for name in sorted(sp):
+        series = rel_per_step(fp[name], sp[name])
         c.param_divergence[name] = series
-        if name.endswith(BIAS) or not judge_tensors:
+        if not judge_tensors:
             continue
         tol = curve_tolerance(running_max(floors.get(name, [0.0] * len(series))), multiple)
         for k, (v, t) in enumerate(zip(series, tol)):
@@ -105,13 +114,10 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE,
                 break
     if first_param:
         c.first_divergent_param_step, c.first_divergent_param = first_param[0], first_param[1]
-    try:
-        flips = _flips(a, st)
-        if flips is not None:
-            c.routing_flips = flips.tolist()
-            c.first_flip_step = next((k + 1 for k, n in enumerate(flips.sum(dim=1).tolist()) if n), None)
-    except RuntimeError:  # ranks of different window lengths: not comparable token by token
-        pass
+    flips = _flips(fleet, single)
+    if flips is not None:
+        c.routing_flips = flips.tolist()
+        c.first_flip_step = next((k + 1 for k, n in enumerate(flips.sum(dim=1).tolist()) if n), None)
     c.summary = _summary(c, bad, first_param, failed)
     top = max(range(len(rel)), key=lambda k: rel[k])
     worst = max(range(len(rel)), key=lambda k: rel[k] / tolerance[k])
@@ -126,8 +132,8 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE,
     else:
         reasons.append(f"step-1 gradients within {c.grad_step1:.1e}")
     if not judge_tensors:
-        reasons.append("tensors reported, not judged (8-bit rounding in the optimizer's map: gradref and the "
-                       "replay prove each step)")
+        reasons.append("tensors reported, not judged (8-bit rounding in the optimizer's map: the recording's "
+                       "gradient and replay prove each step)")
     if first_param:
         reasons.append(f"{first_param[1]} leaves its floor at step {first_param[0]} ({first_param[2]:.1e} > "
                        f"{first_param[3]:.1e})")
@@ -136,21 +142,18 @@ def check_curve(a: ArtifactSet, *, multiple: float = FLOOR_MULTIPLE,
     return c
 
 
-
-def _flips(a: ArtifactSet, st: dict):
+def _flips(fleet: A.RecordingSet, single: A.RecordingSet) -> torch.Tensor | None:
     """Routing flips per step and iteration, single vs the fleet's ranks
-    joined in rank order (leg by leg for a fleet that stopped and resumed)."""
-    legs = [LEG1, ""] if a.ranks(LEG1) else [""]
-    parts, start = [], 0
-    for prefix in legs:
-        traces = [a.trace(n) for n in a.ranks(prefix)]
-        if "topk" not in st or not traces or not all(t and "topk" in t for t in traces):
+    joined in rank order (each step at its own world size); None without
+    expert choices, or with ranks of different window lengths."""
+    parts = []
+    for k in fleet.steps:
+        mine = single.step_extra(0, k, "topk")
+        theirs = [fleet.step_extra(r, k, "topk") for r in range(fleet.world_at(k))]
+        if mine is None or any(t is None for t in theirs) or len({t.shape[1:] for t in theirs + [mine]}) != 1:
             return None
-        fleet = torch.cat([t["topk"] for t in traces], dim=1)
-        parts.append(routing_flips(st["topk"][start:start + len(fleet)], fleet))
-        start += len(fleet)
-    return torch.cat(parts) if start == len(st["topk"]) else None
-
+        parts.append(routing_flips(mine[None], torch.cat(theirs)[None]))
+    return torch.cat(parts) if parts else None
 
 
 def _summary(c: CurveCheck, bad: list[int], first_param=None, failed: tuple[str, int] | None = None) -> str:
@@ -190,7 +193,7 @@ def first_failure(checks: list[Check]) -> tuple[str, int] | None:
 
 
 
-STEPWISE = ("window", "gradref", "bias", "loss", "replay", "exact")  # checks a curve divergence may not be excused by
+STEPWISE = ("independence", "gradient", "gradref", "bias", "buffers", "loss", "replay", "exact")  # checks a curve divergence may not be excused by
 
 
 def routing_flips(single_topk: torch.Tensor, fleet_topk: torch.Tensor) -> torch.Tensor:

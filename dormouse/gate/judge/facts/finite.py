@@ -16,7 +16,7 @@ import math
 import torch
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import ArtifactSet
+
 from dormouse.gate.judge.verdict import Check
 
 # the logged numbers of a step JSON, in the order they are named, and what they are
@@ -124,14 +124,3 @@ def first_nonfinite_state(rec: A.RecordingSet) -> str | None:
     return None
 
 
-def check_finite_traced(a: ArtifactSet, names: list[str]) -> Check:
-    for n in names:
-        m = a.meta(n)
-        bad = [i + 1 for i, x in enumerate(m.get("losses", [])) if not math.isfinite(x)]
-        if bad:
-            return Check("finite", False, f"{n}'s loss is not finite at step {bad[0]}")
-        for source in (a.trace(n) if n != "gradref" else None, a.tensors(n)):
-            for k, t in (source or {}).items():
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    return Check("finite", False, f"{n}'s {k} holds NaN or inf")
-    return Check("finite", True, "every compared series is finite")

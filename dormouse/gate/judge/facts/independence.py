@@ -1,13 +1,6 @@
 """Fact 1: the network is a function of each example alone.
 
-The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
-
-window     fact 1, the premise: at every step the batch's gradient equals
-           sum_w t_w g(window w alone) / T and its per-token losses equal
-           each window's alone, within WINDOW_RTOL (else the network depends
-           on which windows share a batch).
-
-A recording of any loop (entry.judge_recording):
+Every recording (dormouse's own fleet's too):
 
 independence  fact 1: at every recorded step the per-example gradients of a
               sample of micro-batches (reference.example_sample), summed
@@ -26,36 +19,11 @@ from __future__ import annotations
 import math
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import ArtifactSet, ReferenceSet
-from dormouse.gate.judge.bounds import INDEP_RTOL, WINDOW_RTOL, arithmetic_rtol
+from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge.bounds import INDEP_RTOL
 from dormouse.gate.judge.facts.precision import arithmetic_bound, bound_words
-from dormouse.gate.judge.facts.series import per_step_tensor, series_names
-from dormouse.gate.judge.metrics import rel, relative
-from dormouse.gate.judge.verdict import Check, TensorCheck
-
-
-def check_window(a: ArtifactSet) -> Check:
-    g = a.tensors("gradref")
-    names = series_names(g, "g/")
-    batch = {n: g[f"b/{n}"] for n in names}
-    window = {n: g[f"g/{n}"] for n in names}
-    rtol = arithmetic_rtol(a.meta("gradref").get("config", {}), WINDOW_RTOL)
-    c = per_step_tensor("window", batch, window, names, lambda n, k: rtol,
-                         what="the batch's gradient against the sum of each window's alone")
-    losses = relative(g["batch_losses"], g["window_losses"])
-    if not c.passed:
-        c.reason = ("the network depends on which windows share a batch (a fleet that splits the batch "
-                    "trains another network): " + c.reason)
-    elif losses > rtol:
-        steps = [k + 1 for k in range(len(g["batch_losses"]))
-                 if relative(g["batch_losses"][k], g["window_losses"][k]) > rtol]
-        c.passed, c.first_step = False, steps[0]
-        c.reason = (f"the network depends on which windows share a batch: per-token losses of the batch "
-                    f"differ from each window's alone by {losses:.2e} (first at step {steps[0]})")
-    else:
-        c.reason += f"; per-token losses within {losses:.1e}"
-    return c
-
+from dormouse.gate.judge.metrics import rel
+from dormouse.gate.judge.verdict import TensorCheck
 
 
 def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:

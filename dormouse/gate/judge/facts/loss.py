@@ -1,13 +1,6 @@
 """The reported loss (a wrong metric is its own finding, not a wrong training).
 
-The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
-
-loss       the logged loss: at every step the fleet's reported loss equals the
-           token-weighted mean of gradref's per-token losses, and every eval
-           loss gradref's over the held-out windows, within LOSS_RTOL ("the
-           logged loss is wrong"), with or without a single process.
-
-A recording of any loop (entry.judge_recording):
+Every recording (dormouse's own fleet's too; its eval losses are gradref's, facts/gradref.py):
 
 loss          the loss the loop reported against the declared objective
               (LOSS_RTOL): reported apart, since a wrong metric is not a wrong
@@ -19,70 +12,15 @@ from __future__ import annotations
 import math
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import ArtifactSet, ReferenceSet
+from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import (
     FLOOR_MULTIPLE,
     LOSS_RTOL,
-    arithmetic_rtol,
     floor_bound,
 )
 from dormouse.gate.judge.facts.gradient import rank_mean_words
 from dormouse.gate.judge.facts.precision import precision_words
-from dormouse.gate.judge.verdict import Check, TensorCheck
-
-
-def check_loss_traced(a: ArtifactSet) -> Check:
-    """The logged loss. At every step the fleet's reported loss must equal the
-    token-weighted mean of gradref's per-token losses at the same parameters,
-    sum_i l_i / T over the step's T tokens (gradref reads the bytes and
-    counts the tokens itself), within LOSS_RTOL; every eval loss it reported
-    must equal gradref's mean over the held-out windows at the fleet's
-    parameters after that step, at the steps the recipe evaluates (a
-    bfloat16 model: within BF16_MODEL_RTOL, its own round-off). Apart from
-    the gradient checks, and whether or not a single process applies: a
-    fleet can train right and log a wrong curve, which misleads as much."""
-    fleet, g, gm = a.meta("rank0"), a.tensors("gradref"), a.meta("gradref")
-    tol = arithmetic_rtol(gm.get("config", {}), LOSS_RTOL)  # a bfloat16 model's own round-off is wider
-    if "window_losses" not in g:
-        return TensorCheck("loss", False, "gradref holds no per-token losses: re-run gradref", first_step=1)
-    ref = g["window_losses"].double().mean(dim=1).tolist()
-    lf = fleet["losses"]
-    if len(ref) != len(lf):
-        return TensorCheck("loss", False, f"the fleet logged {len(lf)} losses, gradref covers {len(ref)} steps: "
-                           "re-run gradref", first_step=1)
-    rel = [abs(f - r) / abs(r) if r else abs(f - r) for f, r in zip(lf, ref)]
-    worst = max(range(len(rel)), key=lambda k: rel[k]) if rel else 0
-    c = TensorCheck("loss", True, "", worst=max(rel, default=0.0), worst_step=worst + 1, bound=tol,
-                    per_step=rel)
-    bad = next((k for k, r in enumerate(rel) if not r <= tol), None)
-    if bad is not None:
-        c.passed, c.first_step = False, bad + 1
-        c.reason = (f"the logged loss is wrong: at step {bad + 1} the fleet reported {lf[bad]:.7f}, the "
-                    f"token-weighted mean of the step's per-token losses is {ref[bad]:.7f} (relative "
-                    f"{rel[bad]:.1e} > {tol:.0e}); its gradients are judged apart")
-        return c
-    c.reason = (f"the logged loss equals the token-weighted mean of gradref's per-token losses within "
-                f"{max(rel, default=0.0):.1e} at every step (<= {tol:.0e})")
-    want, have = gm.get("evals"), fleet.get("evals") or []
-    if want is None:
-        return c
-    if [k for k, _ in have] != [k for k, _ in want]:
-        c.passed, c.first_step = False, (want or have)[0][0]
-        c.reason = (f"the logged eval loss is wrong: the fleet reported eval losses at steps "
-                    f"{[k for k, _ in have]}, the recipe evaluates at steps {[k for k, _ in want]}")
-        return c
-    erel = [abs(x - y) / abs(y) if y else abs(x - y) for (_, x), (_, y) in zip(have, want)]
-    bad = next((i for i, r in enumerate(erel) if not r <= tol), None)
-    if bad is not None:
-        c.passed, c.first_step = False, want[bad][0]
-        c.reason = (f"the logged eval loss is wrong: at step {want[bad][0]} the fleet reported "
-                    f"{have[bad][1]:.7f}, the held-out windows' token mean at its parameters is "
-                    f"{want[bad][1]:.7f} (relative {erel[bad]:.1e} > {tol:.0e})")
-        return c
-    if want:
-        c.reason += f"; eval losses at steps {[k for k, _ in want]} within {max(erel):.1e}"
-    return c
-
+from dormouse.gate.judge.verdict import Check
 
 
 def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Check:

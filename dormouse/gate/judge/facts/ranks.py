@@ -1,10 +1,6 @@
 """Fact: every rank holds the same model.
 
-The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
-
-ranks      every rank's tensors and losses bitwise equal to rank 0's.
-
-A recording of any loop (entry.judge_recording):
+Every recording (dormouse's own fleet's too):
 
 ranks         every rank's parameters equal before every step and after the
               last (sha256); under FSDP2 each shard exists once (said so);
@@ -13,59 +9,11 @@ ranks         every rank's parameters equal before every step and after the
 
 from __future__ import annotations
 
-import math
 
-import torch
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import LEG1, ArtifactSet
-from dormouse.gate.judge.metrics import relative
+
 from dormouse.gate.judge.verdict import Check
-
-
-def check_ranks_traced(a: ArtifactSet) -> Check:
-    legs = a.meta("rank0").get("legs") or [[a.meta("rank0").get("world_size"), None]]
-    bad, worlds = [], []
-    for prefix, (world, _) in zip([LEG1, ""] if len(legs) == 2 else [""], legs):
-        names = a.ranks(prefix)
-        worlds.append(len(names))
-        if len(names) != world:
-            return Check("ranks", False, f"found {len(names)} {prefix}rank artifacts for a world of {world}")
-        bad += _unequal_ranks(a, names)
-    if bad:
-        return Check("ranks", False, "ranks differ: " + "; ".join(bad))
-    sharded = a.meta("rank0")["settings"].get("shard") == "fsdp"
-    note = (" (FSDP2: gathered tensors are equal by construction; this catches buffers gone apart)"
-            if sharded else "")
-    legs_note = f" in each leg (worlds {worlds[0]} then {worlds[1]})" if len(worlds) == 2 else ""
-    if len(worlds) == 1 and len({t for _, t in a.meta("rank0").get("rank_shapes", [])}) > 1:
-        legs_note = " (one launch, no stop and resume: the profile mixes window lengths)"
-    return Check("ranks", True, f"all ranks bitwise equal{legs_note}{note}")
-
-
-
-def unequal_to_first(a: ArtifactSet, names: list[str]) -> dict[str, list[str] | None]:
-    """Per rank artifact after the first: None when its losses and every tensor
-    are bitwise the first's, else the unequal tensors, largest difference first
-    (the tensor that went apart, not those it dragged along; [] when only the
-    losses differ)."""
-    if not names:
-        return {}
-    ref, ref_losses = a.tensors(names[0]), a.meta(names[0])["losses"]
-    out: dict[str, list[str] | None] = {}
-    for n in names[1:]:
-        t = a.tensors(n)
-        unequal = [k for k in ref if k not in t or not torch.equal(ref[k], t[k])]
-        unequal.sort(key=lambda k: -relative(t[k], ref[k]) if k in t else -math.inf)
-        out[n] = unequal if unequal or a.meta(n)["losses"] != ref_losses else None
-    return out
-
-
-
-def _unequal_ranks(a: ArtifactSet, names: list[str]) -> list[str]:
-    return [f"{n} vs {names[0]}: {', '.join(u[:3]) or 'losses'}"
-            for n, u in unequal_to_first(a, names).items() if u is not None]
-
 
 
 def _autocast_words(state: tuple) -> str:

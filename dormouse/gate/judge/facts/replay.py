@@ -1,13 +1,6 @@
 """Fact 4: the same update.
 
-The gate's own fleet (trace format, judged by entry.judge until the fleet's recording replaces it):
-
-replay     fact 4: the fleet's whole run replayed in one process from init,
-           on the fleet's own recorded gradients and gradref's loads, equals
-           the fleet's parameters and routing bias BITWISE at every step, its
-           final tensors, and its optimizer state at the mid-run checkpoint.
-
-A recording of any loop (entry.judge_recording):
+Every recording (dormouse's own fleet's too: its routing bias is a declared buffer_update):
 
 replay        fact 4: the user's optimizer and scheduler replayed in one process
               from the initial state on the recorded gradients give the recorded
@@ -31,58 +24,16 @@ import math
 import torch
 
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import ArtifactSet, ReferenceSet
+from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import (
     FLOOR_MULTIPLE,
     RUN_MIN_RTOL,
-    arithmetic_rtol,
     sketch_detection,
 )
 from dormouse.gate.judge.facts.gradient import _per_tensor, run_tolerance
 from dormouse.gate.judge.facts.precision import arithmetic_bound
-from dormouse.gate.judge.facts.series import bitwise_steps
-from dormouse.gate.judge.metrics import rel, relative
-from dormouse.gate.judge.verdict import Check, ExactCheck
-
-
-def check_replay_traced(a: ArtifactSet) -> Check:
-    fleet, r = a.trace("rank0"), a.tensors("replay")
-    keys = sorted(k for k in r if k.startswith("p/"))
-    if not all(k in fleet for k in keys):
-        return ExactCheck("replay", False, "the fleet's trace lacks per-step tensors")
-    steps = min(len(r[keys[0]]), len(fleet[keys[0]]))
-    c = bitwise_steps("replay", fleet, r, keys, steps,
-                       "the fleet's run replayed in one process on its own gradients (parameters and routing bias)")
-    final = a.tensors("rank0")
-    off = [k for k in final if f"p/{k}" in r and not torch.equal(final[k], r[f"p/{k}"][steps - 1])]
-    if off:
-        c.passed, c.first_step = False, c.first_step or steps
-        c.reason += f"; the fleet's final tensors are not its traced last step: {', '.join(off[:3])}"
-    state = a.meta("replay").get("optimizer_state")
-    if state:
-        if state["unequal"] or state["checkpoint_step"] != state["step"]:
-            c.passed, c.first_step = False, min(c.first_step or state["step"], state["step"])
-            c.reason += (f"; the optimizer state the fleet checkpointed at step {state['checkpoint_step']} is not the "
-                         f"replay's at step {state['step']}: {', '.join(state['unequal'][:3])}")
-        else:
-            c.reason += f"; its optimizer state at the step-{state['step']} checkpoint bitwise ({state['tensors']} tensors)"
-    if "grad_norm" in r:
-        if "grad_norm" not in fleet:
-            c.passed, c.reason = False, "the fleet recorded no gradient norms although it clips"
-        else:
-            off = relative(fleet["grad_norm"], r["grad_norm"])
-            # a bfloat16 model's norm is a bfloat16 number: FSDP2 sums shard norms in another order
-            lim = arithmetic_rtol(a.meta("gradref").get("config", {}) if a.has("gradref") else {})
-            if not off <= lim:
-                scale = r["grad_norm"].double().abs().max()
-                over = ((fleet["grad_norm"].double() - r["grad_norm"].double()).abs() / scale > lim).nonzero()
-                at = int(over[0]) + 1 if len(over) else 1
-                c.passed, c.first_step = False, min(c.first_step or at, at)
-                c.reason += f"; the fleet's clipping norm is off the replay's own by {off:.2e} > {lim:.0e}"
-            else:
-                c.reason += f"; the fleet's clipping norms within {off:.1e} of the replay's own"
-    return c
-
+from dormouse.gate.judge.metrics import rel
+from dormouse.gate.judge.verdict import Check
 
 
 def first_unequal(a: dict, b: dict) -> tuple[str, float] | None:
