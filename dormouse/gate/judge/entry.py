@@ -69,9 +69,14 @@ def judge(out, settings=None) -> Verdict:
             raise DormouseError(f"{out} holds a recording of another loop than dormouse's gate fleet: its settings "
                                 "are its own (recording.json), not a gate's")
         return v
-    checks = _gate_checks(rec, GateReferences(out), want, v.checks)
-    return Verdict(v.out, all(c.passed for c in v.checks + checks), v.checks + checks,
-                   v.references + [n for n in GateReferences(out).present], v.provenance)
+    complete, *checks = _gate_checks(rec, GateReferences(out), want, v.checks)
+    first = v.checks[0]  # one "complete": the recording's, and the gate's references'
+    both = Check("complete", first.passed and complete.passed,
+                 complete.reason if first.passed and not complete.passed else
+                 first.reason if not first.passed else f"{first.reason}; {complete.reason}")
+    every = [both] + v.checks[1:] + checks
+    return Verdict(v.out, all(c.passed for c in every), every, v.references + GateReferences(out).present,
+                   v.provenance)
 
 
 def _gate_checks(rec: A.RecordingSet, refs: GateReferences, settings: dict, before: list[Check]) -> list[Check]:

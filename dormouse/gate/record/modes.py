@@ -25,6 +25,7 @@ gradref - from the fleet's recording, by its OWN arithmetic from the documented
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from contextlib import ExitStack
@@ -472,23 +473,19 @@ def step_windows(corpus: bytes, train_bytes: int, prof: list[tuple[int, int]], s
     return ranks
 
 
-def recorded_windows(fleet: RecordingSet, step: int) -> list[torch.Tensor]:
-    """Every window the fleet's ranks computed at `step`, in rank then forward
-    order: each row of each micro-batch's input, its target's last byte appended."""
-    rows = []
-    for _, _, b in fleet.micro_batches(step):
-        x, y = b["arg0"], b["arg1"]
-        rows.extend(torch.cat([xi, yi[-1:]]) for xi, yi in zip(x, y))
-    return rows
+def window_digest(values: list[int]) -> str:
+    """A window's identity in gradref.json: the sha256 of its T + 1 bytes."""
+    return hashlib.sha256(bytes(values)).hexdigest()
 
 
 def run_gradref(s: GateSettings, log=print) -> dict:
     """The data rule by gradref's own arithmetic, at every step of the fleet's
     recording (reference/gradref.json): the windows each step must hold
     (bytes read from the corpus by the documented rule, each rank's slice in
-    rank order) against every window the fleet's forwards saw, the tokens
-    counted from the targets it built, and under an eval recipe the held-out
-    loss at the fleet's recorded parameters after each eval step."""
+    rank order; each window's sha256, window_digest), which the judge holds
+    every window the fleet's forwards saw to, the tokens counted from the
+    targets it built, and under an eval recipe the held-out loss at the
+    fleet's recorded parameters after each eval step."""
     fleet = RecordingSet(s.out_dir)
     fleet.validate()
     m = mode(s, name=GRADREF, dist=False)
@@ -498,12 +495,10 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     train_bytes = len(corpus) - int(len(corpus) * t.eval_frac)
     rows = []
     for k in fleet.steps:
-        want = [torch.cat([x[0], y[0, -1:]]) for r in step_windows(corpus, train_bytes, prof, k - 1, t.data_order,
-                                                                      s.seed) for x, y in r]
-        have = recorded_windows(fleet, k)
-        unequal = next((i for i, (a, b) in enumerate(zip(have, want)) if not torch.equal(a, b)), None)
-        rows.append({"step": k, "windows": len(want), "recorded": len(have), "first_unequal": unequal,
-                     "tokens": sum(len(w) - 1 for w in want)})
+        windows = [torch.cat([x[0], y[0, -1:]]) for r in step_windows(corpus, train_bytes, prof, k - 1,
+                                                                         t.data_order, s.seed) for x, y in r]
+        rows.append({"step": k, "windows": [window_digest(w.tolist()) for w in windows],
+                     "tokens": sum(len(w) - 1 for w in windows)})
     evals = []
     model = m.model().to(m.device)
     init = fingerprint(m.start_state(model)[0])  # the settings' own initial state, built here

@@ -15,27 +15,40 @@ gradref    at every step, every window the fleet's forwards saw (each rank's
 
 from __future__ import annotations
 
+import hashlib
+
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.bounds import LOSS_RTOL, arithmetic_rtol
 from dormouse.gate.judge.verdict import Check, TensorCheck
 
 
+def recorded_windows(rec: A.RecordingSet, step: int) -> list[str]:
+    """The sha256 of every window the fleet's ranks computed at `step`, in
+    rank then forward order: a row of a micro-batch's input (its forward's
+    first argument) with its target's last byte (the second's) appended."""
+    out = []
+    for _, _, b in rec.micro_batches(step):
+        for x, y in zip(b["arg0"], b["arg1"]):
+            out.append(hashlib.sha256(bytes(x.tolist() + y[-1:].tolist())).hexdigest())
+    return out
+
+
 def check_gradref(rec: A.RecordingSet, g: dict) -> Check:
     rows = {r["step"]: r for r in g.get("steps", [])}
     if g.get("run") != rec.run or sorted(rows) != rec.steps:
-        return TensorCheck("gradref", False, f"gradref covers steps {sorted(rows)[:1]}..{sorted(rows)[-1:]} of another "
-                     "recording than the fleet's: re-run gradref", first_step=1)
+        return TensorCheck("gradref", False, "gradref was made from another recording than the fleet's: re-run "
+                           "gradref", first_step=1)
     for k in rec.steps:
-        r = rows[k]
-        if r["recorded"] != r["windows"] or r["first_unequal"] is not None:
-            where = (f"window {r['first_unequal']} (0-based, in rank order) holds other bytes"
-                     if r["first_unequal"] is not None else
-                     f"the fleet computed {r['recorded']} windows where the rule reads {r['windows']}")
+        want, have = rows[k]["windows"], recorded_windows(rec, k)
+        if have != want:
+            bad = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), None)
+            where = (f"window {bad} (0-based, in rank order) holds other bytes" if bad is not None else
+                     f"the fleet computed {len(have)} windows where the rule reads {len(want)}")
             return TensorCheck("gradref", False, f"the fleet read other bytes than the data rule gives at step {k}: "
-                         f"{where} (a wrong span, window or rank slice)", first_step=k)
-    c = TensorCheck("gradref", True, f"every window of every step ({sum(r['windows'] for r in rows.values())} in all, "
-              f"{rows[rec.steps[0]]['tokens']} tokens a step) holds the bytes the data rule gives, read by "
-              "gradref's own arithmetic")
+                               f"{where} (a wrong span, window or rank slice)", first_step=k)
+    c = TensorCheck("gradref", True, f"every window of every step ({sum(len(r['windows']) for r in rows.values())} "
+                    f"in all, {rows[rec.steps[0]]['tokens']} tokens a step) holds the bytes the data rule gives, "
+                    "read by gradref's own arithmetic")
     return _evals(c, rec, g)
 
 
