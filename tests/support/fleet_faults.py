@@ -74,6 +74,7 @@ import sys
 import torch
 
 import dormouse.gate.record.modes as modes
+from dormouse.gate.record.dormouse_loop import install_build_hook
 from dormouse.train.hooks import Hooks, install
 
 
@@ -189,6 +190,7 @@ def capacity_moe() -> None:
                 m.capacity = 0.5
 
     modes.install_model_hook(capped)
+    install_build_hook(lambda model: capped(None, model))  # the recording's reference rebuilds the same network
 
 
 def batch_stats() -> None:
@@ -200,6 +202,7 @@ def batch_stats() -> None:
                 m.router.register_forward_hook(lambda mod, inp, out: out - out.mean(dim=0, keepdim=True))
 
     modes.install_model_hook(centred)
+    install_build_hook(lambda model: centred(None, model))  # the recording's reference rebuilds the same network
 
 
 def one_ulp() -> None:
@@ -479,12 +482,14 @@ FAULTS.update({f.__name__: f for f in (hash_order,)})
 
 
 def seams() -> list[list]:
-    """Every list a fault may add to: the loop's installed hooks and the gate
-    modes' run hooks, model hooks and run scopes. A fault acts only through
-    these (tests/gate/record/test_fault_seams.py holds every fault to it)."""
+    """Every list a fault may add to: the loop's installed hooks, the gate
+    modes' run hooks, model hooks and run scopes, and the recording's rebuild
+    hooks. A fault acts only through these (tests/gate/record/test_fault_seams.py
+    holds every fault to it)."""
+    import dormouse.gate.record.dormouse_loop as dormouse_loop
     import dormouse.train.hooks as hooks
 
-    return [hooks._INSTALLED, modes._RUN_HOOKS, modes._MODEL_HOOKS, modes._RUN_SCOPES]
+    return [hooks._INSTALLED, modes._RUN_HOOKS, modes._MODEL_HOOKS, modes._RUN_SCOPES, dormouse_loop._BUILD_HOOKS]
 
 
 class scoped:
@@ -527,7 +532,7 @@ if __name__ == "__main__":
         FAULTS[os.environ["DORMOUSE_TEST_FAULT"]]()
     from dormouse.gate.__main__ import main
 
-    if "," in sys.argv[1]:  # several in-process modes one after another ("single,gradref,replay"): one start-up
+    if "," in sys.argv[1]:  # several in-process modes one after another ("single,gradref,reference"): one start-up
         for mode in sys.argv[1].split(","):
             if main([mode, *sys.argv[2:]]):
                 sys.exit(f"{mode} failed")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from dormouse.gate.record import modes
+from dormouse.gate.record.reference import make_reference
 from dormouse.gate.judge.entry import judge
 from dormouse.gate.judge.verdict import Verdict
 from dormouse.gate.record.launcher import launch_plan
@@ -50,9 +51,10 @@ def faulty_fleets(runs: list[tuple[GateSettings, str | None]], *, fork_ranks: bo
 
 def references(s: GateSettings, fault: str | None = None, *, single: bool = True) -> None:
     """single (when the profile has one global batch), then gradref and the
-    replay of the fleet already in s.out; with a fault, each in a process of
-    its own with the fault injected (for faults in the network itself)."""
-    names = (["single"] if single and s.plan.global_batch is not None else []) + ["gradref", "replay"]
+    recording's one-process reference of the fleet already in s.out; with a
+    fault, all in a process of their own with the fault injected (for faults
+    in the network itself)."""
+    names = (["single"] if single and s.plan.global_batch is not None else []) + ["gradref", "reference"]
     if fault:  # all of them in one process of their own (one start-up), the fault injected
         env = {**os.environ, "DORMOUSE_TEST_FAULT": fault, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, FAULTS, ",".join(names), *s.to_argv()], env=env, capture_output=True,
@@ -60,7 +62,10 @@ def references(s: GateSettings, fault: str | None = None, *, single: bool = True
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         return
     for mode in names:
-        modes.MODES[mode](s, log=QUIET)
+        if mode == "reference":
+            make_reference(s.out_dir, log=QUIET)
+        else:
+            modes.MODES[mode](s, log=QUIET)
 
 
 def judged(s: GateSettings, fault: str | None = None) -> Verdict:

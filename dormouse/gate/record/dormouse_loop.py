@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,14 +102,35 @@ def _run(run) -> RunConfig:
     return run if isinstance(run, RunConfig) else RunConfig.from_dict(run)
 
 
+_BUILD_HOOKS: list = []
+
+
+def install_build_hook(hook: Callable[[torch.nn.Module], None]) -> Callable[[], None]:
+    """Add `hook` to every model build_model rebuilds in this process (the
+    recording's one-process reference): hook(model) right after its seeded
+    build. The seam for a change to the network itself that the reference
+    must see as the fleet does (a test's planted batch statistic, beside
+    modes.install_model_hook); nothing here installs one. Returns the
+    function that removes it."""
+    _BUILD_HOOKS.append(hook)
+    return lambda: _BUILD_HOOKS.remove(hook)
+
+
+def _built(run: RunConfig) -> torch.nn.Module:
+    model = loop.build_model(run)
+    for hook in _BUILD_HOOKS:
+        hook(model)
+    return model
+
+
 def build_model(run: dict, checkpoint: str | None = None, **_) -> torch.nn.Module:
     """The run's initial model in a fresh process (loop.build_model), or the
     checkpoint's weights it continued from."""
     if checkpoint is None:
-        return loop.build_model(_run(run))
+        return _built(_run(run))
     from dormouse.train.checkpoint import load_model_weights
 
-    return load_model_weights(Path(checkpoint), build=lambda r: loop.build_model(_run(run)))[0]
+    return load_model_weights(Path(checkpoint), build=lambda r: _built(_run(run)))[0]
 
 
 class MixAsTorch(torch.optim.Optimizer):

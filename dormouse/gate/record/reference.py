@@ -540,8 +540,8 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
            "micro_mean": {n: v / max(len(micro_means), 1) for n, v in acc["micro_mean"].items()},
            "rank_mean": {}}
     world = len(rank_acc)
-    if rec.meta.get("wire") == "bf16":  # sum_r |g_r| / T: what the bf16 wire rounds, element by element
-        out["wa"] = {}
+    if not rec.sketch:  # sum_r |g_r| / T: what the bf16 wire rounds, element by element; where it is zero
+        out["wa"] = {}  # no rank has gradient to reduce (facts/gradient.py's made-up gradient)
         for d in rank_acc.values():
             for n, v in d.items():
                 out["wa"][n] = out["wa"].get(n, 0) + v.abs() / n_total

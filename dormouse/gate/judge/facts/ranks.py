@@ -9,10 +9,12 @@ ranks         every rank's parameters equal before every step and after the
 
 from __future__ import annotations
 
+import math
 
+import torch
 
 from dormouse.gate import artifacts as A
-
+from dormouse.gate.judge.metrics import relative
 from dormouse.gate.judge.verdict import Check
 
 
@@ -91,6 +93,18 @@ def _call_split(rec: A.RecordingSet) -> str | None:
 
 
 
+def _which(rec: A.RecordingSet, k: int, r: int) -> str:
+    """The tensors rank r holds apart from rank 0's before step k, the one that
+    differs most first (the tensor that went apart, not those it dragged
+    along); "" under sketches (each rank's own projection is not compared)."""
+    if rec.sketch:
+        return ""
+    mine, theirs = rec.step_tensors(0, k), rec.step_tensors(r, k)
+    keys = [n for n in mine if n.startswith(("p/", "b/")) and (n not in theirs or not torch.equal(mine[n], theirs[n]))]
+    keys.sort(key=lambda n: -relative(theirs[n], mine[n]) if n in theirs else -math.inf)
+    return f": {', '.join(n[2:] for n in keys[:3])}" + (", ..." if len(keys) > 3 else "") if keys else ""
+
+
 def check_ranks(rec: A.RecordingSet) -> Check:
     split = _precision_split(rec) or _mode_split(rec) or _call_split(rec)
     if split:
@@ -106,7 +120,7 @@ def check_ranks(rec: A.RecordingSet) -> Check:
         bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
         if bad:
             return Check("ranks", False, f"rank {bad[0]}'s parameters or persistent buffers differ from rank 0's "
-                                         f"before step {k}")
+                                         f"before step {k}" + _which(rec, k, bad[0]))
     w = rec.world_at(rec.steps[-1])
     finals = [A.read_json(A.final_meta_path(rec.out, r), "final").get("param_hash") for r in range(w)]
     if any(h != finals[0] for h in finals):
