@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dormouse.config import ModelConfig
+from dormouse.gate.artifacts import RecordingSet
 from dormouse.errors import PEER_LOST, DormouseError, FleetError
 from dormouse.gate.record.fixtures import make_run
 from dormouse.gate.record.launcher import failure_summary, launch_fleet, torchrun, torchrun_command
@@ -150,8 +151,11 @@ def test_a_killed_rank_fails_the_fleet_fast_naming_it_and_leaves_no_torn_files(t
     # reduce saw the peer's socket close first, it says that, not that it crashed
     assert not [line for line in lines if "SignalException" in line or "rank 0: dormouse gate: the run crashed" in line
                 or ("rank 0" in line and PEER_LOST not in line and "error: " in line)], lines
-    # No rank artifact (they are written only at the end), no temporary files.
-    assert not list(tmp_path.glob("rank*"))
+    # The recording is not closed (nothing says it complete: the judge refuses it in one line), and
+    # no temporary file is left.
+    assert json.loads((tmp_path / "recording.json").read_text())["closed"] is False
+    with pytest.raises(DormouseError, match="no finished segment: the loop must call rec.close"):
+        RecordingSet(tmp_path)
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
     # The checkpoint is whole: the one from step 2 (rank 1 died after step 3,
     # so the fleet never finished writing step 4's, and atomically so).

@@ -6,7 +6,7 @@ fleet_faults.py that once PASSED the gate or was excused by it:
   its curve is not — the verdict says "the logged loss is wrong";
 - a fleet whose eval reports a constant: eval losses are judged too;
 - rank 1 computing one step on the previous step's weights, and an FSDP2
-  shard keeping last step's gradient: gradref fails at that step, and the
+  shard keeping last step's gradient: the gradient fails at that step, and the
   curve's summary names that check and step instead of blaming round-off
   amplified by a routing flip.
 """
@@ -48,7 +48,8 @@ def test_a_fleet_logging_the_plain_mean_of_its_ranks_losses_fails_as_a_wrong_log
     v = gate(wrong, "mean_of_ranks_loss")
     loss = v.check("loss")
     assert not v.passed and not loss.passed, _failed(v)
-    assert loss.reason.startswith("the logged loss is wrong: at step 1") and loss.worst > 1e-4
+    assert loss.first_step == 1 and loss.worst > 1e-4 and "it is the mean of the ranks' own token means" in loss.reason
+    assert loss.reason.endswith("the logged loss is wrong, not the training")
     assert v.check("curve") is None  # no single process holds this batch
     # the gradients are right: every other check passes
     assert [c.name for c in v.checks if not c.passed] == ["loss"]
@@ -56,13 +57,13 @@ def test_a_fleet_logging_the_plain_mean_of_its_ranks_losses_fails_as_a_wrong_log
 
 def test_an_eval_that_reports_a_constant_fails_as_a_wrong_logged_eval_loss(wrong):
     v = gate(wrong, "eval_wrong")
-    loss = v.check("loss")
-    assert not v.passed and not loss.passed
-    assert loss.reason.startswith("the logged eval loss is wrong: at step 5"), loss.reason
-    assert [c.name for c in v.checks if not c.passed] == ["loss"]
+    g = v.check("gradref")  # gradref computes the held-out loss at the fleet's recorded parameters
+    assert not v.passed and not g.passed
+    assert g.reason.startswith("the logged eval loss is wrong: at step 5"), g.reason
+    assert [c.name for c in v.checks if not c.passed] == ["gradref"]
 
 
-def _blames_the_first_failing_check(v, name: str = "gradref"):
+def _blames_the_first_failing_check(v, name: str = "gradient"):
     check, curve = v.check(name), v.check("curve")
     assert not v.passed and not check.passed and check.first_step == STALE_STEP, _failed(v)
     assert not curve.passed, curve.reason  # the fault moves the curve too ...

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import subprocess
@@ -16,9 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+
 
 from dormouse.errors import ConfigError, DormouseError
+from dormouse.gate.artifacts import FLOOR, SINGLE, GateReferences, RecordingSet, gate_reference_dir
 from dormouse.gate.__main__ import parser
 from dormouse.gate.settings import (_NOT_FLAGS, FIELDS, VALIDATED_FLAG, GateSettings, ParameterError, add_arguments,
                                     by_hand, check, from_args)
@@ -231,7 +231,7 @@ CLI_BAD = {
     "world_3_with_a_2_rank_profile_by_its_old_name": (["single", "--world", "3", "--capacity", "4,2"], "profile"),
     "micro_batch_3": (["gradref", "--micro-batch", "3", "--profile", "4,2"], "micro_batch"),
     "steps_not_a_number": (["single", "--steps", "abc"], "--steps"),
-    "reduce_unknown": (["replay", "--reduce", "fp16"], "reduce"),
+    "reduce_unknown": (["reference", "--reduce", "fp16"], "reduce"),
     "rank_outside_torchrun_with_bad_lr": (["rank", "--lr", "inf"], "lr"),
 }
 UNWRITABLE = {"single_unwritable_out": "single", "gradref_unwritable_out": "gradref"}
@@ -312,15 +312,15 @@ def test_single_runs_at_the_fleets_global_batch(tmp_path):
     for k, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-2000:]
-        meta = json.loads((tmp_path / k / "single.json").read_text())
+        meta = GateReferences(tmp_path / k).meta(FLOOR)
         assert meta["global_batch"] == runs[k][1], (k, meta["global_batch"])
         assert meta["settings"]["profile"] == ("4,2" if k == "4,2" else "")
-        assert len(meta["losses"]) == 1 and math.isfinite(meta["losses"][0])
+        single = RecordingSet(gate_reference_dir(tmp_path / k, SINGLE))
+        assert len(single.losses()) == 1 and math.isfinite(single.losses()[0])
         # the single process's tokens: one row per window of the global batch
-        trace = load_file(str(tmp_path / k / "single_trace.safetensors"))
-        assert trace["topk"].shape[1] == runs[k][1]
+        assert single.step_extra(0, 1, "topk").shape[0] == runs[k][1]
         # its floor: one-ulp nudges of the same run only, never a run that splits the batch
-        assert meta["floor"] and all(name.startswith("ulp") for name in meta["floor"]), list(meta["floor"])
+        assert meta["runs"] and all(name.startswith("ulp") for name in meta["runs"]), list(meta["runs"])
 
 
 def test_capacity_is_the_old_name_of_profile_for_notebooks_and_plan_files(tmp_path):
@@ -361,7 +361,7 @@ def test_the_references_by_hand_take_the_fleets_recorded_settings(tmp_path):
     fleet = by_hand("rank", {"out": str(tmp_path / "g"), "batch": 2, "steps": 3, "lr": 0.01}, world_size=2)
     recorded = fleet.record()
     assert by_hand("gradref", {"out": fleet.out}, recorded=recorded) == fleet
-    assert by_hand("replay", {"out": fleet.out, "steps": 2}, recorded=recorded).steps == 2  # a flag given wins
+    assert by_hand("reference", {"out": fleet.out, "steps": 2}, recorded=recorded).steps == 2  # a flag given wins
 
 
 def test_a_profile_that_mixes_window_lengths_runs_in_one_launch_by_default(tmp_path):
@@ -375,8 +375,3 @@ def test_a_profile_that_mixes_window_lengths_runs_in_one_launch_by_default(tmp_p
         from_args(argparse.Namespace(out=str(tmp_path / "o"), profile="5x16,1x64", resume_world=1),
                   {"profile", "resume_world"})
     assert check(out=str(tmp_path / "o"), profile="4,2").resume_world == 1  # one length: the richer default stays
-
-
-def test_a_recording_under_the_bf16_wire_is_allowed(tmp_path):
-    """The recording declares the wire (Recorder(wire="bf16")) and is judged by its bound."""
-    assert GateSettings(out=str(tmp_path), recording=1, reduce="bf16").validate().recording == 1

@@ -20,11 +20,11 @@ from dormouse.gate.judge.bounds import (
 )
 from dormouse.gate.judge.facts.gradient import rank_mean_words
 from dormouse.gate.judge.facts.precision import precision_words
-from dormouse.gate.judge.verdict import Check
+from dormouse.gate.judge.verdict import Check, TensorCheck
 
 
 def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Check:
-    worst, at, alt_hits = 0.0, None, None
+    worst, at, alt_hits, first = 0.0, None, None, None
     reported_any, over, floor = False, False, 0.0
     # reduced precision: the loss as a loop computing it in the forward's dtype gives it (measured per step)
     lowp = max((f for k in rec.steps if (f := ref.info(k).get("loss_floor")) is not None), default=None)
@@ -44,7 +44,7 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
         if x > worst:
             worst, at = x, k
         if x > tol:
-            over = True
+            over, first = True, first or k
             hits = {a for a, v in (("micro_mean", info["loss_alt"]["micro_mean"]),
                                    ("rank_mean", info["loss_alt"]["rank_mean"]),
                                    ("rank_local", (info["loss_alt"]["rank_local"] or [None])[0]))
@@ -58,8 +58,9 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
         if lowp is not None and FLOOR_MULTIPLE * lowp > max(LOSS_RTOL, FLOOR_MULTIPLE * floor):
             said += (f" = {FLOOR_MULTIPLE:g} x the {precision_words(rec, ref)} loss floor {lowp:.2g}, the loss "
                      "from logits left in the forward's dtype against it, at the largest; each step its own")
-        return Check("loss", True, f"the logged loss equals the declared objective over the global batch at every "
-                                   f"step (worst {worst:.2g}, {said})")
+        return TensorCheck("loss", True, f"the logged loss equals the declared objective over the global batch at "
+                                         f"every step (worst {worst:.2g}, {said})", worst=worst, worst_step=at,
+                           bound=tol)
     desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": rank_mean_words(rec),
             "rank_local": "rank 0's own token mean"}
     named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)
@@ -72,4 +73,4 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
                   ) + ": not compared (see finite)"
     reason += ("; the training itself matches one process (gradient and replay pass): the logged loss is wrong, "
                "not the training" if training_ok else "")
-    return Check("loss", False, reason)
+    return TensorCheck("loss", False, reason, worst=worst, worst_step=at, first_step=first)
