@@ -37,7 +37,7 @@ def test_the_device_check_dry_run_measures_both_dtypes_passes_both_gates_and_own
     assert all(r["model_tflops"] * 1e12 * r["step_s"] == pytest.approx(flops) for r in res["throughput"].values())
     micro, exact = res["gates"]["gate_micro"], res["gates"]["gate_exact"]
     assert micro["passed"] and exact["passed"] and micro["steps"] == exact["steps"] == GATE_STEPS
-    assert {c["name"] for c in micro["checks"]} >= {"gradref", "replay", "curve", "window"}
+    assert {c["name"] for c in micro["checks"]} >= {"gradref", "gradient", "replay", "curve", "independence"}
     assert [c["reason"] for c in exact["checks"] if c["name"] == "exact"][0].endswith(f"bitwise equal at all {GATE_STEPS} steps")
     text = page.read_text()
     assert text.startswith("# Benchmarks\n\nthe CPU bench's table\n") and SECTION in text and f"gate_exact: PASS ({GATE_STEPS} steps, " in text

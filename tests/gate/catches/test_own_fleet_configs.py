@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from dormouse.config import RunConfig, TrainConfig, preset
-from dormouse.gate.artifacts import load_meta
+from dormouse.gate.artifacts import GRADREF, GateReferences, RecordingSet
 from dormouse.gate.judge.entry import judge
 from dormouse.gate.settings import GateSettings
 from gatekit import fleets, references
@@ -43,6 +43,11 @@ def runs(tmp_path_factory):
     return plan
 
 
+def run_of(s) -> dict:
+    """The RunConfig the fleet recorded (what its recording's reference rebuilds)."""
+    return RecordingSet(s.out_dir).meta["build_kwargs"]["run"]
+
+
 def verdict(runs, name):
     v = judge(runs[name].out_dir)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
@@ -51,19 +56,19 @@ def verdict(runs, name):
 
 def test_the_small_preset_passes_the_gate(runs):
     verdict(runs, "small")
-    assert load_meta(runs["small"].out_dir, "rank0")["config"]["model"]["d_model"] == 256
+    assert run_of(runs["small"])["model"]["d_model"] == 256
 
 
 def test_a_runconfig_file_with_engram_off_and_three_iterations_passes_the_gate(runs):
     verdict(runs, "file")
-    model = load_meta(runs["file"].out_dir, "rank0")["config"]["model"]
+    model = run_of(runs["file"])["model"]
     assert model["engram_rows"] == 0 and model["max_iter"] == 3
-    assert load_meta(runs["file"].out_dir, "gradref")["profile"] == [[3, 32], [1, 32]]  # the file's window
+    assert GateReferences(runs["file"].out_dir).meta(GRADREF)["profile"] == [[3, 32], [1, 32]]  # the file's window
 
 
 def test_the_users_corpus_is_read_in_place(runs):
     verdict(runs, "data")
-    assert load_meta(runs["data"].out_dir, "rank0")["config"]["train"]["data"] == runs["data"].data
+    assert run_of(runs["data"])["train"]["data"] == runs["data"].data
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dormouse.gate.record import modes
-from dormouse.gate.artifacts import ArtifactSet
+from dormouse.gate.artifacts import EXACT, GateReferences, RecordingSet
 from dormouse.gate.judge.entry import judge
 from dormouse.gate.judge.facts.exact import check_exact
 from dormouse.gate.settings import GateSettings, ParameterError
@@ -42,6 +42,11 @@ def runs(tmp_path_factory):
     return plan, even, (whole, ulp)
 
 
+def exact_check(s: GateSettings):
+    """The exact fact alone: the fleet's recording against the exact reference's."""
+    return check_exact(RecordingSet(s.out_dir), GateReferences(s.out_dir).recording(EXACT))
+
+
 @pytest.fixture(scope="module")
 def exact_runs(runs):
     return runs[0]
@@ -50,11 +55,11 @@ def exact_runs(runs):
 @pytest.mark.parametrize("world", list(PROFILES))
 def test_an_exact_fleet_is_bitwise_the_exact_reference_at_every_step(exact_runs, world):
     s = exact_runs[world]
-    c = check_exact(ArtifactSet(s.out_dir))
+    c = exact_check(s)
     assert c.passed, c.reason
     assert c.steps_equal == [True] * 8 and "bitwise equal at all 8 steps" in c.reason
-    a = ArtifactSet(s.out_dir)
-    assert a.meta("rank0")["resumed_at"] == 4 and a.meta("rank0")["world_size"] == 1  # stopped, resumed alone
+    rec = RecordingSet(s.out_dir)
+    assert rec.resumed_at() == [5] and rec.world_at(8) == 1  # stopped after step 4, resumed alone
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +68,7 @@ def one_launch(runs):
 
 
 def test_one_ulp_in_one_tensor_of_one_rank_at_one_step_fails_the_exact_check(one_launch):
-    c = check_exact(ArtifactSet(one_launch[1].out_dir))
+    c = exact_check(one_launch[1])
     assert not c.passed
     assert c.first_step == 3 and c.first_tensor == "g/head.weight" and c.ulps >= 1
     assert c.steps_equal[:2] == [True, True] and not c.steps_equal[2]
@@ -90,8 +95,9 @@ def test_the_exact_gate_passes_the_fleets_it_builds_without_a_micro_batch(even_r
     v = judge(s.out_dir)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     assert "bitwise equal at all 6 steps" in v.check("exact").reason
-    trace = ArtifactSet(s.out_dir).trace("rank0")
-    assert (trace["grad_norm"] > 0.05).all()  # the clip bound at every step: the norm's order mattered
+    rec = RecordingSet(s.out_dir)
+    assert all(rec.step_meta(0, k)["grad_norm"] > 0.05 for k in rec.steps)  # the clip bound at every step: the
+    # norm's order mattered
 
 
 def test_exact_under_fsdp_with_several_slices_per_rank_is_refused_in_one_line(tmp_path):

@@ -100,5 +100,5 @@ def test_a_fault_only_separate_interpreters_show_fails_the_default_gate_and_pass
     faulty_fleets([(fresh, "hash_order")], fork_ranks=False, cold=True)  # not the suite's warm interpreters
     faulty_fleets([(forked, "hash_order")], fork_ranks=True)
     v = judged(fresh)
-    assert not v.passed and not v.check("gradref").passed and not v.check("ranks").passed
+    assert not v.passed and not v.check("gradient").passed and not v.check("ranks").passed
     assert judged(forked).passed  # the limit of forked ranks
