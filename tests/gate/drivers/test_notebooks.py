@@ -32,20 +32,19 @@ from dormouse.errors import DormouseError, FleetError
 from dormouse.gate import pipeline, settings
 from dormouse.gate.record import produce
 from dormouse.gate.show import plots
-from dormouse.gate.artifacts import ArtifactSet, load_meta, load_tensors, save_artifact
-from dormouse.gate.judge.facts.ranks import check_ranks_traced
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import FLOOR, GRADREF, SINGLE, GateReferences, RecordingSet
+from dormouse.gate.judge.facts.ranks import check_ranks
 from dormouse.gate.judge.verdict import CurveCheck, Verdict
 from dormouse.gate.settings import GateSettings, ParameterError
-from dormouse.gate.artifacts import load_trace
 from gatekit import copy_of
 
 NB = pipeline.NOTEBOOK_DIR
 REPO = settings.REPO_ROOT
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DEFAULTS = {f.name: f.default for f in fields(GateSettings)}
-SETS = ("single", "fleet", "gradref", "replay")
-NOT_IN = {"01": {"shard", "bucket_mb", "timeout_s", "produce", "recording"}, "02": {"produce", "recording"},
-          "03": {"recording"}, "04": {"recording"}}  # parameters a notebook lacks (recording: the fleet's CLI)
+SETS = produce.SETS
+NOT_IN = {"01": {"shard", "bucket_mb", "timeout_s", "produce"}, "02": {"produce"}}  # parameters a notebook lacks
 # a notebook's parameters that are no gate setting: 04's recording_dir (a Recorder's directory, judged instead)
 NOTEBOOK_ONLY = {"04": {"recording_dir"}}
 
@@ -82,7 +81,12 @@ def all_text(path: Path) -> str:
 
 
 def mtimes(out: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.suffix in (".json", ".safetensors")}
+    """When each part of a gate run was completed: the file that says so (its JSON), by a short name."""
+    single, exact = A.gate_reference_dir(out, SINGLE), A.gate_reference_dir(out, "exact")
+    files = {"fleet": A.recording_path(out), "single": A.recording_path(single), "exact": A.recording_path(exact),
+             "floor": A.gate_reference_path(out, FLOOR), "gradref": A.gate_reference_path(out, GRADREF),
+             "reference": A.reference_meta_path(out), "verdict": out / "verdict.json"}
+    return {k: p.stat().st_mtime_ns for k, p in files.items() if p.exists()}
 
 
 # --------------------------------------------------------------------------- clean notebooks
@@ -279,10 +283,10 @@ def test_lock_serialises_producers_and_force_reuses_what_was_made_while_waiting(
     assert results == {"first": "produced", "second": "reused"}, logs
     assert any("single: producing" in line for line in logs["first"])
     assert not any("producing" in line for line in logs["second"])
-    made = (tmp_path / "single.json").stat().st_mtime_ns
+    made = mtimes(tmp_path)["floor"]
     # Forced later (nobody else writing): it is made again.
     assert produce.run_single(s, force=True, log=lambda _: None) == "produced"
-    assert (tmp_path / "single.json").stat().st_mtime_ns > made
+    assert mtimes(tmp_path)["floor"] > made
     # Made with other settings and produce=False: refused in one sentence naming `produce`.
     other = settings.check(out=str(tmp_path), steps=3, produce=False)
     with pytest.raises(produce.MissingArtifactError,
@@ -359,48 +363,41 @@ def test_pipeline_runs_all_four_in_order_from_elsewhere(gate_run):
     assert list(cwd.iterdir()) == []  # nothing written in the working directory
     assert sorted(p.name for p in (out / "notebooks").iterdir()) == sorted(pipeline.NOTEBOOKS)
     # single and the fleet side by side (produce.ensure_all: either may finish first), then gradref,
-    # the replay and the verdict, each made once
+    # the recording's reference and the verdict, each made once
     t = mtimes(out)
-    assert max(t["single.json"], t["rank0.json"]) < t["gradref.json"] < t["replay.json"] < t["verdict.json"]
-    # the default fleet: two ranks for steps 1-10 (leg1_rank*), then one rank resumes (rank0)
-    assert sorted(p.stem for p in out.glob("*rank*.json")) == ["leg1_rank0", "leg1_rank1", "rank0"]
+    assert max(t["single"], t["floor"], t["fleet"]) < t["gradref"] < t["reference"] < t["verdict"]
+    # the default fleet: two ranks for steps 1-10, then one rank resumes: one recording, two segments
+    rec = RecordingSet(out)
+    assert [(seg["start"], seg["end"], seg["world"]) for seg in rec.meta["segments"]] == [(1, 10, 2), (11, 20, 1)]
+    assert rec.extra["settings"]["world"] == 2 and len(rec.losses()) == 20
     v = json.loads((out / "verdict.json").read_text())
-    assert v["pass"] and v["references"] == ["single", "init", "gradref", "replay"]
-    assert list(v["checks"]) == ["complete", "provenance", "config", "finite", "ranks", "window", "gradref", "loss",
-                                 "replay", "curve"]
+    assert v["pass"] and v["references"] == ["one-process reference", "single", "floor", "gradref"]
+    assert list(v["checks"])[:2] == ["complete", "intact"]
+    assert list(v["checks"])[-4:] == ["provenance", "config", "gradref", "curve"]
+    assert {"independence", "gradient", "replay", "buffers", "data", "loss", "ranks", "clip"} <= set(v["checks"])
     assert all(c["pass"] for c in v["checks"].values())
     curve = v["checks"]["curve"]
     assert curve["kind"] == "CurveCheck" and len(curve["tolerance"]) == len(curve["per_step"]) == 20
-    assert v["checks"]["replay"]["steps_equal"] == [True] * 20
+    assert "bitwise at all 20 steps, across 1 resume(s)" in v["checks"]["replay"]["reason"]
     assert v["settings"] == GateSettings(out=str(out)).validate().record()
-    # artifacts record what made them: each leg's real world, every reference all 20 steps
-    assert load_meta(out, "leg1_rank1")["world_size"] == 2 and len(load_meta(out, "leg1_rank1")["losses"]) == 10
-    rank0 = load_meta(out, "rank0")
-    assert rank0["world_size"] == 1 and rank0["settings"]["world"] == 2 and rank0["resumed_at"] == 10
-    assert len(rank0["losses"]) == 20
-    assert load_meta(out, "gradref")["steps"] == load_meta(out, "replay")["steps"] == 20
-    for png in ("single_loss", "fleet_loss", "loss_curves", "loss_delta", "param_divergence", "references"):
+    assert len(GateReferences(out).meta(GRADREF)["steps"]) == 20
+    for png in ("single_loss", "fleet_loss", "loss_curves", "loss_delta", "param_divergence", "recording_gradient"):
         assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     # 04 found everything 01-03 made and produced nothing itself
     text = all_text(out / "notebooks" / "04_compare_plots.ipynb")
     assert "producing" not in text and text.count(": using ") == 4, text
     assert curve["summary"] in text
     # 03 judged the references it made: its table says the replay's word
-    assert "bitwise equal at all 20 steps" in all_text(out / "notebooks" / "03_gradref.ipynb")
+    assert "bitwise at all 20 steps" in all_text(out / "notebooks" / "03_gradref.ipynb")
 
 
 def test_plots_draw_every_figure_from_the_verdicts_json(gate_run):
     _, _, out = gate_run
     v = json.loads((out / "verdict.json").read_text())
     figs = plots.figures(v)
-    assert {"loss_curves", "loss_delta", "param_divergence", "references"} <= set(figs)
+    assert {"loss_curves", "loss_delta", "param_divergence", "references"} <= set(figs)  # references: per-step checks
     assert "[ok]" in figs["loss_delta"].axes[0].get_title()
     assert "no tensor leaves its measured floor" in _text(figs["param_divergence"])
-
-
-def fleet_ranks(out: Path, prefix: str = "") -> list[dict]:
-    """The metadata of one launch's ranks (prefix "leg1_": the first leg of a fleet that stopped and resumed)."""
-    return [load_meta(out, n) for n in ArtifactSet(out).ranks(prefix)]
 
 
 def test_papermill_fleet_notebook_alone_with_only_a_world_runs_the_batch_on_every_rank(tmp_path):
@@ -414,15 +411,13 @@ def test_papermill_fleet_notebook_alone_with_only_a_world_runs_the_batch_on_ever
                         "-p", "resume_world", "0"],  # one launch at world 3
                        cwd=REPO, capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    metas = fleet_ranks(out)  # the launch at world 3
-    assert [m["world_size"] for m in metas] == [3, 3, 3]
-    assert [m["settings"]["profile"] for m in metas] == ["", "", ""]
-    assert metas[0]["rank_shapes"] == [[2, 64]] * 3
+    rec = RecordingSet(out)  # the launch at world 3
+    assert [seg["world"] for seg in rec.meta["segments"]] == [3] and rec.extra["settings"]["profile"] == ""
+    assert [b["arg0"].shape for _, _, b in rec.micro_batches(1)] == [(2, 64)] * 3
     text = all_text(tmp_path / "out.ipynb")
     assert "[rank2] step=" in text  # rank output streamed into the cell
-    assert check_ranks_traced(ArtifactSet(out)).reason in text  # the ranks table says the judge's word
-    assert check_ranks_traced(ArtifactSet(out)).passed
-    assert not (out / "single.json").exists() and not (out / "gradref.json").exists()
+    assert check_ranks(rec).reason in text and check_ranks(rec).passed  # the ranks table says the judge's word
+    assert GateReferences(out).present == []  # nothing but the fleet
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -444,7 +439,7 @@ def test_fleet_notebook_timeout_kills_every_rank_in_one_sentence(tmp_path):
     assert e.ename == "FleetError" and "did not finish within 3 s and was killed" in e.evalue
     assert e.traceback == [f"FleetError: {e.evalue}"]
     assert _processes_mentioning(str(out)) == []
-    assert not list(out.glob("*rank*.json"))
+    assert not json.loads(A.recording_path(out).read_text())["closed"]  # an unfinished recording, never judged
 
 
 def test_single_notebook_alone_from_elsewhere_writes_under_the_repository(tmp_path):
@@ -453,9 +448,9 @@ def test_single_notebook_alone_from_elsewhere_writes_under_the_repository(tmp_pa
     out = REPO / rel
     try:
         run_nb("01_single.ipynb", tmp_path / "01.ipynb", cwd=tmp_path, out=rel, steps=2)
-        single = load_meta(out, "single")
-        assert single["global_batch"] == 6 and len(single["losses"]) == 2
-        assert sorted(single["floor"]) == ["ulp0", "ulp1", "ulp2"]
+        floor = GateReferences(out).meta(FLOOR)
+        assert floor["global_batch"] == 6 and len(RecordingSet(A.gate_reference_dir(out, SINGLE)).losses()) == 2
+        assert sorted(floor["runs"]) == ["ulp0", "ulp1", "ulp2"]
         assert [p.name for p in tmp_path.iterdir()] == ["01.ipynb"]  # nothing in the cwd
         assert "single: producing" in all_text(tmp_path / "01.ipynb")
     finally:
@@ -498,25 +493,34 @@ def test_verdict_notebook_presents_a_recording(tmp_path, monkeypatch):
     assert not out.exists()
 
 
-def _restamp(path: Path, **edit) -> None:
-    """Rewrite an artifact's JSON (atomically) with some fields changed, e.g.
-    settings={...}: as if another configuration or other code had made it."""
-    meta = json.loads(path.read_text())
-    for k, v in edit.items():
-        meta[k] = {**meta[k], **v} if isinstance(v, dict) else v
-    atomic.write_text(path, json.dumps(meta))
+def _edit_json(path: Path, fn) -> None:
+    """Rewrite a JSON file (atomically: a copy_of's hard links are never written through) after fn(d)."""
+    d = json.loads(path.read_text())
+    fn(d)
+    atomic.write_text(path, json.dumps(d))
 
 
-@pytest.mark.parametrize("artifact, edit, why, kept", [
-    ("single", {"settings": {"seed": 8}}, "single made with seed=8 (want 7)", ("fleet", "gradref", "replay")),
-    ("gradref", {"provenance": {"source": "0" * 64}}, "gradref made by other code", ("single", "fleet", "replay")),
+def _edit_tensors(path: Path, fn) -> None:
+    """Rewrite a safetensors file (atomically) after fn(tensors) changed it in place."""
+    from safetensors.torch import load, save
+
+    t = load(path.read_bytes())
+    fn(t)
+    atomic.write_bytes(path, save(t))
+
+
+@pytest.mark.parametrize("artifact, path, edit, why, kept", [
+    ("single", lambda out: A.recording_path(A.gate_reference_dir(out, SINGLE)),
+     lambda d: d["extra"]["settings"].update(seed=8), "single made with seed=8 (want 7)", ("fleet", "gradref")),
+    ("gradref", lambda out: A.gate_reference_path(out, GRADREF),
+     lambda d: d["provenance"].update(source="0" * 64), "gradref made by other code", ("single", "fleet")),
 ])
 def test_the_verdict_replaces_an_artifact_from_another_configuration_or_other_code(
-        gate_run, tmp_path, artifact, edit, why, kept):
+        gate_run, tmp_path, artifact, path, edit, why, kept):
     # notebook 04's own call, in this process (its kernel runs exactly this: pipeline.gate of the
     # parameters' settings; 04 producing in a kernel: test_verdict_notebook_alone_produces_what_is_missing)
     out = copy_of(gate_run[2], tmp_path / "out")
-    _restamp(out / f"{artifact}.json", **edit)
+    _edit_json(path(out), edit)
     before = mtimes(out)
     lines: list[str] = []
     v = pipeline.gate(settings.check(out=str(out)), log=lines.append)
@@ -524,64 +528,65 @@ def test_the_verdict_replaces_an_artifact_from_another_configuration_or_other_co
     assert f"{artifact}: producing in {out} ({why})" in text, text
     assert text.count("producing") == 1 and all(f"{k}: using" in text for k in kept)
     after = mtimes(out)
-    assert after[f"{artifact}.json"] > before[f"{artifact}.json"]
-    assert all(after[n] == before[n] for n in before if n.split(".")[0].split("_")[0] not in (artifact,))
+    assert after[artifact] > before[artifact]
+    assert all(after[n] == before[n] for n in before if n not in (artifact, "floor", "verdict"))
     assert v.passed and json.loads((out / "verdict.json").read_text())["pass"]
 
 
 # --------------------------------------------------------------------------- planted faults
 
 
-def _resave(d: Path, name: str, tensors) -> None:
-    """Rewrite artifact `name`'s tensors through the library, its metadata kept."""
-    meta = load_meta(d, name)
-    extra = {k: v for k, v in meta.items() if k not in ("schema", "name", "losses", "fingerprint", "params")}
-    save_artifact(d, name, tensors, meta["losses"], **extra)
+def _nudge(t: dict, key: str, rel: float) -> None:
+    t[key] = t[key].clone()
+    t[key].view(-1)[0] += rel * t[key].abs().max()
 
 
-def _nudged(t, key: str, rel: float, step: int | None = None):
-    x = t[key].clone()
-    (x[step] if step is not None else x).view(-1)[0] += rel * x.abs().max()
-    return {**t, key: x}
+def _plant_params(out: Path, rank: int, step: int, rel: float) -> None:
+    """A rank's head.weight before `step` moved by `rel` of its largest element,
+    its recorded hash made to match (an edit the intact check cannot see: the
+    rank itself held these parameters)."""
+    from dormouse.digest import fingerprint
+
+    kept = {}
+
+    def nudge(t):
+        _nudge(t, "p/head.weight", rel)
+        kept["hash"] = fingerprint({**{k[2:]: v for k, v in t.items() if k.startswith("p/")},
+                                    **{k: v for k, v in t.items() if k.startswith("b/")}})
+
+    _edit_tensors(A.step_tensors_path(out, rank, step), nudge)
+    _edit_json(A.step_meta_path(out, rank, step), lambda d: d.update(param_hash=kept["hash"]))
 
 
 def plant_rank_params(out: Path) -> None:
-    """One rank's final head.weight off by 1e-6 (of the first leg, when the
-    fleet stopped and resumed at one rank): the ranks went apart."""
-    a = ArtifactSet(out)
-    name = (a.ranks("leg1_") if len(a.ranks()) < 2 else a.ranks())[1]
-    _resave(out, name, _nudged(load_tensors(out, name), "head.weight", 1e-6))
+    """Rank 1's head.weight before step 5 off by 1e-6 (the first leg, two ranks): the ranks went apart."""
+    _plant_params(out, 1, 5, 1e-6)
 
 
 def plant_fleet_gradient(out: Path) -> None:
-    """The fleet's recorded reduced gradient at step 5 off by 1e-3."""
-    from safetensors.torch import save
-
-    t = _nudged(load_trace(out, "rank0"), "g/head.weight", 1e-3, step=4)
-    atomic.write_bytes(out / "rank0_trace.safetensors", save(t))
+    """The fleet's applied gradient at step 15 (one rank, after the resume) off by 1e-3."""
+    _edit_tensors(A.step_tensors_path(out, 0, 15), lambda t: _nudge(t, "g/head.weight", 1e-3))
 
 
-def plant_replay_step(out: Path) -> None:
-    """The replay's parameters after step 5 off by 1e-6."""
-    _resave(out, "replay", _nudged(load_tensors(out, "replay"), "p/head.weight", 1e-6, step=4))
+def plant_fleet_update(out: Path) -> None:
+    """The fleet's parameters before step 15 off by 1e-6: not what its optimizer made of step 14."""
+    _plant_params(out, 0, 15, 1e-6)
 
 
 def plant_curve_step(out: Path) -> None:
-    """Every final rank's loss at step 10 off by 1e-4 (so they still agree): the logged loss is wrong
-    (the loss check, against gradref's per-token losses) and so is the curve; the gradients are right."""
-    for name in ArtifactSet(out).ranks():
-        meta = load_meta(out, name)
-        meta["losses"][9] *= 1 + 1e-4
-        atomic.write_text(out / f"{name}.json", json.dumps(meta))
+    """Every rank's logged loss at step 10 off by 1e-4 (so they still agree): the logged loss is wrong
+    (the loss check) and so is the curve; the gradients are right."""
+    for r in range(2):
+        _edit_json(A.step_meta_path(out, r, 10), lambda d: d.update(loss=d["loss"] * (1 + 1e-4)))
 
 
-@pytest.mark.parametrize("plant, failed, words", [
-    (plant_rank_params, "ranks", "rank1 vs "),
-    (plant_fleet_gradient, "gradref", "at step 5: head.weight"),
-    (plant_replay_step, "replay", "first differs at step 5, p/head.weight"),
-    (plant_curve_step, "curve", "the loss exceeds its tolerance first at step 10"),
+@pytest.mark.parametrize("plant, failed, words, also", [
+    (plant_rank_params, "ranks", "differ from rank 0's before step 5: head.weight", []),
+    (plant_fleet_gradient, "gradient", "at step 15", ["replay"]),  # not the gradient it applied either
+    (plant_fleet_update, "replay", "step 14", []),
+    (plant_curve_step, "curve", "the loss exceeds its tolerance first at step 10", ["loss"]),
 ])
-def test_the_verdict_fails_on_a_planted_fault_for_its_reason_alone(gate_run, tmp_path, plant, failed, words):
+def test_the_verdict_fails_on_a_planted_fault_for_its_reason_alone(gate_run, tmp_path, plant, failed, words, also):
     # notebook 04's calls, in this process: the gate, then the raise (04 failing in a kernel, its
     # figures drawn first, through the pipeline's command: test_pipeline_exits_1_and_the_notebook_fails_...)
     out = copy_of(gate_run[2], tmp_path / "out")
@@ -592,11 +597,11 @@ def test_the_verdict_fails_on_a_planted_fault_for_its_reason_alone(gate_run, tmp
         pipeline.raise_if_failed(v)
     assert f"gate verdict for {out}: FAIL" in str(e.value) and f"[FAIL] {failed}:" in str(e.value)
     j = json.loads((out / "verdict.json").read_text())
-    assert not j["pass"] and not j["checks"][failed]["pass"] and words in j["checks"][failed]["reason"]
-    also = {"curve": ["loss"]}.get(failed, [])  # a logged loss planted off is the loss check's finding too
+    assert not j["pass"] and not j["checks"][failed]["pass"] and words in j["checks"][failed]["reason"], \
+        j["checks"][failed]["reason"]
     assert sorted(k for k, c in j["checks"].items() if not c["pass"]) == sorted([failed, *also])  # for its reason alone
-    # the fault was judged, not "repaired" by producing the artifact again
-    assert not any("producing" in line for line in lines), lines
+    # the fault was judged, not "repaired": only the recording's reference is made again (its inputs changed)
+    assert [line.split(":")[0] for line in lines if "producing" in line] == ["reference"], lines
 
 
 def test_the_verdict_passes_on_clean_artifacts_without_producing(gate_run, tmp_path):
@@ -613,7 +618,7 @@ def test_pipeline_exits_1_and_the_notebook_fails_when_the_gate_fails(gate_run, t
     r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "--only", "04",
                         "-p", "out", str(out)], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert f"gate verdict for {out}: FAIL" in r.stdout and "[FAIL] ranks: ranks differ" in r.stdout
+    assert f"gate verdict for {out}: FAIL" in r.stdout and "[FAIL] ranks: rank 1's parameters" in r.stdout
     assert "[ok] curve:" in r.stdout
     # the executed notebook: its last cell raised GateFailed with the verdict, after drawing the figures
     executed = out / "notebooks" / "04_compare_plots.ipynb"
@@ -621,8 +626,8 @@ def test_pipeline_exits_1_and_the_notebook_fails_when_the_gate_fails(gate_run, t
     err = next(o for o in cell.outputs if o.output_type == "error")
     assert err.ename == "GateFailed" and "[FAIL] ranks:" in err.evalue
     assert "raise_if_failed" in cell.source
-    assert (out / "loss_delta.png").exists() and (out / "references.png").exists()
-    assert "producing" not in all_text(executed)
+    assert (out / "loss_delta.png").exists() and (out / "recording_gradient.png").exists()
+    assert "fleet: producing" not in all_text(executed) and "single: producing" not in all_text(executed)
 
 
 # --------------------------------------------------------------------------- bad parameters in notebooks
