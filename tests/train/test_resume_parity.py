@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from dormouse.gate.record import modes
-from dormouse.gate.artifacts import load_meta, load_tensors
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import FLOOR, SINGLE, GateReferences, RecordingSet
 from dormouse.gate.judge.facts.curve import curve_tolerance
 from dormouse.gate.judge.metrics import running_max
 from dormouse.gate.record.launcher import launch_plan
@@ -87,9 +88,28 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return d
 
 
+def recording(out: Path, who: str) -> tuple[RecordingSet, int]:
+    """The recording holding `who` ("single": the single process's; "rank<r>": the fleet's) and its rank."""
+    if who == "single":
+        return RecordingSet(A.gate_reference_dir(out, SINGLE)), 0
+    return RecordingSet(out), int(who[len("rank"):])
+
+
+def final(out: Path, who: str) -> dict[str, torch.Tensor]:
+    """`who`'s own tensors after the last step (a rank's local shards under FSDP2)."""
+    rec, r = recording(out, who)
+    return A.read_tensors(A.final_tensors_path(rec.out, r), "final")[0]
+
+
+def losses(out: Path, who: str) -> list[float]:
+    """The loss `who` logged at each step it recorded."""
+    rec, r = recording(out, who)
+    return [rec.step_meta(r, k)["loss"] for k in rec.steps if r < rec.world_at(k)]
+
+
 def equal_tensors(a: Path, an: str, b: Path, bn: str) -> list[str]:
     """The names of the tensors that differ (or are missing on one side)."""
-    x, y = load_tensors(a, an), load_tensors(b, bn)
+    x, y = final(a, an), final(b, bn)
     return sorted(set(x) ^ set(y)) + sorted(k for k in set(x) & set(y) if not torch.equal(x[k], y[k]))
 
 
@@ -101,7 +121,7 @@ def test_the_checkpoints_were_written_midway_and_saving_them_changed_nothing(run
         assert ckpts == sorted([f"{stem}{suffix}", f"{stem}.step{AT}{suffix}"]), ckpts
         plain = name.split("_")[0]
         assert equal_tensors(runs[plain], artifact, runs[name], artifact) == []
-        assert load_meta(runs[plain], artifact)["losses"] == load_meta(runs[name], artifact)["losses"]
+        assert losses(runs[plain], artifact) == losses(runs[name], artifact)
     assert not (runs["fleet"] / "ckpts" / "fleet.pt").exists()  # the plain gate checkpoints nothing
 
 
@@ -110,10 +130,9 @@ def test_the_checkpoints_were_written_midway_and_saving_them_changed_nothing(run
 def test_a_run_stopped_midway_and_resumed_equals_the_uninterrupted_run_bitwise(runs, kind, artifact):
     full, resumed = runs[kind], runs[f"{kind}_resumed"]
     assert equal_tensors(full, artifact, resumed, artifact) == []
-    meta = load_meta(resumed, artifact)
-    assert meta["start_step"] == AT
+    assert recording(resumed, artifact)[0].steps[0] == AT + 1  # a recording of its own, from the checkpoint on
     # the same bytes, the same learning rates, the same optimizer state: the same losses
-    assert meta["losses"] == load_meta(full, artifact)["losses"][AT:]
+    assert losses(resumed, artifact) == losses(full, artifact)[AT:]
 
 
 @pytest.mark.parametrize("kind", ["even", "fsdp_even"])
@@ -122,33 +141,33 @@ def test_the_gates_own_stop_and_resume_at_the_same_world_equals_the_uninterrupte
     leg 2 resumes its checkpoint at the same shapes; the run is the
     uninterrupted fleet's, bit for bit, on every rank."""
     full, legs = runs[kind], runs[f"{kind}_legs"]
-    meta = load_meta(legs, "rank0")
-    assert meta["resumed_at"] == AT and meta["legs"] == [[2, ""], [2, "2x64,2x64"]]
-    assert meta["rank_shapes"] == load_meta(full, "rank0")["rank_shapes"] == [[2, 64], [2, 64]]
+    rec = RecordingSet(legs)
+    assert [(seg["start"], seg["end"], seg["world"]) for seg in rec.meta["segments"]] == [(1, AT, 2), (AT + 1, 6, 2)]
+    shapes = [[tuple(b["arg0"].shape) for _, _, b in r.micro_batches(k)] for r in (rec, RecordingSet(full))
+              for k in (1, STEPS)]
+    assert shapes == [[(2, 64), (2, 64)]] * 4
     for artifact in ("rank0", "rank1"):
         assert equal_tensors(full, artifact, legs, artifact) == []
-        assert load_meta(legs, artifact)["losses"] == load_meta(full, artifact)["losses"]
-    assert len(load_meta(legs, "leg1_rank0")["losses"]) == AT
+        assert losses(legs, artifact) == losses(full, artifact)
 
 
 def within_the_curve_tolerance(runs, name: str, artifact: str) -> None:
     """Steps AT+1..STEPS of a cross-topology resume against the uninterrupted single
     process, each within that step's tolerance by the judge's rule (10 x the
     running maximum of the one-ulp floor runs, at least MIN_RTOL)."""
-    single = load_meta(runs["single"], "single")
-    ref = single["losses"]
+    ref = losses(runs["single"], "single")
     floor = [0.0] * len(ref)
-    for run in single["floor"].values():
+    for run in GateReferences(runs["single"]).meta(FLOOR)["runs"].values():
         for k, (x, y) in enumerate(zip(run["losses"], ref)):
             floor[k] = max(floor[k], abs(x - y) / abs(y))
     tolerance = curve_tolerance(running_max(floor))
-    meta = load_meta(runs[name], artifact)
-    assert meta["start_step"] == AT and len(meta["losses"]) == STEPS - AT
-    off = [(k + 1, abs(loss - ref[k]) / abs(ref[k]), tolerance[k]) for k, loss in enumerate(meta["losses"], start=AT)]
+    mine = losses(runs[name], artifact)
+    assert recording(runs[name], artifact)[0].steps[0] == AT + 1 and len(mine) == STEPS - AT
+    off = [(k + 1, abs(loss - ref[k]) / abs(ref[k]), tolerance[k]) for k, loss in enumerate(mine, start=AT)]
     assert all(r <= t for _, r, t in off), [f"step {k}: {r:.1e} > {t:.1e}" for k, r, t in off if not r <= t]
     # and the resume really continued the run (not started it again): step AT+1's
     # loss is the uninterrupted run's, not the untrained network's
-    assert abs(meta["losses"][0] - ref[AT]) < abs(ref[0] - ref[AT])
+    assert abs(mine[0] - ref[AT]) < abs(ref[0] - ref[AT])
 
 
 @pytest.mark.parametrize("name", ["single_from_fleet", "single_from_fsdp"])
