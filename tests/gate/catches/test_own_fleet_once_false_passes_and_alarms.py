@@ -4,9 +4,9 @@ found by planting fleet_faults.py's "review attacks" in real gloo fleets.
 Each now fails (or passes) for its reason; the one the gate still cannot see
 is marked xfail(strict) with the limit it shows.
 
-Root causes (fixed: the judge's `config` check, the replay from the settings'
-recipe, final tensors against the trace, a floor run nudging gradients by an
-ulp of their tensor's magnitude):
+Root causes (fixed: the judge's `config` check, the final parameters in the
+recording the replay judges, a floor run nudging gradients by an ulp of their
+tensor's magnitude):
 - the replay builds its run from the config the FLEET recorded
   (RunConfig.from_dict(rank0.json["config"])), and nothing compares that
   config with the one the settings give (make_run(s)): a fleet at the wrong
@@ -14,9 +14,9 @@ ulp of their tensor's magnitude):
   Only the curve's tensor floor can see it, and the curve is absent for
   mixed window lengths and judges losses only under the bf16 wire (or when
   the fleet's own config says ns_dtype bfloat16 / bf16 model).
-- the fleet's final tensors (rank<r>.safetensors) are compared only with
-  each other, never with the traced parameters that the replay and the
-  curve judge.
+- the fleet's final tensors were compared only with each other, never with
+  the per-step parameters that the replay and the curve judge (now the
+  recording's final parameters are the replay's last step).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ FALSE_PASSES = {
     "ns_bf16": ("ns_bf16", {}),
     # fleet does not clip (recorded in its config); mixed lengths: no curve
     "no_clip_mixed": ("no_clip_mixed", {"profile": "4x32,2x64", "resume_world": 0}),
-    # head.weight += 1e-3 in every rank's final model, after the trace recorded the last step
+    # head.weight += 1e-3 in every rank's final model, after the last step was recorded
     "final_tamper": ("final_tamper", {}),
 }
 
@@ -110,6 +110,6 @@ def test_a_bias_below_the_bf16_rounding_bound_fails_the_bias_test(wrong):
     # g += 0.2 W u |g| sign(p) every step: an extra weight decay inside the elementwise bound (once a known
     # limit, kept as a strict xfail): round-to-nearest is unbiased, this is not
     v = judge(wrong["bias"].out_dir, wrong["bias"])
-    assert not v.passed and v.check("gradref").passed  # inside the per-element bound ...
+    assert not v.passed and v.check("gradient").passed  # inside the per-element bound ...
     bias = v.check("bias")
     assert not bias.passed and bias.stats["decay"] > 6 and "biased beyond the bf16 wire's rounding" in bias.reason

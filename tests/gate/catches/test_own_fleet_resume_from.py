@@ -43,12 +43,12 @@ def test_a_gate_resumed_from_a_checkpoint_passes_in_every_reduce_mode(resumed, c
     s = resumed[case]
     v = judge(s.out_dir)
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
-    from dormouse.gate.artifacts import ArtifactSet
+    from dormouse.gate.artifacts import RecordingSet
 
-    a = ArtifactSet(s.out_dir)
-    assert a.meta("rank0")["start_step"] == 2 and len(a.meta("rank0")["losses"]) == 2
-    assert a.meta("init")["start_step"] == 2  # init is the checkpoint's weights
-    assert "bitwise equal at all 2 steps" in v.check("replay").reason
+    rec = RecordingSet(s.out_dir)  # a recording of its own, from the checkpoint's step on
+    assert rec.steps == [3, 4] and rec.meta["build_kwargs"]["start"] == 2
+    assert rec.meta["build_kwargs"]["checkpoint"] == str(s.resume_path())  # rebuilt from the checkpoint
+    assert "bitwise at all 2 steps" in v.check("replay").reason
 
 
 def test_resume_from_with_a_stop_and_resume_is_refused_in_one_line(tmp_path):

@@ -1,7 +1,8 @@
 """The seed's by-hand recipe, exactly as the seed writes it (`--mode` spelling,
 `--batch 4` for the single process's GLOBAL batch, then `--batch 2` for each of
-two ranks under torchrun), then gradref, replay and verdict with `--out`
-alone, taking their settings from the fleet's artifacts: the gate PASSES. A
+two ranks under torchrun), then gradref, the recording's reference and the
+verdict with `--out` alone, taking their settings from the fleet's recording:
+the gate PASSES. A
 single process at another global batch is one clear FAIL naming both batches."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dormouse.gate.artifacts import FLOOR, GRADREF, SINGLE, GateReferences, RecordingSet
 from inproc import run_main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -53,14 +55,14 @@ def _gate_here(*args: str, cwd: Path, check: bool = True) -> subprocess.Complete
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The seed's two commands (processes of their own, as typed), then
-    gradref, replay and verdict with --out only."""
+    gradref, the recording's reference and the verdict with --out only."""
     d = tmp_path_factory.mktemp("seed")
     g = str(d / "g")
     _gate("--mode", "single", "--out", g, "--steps", STEPS, "--batch", "4", cwd=d)
     _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "-m", "dormouse.gate", "--mode", "rank", "--out", g, "--steps", STEPS, "--batch", "2", cwd=d)
     _gate_here("gradref", "--out", g, cwd=d)
-    _gate_here("replay", "--out", g, cwd=d)
+    _gate_here("reference", "--out", g, cwd=d)
     return d / "g", _gate_here("verdict", "--out", g, "--json", cwd=d, check=False)
 
 
@@ -70,16 +72,15 @@ def test_the_seeds_recipe_runs_as_written_and_passes(recipe):
     v = json.loads((g / "verdict.json").read_text())
     assert v["pass"], v
     names = set(v["checks"])
-    assert {"complete", "provenance", "gradref", "replay", "curve"} <= names, names
+    assert {"complete", "provenance", "gradient", "replay", "gradref", "curve"} <= names, names
     # what the flags meant: single ran the global batch of 4, each of the two ranks its own 2
-    single = json.loads((g / "single.json").read_text())
-    ranks = [json.loads((g / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert single["global_batch"] == 4 and len(single["losses"]) == int(STEPS)
-    assert [m["rank_shapes"] for m in ranks] == [[[2, 64], [2, 64]]] * 2
-    assert all(m["world_size"] == 2 and m["legs"] == [[2, ""]] for m in ranks)  # one launch, no --leg
-    # gradref and replay took the fleet's settings from its artifacts (no flag said them)
-    for name in ("gradref", "replay"):
-        assert json.loads((g / f"{name}.json").read_text())["settings"] == ranks[0]["settings"], name
+    refs = GateReferences(g)
+    assert refs.meta(FLOOR)["global_batch"] == 4 and len(refs.recording(SINGLE).losses()) == int(STEPS)
+    rec = RecordingSet(g)
+    assert [tuple(b["arg0"].shape) for _, _, b in rec.micro_batches(1)] == [(2, 64), (2, 64)]
+    assert [seg["world"] for seg in rec.meta["segments"]] == [2]  # one launch, no --leg
+    # gradref took the fleet's settings from its recording (no flag said them)
+    assert refs.meta(GRADREF)["settings"] == rec.extra["settings"]
 
 
 def test_a_single_at_another_global_batch_is_one_fail_naming_both_batches(recipe, tmp_path):
@@ -92,4 +93,4 @@ def test_a_single_at_another_global_batch_is_one_fail_naming_both_batches(recipe
     v = json.loads((other / "verdict.json").read_text())
     failed = [c for c in v["checks"].values() if not c["pass"]]
     assert [c["name"] for c in failed] == ["provenance"], failed
-    assert "global batch of 6 windows" in failed[0]["reason"] and "the fleet 4" in failed[0]["reason"], failed[0]
+    assert "global batch of 6 windows, the fleet 4" in failed[0]["reason"], failed[0]

@@ -24,7 +24,7 @@ import torch
 
 from dormouse.digest import fingerprint
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import GRADREF, PROVENANCE, GateReferences, references
+from dormouse.gate.artifacts import GRADREF, PROFILE_FIELDS, PROVENANCE, GateReferences, references
 from dormouse.gate.judge.verdict import Check
 
 
@@ -63,16 +63,24 @@ def check_provenance(rec: A.RecordingSet, refs: GateReferences, settings: dict) 
         keys = sorted(k for k in set(have) | set(settings) if have.get(k) != settings.get(k))
         diffs.append(f"the fleet was made with other settings ({', '.join(keys)}): give the verdict the settings "
                      "the run was made with")
-    names = [n for n in refs.present if n != A.FLOOR] + ([A.FLOOR] if refs.has(A.FLOOR) else [])
+    names = refs.present
     for n in names:
         made = _made(refs, n)
         for k in PROVENANCE:
             if (made.get("provenance") or {}).get(k) != mine.get(k):
                 diffs.append(f"{n}'s {k} {(made.get('provenance') or {}).get(k)!r} differs from the fleet's "
                              f"{mine.get(k)!r}")
-        if made.get("settings") != settings:
-            have = made.get("settings") or {}
-            keys = sorted(k for k in set(have) | set(settings) if have.get(k) != settings.get(k))
+        have, want = made.get("settings") or {}, settings
+        if n in ONE_PROCESS:  # the fleet's profile normalised away: compared through the global batch
+            if have.get("global_batch") != want.get("global_batch"):
+                diffs.insert(0, f"{n} ran a global batch of {have.get('global_batch')} windows, the fleet "
+                             f"{want.get('global_batch')} (profile {want.get('profile') or repr('')} over "
+                             f"{want.get('world')} ranks): run {n} at the fleet's global batch "
+                             f"(single --batch {want.get('global_batch')})")
+                continue
+            have, want = ({k: v for k, v in d.items() if k not in PROFILE_FIELDS} for d in (have, want))
+        if have != want:
+            keys = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
             diffs.append(f"{n} was made with other settings ({', '.join(keys)})")
     if diffs:
         return Check("provenance", False, "not comparable: " + "; ".join(diffs[:4])
@@ -80,6 +88,11 @@ def check_provenance(rec: A.RecordingSet, refs: GateReferences, settings: dict) 
                         else ""))
     return Check("provenance", True, f"the fleet and {len(names)} references made by the same code, torch, device, "
                  "threads, corpus and initial parameters, with the same settings")
+
+
+# the gate's references that run the global batch in one process: their settings are compared with the
+# fleet's through it (a single made by hand at --batch 4 is the gate of a 2-rank --batch 2 fleet)
+ONE_PROCESS = (A.SINGLE, A.FLOOR, A.EXACT)
 
 
 # Fields of a run that say where and how it ran, not what it computes (the
