@@ -86,6 +86,8 @@ def _gate_checks(rec: A.RecordingSet, refs: GateReferences, settings: dict, befo
     except DormouseError as e:
         return [Check("complete", False, f"cannot tell which references apply: {e}")]
     checks = [complete, check_provenance(rec, refs, settings)]
+    if not checks[-1].passed:  # references of another run are not compared with this one
+        return checks
     if refs.has(GRADREF):
         checks.append(check_config(rec, refs))
         checks.append(check_gradref(rec, refs.meta(GRADREF)))

@@ -177,7 +177,9 @@ def build_optimizer(model: torch.nn.Module, run: dict, checkpoint: str | None = 
     if checkpoint is not None:
         from dormouse.train.checkpoint import load_checkpoint
 
-        load_checkpoint(Path(checkpoint), model=model, opt=opt.mix, run=run, peers=loop.LocalSync(run))
+        alone = dataclasses.replace(run, train=dataclasses.replace(run.train, dist=False, dist_profile="",
+                                                                   micro_batch=0))  # read in one process
+        load_checkpoint(Path(checkpoint), model=model, opt=opt.mix, run=alone, peers=loop.LocalSync(alone))
     return opt, LoopSchedule(opt, run, start)
 
 

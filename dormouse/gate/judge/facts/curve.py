@@ -150,7 +150,8 @@ def _flips(fleet: A.RecordingSet, single: A.RecordingSet) -> torch.Tensor | None
     for k in fleet.steps:
         mine = single.step_extra(0, k, "topk")
         theirs = [fleet.step_extra(r, k, "topk") for r in range(fleet.world_at(k))]
-        if mine is None or any(t is None for t in theirs) or len({t.shape[1:] for t in theirs + [mine]}) != 1:
+        if mine is None or any(t is None for t in theirs) or len({t.shape[1:] for t in theirs + [mine]}) != 1 \
+                or sum(len(t) for t in theirs) != len(mine):
             return None
         parts.append(routing_flips(mine[None], torch.cat(theirs)[None]))
     return torch.cat(parts) if parts else None
