@@ -367,7 +367,7 @@ FAULTS.update({f.__name__: f for f in (ns_bf16, ns_bf16_minlr, no_clip_mixed)})
 
 
 def bf16_decay_small() -> None:
-    """bf16_decay at 0.2 W u |g| sign(p)."""
+    """bf16_decay at 0.2 W u |g| sign(p), added to the reduced gradient."""
     _after_reduce(lambda state, n, p, g: 0.2 * state.plan.world * 2.0**-8 * g.abs()
                   * torch.sign(p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
 

@@ -106,10 +106,14 @@ def test_review_clean_fleet_passes(alarms, name):
     assert v.passed, "false alarm: " + "; ".join(f"{c.name}: {c.reason}" for c in v.checks if not c.passed)
 
 
-def test_a_bias_below_the_bf16_rounding_bound_fails_the_bias_test(wrong):
-    # g += 0.2 W u |g| sign(p) every step: an extra weight decay inside the elementwise bound (once a known
-    # limit, kept as a strict xfail): round-to-nearest is unbiased, this is not
+def test_a_decay_folded_into_the_bf16_wires_result_fails_the_gradient_and_the_bias_test(wrong):
+    # g += 0.2 W u |g| sign(p) after the bf16 reduce, every step: an extra weight decay near the elementwise
+    # bound (once a known limit: the per-element bound alone passed it). Now the element bound, with each
+    # rank's contribution as one process computes it, is exceeded (1.2 of it, measured), and the errors are
+    # biased along the decay. (Added to each rank's contribution before the wire instead, below half a bf16 ulp
+    # of a value already rounded, it vanishes in the rounding: mean 2.5e-4 of the bound along the decay.)
     v = judge(wrong["bias"].out_dir, wrong["bias"])
-    assert not v.passed and v.check("gradient").passed  # inside the per-element bound ...
+    g = v.check("gradient")
+    assert not v.passed and not g.passed and "the declared bf16 wire's bound" in g.reason, g.reason
     bias = v.check("bias")
     assert not bias.passed and bias.stats["decay"] > 6 and "biased beyond the bf16 wire's rounding" in bias.reason
