@@ -30,6 +30,17 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
   init_shards    after parallelising, the loop initialises every TP-split weight in
                  place under the run's seed: each rank draws its own shard from the
                  same RNG state (torchtitan's init-after-parallelize flow)
+  loss_lse_tp    the logged loss (not the one backpropagated) is a hand-written
+                 vocabulary-parallel cross-entropy applied to logits already gathered
+                 (loss_parallel off): its sum of exponentials all-reduced over the TP
+                 group counts every logit TP times, the logged loss the objective +
+                 log(TP) (Megatron's vocabulary-parallel cross-entropy on full logits)
+  dropout_local  with "dropout" > 0 (tp_llama's KeyedDropout on each feed-forward's
+                 column-split hidden activation): every TP rank keys its mask by its
+                 local column index, drawing the first shard's mask (Megatron-DeepSpeed
+                 #276: dropout drawn alike on the TP ranks of a sharded region)
+"reduce_dtype" / "param_dtype" ("bfloat16" or "float32"): FSDP2's MixedPrecisionPolicy on
+the dp dimension (2-D runs); "wire": the Recorder's declared wire ("fp32" or "bf16").
 """
 
 from __future__ import annotations
@@ -44,7 +55,8 @@ import torch.nn.functional as F
 import plan  # tests/support: the loops' one main
 
 RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "tp": 2, "micro": 2, "rows": 2, "T": 8,
-       "loss_parallel": True, "module": None, "factor": 1.0}
+       "loss_parallel": True, "module": None, "factor": 1.0, "dropout": 0.0, "reduce_dtype": None,
+       "param_dtype": None, "wire": "fp32"}
 
 
 def batch_rows(seed: int, step: int, n: int, T: int, vocab: int = 64) -> torch.Tensor:
@@ -67,9 +79,16 @@ def run(cfg: dict) -> None:
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = rank // tp, rank % tp
     fault = cfg["fault"]
-    model = build_model(seed=cfg["seed"])
+    build = {"seed": cfg["seed"], **({"dropout": cfg["dropout"]} if cfg["dropout"] else {})}
+    model = build_model(**build)
+    mp = None
+    if cfg["reduce_dtype"] or cfg["param_dtype"]:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = MixedPrecisionPolicy(**{k: getattr(torch, cfg[k]) for k in ("param_dtype", "reduce_dtype") if cfg[k]})
     if tp > 1:
-        parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local")
+        parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local",
+                    dropout_local=fault == "dropout_local", mp_policy=mp)
     if fault == "init_shards":
         torch.manual_seed(cfg["seed"])
         with torch.no_grad():
@@ -82,7 +101,7 @@ def run(cfg: dict) -> None:
     if tp == 1:  # a plain data-parallel run: DDP over every rank
         model = torch.nn.parallel.DistributedDataParallel(model)
     rec = Recorder(cfg["out"], model, build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
-                   objective="causal_lm", build_kwargs={"seed": cfg["seed"]})
+                   objective="causal_lm", build_kwargs=build, wire=cfg["wire"])
     K, B, T = cfg["micro"], cfg["rows"], cfg["T"]
     for step in range(cfg["steps"]):
         rows = batch_rows(cfg["seed"], step, dp * K * B, T)
@@ -108,6 +127,14 @@ def run(cfg: dict) -> None:
                 loss = F.cross_entropy(z, y, reduction="sum") / count
                 (loss * scale).backward()
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+            if fault == "loss_lse_tp":  # the vocabulary-parallel formula on logits every TP rank holds whole
+                with torch.no_grad():
+                    zl = z.full_tensor() if isinstance(z, DTensor) else z
+                    top = zl.max(dim=-1).values
+                    sumexp = (zl - top[:, None]).exp().sum(dim=-1)
+                    dist.all_reduce(sumexp, group=mesh["tp"].get_group())  # each rank's "shard" is every logit
+                    target = zl.gather(1, y[:, None]).squeeze(1)
+                    loss = ((sumexp.log() + top - target).sum() / count)
             total += float(loss.detach())
         if fault == "dp_sum":  # the reduced gradient summed over the replicas where DDP/FSDP2 averaged it
             with torch.no_grad():
