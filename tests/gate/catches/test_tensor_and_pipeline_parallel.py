@@ -14,6 +14,7 @@ stages, GPipe and 1F1B, scale_grads). One launch per mesh size."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import looprec
@@ -42,6 +43,11 @@ TP_RUNS = {
     "pp_loss_div": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "loss_div", "seed": 13},
     "pp_stale": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "stale", "seed": 14},
     "tp_loss_x2": {"fault": "loss_x_all", "factor": 2.0, "seed": 16, "steps": 1},  # every gradient x 2 in TP alone
+    # the logged loss a vocabulary-parallel cross-entropy on gathered logits: the objective + log(TP)
+    "tp_loss_lse": {"fault": "loss_lse_tp", "loss_parallel": False, "seed": 17},
+    # a keyed dropout (seed, position, global column) on the column-split hidden; the fault keys it by the local column
+    "tp_dropout": {"dropout": 0.1, "seed": 18},
+    "tp_dropout_local": {"fault": "dropout_local", "dropout": 0.1, "seed": 19},
     # last in the launch: DTensor's random ops on sharded parameters
     "tp_init_shards": {"fault": "init_shards", "seed": 15, "steps": 1},
 }
@@ -49,6 +55,10 @@ DP_TP_RUNS = {
     "clean": {"seed": 0},
     "loss_local": {"fault": "loss_local", "seed": 1},
     "dp_sum": {"fault": "dp_sum", "seed": 2},
+    # FSDP2's reduce_dtype bf16 on dp (the TP reductions stay float32): undeclared, then declared (one
+    # micro-batch: FSDP2 accumulates no-sync micro-batches in the reduce dtype, which the wire does not cover)
+    "reduce_bf16": {"reduce_dtype": "bfloat16", "seed": 20},
+    "reduce_bf16_wire": {"reduce_dtype": "bfloat16", "wire": "bf16", "micro": 1, "rows": 4, "seed": 21},
 }
 
 
@@ -78,7 +88,7 @@ def plain_gradient(out: Path, step: int = 1, rows: int | None = None) -> dict[st
     seed = rec.meta["build_kwargs"]["seed"]
     replicas = len(rec.meta["layout"]["groups"]) if rec.meta.get("layout") else rec.meta["world"]
     ids = batch_rows(seed, step - 1, rows or replicas * RUN["micro"] * RUN["rows"], RUN["T"])
-    model = build_model(seed=seed)
+    model = build_model(**rec.meta["build_kwargs"])
     z = model(ids)
     F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
     return {n: p.grad for n, p in model.named_parameters()}
@@ -175,12 +185,53 @@ def test_a_clean_2d_fsdp2_by_tp_run_passes_with_each_replica_read_once(dp_tp):
         assert max(rel(got[n], want[n]) for n in want) < 5e-6
 
 
+def plain_loss(out: Path, step: int, rows: slice) -> float:
+    """The unparallelised model's token-mean cross-entropy at the parameters recorded before `step`, on
+    `rows` of the step's global batch (tp_loop's rule for the rows, not the recording's inputs)."""
+    import torch.nn.functional as F
+    from tp_llama import build_model
+    from tp_loop import RUN, batch_rows
+
+    rec = A.RecordingSet(out)
+    replicas = len(rec.meta["layout"]["groups"])
+    t, _ = A.read_tensors(A.step_tensors_path(out, 0, step), "step tensors")
+    model = build_model(**rec.meta["build_kwargs"])
+    model.load_state_dict({n[2:]: v for n, v in t.items() if n.startswith("p/")})
+    ids = batch_rows(rec.meta["build_kwargs"]["seed"], step - 1, replicas * RUN["micro"] * RUN["rows"], RUN["T"])[rows]
+    with torch.no_grad():
+        z = model(ids)
+        return float(F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+
+
 def test_a_2d_loss_logged_without_its_dp_reduction_fails_the_loss_alone(dp_tp):
-    v = looprec.verdict(dp_tp["loss_local"])
+    """torchtitan #3329's kind: the gradient right, the logged loss one replica's."""
+    out = dp_tp["loss_local"]
+    v = looprec.verdict(out)
     c = v.check("loss")
     assert not v.passed and not c.passed, failing(v)
     assert "rank 0's own token mean" in c.reason and "the logged loss is wrong, not the training" in c.reason
     assert v.check("gradient").passed and v.check("layout").passed and v.check("replay").passed
+    # independently: rank 0 logged its replica's rows' token mean (the first K x B rows), not the global batch's
+    for k in (1, 2):
+        logged = A.RecordingSet(out).step_meta(0, k)["loss"]
+        assert abs(logged - plain_loss(out, k, slice(0, 4))) < 1e-5 * logged
+        assert abs(logged - plain_loss(out, k, slice(None))) > 1e-3 * logged
+
+
+def test_a_tp_loss_logged_off_by_log_tp_is_named_by_the_tp_size_and_the_training_passes(tp):
+    """The logged loss a vocabulary-parallel cross-entropy applied to logits already gathered (its sum of
+    exponentials all-reduced over the TP group counts each logit TP times): the objective + log(TP)."""
+    out = tp["tp_loss_lse"]
+    v = looprec.verdict(out)
+    c = v.check("loss")
+    assert not v.passed and not c.passed, failing(v)
+    assert "it is the declared objective + log(2) = + 0.6931, log of the TP size 2, at every step" in c.reason, c.reason
+    assert "the logged loss is wrong, not the training" in c.reason, c.reason
+    assert all(v.check(n).passed for n in ("gradient", "replay", "layout", "probe")), failing(v)
+    # independently: the logged loss minus the plain model's token mean on the whole batch is log 2 at each step
+    for k in (1, 2):
+        logged = A.RecordingSet(out).step_meta(0, k)["loss"]
+        assert abs(logged - plain_loss(out, k, slice(None)) - math.log(2)) < 1e-5
 
 
 def test_the_probe_agrees_module_by_module_on_clean_tp_and_dp_runs(tp):
@@ -342,3 +393,82 @@ def test_a_pipeline_recording_with_sketches_is_refused_in_one_line(tmp_path):
     with pytest.raises(RecorderError, match="a pipeline is recorded in full tensors"):
         Recorder(tmp_path, torch.nn.Linear(2, 2), build_model="tp_llama:build_model",
                  build_optimizer="tp_llama:build_optimizer", sketch=64, pipeline_stage=Stage())
+
+
+def test_a_keyed_dropout_on_the_column_split_hidden_passes_when_each_tp_rank_keys_its_global_columns(tp):
+    out = tp["tp_dropout"]
+    v = looprec.verdict(out)
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6 and v.check("probe").passed, v.check("gradient").reason
+    want = plain_gradient(out)  # the plain model with the same keyed dropout, on the whole batch
+    assert max(rel(recorded(out, 0)[n], want[n]) for n in want) < 5e-6
+    t0, t1 = (A.read_tensors(A.step_tensors_path(out, r, 1), "step tensors")[0]["po/layers.0.feed_forward.drop"]
+              for r in (0, 1))
+    assert not torch.equal(t0 == 0, t1 == 0)  # each TP rank dropped its own columns' elements
+
+
+def test_dropout_drawn_alike_on_the_tp_ranks_of_a_column_split_region_fails_and_the_probe_names_it(tp):
+    """Megatron-DeepSpeed #276's kind: every TP rank keys the dropout mask by its local column, so each
+    draws the first shard's mask where one process draws one mask over all the columns."""
+    from tp_llama import build_model
+    from tp_loop import batch_rows
+
+    out = tp["tp_dropout_local"]
+    v = looprec.verdict(out)
+    g, c = v.check("gradient"), v.check("probe")
+    assert not v.passed and not g.passed and not c.passed, failing(v)
+    assert "not by a constant factor" in g.reason, g.reason
+    assert "the first module whose forward output departs from one process's is layers.0.feed_forward.drop" in c.reason
+    assert "the 10 module(s) before it in execution order agree" in c.reason, c.reason
+    assert v.check("layout").passed and v.check("replay").passed
+    # independently, from the recorded outputs alone: both TP ranks zeroed the same elements of their shards
+    t0, t1 = (A.read_tensors(A.step_tensors_path(out, r, 1), "step tensors")[0]["po/layers.0.feed_forward.drop"]
+              for r in (0, 1))
+    assert t0.shape == t1.shape == (2, 8, 32) and torch.equal(t0 == 0, t1 == 0)
+    # and against the plain model: rank 1's shard is the plain hidden under the FIRST shard's mask, which
+    # differs from its own columns' mask in about a sixth of the elements; rank 0's shard is the plain one
+    model, seen = build_model(seed=19, dropout=0.1), {}
+    drop = model.layers["0"].feed_forward.drop
+    drop.register_forward_hook(lambda m, i, o: seen.update(h=i[0].detach(), out=o.detach()))
+    model(batch_rows(19, 0, 4, 8)[:2])
+    first, own = drop.mask(8, 0, 32), drop.mask(8, 32, 32)
+    assert rel(t0, seen["out"][..., :32]) < 1e-5 and rel(t1, seen["out"][..., 32:]) > 0.1
+    assert rel(t1, seen["h"][..., 32:] * first / 0.9) < 1e-5
+    assert 0.1 < float((first != own).float().mean()) < 0.25
+    want, got = plain_gradient(out), recorded(out, 0)
+    assert max(rel(got[n], want[n]) for n in want) > 1e-2
+
+
+def bf16_grid(grads: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(v, v.bfloat16().float()) for v in grads.values())
+
+
+def test_a_2d_run_reducing_over_dp_in_bf16_under_an_undeclared_wire_fails_naming_the_bf16_wire(dp_tp):
+    """FSDP2's MixedPrecisionPolicy(reduce_dtype=bfloat16) on the dp dimension of a 2-D run (the TP
+    reductions in float32: the reduce dtype applied on one mesh dimension, pytorch #190627's kind), the
+    Recorder's wire left at its default fp32."""
+    out = dp_tp["reduce_bf16"]
+    v = looprec.verdict(out)
+    g = v.check("gradient")
+    assert not v.passed and not g.passed, failing(v)
+    assert "every element of the fleet's gradient is a bfloat16 value" in g.reason, g.reason
+    assert "declare it, Recorder(wire='bf16')" in g.reason, g.reason
+    assert v.check("loss").passed and v.check("layout").passed and v.check("replay").passed
+    # independently: every rank's recorded gradient lies on the bf16 grid, a bf16 rounding away from the plain
+    # model's; the float32 run's does not
+    want = plain_gradient(out)
+    for rank in range(4):
+        got = recorded(out, rank)
+        assert bf16_grid(got) and 1e-4 < max(rel(got[n], want[n]) for n in want) < 1e-2
+    assert not bf16_grid(recorded(dp_tp["clean"], 0))
+
+
+def test_a_2d_run_reducing_over_dp_in_bf16_passes_when_it_declares_the_bf16_wire(dp_tp):
+    out = dp_tp["reduce_bf16_wire"]
+    v = looprec.verdict(out)
+    assert v.passed, failing(v)
+    assert "declared bf16 wire's bound" in v.check("gradient").reason, v.check("gradient").reason
+    assert v.check("bias").passed
+    want = plain_gradient(out, rows=8)
+    got = recorded(out, 0)
+    assert bf16_grid(got) and 1e-4 < max(rel(got[n], want[n]) for n in want) < 1e-2

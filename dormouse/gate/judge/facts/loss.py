@@ -85,9 +85,34 @@ def check_loss_traced(a: ArtifactSet) -> Check:
 
 
 
+def tp_size(rec: A.RecordingSet) -> int:
+    """The model-parallel group size of a recorded DTensor layout or declared sharding (1 without one, or in a
+    pipeline)."""
+    lay = rec.meta.get("layout") or {}
+    return 1 if lay.get("pipeline") else max((len(g) for g in lay.get("groups", [])), default=1)
+
+
+def tp_named(pairs: list[tuple[float, float, float]], tp: int) -> str | None:
+    """The logged loss named by the TP size where it is, at every step that logged one (pairs: logged,
+    objective, bound), the objective + log(TP) (a log-sum-exp summed over the TP group on logits each rank
+    holds whole) or the objective times TP or 1/TP, within the loss's bound; None otherwise."""
+    if tp < 2 or not pairs:
+        return None
+    if all(abs((x - r) - math.log(tp)) <= t * abs(r) for x, r, t in pairs):
+        return (f"the declared objective + log({tp}) = + {math.log(tp):.4f}, log of the TP size {tp}, at every step: "
+                f"a log-sum-exp whose sum of exponentials was all-reduced over the TP group on logits each rank "
+                "already held whole (a vocabulary-parallel cross-entropy applied to gathered logits)")
+    for v, w in ((tp, f"the TP size {tp}"), (1 / tp, f"1 / the TP size {tp}")):
+        if all(abs(x - v * r) <= t * abs(v * r) for x, r, t in pairs):
+            return (f"the declared objective times {v:.4g} = {w} at every step: a loss summed (or divided) over "
+                    "the TP group, whose ranks compute one replica's loss together, once too often")
+    return None
+
+
 def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Check:
     worst, at, alt_hits = 0.0, None, None
     reported_any, over, floor = False, False, 0.0
+    pairs: list[tuple[float, float, float]] = []  # (logged, objective, bound) at every step that logged one
     # reduced precision: the loss as a loop computing it in the forward's dtype gives it (measured per step)
     lowp = max((f for k in rec.steps if (f := ref.info(k).get("loss_floor")) is not None), default=None)
     for k in rec.steps:
@@ -101,6 +126,7 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
         if losses[0] is None:
             continue
         reported_any = True
+        pairs.append((losses[0], info["loss"], tol))
         x = abs(losses[0] - info["loss"]) / max(abs(info["loss"]), 1e-30)
         x = x if math.isfinite(x) else math.inf  # a NaN logged (or a NaN reference): above every bound
         if x > worst:
@@ -125,8 +151,9 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
     desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": rank_mean_words(rec),
             "rank_local": "rank 0's own token mean"}
     named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)
+    by_tp = None if named else tp_named(pairs, tp_size(rec))
     reason = (f"the logged loss differs from the declared objective by {worst:.2g} at step {at}"
-              + (f": it is {named}, not the global token mean" if named else ""))
+              + (f": it is {named}, not the global token mean" if named else f": it is {by_tp}" if by_tp else ""))
     if math.isinf(worst):
         logged = rec.step_meta(0, at).get("loss")
         reason = (f"the logged loss at step {at} is {logged}" if isinstance(logged, float) and not math.isfinite(logged)
