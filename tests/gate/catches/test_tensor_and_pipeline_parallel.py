@@ -46,8 +46,8 @@ TP_RUNS = {
     # the logged loss a vocabulary-parallel cross-entropy on gathered logits: the objective + log(TP)
     "tp_loss_lse": {"fault": "loss_lse_tp", "loss_parallel": False, "seed": 17},
     # a keyed dropout (seed, position, global column) on the column-split hidden; the fault keys it by the local column
-    "tp_dropout": {"dropout": 0.1, "seed": 18},
-    "tp_dropout_local": {"fault": "dropout_local", "dropout": 0.1, "seed": 19},
+    "tp_dropout": {"dropout": 0.1, "seed": 18, "steps": 1},
+    "tp_dropout_local": {"fault": "dropout_local", "dropout": 0.1, "seed": 19, "steps": 1},
     # last in the launch: DTensor's random ops on sharded parameters
     "tp_init_shards": {"fault": "init_shards", "seed": 15, "steps": 1},
 }
@@ -57,8 +57,8 @@ DP_TP_RUNS = {
     "dp_sum": {"fault": "dp_sum", "seed": 2},
     # FSDP2's reduce_dtype bf16 on dp (the TP reductions stay float32): undeclared, then declared (one
     # micro-batch: FSDP2 accumulates no-sync micro-batches in the reduce dtype, which the wire does not cover)
-    "reduce_bf16": {"reduce_dtype": "bfloat16", "seed": 20},
-    "reduce_bf16_wire": {"reduce_dtype": "bfloat16", "wire": "bf16", "micro": 1, "rows": 4, "seed": 21},
+    "reduce_bf16": {"reduce_dtype": "bfloat16", "seed": 20, "steps": 1},
+    "reduce_bf16_wire": {"reduce_dtype": "bfloat16", "wire": "bf16", "micro": 1, "rows": 4, "seed": 21, "steps": 1},
 }
 
 
