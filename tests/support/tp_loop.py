@@ -30,15 +30,15 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
   init_shards    after parallelising, the loop initialises every TP-split weight in
                  place under the run's seed: each rank draws its own shard from the
                  same RNG state (torchtitan's init-after-parallelize flow)
-  loss_lse_tp    the logged loss (not the one backpropagated) is a hand-written
-                 vocabulary-parallel cross-entropy applied to logits already gathered
-                 (loss_parallel off): its sum of exponentials all-reduced over the TP
-                 group counts every logit TP times, the logged loss the objective +
-                 log(TP) (Megatron's vocabulary-parallel cross-entropy on full logits)
   dropout_local  with "dropout" > 0 (tp_llama's KeyedDropout on each feed-forward's
                  column-split hidden activation): every TP rank keys its mask by its
                  local column index, drawing the first shard's mask (Megatron-DeepSpeed
                  #276: dropout drawn alike on the TP ranks of a sharded region)
+  loss_vp_gathered  the loss backpropagated AND logged is Megatron's vocabulary-parallel
+                 cross-entropy (its forward and its local backward) applied to logits already
+                 gathered (loss_parallel off): each rank takes the whole vocabulary for its
+                 partition, rank r's range [r V, (r + 1) V) holding the targets on rank 0 only;
+                 the loss is the objective + log(TP), the gradient wrong (Megatron #7452, 2)
 "reduce_dtype" / "param_dtype" ("bfloat16" or "float32"): FSDP2's MixedPrecisionPolicy on
 the dp dimension (2-D runs); "wire": the Recorder's declared wire ("fp32" or "bf16").
 """
@@ -62,6 +62,35 @@ RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "tp": 2, "micro": 2
 def batch_rows(seed: int, step: int, n: int, T: int, vocab: int = 64) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * seed + step)
     return torch.randint(0, vocab, (n, T), generator=g)
+
+
+class GatheredVocabParallelCE(torch.autograd.Function):
+    """Megatron's vocab_parallel_cross_entropy (forward: the max and the sum of exponentials all-reduced over
+    the TP group, the target logit taken by the rank whose vocabulary range holds it and all-reduced; backward
+    local: softmax minus the target's one-hot where this rank holds it) given logits each TP rank holds WHOLE:
+    its partition is the whole vocabulary V, its range [r V, (r + 1) V)."""
+
+    @staticmethod
+    def forward(ctx, z, y, group):
+        V, r = z.shape[-1], dist.get_rank(group)
+        top = z.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        e = (z - top[:, None]).exp()
+        sumexp = e.sum(dim=-1)
+        dist.all_reduce(sumexp, group=group)
+        mine = (y >= r * V) & (y < (r + 1) * V)
+        local = (y - r * V).clamp(0, V - 1)
+        target = torch.where(mine, z.gather(1, local[:, None]).squeeze(1) - top, torch.zeros_like(top))
+        dist.all_reduce(target, group=group)
+        ctx.save_for_backward(e / sumexp[:, None], mine, local)
+        return sumexp.log() - target
+
+    @staticmethod
+    def backward(ctx, g):
+        soft, mine, local = ctx.saved_tensors
+        grad = soft.clone()
+        grad[torch.arange(len(local)), local] -= mine.to(grad.dtype)
+        return grad * g[:, None], None, None
 
 
 def run(cfg: dict) -> None:
@@ -123,18 +152,13 @@ def run(cfg: dict) -> None:
                 with loss_parallel():
                     loss = F.cross_entropy(z, y, reduction="sum") / count
                     (loss * scale).backward()
+            elif fault == "loss_vp_gathered":
+                loss = GatheredVocabParallelCE.apply(z, y, mesh["tp"].get_group()).sum() / count
+                loss.backward()
             else:
                 loss = F.cross_entropy(z, y, reduction="sum") / count
                 (loss * scale).backward()
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-            if fault == "loss_lse_tp":  # the vocabulary-parallel formula on logits every TP rank holds whole
-                with torch.no_grad():
-                    zl = z.full_tensor() if isinstance(z, DTensor) else z
-                    top = zl.max(dim=-1).values
-                    sumexp = (zl - top[:, None]).exp().sum(dim=-1)
-                    dist.all_reduce(sumexp, group=mesh["tp"].get_group())  # each rank's "shard" is every logit
-                    target = zl.gather(1, y[:, None]).squeeze(1)
-                    loss = ((sumexp.log() + top - target).sum() / count)
             total += float(loss.detach())
         if fault == "dp_sum":  # the reduced gradient summed over the replicas where DDP/FSDP2 averaged it
             with torch.no_grad():
