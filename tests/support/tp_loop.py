@@ -39,6 +39,10 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
                  gathered (loss_parallel off): each rank takes the whole vocabulary for its
                  partition, rank r's range [r V, (r + 1) V) holding the targets on rank 0 only;
                  the loss is the objective + log(TP), the gradient wrong (Megatron #7452, 2)
+  tp_reduce_bf16 after the backward, the gradients DTensor leaves Partial over the TP group
+                 (the TP-replicated parameters': the sequence-parallel norms') are all-reduced
+                 in bfloat16 by the loop, every other reduction float32 (pytorch #190626's
+                 TP-dimension reduce in bf16, in a float32 run; TP alone, no FSDP2)
 "reduce_dtype" / "param_dtype" ("bfloat16" or "float32"): FSDP2's MixedPrecisionPolicy on
 the dp dimension (2-D runs); "wire": the Recorder's declared wire ("fp32" or "bf16").
 """
@@ -169,6 +173,15 @@ def run(cfg: dict) -> None:
                 for p in model.parameters():
                     if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
                         p.grad.mul_(tp)
+        if fault == "tp_reduce_bf16":  # the Partial gradients reduced over TP in bfloat16
+            from torch.distributed.tensor import Replicate
+
+            with torch.no_grad():
+                for p in model.parameters():
+                    if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+                        t = p.grad.to_local().bfloat16()
+                        dist.all_reduce(t, group=mesh["tp"].get_group())
+                        p.grad = DTensor.from_local(t.float(), p.grad.device_mesh, [Replicate()] * p.grad.device_mesh.ndim)
         logged = torch.tensor(total)
         if dp > 1 and fault != "loss_local":
             dist.all_reduce(logged, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())

@@ -47,6 +47,8 @@ TP_RUNS = {
     "tp_loss_x2": {"fault": "loss_x_all", "factor": 2.0, "seed": 16, "steps": 1},  # every gradient x 2 in TP alone
     # Megatron's vocabulary-parallel cross-entropy on gathered logits, backpropagated: the objective + log(TP)
     "tp_loss_vp": {"fault": "loss_vp_gathered", "loss_parallel": False, "seed": 17},
+    # the gradients DTensor leaves Partial over TP (the norms') all-reduced in bf16, the rest float32
+    "tp_reduce_bf16": {"fault": "tp_reduce_bf16", "seed": 24, "steps": 1},
     # the keyed dropout of clean_seed2 keyed by each TP rank's local column
     "tp_dropout_local": {"fault": "dropout_local", "dropout": 0.1, "seed": 19, "steps": 1},
     # last in the launch: DTensor's random ops on sharded parameters
@@ -465,6 +467,26 @@ def test_a_2d_run_reducing_over_dp_in_bf16_under_an_undeclared_wire_fails_naming
         got = recorded(out, rank)
         assert bf16_grid(got) and 1e-4 < max(rel(got[n], want[n]) for n in want) < 1e-2
     assert not bf16_grid(recorded(dp_tp["clean"], 0))
+
+
+def test_a_tp_reduction_in_bf16_of_the_replicated_parameters_alone_fails_naming_those_tensors(tp):
+    """pytorch #190626's kind in a float32 run: the TP-replicated parameters' gradients (the sequence-parallel
+    norms') reduced over the TP group in bfloat16, every other reduction float32."""
+    out = tp["tp_reduce_bf16"]
+    v = looprec.verdict(out)
+    g = v.check("gradient")
+    assert not v.passed and not g.passed, failing(v)
+    assert "the gradients of 5 tensor(s) (layers.0.attention_norm.weight, layers.0.ffn_norm.weight, " \
+           "layers.1.attention_norm.weight, ...) are bfloat16 values in every element" in g.reason, g.reason
+    assert "a reduce dtype applied on one mesh dimension only" in g.reason, g.reason
+    assert v.check("loss").passed and v.check("replay").passed
+    # independently: the norms' recorded gradients lie on the bf16 grid, a bf16 rounding from the plain model's;
+    # every other tensor is the plain model's at float32 resolution
+    want, got = plain_gradient(out), recorded(out, 0)
+    norms = [n for n in want if n.endswith("norm.weight")]
+    assert len(norms) == 5 and bf16_grid({n: got[n] for n in norms})
+    assert all(1e-5 < rel(got[n], want[n]) < 1e-2 for n in norms)
+    assert max(rel(got[n], want[n]) for n in want if n not in norms) < 5e-6
 
 
 def test_a_2d_run_reducing_over_dp_in_bf16_passes_when_it_declares_the_bf16_wire(dp_tp):
