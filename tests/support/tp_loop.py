@@ -181,7 +181,8 @@ def run(cfg: dict) -> None:
                     if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
                         t = p.grad.to_local().bfloat16()
                         dist.all_reduce(t, group=mesh["tp"].get_group())
-                        p.grad = DTensor.from_local(t.float(), p.grad.device_mesh, [Replicate()] * p.grad.device_mesh.ndim)
+                        mesh_of = p.grad.device_mesh
+                        p.grad = DTensor.from_local(t.float(), mesh_of, [Replicate()] * mesh_of.ndim)
         logged = torch.tensor(total)
         if dp > 1 and fault != "loss_local":
             dist.all_reduce(logged, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())

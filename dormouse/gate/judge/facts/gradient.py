@@ -470,7 +470,8 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
             if not rec.sketch and not wire and bf16_wire(rec):
                 reason += ("; every element of the fleet's gradient is a bfloat16 value (float32 with its low 16 bits "
                            "zero) at every step it was not clipped: the gradient was all-reduced in bfloat16 (a bf16 "
-                           "compress hook, or FSDP2's reduce_dtype=torch.bfloat16), whose round-off (~4e-3 relative) the float32 bound does not allow; "
+                           "compress hook, or FSDP2's reduce_dtype=torch.bfloat16), whose round-off (~4e-3 relative) "
+                           "the float32 bound does not allow; "
                            "declare it, Recorder(wire='bf16'), to judge it against that rounding's bound")
             elif not rec.sketch and not wire and precision_floor(rec, ref) is None and (lowp := bf16_tensors(rec)):
                 # a float32 run (no autocast, cast or low-precision parameters, whose gradients are bf16 values)
