@@ -7,8 +7,8 @@ tests plant through this client's own code:
                   gradient is then this rank's positions' alone, never reduced
                   over the TP group (Megatron's sequence-parallel norm bug)
   dropout_local   the feed-forwards' KeyedDropout never told its column shard:
-                  every TP rank draws the first shard's mask (Megatron-DeepSpeed
-                  #276: dropout drawn alike on the TP ranks of a sharded region)
+                  every TP rank draws the first shard's mask (dropout drawn alike on
+                  the TP ranks of a sharded region, Megatron-LM #26's kind)
 
 Recordings name `tp_llama:build_model`: the gate's reference builds the same
 model through this module.
@@ -52,7 +52,7 @@ def parallelize(model, mesh, *, loss_parallel: bool = True, sp_norm_local: bool 
     Then each feed-forward's KeyedDropout (a model built with dropout) is told its rank's column shard of
     the TP group, unless dropout_local: every TP rank then keys its mask by its LOCAL column index, so
     each draws the mask of the first shard (dropout drawn alike on the TP ranks of a sharded region,
-    Megatron-DeepSpeed #276)."""
+    a dropout outside Megatron's model-parallel RNG tracker, Megatron-LM #26)."""
     norm = (lambda tp, module: LocalSequenceNorm(tp).apply(module)) if sp_norm_local else None
     _parallelize(model, mesh, loss_parallel=loss_parallel, norm=norm, mp_policy=mp_policy)
     tp = mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) and mesh.ndim > 1 else mesh

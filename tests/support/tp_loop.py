@@ -32,8 +32,9 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
                  same RNG state (torchtitan's init-after-parallelize flow)
   dropout_local  with "dropout" > 0 (tp_llama's KeyedDropout on each feed-forward's
                  column-split hidden activation): every TP rank keys its mask by its
-                 local column index, drawing the first shard's mask (Megatron-DeepSpeed
-                 #276: dropout drawn alike on the TP ranks of a sharded region)
+                 local column index, drawing the first shard's mask (dropout drawn alike
+                 on the TP ranks of a sharded region: a dropout outside Megatron's
+                 model-parallel RNG tracker, Megatron-LM #26)
   loss_vp_gathered  the loss backpropagated AND logged is Megatron's vocabulary-parallel
                  cross-entropy (its forward and its local backward) applied to logits already
                  gathered (loss_parallel off): each rank takes the whole vocabulary for its

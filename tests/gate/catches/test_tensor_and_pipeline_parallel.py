@@ -414,8 +414,9 @@ def test_a_keyed_dropout_on_the_column_split_hidden_passes_when_each_tp_rank_key
 
 
 def test_dropout_drawn_alike_on_the_tp_ranks_of_a_column_split_region_fails_and_the_probe_names_it(tp):
-    """Megatron-DeepSpeed #276's kind: every TP rank keys the dropout mask by its local column, so each
-    draws the first shard's mask where one process draws one mask over all the columns."""
+    """Megatron-LM #26's kind (a dropout outside the model-parallel RNG tracker): every TP rank keys the
+    dropout mask by its local column, so each draws the first shard's mask where one process draws one
+    mask over all the columns."""
     from tp_llama import build_model
     from tp_loop import batch_rows
 
