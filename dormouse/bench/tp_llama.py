@@ -56,24 +56,60 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class KeyedDropout(nn.Module):
+    """Dropout whose mask is a function of (key, position, GLOBAL column): element (t, j) of every row is
+    kept when a hash of (key, t * columns + j) is at least p. One process and a tensor-parallel rank
+    holding a column shard draw the same mask for the same element, provided the rank says which shard
+    it holds (`shard(index, count)`, the client's line after parallelising: a ColwiseParallel output
+    is a plain local tensor that does not know it). The same at every step (the one-process reference
+    cannot see the step)."""
+
+    def __init__(self, p: float, key: int, columns: int):
+        super().__init__()
+        self.p, self.key, self.columns = p, key, columns
+        self._shard = (0, 1)  # (index, count) of this rank's column shard; private: the reference's is whole
+
+    def shard(self, index: int, count: int) -> None:
+        self._shard = (index, count)
+
+    def mask(self, t: int, first: int, width: int) -> torch.Tensor:
+        """The keep mask of positions 0..t-1 and global columns first..first+width-1 (31-bit integer hash)."""
+        m = 0x7FFFFFFF
+        x = torch.arange(t).view(-1, 1) * self.columns + torch.arange(first, first + width).view(1, -1)
+        x = (x * 0x5BD1E995 + self.key * 0x27D4EB2F + 0x165667B1) & m
+        for shift, mul in ((16, 0x45D9F3B), (15, 0x2C1B3C6D), (16, 0x297A2D39)):
+            x = ((x ^ (x >> shift)) * mul) & m
+        return (x ^ (x >> 16)).double() / 2 ** 31 >= self.p
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        index, count = self._shard
+        width = x.shape[-1]
+        keep = self.mask(x.shape[-2], index * (self.columns // count), width).to(x.dtype)
+        return x * keep / (1 - self.p)
+
+
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, key: int = 0):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.drop = KeyedDropout(dropout, key, hidden) if dropout else None  # on the (column-split) hidden
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h = F.silu(self.w1(x)) * self.w3(x)
+        return self.w2(self.drop(h) if self.drop is not None else h)
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int):
+    def __init__(self, dim: int, n_heads: int, hidden: int, dropout: float = 0.0, key: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(dim)
         self.attention = Attention(dim, n_heads)
         self.ffn_norm = RMSNorm(dim)
-        self.feed_forward = FeedForward(dim, hidden)
+        self.feed_forward = FeedForward(dim, hidden, dropout, key)
 
     def forward(self, x):
         h = x + self.attention(self.attention_norm(x))
@@ -81,10 +117,11 @@ class Block(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, n_heads: int = 4, n_layers: int = 2, hidden: int = 64):
+    def __init__(self, vocab: int = 64, dim: int = 32, n_heads: int = 4, n_layers: int = 2, hidden: int = 64,
+                 dropout: float = 0.0, key: int = 0):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, hidden) for i in range(n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, hidden, dropout, key + i) for i in range(n_layers)})
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -113,9 +150,10 @@ def pipeline_stage_module(model, stage: int, stages: int = 2):
 
 
 def build_model(seed: int = 0, vocab: int = 64, dim: int = 32, n_heads: int = 4, n_layers: int = 2,
-                hidden: int = 64, **_):
+                hidden: int = 64, dropout: float = 0.0, **_):
+    """`dropout`: a KeyedDropout on each feed-forward's hidden activation, keyed by the seed and the block."""
     torch.manual_seed(seed)
-    model = TinyLlama(vocab, dim, n_heads, n_layers, hidden)
+    model = TinyLlama(vocab, dim, n_heads, n_layers, hidden, dropout, key=1000 * seed)
     with torch.no_grad():  # random, not a trained model's, and not all-ones norms (their gradients show)
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
@@ -130,9 +168,10 @@ def build_optimizer(model, lr: float = 1e-2, **_):
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=False)
 
 
-def parallelize(model, mesh, *, loss_parallel: bool = True, norm=None):
-    """torchtitan's TP plan on mesh["tp"] (or a 1-D mesh), then FSDP2 on mesh["dp"] where there is one.
-    `norm(tp_mesh, module)`, where given, parallelises each block's norms in place of SequenceParallel."""
+def parallelize(model, mesh, *, loss_parallel: bool = True, norm=None, mp_policy=None):
+    """torchtitan's TP plan on mesh["tp"] (or a 1-D mesh), then FSDP2 on mesh["dp"] where there is one
+    (with `mp_policy`, a MixedPrecisionPolicy, where given). `norm(tp_mesh, module)`, where given,
+    parallelises each block's norms in place of SequenceParallel."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -165,7 +204,8 @@ def parallelize(model, mesh, *, loss_parallel: bool = True, norm=None):
                 parallelize_module(getattr(block, name), tp, SequenceParallel())
     if "dp" in names and mesh["dp"].size() > 1:
         dp = mesh["dp"]
+        mp = {} if mp_policy is None else {"mp_policy": mp_policy}
         for block in model.layers.values():
-            fully_shard(block, mesh=dp)
-        fully_shard(model, mesh=dp)
+            fully_shard(block, mesh=dp, **mp)
+        fully_shard(model, mesh=dp, **mp)
     return model

@@ -6,6 +6,9 @@ tests plant through this client's own code:
                   weight and normalise their local sequence shard: the weight's
                   gradient is then this rank's positions' alone, never reduced
                   over the TP group (Megatron's sequence-parallel norm bug)
+  dropout_local   the feed-forwards' KeyedDropout never told its column shard:
+                  every TP rank draws the first shard's mask (dropout drawn alike on
+                  the TP ranks of a sharded region, Megatron-LM #26's kind)
 
 Recordings name `tp_llama:build_model`: the gate's reference builds the same
 model through this module.
@@ -13,7 +16,7 @@ model through this module.
 
 from __future__ import annotations
 
-from dormouse.bench.tp_llama import (Attention, Block, FeedForward, RMSNorm, TinyLlama,  # noqa: F401
+from dormouse.bench.tp_llama import (Attention, Block, FeedForward, KeyedDropout, RMSNorm, TinyLlama,  # noqa: F401
                                      build_model, build_optimizer, pipeline_stage_module)
 from dormouse.bench.tp_llama import parallelize as _parallelize
 
@@ -43,7 +46,17 @@ class LocalSequenceNorm:
 
 
 
-def parallelize(model, mesh, *, loss_parallel: bool = True, sp_norm_local: bool = False):
-    """dormouse.bench.tp_llama.parallelize; with sp_norm_local the block norms are LocalSequenceNorm's."""
+def parallelize(model, mesh, *, loss_parallel: bool = True, sp_norm_local: bool = False,
+                dropout_local: bool = False, mp_policy=None):
+    """dormouse.bench.tp_llama.parallelize; with sp_norm_local the block norms are LocalSequenceNorm's.
+    Then each feed-forward's KeyedDropout (a model built with dropout) is told its rank's column shard of
+    the TP group, unless dropout_local: every TP rank then keys its mask by its LOCAL column index, so
+    each draws the mask of the first shard (dropout drawn alike on the TP ranks of a sharded region,
+    a dropout outside Megatron's model-parallel RNG tracker, Megatron-LM #26)."""
     norm = (lambda tp, module: LocalSequenceNorm(tp).apply(module)) if sp_norm_local else None
-    return _parallelize(model, mesh, loss_parallel=loss_parallel, norm=norm)
+    _parallelize(model, mesh, loss_parallel=loss_parallel, norm=norm, mp_policy=mp_policy)
+    tp = mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) and mesh.ndim > 1 else mesh
+    for block in model.layers.values():
+        if block.feed_forward.drop is not None and not dropout_local:
+            block.feed_forward.drop.shard(tp.get_local_rank(), tp.size())
+    return model

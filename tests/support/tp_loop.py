@@ -30,6 +30,22 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
   init_shards    after parallelising, the loop initialises every TP-split weight in
                  place under the run's seed: each rank draws its own shard from the
                  same RNG state (torchtitan's init-after-parallelize flow)
+  dropout_local  with "dropout" > 0 (tp_llama's KeyedDropout on each feed-forward's
+                 column-split hidden activation): every TP rank keys its mask by its
+                 local column index, drawing the first shard's mask (dropout drawn alike
+                 on the TP ranks of a sharded region: a dropout outside Megatron's
+                 model-parallel RNG tracker, Megatron-LM #26)
+  loss_vp_gathered  the loss backpropagated AND logged is Megatron's vocabulary-parallel
+                 cross-entropy (its forward and its local backward) applied to logits already
+                 gathered (loss_parallel off): each rank takes the whole vocabulary for its
+                 partition, rank r's range [r V, (r + 1) V) holding the targets on rank 0 only;
+                 the loss is the objective + log(TP), the gradient wrong (Megatron #7452, 2)
+  tp_reduce_bf16 after the backward, the gradients DTensor leaves Partial over the TP group
+                 (the TP-replicated parameters': the sequence-parallel norms') are all-reduced
+                 in bfloat16 by the loop, every other reduction float32 (pytorch #190626's
+                 TP-dimension reduce in bf16, in a float32 run; TP alone, no FSDP2)
+"reduce_dtype" / "param_dtype" ("bfloat16" or "float32"): FSDP2's MixedPrecisionPolicy on
+the dp dimension (2-D runs); "wire": the Recorder's declared wire ("fp32" or "bf16").
 """
 
 from __future__ import annotations
@@ -44,12 +60,42 @@ import torch.nn.functional as F
 import plan  # tests/support: the loops' one main
 
 RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "tp": 2, "micro": 2, "rows": 2, "T": 8,
-       "loss_parallel": True, "module": None, "factor": 1.0}
+       "loss_parallel": True, "module": None, "factor": 1.0, "dropout": 0.0, "reduce_dtype": None,
+       "param_dtype": None, "wire": "fp32"}
 
 
 def batch_rows(seed: int, step: int, n: int, T: int, vocab: int = 64) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * seed + step)
     return torch.randint(0, vocab, (n, T), generator=g)
+
+
+class GatheredVocabParallelCE(torch.autograd.Function):
+    """Megatron's vocab_parallel_cross_entropy (forward: the max and the sum of exponentials all-reduced over
+    the TP group, the target logit taken by the rank whose vocabulary range holds it and all-reduced; backward
+    local: softmax minus the target's one-hot where this rank holds it) given logits each TP rank holds WHOLE:
+    its partition is the whole vocabulary V, its range [r V, (r + 1) V)."""
+
+    @staticmethod
+    def forward(ctx, z, y, group):
+        V, r = z.shape[-1], dist.get_rank(group)
+        top = z.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        e = (z - top[:, None]).exp()
+        sumexp = e.sum(dim=-1)
+        dist.all_reduce(sumexp, group=group)
+        mine = (y >= r * V) & (y < (r + 1) * V)
+        local = (y - r * V).clamp(0, V - 1)
+        target = torch.where(mine, z.gather(1, local[:, None]).squeeze(1) - top, torch.zeros_like(top))
+        dist.all_reduce(target, group=group)
+        ctx.save_for_backward(e / sumexp[:, None], mine, local)
+        return sumexp.log() - target
+
+    @staticmethod
+    def backward(ctx, g):
+        soft, mine, local = ctx.saved_tensors
+        grad = soft.clone()
+        grad[torch.arange(len(local)), local] -= mine.to(grad.dtype)
+        return grad * g[:, None], None, None
 
 
 def run(cfg: dict) -> None:
@@ -67,9 +113,16 @@ def run(cfg: dict) -> None:
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = rank // tp, rank % tp
     fault = cfg["fault"]
-    model = build_model(seed=cfg["seed"])
+    build = {"seed": cfg["seed"], **({"dropout": cfg["dropout"]} if cfg["dropout"] else {})}
+    model = build_model(**build)
+    mp = None
+    if cfg["reduce_dtype"] or cfg["param_dtype"]:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = MixedPrecisionPolicy(**{k: getattr(torch, cfg[k]) for k in ("param_dtype", "reduce_dtype") if cfg[k]})
     if tp > 1:
-        parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local")
+        parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local",
+                    dropout_local=fault == "dropout_local", mp_policy=mp)
     if fault == "init_shards":
         torch.manual_seed(cfg["seed"])
         with torch.no_grad():
@@ -82,7 +135,7 @@ def run(cfg: dict) -> None:
     if tp == 1:  # a plain data-parallel run: DDP over every rank
         model = torch.nn.parallel.DistributedDataParallel(model)
     rec = Recorder(cfg["out"], model, build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
-                   objective="causal_lm", build_kwargs={"seed": cfg["seed"]})
+                   objective="causal_lm", build_kwargs=build, wire=cfg["wire"])
     K, B, T = cfg["micro"], cfg["rows"], cfg["T"]
     for step in range(cfg["steps"]):
         rows = batch_rows(cfg["seed"], step, dp * K * B, T)
@@ -104,6 +157,9 @@ def run(cfg: dict) -> None:
                 with loss_parallel():
                     loss = F.cross_entropy(z, y, reduction="sum") / count
                     (loss * scale).backward()
+            elif fault == "loss_vp_gathered":
+                loss = GatheredVocabParallelCE.apply(z, y, mesh["tp"].get_group()).sum() / count
+                loss.backward()
             else:
                 loss = F.cross_entropy(z, y, reduction="sum") / count
                 (loss * scale).backward()
@@ -118,6 +174,16 @@ def run(cfg: dict) -> None:
                 for p in model.parameters():
                     if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
                         p.grad.mul_(tp)
+        if fault == "tp_reduce_bf16":  # the Partial gradients reduced over TP in bfloat16
+            from torch.distributed.tensor import Replicate
+
+            with torch.no_grad():
+                for p in model.parameters():
+                    if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+                        t = p.grad.to_local().bfloat16()
+                        dist.all_reduce(t, group=mesh["tp"].get_group())
+                        mesh_of = p.grad.device_mesh
+                        p.grad = DTensor.from_local(t.float(), mesh_of, [Replicate()] * mesh_of.ndim)
         logged = torch.tensor(total)
         if dp > 1 and fault != "loss_local":
             dist.all_reduce(logged, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())

@@ -14,6 +14,7 @@ stages, GPipe and 1F1B, scale_grads). One launch per mesh size."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import looprec
@@ -25,7 +26,9 @@ from dormouse.gate import artifacts as A
 
 TP_RUNS = {
     "clean": {"seed": 0},
-    "clean_seed2": {"seed": 2, "loss_parallel": False},  # the output's logits gathered (Replicate), not loss_parallel
+    # the output's logits gathered (Replicate), not loss_parallel; a dropout on the feed-forwards' column-split
+    # hidden, its mask keyed by (seed, position, global column), each TP rank told its column shard
+    "clean_seed2": {"seed": 2, "loss_parallel": False, "dropout": 0.1},
     "sp_norm_local": {"fault": "sp_norm_local", "seed": 3},
     "tp_grad_x": {"fault": "tp_grad_x", "seed": 4},
     "tp_rows": {"fault": "tp_rows", "seed": 5},
@@ -42,6 +45,12 @@ TP_RUNS = {
     "pp_loss_div": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "loss_div", "seed": 13},
     "pp_stale": {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "fault": "stale", "seed": 14},
     "tp_loss_x2": {"fault": "loss_x_all", "factor": 2.0, "seed": 16, "steps": 1},  # every gradient x 2 in TP alone
+    # Megatron's vocabulary-parallel cross-entropy on gathered logits, backpropagated: the objective + log(TP)
+    "tp_loss_vp": {"fault": "loss_vp_gathered", "loss_parallel": False, "seed": 17},
+    # the gradients DTensor leaves Partial over TP (the norms') all-reduced in bf16, the rest float32
+    "tp_reduce_bf16": {"fault": "tp_reduce_bf16", "seed": 24, "steps": 1},
+    # the keyed dropout of clean_seed2 keyed by each TP rank's local column
+    "tp_dropout_local": {"fault": "dropout_local", "dropout": 0.1, "seed": 19, "steps": 1},
     # last in the launch: DTensor's random ops on sharded parameters
     "tp_init_shards": {"fault": "init_shards", "seed": 15, "steps": 1},
 }
@@ -49,6 +58,10 @@ DP_TP_RUNS = {
     "clean": {"seed": 0},
     "loss_local": {"fault": "loss_local", "seed": 1},
     "dp_sum": {"fault": "dp_sum", "seed": 2},
+    # FSDP2's reduce_dtype bf16 on dp (the TP reductions stay float32): undeclared, then declared (one
+    # micro-batch: FSDP2 accumulates no-sync micro-batches in the reduce dtype, which the wire does not cover)
+    "reduce_bf16": {"reduce_dtype": "bfloat16", "seed": 20, "steps": 1},
+    "reduce_bf16_wire": {"reduce_dtype": "bfloat16", "wire": "bf16", "micro": 1, "rows": 4, "seed": 21, "steps": 1},
 }
 
 
@@ -78,7 +91,7 @@ def plain_gradient(out: Path, step: int = 1, rows: int | None = None) -> dict[st
     seed = rec.meta["build_kwargs"]["seed"]
     replicas = len(rec.meta["layout"]["groups"]) if rec.meta.get("layout") else rec.meta["world"]
     ids = batch_rows(seed, step - 1, rows or replicas * RUN["micro"] * RUN["rows"], RUN["T"])
-    model = build_model(seed=seed)
+    model = build_model(**rec.meta["build_kwargs"])
     z = model(ids)
     F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
     return {n: p.grad for n, p in model.named_parameters()}
@@ -175,12 +188,57 @@ def test_a_clean_2d_fsdp2_by_tp_run_passes_with_each_replica_read_once(dp_tp):
         assert max(rel(got[n], want[n]) for n in want) < 5e-6
 
 
+def plain_loss(out: Path, step: int, rows: slice) -> float:
+    """The unparallelised model's token-mean cross-entropy at the parameters recorded before `step`, on
+    `rows` of the step's global batch (tp_loop's rule for the rows, not the recording's inputs)."""
+    import torch.nn.functional as F
+    from tp_llama import build_model
+    from tp_loop import RUN, batch_rows
+
+    rec = A.RecordingSet(out)
+    replicas = len(rec.meta["layout"]["groups"])
+    t, _ = A.read_tensors(A.step_tensors_path(out, 0, step), "step tensors")
+    model = build_model(**rec.meta["build_kwargs"])
+    model.load_state_dict({n[2:]: v for n, v in t.items() if n.startswith("p/")})
+    ids = batch_rows(rec.meta["build_kwargs"]["seed"], step - 1, replicas * RUN["micro"] * RUN["rows"], RUN["T"])[rows]
+    with torch.no_grad():
+        z = model(ids)
+        return float(F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+
+
 def test_a_2d_loss_logged_without_its_dp_reduction_fails_the_loss_alone(dp_tp):
-    v = looprec.verdict(dp_tp["loss_local"])
+    """torchtitan #3329's kind: the gradient right, the logged loss one replica's."""
+    out = dp_tp["loss_local"]
+    v = looprec.verdict(out)
     c = v.check("loss")
     assert not v.passed and not c.passed, failing(v)
     assert "rank 0's own token mean" in c.reason and "the logged loss is wrong, not the training" in c.reason
     assert v.check("gradient").passed and v.check("layout").passed and v.check("replay").passed
+    # independently: rank 0 logged its replica's rows' token mean (the first K x B rows), not the global batch's
+    for k in (1, 2):
+        logged = A.RecordingSet(out).step_meta(0, k)["loss"]
+        assert abs(logged - plain_loss(out, k, slice(0, 4))) < 1e-5 * logged
+        assert abs(logged - plain_loss(out, k, slice(None))) > 1e-3 * logged
+
+
+def test_a_vocabulary_parallel_cross_entropy_on_gathered_logits_is_named_off_by_log_tp_at_the_loss(tp):
+    """Megatron #7452 (2): its vocab_parallel_cross_entropy given logits every TP rank holds whole counts
+    each logit TP times in the sum of exponentials (the loss the objective + log(TP)), and its local backward
+    leaves the target's one-hot on rank 0 alone (the gradient wrong)."""
+    out = tp["tp_loss_vp"]
+    v = looprec.verdict(out)
+    c, g, p = v.check("loss"), v.check("gradient"), v.check("probe")
+    assert not v.passed and not c.passed and not g.passed and not p.passed, failing(v)
+    assert "it is the declared objective + log(2) = + 0.6931, log of the TP size 2, at every step" in c.reason, c.reason
+    assert "every module's forward output agrees with one process's, but the gradient flowing into the output of " \
+           "output departs" in p.reason and "the gradient parts at the model's own output (its loss)" in p.reason
+    assert v.check("layout").passed and v.check("replay").passed
+    # independently: the logged loss minus the plain model's token mean on the whole batch is log 2 at each step
+    for k in (1, 2):
+        logged = A.RecordingSet(out).step_meta(0, k)["loss"]
+        assert abs(logged - plain_loss(out, k, slice(None)) - math.log(2)) < 1e-5
+    want, got = plain_gradient(out), recorded(out, 0)
+    assert max(rel(got[n], want[n]) for n in want) > 0.1
 
 
 def test_the_probe_agrees_module_by_module_on_clean_tp_and_dp_runs(tp):
@@ -342,3 +400,102 @@ def test_a_pipeline_recording_with_sketches_is_refused_in_one_line(tmp_path):
     with pytest.raises(RecorderError, match="a pipeline is recorded in full tensors"):
         Recorder(tmp_path, torch.nn.Linear(2, 2), build_model="tp_llama:build_model",
                  build_optimizer="tp_llama:build_optimizer", sketch=64, pipeline_stage=Stage())
+
+
+def test_a_keyed_dropout_on_the_column_split_hidden_passes_when_each_tp_rank_keys_its_global_columns(tp):
+    out = tp["clean_seed2"]  # its dropout: tp_llama.KeyedDropout, p = 0.1
+    assert A.RecordingSet(out).meta["build_kwargs"]["dropout"] == 0.1
+    v = looprec.verdict(out)
+    assert v.passed and v.check("probe").passed, failing(v)
+    t0, t1 = (A.read_tensors(A.step_tensors_path(out, r, 1), "step tensors")[0]["po/layers.0.feed_forward.drop"]
+              for r in (0, 1))
+    assert t0.shape == (2, 8, 32) and not torch.equal(t0 == 0, t1 == 0)  # each TP rank its own columns' mask
+    assert 0.05 < float((t0 == 0).float().mean()) < 0.15
+
+
+def test_dropout_drawn_alike_on_the_tp_ranks_of_a_column_split_region_fails_and_the_probe_names_it(tp):
+    """Megatron-LM #26's kind (a dropout outside the model-parallel RNG tracker): every TP rank keys the
+    dropout mask by its local column, so each draws the first shard's mask where one process draws one
+    mask over all the columns."""
+    from tp_llama import build_model
+    from tp_loop import batch_rows
+
+    out = tp["tp_dropout_local"]
+    v = looprec.verdict(out)
+    g, c = v.check("gradient"), v.check("probe")
+    assert not v.passed and not g.passed and not c.passed, failing(v)
+    assert "not by a constant factor" in g.reason, g.reason
+    assert "the first module whose forward output departs from one process's is layers.0.feed_forward.drop" in c.reason
+    assert "the 10 module(s) before it in execution order agree" in c.reason, c.reason
+    assert v.check("layout").passed and v.check("replay").passed
+    # independently, from the recorded outputs alone: both TP ranks zeroed the same elements of their shards
+    t0, t1 = (A.read_tensors(A.step_tensors_path(out, r, 1), "step tensors")[0]["po/layers.0.feed_forward.drop"]
+              for r in (0, 1))
+    assert t0.shape == t1.shape == (2, 8, 32) and torch.equal(t0 == 0, t1 == 0)
+    # and against the plain model: rank 1's shard is the plain hidden under the FIRST shard's mask, which
+    # differs from its own columns' mask in about a sixth of the elements; rank 0's shard is the plain one
+    model, seen = build_model(seed=19, dropout=0.1), {}
+    drop = model.layers["0"].feed_forward.drop
+    drop.register_forward_hook(lambda m, i, o: seen.update(h=i[0].detach(), out=o.detach()))
+    model(batch_rows(19, 0, 4, 8)[:2])
+    first, own = drop.mask(8, 0, 32), drop.mask(8, 32, 32)
+    assert rel(t0, seen["out"][..., :32]) < 1e-5 and rel(t1, seen["out"][..., 32:]) > 0.1
+    assert rel(t1, seen["h"][..., 32:] * first / 0.9) < 1e-5
+    assert 0.1 < float((first != own).float().mean()) < 0.25
+    want, got = plain_gradient(out), recorded(out, 0)
+    assert max(rel(got[n], want[n]) for n in want) > 1e-2
+
+
+def bf16_grid(grads: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(v, v.bfloat16().float()) for v in grads.values())
+
+
+def test_a_2d_run_reducing_over_dp_in_bf16_under_an_undeclared_wire_fails_naming_the_bf16_wire(dp_tp):
+    """FSDP2's MixedPrecisionPolicy(reduce_dtype=bfloat16) on the dp dimension of a 2-D run (the TP
+    reductions in float32: the reduce dtype applied on one mesh dimension, pytorch #190627's kind), the
+    Recorder's wire left at its default fp32."""
+    out = dp_tp["reduce_bf16"]
+    v = looprec.verdict(out)
+    g = v.check("gradient")
+    assert not v.passed and not g.passed, failing(v)
+    assert "every element of the fleet's gradient is a bfloat16 value" in g.reason, g.reason
+    assert "declare it, Recorder(wire='bf16')" in g.reason, g.reason
+    assert v.check("loss").passed and v.check("layout").passed and v.check("replay").passed
+    # independently: every rank's recorded gradient lies on the bf16 grid, a bf16 rounding away from the plain
+    # model's; the float32 run's does not
+    want = plain_gradient(out)
+    for rank in range(4):
+        got = recorded(out, rank)
+        assert bf16_grid(got) and 1e-4 < max(rel(got[n], want[n]) for n in want) < 1e-2
+    assert not bf16_grid(recorded(dp_tp["clean"], 0))
+
+
+def test_a_tp_reduction_in_bf16_of_the_replicated_parameters_alone_fails_naming_those_tensors(tp):
+    """pytorch #190626's kind in a float32 run: the TP-replicated parameters' gradients (the sequence-parallel
+    norms') reduced over the TP group in bfloat16, every other reduction float32."""
+    out = tp["tp_reduce_bf16"]
+    v = looprec.verdict(out)
+    g = v.check("gradient")
+    assert not v.passed and not g.passed, failing(v)
+    assert "the gradients of 5 tensor(s) (layers.0.attention_norm.weight, layers.0.ffn_norm.weight, " \
+           "layers.1.attention_norm.weight, ...) are bfloat16 values in every element" in g.reason, g.reason
+    assert "a reduce dtype applied on one mesh dimension only" in g.reason, g.reason
+    assert v.check("loss").passed and v.check("replay").passed
+    # independently: the norms' recorded gradients lie on the bf16 grid, a bf16 rounding from the plain model's;
+    # every other tensor is the plain model's at float32 resolution
+    want, got = plain_gradient(out), recorded(out, 0)
+    norms = [n for n in want if n.endswith("norm.weight")]
+    assert len(norms) == 5 and bf16_grid({n: got[n] for n in norms})
+    assert all(1e-5 < rel(got[n], want[n]) < 1e-2 for n in norms)
+    assert max(rel(got[n], want[n]) for n in want if n not in norms) < 5e-6
+
+
+def test_a_2d_run_reducing_over_dp_in_bf16_passes_when_it_declares_the_bf16_wire(dp_tp):
+    out = dp_tp["reduce_bf16_wire"]
+    v = looprec.verdict(out)
+    assert v.passed, failing(v)
+    assert "declared bf16 wire's bound" in v.check("gradient").reason, v.check("gradient").reason
+    assert v.check("bias").passed
+    want = plain_gradient(out, rows=8)
+    got = recorded(out, 0)
+    assert bf16_grid(got) and 1e-4 < max(rel(got[n], want[n]) for n in want) < 1e-2

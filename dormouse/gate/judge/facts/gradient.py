@@ -43,6 +43,7 @@ from dormouse.gate.judge.bounds import (
 from dormouse.gate.judge.facts.precision import (
     arithmetic_bound,
     bound_words,
+    precision_floor,
     precision_words,
     too_loose,
     wire_bound,
@@ -233,6 +234,20 @@ def bf16_wire(rec: A.RecordingSet) -> bool:
     steps = [k for k in rec.tensor_steps() if rec.step_meta(0, k).get("clip_coef") in (None, 1.0)]
     return bool(steps) and all(C.bf16_representable(rec.tensors_at(k, "g/")) for k in steps)
 
+
+
+def bf16_tensors(rec: A.RecordingSet, least: int = 16) -> list[str]:
+    """The tensors whose gradient is a bfloat16 value in every element (at least `least` of them nonzero: an
+    all-zero or near-empty gradient says nothing) at every tensor step the loop did not clip, where some
+    other tensor's is not: a reduction run in bfloat16 for those tensors alone; [] otherwise."""
+    steps = [k for k in rec.tensor_steps() if rec.step_meta(0, k).get("clip_coef") in (None, 1.0)]
+    names, total = None, 0
+    for k in steps:
+        g = rec.tensors_at(k, "g/")
+        total = len(g)
+        on = {n for n, v in g.items() if int((v != 0).sum()) >= least and C.bf16_representable({n: v})}
+        names = on if names is None else names & on
+    return sorted(names) if names and len(names) < total else []
 
 
 def _off_the_bf16_grid(rec: A.RecordingSet) -> int | None:
@@ -456,8 +471,16 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
             if not rec.sketch and not wire and bf16_wire(rec):
                 reason += ("; every element of the fleet's gradient is a bfloat16 value (float32 with its low 16 bits "
                            "zero) at every step it was not clipped: the gradient was all-reduced in bfloat16 (a bf16 "
-                           "compress hook), whose round-off (~4e-3 relative) the float32 bound does not allow; "
+                           "compress hook, or FSDP2's reduce_dtype=torch.bfloat16), whose round-off (~4e-3 relative) "
+                           "the float32 bound does not allow; "
                            "declare it, Recorder(wire='bf16'), to judge it against that rounding's bound")
+            elif not rec.sketch and not wire and precision_floor(rec, ref) is None and (lowp := bf16_tensors(rec)):
+                # a float32 run (no autocast, cast or low-precision parameters, whose gradients are bf16 values)
+                reason += (f"; the gradients of {len(lowp)} tensor(s) ({', '.join(lowp[:3])}"
+                           + (", ..." if len(lowp) > 3 else "") + ") are bfloat16 values in every element at every "
+                           "step it was not clipped, the others' are not: their reduction ran in bfloat16 where the "
+                           "rest ran in float32 (a reduce dtype applied on one mesh dimension only: pytorch #190626, "
+                           "FSDP2's all-reduce over TP of the replicated parameters' gradients in their bfloat16)")
             info, _ = ref.step(rec.tensor_steps()[0])
             if info.get("rng_sensitive"):
                 reason += "; the one-process gradient itself changes with the RNG state (see independence)"

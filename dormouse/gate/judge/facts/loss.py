@@ -23,9 +23,38 @@ from dormouse.gate.judge.facts.precision import precision_words
 from dormouse.gate.judge.verdict import Check, TensorCheck
 
 
+def mesh_sizes(rec: A.RecordingSet) -> tuple[int, int]:
+    """(TP, DP): the model-parallel group size and the data-parallel replicas of a recorded DTensor layout
+    or declared sharding; (1, 1) without one, or in a pipeline."""
+    lay = rec.meta.get("layout") or {}
+    groups = [] if lay.get("pipeline") else lay.get("groups", [])
+    return max((len(g) for g in groups), default=1), max(len(groups), 1)
+
+
+def mesh_named(pairs: list[tuple[float, float, float]], tp: int, dp: int) -> str | None:
+    """The logged loss named by the mesh where it is, at every step that logged one (pairs: logged,
+    objective, bound), within the loss's bound: the objective + log(TP) (a log-sum-exp summed over the TP
+    group on logits each rank holds whole), or the objective times TP, 1/TP, DP or 1/DP (every size it
+    equals listed: one factor cannot tell coinciding sizes apart); None otherwise."""
+    if not pairs:
+        return None
+    if tp > 1 and all(abs((x - r) - math.log(tp)) <= t * abs(r) for x, r, t in pairs):
+        return (f"the declared objective + log({tp}) = + {math.log(tp):.4f}, log of the TP size {tp}, at every step: "
+                f"a log-sum-exp whose sum of exponentials was all-reduced over the TP group on logits each rank "
+                "already held whole (a vocabulary-parallel cross-entropy applied to gathered logits)")
+    cands = [(v, w) for size, what in ((tp, "TP"), (dp, "DP")) if size > 1
+             for v, w in ((size, f"the {what} size {size}"), (1 / size, f"1 / the {what} size {size}"))]
+    for v in sorted({v for v, _ in cands}):
+        if all(abs(x - v * r) <= t * abs(v * r) for x, r, t in pairs):
+            return (f"the declared objective times {v:.4g} = {' = '.join(w for u, w in cands if u == v)} at every "
+                    "step: a loss reduced over a mesh dimension (summed where averaged, or divided once too often)")
+    return None
+
+
 def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Check:
     worst, at, alt_hits, first = 0.0, None, None, None
     reported_any, over, floor = False, False, 0.0
+    pairs: list[tuple[float, float, float]] = []  # (logged, objective, bound) at every step that logged one
     # reduced precision: the loss as a loop computing it in the forward's dtype gives it (measured per step)
     lowp = max((f for k in rec.steps if (f := ref.info(k).get("loss_floor")) is not None), default=None)
     for k in rec.steps:
@@ -39,6 +68,7 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
         if losses[0] is None:
             continue
         reported_any = True
+        pairs.append((losses[0], info["loss"], tol))
         x = abs(losses[0] - info["loss"]) / max(abs(info["loss"]), 1e-30)
         x = x if math.isfinite(x) else math.inf  # a NaN logged (or a NaN reference): above every bound
         if x > worst:
@@ -64,8 +94,9 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
     desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": rank_mean_words(rec),
             "rank_local": "rank 0's own token mean"}
     named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)
+    by_mesh = None if named else mesh_named(pairs, *mesh_sizes(rec))
     reason = (f"the logged loss differs from the declared objective by {worst:.2g} at step {at}"
-              + (f": it is {named}, not the global token mean" if named else ""))
+              + (f": it is {named}, not the global token mean" if named else f": it is {by_mesh}" if by_mesh else ""))
     if math.isinf(worst):
         logged = rec.step_meta(0, at).get("loss")
         reason = (f"the logged loss at step {at} is {logged}" if isinstance(logged, float) and not math.isfinite(logged)
