@@ -36,6 +36,9 @@ losses summed, then summed over the data-parallel ranks (dist_sum over its
                  step's global one (the token count never summed over the
                  data-parallel ranks): with FSDP2 summing the gradients, every
                  gradient and the logged loss are the data-parallel size too large
+  world_tokens   the token count summed over every rank (the world mesh), TP
+                 peers included, where torchtitan sums it over its batch mesh:
+                 every gradient and the logged loss are 1/TP of one process's
 """
 
 from __future__ import annotations
@@ -149,7 +152,9 @@ def run(cfg: dict) -> None:
         rows = batch_rows(cfg["seed"], step, dp * K * B, T)
         mine = rows[dp_rank * K * B:(dp_rank + 1) * K * B]
         local_tokens = torch.tensor(K * B * (T - 1), dtype=torch.int64)
-        if pd.dp_enabled and cfg["fault"] != "local_tokens":  # torchtitan's train_step: summed over its batch mesh
+        if cfg["fault"] == "world_tokens":
+            tokens = dist_sum_tensor(local_tokens, pd.world_mesh)
+        elif pd.dp_enabled and cfg["fault"] != "local_tokens":  # torchtitan's train_step: summed over its batch mesh
             tokens = dist_sum_tensor(local_tokens, pd.get_mesh("batch"))
         else:
             tokens = local_tokens
