@@ -1,0 +1,90 @@
+"""The gate on torchtitan itself (issue 28): tests/support/titan_loop.py builds
+torchtitan's llama3 model (its debugmodel's builder, shrunk), parallelises it
+with torchtitan's own parallelize_llama (tensor parallel with SequenceParallel
+and the vocabulary-parallel loss, FSDP2 on its fsdp mesh) over torchtitan's
+ParallelDims meshes, and trains it with torchtitan's CrossEntropyLoss in a
+plain AdamW loop, recorded by the Recorder: 2 gloo ranks (TP 2), one real
+torchrun launch. A clean run passes at float32 resolution; the token count
+summed over the world mesh (TP peers included) where torchtitan sums it over
+its batch mesh fails, named by the TP size. Both are confirmed against the
+unparallelised model's own autograd on the global batch, read straight from
+the recorded files. Skipped where torchtitan (and triton, which its llama3
+model imports) is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import looprec
+from looprec import failing, launch
+
+from dormouse.gate import artifacts as A
+
+MISSING = [m for m in ("torchtitan", "triton") if importlib.util.find_spec(m) is None]
+pytestmark = pytest.mark.skipif(
+    bool(MISSING), reason=f"{' and '.join(MISSING)} not installed (torchtitan 0.3.0 imports triton with its "
+                          "llama3 model); see docs/parallelisms.md, 'torchtitan proper'")
+
+RUNS = {
+    "clean": {"seed": 0},
+    # K = 3 micro-batches, so that the factor 1/2 is the TP size's alone
+    "world_tokens": {"fault": "world_tokens", "seed": 5, "micro": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("titan")
+    launch([{**cfg, "out": str(root / n)} for n, cfg in RUNS.items()], root, script="titan_loop.py", world=2)
+    return {n: root / n for n in RUNS}
+
+
+def plain_gradient(out: Path, micro: int) -> dict[str, torch.Tensor]:
+    """The unparallelised torchtitan model's gradient of the global token mean at step 1, from
+    titan_loop.build_model and the rows titan_loop reads (its own rule, not the recording's inputs)."""
+    import torch.nn.functional as F
+    from titan_loop import RUN, build_model, batch_rows
+
+    seed = A.RecordingSet(out).meta["build_kwargs"]["seed"]
+    ids = batch_rows(seed, 0, micro * RUN["rows"], RUN["T"])
+    model = build_model(seed=seed)
+    z = model(ids)
+    F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def recorded(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s recorded gradients at step 1, read straight from its file."""
+    t, _ = A.read_tensors(A.step_tensors_path(out, rank, 1), "step tensors")
+    return {n[2:]: v for n, v in t.items() if n.startswith("g/")}
+
+
+def worst(got: dict, want: dict, factor: float = 1.0) -> float:
+    return max(float((got[n].double() - factor * want[n].double()).norm() / (factor * want[n].double()).norm())
+               for n in want)
+
+
+def test_torchtitans_own_tensor_parallel_llama_passes_at_float32_resolution(titan):
+    v = looprec.verdict(titan["clean"])
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
+    layout = v.check("layout")
+    assert "mesh fsdp 1 x tp 2" in layout.reason and "12 of 17 parameters split" in layout.reason, layout.reason
+    want = plain_gradient(titan["clean"], micro=2)
+    for rank in (0, 1):
+        assert worst(recorded(titan["clean"], rank), want) < 5e-6
+
+
+def test_torchtitans_token_count_summed_over_the_tp_peers_too_fails_named_by_the_tp_size(titan):
+    v = looprec.verdict(titan["world_tokens"])
+    lay = v.check("layout")
+    assert not v.passed and not lay.passed, failing(v)
+    assert "every gradient is one process's times 0.5 = 1 / the TP size 2" in lay.reason, lay.reason
+    assert not v.check("gradient").passed and not v.check("loss").passed
+    assert v.check("replay").passed  # the optimizer applied what the loop computed: the loss's normalisation is off
+    want = plain_gradient(titan["world_tokens"], micro=3)
+    assert worst(recorded(titan["world_tokens"], 0), want, factor=0.5) < 5e-6
