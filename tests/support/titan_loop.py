@@ -36,6 +36,9 @@ losses summed, then summed over the data-parallel ranks (dist_sum over its
                  step's global one (the token count never summed over the
                  data-parallel ranks): with FSDP2 summing the gradients, every
                  gradient and the logged loss are the data-parallel size too large
+  init_after     torchtitan's trainer's order: the model built on the meta device,
+                 parallelised, then materialised on the CPU and initialised by
+                 init_states() under the run's seed (each rank its own shards)
   world_tokens   the token count summed over every rank (the world mesh), TP
                  peers included, where torchtitan sums it over its batch mesh:
                  every gradient and the logged loss are 1/TP of one process's
@@ -141,8 +144,17 @@ def run(cfg: dict) -> None:
     pd = parallel_dims(world, tp)
     dp = pd.dp_shard
     dp_rank = pd.get_mesh("batch").get_local_rank() if pd.dp_enabled else 0
-    model = build_model(seed=cfg["seed"])
-    parallelize(model, pd, cfg["out"])
+    if cfg["fault"] == "init_after":
+        with torch.device("meta"):
+            model = model_config().build()
+        parallelize(model, pd, cfg["out"])
+        model.to_empty(device="cpu")
+        torch.manual_seed(cfg["seed"])
+        with torch.no_grad():
+            model.init_states()
+    else:
+        model = build_model(seed=cfg["seed"])
+        parallelize(model, pd, cfg["out"])
     opt = build_optimizer(model)
     rec = Recorder(cfg["out"], model, build_model="titan_loop:build_model", build_optimizer="titan_loop:build_optimizer",
                    objective="causal_lm", build_kwargs={"seed": cfg["seed"]})

@@ -8,7 +8,8 @@ torchrun launch. A clean run passes at float32 resolution; the token count
 summed over the world mesh (TP peers included) where torchtitan sums it over
 its batch mesh fails, named by the TP size. Both are confirmed against the
 unparallelised model's own autograd on the global batch, read straight from
-the recorded files. Skipped where torchtitan (and triton, which its llama3
+the recorded files. torchtitan's own order (initialise after parallelising)
+is refused in one line, naming the equal shards each TP rank drew. Skipped where torchtitan (and triton, which its llama3
 model imports) is not installed."""
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ RUNS = {
     "clean": {"seed": 0},
     # K = 3 micro-batches, so that the factor 1/2 is the TP size's alone
     "world_tokens": {"fault": "world_tokens", "seed": 5, "micro": 3},
+    # torchtitan's trainer's order: built on meta, parallelised, then init_states() on each rank's shards
+    "init_after": {"fault": "init_after", "seed": 7, "steps": 1},
 }
 
 
@@ -90,3 +93,21 @@ def test_torchtitans_token_count_summed_over_the_tp_peers_too_fails_named_by_the
     assert v.check("replay").passed  # the optimizer applied what the loop computed: the loss's normalisation is off
     want = plain_gradient(titan["world_tokens"], micro=3)
     assert worst(recorded(titan["world_tokens"], 0), want, factor=0.5) < 5e-6
+
+
+def test_torchtitans_init_after_parallelising_is_refused_naming_the_shards_each_tp_rank_drew_alike(titan):
+    from titan_loop import build_model
+
+    from dormouse.errors import DormouseError
+    from dormouse.gate.record.reference import make_reference
+
+    out = titan["init_after"]
+    init, _ = A.read_tensors(A.step_tensors_path(out, 0, 1), "step tensors")
+    w = init["p/layers.0.attention.wo.weight"]  # RowwiseParallel: split along dim 1
+    left, right = w.chunk(2, 1)
+    assert torch.equal(left, right)
+    assert not torch.equal(w, dict(build_model(seed=7).named_parameters())["layers.0.attention.wo.weight"].detach())
+    with pytest.raises(DormouseError) as e:
+        make_reference(out, log=looprec.QUIET)
+    assert "equal copies of one shard along dim 1" in str(e.value), str(e.value)
+    assert "initialise the model before parallelising it" in str(e.value), str(e.value)
