@@ -3,10 +3,12 @@ torchtitan's llama3 model (its debugmodel's builder, shrunk), parallelises it
 with torchtitan's own parallelize_llama (tensor parallel with SequenceParallel
 and the vocabulary-parallel loss, FSDP2 on its fsdp mesh) over torchtitan's
 ParallelDims meshes, and trains it with torchtitan's CrossEntropyLoss in a
-plain AdamW loop, recorded by the Recorder: 2 gloo ranks (TP 2), one real
-torchrun launch. A clean run passes at float32 resolution; the token count
+plain AdamW loop, recorded by the Recorder: one real torchrun launch of 2
+gloo ranks (TP 2) and one of 4 (dp 2 x tp 2). A clean run passes at float32 resolution; the token count
 summed over the world mesh (TP peers included) where torchtitan sums it over
-its batch mesh fails, named by the TP size. Both are confirmed against the
+its batch mesh fails, named by the TP size; on 4 ranks (dp 2 x tp 2) a clean
+run passes and a loss divided by each rank's own token count fails, named by
+the DP size. Both are confirmed against the
 unparallelised model's own autograd on the global batch, read straight from
 the recorded files. torchtitan's own order (initialise after parallelising)
 is refused in one line, naming the equal shards each TP rank drew. Skipped where torchtitan (and triton, which its llama3
@@ -37,6 +39,10 @@ RUNS = {
     # torchtitan's trainer's order: built on meta, parallelised, then init_states() on each rank's shards
     "init_after": {"fault": "init_after", "seed": 7, "steps": 1},
 }
+DP_TP_RUNS = {  # 4 ranks: dp 2 x tp 2, FSDP2 on torchtitan's fsdp mesh
+    "clean": {"seed": 0},
+    "local_tokens": {"fault": "local_tokens", "seed": 1, "micro": 3},  # K = 3: the factor 2 is not K's
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +52,22 @@ def titan(tmp_path_factory) -> dict[str, Path]:
     return {n: root / n for n in RUNS}
 
 
+@pytest.fixture(scope="module")
+def titan_2d(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("titan_2d")
+    launch([{**cfg, "out": str(root / n)} for n, cfg in DP_TP_RUNS.items()], root, script="titan_loop.py", world=4)
+    return {n: root / n for n in DP_TP_RUNS}
+
+
 def plain_gradient(out: Path, micro: int) -> dict[str, torch.Tensor]:
     """The unparallelised torchtitan model's gradient of the global token mean at step 1, from
     titan_loop.build_model and the rows titan_loop reads (its own rule, not the recording's inputs)."""
     import torch.nn.functional as F
     from titan_loop import RUN, build_model, batch_rows
 
-    seed = A.RecordingSet(out).meta["build_kwargs"]["seed"]
-    ids = batch_rows(seed, 0, micro * RUN["rows"], RUN["T"])
+    rec = A.RecordingSet(out)
+    seed, replicas = rec.meta["build_kwargs"]["seed"], len(rec.meta["layout"]["groups"])
+    ids = batch_rows(seed, 0, replicas * micro * RUN["rows"], RUN["T"])
     model = build_model(seed=seed)
     z = model(ids)
     F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
@@ -111,3 +125,26 @@ def test_torchtitans_init_after_parallelising_is_refused_naming_the_shards_each_
         make_reference(out, log=looprec.QUIET)
     assert "equal copies of one shard along dim 1" in str(e.value), str(e.value)
     assert "initialise the model before parallelising it" in str(e.value), str(e.value)
+
+
+def test_torchtitans_own_2d_fsdp2_by_tp_llama_passes_at_float32_resolution(titan_2d):
+    v = looprec.verdict(titan_2d["clean"])
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
+    layout = v.check("layout")
+    assert "mesh fsdp 2 x tp 2" in layout.reason and "2 data-parallel replica(s) of 2" in layout.reason, layout.reason
+    rec = A.RecordingSet(titan_2d["clean"])
+    assert "_StridedShard" in rec.meta["layout"]["params"]["tok_embeddings.weight"]["placements"][0]
+    want = plain_gradient(titan_2d["clean"], micro=2)
+    for rank in range(4):
+        assert worst(recorded(titan_2d["clean"], rank), want) < 5e-6
+
+
+def test_a_2d_loss_divided_by_each_ranks_own_token_count_fails_named_by_the_dp_size(titan_2d):
+    v = looprec.verdict(titan_2d["local_tokens"])
+    lay = v.check("layout")
+    assert not v.passed and not lay.passed, failing(v)
+    assert "every gradient is one process's times 2 = the DP size 2" in lay.reason, lay.reason
+    assert not v.check("gradient").passed and not v.check("loss").passed and v.check("replay").passed
+    want = plain_gradient(titan_2d["local_tokens"], micro=3)
+    assert worst(recorded(titan_2d["local_tokens"], 0), want, factor=2.0) < 5e-6
