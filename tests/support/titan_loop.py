@@ -22,7 +22,8 @@ gloo (see docs/parallelisms.md, "torchtitan proper"):
     divided by the global token count), which FSDP2 does with PREMUL_SUM, which
     gloo lacks;
   - the attention: torchtitan's ScaledDotProductAttention module (causal) in
-    place of its FlexAttention, which torch.compiles flex_attention.
+    place of its FlexAttention, which has no backward on the CPU (torch 2.13:
+    "FlexAttention does not support backward on CPU").
 torchtitan itself imports triton (its expert-parallel kernels) when the llama3
 model is imported: triton must be installed, though nothing here runs it.
 
