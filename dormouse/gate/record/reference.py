@@ -284,9 +284,12 @@ def rebuild(rec: A.RecordingSet):
                                      f"one, which the declared sharding {pattern!r} assembled from its ranks' pieces: "
                                      "if every rank built build_model's model, the group's ranks are declared in "
                                      "another order than the pieces concatenate in (or along another dim)")
+            # the first differing tensor may have no layout entry (a state_dict key split from a fused
+            # parameter, as torchtitan's wqkv into wq, wk, wv): any differing parameter's equal shards tell
+            why = next((w for m in sorted(init) if m in state and not torch.equal(state[m].detach().cpu(), init[m])
+                        and (w := equal_shards(meta.get("layout"), m, init[m]))), None)
             raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
-                                 f"recorded initial ones (first: {n}): "
-                                 + (equal_shards(meta.get("layout"), n, b) or "seed it as the loop does"))
+                                 f"recorded initial ones (first: {n}): " + (why or "seed it as the loop does"))
     _as_recorded(model, meta)
     return model
 

@@ -281,12 +281,13 @@ def rank_mean_words(rec: A.RecordingSet) -> str:
 
 def _factor_words(rec: A.RecordingSet, c: float, micro: int, rtol: float) -> str | None:
     """factor_name over W = the data-parallel replicas (replicas), then the TP size where the layout
-    has a model-parallel dimension and c is it."""
+    has a model-parallel dimension and c is it or its reciprocal."""
     lay = rec.meta.get("layout") or {}
     tp = max((len(g) for g in lay.get("groups", [])), default=1) if not lay.get("pipeline") else 1
     w = replicas(rec)[0]
     names = [n for n in (factor_name(c, w, micro, rtol) or "").split(" = ") if n and (w > 1 or "W" not in n)]
     names += [f"the TP size {tp}"] if tp > 1 and abs(c / tp - 1) <= rtol else []
+    names += [f"1 / the TP size {tp}"] if tp > 1 and abs(c * tp - 1) <= rtol else []
     return " = ".join(names) or None
 
 

@@ -1,0 +1,150 @@
+"""The gate on torchtitan itself (issue 28): tests/support/titan_loop.py builds
+torchtitan's llama3 model (its debugmodel's builder, shrunk), parallelises it
+with torchtitan's own parallelize_llama (tensor parallel with SequenceParallel
+and the vocabulary-parallel loss, FSDP2 on its fsdp mesh) over torchtitan's
+ParallelDims meshes, and trains it with torchtitan's CrossEntropyLoss in a
+plain AdamW loop, recorded by the Recorder: one real torchrun launch of 2
+gloo ranks (TP 2) and one of 4 (dp 2 x tp 2). A clean run passes at float32 resolution; the token count
+summed over the world mesh (TP peers included) where torchtitan sums it over
+its batch mesh fails, named by the TP size; on 4 ranks (dp 2 x tp 2) a clean
+run passes and a loss divided by each rank's own token count fails, named by
+the DP size. Both are confirmed against the
+unparallelised model's own autograd on the global batch, read straight from
+the recorded files. torchtitan's own order (initialise after parallelising)
+is refused in one line, naming the equal shards each TP rank drew. Skipped where torchtitan (and triton, which its llama3
+model imports) is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import looprec
+from looprec import failing, launch
+
+from dormouse.gate import artifacts as A
+
+MISSING = [m for m in ("torchtitan", "triton") if importlib.util.find_spec(m) is None]
+pytestmark = pytest.mark.skipif(
+    bool(MISSING), reason=f"{' and '.join(MISSING)} not installed (torchtitan 0.3.0 imports triton with its "
+                          "llama3 model); see docs/parallelisms.md, 'torchtitan proper'")
+
+RUNS = {
+    "clean": {"seed": 0},
+    # K = 3 micro-batches, so that the factor 1/2 is the TP size's alone
+    "world_tokens": {"fault": "world_tokens", "seed": 5, "micro": 3},
+    # torchtitan's trainer's order: built on meta, parallelised, then init_states() on each rank's shards
+    "init_after": {"fault": "init_after", "seed": 7, "steps": 1},
+}
+DP_TP_RUNS = {  # 4 ranks: dp 2 x tp 2, FSDP2 on torchtitan's fsdp mesh
+    "clean": {"seed": 0},
+    "local_tokens": {"fault": "local_tokens", "seed": 1, "micro": 3},  # K = 3: the factor 2 is not K's
+}
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("titan")
+    launch([{**cfg, "out": str(root / n)} for n, cfg in RUNS.items()], root, script="titan_loop.py", world=2)
+    return {n: root / n for n in RUNS}
+
+
+@pytest.fixture(scope="module")
+def titan_2d(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("titan_2d")
+    launch([{**cfg, "out": str(root / n)} for n, cfg in DP_TP_RUNS.items()], root, script="titan_loop.py", world=4)
+    return {n: root / n for n in DP_TP_RUNS}
+
+
+def plain_gradient(out: Path, micro: int) -> dict[str, torch.Tensor]:
+    """The unparallelised torchtitan model's gradient of the global token mean at step 1, from
+    titan_loop.build_model and the rows titan_loop reads (its own rule, not the recording's inputs)."""
+    import torch.nn.functional as F
+    from titan_loop import RUN, build_model, batch_rows
+
+    rec = A.RecordingSet(out)
+    seed, replicas = rec.meta["build_kwargs"]["seed"], len(rec.meta["layout"]["groups"])
+    ids = batch_rows(seed, 0, replicas * micro * RUN["rows"], RUN["T"])
+    model = build_model(seed=seed)
+    z = model(ids)
+    F.cross_entropy(z[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def recorded(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s recorded gradients at step 1, read straight from its file."""
+    t, _ = A.read_tensors(A.step_tensors_path(out, rank, 1), "step tensors")
+    return {n[2:]: v for n, v in t.items() if n.startswith("g/")}
+
+
+def worst(got: dict, want: dict, factor: float = 1.0) -> float:
+    return max(float((got[n].double() - factor * want[n].double()).norm() / (factor * want[n].double()).norm())
+               for n in want)
+
+
+def test_torchtitans_own_tensor_parallel_llama_passes_at_float32_resolution(titan):
+    v = looprec.verdict(titan["clean"])
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
+    layout = v.check("layout")
+    assert "mesh fsdp 1 x tp 2" in layout.reason and "12 of 17 parameters split" in layout.reason, layout.reason
+    want = plain_gradient(titan["clean"], micro=2)
+    for rank in (0, 1):
+        assert worst(recorded(titan["clean"], rank), want) < 5e-6
+
+
+def test_torchtitans_token_count_summed_over_the_tp_peers_too_fails_named_by_the_tp_size(titan):
+    v = looprec.verdict(titan["world_tokens"])
+    lay = v.check("layout")
+    assert not v.passed and not lay.passed, failing(v)
+    assert "every gradient is one process's times 0.5 = 1 / the TP size 2" in lay.reason, lay.reason
+    g = v.check("gradient")
+    assert not g.passed and "times 0.5 = 1 / the TP size 2 (W = 1 data-parallel replica(s)" in g.reason, g.reason
+    assert not v.check("loss").passed
+    assert v.check("replay").passed  # the optimizer applied what the loop computed: the loss's normalisation is off
+    want = plain_gradient(titan["world_tokens"], micro=3)
+    assert worst(recorded(titan["world_tokens"], 0), want, factor=0.5) < 5e-6
+
+
+def test_torchtitans_init_after_parallelising_is_refused_naming_the_shards_each_tp_rank_drew_alike(titan):
+    from titan_loop import build_model
+
+    from dormouse.errors import DormouseError
+    from dormouse.gate.record.reference import make_reference
+
+    out = titan["init_after"]
+    init, _ = A.read_tensors(A.step_tensors_path(out, 0, 1), "step tensors")
+    w = init["p/layers.0.attention.wo.weight"]  # RowwiseParallel: split along dim 1
+    left, right = w.chunk(2, 1)
+    assert torch.equal(left, right)
+    assert not torch.equal(w, dict(build_model(seed=7).named_parameters())["layers.0.attention.wo.weight"].detach())
+    with pytest.raises(DormouseError) as e:
+        make_reference(out, log=looprec.QUIET)
+    assert "equal copies of one shard along dim 1" in str(e.value), str(e.value)
+    assert "initialise the model before parallelising it" in str(e.value), str(e.value)
+
+
+def test_torchtitans_own_2d_fsdp2_by_tp_llama_passes_at_float32_resolution(titan_2d):
+    v = looprec.verdict(titan_2d["clean"])
+    assert v.passed, failing(v)
+    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
+    layout = v.check("layout")
+    assert "mesh fsdp 2 x tp 2" in layout.reason and "2 data-parallel replica(s) of 2" in layout.reason, layout.reason
+    rec = A.RecordingSet(titan_2d["clean"])
+    assert "_StridedShard" in rec.meta["layout"]["params"]["tok_embeddings.weight"]["placements"][0]
+    want = plain_gradient(titan_2d["clean"], micro=2)
+    for rank in range(4):
+        assert worst(recorded(titan_2d["clean"], rank), want) < 5e-6
+
+
+def test_a_2d_loss_divided_by_each_ranks_own_token_count_fails_named_by_the_dp_size(titan_2d):
+    v = looprec.verdict(titan_2d["local_tokens"])
+    lay = v.check("layout")
+    assert not v.passed and not lay.passed, failing(v)
+    assert "every gradient is one process's times 2 = the DP size 2" in lay.reason, lay.reason
+    assert not v.check("gradient").passed and not v.check("loss").passed and v.check("replay").passed
+    want = plain_gradient(titan_2d["local_tokens"], micro=3)
+    assert worst(recorded(titan_2d["local_tokens"], 0), want, factor=2.0) < 5e-6
