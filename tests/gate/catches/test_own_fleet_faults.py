@@ -18,7 +18,7 @@ import torch
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import FLOOR, GRADREF, SINGLE, GateReferences, RecordingSet
-from dormouse.gate.judge.bounds import BIAS_FLOOR, BIAS_SIGMAS, GRAD_RTOL, INDEP_RTOL, LOSS_RTOL
+from dormouse.gate.judge.bounds import BIAS_FLOOR, BIAS_SIGMAS, GRAD_RTOL
 from dormouse.gate.judge.entry import judge
 from dormouse.gate.settings import GateSettings
 from gatekit import copy_of, faulty_fleets, fleets, judged, references
