@@ -1,6 +1,10 @@
-"""The judge's measures of difference: relative (max-norm, per tensor) for the gate's traced
-series, rel (L2, tensors as one vector) for recordings, ulps, a least-squares fit and the
-named constant factor it may be.
+"""The judge's measures of difference. Two, for two questions: `relative`
+(dormouse.numerics: one tensor's max |a - b| / max |b|, what the floors are
+measured in: the curve's tensors against their floors, a rank's tensors apart)
+and `rel` (a whole gradient's ||a - b|| / ||b||, every tensor as one vector:
+what a gradient is bounded and fitted by, where a fault in one tensor shows in
+proportion to its share). Beside them ulps, a least-squares fit and the named
+constant factor it may be.
 """
 
 from __future__ import annotations
@@ -10,17 +14,7 @@ import math
 import torch
 
 from dormouse.gate.judge.bounds import FACTOR_RTOL
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (max |a - b| where b is all zero)."""
-    a, b = a.double(), b.double()
-    if not b.numel():
-        return 0.0
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale > 0 else diff
-
+from dormouse.numerics import relative  # noqa: F401  (the judge's, re-exported)
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -74,12 +74,13 @@ def _gate_json(d: Path, name: str) -> dict | None:
         return None
 
 
-def stale(made: dict | None, name: str, s: GateSettings) -> str | None:
-    """None when `made` (a set's recorded settings and provenance) was made by this code with settings `s`."""
+def stale(made: dict | None, name: str, want: dict) -> str | None:
+    """None when `made` (a set's recorded settings and provenance) was made by this code with the
+    settings recorded as `want` (GateSettings.record())."""
     if made is None:
         return f"{name} missing"
     have = made.get("settings") or {}
-    diff = [f"{k}={have.get(k)!r} (want {v!r})" for k, v in s.record().items() if have.get(k) != v]
+    diff = [f"{k}={have.get(k)!r} (want {v!r})" for k, v in want.items() if have.get(k) != v]
     if diff:
         return f"{name} made with " + ", ".join(diff)
     if (made.get("provenance") or {}).get("source") != source_hash():
@@ -89,14 +90,14 @@ def stale(made: dict | None, name: str, s: GateSettings) -> str | None:
 
 def status(set_name: str, s: GateSettings) -> str | None:
     """Why artifact set `set_name` must be produced again (None: it fits)."""
-    d = s.out_dir
+    d, want = s.out_dir, s.record()
     if set_name == SINGLE:
-        return next((w for w in (stale(_recorded(A.gate_reference_dir(d, n)), n, s) for n in
+        return next((w for w in (stale(_recorded(A.gate_reference_dir(d, n)), n, want) for n in
                                   [SINGLE] + ([EXACT] if s.reduce == "exact" else [])) if w), None) \
-            or stale(_gate_json(d, FLOOR), FLOOR, s)
+            or stale(_gate_json(d, FLOOR), FLOOR, want)
     fleet = _recorded(d)
     if set_name == FLEET:
-        why = stale(fleet, FLEET, s)
+        why = stale(fleet, FLEET, want)
         if why is None and (not fleet["closed"] or fleet["world"] != s.legs()[-1].world):
             why = f"the fleet's recording is unfinished or of {fleet['world']} ranks, not {s.legs()[-1].world}"
         return why
@@ -107,7 +108,7 @@ def status(set_name: str, s: GateSettings) -> str | None:
 
         return None if is_current(d) else "the recording's one-process reference is missing or stale"
     g = _gate_json(d, GRADREF)  # computed from one fleet run: it must name it
-    why = stale(g, GRADREF, s)
+    why = stale(g, GRADREF, want)
     return why or (None if g.get("run") == fleet["run"] else "gradref was computed from another fleet run")
 
 
