@@ -196,7 +196,7 @@ def bench_recorder(quick: bool, tmp: Path, log=print, *, module: str = "dormouse
     """Run the rank side (`module`) in one `world`-rank torchrun launch, then time the gate's
     check of the first round's full and sketched recordings (see the module docstring).
     `sizes`: (rounds, timed steps) quick and full."""
-    from dormouse.gate.judge.entry import judge_recording
+    from dormouse.gate.judge.entry import judge
     from dormouse.gate.record.reference import make_reference
 
     # timed steps per kind and round, after one warm-up step: 4 x (1 + 4) x 4 kinds = the 80 steps 5 x 4 x 4 were
@@ -230,7 +230,7 @@ def bench_recorder(quick: bool, tmp: Path, log=print, *, module: str = "dormouse
             d = out / f"{kind}_r0"
             t0, c0 = time.perf_counter(), time.process_time()
             make_reference(d, log=lambda line: None, force=True)
-            v = judge_recording(d)
+            v = judge(d)
             judge_s, judge_cpu = time.perf_counter() - t0, time.process_time() - c0
             fleet_s = t["world"] * t["recorded_steps"] * times[kind][0]
             fleet_cpu = t["recorded_steps"] * t["cpu"][kind][0]

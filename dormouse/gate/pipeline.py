@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from dormouse.errors import EXIT_CRASHED, EXIT_FAILED, DormouseError, OneLineParser, command_status
-from dormouse.gate.judge.entry import judge, judge_recording
+from dormouse.gate.judge.entry import judge
 from dormouse.gate.judge.verdict import Verdict
 from dormouse.gate.show.text import VERDICT_FILE, format_verdict, write_verdict
 from dormouse.gate.record.produce import SETS, Log, ensure_all, locked, status
@@ -67,8 +67,9 @@ def gate(s: GateSettings, *, log: Log = print) -> Verdict:
 def check_recording(out, *, force: bool = False, log: Log = print) -> Verdict:
     """`dormouse gate check` and notebook 04 on a recording: the one-process
     reference (made when missing or stale), the verdict, verdict.json; the
-    caller draws the figures (show.plots.render_recording)."""
-    
+    caller draws the figures (show.plots.render_recording). The verdict is
+    judge(out)'s, the one entry: dormouse's own gate's out dir gets its own
+    references' facts too (their files are not made here: the pipeline makes them)."""
     from dormouse.gate.record.reference import make_reference
 
     before = _recording_stamp(out)
@@ -78,7 +79,7 @@ def check_recording(out, *, force: bool = False, log: Log = print) -> Verdict:
         _refuse_if_rewritten(out, before)
         raise
     _refuse_if_rewritten(out, before)
-    v = judge_recording(out)
+    v = judge(out)
     write_verdict(v, out)
     return v
 

@@ -177,11 +177,11 @@ def confirm(rec_dir: Path) -> dict:
 
 
 def gate(rec_dir: Path) -> dict:
-    from dormouse.gate.judge.entry import judge_recording
+    from dormouse.gate.judge.entry import judge
     from dormouse.gate.record.reference import make_reference
 
     make_reference(rec_dir, log=lambda line: None)
-    v = judge_recording(rec_dir)
+    v = judge(rec_dir)
     bad = [c for c in v.checks if not c.passed]
     g = next(c for c in v.checks if c.name == "gradient")
 

@@ -79,13 +79,24 @@ def test_the_clean_gate_passes_every_fact_of_a_recording_and_of_its_own_referenc
     assert set(v.references) >= {SINGLE, FLOOR, EXACT, GRADREF}
 
 
-def test_the_gate_and_a_plain_loops_recording_are_judged_by_one_entry(gate):
-    """The same judge() takes the gate's fleet: with its settings it adds the
-    gate's references; without them (any loop's recording) only the recording's facts."""
+def test_the_gate_and_a_plain_loops_recording_are_judged_by_one_entry(gate, tmp_path, monkeypatch):
+    """The same judge() takes the gate's fleet and a plain loop's recording (a
+    user's TinyLM under AdamW, recorded in one process): the same facts, by the
+    same functions, in the same order; the gate's recording adds its own
+    references' facts after them, because it keeps the gate's settings."""
+    import looprec
+
+    from dormouse.gate.pipeline import check_recording
+
+    monkeypatch.syspath_prepend(str(looprec.SUPPORT))
+    plain = check_recording(looprec.one_process(tmp_path / "rec", steps=2), log=lambda line: None)
     v = judge(gate)
-    edit_json(A.recording_path(gate), lambda d: d["extra"].pop("settings"))
-    plain = judge(gate)
-    assert [c.name for c in plain.checks] == [c.name for c in v.checks][:-len(GATE_CHECKS)]
+    names, mine = [c.name for c in v.checks], [c.name for c in plain.checks]
+    assert plain.passed and names[-len(GATE_CHECKS):] == GATE_CHECKS
+    facts = names[:-len(GATE_CHECKS)]  # every fact of the plain loop's, in its order (the gate's adds buffers)
+    assert [n for n in facts if n in mine] == mine and set(facts) - set(mine) == {"buffers"}
+    edit_json(A.recording_path(gate), lambda d: d["extra"].pop("settings"))  # the gate's settings gone:
+    assert [c.name for c in judge(gate).checks] == [c.name for c in v.checks][:-len(GATE_CHECKS)]  # a plain one
 
 
 # --------------------------------------------------------------------------- complete and provenance
