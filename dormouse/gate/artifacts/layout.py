@@ -101,6 +101,7 @@ LOSS_LABELS = "loss_labels"
 #   <out>/reference/gradref.json   the bytes, tokens and evals by the data rule's own arithmetic
 GATE_SCHEMA = 3  # floor.json, gradref.json
 SINGLE, EXACT, GRADREF, FLOOR = "single", "exact", "gradref", "floor"
+ONE_PROCESS = (SINGLE, FLOOR, EXACT)  # the references that run the global batch in one process (mode single)
 
 
 def gate_reference_dir(out: Path, name: str) -> Path:

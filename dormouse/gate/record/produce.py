@@ -25,7 +25,16 @@ import torch
 
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import EXACT, FLOOR, GRADREF, SINGLE, GateReferences, RecordingSet, source_hash
+from dormouse.gate.artifacts import (
+    FLOOR,
+    GRADREF,
+    ONE_PROCESS,
+    SINGLE,
+    GateReferences,
+    RecordingSet,
+    references,
+    source_hash,
+)
 from dormouse.gate.record import modes
 from dormouse.gate.record.launcher import launch_fleet
 from dormouse.gate.settings import GateSettings
@@ -91,10 +100,10 @@ def stale(made: dict | None, name: str, want: dict) -> str | None:
 def status(set_name: str, s: GateSettings) -> str | None:
     """Why artifact set `set_name` must be produced again (None: it fits)."""
     d, want = s.out_dir, s.record()
-    if set_name == SINGLE:
-        return next((w for w in (stale(_recorded(A.gate_reference_dir(d, n)), n, want) for n in
-                                  [SINGLE] + ([EXACT] if s.reduce == "exact" else [])) if w), None) \
-            or stale(_gate_json(d, FLOOR), FLOOR, want)
+    if set_name == SINGLE:  # the one-process references that apply (artifacts.references)
+        parts = [n for n in references(want) if n in ONE_PROCESS]
+        return next((w for w in (stale(_recorded(A.gate_reference_dir(d, n)) if n != FLOOR else _gate_json(d, n),
+                                       n, want) for n in parts) if w), None)
     fleet = _recorded(d)
     if set_name == FLEET:
         why = stale(fleet, FLEET, want)
@@ -139,8 +148,9 @@ def _ensure(s: GateSettings, set_name: str, make: Callable[[], None], *, force: 
 def _members(set_name: str, s: GateSettings) -> list[Path]:
     """The file whose writing completes each of the set's parts."""
     d = s.out_dir
-    return {SINGLE: [A.recording_path(A.gate_reference_dir(d, SINGLE)), A.gate_reference_path(d, FLOOR)]
-            + ([A.recording_path(A.gate_reference_dir(d, EXACT))] if s.reduce == "exact" else []),
+    one = [n for n in references(s.record()) if n in ONE_PROCESS]
+    return {SINGLE: [A.gate_reference_path(d, n) if n == FLOOR else A.recording_path(A.gate_reference_dir(d, n))
+                     for n in one],
             FLEET: [A.recording_path(d)], GRADREF: [A.gate_reference_path(d, GRADREF)],
             REFERENCE: [A.reference_meta_path(d)]}[set_name]
 
@@ -208,9 +218,9 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
         log(f"profile {s.profile!r} mixes window lengths: no single-process curve; gradref and the "
             "replay are the references")
         with locked(s.out_dir, SINGLE):
-            shutil.rmtree(A.gate_reference_dir(s.out_dir, SINGLE), ignore_errors=True)
-            shutil.rmtree(A.gate_reference_dir(s.out_dir, EXACT), ignore_errors=True)
-            A.gate_reference_path(s.out_dir, FLOOR).unlink(missing_ok=True)
+            for n in ONE_PROCESS:  # none applies: none may linger from another profile
+                shutil.rmtree(A.gate_reference_dir(s.out_dir, n), ignore_errors=True)
+                A.gate_reference_path(s.out_dir, n).unlink(missing_ok=True)
         run_fleet(s, force=False, stream=log)
     else:
         # The fleet (torchrun's processes) runs while this process computes the

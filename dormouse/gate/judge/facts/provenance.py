@@ -71,7 +71,8 @@ def check_provenance(rec: A.RecordingSet, refs: GateReferences, settings: dict) 
                 diffs.append(f"{n}'s {k} {(made.get('provenance') or {}).get(k)!r} differs from the fleet's "
                              f"{mine.get(k)!r}")
         have, want = made.get("settings") or {}, settings
-        if n in ONE_PROCESS:  # the fleet's profile normalised away: compared through the global batch
+        if n in A.ONE_PROCESS:  # the fleet's profile normalised away, compared through the global batch (a
+            # single made by hand at --batch 4 is the reference of a 2-rank --batch 2 fleet)
             if have.get("global_batch") != want.get("global_batch"):
                 diffs.insert(0, f"{n} ran a global batch of {have.get('global_batch')} windows, the fleet "
                              f"{want.get('global_batch')} (profile {want.get('profile') or repr('')} over "
@@ -88,11 +89,6 @@ def check_provenance(rec: A.RecordingSet, refs: GateReferences, settings: dict) 
                         else ""))
     return Check("provenance", True, f"the fleet and {len(names)} references made by the same code, torch, device, "
                  "threads, corpus and initial parameters, with the same settings")
-
-
-# the gate's references that run the global batch in one process: their settings are compared with the
-# fleet's through it (a single made by hand at --batch 4 is the gate of a 2-rank --batch 2 fleet)
-ONE_PROCESS = (A.SINGLE, A.FLOOR, A.EXACT)
 
 
 # Fields of a run that say where and how it ran, not what it computes (the
