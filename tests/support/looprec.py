@@ -27,6 +27,13 @@ def launch(plan: list[dict], where: Path, script: str = "ddp_loop.py", world: in
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def launched(root: Path, runs: dict[str, dict], script: str, world: int) -> dict[str, Path]:
+    """`runs` ({name: the client's run dict}) in ONE torchrun launch of `script`, each recorded into
+    root/<name>; returns each run's directory."""
+    launch([{**cfg, "out": str(root / n)} for n, cfg in runs.items()], root, script=script, world=world)
+    return {n: root / n for n in runs}
+
+
 def agent_imports(cmd: list[str], modules: tuple[str, ...]) -> list[str]:
     """torchrun's command `cmd` (launcher.torchrun, its ranks forked from the agent) with `modules`
     imported by the agent before it starts: every rank is forked with them imported, as if its script

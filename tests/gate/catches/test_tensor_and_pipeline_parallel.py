@@ -20,7 +20,7 @@ from pathlib import Path
 import looprec
 import pytest
 import torch
-from looprec import failing, launch
+from looprec import failing
 
 from dormouse.gate import artifacts as A
 
@@ -67,16 +67,12 @@ DP_TP_RUNS = {
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tp")
-    launch([{**cfg, "out": str(root / n)} for n, cfg in TP_RUNS.items()], root, script="tp_loop.py", world=2)
-    return {n: root / n for n in TP_RUNS}
+    return looprec.launched(tmp_path_factory.mktemp("tp"), TP_RUNS, "tp_loop.py", 2)
 
 
 @pytest.fixture(scope="module")
 def dp_tp(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dp_tp")
-    launch([{**cfg, "out": str(root / n)} for n, cfg in DP_TP_RUNS.items()], root, script="tp_loop.py", world=4)
-    return {n: root / n for n in DP_TP_RUNS}
+    return looprec.launched(tmp_path_factory.mktemp("dp_tp"), DP_TP_RUNS, "tp_loop.py", 4)
 
 
 def plain_gradient(out: Path, step: int = 1, rows: int | None = None) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import looprec
-from looprec import failing, launch
+from looprec import failing
 
 from dormouse.gate import artifacts as A
 
@@ -47,16 +47,12 @@ DP_TP_RUNS = {  # 4 ranks: dp 2 x tp 2, FSDP2 on torchtitan's fsdp mesh
 
 @pytest.fixture(scope="module")
 def titan(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("titan")
-    launch([{**cfg, "out": str(root / n)} for n, cfg in RUNS.items()], root, script="titan_loop.py", world=2)
-    return {n: root / n for n in RUNS}
+    return looprec.launched(tmp_path_factory.mktemp("titan"), RUNS, "titan_loop.py", 2)
 
 
 @pytest.fixture(scope="module")
 def titan_2d(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("titan_2d")
-    launch([{**cfg, "out": str(root / n)} for n, cfg in DP_TP_RUNS.items()], root, script="titan_loop.py", world=4)
-    return {n: root / n for n in DP_TP_RUNS}
+    return looprec.launched(tmp_path_factory.mktemp("titan_2d"), DP_TP_RUNS, "titan_loop.py", 4)
 
 
 def plain_gradient(out: Path, micro: int) -> dict[str, torch.Tensor]:
