@@ -16,7 +16,7 @@ the pure helpers they share with it (fingerprints, the per-step relative
 difference, the unit round-offs, optional packages) are base modules
 (dormouse/digest.py, numerics.py, optional.py).
 
-gradref (gate/record/modes.py) re-derives the fleet's bytes by its own
+gradref (gate/record/modes/gradref.py) re-derives the fleet's bytes by its own
 arithmetic: it must not touch the trainer's FleetPlan or data rule.
 
 gate/artifacts/layout.py (the names of a run's artifacts) is of the artifacts layer. No
@@ -248,8 +248,8 @@ TRAINERS_DATA = {"FleetPlan", "plan", "parse_capacity", "rank_byte_offset", "spa
 
 
 def test_gradref_reads_the_bytes_by_its_own_arithmetic_not_the_trainers_plan():
-    path = MODULES["dormouse.gate.record.modes"]
-    assert not {d for d in GRAPH["dormouse.gate.record.modes"] if d.startswith("dormouse.train.data")}
+    path = MODULES["dormouse.gate.record.modes.gradref"]
+    assert not {d for d in GRAPH["dormouse.gate.record.modes.gradref"] if d.startswith("dormouse.train.data")}
     tree = ast.parse(path.read_text())
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert set(GRADREF) <= set(funcs)

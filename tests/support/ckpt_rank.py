@@ -1,8 +1,10 @@
 """A gate process that also keeps one intermediate checkpoint, for the resume
 tests only (the gate itself writes no checkpoints: fixtures.make_run sets
 ckpt_every=0). A test runs this file instead of `-m dormouse.gate` under
-torchrun, or calls `install()` in-process; it patches the library inside the
-process, then hands over to dormouse.gate's own main.
+torchrun, or calls `install()` in-process; it installs a run hook of the
+modes (the runs that checkpoint) and replaces the loop's save_checkpoint (to
+keep the step-K copy) inside the process, then hands over to dormouse.gate's
+own main.
 
 DORMOUSE_TEST_CKPT_AT=K      runs checkpoint every K steps (train.ckpt_every),
                              and the step-K checkpoint is kept beside the
@@ -31,14 +33,13 @@ def kept(path: Path, step: int) -> Path:
     return path.with_name(f"{path.stem}.step{step}{path.suffix}")
 
 
-def install(at: int, outs: list[str]) -> None:
+def install(at: int, outs: list[str]):
+    """Returns the function that removes the run hook (the checkpoint-keeping save stays)."""
     outs = {str(Path(o).resolve()) for o in outs}
-    make_run = modes.make_run
 
-    def checkpointing(s, **kw):
-        run = make_run(s, **kw)
+    def checkpointing(s, run):  # the modes' run hook: the runs of `outs` checkpoint every `at` steps
         if str(s.out_dir.resolve()) not in outs:
-            return run
+            return None
         return dataclasses.replace(run, train=dataclasses.replace(run.train, ckpt_every=at))
 
     save = loop.save_checkpoint
@@ -52,8 +53,8 @@ def install(at: int, outs: list[str]) -> None:
             peers.barrier()
         return out
 
-    modes.make_run = checkpointing
     loop.save_checkpoint = save_and_keep
+    return modes.install_run_hook(checkpointing)
 
 
 if __name__ == "__main__":

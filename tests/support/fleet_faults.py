@@ -487,9 +487,10 @@ def seams() -> list[list]:
     hooks. A fault acts only through these (tests/gate/record/test_fault_seams.py
     holds every fault to it)."""
     import dormouse.gate.record.dormouse_loop as dormouse_loop
+    import dormouse.gate.record.modes.base as base
     import dormouse.train.hooks as hooks
 
-    return [hooks._INSTALLED, modes._RUN_HOOKS, modes._MODEL_HOOKS, modes._RUN_SCOPES, dormouse_loop._BUILD_HOOKS]
+    return [hooks._INSTALLED, base._RUN_HOOKS, base._MODEL_HOOKS, base._RUN_SCOPES, dormouse_loop._BUILD_HOOKS]
 
 
 class scoped:

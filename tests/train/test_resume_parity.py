@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from dormouse.gate.record import modes
+from dormouse.gate.record.modes import one_process
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import FLOOR, SINGLE, GateReferences, RecordingSet
 from dormouse.gate.judge.facts.curve import curve_tolerance
@@ -65,11 +66,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                 env={"DORMOUSE_TEST_CKPT_AT": str(AT), "DORMOUSE_TEST_CKPT_OUTS": os.pathsep.join(ckpt_outs)})
     modes.run_single(gs("single"), log=QUIET)  # the uninterrupted reference, with its ulp floor
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(modes, "make_run", modes.make_run)
         mp.setattr(ckpt_rank.loop, "save_checkpoint", ckpt_rank.loop.save_checkpoint)
-        ckpt_rank.install(AT, ckpt_outs)
-        mp.setattr(modes, "measure_floor", lambda *a, **k: {})  # only its checkpoint and tensors are used
-        modes.run_single(gs("single_ckpt"), log=QUIET)
+        remove = ckpt_rank.install(AT, ckpt_outs)
+        mp.setattr(one_process, "measure_floor", lambda *a, **k: {})  # only its checkpoint and tensors are used
+        try:
+            modes.run_single(gs("single_ckpt"), log=QUIET)
+        finally:
+            remove()
     # The resumed runs: the fleets in one launch, the single processes here.
     launch_plan([
         gs("fleet_resumed", resume_from=ckpt("fleet_ckpt", ".pt")),
@@ -80,7 +83,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     # The resumed single processes: only their tensors and losses are compared (the
     # tolerance is the uninterrupted single's floor), so they measure no floor of their own.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(modes, "measure_floor", lambda *a, **k: {})
+        mp.setattr(one_process, "measure_floor", lambda *a, **k: {})
         # resume_from relative to out
         modes.run_single(gs("single_resumed", resume_from=f"../single_ckpt/ckpts/single.step{AT}.pt"), log=QUIET)
         modes.run_single(gs("single_from_fleet", resume_from=ckpt("fleet_ckpt", ".pt")), log=QUIET)

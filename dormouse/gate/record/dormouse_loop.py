@@ -71,7 +71,7 @@ expert choices of this rank's tokens (x/topk: a routing flip explains where
 two runs part), the loop's evals and the gate's settings and provenance
 (recording.json's "extra"). gradref (the data rule's bytes by its own
 arithmetic), the single process and the exact reference are the gate's own
-references (record/modes.py), written into the recording's reference folder.
+references (record/modes/), written into the recording's reference folder.
 """
 
 from __future__ import annotations
