@@ -4,6 +4,7 @@ only, added to fleet_faults.FAULTS and run by its own main (DORMOUSE_TEST_FAULTS
   fill_above   after the reduce, every exactly-zero gradient element gets
                2^-19 max|g| sign(p) (twice the exact-zero rule's 2^-20)
   fill_below   the same at 2^-22 (a quarter of it: a made-up value the rule allows)
+  fill_below_late  fill_below from step REVIEW_FILL_AFTER+1 on (default 5): after routing flips
   swap_ranks   rank r reads rank W-1-r's windows (the global batch's bytes, in another rank order)
   opt_reset    at its first step the fleet's optimizer state is cleared (a resume that drops it)
 """
@@ -21,8 +22,10 @@ import fleet_faults  # noqa: E402
 from dormouse.train.hooks import Hooks, install  # noqa: E402
 
 
-def _fill(c):
+def _fill(c, after=0):
     def filled(state):
+        if state.step <= after:
+            return
         with torch.no_grad():
             for p in state.model.parameters():
                 if p.grad is not None:
@@ -38,6 +41,10 @@ def fill_above() -> None:
 
 def fill_below() -> None:
     _fill(2.0 ** -22)
+
+
+def fill_below_late() -> None:
+    _fill(2.0 ** -22, after=int(os.environ.get("REVIEW_FILL_AFTER", "4")))
 
 
 def swap_ranks() -> None:
@@ -62,7 +69,7 @@ def swap_ranks() -> None:
     install(Hooks(on_batch=[swapped]))
 
 
-fleet_faults.FAULTS.update({f.__name__: f for f in (fill_above, fill_below, swap_ranks)})
+fleet_faults.FAULTS.update({f.__name__: f for f in (fill_above, fill_below, fill_below_late, swap_ranks)})
 
 if __name__ == "__main__":
     sys.argv[0] = fleet_faults.__file__
