@@ -131,16 +131,16 @@ def grad_x2() -> None:
 
 def zero_fill() -> None:
     """After the reduce, every exactly-zero gradient element (an embedding row of a byte
-    absent from the step's batch; LoRA A while B is 0) gets 4e-6 max|g| sign(p): inside
-    gradref's bound relative to the tensor's largest element, but Adam moves each such
-    element by ~lr every step (a review's false pass under mixed window lengths, where
-    no single process and so no curve applies)."""
+    absent from the step's batch; LoRA A while B is 0) gets 2^-22 max|g| sign(p): far
+    inside the gradient's relative bound, but Adam moves each such element by ~lr every
+    step (reviews' false passes under mixed window lengths, where no single process and
+    so no curve applies: first at 4e-6, then at 2^-22 under a looser exact-zero rule)."""
     def filled(state):
         with torch.no_grad():
             for p in state.model.parameters():
                 if p.grad is not None:
                     g = p.grad
-                    g.add_(torch.where(g == 0, 4e-6 * g.abs().max() * torch.sign(p), torch.zeros_like(g)))
+                    g.add_(torch.where(g == 0, 2.0**-22 * g.abs().max() * torch.sign(p), torch.zeros_like(g)))
 
     install(Hooks(on_reduced=[filled]))
 

@@ -19,7 +19,7 @@ the code under test (docs/gate.md, "The checks", says how each was measured).
 | BF16_MODEL_RTOL | 5e-2 | a bfloat16 model's first-step gradient against the single process's, and its eval loss (dormouse's own gate) | measured <= 2.0e-2 of a tensor's largest element; a weighting fault is 1e-1 |
 | BIAS_SIGMAS | 6 | the bf16 wire's rounding bias: |S| above this many standard errors fails | a false alarm in ~1e9 per direction |
 | BIAS_FLOOR | offset 2e-3, scale 1e-2, decay 2e-3 | ... when the mean scaled error is also above this | 12 clean bf16 fleets: scale -1e-4..-5e-4, offset/decay <= 2.5e-4 |
-| ZERO_RTOL | 2^-20 | where one process's gradient is exactly zero every way it computes it, the fleet's within this of the tensor's largest element | a zero in exact arithmetic only (a key bias softmax ignores) came out 6.5e-9 of it in a clean loop; a review's made-up fill was 4e-6 |
+| ZERO_RTOL | 2^-24 | where one process's gradient is exactly zero every way it computes it, the fleet's within this of the tensor's largest element | float32's unit round-off of the largest summand: a zero in exact arithmetic only (a key bias softmax ignores) came out 6.5e-9 (0.11 of it) in a clean loop; 15 clean fleets of dormouse's trainer are exactly 0 there; a made-up fill at 2^-22 (2.4e-7), which AdamW turns into steps of ~lr on never-read embedding rows, fails |
 | PROBE_RTOL | 1e-5 | the least bound a module's output (or output gradient) is held to in the probe | the gradient check's float32 bound; each module's own bound is FLOOR_MULTIPLE x its one-ulp floor |
 | SKETCH_DELTA | 0.05 | the per-tensor, per-step failure probability a sketch's detection bound is stated at | |
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from dormouse.numerics import BF16_UNIT_ROUNDOFF  # noqa: F401  (the judge's bf16 bounds are in its units)
+from dormouse.numerics import BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF  # noqa: F401  (the bounds' units)
 
 GRAD_RTOL = 1e-5
 INDEP_RTOL = 1e-5
@@ -59,7 +59,7 @@ BF16_MODEL_RTOL = 5e-2
 BIAS_SIGMAS = 6.0
 BIAS_FLOOR = {"offset": 2e-3, "scale": 1e-2, "decay": 2e-3}
 SKETCH_DELTA = 0.05
-ZERO_RTOL = 2.0**-20
+ZERO_RTOL = FP32_UNIT_ROUNDOFF
 PROBE_RTOL = GRAD_RTOL
 
 

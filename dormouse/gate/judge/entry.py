@@ -68,6 +68,12 @@ def judge(out, settings=None) -> Verdict:
         if settings is not None:
             raise DormouseError(f"{out} holds a recording of another loop than dormouse's gate fleet: its settings "
                                 "are its own (recording.json), not a gate's")
+        present = GateReferences(out).present
+        if present:  # a gate's out dir whose recording lost its settings would be judged without its references
+            first = Check("complete", False, f"the gate's references ({', '.join(present)}) are here but "
+                          "recording.json keeps no gate settings: not judged as a plain loop without them (re-run "
+                          "the fleet, or give the verdict the settings the run was made with)")
+            return Verdict(v.out, False, [first] + v.checks[1:], v.references, v.provenance)
         return v
     complete, *checks = _gate_checks(rec, GateReferences(out), want, v.checks)
     first = v.checks[0]  # one "complete": the recording's, and the gate's references'

@@ -144,6 +144,25 @@ def test_the_settings_the_verdict_is_asked_for_are_the_ones_judged(gate):
     assert not c.passed and "the fleet was made with other settings (seed)" in c.reason
 
 
+def test_a_single_of_the_fleets_window_count_but_other_window_lengths_is_not_comparable(gate):
+    # a single made by hand at --profile 6x32 beside a fleet of 64-byte windows has the fleet's global batch
+    # in windows, not in tokens: its curve is another objective's, never a judgement on the fleet
+    def shorter(t):
+        for k in [k for k in t if k.startswith("in/")]:
+            t[k] = t[k][..., :32].contiguous()
+
+    edit_tensors(single_dir(gate) / "rank0" / "step000001.safetensors", shorter)
+    c = judge(gate).check("provenance")
+    assert not c.passed and "single read windows of [32] bytes, the fleet [64]" in c.reason
+
+
+def test_a_gate_recording_that_lost_its_settings_is_not_judged_as_a_plain_loop_beside_its_references(gate):
+    # without extra.settings the entry would judge the recording alone and drop config, gradref, curve, exact
+    edit_json(A.recording_path(gate), lambda d: d["extra"].pop("settings"))
+    v = judge(gate)
+    assert not v.passed and "keeps no gate settings" in v.check("complete").reason
+
+
 def test_a_fleet_that_trained_another_recipe_fails_the_config_check(gate):
     edit_json(A.recording_path(gate), lambda d: d["build_kwargs"]["run"]["train"].update(lr=0.5))
     c = judge(gate).check("config")

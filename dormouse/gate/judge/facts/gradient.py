@@ -531,7 +531,8 @@ def _made_up(rec: A.RecordingSet, ref: ReferenceSet):
     not a gradient that is zero in exact arithmetic only (a key bias, which
     softmax ignores: exactly 0 in one summation order, 6.5e-9 of the tensor's
     largest element in another, seen in a clean one-process loop, which
-    ZERO_RTOL allows), the fleet's must be zero there too: any reduce of zeros,
+    ZERO_RTOL, float32's unit round-off, allows), the fleet's must be zero
+    there too: any reduce of zeros,
     in any order, at any width, gives zero, and clipping keeps it. The relative
     bound is scaled by the tensor's largest element and lets a small made-up
     value through there, and Adam turns any nonzero into a step of ~lr (a

@@ -79,6 +79,11 @@ def check_provenance(rec: A.RecordingSet, refs: GateReferences, settings: dict) 
                              f"{want.get('world')} ranks): run {n} at the fleet's global batch "
                              f"(single --batch {want.get('global_batch')})")
                 continue
+            # the windows' lengths too, not only their count
+            if n in (A.SINGLE, A.EXACT) and _lengths(refs.recording(n)) != _lengths(rec):
+                diffs.insert(0, f"{n} read windows of {_lengths(refs.recording(n))} bytes, the fleet "
+                             f"{_lengths(rec)}: the same global batch in windows, not in tokens")
+                continue
             have, want = ({k: v for k, v in d.items() if k not in PROFILE_FIELDS} for d in (have, want))
         if have != want:
             keys = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
@@ -89,6 +94,11 @@ def check_provenance(rec: A.RecordingSet, refs: GateReferences, settings: dict) 
                         else ""))
     return Check("provenance", True, f"the fleet and {len(names)} references made by the same code, torch, device, "
                  "threads, corpus and initial parameters, with the same settings")
+
+
+def _lengths(rec: A.RecordingSet) -> list[int]:
+    """The window lengths (the forward's first argument's last dimension) of the recording's first step."""
+    return sorted({int(b["arg0"].shape[-1]) for _, _, b in rec.micro_batches(rec.steps[0]) if "arg0" in b})
 
 
 # Fields of a run that say where and how it ran, not what it computes (the
