@@ -27,13 +27,13 @@ CLEAN = {
     # profile "4,2", 20 steps, shuffled data order, clip, wd, warm-up, cosine, eval;
     # the fleet stops at step 10 and resumes in one process (resume_world 1)
     "default": {},
-    "resume3": {"resume_world": 3, "steps": 10},  # ... or at three ranks of 2 windows (after step 5)
+    "resume3": {"resume_world": 3, "steps": 6},  # ... or at three ranks of 2 windows (after step 3)
     "fsdp": {"shard": "fsdp", "steps": 10},  # FSDP2's clip norm is its own order
-    "adamw": {"opt": "adamw", "steps": 10},
+    "adamw": {"opt": "adamw", "steps": 6},
     "bf16": {"reduce": "bf16", "steps": 10},  # the Recorder declares the bf16 wire
     "buckets": {"bucket_mb": 0.05},  # ~13 buckets instead of one
     "mixed": {"profile": "4x32,2x64", "resume_world": 0, "steps": 10},  # no single process holds this batch
-    "sequential": {"data_order": "sequential", "profile": "", "steps": 10},
+    "sequential": {"data_order": "sequential", "profile": "", "steps": 6},
 }
 
 
@@ -82,7 +82,7 @@ def test_the_default_gate_exercises_clipping_the_schedule_and_a_data_wrap(clean)
 
 
 def test_the_fleet_stops_midway_and_resumes_at_another_world_size(clean):
-    for name, worlds, steps in (("default", [2, 1], 20), ("resume3", [2, 3], 10)):
+    for name, worlds, steps in (("default", [2, 1], 20), ("resume3", [2, 3], 6)):
         rec = RecordingSet(clean[name])
         assert rec.resumed_at() == [steps // 2 + 1] and [s["world"] for s in rec.meta["segments"]] == worlds
         assert rec.steps == list(range(1, steps + 1)) and rec.world_at(1) == 2 and rec.world_at(steps) == worlds[1]

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as st_save
+
+from dormouse import atomic
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import EXACT, FLOOR, GRADREF, PROVENANCE, SINGLE, GateReferences, references
@@ -42,24 +45,26 @@ def made(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def gate(made, tmp_path) -> Path:
+    """A copy of the made gate, hard-linked: the edits below replace files atomically (a new inode),
+    so the run copied is never touched."""
     out = tmp_path / "g"
-    shutil.copytree(made, out, ignore=shutil.ignore_patterns("ckpts"))
+    shutil.copytree(made, out, ignore=shutil.ignore_patterns("ckpts"), copy_function=os.link)
     return out
 
 
 def edit_tensors(path: Path, fn) -> None:
-    """Rewrite one safetensors file after fn(tensors) changed it in place (its metadata kept)."""
+    """Rewrite one safetensors file (atomically) after fn(tensors) changed it in place (its metadata kept)."""
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     fn(tensors)
-    save_file(tensors, str(path), metadata=meta)
+    atomic.write_bytes(path, st_save(tensors, metadata=meta))
 
 
 def edit_json(path: Path, fn) -> None:
     d = json.loads(path.read_text())
     fn(d)
-    path.write_text(json.dumps(d))
+    atomic.write_text(path, json.dumps(d))
 
 
 def single_dir(out: Path) -> Path:
