@@ -27,6 +27,8 @@ The loop and every synchroniser call them at fixed places of each step
     optimizer step / routing bias / on_step
     on_eval(Evaluated)           at an eval step, the held-out loss before it is
                                  logged and reported (a hook may replace `loss`)
+    on_saved(Saved)              at a checkpoint step, after every rank's part of
+                                 the checkpoint is written
     on_end(report)               once, after the last step, with train()'s report
                                  (every rank reaches it: a hook may synchronise)
 
@@ -114,6 +116,16 @@ class Evaluated:
 
 
 @dataclass
+class Saved:
+    """A checkpoint the loop has just written (every rank calls it: a hook may synchronise)."""
+
+    step: int  # the steps the checkpoint holds (from 1)
+    rank: int  # this process's rank (0 alone)
+    path: object  # the checkpoint: a file, or a folder of shards under FSDP2 (train/checkpoint.py)
+    peers: object  # the run's synchroniser (barrier(), is_main)
+
+
+@dataclass
 class Start:
     """The run as train() is about to step it."""
 
@@ -137,6 +149,7 @@ class Hooks:
     on_clipped: list[Callable[[Clipped], None]] = field(default_factory=list)
     on_batch: list[Callable[[Batch], None]] = field(default_factory=list)
     on_eval: list[Callable[[Evaluated], None]] = field(default_factory=list)
+    on_saved: list[Callable[[Saved], None]] = field(default_factory=list)
 
     def batch(self, state: Batch) -> None:
         for h in self.on_batch:
@@ -144,6 +157,10 @@ class Hooks:
 
     def evaluated(self, state: Evaluated) -> None:
         for h in self.on_eval:
+            h(state)
+
+    def saved(self, state: Saved) -> None:
+        for h in self.on_saved:
             h(state)
 
     def clipped(self, state: Clipped) -> None:

@@ -45,7 +45,7 @@ from dormouse.model import DormouseModel
 from dormouse.train.checkpoint import checkpoint_path, find_checkpoint, load_checkpoint, save_checkpoint
 from dormouse.clip import clip_coef
 from dormouse.train.data import ByteCorpus, FleetPlan, builtin_corpus
-from dormouse.train.hooks import Batch, Clipped, Evaluated, Hooks, LocalGrads, Reduced, Start, for_call
+from dormouse.train.hooks import Batch, Clipped, Evaluated, Hooks, LocalGrads, Reduced, Saved, Start, for_call
 from dormouse.train.exact import put_grads, split_stats, stats_row, take_grads, tree_sum
 from dormouse.train.optim import MixOptimizer
 
@@ -297,7 +297,8 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
             evals.append([done, ev.loss])
             log(f"eval step={done} loss={evals[-1][1]:.7f}")
         if ckpt is not None and (done % cfg.ckpt_every == 0 or done == end):
-            save_checkpoint(ckpt, model=model, opt=opt, step=done, run=run, peers=sync)
+            written = save_checkpoint(ckpt, model=model, opt=opt, step=done, run=run, peers=sync)
+            hooks.saved(Saved(done, sync.rank, written, sync))
 
     wall = time.perf_counter() - t0
     steps_run = end - start

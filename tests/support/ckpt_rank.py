@@ -2,7 +2,7 @@
 tests only (the gate itself writes no checkpoints: fixtures.make_run sets
 ckpt_every=0). A test runs this file instead of `-m dormouse.gate` under
 torchrun, or calls `install()` in-process; it installs a run hook of the
-modes (the runs that checkpoint) and replaces the loop's save_checkpoint (to
+modes (the runs that checkpoint) and an `on_saved` hook of the loop (to
 keep the step-K copy) inside the process, then hands over to dormouse.gate's
 own main.
 
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import dormouse.gate.record.modes as modes
-import dormouse.train.loop as loop
+from dormouse.train import hooks
 
 
 def kept(path: Path, step: int) -> Path:
@@ -34,7 +34,7 @@ def kept(path: Path, step: int) -> Path:
 
 
 def install(at: int, outs: list[str]):
-    """Returns the function that removes the run hook (the checkpoint-keeping save stays)."""
+    """Returns the function that removes both hooks."""
     outs = {str(Path(o).resolve()) for o in outs}
 
     def checkpointing(s, run):  # the modes' run hook: the runs of `outs` checkpoint every `at` steps
@@ -42,19 +42,21 @@ def install(at: int, outs: list[str]):
             return None
         return dataclasses.replace(run, train=dataclasses.replace(run.train, ckpt_every=at))
 
-    save = loop.save_checkpoint
+    def keep(saved: hooks.Saved) -> None:  # every rank's part is written when the hook runs
+        if saved.step == at:
+            if saved.peers.is_main:
+                path = Path(saved.path)
+                (shutil.copytree if path.is_dir() else shutil.copy2)(path, kept(path, at))
+            saved.peers.barrier()
 
-    def save_and_keep(path, *, model, opt, step, run, peers):
-        out = save(path, model=model, opt=opt, step=step, run=run, peers=peers)
-        if step == at:
-            peers.barrier()  # every rank's shards are in place
-            if peers.is_main:
-                (shutil.copytree if Path(path).is_dir() else shutil.copy2)(path, kept(path, step))
-            peers.barrier()
-        return out
+    remove_run_hook = modes.install_run_hook(checkpointing)
+    remove_keep = hooks.install(hooks.Hooks(on_saved=[keep]))
 
-    loop.save_checkpoint = save_and_keep
-    return modes.install_run_hook(checkpointing)
+    def remove() -> None:
+        remove_keep()
+        remove_run_hook()
+
+    return remove
 
 
 if __name__ == "__main__":

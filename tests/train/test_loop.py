@@ -15,6 +15,7 @@ import torch
 from dormouse.config import ModelConfig, RunConfig, TrainConfig, preset
 from dormouse.errors import CheckpointError, ConfigError, DataError, DivergedError
 from dormouse.train.data import ByteCorpus, builtin_corpus
+from dormouse.train.hooks import Hooks
 from dormouse.train.loop import build_model, evaluate, lr_at, train
 
 
@@ -93,12 +94,16 @@ def test_resume_from_a_mid_run_checkpoint_ends_bitwise_equal_to_the_uninterrupte
     run = _run(full_dir, cyclic_corpus, **kw)
     ckpt = full_dir / "dormouse.pt"
 
-    def keep_step_6(step, model, info):
-        if step == 7:  # the step-6 checkpoint exists, the final one not yet
-            shutil.copy(ckpt, resume_dir / "dormouse.pt")
+    saved = []
+
+    def keep_step_6(state):  # the loop's on_saved hook: the checkpoint it has just written
+        saved.append((state.step, state.path))
+        if state.step == 6:
+            shutil.copy(state.path, resume_dir / "dormouse.pt")
 
     full = build_model(run)
-    full_report = train(full, run, log=_quiet, on_step=keep_step_6)
+    full_report = train(full, run, log=_quiet, hooks=Hooks(on_saved=[keep_step_6]))
+    assert saved == [(6, ckpt), (12, ckpt)]
     assert json.loads(torch.load(resume_dir / "dormouse.pt", weights_only=True)["meta"])["step"] == 6
 
     if how == "resume":  # the checkpoint sits in the run's own out_dir

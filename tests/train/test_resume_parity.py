@@ -66,7 +66,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                 env={"DORMOUSE_TEST_CKPT_AT": str(AT), "DORMOUSE_TEST_CKPT_OUTS": os.pathsep.join(ckpt_outs)})
     modes.run_single(gs("single"), log=QUIET)  # the uninterrupted reference, with its ulp floor
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ckpt_rank.loop, "save_checkpoint", ckpt_rank.loop.save_checkpoint)
         remove = ckpt_rank.install(AT, ckpt_outs)
         mp.setattr(one_process, "measure_floor", lambda *a, **k: {})  # only its checkpoint and tensors are used
         try:
