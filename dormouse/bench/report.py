@@ -11,6 +11,13 @@ from dormouse.bench.page import write_head
 from dormouse.bench.rates import BF16_MATMUL_SIZES, MATMUL_SIZES
 
 
+
+def _speed_against_fp32(bf16: float, fp32: float) -> str:
+    """'4.4x faster than fp32' or '69x slower than fp32' (the rate ratio, whichever way it goes)."""
+    if bf16 >= fp32:
+        return f"{bf16 / fp32:.1f}x faster than fp32"
+    return f"{fp32 / bf16:.0f}x slower than fp32" if fp32 / bf16 >= 10 else f"{fp32 / bf16:.1f}x slower than fp32"
+
 def _fmt(v, spec=".3g") -> str:
     return "null" if v is None else format(v, spec)
 
@@ -57,7 +64,7 @@ def format_table(res: dict) -> str:
         ar = s["step_parts_at_rates"]
         row("matmul_rate_bf16_gflops", _fmt(res["matmul_rate_bf16_gflops"], ".2f"),
             f"bf16 square n={','.join(map(str, BF16_MATMUL_SIZES))}, median of rounds "
-            f"({res['matmul_rate_gflops'] / res['matmul_rate_bf16_gflops']:.0f}x slower than fp32)")
+            f"({_speed_against_fp32(res['matmul_rate_bf16_gflops'], res['matmul_rate_gflops'])})")
         ns = ar["parts"]["newton_schulz"]
         row("matmul_fraction_by_dtype", _fmt(res["matmul_fraction_by_dtype"], ".3f"),
             f"each part at its dtype's rate: model {ar['parts']['model']['dtype']} "

@@ -28,7 +28,6 @@ Every run: the Recorder's objective and objective_scope from "objective" and "sc
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 from pathlib import Path
 
@@ -126,8 +125,6 @@ def run(cfg: dict) -> None:
         opt.zero_grad(set_to_none=True)
     rec.close()
     dist.barrier()
-    del net, ddp, model, opt, given
-    gc.collect()
 
 
 if __name__ == "__main__":

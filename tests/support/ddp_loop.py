@@ -78,7 +78,6 @@ and the fault
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 from pathlib import Path
 
@@ -385,8 +384,6 @@ def run(cfg: dict) -> None:
                     "step": stop}, out / "ckpt.pt")
     rec.close()
     dist.barrier()
-    del net, model, opt
-    gc.collect()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ replicated parameters' gradients are already equal on every rank. Its fault:
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -95,8 +94,6 @@ def run(cfg: dict) -> None:
         opt.step()
         opt.zero_grad()
     rec.close()
-    del model, opt, rec
-    gc.collect()
 
 
 if __name__ == "__main__":

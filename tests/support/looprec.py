@@ -34,6 +34,16 @@ def launched(root: Path, runs: dict[str, dict], script: str, world: int) -> dict
     return {n: root / n for n in runs}
 
 
+
+def launched_fixture(name: str, runs: dict[str, dict], script: str, world: int):
+    """A module-scoped pytest fixture `name`: `launched(...)` of `runs` once for the test file."""
+    import pytest
+
+    def fixture(tmp_path_factory) -> dict[str, Path]:
+        return launched(tmp_path_factory.mktemp(name), runs, script, world)
+
+    return pytest.fixture(scope="module", name=name)(fixture)
+
 def agent_imports(cmd: list[str], modules: tuple[str, ...]) -> list[str]:
     """torchrun's command `cmd` (launcher.torchrun, its ranks forked from the agent) with `modules`
     imported by the agent before it starts: every rank is forked with them imported, as if its script
@@ -73,6 +83,24 @@ def verdict(out: Path):
         make_reference(out, log=QUIET)
         _VERDICTS[key] = judge_recording(out)
     return _VERDICTS[key]
+
+
+def recorded_gradients(out: Path, rank: int, step: int = 1) -> dict:
+    """Rank `rank`'s recorded (full, assembled) gradients at `step`, read straight from its file."""
+    from dormouse.gate import artifacts as A
+
+    t, _ = A.read_tensors(A.step_tensors_path(out, rank, step), "step tensors")
+    return {n[2:]: v for n, v in t.items() if n.startswith("g/")}
+
+
+def rel(a, b) -> float:
+    """L2 relative difference of tensor `a` from `b`, in float64 (the tests' own arithmetic, not the judge's)."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def worst(got: dict, want: dict, factor: float = 1.0) -> float:
+    """The largest `rel` over `want`'s tensors of `got` from `factor` times `want`."""
+    return max(rel(got[n], factor * want[n]) for n in want)
 
 
 def fails_for(v, check: str, words: str) -> None:

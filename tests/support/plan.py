@@ -1,10 +1,12 @@
 """The main of every client loop a test launches under torchrun (ddp_loop, batch_loop, tp_loop,
-pp_loop, ep_loop): one gloo process group, every run of the `--plan` file (a JSON list, the same on
-every rank) in order with a barrier after each, and the group destroyed at the end whatever happened."""
+pp_loop, ep_loop, titan_loop): one gloo process group, every run of the `--plan` file (a JSON list,
+the same on every rank) in order, each run's objects collected and a barrier after each, and the
+group destroyed at the end whatever happened."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ def main(run: Callable[[dict], None]) -> int:
     try:
         for cfg in json.loads(Path(args.plan).read_text()):
             run(cfg)
+            gc.collect()  # the run's model, optimizer and Recorder gone before the next run builds its own
             dist.barrier()
     finally:
         dist.barrier()

@@ -21,7 +21,6 @@ Faults ("fault"):
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -68,8 +67,6 @@ def run(cfg: dict) -> None:
         if not (cfg["fault"] == "stale" and rank == world - 1):
             opt.zero_grad()
     rec.close()
-    del module, stage, schedule, opt, rec
-    gc.collect()
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ losses summed, then summed over the data-parallel ranks (dist_sum over its
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -183,8 +182,6 @@ def run(cfg: dict) -> None:
         opt.step()
         opt.zero_grad()
     rec.close()
-    del model, opt, rec
-    gc.collect()
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ the dp dimension (2-D runs); "wire": the Recorder's declared wire ("fp32" or "bf
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -191,8 +190,6 @@ def run(cfg: dict) -> None:
         opt.step()
         opt.zero_grad()
     rec.close()
-    del model, opt, rec
-    gc.collect()
 
 
 def run_any(cfg: dict) -> None:

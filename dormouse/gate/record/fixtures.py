@@ -42,7 +42,7 @@ EVAL_EVERY = 5
 RECIPE = dict(
     warmup=3, schedule="cosine", min_lr_frac=0.1, wd=0.01,
     # Clips at most steps of the tiny fixture at lr 1e-3 (the coefficient is
-    # recorded per step in the trace): the clip code path runs in every gate.
+    # recorded at every step): the clip code path runs in every gate.
     grad_clip=0.05,
     # Newton-Schulz in float32, not torch's bfloat16: the quintic iteration
     # multiplies directions of small singular value by up to 3.4^5 ~ 480, so a

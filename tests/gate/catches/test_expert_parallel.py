@@ -21,7 +21,8 @@ import looprec
 import pytest
 import torch
 import torch.nn.functional as F
-from looprec import failing, launch
+from looprec import failing, rel
+from looprec import recorded_gradients as recorded
 
 from dormouse.gate import artifacts as A
 
@@ -36,11 +37,7 @@ RUNS = {
 EXPERTS = ("moe.w1", "moe.w2")
 
 
-@pytest.fixture(scope="module")
-def ep(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ep")
-    launch([{**cfg, "out": str(root / n)} for n, cfg in RUNS.items()], root, script="ep_loop.py", world=2)
-    return {n: root / n for n in RUNS}
+ep = looprec.launched_fixture("ep", RUNS, "ep_loop.py", 2)
 
 
 def plain_gradient(out: Path, *, local_counts: bool = False) -> dict[str, torch.Tensor]:
@@ -67,14 +64,6 @@ def plain_gradient(out: Path, *, local_counts: bool = False) -> dict[str, torch.
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def recorded(out: Path, rank: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s recorded (assembled) gradients at step 1, read straight from its file."""
-    t, _ = A.read_tensors(A.step_tensors_path(out, rank, 1), "step tensors")
-    return {n[2:]: v for n, v in t.items() if n.startswith("g/")}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def test_a_clean_expert_parallel_run_passes_at_float32_resolution(ep):

@@ -35,8 +35,8 @@ def test_dormouse_train_record_then_gate_check_passes_in_one_process(tmp_path, c
     assert main(["gate", "check", "--out", str(rec)]) == 0
     v = judge_recording(rec)
     assert v.passed, reasons(v)
-    # the one entry: a recording is judged by judge_recording's facts (the gate's traced artifacts by
-    # judge_gate's: tests/gate/judge)
+    # the one entry: a recording without the gate's settings is judged by judge_recording's facts alone
+    # (the gate's own recording adds the facts of its references: tests/gate/judge)
     assert [(c.name, c.passed, c.reason) for c in judge(rec).checks] == [(c.name, c.passed, c.reason) for c in v.checks]
     assert v.check("gradient").worst < 1e-6
     assert "bitwise at all 5 steps" in v.check("replay").reason

@@ -20,7 +20,8 @@ from pathlib import Path
 import looprec
 import pytest
 import torch
-from looprec import failing
+from looprec import failing, rel
+from looprec import recorded_gradients as recorded
 
 from dormouse.gate import artifacts as A
 
@@ -65,14 +66,8 @@ DP_TP_RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tp(tmp_path_factory) -> dict[str, Path]:
-    return looprec.launched(tmp_path_factory.mktemp("tp"), TP_RUNS, "tp_loop.py", 2)
-
-
-@pytest.fixture(scope="module")
-def dp_tp(tmp_path_factory) -> dict[str, Path]:
-    return looprec.launched(tmp_path_factory.mktemp("dp_tp"), DP_TP_RUNS, "tp_loop.py", 4)
+tp = looprec.launched_fixture("tp", TP_RUNS, "tp_loop.py", 2)
+dp_tp = looprec.launched_fixture("dp_tp", DP_TP_RUNS, "tp_loop.py", 4)
 
 
 def plain_gradient(out: Path, step: int = 1, rows: int | None = None) -> dict[str, torch.Tensor]:
@@ -93,14 +88,6 @@ def plain_gradient(out: Path, step: int = 1, rows: int | None = None) -> dict[st
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def recorded(out: Path, rank: int, step: int = 1) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s recorded gradients at `step`, read straight from its file."""
-    t, _ = A.read_tensors(A.step_tensors_path(out, rank, step), "step tensors")
-    return {n[2:]: v for n, v in t.items() if n.startswith("g/")}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("run", ["clean", "clean_seed2"])

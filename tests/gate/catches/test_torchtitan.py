@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import looprec
-from looprec import failing
+from looprec import failing, worst
+from looprec import recorded_gradients as recorded
 
 from dormouse.gate import artifacts as A
 
@@ -45,14 +46,8 @@ DP_TP_RUNS = {  # 4 ranks: dp 2 x tp 2, FSDP2 on torchtitan's fsdp mesh
 }
 
 
-@pytest.fixture(scope="module")
-def titan(tmp_path_factory) -> dict[str, Path]:
-    return looprec.launched(tmp_path_factory.mktemp("titan"), RUNS, "titan_loop.py", 2)
-
-
-@pytest.fixture(scope="module")
-def titan_2d(tmp_path_factory) -> dict[str, Path]:
-    return looprec.launched(tmp_path_factory.mktemp("titan_2d"), DP_TP_RUNS, "titan_loop.py", 4)
+titan = looprec.launched_fixture("titan", RUNS, "titan_loop.py", 2)
+titan_2d = looprec.launched_fixture("titan_2d", DP_TP_RUNS, "titan_loop.py", 4)
 
 
 def plain_gradient(out: Path, micro: int) -> dict[str, torch.Tensor]:
@@ -70,39 +65,40 @@ def plain_gradient(out: Path, micro: int) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def recorded(out: Path, rank: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s recorded gradients at step 1, read straight from its file."""
-    t, _ = A.read_tensors(A.step_tensors_path(out, rank, 1), "step tensors")
-    return {n[2:]: v for n, v in t.items() if n.startswith("g/")}
-
-
-def worst(got: dict, want: dict, factor: float = 1.0) -> float:
-    return max(float((got[n].double() - factor * want[n].double()).norm() / (factor * want[n].double()).norm())
-               for n in want)
-
-
-def test_torchtitans_own_tensor_parallel_llama_passes_at_float32_resolution(titan):
-    v = looprec.verdict(titan["clean"])
+def passes_at_float32_resolution(out: Path, mesh: str, replicas: str, ranks: int) -> None:
+    """The verdict passes with its gradient under 5e-6, its layout read from torchtitan's meshes, and
+    every rank's recorded gradient is the plain model's on the whole batch."""
+    v = looprec.verdict(out)
     assert v.passed, failing(v)
     assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
     layout = v.check("layout")
-    assert "mesh fsdp 1 x tp 2" in layout.reason and "12 of 17 parameters split" in layout.reason, layout.reason
-    want = plain_gradient(titan["clean"], micro=2)
-    for rank in (0, 1):
-        assert worst(recorded(titan["clean"], rank), want) < 5e-6
+    assert mesh in layout.reason and replicas in layout.reason, layout.reason
+    want = plain_gradient(out, micro=2)
+    for rank in range(ranks):
+        assert worst(recorded(out, rank), want) < 5e-6
+
+
+def fails_named_by(out: Path, words: str, micro: int, factor: float) -> object:
+    """The layout check fails with `words`, so do the gradient and loss checks; replay passes (the
+    optimizer applied what the loop computed); rank 0's gradient is `factor` times the plain model's."""
+    v = looprec.verdict(out)
+    lay = v.check("layout")
+    assert not v.passed and not lay.passed, failing(v)
+    assert words in lay.reason, lay.reason
+    assert not v.check("gradient").passed and not v.check("loss").passed and v.check("replay").passed
+    assert worst(recorded(out, 0), plain_gradient(out, micro=micro), factor=factor) < 5e-6
+    return v
+
+
+def test_torchtitans_own_tensor_parallel_llama_passes_at_float32_resolution(titan):
+    passes_at_float32_resolution(titan["clean"], "mesh fsdp 1 x tp 2", "12 of 17 parameters split", ranks=2)
 
 
 def test_torchtitans_token_count_summed_over_the_tp_peers_too_fails_named_by_the_tp_size(titan):
-    v = looprec.verdict(titan["world_tokens"])
-    lay = v.check("layout")
-    assert not v.passed and not lay.passed, failing(v)
-    assert "every gradient is one process's times 0.5 = 1 / the TP size 2" in lay.reason, lay.reason
+    v = fails_named_by(titan["world_tokens"], "every gradient is one process's times 0.5 = 1 / the TP size 2",
+                       micro=3, factor=0.5)
     g = v.check("gradient")
-    assert not g.passed and "times 0.5 = 1 / the TP size 2 (W = 1 data-parallel replica(s)" in g.reason, g.reason
-    assert not v.check("loss").passed
-    assert v.check("replay").passed  # the optimizer applied what the loop computed: the loss's normalisation is off
-    want = plain_gradient(titan["world_tokens"], micro=3)
-    assert worst(recorded(titan["world_tokens"], 0), want, factor=0.5) < 5e-6
+    assert "times 0.5 = 1 / the TP size 2 (W = 1 data-parallel replica(s)" in g.reason, g.reason
 
 
 def test_torchtitans_init_after_parallelising_is_refused_naming_the_shards_each_tp_rank_drew_alike(titan):
@@ -124,23 +120,11 @@ def test_torchtitans_init_after_parallelising_is_refused_naming_the_shards_each_
 
 
 def test_torchtitans_own_2d_fsdp2_by_tp_llama_passes_at_float32_resolution(titan_2d):
-    v = looprec.verdict(titan_2d["clean"])
-    assert v.passed, failing(v)
-    assert v.check("gradient").worst < 5e-6, v.check("gradient").reason
-    layout = v.check("layout")
-    assert "mesh fsdp 2 x tp 2" in layout.reason and "2 data-parallel replica(s) of 2" in layout.reason, layout.reason
+    passes_at_float32_resolution(titan_2d["clean"], "mesh fsdp 2 x tp 2", "2 data-parallel replica(s) of 2", ranks=4)
     rec = A.RecordingSet(titan_2d["clean"])
     assert "_StridedShard" in rec.meta["layout"]["params"]["tok_embeddings.weight"]["placements"][0]
-    want = plain_gradient(titan_2d["clean"], micro=2)
-    for rank in range(4):
-        assert worst(recorded(titan_2d["clean"], rank), want) < 5e-6
 
 
 def test_a_2d_loss_divided_by_each_ranks_own_token_count_fails_named_by_the_dp_size(titan_2d):
-    v = looprec.verdict(titan_2d["local_tokens"])
-    lay = v.check("layout")
-    assert not v.passed and not lay.passed, failing(v)
-    assert "every gradient is one process's times 2 = the DP size 2" in lay.reason, lay.reason
-    assert not v.check("gradient").passed and not v.check("loss").passed and v.check("replay").passed
-    want = plain_gradient(titan_2d["local_tokens"], micro=3)
-    assert worst(recorded(titan_2d["local_tokens"], 0), want, factor=2.0) < 5e-6
+    fails_named_by(titan_2d["local_tokens"], "every gradient is one process's times 2 = the DP size 2",
+                   micro=3, factor=2.0)
