@@ -439,14 +439,17 @@ def test_micro_batch_0_is_the_whole_batch_and_one_that_does_not_divide_it_is_one
     _one_error_line(capsys.readouterr().err, "micro_batch = 3", "does not divide every rank's batch (2)")
 
 
-def test_a_run_that_crashes_is_one_line_naming_the_exception_and_status_3(tmp_path, capsys, monkeypatch):
-    import dormouse.train.loop as loop
+def test_a_run_that_crashes_is_one_line_naming_the_exception_and_status_3(tmp_path, capsys):
+    from dormouse.train.hooks import Hooks, install
 
-    def broken(step, run):
+    def broken(batch):
         raise RuntimeError("boom at the start of a step\nsecond line of detail")
 
-    monkeypatch.setattr(loop, "lr_at", broken)
-    assert main(["train", "--steps", "2", "--batch", "2", "--seq-len", "16", "--out", str(tmp_path / "o")]) == 3
+    remove = install(Hooks(on_batch=[broken]))  # every train() of this process, the command's included
+    try:
+        assert main(["train", "--steps", "2", "--batch", "2", "--seq-len", "16", "--out", str(tmp_path / "o")]) == 3
+    finally:
+        remove()
     _one_error_line(capsys.readouterr().err, "the run crashed", "RuntimeError", "boom at the start of a step")
 
 

@@ -342,7 +342,10 @@ class ByteCorpus:
         corpus, in order, from the offsets the reads used: the examples'
         identities (no two windows of one epoch start at the same byte,
         whatever their text)."""
-        start = self.span_start(step, span_bytes(shapes))
+        return self.span_batch(self.span_start(step, span_bytes(shapes)), shapes, mine, windows)
+
+    def span_batch(self, start: int, shapes: list[RankShape], mine: list[int], windows: list[int] | None = None):
+        """step_batch's windows for a span starting at byte `start` (what step_batch reads at its step's)."""
         out = []
         for r in mine:
             s = shapes[r]

@@ -9,7 +9,9 @@ The loop and every synchroniser call them at fixed places of each step
                                  under FSDP2), not yet stepped
     on_batch(Batch)              the step's windows this process read, before
                                  any forward: a hook may replace them
-                                 (`Batch.read` reads another step's)
+                                 (`Batch.read` reads another step's,
+                                 `Batch.read_at` a span from another byte) and
+                                 the identities the loop reports for them
     for each slice of this process: forward, backward
     on_local_grads(LocalGrads)   the gradient this process contributes, before
                                  any reduce reads it: `grads` are the very
@@ -103,7 +105,9 @@ class Batch:
     step: int  # the step (from 1)
     rank: int  # this process's rank (0 alone)
     batches: list  # (x, y) per group of slices this process computes, in its order (a hook may replace it)
+    windows: list[int]  # where each window starts in the corpus: the identities Reduced.examples reports
     read: Callable[[int], list]  # read(k): the batches this process would read at step k (from 1)
+    read_at: Callable[[int], tuple[list, list[int]]]  # read_at(start): (batches, windows) of a span at byte start
 
 
 @dataclass

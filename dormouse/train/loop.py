@@ -171,6 +171,12 @@ def resolve_corpus(run: RunConfig) -> Path:
     return atomic.write_if_changed(Path(run.train.out_dir) / "builtin_corpus.bin", builtin_corpus())
 
 
+def _span_batch(corpus: ByteCorpus, start: int, plan, mine: list[int]) -> tuple[list, list[int]]:
+    """hooks.Batch.read_at: this process's windows of a span starting at byte `start`, and where each starts."""
+    windows: list[int] = []
+    return corpus.span_batch(start, plan.shapes, mine, windows), windows
+
+
 def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=None,
           on_step: Callable[[int, object, dict], None] | None = None,
           on_grads: Callable[[int, object], None] | None = None, hooks: Hooks | None = None) -> dict:
@@ -240,8 +246,9 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
         loads = None
         topk = []
         windows: list[int] = []  # where each window read starts: the examples' identities (hooks.Reduced)
-        batch = Batch(step + 1, sync.rank, corpus.step_batch(step, plan.shapes, sync.mine, windows),
-                      lambda k: corpus.step_batch(k - 1, plan.shapes, sync.mine))
+        batch = Batch(step + 1, sync.rank, corpus.step_batch(step, plan.shapes, sync.mine, windows), windows,
+                      lambda k: corpus.step_batch(k - 1, plan.shapes, sync.mine),
+                      lambda start: _span_batch(corpus, start, plan, sync.mine))
         hooks.batch(batch)
         for r, (x, y) in zip(sync.mine, batch.batches):
             m = plan.slice_batch(r)
@@ -263,7 +270,7 @@ def train(model, run: RunConfig, log: Callable[[str], None] = print, *, sync=Non
                 f"update; {kept}. Lower train.lr or set train.grad_clip"
             )
         reduced = Reduced(step + 1, sync.rank, model, loss_value, loads, local_loads, plan, float(loss_share),
-                          windows, corpus.epoch_of(step, plan.span), topk)
+                          batch.windows, corpus.epoch_of(step, plan.span), topk)
         hooks.reduced(reduced)
         loss_value, loads = reduced.loss, reduced.loads
         if on_grads is not None:

@@ -136,8 +136,7 @@ def test_a_model_without_a_moving_routing_bias_has_no_buffers_check(tmp_path):
     assert v.passed and "buffers" not in [c.name for c in v.checks], reasons(v)
 
 
-def test_the_loops_windows_are_its_example_ids_so_repeated_text_passes_and_a_span_read_twice_fails(
-        tmp_path, monkeypatch):
+def test_the_loops_windows_are_its_example_ids_so_repeated_text_passes_and_a_span_read_twice_fails(tmp_path):
     """The loop tells the Recorder where each window starts (Reduced.examples)
     and the data's epoch: a corpus whose text repeats (each step's two
     windows the same bytes) passes the data check by exact ids, where a hash
@@ -148,37 +147,38 @@ def test_the_loops_windows_are_its_example_ids_so_repeated_text_passes_and_a_spa
     blocks = torch.randint(0, 256, (400, 17), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     corpus.write_bytes(blocks.repeat_interleave(2, dim=0).numpy().tobytes())  # each 17-byte window twice in a row
 
-    def recorded(name):
+    def recorded(name, fault=None):
         run = RunConfig(model=preset("tiny"), train=TrainConfig(
             steps=3, batch=2, seq_len=16, lr=1e-3, out_dir=str(tmp_path / name), log_every=10, data=str(corpus)))
         rec = LoopRecorder(tmp_path / f"{name}_rec")
-        loop.train(loop.build_model(run), run, log=lambda line: None, hooks=rec.hooks())
+        hooks = rec.hooks() if fault is None else Hooks(on_batch=[fault]) + rec.hooks()
+        loop.train(loop.build_model(run), run, log=lambda line: None, hooks=hooks)
         make_reference(tmp_path / f"{name}_rec", log=lambda line: None)
         return judge_recording(tmp_path / f"{name}_rec")
+
+    def same_span(b):  # every step reads the first span, and says so
+        b.batches, b.windows[:] = b.read_at(0)
+
+    def reads_from_0(b):  # every step reads the first span, and reports the rule's identities
+        b.batches = b.read_at(0)[0]
+
+    def overlapping(b):  # step k's span starts at 9 (k - 1): spans partly on each other
+        b.batches, b.windows[:] = b.read_at(9 * (b.step - 1))
 
     v = recorded("clean")
     assert v.passed, reasons(v)
     assert "examples identified by the example ids given" in v.check("data").reason
     assert "the loop's epochs" in v.check("data").reason
-    from dormouse.train.data import ByteCorpus
-
-    monkeypatch.setattr(ByteCorpus, "span_start", lambda self, step, span: 0)  # every step reads the first span
-    bad = recorded("same_span").check("data")
+    bad = recorded("same_span", same_span).check("data")
     assert not bad.passed and bad.reason.startswith("an example was read twice within epoch 0 (steps 1 and 2"), \
         bad.reason
-    monkeypatch.undo()
-    read = ByteCorpus.read
-    monkeypatch.setattr(ByteCorpus, "read", lambda self, start, n: read(self, 0, n))  # every read from byte 0
-    bad = recorded("reads_from_0").check("data")
+    bad = recorded("reads_from_0", reads_from_0).check("data")
     assert not bad.passed and bad.reason.startswith("at step ") and "its inputs are not the 16 bytes of " \
         "doubled.bin at byte" in bad.reason, bad.reason
     assert "every row the corpus's bytes at its id" in v.check("data").reason
-    monkeypatch.undo()
-    monkeypatch.setattr(ByteCorpus, "span_start", lambda self, step, span: step * 9)  # spans partly on each other
-    bad = recorded("overlapping").check("data")
+    bad = recorded("overlapping", overlapping).check("data")
     assert not bad.passed and bad.reason.startswith(
         "windows overlap within epoch 0: rank 0's at byte 0 (step 1) runs to byte 17"), bad.reason
-    monkeypatch.undo()
     # a corpus edited after the recording leaves the ids as given, and says so: the clean run is not blamed
     corpus.write_bytes(b"\0" + corpus.read_bytes()[1:])
     again = judge_recording(tmp_path / "clean_rec").check("data")

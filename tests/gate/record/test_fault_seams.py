@@ -1,7 +1,10 @@
 """Planted faults act only through the seams the loop and the gate's modes
 offer (hooks, run hooks, model hooks, run scopes), never by replacing a
 module attribute; fleet_faults.scoped then undoes a fault after its run
-(several faulted fleets share one torchrun launch) by emptying those seams."""
+(several faulted fleets share one torchrun launch) by emptying those seams.
+No test file replaces an attribute of dormouse either (read statically:
+monkeypatch.setattr, setattr, assignment), but for the exceptions listed
+with their reason."""
 
 from __future__ import annotations
 
@@ -75,3 +78,57 @@ def test_scoped_removes_every_hook_a_fault_installed_and_unscoped_they_stay(monk
 
 
 NOT_A_HOOK: set[str] = set()  # every fault acts through at least one seam
+
+
+# Where a test replaces an attribute of dormouse for a reason other than a fault, and why.
+NOT_A_FAULT = {
+    ("tests/train/test_resume_parity.py", "measure_floor"): "skips the ulp floor of a run whose checkpoint "
+                                                            "and tensors alone are used (time, not a fault)",
+}
+
+
+def _replaced_attributes(path) -> list[tuple[int, str]]:
+    """(line, attribute) of every `setattr(X, "name", ...)` (monkeypatch's or the builtin) and every
+    `X.name = ...` in `path` where X is a module or name the file imported from dormouse."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    ours: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            ours |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("dormouse")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dormouse"):
+            ours |= {a.asname or a.name for a in node.names}
+
+    def root(e) -> str | None:
+        while isinstance(e, ast.Attribute):
+            e = e.value
+        return e.id if isinstance(e, ast.Name) else None
+
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "setattr"
+                and len(node.args) >= 2 and root(node.args[0]) in ours and isinstance(node.args[1], ast.Constant)):
+            found.append((node.lineno, node.args[1].value))
+        elif isinstance(node, ast.Assign):
+            found += [(node.lineno, t.attr) for t in node.targets
+                      if isinstance(t, ast.Attribute) and root(t.value) in ours]
+    return sorted(found)
+
+
+def test_no_test_replaces_an_attribute_of_dormouse_to_plant_a_fault():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    found = [(str(p.relative_to(root)), line, attr) for p in sorted((root / "tests").rglob("*.py"))
+             for line, attr in _replaced_attributes(p)]
+    assert [f for f in found if (f[0], f[2]) not in NOT_A_FAULT] == [], "plant it through a hook"
+    assert {(f, a) for f, _, a in found} == set(NOT_A_FAULT)  # each exception still needed
+
+
+def test_the_attribute_reader_sees_a_planted_replacement(tmp_path):
+    planted = tmp_path / "test_planted.py"
+    planted.write_text("import dormouse.train.loop as loop\nfrom dormouse.train.data import ByteCorpus\n"
+                       "def test_x(monkeypatch):\n    monkeypatch.setattr(ByteCorpus, 'read', None)\n"
+                       "    loop.save_checkpoint = None\n    setattr(loop.torch, 'x', 1)\n")
+    assert sorted(_replaced_attributes(planted)) == [(4, "read"), (5, "save_checkpoint"), (6, "x")]
