@@ -29,7 +29,7 @@ from dormouse.errors import EXIT_OK, OneLineParser, command_status
 
 # Subcommands that hand the rest of the command line, unchanged, to their own main(argv).
 FORWARDED = {
-    "gate": ("dormouse.gate.__main__", "the distributed gate: single | rank | gradref | replay | verdict | check (your own loop)"),
+    "gate": ("dormouse.gate.__main__", "the distributed gate: single | rank | gradref | reference | verdict | check (your own loop)"),
     "pipeline": ("dormouse.gate.pipeline", "the whole gate: notebooks 01-04 and verdict.json"),
     "bench": ("dormouse.bench.core", "measured speed: tokens/s, fleet vs DDP, scaling"),
     "soak": ("dormouse.gate.record.soak", "launch gate fleets back to back and count failures"),
