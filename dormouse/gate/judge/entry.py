@@ -75,8 +75,7 @@ def judge(out, settings=None) -> Verdict:
                           "the fleet, or give the verdict the settings the run was made with)")
             return Verdict(v.out, False, [first] + v.checks[1:], v.references, v.provenance)
         return v
-    ref = ReferenceSet(out) if A.reference_meta_path(out).exists() else None
-    complete, *checks = _gate_checks(rec, GateReferences(out), want, v.checks, ref)
+    complete, *checks = _gate_checks(rec, GateReferences(out), want, v.checks)
     first = v.checks[0]  # one "complete": the recording's, and the gate's references'
     both = Check("complete", first.passed and complete.passed,
                  complete.reason if first.passed and not complete.passed else
@@ -86,8 +85,7 @@ def judge(out, settings=None) -> Verdict:
                    v.provenance)
 
 
-def _gate_checks(rec: A.RecordingSet, refs: GateReferences, settings: dict, before: list[Check],
-                 ref: ReferenceSet | None) -> list[Check]:
+def _gate_checks(rec: A.RecordingSet, refs: GateReferences, settings: dict, before: list[Check]) -> list[Check]:
     """The facts of dormouse's own gate's references, in the order printed."""
     try:
         complete = check_complete(refs, settings)
@@ -98,8 +96,7 @@ def _gate_checks(rec: A.RecordingSet, refs: GateReferences, settings: dict, befo
         return checks
     if refs.has(GRADREF):
         checks.append(check_config(rec, refs))
-        gradient = next((c for c in before if c.name == "gradient"), None)
-        checks.append(check_gradref(rec, refs.meta(GRADREF), ref if gradient and gradient.passed else None))
+        checks.append(check_gradref(rec, refs.meta(GRADREF)))
     exact = check_exact(rec, refs.recording(EXACT)) if refs.has(EXACT) else None
     if refs.has(SINGLE) and refs.has(FLOOR):
         checks.append(check_curve(rec, refs.recording(SINGLE), refs.meta(FLOOR),
@@ -164,7 +161,6 @@ def judge_references(out) -> Verdict:
     fact of its recording against the one-process reference, and gradref."""
     v = judge_recording(out)
     refs = GateReferences(out)
-    ref = ReferenceSet(out) if v.check("gradient") is not None and v.check("gradient").passed else None
-    g = (check_gradref(A.RecordingSet(out), refs.meta(GRADREF), ref) if refs.has(GRADREF)
+    g = (check_gradref(A.RecordingSet(out), refs.meta(GRADREF)) if refs.has(GRADREF)
          else Check("gradref", False, "incomplete: no gradref (run 03)"))
     return Verdict(v.out, v.passed and g.passed, v.checks + [g], v.references + [GRADREF], v.provenance)
