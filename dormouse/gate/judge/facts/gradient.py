@@ -296,12 +296,15 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     rows = gradient_rows(rec, ref)
     loose = too_loose(rec, ref)
     if loose is not None:
-        k, f = loose
+        k, f, f32 = loose
+        which = ("the float32 normalisation" if f32 else f"not judged in reduced precision: at step {k} the "
+                 f"{precision_words(rec, ref)}")
         return TensorCheck("gradient", False,
-                           f"not judged in reduced precision: at step {k} the {precision_words(rec, ref)} floor is "
+                           (f"not judged: at step {k} {which}" if f32 else which) + f" floor is "
                            f"{f:.2g} (the gradient through the loss / 3 against it), so {FLOOR_MULTIPLE:g} x it "
                            f"exceeds {PRECISION_CAP:g} and a fault of that size would pass as round-off: the network "
-                           "amplifies round-off; gate the float32 run",
+                           "amplifies round-off; " + ("gate it at a lower learning rate, or fewer steps" if f32
+                                                     else "gate the float32 run"),
                            worst=max(r["error"] for r in rows), worst_tensor=None, worst_step=k,
                            bound=FLOOR_MULTIPLE * f, per_step=[r["error"] for r in rows], first_step=k)
     gb = arithmetic_bound(rec, ref, GRAD_RTOL)  # the largest step's (one bound per step in the rows)
