@@ -11,12 +11,12 @@ from dormouse.bench.page import write_head
 from dormouse.bench.rates import BF16_MATMUL_SIZES, MATMUL_SIZES
 
 
-
 def _speed_against_fp32(bf16: float, fp32: float) -> str:
     """'4.4x faster than fp32' or '69x slower than fp32' (the rate ratio, whichever way it goes)."""
     if bf16 >= fp32:
         return f"{bf16 / fp32:.1f}x faster than fp32"
     return f"{fp32 / bf16:.0f}x slower than fp32" if fp32 / bf16 >= 10 else f"{fp32 / bf16:.1f}x slower than fp32"
+
 
 def _fmt(v, spec=".3g") -> str:
     return "null" if v is None else format(v, spec)

@@ -82,3 +82,27 @@ def copy_of(clean: Path, to: Path) -> Path:
     shutil.copytree(clean, to, copy_function=os.link,
                     ignore=shutil.ignore_patterns("notebooks", "ckpts", ".*.lock", "*.png", "verdict.json"))
     return to
+
+
+def edit_tensors(path: Path, fn) -> None:
+    """Rewrite one safetensors file (atomically: a copy_of's hard links are never written through) after
+    fn(tensors) changed it in place (its metadata kept)."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from dormouse import atomic
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    fn(tensors)
+    atomic.write_bytes(path, save(tensors, metadata=meta))
+
+
+def edit_json(path: Path, fn) -> None:
+    """Rewrite a JSON file (atomically) after fn(d) changed it in place."""
+    from dormouse import atomic
+
+    d = json.loads(path.read_text())
+    fn(d)
+    atomic.write_text(path, json.dumps(d))

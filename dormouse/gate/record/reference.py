@@ -453,6 +453,11 @@ def example_sample(mbs: list[tuple[int, int, dict]], j: int) -> set[int]:
 # 3e-7 to 4.6e-7; the extra backward then costs one micro-batch a step, not one each.
 NORMALISATION_FULL = 1e-6
 
+
+def _norm(g: dict) -> float:
+    return float(torch.sqrt(sum((v.double() ** 2).sum() for v in g.values() if v is not None)))
+
+
 def _scaled_floor(scaled: dict, g: dict, count: float, norm: float) -> tuple[float | None, dict | None]:
     """||3 g(loss / 3) / count - g|| / ||g|| over every tensor, and per tensor: the round-off of the same
     gradient backpropagated at another scale (`scaled`: 3 x the summed gradients through the loss / 3);
@@ -519,11 +524,9 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
             _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3, aux_weight=aw)
             add(acc["scaled32"], g3, 3.0)
             if i == 0:  # the first micro-batch's floor decides whether every micro-batch is measured
-                first = _scaled_floor({n: v.clone() for n, v in acc["scaled32"].items()},
-                                      {n: v.double() for n, v in grads.items() if v is not None}, 1.0,
-                                      float(torch.sqrt(sum((v.double() ** 2).sum() for v in grads.values()
-                                                           if v is not None))))[0]
-                full32 = first is not None and first >= NORMALISATION_FULL
+                mine = {n: v.double() for n, v in grads.items() if v is not None}
+                first = _scaled_floor(acc["scaled32"], mine, 1.0, _norm(mine))[0]
+                full32 = (first or 0.0) >= NORMALISATION_FULL
         if measure:  # the precision floor: the same gradient through the loss / 3
             _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3, aux_weight=aw)
             add(acc["scaled"], g3, 3.0)
@@ -588,7 +591,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         out["exb"] = {n: v / n_total for n, v in acc["exb"].items()}
     norm = float(torch.sqrt(sum((v * v).sum() for v in out["g"].values())))
     floor, floors = _scaled_floor(acc["scaled"], out["g"], n_total, norm)
-    nfloor = _scaled_floor(acc["scaled32"], out["g"], n_total, norm)[0] if full32 or len(mbs) == 1 else first
+    nfloor = _scaled_floor(acc["scaled32"], out["g"], n_total, norm)[0] if full32 else first
     info = {"loss": loss_total / n_total, "loss_sum": loss_total, "count": n_total,
             "loss_alt": {"micro_mean": sum(micro_means) / max(len(micro_means), 1),
                          "rank_mean": sum(rank_loss[r] / rank_n[r] for r in rank_loss if rank_n[r] > 0) / world,

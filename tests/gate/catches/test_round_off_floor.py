@@ -23,18 +23,13 @@ from __future__ import annotations
 import glob
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from gatekit import copy_of, edit_json, edit_tensors
 from safetensors.torch import load_file
-from safetensors.torch import save as st_save
 
-from dormouse import atomic
 from dormouse.gate import artifacts as A
 from dormouse.gate import pipeline, settings
 from dormouse.gate.artifacts import ReferenceSet
@@ -112,18 +107,29 @@ def test_the_floor_is_where_the_loss_is_normalised_by_the_tests_own_arithmetic(h
 
 
 def test_a_fault_far_above_the_floor_still_fails(high_lr, tmp_path):
-    out = tmp_path / "g"
-    shutil.copytree(high_lr, out, ignore=shutil.ignore_patterns("ckpts"), copy_function=os.link)
+    out = copy_of(high_lr, tmp_path / "g")
     k = judge(high_lr).check("gradient").worst_step
     world = A.RecordingSet(out).world_at(k)
+    def scale(t):
+        for n in t:
+            if n.startswith("g/"):
+                t[n] *= 1.05
+
     for r in range(world):  # every rank's recorded gradient at step k x 1.05 (the ranks still agree)
-        path = A.step_tensors_path(out, r, k)
-        t = load_file(str(path))
-        t = {n: (v * 1.05 if n.startswith("g/") else v) for n, v in t.items()}
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata()
-        atomic.write_bytes(path, st_save(t, metadata=meta))
+        edit_tensors(A.step_tensors_path(out, r, k), scale)
     g = judge(out).check("gradient")
     assert not g.passed and g.first_step == k and g.worst > g.bound, g.reason
     bound = 10 * ReferenceSet(out).info(k)["normalisation_floor"]
     assert g.worst > 5 * bound  # far above the measured floor's bound
+
+
+def test_a_floor_past_the_cap_is_not_judged_naming_the_float32_floor(high_lr, tmp_path):
+    """A float32 step whose normalisation floor is past PRECISION_CAP / 10: the gradient is not judged (a
+    fault that size would pass as round-off), and the verdict says it is the float32 floor, not reduced
+    precision."""
+    out = copy_of(high_lr, tmp_path / "g")
+    edit_json(A.reference_step_meta_path(out, 7), lambda d: d.update(normalisation_floor=0.02))  # 10 x > 0.1
+    g = judge(out).check("gradient")
+    assert not g.passed and g.first_step == 7, g.reason
+    assert g.reason.startswith("not judged: at step 7 the float32 normalisation floor is 0.02"), g.reason
+    assert "gate it at a lower learning rate" in g.reason and "reduced precision" not in g.reason, g.reason

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as st_save
+from gatekit import edit_json, edit_tensors
 
-from dormouse import atomic
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import EXACT, FLOOR, GRADREF, PROVENANCE, SINGLE, GateReferences, references
@@ -50,21 +48,6 @@ def gate(made, tmp_path) -> Path:
     out = tmp_path / "g"
     shutil.copytree(made, out, ignore=shutil.ignore_patterns("ckpts"), copy_function=os.link)
     return out
-
-
-def edit_tensors(path: Path, fn) -> None:
-    """Rewrite one safetensors file (atomically) after fn(tensors) changed it in place (its metadata kept)."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    fn(tensors)
-    atomic.write_bytes(path, st_save(tensors, metadata=meta))
-
-
-def edit_json(path: Path, fn) -> None:
-    d = json.loads(path.read_text())
-    fn(d)
-    atomic.write_text(path, json.dumps(d))
 
 
 def single_dir(out: Path) -> Path:

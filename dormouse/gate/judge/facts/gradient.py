@@ -297,11 +297,11 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     loose = too_loose(rec, ref)
     if loose is not None:
         k, f, f32 = loose
-        which = ("the float32 normalisation" if f32 else f"not judged in reduced precision: at step {k} the "
-                 f"{precision_words(rec, ref)}")
+        head, what = ("not judged", "float32 normalisation") if f32 else \
+            ("not judged in reduced precision", precision_words(rec, ref))
         return TensorCheck("gradient", False,
-                           (f"not judged: at step {k} {which}" if f32 else which) + f" floor is "
-                           f"{f:.2g} (the gradient through the loss / 3 against it), so {FLOOR_MULTIPLE:g} x it "
+                           f"{head}: at step {k} the {what} floor is {f:.2g} (the gradient through the loss / 3 "
+                           f"against it), so {FLOOR_MULTIPLE:g} x it "
                            f"exceeds {PRECISION_CAP:g} and a fault of that size would pass as round-off: the network "
                            "amplifies round-off; " + ("gate it at a lower learning rate, or fewer steps" if f32
                                                      else "gate the float32 run"),

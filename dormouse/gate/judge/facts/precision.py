@@ -21,8 +21,8 @@ reference's sum divided after it) moves a float32 gradient by round-off
 that grows as the network cancels per-token gradients (a high learning rate
 collapsing it towards uniform predictions: 3e-5 and more measured on clean
 fleets); the float32 bounds are FLOOR_MULTIPLE x that floor where that is
-larger than them (in the default recipes it is 1e-7 or so: the float32
-bound stands).
+larger than them (in the default recipes it measured 3e-7 to 4.6e-7: the
+float32 bounds stand).
 """
 
 from __future__ import annotations
