@@ -470,8 +470,10 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                       f"{first_bad['tensor_bound']:.2g} (all tensors together: {worst:.2g}; {stated})"
                       + ("" if near_one else ", not by a constant factor"))
         else:
+            at_k = stated if run or wire else \
+                bound_words(rec, ref, arithmetic_bound(rec, ref, GRAD_RTOL, worst_k), GRAD_RTOL, worst_k)
             reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} (tensor "
-                      f"{worst_t}; {stated})" + ("" if near_one else ", not by a constant factor"))
+                      f"{worst_t}; {at_k})" + ("" if near_one else ", not by a constant factor"))
             if not rec.sketch and not wire and bf16_wire(rec):
                 reason += ("; every element of the fleet's gradient is a bfloat16 value (float32 with its low 16 bits "
                            "zero) at every step it was not clipped: the gradient was all-reduced in bfloat16 (a bf16 "
