@@ -447,28 +447,6 @@ def example_sample(mbs: list[tuple[int, int, dict]], j: int) -> set[int]:
     return {(j - 1) % len(mbs)}
 
 
-# A float32 step's normalisation floor (the judge's precision.normalisation_floor) is measured on its first
-# micro-batch, and on every micro-batch only where that one reaches this: ten times a floor below it stays
-# under every float32 bound (1e-5), so only a larger one can change a verdict. The default recipes measure
-# 3e-7 to 4.6e-7; the extra backward then costs one micro-batch a step, not one each.
-NORMALISATION_FULL = 1e-6
-
-
-def _norm(g: dict) -> float:
-    return float(torch.sqrt(sum((v.double() ** 2).sum() for v in g.values() if v is not None)))
-
-
-def _scaled_floor(scaled: dict, g: dict, count: float, norm: float) -> tuple[float | None, dict | None]:
-    """||3 g(loss / 3) / count - g|| / ||g|| over every tensor, and per tensor: the round-off of the same
-    gradient backpropagated at another scale (`scaled`: 3 x the summed gradients through the loss / 3);
-    (None, None) where nothing was measured."""
-    if not scaled:
-        return None, None
-    sq = {n: float(((scaled[n] / count - v) ** 2).sum()) for n, v in g.items() if n in scaled}
-    floor = math.sqrt(sum(sq.values())) / norm if norm > 0 else 0.0
-    return floor, {n: math.sqrt(x) / max(float(g[n].norm()), 1e-300) for n, x in sq.items()}
-
-
 def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int | None,
                    probe: bool) -> tuple[dict, dict]:
     """The declared objective's gradient over every rank's micro-batches at
@@ -477,7 +455,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     check; see the module docstring)."""
     objective = rec.meta["objective"]
     names = [n for n, _ in model.named_parameters()]
-    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled", "scaled32", "gm", "last")}
+    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled", "gm", "last")}
     rank_acc: dict[int, dict] = {}
     rank_n: dict[int, float] = {}
     rank_loss: dict[int, float] = {}
@@ -500,7 +478,6 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         return _step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp, alts=examples is not None)
     aw = _aux_weight(objective, model, mbs)  # an MoE model's own per-forward term: weighted by the step's count
     rng_sensitive = None
-    full32, first = False, None
     sample = example_sample(mbs, examples) if examples is not None else set()
     cast_models: dict[str, torch.nn.Module] = {}  # the model at this step's parameters, cast for the forward
     base = model
@@ -520,13 +497,6 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         ls, c, grads = _grads(model, objective, batch, user, ac, aux_weight=aw)
         present |= {n for n, g in grads.items() if g is not None}
         add(acc["g"], grads)
-        if not measure and (i == 0 or full32):  # float32: the normalisation floor (see NORMALISATION_FULL)
-            _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3, aux_weight=aw)
-            add(acc["scaled32"], g3, 3.0)
-            if i == 0:  # the first micro-batch's floor decides whether every micro-batch is measured
-                mine = {n: v.double() for n, v in grads.items() if v is not None}
-                first = _scaled_floor(acc["scaled32"], mine, 1.0, _norm(mine))[0]
-                full32 = (first or 0.0) >= NORMALISATION_FULL
         if measure:  # the precision floor: the same gradient through the loss / 3
             _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3, aux_weight=aw)
             add(acc["scaled"], g3, 3.0)
@@ -590,15 +560,19 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         out["ex"] = {n: v / n_total for n, v in acc["ex"].items()}
         out["exb"] = {n: v / n_total for n, v in acc["exb"].items()}
     norm = float(torch.sqrt(sum((v * v).sum() for v in out["g"].values())))
-    floor, floors = _scaled_floor(acc["scaled"], out["g"], n_total, norm)
-    nfloor = _scaled_floor(acc["scaled32"], out["g"], n_total, norm)[0] if full32 else first
+    floor, floors = None, None
+    if acc["scaled"]:  # ||g(loss / 3) * 3 - g|| / ||g||: reduced-precision round-off alone, and per tensor
+        sq = {n: float(((acc["scaled"][n] / n_total - v) ** 2).sum()) for n, v in out["g"].items()
+              if n in acc["scaled"]}
+        floor = math.sqrt(sum(sq.values())) / norm if norm > 0 else 0.0
+        floors = {n: math.sqrt(x) / max(float(out["g"][n].norm()), 1e-300) for n, x in sq.items()}
     info = {"loss": loss_total / n_total, "loss_sum": loss_total, "count": n_total,
             "loss_alt": {"micro_mean": sum(micro_means) / max(len(micro_means), 1),
                          "rank_mean": sum(rank_loss[r] / rank_n[r] for r in rank_loss if rank_n[r] > 0) / world,
                          "rank_local": [rank_loss[r] / rank_n[r] if rank_n[r] else None for r in sorted(rank_loss)]},
             "counts": [counts[r] for r in sorted(counts)], "no_grad": [n for n in names if n not in present],
             "norm": norm, "rng_sensitive": rng_sensitive, "precision_floor": floor, "precision_floor_tensors": floors,
-            "normalisation_floor": nfloor, "low_precision_params": lowp,
+            "low_precision_params": lowp,
             "loss_floor": (abs(native - loss_total) / max(abs(loss_total), 1e-30)
                            if floor is not None and objective in OBJECTIVES else None),
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(sample)], "merged": merged,
@@ -728,10 +702,12 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
         rng_sensitive = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
                             for a, b in zip(grads.values(), again.values()))
     norm = float(torch.sqrt(sum((v * v).sum() for v in g.values())))
-    _, _, g3 = once(0, 1 / 3)  # the same gradient through the loss / 3: the precision or normalisation floor
-    scaled = {n: g3[n].double() * 3 for n in g if g3.get(n) is not None}
-    floor, floors = _scaled_floor(scaled, g, c, norm) if lowp or ac is not None else (None, None)
-    nfloor = None if lowp or ac is not None else _scaled_floor(scaled, g, c, norm)[0]
+    floor, floors = None, None
+    if lowp or ac is not None:  # the precision floor: the same gradient through the loss / 3
+        _, _, g3 = once(0, 1 / 3)
+        sq = {n: float(((g3[n].double() * 3 / c - v) ** 2).sum()) for n, v in g.items() if g3.get(n) is not None}
+        floor = math.sqrt(sum(sq.values())) / norm if norm > 0 else 0.0
+        floors = {n: math.sqrt(x) / max(float(g[n].norm()), 1e-300) for n, x in sq.items()}
     fwd = _per_forward_moe(model, mbs, ac)
     model.zero_grad(set_to_none=True)
     ranks = sorted({r for r, _, _ in mbs})
@@ -751,8 +727,8 @@ def _step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, p
             "loss_alt": {"micro_mean": None, "rank_mean": None, "rank_local": []},
             "counts": [[None for rr, _, _ in mbs if rr == r] for r in ranks],
             "no_grad": [n for n in names if n not in g], "norm": norm, "rng_sensitive": rng_sensitive,
-            "precision_floor": floor, "precision_floor_tensors": floors, "normalisation_floor": nfloor,
-            "low_precision_params": lowp, "loss_floor": None, "ex_micro": [], "merged": None, "labels": None, "scope": "step"}
+            "precision_floor": floor, "precision_floor_tensors": floors, "low_precision_params": lowp,
+            "loss_floor": None, "ex_micro": [], "merged": None, "labels": None, "scope": "step"}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     return {"g": g, "micro_mean": {}, "rank_mean": rank_mean, **({"fwd": fwd} if fwd else {})}, info

@@ -296,15 +296,12 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     rows = gradient_rows(rec, ref)
     loose = too_loose(rec, ref)
     if loose is not None:
-        k, f, f32 = loose
-        head, what = ("not judged", "float32 normalisation") if f32 else \
-            ("not judged in reduced precision", precision_words(rec, ref))
+        k, f = loose
         return TensorCheck("gradient", False,
-                           f"{head}: at step {k} the {what} floor is {f:.2g} (the gradient through the loss / 3 "
-                           f"against it), so {FLOOR_MULTIPLE:g} x it "
+                           f"not judged in reduced precision: at step {k} the {precision_words(rec, ref)} floor is "
+                           f"{f:.2g} (the gradient through the loss / 3 against it), so {FLOOR_MULTIPLE:g} x it "
                            f"exceeds {PRECISION_CAP:g} and a fault of that size would pass as round-off: the network "
-                           "amplifies round-off; " + ("gate it at a lower learning rate, or fewer steps" if f32
-                                                     else "gate the float32 run"),
+                           "amplifies round-off; gate the float32 run",
                            worst=max(r["error"] for r in rows), worst_tensor=None, worst_step=k,
                            bound=FLOOR_MULTIPLE * f, per_step=[r["error"] for r in rows], first_step=k)
     gb = arithmetic_bound(rec, ref, GRAD_RTOL)  # the largest step's (one bound per step in the rows)
@@ -470,10 +467,8 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                       f"{first_bad['tensor_bound']:.2g} (all tensors together: {worst:.2g}; {stated})"
                       + ("" if near_one else ", not by a constant factor"))
         else:
-            at_k = stated if run or wire else \
-                bound_words(rec, ref, arithmetic_bound(rec, ref, GRAD_RTOL, worst_k), GRAD_RTOL, worst_k)
             reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} (tensor "
-                      f"{worst_t}; {at_k})" + ("" if near_one else ", not by a constant factor"))
+                      f"{worst_t}; {stated})" + ("" if near_one else ", not by a constant factor"))
             if not rec.sketch and not wire and bf16_wire(rec):
                 reason += ("; every element of the fleet's gradient is a bfloat16 value (float32 with its low 16 bits "
                            "zero) at every step it was not clipped: the gradient was all-reduced in bfloat16 (a bf16 "

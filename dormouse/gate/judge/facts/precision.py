@@ -13,16 +13,6 @@ fault in one small tensor is diluted in the global norm), the tolerance a
 fitted factor is named within widens with the bound, and past PRECISION_CAP
 the gradient check fails as not judged (too_loose). The logged loss of such
 a step is held to FLOOR_MULTIPLE x the largest measured "loss_floor".
-
-A float32 step has its measured floor too, "normalisation_floor": the same
-one-process gradient through the loss / 3 against it. Where the loss is
-normalised (the loop's mean times its share before the backward, the
-reference's sum divided after it) moves a float32 gradient by round-off
-that grows as the network cancels per-token gradients (a high learning rate
-collapsing it towards uniform predictions: 3e-5 and more measured on clean
-fleets); the float32 bounds are FLOOR_MULTIPLE x that floor where that is
-larger than them (in the default recipes it measured 3e-7 to 4.6e-7: the
-float32 bounds stand).
 """
 
 from __future__ import annotations
@@ -42,17 +32,7 @@ def precision_floor(rec: A.RecordingSet, ref: ReferenceSet, k: int | None = None
     """Step k's measured precision floor (the reference's "precision_floor":
     under autocast, cast or bfloat16/float16 parameters), or with k None the
     largest over the recorded steps; None where the step computed in float32."""
-    return _largest(rec, ref, "precision_floor", k)
-
-
-def normalisation_floor(rec: A.RecordingSet, ref: ReferenceSet, k: int | None = None) -> float | None:
-    """Step k's measured float32 normalisation floor (k None: the largest); None where not measured (a step
-    in reduced precision has its precision floor instead, or a reference made before it was measured)."""
-    return _largest(rec, ref, "normalisation_floor", k)
-
-
-def _largest(rec: A.RecordingSet, ref: ReferenceSet, key: str, k: int | None) -> float | None:
-    floors = [f for j in (rec.steps if k is None else [k]) if (f := ref.info(j).get(key)) is not None]
+    floors = [f for j in (rec.steps if k is None else [k]) if (f := ref.info(j).get("precision_floor")) is not None]
     return max(floors) if floors else None
 
 
@@ -64,8 +44,6 @@ def arithmetic_bound(rec: A.RecordingSet, ref: ReferenceSet, float32: float, k: 
     reduced-precision backward at the loop's own loss scale. Each step has its
     own: a float32 step keeps the float32 bound."""
     floor = precision_floor(rec, ref, k)
-    if floor is None:
-        floor = normalisation_floor(rec, ref, k)
     return float32 if floor is None else floor_bound(floor, float32)
 
 
@@ -81,16 +59,14 @@ def wire_bound(rec: A.RecordingSet, ref: ReferenceSet, k: int) -> float:
     return rec.world_at(k) * BF16_UNIT_ROUNDOFF * norm(wa, sorted(wa)) / max(norm(g, sorted(g)), 1e-300)
 
 
-def too_loose(rec: A.RecordingSet, ref: ReferenceSet) -> tuple[int, float, bool] | None:
-    """The first step whose measured bound FLOOR_MULTIPLE x floor exceeds
+def too_loose(rec: A.RecordingSet, ref: ReferenceSet) -> tuple[int, float] | None:
+    """The first step whose precision bound FLOOR_MULTIPLE x floor exceeds
     PRECISION_CAP (a network that amplifies round-off until a fault of that
-    size could not be told from it), with its floor and whether it is the
-    float32 normalisation floor; None if none does."""
+    size could not be told from it), with its floor; None if none does."""
     for k in rec.steps:
         f = precision_floor(rec, ref, k)
-        f32 = f is None and (f := normalisation_floor(rec, ref, k)) is not None
         if f is not None and FLOOR_MULTIPLE * f > PRECISION_CAP:
-            return k, f, f32
+            return k, f
     return None
 
 
@@ -110,10 +86,6 @@ def bound_words(rec: A.RecordingSet, ref: ReferenceSet, bound: float, float32: f
     """How `bound` was set: the float32 bound, or FLOOR_MULTIPLE x the
     precision floor (of step k; k None: the largest, which `bound` then is)."""
     floor = precision_floor(rec, ref, k)
-    if floor is None and bound != float32 and (floor := normalisation_floor(rec, ref, k)) is not None:
-        return (f"bound {bound:.2g} = {FLOOR_MULTIPLE:g} x the float32 normalisation floor {floor:.2g}, the "
-                "one-process gradient through a loss scaled by 1/3 against it: round-off from where the loss is "
-                "normalised, which this network amplifies")
     if floor is None or bound == float32:
         return f"bound {bound:g}"
     return (f"bound {bound:.2g} = {FLOOR_MULTIPLE:g} x the {precision_words(rec, ref)} floor {floor:.2g}, the "
