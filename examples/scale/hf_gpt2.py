@@ -1,0 +1,102 @@
+"""A GPT-2 configuration of real size under transformers' Trainer, 2 CPU ranks,
+recorded for the gate: the scale page's HF row (docs/benchmarks.md) and the
+stand-in CI keeps small. Random init, the real vocabulary, nothing downloaded.
+
+    SCALE=small torchrun --standalone --nproc_per_node=2 examples/scale/hf_gpt2.py runs/gpt2
+    dormouse gate check --out runs/gpt2
+
+SCALE picks the size (tiny ≈ 0.5M with a 256-token vocabulary; mid ≈ 30M: 6 x 384;
+small = GPT-2 small, 124M: 12 x 768), STEPS the optimizer steps (3), SEQ the
+sequence (128), LR the peak lr (1e-3), SKETCH (0 = full tensors), RECORD=0
+trains without the Recorder (the overhead's baseline), FAULT one of
+  scale1.001  rank 1's synchronised gradient x 1.001 at every step (a hook after the reduce)
+  local_norm  clip by the rank's local pre-reduce norm (a wrong clip)
+  no_avg_tokens  average_tokens_across_devices=False (each rank its own token count)
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, get_linear_schedule_with_warmup
+
+SIZES = {  # n_embd, n_layer, n_head, vocab
+    "tiny": (64, 2, 2, 256),
+    "mid": (384, 6, 6, 50257),
+    "small": (768, 12, 12, 50257),
+    "medium": (1024, 24, 16, 50257),
+}
+SCALE = os.environ.get("SCALE", "tiny")
+STEPS = int(os.environ.get("STEPS", "3"))
+SEQ = int(os.environ.get("SEQ", "128"))
+LR = float(os.environ.get("LR", "1e-3"))
+BATCH = int(os.environ.get("BATCH", "2"))
+ACCUM = int(os.environ.get("ACCUM", "1"))
+
+
+def build_model():
+    """The same initial model in any process: seeded here."""
+    torch.manual_seed(0)
+    d, n_layer, n_head, vocab = SIZES[SCALE]
+    cfg = GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=d, n_layer=n_layer, n_head=n_head,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def build_optimizer(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    return opt, get_linear_schedule_with_warmup(opt, 0, STEPS)
+
+
+def dataset(n: int = 512, seed: int = 0) -> list[dict]:
+    vocab = SIZES[SCALE][3]
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(SEQ // 2, SEQ + 1, (1,), generator=g))
+        ids = torch.zeros(SEQ, dtype=torch.long)
+        ids[:length] = torch.randint(1, vocab, (length,), generator=g)
+        mask = (torch.arange(SEQ) < length).long()
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return rows
+
+
+def _faults(model, fault: str):
+    if fault == "scale1.001" and int(os.environ.get("RANK", "0")) == 1:
+        from transformers import TrainerCallback
+
+        class Scale(TrainerCallback):  # after the reduce (and the Trainer's clip), before the step
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(1.001)
+        return [Scale()]
+    return []
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else "runs/gpt2"
+    fault = os.environ.get("FAULT", "")
+    model = build_model()
+    args = TrainingArguments(out + "-trainer", use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=BATCH,
+                             gradient_accumulation_steps=ACCUM, max_steps=STEPS, max_grad_norm=1.0,
+                             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+                             average_tokens_across_devices=fault != "no_avg_tokens")
+    callbacks = []
+    if os.environ.get("RECORD", "1") != "0":
+        from dormouse.gate.record.hf import RecorderCallback
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.path.insert(0, here)
+        callbacks.append(RecorderCallback(out, build_model="hf_gpt2:build_model",
+                                          build_optimizer="hf_gpt2:build_optimizer", objective="causal_lm",
+                                          sketch=int(os.environ.get("SKETCH", "0"))))
+    # the fault callbacks run after the Recorder's? no: before it, so the Recorder sees the faulty gradient
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), optimizers=build_optimizer(model),
+                      callbacks=_faults(model, fault) + callbacks)
+    trainer.train()
+    if dist.is_initialized():
+        dist.destroy_process_group()
