@@ -35,20 +35,21 @@ BATCH = int(os.environ.get("BATCH", "2"))
 ACCUM = int(os.environ.get("ACCUM", "1"))
 
 
-def build_model():
-    """The same initial model in any process: seeded here."""
+def build_model(scale: str = SCALE, seq: int = SEQ, lr: float = LR, steps: int = STEPS):
+    """The same initial model in any process: seeded here (the size reaches `gate check`
+    through the Recorder's build_kwargs, not the environment)."""
     torch.manual_seed(0)
-    d, n_layer, n_head, vocab = SIZES[SCALE]
-    cfg = GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=d, n_layer=n_layer, n_head=n_head,
+    d, n_layer, n_head, vocab = SIZES[scale]
+    cfg = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=d, n_layer=n_layer, n_head=n_head,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=1)
     model = GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"
     return model
 
 
-def build_optimizer(model):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    return opt, get_linear_schedule_with_warmup(opt, 0, STEPS)
+def build_optimizer(model, scale: str = SCALE, seq: int = SEQ, lr: float = LR, steps: int = STEPS):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    return opt, get_linear_schedule_with_warmup(opt, 0, steps)
 
 
 def dataset(n: int = 512, seed: int = 0) -> list[dict]:
@@ -93,8 +94,9 @@ if __name__ == "__main__":
         sys.path.insert(0, here)
         callbacks.append(RecorderCallback(out, build_model="hf_gpt2:build_model",
                                           build_optimizer="hf_gpt2:build_optimizer", objective="causal_lm",
+                                          build_kwargs=dict(scale=SCALE, seq=SEQ, lr=LR, steps=STEPS),
                                           sketch=int(os.environ.get("SKETCH", "0"))))
-    # the fault callbacks run after the Recorder's? no: before it, so the Recorder sees the faulty gradient
+    # the fault callbacks come first: the Recorder sees the faulty gradient the optimizer applies
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), optimizers=build_optimizer(model),
                       callbacks=_faults(model, fault) + callbacks)
     trainer.train()
