@@ -10,8 +10,11 @@ small = GPT-2 small, 124M: 12 x 768), STEPS the optimizer steps (3), SEQ the
 sequence (128), LR the peak lr (1e-3), SKETCH (0 = full tensors), RECORD=0
 trains without the Recorder (the overhead's baseline), FAULT one of
   scale1.001  rank 1's synchronised gradient x 1.001 at every step (a hook after the reduce)
-  local_norm  clip by the rank's local pre-reduce norm (a wrong clip)
+  local_norm  clip by the rank's local pre-reduce norm (a wrong clip; with ACCUM=1)
   no_avg_tokens  average_tokens_across_devices=False (each rank its own token count)
+  micro_mean  the mean of micro-batch means (with ACCUM=2): the Trainer told the model takes no
+              loss kwargs, so each micro-batch's loss is its own token mean, divided by the
+              accumulation steps (the gradient-accumulation bug of transformers < 4.46)
 """
 
 import os
@@ -78,6 +81,26 @@ def _faults(model, fault: str):
     return []
 
 
+class LocalNormTrainer(Trainer):
+    """FAULT=local_norm: clips by this rank's own gradient's norm, summed from the gradients each
+    parameter receives in the backward (before DDP's all-reduce), not the synchronised gradient's."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._local = {}
+        for n, p in self.model.named_parameters():
+            p.register_hook(lambda g, n=n: self._local.__setitem__(n, g.detach().float().pow(2).sum()))
+
+    def _clip_grad_norm(self, model):
+        local = torch.sqrt(sum(self._local.values()))
+        self._local.clear()
+        coef = torch.clamp(self.args.max_grad_norm / (local + 1e-6), max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return local
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "runs/gpt2"
     fault = os.environ.get("FAULT", "")
@@ -97,8 +120,11 @@ if __name__ == "__main__":
                                           build_kwargs=dict(scale=SCALE, seq=SEQ, lr=LR, steps=STEPS),
                                           sketch=int(os.environ.get("SKETCH", "0"))))
     # the fault callbacks come first: the Recorder sees the faulty gradient the optimizer applies
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(), optimizers=build_optimizer(model),
-                      callbacks=_faults(model, fault) + callbacks)
+    trainer = (LocalNormTrainer if fault == "local_norm" else Trainer)(
+        model=model, args=args, train_dataset=dataset(), optimizers=build_optimizer(model),
+        callbacks=_faults(model, fault) + callbacks)
+    if fault == "micro_mean":
+        trainer.model_accepts_loss_kwargs = False
     trainer.train()
     if dist.is_initialized():
         dist.destroy_process_group()
