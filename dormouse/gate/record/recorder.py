@@ -250,6 +250,9 @@ class Recorder:
     start            a fresh recording's first step is start + 1 (a run continued from a checkpoint of
                      another run: build_model and build_optimizer must then rebuild the state after
                      step `start`, and the scheduler its lr from there)
+    context_parallel None, or dict(group=<the CP process group>, seq_dim=1, order="contiguous" | "load_balanced"):
+                     each rank's inputs are a shard of its CP group's rows along seq_dim; the leader records
+                     the group's global rows, assembled in the declared order (record/layouts.py)
     extra            None, or a JSON object kept in recording.json as "extra" (rec.extra, until close;
                      a resumed segment starts from the earlier one's): what a client keeps beside the
                      run (dormouse's own gate: its settings, provenance and evals); no fact reads it
@@ -261,7 +264,7 @@ class Recorder:
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
                  buffer_update: str | None = None, example_corpus: str | None = None,
                  objective_scope: str = "example", probe_steps=None, pipeline_stage=None, sharding=None,
-                 wire: str = "fp32", extra: dict | None = None, start: int = 0):
+                 wire: str = "fp32", extra: dict | None = None, start: int = 0, context_parallel=None):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
                       build_kwargs=build_kwargs, buffer_update=buffer_update, objective_scope=objective_scope,
@@ -325,8 +328,13 @@ class Recorder:
         # persistent buffers (state outside the optimizer, e.g. a routing bias): "b/" at tensor steps
         self._buffers = [n for n in self.module.state_dict() if n not in params]
         # a tensor-parallel (or 2-D) layout: full tensors, each DP replica's micro-batches once (layouts.py)
+        if context_parallel is not None and (pipeline_stage is not None or sharding is not None):
+            raise RecorderError("context_parallel with pipeline_stage or sharding: a context-parallel run is "
+                                "recorded with its parameters replicated (no pipeline, no declared sharding)")
         self.layout, layout_meta = (layouts.pipeline(pipeline_stage, self.module, self.rank, self._gather)
                                     if pipeline_stage is not None else
+                                    layouts.context_parallel(context_parallel, self.module, self.rank, self._gather)
+                                    if context_parallel is not None else
                                     declared.of(self.module, sharding, self.rank, self.world, self._gather,
                                                 build_model, build_kwargs) if sharding is not None else
                                     layouts.of(self.module, self.rank, self.world, self._gather))
@@ -548,6 +556,8 @@ class Recorder:
             keep = self.layout.kept(len(batches))
             batches, autocasts, casts, evals, calls, attrs = (
                 [x[i] for i in keep] for x in (batches, autocasts, casts, evals, calls, attrs))
+        if isinstance(self.layout, layouts.ContextParallelLayout):  # the CP group's global rows (a collective)
+            batches = self.layout.assemble(batches)
         if lr is None and optimizer is not None:
             lr = optimizer.param_groups[0]["lr"]
         grad_norm = _number(grad_norm)

@@ -66,8 +66,10 @@ def _peer_inputs(rec: A.RecordingSet, groups: list[list[int]]) -> str | None:
     return None
 
 
-def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], params: dict) -> str | None:
-    """The first gradient that differs between the ranks of a TP group, as a sentence; None when none does."""
+def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], params: dict,
+               kind: str = "TP") -> str | None:
+    """The first gradient that differs between the ranks of a TP (or CP) group, as a sentence; None when none
+    does."""
     for k in rec.tensor_steps():
         bound = arithmetic_bound(rec, ref, GRAD_RTOL, k)
         g_ref = ref.tensors(k, "g/")
@@ -80,21 +82,26 @@ def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], 
                 r, other = others[0]
                 x = rel({n: other}, {n: grads[0][n]}, [n])
                 pl = params.get(n, {})
-                kind = ("a plain tensor on every rank" if pl.get("placements") == ["plain"]
+                held = ("a plain tensor on every rank" if pl.get("placements") == ["plain"]
                         else f"placements {', '.join(pl.get('placements', []))} on mesh dims {pl.get('mesh')}")
                 total = sum(g[n].double() for g in grads if n in g)
                 summed = rel({n: total}, {n: g_ref[n]}, [n]) if n in g_ref else float("inf")
                 said = (f"; the sum of the group's gradients is one process's gradient (within {summed:.2g}, bound "
                         f"{bound:g}): each rank holds its own part, never reduced over the group"
                         if summed <= bound else f"; neither is their sum one process's gradient (off by {summed:.2g})")
-                return (f"at step {k} the gradient of {n} ({kind}) differs between ranks {group[0]} and {r} of TP "
+                if kind == "CP":
+                    return (f"at step {k} the gradient of {n} differs between ranks {group[0]} and {r} of CP group "
+                            f"{group} by {x:.2g}: every parameter is replicated over the CP group and each rank's "
+                            "gradient covers only its own shard of the sequence; it was not all-reduced over the CP "
+                            f"group (only over the data-parallel ranks, or not at all){said}")
+                return (f"at step {k} the gradient of {n} ({held}) differs between ranks {group[0]} and {r} of TP "
                         f"group {group} by {x:.2g}: a parameter replicated over the group whose gradient was not "
                         f"reduced over it (a sequence-parallel norm's weight, for one){said}")
     return None
 
 
 def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int, dp: int,
-                  ep: int | None = None) -> str | None:
+                  ep: int | None = None, kind: str = "TP") -> str | None:
     """A constant factor on one class of parameters (split over a model-parallel dimension, or replicated)
     while the other class agrees with one process, as a sentence; None otherwise. `ep`: the expert-parallel
     size of a declared sharding (its factor named first)."""
@@ -114,7 +121,7 @@ def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int,
             agree[cls] = agree[cls] and rel(g, g_ref, ns) <= bound
     bound = max(bounds, default=GRAD_RTOL)
     tol = max(FACTOR_RTOL, bound)
-    cands = [(f"the TP size {tp}", tp), (f"1 / the TP size {tp}", 1 / tp), (f"the DP size {dp}", dp),
+    cands = [(f"the {kind} size {tp}", tp), (f"1 / the {kind} size {tp}", 1 / tp), (f"the DP size {dp}", dp),
              (f"1 / the DP size {dp}", 1 / dp)]
     if tp > 1 and dp > 1:  # with one of them 1 the world size is the other's: named by it
         cands += [(f"the world size {tp * dp}", tp * dp), (f"1 / the world size {tp * dp}", 1 / (tp * dp))]
@@ -127,10 +134,11 @@ def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int,
             and abs(cs[0] - 1) > FACTOR_AWAY * bound:  # every gradient off by one constant: name it by the mesh
         # the data-parallel sizes first: a factor on every tensor alike is the replicas' normalisation
         order = [c for c in cands if "DP" in c[0]] + [c for c in cands if "world" in c[0]] + \
-            [c for c in cands if "TP" in c[0]]
+            [c for c in cands if kind in c[0]]
         named = next((w for w, v in order if v != 1 and abs(cs[0] / v - 1) <= tol), None)
         return (f"every gradient is one process's times {cs[0]:.4g}" + (f" = {named}" if named else "")
-                + f" at every recorded step ({dp} data-parallel replica(s) of {tp} model-parallel rank(s)): a "
+                + f" at every recorded step ({dp} data-parallel replica(s) of {tp} "
+                + ("context-parallel" if kind == "CP" else "model-parallel") + " rank(s)): a "
                 "normalisation over the mesh applied the wrong number of times")
     for cls, other in (("split", "replicated"), ("replicated", "split")):
         fs = fits[cls]
@@ -189,6 +197,8 @@ def check_layout(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     groups, params = lay["groups"], lay["params"]
     if lay.get("pipeline"):
         return _check_pipeline(rec, ref, lay)
+    if lay.get("context_parallel"):
+        return _check_context_parallel(rec, ref, lay)
     tp, dp = max(len(g) for g in groups), len(groups)
     decl = lay.get("declared") or {}
     ep = max((len(g) for d in decl.values() if d.get("parallel") == "expert" for g in d.get("groups", [])),
@@ -213,3 +223,135 @@ def check_layout(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
                                  f"model-parallel rank(s); {n_split} of {len(params)} parameters split over a "
                                  "model-parallel dimension, assembled with full_tensor(); every TP rank of a replica "
                                  "read its leader's rows, and every gradient is equal on the ranks of each TP group")
+
+
+# ---------------------------------------------------------------------------------------------- context parallel
+
+def cp_chunks(n: int, order: str) -> list[list[int]]:
+    """The chunks of a row's sequence each of a CP group's n ranks holds, in its local order (the judge's own
+    reading of the declared order): "contiguous" n chunks, rank i chunk i; "load_balanced" torch's head-tail
+    balancer, 2n chunks, rank i chunk i then chunk 2n - 1 - i."""
+    return [[i] for i in range(n)] if order == "contiguous" else [[i, 2 * n - 1 - i] for i in range(n)]
+
+
+def cp_split(t: torch.Tensor, dim: int, n: int, order: str) -> list[torch.Tensor]:
+    """The global tensor t cut into the n shards of a CP group, rank by rank, in `order`."""
+    held = cp_chunks(n, order)
+    chunks = t.chunk(sum(len(h) for h in held), dim)
+    return [torch.cat([chunks[c] for c in h], dim) for h in held]
+
+
+def cp_join(pieces: list[torch.Tensor], dim: int, order: str) -> torch.Tensor | None:
+    """The global tensor of a CP group's shards (in its rank order) along `dim`; None when they do not cut."""
+    held = cp_chunks(len(pieces), order)
+    chunks: dict[int, torch.Tensor] = {}
+    for piece, h in zip(pieces, held):
+        if piece.shape[dim] % len(h):
+            return None
+        for c, part in zip(h, piece.chunk(len(h), dim)):
+            chunks[c] = part
+    return torch.cat([chunks[c] for c in sorted(chunks)], dim)
+
+
+POSITION_KEYS = ("position_ids", "positions", "pos")
+
+
+def _cp_inputs(rec: A.RecordingSet, groups: list[list[int]], cp: dict) -> str | None:
+    """The first CP peer whose inputs are not its shard of its leader's global rows (per-row tensors: equal), as
+    a sentence; None when every peer's are."""
+    dim, order = cp["seq_dim"], cp["order"]
+    for k in rec.steps:
+        for group in groups:
+            lead = group[0]
+            lt = rec.step_tensors(lead, k)
+            n = rec.step_meta(lead, k).get("micro_batches", 0)
+            for i, r in enumerate(group):
+                if r == lead:
+                    continue
+                pt = rec.step_tensors(r, k)
+                pn = rec.step_meta(r, k).get("tp_micro_batches", 0)
+                where = f"at step {k} rank {r}, CP rank {i} of group {group},"
+                if pn != n:
+                    return (f"{where} ran {pn} micro-batches where its leader rank {lead} ran {n}: the ranks of a CP "
+                            "group compute one forward together and must run the same micro-batches")
+                for m in range(n):
+                    a = {key[len(f"in/{m}/"):]: v for key, v in lt.items() if key.startswith(f"in/{m}/")}
+                    b = {key[len(f"tp/{m}/"):]: v for key, v in pt.items() if key.startswith(f"tp/{m}/")}
+                    for key in sorted(set(a) | set(b)):
+                        if key not in a or key not in b:
+                            return (f"{where} fed {key!r} where rank {lead} did not (micro-batch {m}), or the other "
+                                    "way round: the ranks of a CP group must feed their forwards the same inputs")
+                        want = a[key]
+                        if want.dim() > dim and b[key].dim() == want.dim() and want.shape[dim] % (len(group) * 2
+                                                                                               if order != "contiguous" else len(group)) == 0:
+                            want = cp_split(want, dim, len(group), order)[i]
+                        if want.shape != b[key].shape or not torch.equal(want, b[key]):
+                            return (f"{where} holds an input {key!r} (micro-batch {m}) that is not its {order} shard "
+                                    f"of the group's global rows along dim {dim} (shape {tuple(b[key].shape)}): the "
+                                    "ranks of a CP group must hold the same rows, each its own part of every row's "
+                                    "sequence (and the same per-row tensors)")
+    return None
+
+
+def _cp_positions(rec: A.RecordingSet, groups: list[list[int]], cp: dict) -> str | None:
+    """The global rows' positions against the declared order, as a sentence where they say the shards were not
+    shifted to their place in the sequence or were cut in another order; None otherwise (positions not
+    recorded, or increasing by one along each row, or packed sequences that restart inside a shard)."""
+    dim, order, n = cp["seq_dim"], cp["order"], cp["size"]
+    for k in rec.steps:
+        for lead in (g[0] for g in groups):
+            t = rec.step_tensors(lead, k)
+            for m in range(rec.step_meta(lead, k).get("micro_batches", 0)):
+                key = next((key for key in POSITION_KEYS if f"in/{m}/{key}" in t), None)
+                if key is None:
+                    continue
+                pos = t[f"in/{m}/{key}"]
+                if pos.dim() <= dim or pos.is_floating_point():
+                    continue
+                pos = pos.movedim(dim, -1).reshape(-1, pos.shape[dim]).long()
+                if bool((pos[:, 1:] - pos[:, :-1] == 1).all()):
+                    continue
+                where = f"at step {k} the global rows of the CP group led by rank {lead} (micro-batch {m})"
+                shards = cp_split(pos, 1, n, order)
+                if n > 1 and all(torch.equal(s, shards[0]) for s in shards[1:]):
+                    return (f"{where} hold {key} that restart at every rank's shard ({key} of each shard "
+                            f"{shards[0][0, :6].tolist()}...): the positions (and the rotary offsets) were not "
+                            "shifted to each shard's place in the sequence, so every rank's tokens are encoded as the "
+                            "sequence's first ones; shift each shard's positions by its offset (load balanced: each "
+                            "chunk by its own)")
+                pieces = cp_split(pos, 1, n, order)  # each rank's shard, as recorded
+                for other in ("contiguous", "load_balanced"):
+                    j = cp_join(pieces, 1, other) if other != order else None
+                    if j is not None and bool((j[:, 1:] - j[:, :-1] == 1).all()):
+                        return (f"{where} hold {key} out of order: assembled as declared ({order}: rank i holding "
+                                f"chunk(s) {cp_chunks(n, order)} of the sequence) they are not each token's place, "
+                                f"but they are in the {other} cut (rank i holding chunk(s) {cp_chunks(n, other)}): the "
+                                f"loop cut the sequence {other} and declared {order}, so one process reads the "
+                                "sequence in another order than the fleet computed on (declare the order the loop cuts)")
+                parts = pos.chunk(2 * n, 1)
+                starts = [int(x[0, 0]) for x in parts]
+                by_start = sorted(range(len(parts)), key=lambda i: starts[i])
+                fixed = torch.cat([parts[i] for i in by_start], 1)
+                if bool((fixed[:, 1:] - fixed[:, :-1] == 1).all()):
+                    return (f"{where} hold {key} out of order when their shards are assembled as declared ({order}): "
+                            f"the global row's {2 * n} chunks start at positions {starts}: the shards were cut (or "
+                            "reassembled) in another order than the declared one, so one process reads the sequence "
+                            "in another order than the fleet computed on")
+    return None
+
+
+def _check_context_parallel(rec: A.RecordingSet, ref: ReferenceSet, lay: dict) -> Check:
+    """A context-parallel recording (record/layouts.py's ContextParallelLayout): the CP peers held their
+    shards of the leader's global rows; the global rows' positions agree with the declared order; every
+    rank's gradient is the group's (all-reduced over the CP group); no constant factor."""
+    cp, groups, params = lay["context_parallel"], lay["groups"], lay["params"]
+    size, dp = cp["size"], len(groups)
+    finding = _cp_inputs(rec, groups, cp) or _cp_positions(rec, groups, cp) or \
+        _unreduced(rec, ref, groups, params, kind="CP") or _class_factor(rec, ref, params, size, dp, kind="CP")
+    if finding:
+        return Check("layout", False, finding)
+    return Check("layout", True, f"context parallel ({cp['order']} order along dim {cp['seq_dim']}): {dp} data-parallel "
+                                 f"replica(s) of {size} CP rank(s); every CP rank held its shard of its leader's "
+                                 "global rows, which one process reads whole; every gradient is equal on the ranks "
+                                 "of each CP group (all-reduced over it), and none is off from one process's by a "
+                                 "constant factor")

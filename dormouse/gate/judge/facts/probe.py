@@ -34,6 +34,7 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.judge.verdict import Check
 from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, PROBE_RTOL, floor_bound
 from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge.facts.layouts import cp_join
 from dormouse.gate.judge.metrics import rel
 
 
@@ -42,8 +43,9 @@ def _group(rec: A.RecordingSet, r: int) -> list[int]:
     return next((g for g in lay.get("groups", []) if r in g), [r])
 
 
-def _assemble(pieces: list[torch.Tensor], want: torch.Size) -> torch.Tensor | None:
-    """The leader's piece, or the group's pieces concatenated along the one dimension where a piece is smaller."""
+def _assemble(pieces: list[torch.Tensor], want: torch.Size, order: str = "contiguous") -> torch.Tensor | None:
+    """The leader's piece, or the group's pieces concatenated along the one dimension where a piece is smaller
+    (a context-parallel group's sequence shards in their declared order: facts/layouts.py's cp_join)."""
     if not pieces:  # the fleet never ran it (or recorded no output of it)
         return None
     a = pieces[0]
@@ -54,8 +56,8 @@ def _assemble(pieces: list[torch.Tensor], want: torch.Size) -> torch.Tensor | No
     dims = [d for d in range(a.dim()) if a.shape[d] != want[d]]
     if len(dims) != 1:
         return None
-    full = torch.cat(pieces, dim=dims[0])
-    return full if full.shape == want else None
+    full = torch.cat(pieces, dim=dims[0]) if order == "contiguous" else cp_join(pieces, dims[0], order)
+    return full if full is not None and full.shape == want else None
 
 
 def _scale(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,11 +65,12 @@ def _scale(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() * b.double()).sum()) / bb if bb > 0 else 0.0
 
 
-def _against(name: str, pieces: list[dict], prefix: str, ref: dict, nudged: dict, scale: float = 1.0):
+def _against(name: str, pieces: list[dict], prefix: str, ref: dict, nudged: dict, scale: float = 1.0,
+             order: str = "contiguous"):
     """One module's recorded tensor (its pieces assembled) against one process's times `scale`, and its bound
     (FLOOR_MULTIPLE x the one-ulp copy's distance, at least PROBE_RTOL): (relative, bound), or None when the
     pieces do not assemble."""
-    got = _assemble([p.get(f"{prefix}{name}") for p in pieces if f"{prefix}{name}" in p], ref[name].shape)
+    got = _assemble([p.get(f"{prefix}{name}") for p in pieces if f"{prefix}{name}" in p], ref[name].shape, order)
     if got is None:
         return None
     x = rel({name: got}, {name: ref[name].double() * scale}, [name])
@@ -78,17 +81,19 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
     """Rank r's first micro-batch at step k: (a finding, or None; the figures)."""
     group = _group(rec, r)
     pieces = [rec.step_tensors(q, k) for q in group]
+    cp = (rec.meta.get("layout") or {}).get("context_parallel") or {}
+    order = cp.get("order", "contiguous")
     meta = rec.step_meta(r, k)
     ro, rn = ref.tensors(k, f"probe/{r}/ro/"), ref.tensors(k, f"probe/{r}/ron/")
     rg, rgn = ref.tensors(k, f"probe/{r}/rg/"), ref.tensors(k, f"probe/{r}/rgn/")
     figures = {"forward": 0.0, "backward": 0.0, "skipped": [], "scale": None}
     whose = f"rank {r}'s first micro-batch" if len(group) == 1 else \
-        f"the first micro-batch of the replica led by rank {r} (TP group {group}, pieces assembled)"
+        f"the first micro-batch of the replica led by rank {r} ({'CP' if cp else 'TP'} group {group}, pieces assembled)"
     agree = 0
     for name in meta.get("probe_order", []):
         if name not in ro:
             continue
-        compared = _against(name, pieces, "po/", ro, rn)
+        compared = _against(name, pieces, "po/", ro, rn, order=order)
         if compared is None:
             figures["skipped"].append(name)
             continue
@@ -102,7 +107,7 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
     root = "(model)"
     if f"pg/{root}" not in pieces[0] or root not in rg:
         return None, figures
-    g_root = _assemble([p[f"pg/{root}"] for p in pieces if f"pg/{root}" in p], rg[root].shape)
+    g_root = _assemble([p[f"pg/{root}"] for p in pieces if f"pg/{root}" in p], rg[root].shape, order)
     if g_root is None:
         return None, figures
     c = _scale(g_root, rg[root])
@@ -111,7 +116,7 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
     for name in meta.get("probe_grad_order", []):
         if name not in rg:
             continue
-        compared = _against(name, pieces, "pg/", rg, rgn, scale=c)
+        compared = _against(name, pieces, "pg/", rg, rgn, scale=c, order=order)
         if compared is None:
             figures["skipped"].append(name)
             continue
