@@ -91,6 +91,7 @@ from dormouse.gate.record.options import (
     INPUTS,
     LOSS_LABELS,
     NEUTRAL_ATTRS,
+    OBJECTIVES,
     PLAIN,
     RecorderError,
     check_options,
@@ -253,6 +254,15 @@ class Recorder:
     context_parallel None, or dict(group=<the CP process group>, seq_dim=1, order="contiguous" | "load_balanced"):
                      each rank's inputs are a shard of its CP group's rows along seq_dim; the leader records
                      the group's global rows, assembled in the declared order (record/layouts.py)
+    selfcheck        0 = off; k > 0 = the reference-free checks inside the run, every step (record/selfcheck.py):
+                     each rank's local gradient sketched (k numbers per tensor) before the reduce and the
+                     synchronised gradient against their reduction, replicas' parameters equal, the logged
+                     loss against rec.step(loss_sum=, tokens=); written with the step ("selfcheck", sl/ ss/ sp/)
+    stop_on_fail     raise one RecorderError on every rank at the first step those checks mark wrong (they
+                     run at k = 16 unless selfcheck says otherwise); the recording is closed before that step
+    reduction        "mean" (DDP's and FSDP2's default) or "sum": how the loop reduces the gradients
+    reports          the loop calls rec.report() after every step (the HF callback): the step's marker for a
+                     follower (`gate check --follow`) is written after the report, not at rec.step()
     extra            None, or a JSON object kept in recording.json as "extra" (rec.extra, until close;
                      a resumed segment starts from the earlier one's): what a client keeps beside the
                      run (dormouse's own gate: its settings, provenance and evals); no fact reads it
@@ -264,6 +274,7 @@ class Recorder:
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
                  buffer_update: str | None = None, example_corpus: str | None = None,
                  objective_scope: str = "example", probe_steps=None, pipeline_stage=None, sharding=None,
+                 selfcheck: int = 0, stop_on_fail: bool = False, reduction: str = "mean", reports: bool = False,
                  wire: str = "fp32", extra: dict | None = None, start: int = 0, context_parallel=None):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                       max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
@@ -393,6 +404,22 @@ class Recorder:
         # sees another dtype runs on a cast copy
         self._stored = {m: {n: p.dtype for n, p in m._parameters.items() if p is not None}
                         for m in self.module.modules()}
+        # the reference-free checks inside the run (record/selfcheck.py) and the follower's step markers
+        self.stop_on_fail, self._reports, self._marked = bool(stop_on_fail), bool(reports), self.k
+        self._watch = None
+        if selfcheck or stop_on_fail:
+            if isinstance(selfcheck, bool) or not isinstance(selfcheck, int) or selfcheck < 0:
+                raise RecorderError(f"selfcheck={selfcheck!r}: the sketch size of the in-run checks (an int >= 0)")
+            if reduction not in ("mean", "sum"):
+                raise RecorderError(f"reduction={reduction!r}: 'mean' (DDP's and FSDP2's default) or 'sum'")
+            if self.layout is not None:
+                raise RecorderError("selfcheck / stop_on_fail with a tensor-parallel, pipeline or declared layout: "
+                                    "the in-run checks cover DDP and FSDP2 (Shard(0)); record this run without them")
+            from dormouse.gate.record.selfcheck import Watch
+
+            self._watch = Watch(self.module, k=int(selfcheck) or 16, seed=self.seed, rank=self.rank,
+                                world=self.world, placements=self.placements, wire=wire, reduction=reduction,
+                                dist=self._dist)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -531,7 +558,7 @@ class Recorder:
     # ------------------------------------------------------------------ the loop's calls
 
     def step(self, *, loss=None, lr=None, optimizer=None, clip_coef=None, grad_norm=None, example_ids=None,
-             epoch=None, extra: dict | None = None) -> None:
+             epoch=None, extra: dict | None = None, loss_sum=None, tokens=None) -> None:
         """Record the step about to be taken: call after the last backward
         (gradients synchronised), before optimizer.step(). `clip_coef` or
         `grad_norm` (with max_grad_norm > 0) say the gradients were already
@@ -546,6 +573,7 @@ class Recorder:
             raise RecorderError("rec.step() after rec.close()")
         self.k += 1
         k = self.k
+        self._mark(k - 1)  # the step before, where no report came for it
         batches, self.batches = self.batches, []
         autocasts, self.autocasts = self.autocasts, []
         casts, self.casts = self.casts, []
@@ -587,7 +615,7 @@ class Recorder:
                 self._probe = None
         named = list(self.module.named_parameters())
         no_grad = [n for n, p in named if p.grad is None]
-        param_hash = None
+        param_hash = grad_hash = None
         if self._tensor_step(k) and self.sketch_k:  # read in place: the sketches are the copies
             numel = {n: p.numel() for n, p in named}
             ps = self._sketch_all({n: self._piece(p) for n, p in named}, numel)
@@ -595,6 +623,7 @@ class Recorder:
             tensors.update({f"ps/{n}": v for n, v in ps.items()})
             tensors.update({f"gs/{n}": v for n, v in gs.items()})
             param_hash = _digest(ps)
+            grad_hash = _digest(gs)  # each rank's copy of the synchronised gradient (the ranks fact compares them)
         elif self._tensor_step(k):
             params = {n: self._full(p, n) for n, p in named}
             grads = {n: self._full(p.grad, n) for n, p in named if p.grad is not None}
@@ -605,6 +634,7 @@ class Recorder:
             bufs = {f"b/{n}": self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
             tensors.update(bufs)
             param_hash = _digest({**params, **bufs})  # the ranks' state: parameters and persistent buffers
+            grad_hash = _digest(grads)  # each rank's copy of the synchronised gradient (the ranks fact compares them)
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
@@ -612,13 +642,18 @@ class Recorder:
                    else {}),
                 "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals, "call": calls,
                 "attrs": attrs,
-                "tensors": self._tensor_step(k), "param_hash": param_hash,
+                "tensors": self._tensor_step(k), "param_hash": param_hash, "grad_hash": grad_hash,
                 "epoch": None if epoch is None else int(epoch), **probed}
+        found = self._selfcheck(named, len(batches), clip_coef, loss, loss_sum, tokens, tensors, meta)
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
         # by the pre-hook, parameters and gradients by _local or the sketches, ids below)
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
         self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
         self._last_meta = meta
+        if not self._reports:
+            self._mark(k)
+        if self.stop_on_fail and found:
+            self._stop(k, found)
 
     def labels(self, labels) -> None:
         """The labels the loop's loss compares the LAST forward's outputs with,
@@ -641,6 +676,33 @@ class Recorder:
                                 "rows: pass the micro-batch's own labels, one row per row")
         batch[LOSS_LABELS] = labels.detach().cpu().clone()
 
+    def beside(self, **tensors) -> None:
+        """What the loop's loss reads beside the LAST forward's inputs, one row per
+        row (an RL loss's advantages, old log-probabilities): kept with that
+        micro-batch under the names given, never passed to the forward, for a
+        declared objective fn(model, batch) to read as batch[name]. Call once per
+        micro-batch, after its forward. The rows go with the batch's rows (fact 1's
+        rows alone, the merged forward), so a per-position tensor must have the
+        forward's length (its second dimension), aligned with its input ids."""
+        if self.closed:
+            raise RecorderError("rec.beside() after rec.close()")
+        if self.meta["objective"] in OBJECTIVES:
+            raise RecorderError(f"rec.beside() with the built-in objective {self.meta['objective']!r}, which reads "
+                                "only the batch's labels: declare objective='pkg.mod:fn' reading batch[name]")
+        if not self.batches:
+            raise RecorderError("rec.beside() with no forward recorded since the last rec.step(): call it after "
+                                "the micro-batch's forward in training mode")
+        batch = self.batches[-1]
+        rows = next((t.shape[0] for t in batch.values() if t.dim()), None)
+        for name, t in tensors.items():
+            if name in batch or name.startswith("arg") or "/" in name:
+                raise RecorderError(f"rec.beside({name}=...): the name is taken by the forward's inputs (or starts "
+                                    "with 'arg', or holds '/'): give it a name of its own")
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or (rows is not None and t.shape[0] != rows):
+                raise RecorderError(f"rec.beside({name}=...) takes a tensor with the forward's {rows} rows, not "
+                                    f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            batch[name] = t.detach().cpu().clone()
+
     def report(self, *, loss=None, grad_norm=None, clip_coef=None) -> None:
         """The loss and the clipping of the step just recorded, where the loop
         learns them only after optimizer.step() (HF's Trainer clips before its
@@ -661,6 +723,36 @@ class Recorder:
             meta["clip_coef"], meta["clipped"] = clip_coef, True
         # through the writer, after the step's own JSON (its queue keeps the order)
         self._writer.write(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1).encode())
+        self._mark(meta["step"])
+
+    def _mark(self, k: int) -> None:
+        """Step k's marker (A.step_done_path), once, after everything written for it (the writer keeps order)."""
+        if k > self._marked:
+            self._marked = k
+            self._writer.write(A.step_done_path(self.out, self.rank, k),
+                               json.dumps({"step": k, "run": self.run}).encode())
+
+    def _selfcheck(self, named, micro, clip_coef, loss, loss_sum, tokens, tensors, meta) -> list[str]:
+        """The in-run checks of the step (record/selfcheck.py) into its tensors and JSON; their findings."""
+        if self._watch is None:
+            return []
+        sk, found = self._watch.finish(named, micro=micro, clip=clip_coef, loss=_number(loss),
+                                       loss_sum=_number(loss_sum), tokens=_number(tokens),
+                                       clip_unknown=clip_coef is None and self.max_grad_norm > 0)
+        tensors.update(sk)
+        meta["selfcheck"] = found
+        return found["findings"]
+
+    def _stop(self, k: int, findings: list[str]):
+        """stop_on_fail: every rank reached the same findings from the same gathered sketches, so every rank
+        stops here, without a collective of its own; the recording closes before step k (all complete)."""
+        self._mark(k)
+        self.k = k - 1
+        self.meta["stopped"] = {"step": k, "findings": findings[:8]}
+        self.close()
+        raise RecorderError(f"step {k}: the in-run checks failed ({findings[0]}{'; ...' if len(findings) > 1 else ''})"
+                            ": the run stopped itself on every rank (stop_on_fail); the recording holds the steps "
+                            "before it: judge it with `dormouse gate check --out DIR`")
 
     def close(self) -> None:
         """The parameters after the last step, then (rank 0, once every rank is
@@ -668,6 +760,9 @@ class Recorder:
         if self.closed:
             return
         self._hook.remove()
+        if getattr(self, "_watch", None) is not None:
+            self._watch.remove()
+        self._mark(self.k)
         for h in self._inner_hooks:
             h.remove()
         self._writer.flush()

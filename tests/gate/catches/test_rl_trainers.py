@@ -1,0 +1,111 @@
+"""TRL's GRPOTrainer gated (tests/support/grpo_client.py): a tiny random-init Llama, generation
+included (completions of 1..6 tokens sampled by the policy), 2 gloo ranks, gradient accumulation 2,
+2 completions a micro-batch, max_grad_norm 1.0, one launch for every run. The advantages each
+micro-batch's loss reads are recorded beside it (`rec.beside`), and each loss type's normalisation
+is declared as trl 1.16's `GRPOTrainer._compute_loss` defines it. Every verdict is confirmed at
+step 1 by the test's own computation in plain PyTorch from the recorded micro-batches (the
+log-probabilities through cross_entropy, the on-policy surrogate -A exp(logp - sg(logp)), and the
+normalisation written here), sharing no loss code with the client or the gate."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("trl") is None:
+    pytest.skip("needs trl (pip install 'dormouse[dev]')", allow_module_level=True)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import grpo_client  # noqa: E402
+import looprec  # noqa: E402
+
+from dormouse.gate import artifacts as A  # noqa: E402
+
+# GRPO itself (loss_type grpo), TRL's default (dapo), bnpo (normalised over each local batch by
+# design), and the default with its loss halved (the x 0.5 class of TRL PR #6024)
+RUNS = ["grpo:loss=grpo:steps=1", "dapo:loss=dapo:steps=1", "bnpo:loss=bnpo:steps=1",
+        "half:loss=dapo:fault=half:steps=1"]
+W, K = 2, 2
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    return looprec.launch_client("grpo_client.py", RUNS, tmp_path_factory.mktemp("grpo"), world=W,
+                                 preload=("transformers.trainer", "transformers.models.llama.modeling_llama",
+                                          "trl.trainer.grpo_trainer"),
+                                 **dict(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error"))
+
+
+checks, failed = looprec.checks, looprec.failed
+
+
+def by_hand(fleet, name: str, norm: str) -> tuple[dict, dict]:
+    """(the fleet's gradient at step 1 over its clip coefficient, the test's own). norm: "token" (every
+    completion token of the step weighted alike), "sequence" (each completion's token mean, then the
+    mean over completions), "micro" (each micro-batch's token mean, then the mean over micro-batches)."""
+    rec = A.RecordingSet(fleet / name)
+    g = {n: t.double() / rec.step_meta(0, 1)["clip_coef"] for n, t in rec.tensors_at(1, "g/").items()}
+    model = grpo_client.build_model(**rec.meta["build_kwargs"])
+    batches = [b for _, _, b in rec.micro_batches(1)]
+    assert len(batches) == W * K and all("old_logps" not in b for b in batches)  # on-policy: one generation
+    terms, counts = [], []
+    for b in batches:
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        y = b["labels"][:, 1:]
+        logp = -F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none")
+        surrogate = -b["advantages"][:, None] * torch.exp(logp - logp.detach())  # on-policy: ratio 1, clip inactive
+        on = y.ne(-100)
+        terms.append((surrogate * on).sum(1))
+        counts.append(on.sum(1))
+    rows, tokens = torch.cat(terms), torch.cat(counts)
+    if norm == "token":
+        loss = rows.sum() / tokens.sum()
+    elif norm == "sequence":
+        loss = (rows / tokens).mean()
+    else:
+        loss = sum(t.sum() / c.sum() for t, c in zip(terms, counts)) / len(terms)
+    loss.backward()
+    return g, {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+def rel(a: dict, b: dict) -> float:
+    return float(sum(((a[k] - b[k]) ** 2).sum() for k in b).sqrt() / sum((b[k] ** 2).sum() for k in b).sqrt())
+
+
+@pytest.mark.parametrize("name, norm", [("grpo", "sequence"), ("dapo", "token")])
+def test_grpo_and_dapo_pass_and_equal_one_process(fleet, name, norm):
+    """grpo (each completion's token mean, averaged over the completions) and TRL's default dapo
+    (num_items_in_batch: the global token mean), each declared as TRL defines it: every check passes
+    and the recorded gradient is the test's own one-process gradient at the global batch."""
+    v = looprec.verdict(fleet / name)
+    assert v.passed, looprec.failing(v)
+    assert checks(v)["gradient"].worst <= 1e-5
+    g, mine = by_hand(fleet, name, norm)
+    assert rel(g, mine) < 1e-6
+    other = by_hand(fleet, name, "token" if norm == "sequence" else "sequence")[1]
+    assert rel(mine, other) > 1e-2  # the completions' lengths differ: the two normalisations are different
+
+
+def test_bnpo_fails_named_as_a_local_normalisation(fleet):
+    """bnpo divides each micro-batch's sum by its own token count: declared as one process at the
+    global batch computes it (the global token mean), it fails, named as the mean of per-micro-batch
+    token means; by hand, the fleet's gradient is exactly that mean and far from the global one."""
+    v = looprec.verdict(fleet / "bnpo")
+    assert {"gradient", "loss"} <= failed(v) <= {"gradient", "loss", "clip"}
+    assert "mean of per-micro-batch token means" in checks(v)["gradient"].reason
+    g, micro = by_hand(fleet, "bnpo", "micro")
+    assert rel(g, micro) < 1e-6
+    assert rel(g, by_hand(fleet, "bnpo", "token")[1]) > 0.1
+
+
+def test_a_halved_loss_fails_named_by_its_factor(fleet):
+    """dapo with its loss halved in the trainer fails the gradient, named by the factor 0.5; by hand,
+    the fleet's gradient is half the global token mean's."""
+    v = looprec.verdict(fleet / "half")
+    assert "gradient" in failed(v)
+    assert "times 0.5" in checks(v)["gradient"].reason
+    g, mine = by_hand(fleet, "half", "token")
+    assert rel(g, {n: 0.5 * t for n, t in mine.items()}) < 1e-6
