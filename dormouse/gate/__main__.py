@@ -105,6 +105,14 @@ def check_main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="the directory the Recorder wrote")
     p.add_argument("--force", action="store_true", help="remake the one-process reference even if current")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the reference")
+    p.add_argument("--follow", action="store_true",
+                   help="beside a running fleet (or after it): judge each step with the checks that need no reference "
+                        "as its ranks write it, one line a step; exit 1 at the first failing step; once the run "
+                        "closes its recording, the full check")
+    p.add_argument("--from", dest="start", type=int, default=1, metavar="K", help="--follow: the first step judged")
+    p.add_argument("--every", type=int, default=1, metavar="N", help="--follow: judge every N-th step")
+    p.add_argument("--wait", type=float, default=600.0, metavar="S",
+                   help="--follow: seconds with nothing new from the run before it is taken for gone (exit 2)")
     args = p.parse_args(argv)
     # the user's builders are imported as `python -m` imports a module: from the working directory first
     # (the console script's sys.path starts at its own folder, not the one it is run from)
@@ -112,7 +120,26 @@ def check_main(argv: list[str]) -> int:
 
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    return command_status("gate check", lambda: _check(args), traceback=True)
+    if not args.follow and (args.start != 1 or args.every != 1):
+        p.error("--from and --every go with --follow")
+    return command_status("gate check", lambda: _follow(args) if args.follow else _check(args), traceback=True)
+
+
+def _follow(args) -> int:
+    """`gate check --follow`: the steps as they come (judge/follow.py), then the full check once closed."""
+    import torch
+
+    from dormouse.gate.judge.follow import follow
+
+    torch.set_num_threads(args.threads)
+    got = follow(args.out, start=args.start, every=args.every, wait=args.wait,
+                 log=lambda line: print(line, flush=True))
+    if got.failed is not None:
+        print(f"FAIL at step {got.failed}: {got.reason}", flush=True)
+        return 1
+    print(f"the run closed its recording; {got.steps} step(s) judged while it trained, all PASS; the full check:",
+          flush=True)
+    return _check(args)
 
 
 def _check(args) -> int:

@@ -60,6 +60,18 @@ def step_files(out: Path, rank: int) -> list[Path]:
     return sorted(rank_dir(out, rank).glob("step[0-9][0-9][0-9][0-9][0-9][0-9].json"))
 
 
+def step_done_path(out: Path, rank: int, step: int) -> Path:
+    """Rank r's marker that it wrote everything of `step` (tensors, JSON, the report after the optimizer
+    step): a follower (`gate check --follow`) judges a step once every rank's marker is there."""
+    return rank_dir(out, rank) / f"step{step:06d}.done"
+
+
+# the reference-free checks' sketches in a step's tensors (Recorder(selfcheck=k)), every step: each rank's
+# local gradient before the reduce (the full tensor's buckets), its synchronised gradient (its shard's
+# buckets under FSDP2), its parameters (replicas only)
+LOCAL_SKETCH, SYNC_SKETCH, PARAM_SKETCH = "sl/", "ss/", "sp/"
+
+
 def final_tensors_path(out: Path, rank: int) -> Path:
     return rank_dir(out, rank) / "final.safetensors"
 

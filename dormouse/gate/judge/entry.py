@@ -46,6 +46,7 @@ from dormouse.gate.judge.facts.provenance import (
     provenance,
 )
 from dormouse.gate.judge.facts.ranks import check_ranks
+from dormouse.gate.judge.facts.reduction import check_reduction
 from dormouse.gate.judge.facts.replay import check_buffers, check_replay
 from dormouse.gate.judge.verdict import Check, Verdict
 
@@ -149,6 +150,8 @@ def judge_recording(out) -> Verdict:
                                       "not an agreement to pass (see finite)")
     checks.append(ranks)
     checks.append(check_clip(rec, ref))
+    reduction = check_reduction(rec)  # the in-run checks' sketches, where the Recorder took them (selfcheck=k)
+    checks.extend([reduction] if reduction is not None else [])
     layout = check_layout(rec, ref)  # a tensor-parallel / 2-D recording's own check (judge/facts/layouts.py)
     checks.extend([layout] if layout is not None else [])
     probed = check_probe(rec, ref)  # where the run parts from one process, module by module (judge/facts/probe.py)

@@ -105,6 +105,53 @@ def _which(rec: A.RecordingSet, k: int, r: int) -> str:
     return f": {', '.join(n[2:] for n in keys[:3])}" + (", ..." if len(keys) > 3 else "") if keys else ""
 
 
+# what every replica of a data-parallel step holds alike, compared rank by rank (never read from rank 0 alone)
+SAME_ON_EVERY_RANK = ("clip_coef", "grad_norm", "lr", "no_grad")
+
+
+def _read(path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {n: f.get_tensor(n) for n in f.keys() if n.startswith(prefixes)}
+
+
+def replica_apart(out, step: int, metas: list[dict]) -> str | None:
+    """Where a rank's copy of what every replica must hold alike at `step` (the
+    synchronised gradient, full "g/" or sketched "gs/", the clip coefficient and
+    norm, the lr, the parameters without a gradient) differs from rank 0's: the
+    sentence naming the rank, the step and the tensor, else None. The tensors
+    themselves are compared, whatever the hashes beside them say."""
+    hashes = [m.get("grad_hash") for m in metas]
+    if not metas[0].get("tensors", True) and all(h is None for h in hashes):
+        return _scalars_apart(step, metas)
+    base = _read(A.step_tensors_path(out, 0, step), ("g/", "gs/"))
+    for r in range(1, len(metas)):
+        mine = _read(A.step_tensors_path(out, r, step), ("g/", "gs/"))
+        apart = [n for n in sorted(set(base) | set(mine))
+                 if n not in base or n not in mine or not torch.equal(base[n], mine[n])]
+        if apart or hashes[r] != hashes[0]:
+            def ratio(n):
+                a, b = mine.get(n), base.get(n)
+                if a is None or b is None or float(b.double().norm()) == 0:
+                    return ""
+                return f" (x{float((a.double() * b.double()).sum() / b.double().norm() ** 2):.6g})"
+            words = ", ".join(n.split("/", 1)[1] + ratio(n) for n in apart[:3]) + (", ..." if len(apart) > 3 else "")
+            return (f"at step {step} rank {r}'s synchronised gradient differs from rank 0's"
+                    + (f": {words}" if apart else " by its recorded hash") + " (every replica must hold the same "
+                    "reduced gradient: a rank that changed its copy after the reduce, or a recording edited since)")
+    return _scalars_apart(step, metas)
+
+
+def _scalars_apart(step: int, metas: list[dict]) -> str | None:
+    for key in SAME_ON_EVERY_RANK:
+        vals = [m.get(key) for m in metas]
+        for r, v in enumerate(vals[1:], 1):
+            if v != vals[0] and not (isinstance(v, float) and isinstance(vals[0], float) and v != v and vals[0] != vals[0]):
+                return f"at step {step} rank {r}'s {key} is {v!r}, rank 0's {vals[0]!r}: the replicas part"
+    return None
+
+
 def check_ranks(rec: A.RecordingSet) -> Check:
     split = _precision_split(rec) or _mode_split(rec) or _call_split(rec)
     if split:
@@ -121,9 +168,15 @@ def check_ranks(rec: A.RecordingSet) -> Check:
         if bad:
             return Check("ranks", False, f"rank {bad[0]}'s parameters or persistent buffers differ from rank 0's "
                                          f"before step {k}" + _which(rec, k, bad[0]))
+    if not (rec.meta.get("layout") or {}):  # replicas (DDP): every rank's copy, rank by rank
+        for k in rec.steps:
+            apart = replica_apart(rec.out, k, [rec.step_meta(r, k) for r in range(rec.world_at(k))])
+            if apart:
+                return Check("ranks", False, apart)
     w = rec.world_at(rec.steps[-1])
     finals = [A.read_json(A.final_meta_path(rec.out, r), "final").get("param_hash") for r in range(w)]
     if any(h != finals[0] for h in finals):
         return Check("ranks", False, "the ranks' parameters or persistent buffers differ after the last step")
     return Check("ranks", True, "every rank's parameters and persistent buffers are equal before every "
-                                "recorded step and after the last")
+                                "recorded step and after the last, and every rank's synchronised gradient and clip "
+                                "at every step")
