@@ -263,15 +263,6 @@ class Recorder:
     reduction        "mean" (DDP's and FSDP2's default) or "sum": how the loop reduces the gradients
     reports          the loop calls rec.report() after every step (the HF callback): the step's marker for a
                      follower (`gate check --follow`) is written after the report, not at rec.step()
-    selfcheck        0 = off; k > 0 = the reference-free checks inside the run, every step (record/selfcheck.py):
-                     each rank's local gradient sketched (k numbers per tensor) before the reduce and the
-                     synchronised gradient against their reduction, replicas' parameters equal, the logged
-                     loss against rec.step(loss_sum=, tokens=); written with the step ("selfcheck", sl/ ss/ sp/)
-    stop_on_fail     raise one RecorderError on every rank at the first step those checks mark wrong (they
-                     run at k = 16 unless selfcheck says otherwise); the recording is closed before that step
-    reduction        "mean" (DDP's and FSDP2's default) or "sum": how the loop reduces the gradients
-    reports          the loop calls rec.report() after every step (the HF callback): the step's marker for a
-                     follower (`gate check --follow`) is written after the report, not at rec.step()
     extra            None, or a JSON object kept in recording.json as "extra" (rec.extra, until close;
                      a resumed segment starts from the earlier one's): what a client keeps beside the
                      run (dormouse's own gate: its settings, provenance and evals); no fact reads it
@@ -283,7 +274,6 @@ class Recorder:
                  inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
                  buffer_update: str | None = None, example_corpus: str | None = None,
                  objective_scope: str = "example", probe_steps=None, pipeline_stage=None, sharding=None,
-                 selfcheck: int = 0, stop_on_fail: bool = False, reduction: str = "mean", reports: bool = False,
                  selfcheck: int = 0, stop_on_fail: bool = False, reduction: str = "mean", reports: bool = False,
                  wire: str = "fp32", extra: dict | None = None, start: int = 0, context_parallel=None):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
@@ -414,22 +404,6 @@ class Recorder:
         # sees another dtype runs on a cast copy
         self._stored = {m: {n: p.dtype for n, p in m._parameters.items() if p is not None}
                         for m in self.module.modules()}
-        # the reference-free checks inside the run (record/selfcheck.py) and the follower's step markers
-        self.stop_on_fail, self._reports, self._marked = bool(stop_on_fail), bool(reports), self.k
-        self._watch = None
-        if selfcheck or stop_on_fail:
-            if isinstance(selfcheck, bool) or not isinstance(selfcheck, int) or selfcheck < 0:
-                raise RecorderError(f"selfcheck={selfcheck!r}: the sketch size of the in-run checks (an int >= 0)")
-            if reduction not in ("mean", "sum"):
-                raise RecorderError(f"reduction={reduction!r}: 'mean' (DDP's and FSDP2's default) or 'sum'")
-            if self.layout is not None:
-                raise RecorderError("selfcheck / stop_on_fail with a tensor-parallel, pipeline or declared layout: "
-                                    "the in-run checks cover DDP and FSDP2 (Shard(0)); record this run without them")
-            from dormouse.gate.record.selfcheck import Watch
-
-            self._watch = Watch(self.module, k=int(selfcheck) or 16, seed=self.seed, rank=self.rank,
-                                world=self.world, placements=self.placements, wire=wire, reduction=reduction,
-                                dist=self._dist)
         # the reference-free checks inside the run (record/selfcheck.py) and the follower's step markers
         self.stop_on_fail, self._reports, self._marked = bool(stop_on_fail), bool(reports), self.k
         self._watch = None
@@ -600,7 +574,6 @@ class Recorder:
         self.k += 1
         k = self.k
         self._mark(k - 1)  # the step before, where no report came for it
-        self._mark(k - 1)  # the step before, where no report came for it
         batches, self.batches = self.batches, []
         autocasts, self.autocasts = self.autocasts, []
         casts, self.casts = self.casts, []
@@ -651,7 +624,6 @@ class Recorder:
             tensors.update({f"gs/{n}": v for n, v in gs.items()})
             param_hash = _digest(ps)
             grad_hash = _digest(gs)  # each rank's copy of the synchronised gradient (the ranks fact compares them)
-            grad_hash = _digest(gs)  # each rank's copy of the synchronised gradient (the ranks fact compares them)
         elif self._tensor_step(k):
             params = {n: self._full(p, n) for n, p in named}
             grads = {n: self._full(p.grad, n) for n, p in named if p.grad is not None}
@@ -663,7 +635,6 @@ class Recorder:
             tensors.update(bufs)
             param_hash = _digest({**params, **bufs})  # the ranks' state: parameters and persistent buffers
             grad_hash = _digest(grads)  # each rank's copy of the synchronised gradient (the ranks fact compares them)
-            grad_hash = _digest(grads)  # each rank's copy of the synchronised gradient (the ranks fact compares them)
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
@@ -671,19 +642,14 @@ class Recorder:
                    else {}),
                 "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals, "call": calls,
                 "attrs": attrs,
-                "tensors": self._tensor_step(k), "param_hash": param_hash, "grad_hash": grad_hash, "grad_hash": grad_hash,
+                "tensors": self._tensor_step(k), "param_hash": param_hash, "grad_hash": grad_hash,
                 "epoch": None if epoch is None else int(epoch), **probed}
-        found = self._selfcheck(named, len(batches), clip_coef, loss, loss_sum, tokens, tensors, meta)
         found = self._selfcheck(named, len(batches), clip_coef, loss, loss_sum, tokens, tensors, meta)
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
         # by the pre-hook, parameters and gradients by _local or the sketches, ids below)
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
         self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
         self._last_meta = meta
-        if not self._reports:
-            self._mark(k)
-        if self.stop_on_fail and found:
-            self._stop(k, found)
         if not self._reports:
             self._mark(k)
         if self.stop_on_fail and found:
@@ -787,36 +753,6 @@ class Recorder:
         raise RecorderError(f"step {k}: the in-run checks failed ({findings[0]}{'; ...' if len(findings) > 1 else ''})"
                             ": the run stopped itself on every rank (stop_on_fail); the recording holds the steps "
                             "before it: judge it with `dormouse gate check --out DIR`")
-        self._mark(meta["step"])
-
-    def _mark(self, k: int) -> None:
-        """Step k's marker (A.step_done_path), once, after everything written for it (the writer keeps order)."""
-        if k > self._marked:
-            self._marked = k
-            self._writer.write(A.step_done_path(self.out, self.rank, k),
-                               json.dumps({"step": k, "run": self.run}).encode())
-
-    def _selfcheck(self, named, micro, clip_coef, loss, loss_sum, tokens, tensors, meta) -> list[str]:
-        """The in-run checks of the step (record/selfcheck.py) into its tensors and JSON; their findings."""
-        if self._watch is None:
-            return []
-        sk, found = self._watch.finish(named, micro=micro, clip=clip_coef, loss=_number(loss),
-                                       loss_sum=_number(loss_sum), tokens=_number(tokens),
-                                       clip_unknown=clip_coef is None and self.max_grad_norm > 0)
-        tensors.update(sk)
-        meta["selfcheck"] = found
-        return found["findings"]
-
-    def _stop(self, k: int, findings: list[str]):
-        """stop_on_fail: every rank reached the same findings from the same gathered sketches, so every rank
-        stops here, without a collective of its own; the recording closes before step k (all complete)."""
-        self._mark(k)
-        self.k = k - 1
-        self.meta["stopped"] = {"step": k, "findings": findings[:8]}
-        self.close()
-        raise RecorderError(f"step {k}: the in-run checks failed ({findings[0]}{'; ...' if len(findings) > 1 else ''})"
-                            ": the run stopped itself on every rank (stop_on_fail); the recording holds the steps "
-                            "before it: judge it with `dormouse gate check --out DIR`")
 
     def close(self) -> None:
         """The parameters after the last step, then (rank 0, once every rank is
@@ -824,9 +760,6 @@ class Recorder:
         if self.closed:
             return
         self._hook.remove()
-        if getattr(self, "_watch", None) is not None:
-            self._watch.remove()
-        self._mark(self.k)
         if getattr(self, "_watch", None) is not None:
             self._watch.remove()
         self._mark(self.k)
