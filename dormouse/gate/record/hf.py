@@ -76,11 +76,15 @@ class RecorderCallback(TrainerCallback):
     dataset_len      examples in the dataset; None = len(train_dataset) when it has one (0 = unknown)
     objective_scope  "example" (default), "forward" (each forward's own statistics: an MoE model's
                      per-forward load-balancing term) or "step" (objective fn(model, batches)): the Recorder's
+    selfcheck, stop_on_fail  the Recorder's in-run checks (k numbers per tensor; 0 = off) and the stop at
+                     the first step they mark wrong (every rank raises); the step's marker for a follower
+                     comes after the log's report
     """
 
     def __init__(self, out_dir, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
                  sketch: int = 0, every: int = 1, inputs=INPUTS, build_kwargs: dict | None = None,
-                 dataset_len: int | None = None, objective_scope: str = "example"):
+                 dataset_len: int | None = None, objective_scope: str = "example", selfcheck: int = 0,
+                 stop_on_fail: bool = False):
         # bad options fail here, in one line, before the Trainer trains (not at on_train_begin on every rank)
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective, sketch=sketch,
                       every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs,
@@ -88,7 +92,7 @@ class RecorderCallback(TrainerCallback):
         self.out_dir = Path(out_dir)
         self.options = dict(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
                             sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs,
-                            objective_scope=objective_scope)
+                            objective_scope=objective_scope, selfcheck=selfcheck, stop_on_fail=stop_on_fail)
         self.dataset_len = dataset_len
         self.rec: Recorder | None = None
         self._step_logged = -1  # the Trainer's global_step whose log reached the Recorder
@@ -128,7 +132,8 @@ class RecorderCallback(TrainerCallback):
                                 "engine's shards): record a DDP run, or an FSDP2 loop with the Recorder itself")
         self.rec = Recorder(self.out_dir, model, max_grad_norm=float(args.max_grad_norm or 0.0),
                             dataset_len=self._dataset_len(train_dataloader),
-                            resume=int(state.global_step) if state.global_step else False, **self.options)
+                            resume=int(state.global_step) if state.global_step else False, reports=True,
+                            **self.options)
         return control
 
     def on_epoch_begin(self, args, state, control, **kwargs):

@@ -94,13 +94,14 @@ class RecorderCallback(pl.Callback):
     grad_norm_key    manual optimization that clips before opt.step(): the metric holding the
                      pre-clip norm (rank-local); max_grad_norm its clip threshold
     max_grad_norm    None: the Trainer's gradient_clip_val (automatic optimization)
-    sketch, every, inputs, build_kwargs, dataset_len: as the Recorder's
+    sketch, every, inputs, build_kwargs, dataset_len, selfcheck, stop_on_fail: as the Recorder's
     """
 
     def __init__(self, out_dir, *, build_model: str, build_optimizer: str, module: str | None = None,
                  objective: str = "causal_lm", loss_key: str | None = None, grad_norm_key: str | None = None,
                  max_grad_norm: float | None = None, sketch: int = 0, every: int = 1, inputs=INPUTS,
-                 build_kwargs: dict | None = None, dataset_len: int | None = None):
+                 build_kwargs: dict | None = None, dataset_len: int | None = None, selfcheck: int = 0,
+                 stop_on_fail: bool = False):
         check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective, sketch=sketch,
                       every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs,
                       max_grad_norm=float(max_grad_norm or 0.0))
@@ -111,7 +112,8 @@ class RecorderCallback(pl.Callback):
         self.module = module
         self.loss_key, self.grad_norm_key, self.max_grad_norm = loss_key, grad_norm_key, max_grad_norm
         self.options = dict(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
-                            sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs)
+                            sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs,
+                            selfcheck=selfcheck, stop_on_fail=stop_on_fail)
         self.dataset_len = dataset_len
         self.rec: Recorder | None = None
 
