@@ -243,3 +243,18 @@ def test_torch_rings_float32_merge_stays_within_its_derived_bound(n):
                     assert err <= merge_bound(c + 1, L, M), (n, c, scale, err, merge_bound(c + 1, L, M))
                 else:  # the float64 merge: what departs in float32 is the merge's rounding, not the ring
                     assert err <= 1e-3 * merge_bound(c + 1, L, M), (n, c, scale, err)
+
+
+def test_a_bad_context_parallel_declaration_is_one_clear_line(tmp_path):
+    from dormouse.errors import DormouseError
+    from dormouse.gate import Recorder
+
+    model = cp_loop.build_model(0)
+    for spec, words in ((dict(order="zigzag"), "order='zigzag': one of contiguous, load_balanced"),
+                        (dict(seq_dim=0), "seq_dim=0: the inputs' sequence dimension"),
+                        (dict(group=None, chunks=2), "a dict(group=<the CP process group>"),
+                        (dict(order="contiguous"), "context_parallel without torch.distributed initialised")):
+        with pytest.raises(DormouseError) as e:
+            Recorder(tmp_path / "rec", model, build_model="cp_loop:build_model",
+                     build_optimizer="cp_loop:build_optimizer", objective="token_mean", context_parallel=spec)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
