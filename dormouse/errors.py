@@ -136,28 +136,63 @@ def command_status(command: str, call, *, traceback: bool = False) -> int:
     except KeyboardInterrupt:
         print(f"interrupted: dormouse {command} stopped (with any fleet it launched)", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception as e:  # a bug or a broken environment: one line, and a status of its own
-        if rank is not None and lost_a_peer(e):
-            # Not this rank's own failure: a peer went away mid-collective. torchrun's
-            # report on ranks forked from its agent names the FIRST rank it sees exit,
-            # so this one waits that report out (many times its 0.1 s poll) and the
-            # report names the rank that failed first.
-            import time
-
-            print(f"error: rank {rank}: dormouse {command}: {PEER_LOST}: {_first_line(e)}", file=sys.stderr,
-                  flush=True)
-            _leave_fleet()
-            time.sleep(PEER_LOST_GRACE_S)
-            return EXIT_CRASHED
-        if traceback:
-            import traceback as tb
-
-            tb.print_exc()
-        where = f"rank {rank}: " if rank is not None else ""
-        print(f"error: {where}dormouse {command}: the run crashed: {type(e).__name__}: {_first_line(e)}",
-              file=sys.stderr, flush=True)
+    except OSError as e:
+        if e.errno not in _CANNOT_WRITE or (rank is not None and lost_a_peer(e)):
+            return _crashed(command, e, rank, traceback)
+        _quiet_stdout()  # what stdout still buffers would fail again at exit
+        where = f"{e.filename}" if e.filename else "its output"
+        print(f"error: dormouse {command}: cannot write {where}: {os.strerror(e.errno)}: free space there, or "
+              "send the output where it can be written", file=sys.stderr, flush=True)
         _leave_fleet()
+        return EXIT_BAD_INPUT
+    except Exception as e:  # a bug or a broken environment: one line, and a status of its own
+        return _crashed(command, e, rank, traceback)
+
+
+# the errors of a write that had nowhere to go (a full disk, a quota, a closed pipe): the environment's
+_CANNOT_WRITE = {28, 122, 32, 27}  # ENOSPC, EDQUOT, EPIPE, EFBIG
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null (its buffered text dropped), so that the interpreter's flush at exit
+    does not meet the same failed write and print a traceback of its own."""
+    import os
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _crashed(command: str, e: BaseException, rank, traceback: bool) -> int:
+    """A bug or a broken environment: the traceback (when `traceback`) and one line naming the exception;
+    a rank that lost a peer mid-collective says so and waits out torchrun's report."""
+    import sys
+
+    if rank is not None and lost_a_peer(e):
+        # Not this rank's own failure: a peer went away mid-collective. torchrun's
+        # report on ranks forked from its agent names the FIRST rank it sees exit,
+        # so this one waits that report out (many times its 0.1 s poll) and the
+        # report names the rank that failed first.
+        import time
+
+        print(f"error: rank {rank}: dormouse {command}: {PEER_LOST}: {_first_line(e)}", file=sys.stderr,
+              flush=True)
+        _leave_fleet()
+        time.sleep(PEER_LOST_GRACE_S)
         return EXIT_CRASHED
+    if traceback:
+        import traceback as tb
+
+        tb.print_exc()
+    where = f"rank {rank}: " if rank is not None else ""
+    print(f"error: {where}dormouse {command}: the run crashed: {type(e).__name__}: {_first_line(e)}",
+          file=sys.stderr, flush=True)
+    _leave_fleet()
+    return EXIT_CRASHED
 
 
 PEER_LOST = "a peer rank went away mid-collective (not this rank's failure)"

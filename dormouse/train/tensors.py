@@ -32,3 +32,30 @@ def named_grads(model: torch.nn.Module, *, gather: bool = False) -> dict[str, to
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         out[name] = plain(g, gather=gather)
     return out
+
+
+def copy_module(model: torch.nn.Module) -> torch.nn.Module:
+    """copy.deepcopy(model), also where the model keeps a tensor of its last forward's graph as a plain
+    attribute (an MoE layer's self.aux, a cached activation), which deepcopy refuses ("Only Tensors
+    created explicitly by the user (graph leaves) support the deepcopy protocol"): such a tensor is
+    copied detached (it is the last forward's output, not part of the model's state)."""
+    import copy
+
+    memo: dict[int, object] = {}
+
+    def visit(v, depth: int = 0) -> None:
+        if isinstance(v, torch.Tensor):
+            if not v.is_leaf and id(v) not in memo:
+                memo[id(v)] = v.detach().clone()
+        elif depth < 3 and isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x, depth + 1)
+        elif depth < 3 and isinstance(v, dict):
+            for x in v.values():
+                visit(x, depth + 1)
+
+    for m in model.modules():
+        for k, v in vars(m).items():
+            if k not in ("_parameters", "_buffers", "_modules"):
+                visit(v)
+    return copy.deepcopy(model, memo)

@@ -9,7 +9,8 @@ One launch fits every run in turn (one Trainer each, the process group kept).
 The data (fieldkit.step_batches) is laid out per step, each micro-batch with
 the step's global target count `n_step` and this rank's `n_rank`. A run's
 fields: seed=S, k=K (accumulate_grad_batches, default 2), steps=N, clip=C
-(gradient_clip_val; manual runs clip by hand at C), and mode=M, the loss the
+(gradient_clip_val; manual runs clip by hand at C), infer_len=1 (no dataset_len given: the
+callback infers it from the loader), and mode=M, the loss the
 module's training_step backpropagates (S_m the micro-batch's summed
 cross-entropy, n_m its target count; Lightning divides by K, DDP averages over
 W ranks):
@@ -107,14 +108,14 @@ def make_module(run: dict, world: int):
 
 def parse_run(text: str) -> dict:
     name, *fields = text.split(":")
-    run = {"name": name, "mode": "clean", "seed": 0, "k": 2, "steps": 4, "clip": 1.0}
+    run = {"name": name, "mode": "clean", "seed": 0, "k": 2, "steps": 4, "clip": 1.0, "infer_len": 0}
     for f in fields:
         key, _, v = f.partition("=")
         if key == "mode":
             if v not in MODES:
                 raise SystemExit(f"lightning_client: unknown mode {v!r}")
             run[key] = v
-        elif key in ("seed", "k", "steps"):
+        elif key in ("seed", "k", "steps", "infer_len"):
             run[key] = int(v)
         elif key == "clip":
             run[key] = float(v)
@@ -139,7 +140,7 @@ def fit(run: dict, out: Path) -> None:
                                 build_kwargs={"seed": run["seed"], "lr": LR}, loss_key="step_loss",
                                 grad_norm_key="grad_norm" if manual else None,
                                 max_grad_norm=run["clip"] if manual else None,
-                                dataset_len=len(items) * world * fieldkit.B)
+                                dataset_len=None if run["infer_len"] else len(items) * world * fieldkit.B)
     trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=world, max_steps=run["steps"],
                          accumulate_grad_batches=run["k"], gradient_clip_val=None if manual else run["clip"],
                          use_distributed_sampler=False, logger=False, enable_checkpointing=False,

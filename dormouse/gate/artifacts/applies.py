@@ -13,6 +13,11 @@ from dormouse.gate.artifacts.layout import EXACT, FLOOR, GRADREF, SINGLE
 # they are compared with the fleet through it (normalised to the fleet's profile).
 PROFILE_FIELDS = ("world", "batch", "capacity", "profile", "resume_world")
 
+# Settings of the fleet's launch alone (how its ranks hold and reduce the gradient): no one-process
+# reference reads them (notebook 01 has no such parameter), so a one-process reference is neither
+# stale nor another run for them.
+FLEET_LAUNCH_FIELDS = ("shard", "bucket_mb")
+
 
 # Provenance keys every artifact of one gate run must share.
 PROVENANCE = ("dormouse", "source", "torch", "device", "threads", "cpu_capability", "ns_kernel", "corpus", "init")

@@ -53,7 +53,10 @@ does about it:
   has run) holding the step's loss over the GLOBAL batch; without it no loss is
   reported (the judge says so and checks the gradient alone).
 * The epoch is `trainer.current_epoch`; dataset_len is `len(dataset)` of the
-  train dataloader unless given.
+  train dataloader unless given, when its loader batches the dataset's items
+  (a loader with `batch_size=None` reads a dataset of ready-made batches: its
+  length counts micro-batches, not examples, so dataset_len is left unknown and
+  the data check goes by the epochs alone; give `dataset_len=` the examples).
 
 Refused, one line each (`RecorderError`), at `on_fit_start`: a strategy other
 than single-device or `ddp` (`fsdp` is FSDP1, whose FlatParameter shards the
@@ -163,6 +166,8 @@ class RecorderCallback(pl.Callback):
             return int(self.dataset_len)
         loader = trainer.train_dataloader
         ds = getattr(loader, "dataset", None)
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.batch_sampler is None:
+            return 0  # batch_size=None: each item of the dataset is a batch, not an example (rows unknown)
         try:
             return len(ds) if ds is not None else 0
         except TypeError:  # an IterableDataset without a length

@@ -122,12 +122,12 @@ def reference_probe(model, batch: dict, loss_sum) -> dict[str, torch.Tensor]:
     """The plain model's module outputs and output gradients on one micro-batch
     (loss_sum(model, batch) -> that micro-batch's declared loss sum), and the
     same from parameters one ulp away: {"ro/", "rg/", "rn/", "rgn/"} + NAME."""
-    import copy
+    from dormouse.train.tensors import copy_module
 
     out: dict[str, torch.Tensor] = {}
     for tag, m in (("", model), ("n", None)):
         if m is None:
-            m = copy.deepcopy(model)
+            m = copy_module(model)  # deepcopy, past a graph tensor the forward left on a module
             with torch.no_grad():
                 for p in m.parameters():
                     if p.is_floating_point():

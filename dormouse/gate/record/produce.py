@@ -102,6 +102,7 @@ def status(set_name: str, s: GateSettings) -> str | None:
     d, want = s.out_dir, s.record()
     if set_name == SINGLE:  # the one-process references that apply (artifacts.references)
         parts = [n for n in references(want) if n in ONE_PROCESS]
+        want = {k: v for k, v in want.items() if k not in A.FLEET_LAUNCH_FIELDS}  # none of them reads these
         return next((w for w in (stale(_recorded(A.gate_reference_dir(d, n)) if n != FLOOR else _gate_json(d, n),
                                        n, want) for n in parts) if w), None)
     fleet = _recorded(d)

@@ -94,7 +94,6 @@ far float32 round-off alone carries a run.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import importlib
 import json
@@ -116,6 +115,7 @@ from dormouse.gate.record.sketch import Sketcher, sketch_buckets
 from dormouse.gate.record.userfns import code_hashes, import_path
 from dormouse.gate.record import routeraux
 from dormouse.gate.record.layouts import equal_shards
+from dormouse.train.tensors import copy_module  # deepcopy past a graph tensor a forward left on a module
 
 REFERENCE_SCHEMA = 1
 
@@ -232,7 +232,10 @@ def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     its positions, trimmed to that run (every tensor with the row's length in
     its second dim): the example as one process at another padded length
     sees it. A forward that depends on its padding (left padding with absolute
-    positions) then differs from its micro-batch's, which fact 1's check sees."""
+    positions) then differs from its micro-batch's, which fact 1's check sees.
+    A row whose labels make padding targets (labels = input_ids with padding
+    not masked to -100) keeps its padded length: trimmed, it would lose
+    targets its micro-batch's loss has."""
     b = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()), 0)
     mask = batch.get("attention_mask")
     if mask is not None and (mask.dim() != 2 or mask.shape[0] != b or not bool(((mask == 0) | (mask == 1)).all())):
@@ -243,8 +246,12 @@ def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
                for k, v in batch.items()}
         if mask is not None:
             T, on = mask.shape[1], mask[i].nonzero().flatten()
-            if on.numel() and int(on[-1] - on[0]) + 1 == on.numel() and (int(on[0]) > 0 or int(on[-1]) < T - 1):
-                a, e = int(on[0]), int(on[-1]) + 1
+            a, e = (int(on[0]), int(on[-1]) + 1) if on.numel() else (0, T)
+            # padding the labels make targets (labels = input_ids, padding not masked) is part of the row
+            y = row.get(LOSS_LABELS, row.get("labels"))
+            pads_are_targets = (isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[1] == T
+                                and bool((torch.cat([y[0, :a], y[0, e:]]) != -100).any()))
+            if on.numel() and e - a == on.numel() and (a > 0 or e < T) and not pads_are_targets:
                 row = {k: (v[:, a:e] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == 1
                            and v.shape[1] == T else v)
                        for k, v in row.items()}
@@ -489,7 +496,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         model = base
         if cast is not None:  # FSDP2's mixed precision: the forward and backward on cast parameters
             if cast not in cast_models:
-                cast_models[cast] = copy.deepcopy(base).to(_dtype(cast))
+                cast_models[cast] = copy_module(base).to(_dtype(cast))
             model = cast_models[cast]
         # the model's plain attributes this forward ran with (a flag the loop set), put back after it
         undo = _attrs(model, rec, r, step, m)
@@ -827,7 +834,7 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
     model = rebuild(rec)
     set_modes(model, rec.eval_modules(rec.steps[0]) if rec.steps else [])
     replay = rec.sketch == 0 and rec.every == 1
-    probe_model = copy.deepcopy(model) if replay else model
+    probe_model = copy_module(model) if replay else model
     opt, sched = build_optimizer(rec, model)
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     numel = {n: p.numel() for n, p in model.named_parameters()}
@@ -837,7 +844,7 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
     mode = "replay" if replay else "run"
     nudged = None
     if not replay:  # the run's own floor: the same run from an initial state one ulp away
-        nudged = copy.deepcopy(model)
+        nudged = copy_module(model)
         with torch.no_grad():
             for p in nudged.parameters():
                 if p.is_floating_point():

@@ -29,7 +29,7 @@ import looprec  # noqa: E402
 from dormouse.gate import artifacts as A  # noqa: E402
 
 RUNS = ["clean", "rank_mean:mode=rank_mean", "micro_mean:mode=micro_mean",
-        "manual:mode=manual", "clip_local:mode=clip_local"]
+        "manual:mode=manual", "clip_local:mode=clip_local", "inferred_len:infer_len=1:steps=2"]
 W = 2
 
 
@@ -85,6 +85,20 @@ def test_ddp_with_accumulation_and_clipping_passes_and_equals_one_process(fleet,
     assert max(norms) > 1.0, norms  # Lightning's clip acted at some step
     batches = [b for rank in step1(seed, 2) for b in rank]
     assert fieldkit.relative(recorded_gradient(fleet, name), fieldkit.one_process_gradient(build(seed), batches)) < 1e-6
+
+
+def test_a_pre_batched_loader_without_dataset_len_passes_judged_by_the_loops_epochs(fleet):
+    """The client's loader reads ready-made micro-batches (batch_size=None): len(dataset) counts
+    micro-batches (k x steps per rank), not the rows they hold. Inferred as examples, a clean run read
+    more rows than that "dataset" holds and failed the data check; the callback now leaves dataset_len
+    unknown there, and the data check goes by the epochs the callback passes (trainer.current_epoch)."""
+    items = fieldkit.step_batches(seed=0, world=W, rank=0, k=2, steps=2)
+    rows = W * sum(int(b["input_ids"].shape[0]) for b in items)  # the rows the fleet read in its 2 steps
+    assert rows > len(items)  # what len(loader.dataset) would have claimed as the examples
+    v = verdict(fleet, "inferred_len")
+    assert v.passed, looprec.failing(v)
+    assert A.RecordingSet(fleet / "inferred_len").meta["dataset_len"] == 0
+    assert "within any of the loop's epochs (rec.step(epoch=...): 1 epoch(s), 16 reads" in checks(v)["data"].reason
 
 
 def test_manual_optimization_clipping_after_the_reduce_passes(fleet):

@@ -612,6 +612,27 @@ def test_the_verdict_passes_on_clean_artifacts_without_producing(gate_run, tmp_p
     assert not any("producing" in line for line in lines), lines
 
 
+def test_a_one_process_reference_is_the_same_for_every_shard_and_bucket_of_the_fleet(gate_run, tmp_path):
+    """Notebook 01 has no shard or bucket_mb parameter: the pipeline at --shard fsdp ran 01 with
+    shard 'none', which remade single while 04 read it ("the artifacts changed while the verdict was
+    being taken", exit 3). No one-process reference reads them: 01 reuses what the fleet's settings
+    made, and provenance compares a single made under another shard as the same reference."""
+    from gatekit import edit_json
+
+    out = copy_of(gate_run[2], tmp_path / "out")
+    other = settings.check(out=str(out), shard="fsdp", bucket_mb=8.0)
+    assert produce.status(SINGLE, other) is None
+    assert produce.run_single(other, force=False, log=lambda line: None) == "reused"
+    # a single made under the fleet launch's other settings: the same reference, judged as such
+    edit_json(A.recording_path(A.gate_reference_dir(out, SINGLE)),
+              lambda j: j["extra"]["settings"].update(shard="fsdp", bucket_mb=8.0))
+    v = pipeline.gate(settings.check(out=str(out), produce=False), log=lambda line: None)
+    assert v.passed and v.check("provenance").passed, v.check("provenance").reason
+    # a setting the single does read is still compared
+    edit_json(A.recording_path(A.gate_reference_dir(out, SINGLE)), lambda j: j["extra"]["settings"].update(seed=8))
+    assert "single made with seed=8" in produce.status(SINGLE, settings.check(out=str(out)))
+
+
 def test_pipeline_exits_1_and_the_notebook_fails_when_the_gate_fails(gate_run, tmp_path):
     out = copy_of(gate_run[2], tmp_path / "out")
     plant_rank_params(out)

@@ -24,7 +24,8 @@ import torch
 
 from dormouse.digest import fingerprint
 from dormouse.gate import artifacts as A
-from dormouse.gate.artifacts import GRADREF, PROFILE_FIELDS, PROVENANCE, GateReferences, references
+from dormouse.gate.artifacts import (FLEET_LAUNCH_FIELDS, GRADREF, PROFILE_FIELDS, PROVENANCE, GateReferences,
+                                      references)
 from dormouse.gate.judge.verdict import Check
 
 
@@ -84,7 +85,8 @@ def check_provenance(rec: A.RecordingSet, refs: GateReferences, settings: dict) 
                 diffs.insert(0, f"{n} read windows of {_lengths(refs.recording(n))} bytes, the fleet "
                              f"{_lengths(rec)}: the same global batch in windows, not in tokens")
                 continue
-            have, want = ({k: v for k, v in d.items() if k not in PROFILE_FIELDS} for d in (have, want))
+            have, want = ({k: v for k, v in d.items() if k not in PROFILE_FIELDS + FLEET_LAUNCH_FIELDS}
+                          for d in (have, want))
         if have != want:
             keys = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
             diffs.append(f"{n} was made with other settings ({', '.join(keys)})")
@@ -135,8 +137,10 @@ def provenance(rec: A.RecordingSet) -> dict:
     h = _h.sha256()
     for k in rec.steps:
         for r in range(rec.world_at(k)):
-            for key, t in sorted(rec.step_tensors(r, k).items()):
+            tensors = rec.step_tensors(r, k)  # read one at a time: the inputs only
+            for key in sorted(tensors):
                 if key.startswith("in/") or key == "ids":
+                    t = tensors[key]
                     h.update(f"{k}:{r}:{key}:{tuple(t.shape)}".encode())
                     h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     p.update({"corpus": h.hexdigest(), "init": fingerprint(rec.init())})
