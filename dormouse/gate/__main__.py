@@ -113,7 +113,12 @@ def check_main(argv: list[str]) -> int:
     p.add_argument("--every", type=int, default=1, metavar="N", help="--follow: judge every N-th step")
     p.add_argument("--wait", type=float, default=600.0, metavar="S",
                    help="--follow: seconds with nothing new from the run before it is taken for gone (exit 2)")
+    p.add_argument("--memory", type=float, default=None, metavar="GB",
+                   help="the memory the check may hold, in GB (default: 80%% of what the machine has available; "
+                        "0: no limit); past it the verdict says 'not judged: needs N GB'")
     args = p.parse_args(argv)
+    if args.memory is not None and args.memory < 0:
+        p.error(f"--memory {args.memory:g}: give the GB the check may hold (0: no limit)")
     # the user's builders are imported as `python -m` imports a module: from the working directory first
     # (the console script's sys.path starts at its own folder, not the one it is run from)
     import os
@@ -149,7 +154,8 @@ def _check(args) -> int:
     from dormouse.gate.show.text import format_verdict
 
     torch.set_num_threads(args.threads)
-    v = check_recording(args.out, force=args.force, log=lambda line: print(line, file=sys.stderr, flush=True))
+    v = check_recording(args.out, force=args.force, log=lambda line: print(line, file=sys.stderr, flush=True),
+                        memory=None if args.memory is None else int(args.memory * (1 << 30)))
     status = 0 if v.passed else 1
     try:
         print(format_verdict(v), flush=True)

@@ -64,22 +64,32 @@ def gate(s: GateSettings, *, log: Log = print) -> Verdict:
     return v
 
 
-def check_recording(out, *, force: bool = False, log: Log = print) -> Verdict:
+def check_recording(out, *, force: bool = False, log: Log = print, memory: int | None = None) -> Verdict:
     """`dormouse gate check` and notebook 04 on a recording: the one-process
     reference (made when missing or stale), the verdict, verdict.json; the
     caller draws the figures (show.plots.render_recording). The verdict is
     judge(out)'s, the one entry: dormouse's own gate's out dir gets its own
-    references' facts too (their files are not made here: the pipeline makes them)."""
+    references' facts too (their files are not made here: the pipeline makes them).
+    memory: the budget in bytes (gate/budget.py; None: 80% of what the machine
+    has available, 0: none): past it the verdict is "not judged: needs N GB"."""
+    from dormouse.gate import budget as B
+    from dormouse.gate.judge.verdict import Check
     from dormouse.gate.record.reference import make_reference
 
+    limit = B.default_budget() if memory is None else int(memory)
     before = _recording_stamp(out)
     try:
-        make_reference(out, force=force, log=log)
-    except Exception:
-        _refuse_if_rewritten(out, before)
-        raise
-    _refuse_if_rewritten(out, before)
-    v = judge(out)
+        B.check_fits(out, limit)
+        with B.watched(limit):
+            try:
+                make_reference(out, force=force, log=log)
+            except Exception:
+                _refuse_if_rewritten(out, before)
+                raise
+            _refuse_if_rewritten(out, before)
+            v = judge(out)
+    except B.NotJudged as e:
+        v = Verdict(str(out), False, [Check("complete", False, str(e))], [])
     write_verdict(v, out)
     return v
 

@@ -92,6 +92,16 @@ def reference_step_tensors_path(out: Path, step: int) -> Path:
     return reference_dir(out) / f"step{step:06d}.safetensors"
 
 
+def reference_replay_tensors_path(out: Path, step: int) -> Path:
+    """The replay's parameters before `step` ("rp/"), written by the replay's own pass."""
+    return reference_dir(out) / f"step{step:06d}.replay.safetensors"
+
+
+def reference_scratch_dir(out: Path) -> Path:
+    """Where the reference spills one step's micro-batch gradients while it combines them (emptied after)."""
+    return reference_dir(out) / ".scratch"
+
+
 def reference_step_meta_path(out: Path, step: int) -> Path:
     return reference_dir(out) / f"step{step:06d}.json"
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from dormouse.errors import DormouseError
+from dormouse.gate.artifacts.tensorfile import LazyTensors
 from dormouse.gate.artifacts.layout import (
     EXACT,
     EXTRA,
@@ -27,6 +28,7 @@ from dormouse.gate.artifacts.layout import (
     recording_path,
     reference_final_path,
     reference_meta_path,
+    reference_replay_tensors_path,
     reference_step_meta_path,
     reference_step_tensors_path,
     step_meta_path,
@@ -228,12 +230,14 @@ class RecordingSet:
             self._metas[key] = m
         return self._metas[key]
 
-    def step_tensors(self, rank: int, step: int) -> dict[str, torch.Tensor]:
+    def step_tensors(self, rank: int, step: int) -> LazyTensors:
+        """Rank `rank`'s tensors at `step` by key, each read from the file when asked and kept by no
+        one but the caller (tensorfile.LazyTensors): the memory a reader holds is what it keeps."""
         cache = self.__dict__.setdefault("_tensors", {})
         if (rank, step) not in cache:
-            if len(cache) > 16:  # a few steps' worth: the readers go step by step
+            if len(cache) > 64:  # the key lists only: no tensor is kept here
                 cache.clear()
-            cache[(rank, step)] = read_tensors(step_tensors_path(self.out, rank, step), "step tensors")[0]
+            cache[(rank, step)] = LazyTensors([step_tensors_path(self.out, rank, step)], "step tensors")
         return cache[(rank, step)]
 
     def validate(self) -> None:
@@ -426,10 +430,14 @@ class ReferenceSet:
         self._cache: dict = {}
         self._infos: dict = {}
 
-    def step(self, k: int) -> tuple[dict, dict]:
+    def step(self, k: int) -> tuple[dict, LazyTensors]:
+        """Step k's reference JSON and its tensors by key, each read when asked (the replay's parameters,
+        written by the replay's own pass, beside the gradients' file where there is one)."""
         if k not in self._cache:
-            t, _ = read_tensors(reference_step_tensors_path(self.out, k), "reference tensors")
-            self._cache = {k: (read_json(reference_step_meta_path(self.out, k), "reference step"), t)}
+            paths = [reference_step_tensors_path(self.out, k)]
+            replayed = reference_replay_tensors_path(self.out, k)
+            t = LazyTensors(paths + ([replayed] if replayed.exists() else []), "reference tensors")
+            self._cache = {k: (self.info(k), t)}
         return self._cache[k]
 
     def info(self, k: int) -> dict:
@@ -439,8 +447,7 @@ class ReferenceSet:
         return self._infos[k]
 
     def tensors(self, k: int, prefix: str) -> dict[str, torch.Tensor]:
-        t = self.step(k)[1]
-        return {n[len(prefix):]: v for n, v in t.items() if n.startswith(prefix)}
+        return self.step(k)[1].prefixed(prefix)
 
     def final(self) -> dict[str, torch.Tensor]:
         t, _ = read_tensors(reference_final_path(self.out), "reference final")

@@ -444,6 +444,18 @@ def _grads(model, objective, batch, user, ac=None, scale: float = 1.0, aux_weigh
                                    for n, p in model.named_parameters()}
 
 
+def _backward(model, objective, batch, user, ac=None, scale: float = 1.0, aux_weight: float | None = None):
+    """_grads without the copies: (loss_sum, count), the gradient left in p.grad."""
+    model.zero_grad(set_to_none=True)
+    with _autocast(ac):
+        ls, c = objective_sum(objective, model, batch, user, aux_weight=aux_weight)
+    if not isinstance(ls, torch.Tensor) or not ls.requires_grad:
+        raise ReferenceError(f"objective {objective!r} gives a loss with no gradient: it must be computed from "
+                             "the model's outputs")
+    (ls * scale if scale != 1.0 else ls).backward()
+    return float(ls.detach()), c
+
+
 def example_sample(mbs: list[tuple[int, int, dict]], j: int) -> set[int]:
     """Which of a step's micro-batches (rank, m, batch) fact 1's per-example
     check differentiates row by row at the j-th recorded tensor step (0-based):
@@ -454,25 +466,139 @@ def example_sample(mbs: list[tuple[int, int, dict]], j: int) -> set[int]:
     return {(j - 1) % len(mbs)}
 
 
+class _Spill:
+    """One step's gradients as sums of its sources, without holding them: each
+    source (a micro-batch's gradient, a row's, a merged forward's) is written
+    to a scratch file as the backward leaves it in p.grad (no copy in memory),
+    and each output (acc[key] = sum of weight x source, in the order added, in
+    float64) is formed tensor by tensor (by row ranges for a large tensor)
+    when the step's file is written: the memory of a step is one model and
+    its gradient, whatever the number of micro-batches and alternatives."""
+
+    def __init__(self, model, scratch: Path):
+        self.dir = Path(scratch)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.files: list = []
+        self.terms: dict = {}
+
+    def put(self, model) -> tuple[int, set[str]]:
+        """The gradient in `model`'s p.grad as a source: (its index, the names that have one)."""
+        from dormouse.gate.artifacts.tensorfile import LazyTensors, write_streamed
+
+        held = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        path = self.dir / f"{len(self.files)}.safetensors"
+        write_streamed(path, [(n, g.dtype, tuple(g.shape)) for n, g in held], ((n, g.detach()) for n, g in held),
+                       durable=False)
+        self.files.append(LazyTensors([path], "the reference's scratch"))
+        return len(self.files) - 1, {n for n, _ in held}
+
+    def add(self, key, src: int, w: float = 1.0) -> None:
+        self.terms.setdefault(key, []).append((src, w))
+
+    def has(self, key) -> bool:
+        return bool(self.terms.get(key))
+
+    def value(self, key, n: str, rows: tuple[int, int] | None = None):
+        """sum_i w_i source_i[n] (rows a:b of it) in float64, None where no source has n."""
+        acc = None
+        for src, w in self.terms.get(key, []):
+            f = self.files[src]
+            if n in f:
+                t = f[n] if rows is None else f.rows(n, *rows)
+                acc = (0 if acc is None else acc) + t.double() * w
+        return acc
+
+    def same(self, src: int, model) -> bool:
+        """Whether model's p.grad equals source src exactly (None where None)."""
+        f = self.files[src]
+        return all((n in f) == (p.grad is not None) and (p.grad is None or torch.equal(p.grad, f[n]))
+                   for n, p in model.named_parameters())
+
+    def close(self) -> None:
+        import shutil
+
+        self.files.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# a tensor above this many elements is combined (and written) by row ranges of about this size
+COMBINE_ELEMENTS = 1 << 23
+
+
+class _StepParts:
+    """A step's reference outputs, still spread over the spilled sources:
+    written to a file (write) or formed in memory (tensors, for the run mode
+    that trains on them). `outputs(n, rows)` is every output of tensor n."""
+
+    def __init__(self, spill: _Spill, names: list[str], shapes: dict, outputs, keys: list[str], info: dict,
+                 dtypes: dict):
+        self.spill, self.names, self.shapes, self.outputs, self.keys, self.info = spill, names, shapes, outputs, keys, info
+        self.dtypes = dtypes  # the dtype each output key is written in
+
+    def _ranges(self, n: str):
+        shape = self.shapes[n]
+        numel = math.prod(shape) if shape else 1
+        if len(shape) == 0 or numel <= COMBINE_ELEMENTS or shape[0] < 2:
+            yield None
+            return
+        step = max(1, COMBINE_ELEMENTS // max(1, numel // shape[0]))
+        for a in range(0, shape[0], step):
+            yield a, min(shape[0], a + step)
+
+    def present(self) -> list[tuple[str, str]]:
+        """(key, name) of every output there is, in writing order."""
+        return [(key, n) for key in self.keys for n in self.names if self.outputs.has(key, n)]
+
+    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in self.keys}
+        for n in self.names:
+            for key, v in self.outputs(n, None).items():
+                out[key][n] = v
+        self.spill.close()
+        return {k: v for k, v in out.items() if v or k in ("g", "micro_mean", "rank_mean")}
+
+    def write(self, path: Path, extra: dict[str, torch.Tensor]) -> None:
+        from dormouse.gate.artifacts.tensorfile import write_streamed
+
+        have = self.present()
+        spec = [(f"{key}/{n}", self.dtypes.get(key, torch.float64), tuple(self.shapes[n])) for key, n in have]
+        spec += [(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]
+
+        def pieces():
+            for key, n in have:
+                for rows in self._ranges(n):
+                    yield f"{key}/{n}", self.outputs(n, rows)[key]
+            yield from extra.items()
+
+        try:
+            write_streamed(path, spec, pieces())
+        finally:
+            self.spill.close()
+
+
 def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int | None,
                    probe: bool) -> tuple[dict, dict]:
     """The declared objective's gradient over every rank's micro-batches at
     the model's current parameters, with its alternatives and fact 1's
     per-example sum over example_sample(., examples) (None: no per-example
-    check; see the module docstring)."""
+    check; see the module docstring), in memory."""
+    parts, info = step_gradient_parts(model, rec, step, user, examples=examples, probe=probe)
+    return (parts.tensors() if isinstance(parts, _StepParts) else parts), info
+
+
+def step_gradient_parts(model, rec: A.RecordingSet, step: int, user, *, examples: int | None,
+                        probe: bool, alt_dtype: torch.dtype = torch.float64):
+    """step_gradients' (outputs, info), the outputs a _StepParts that writes
+    them tensor by tensor (or a plain dict for objective_scope="step").
+    alt_dtype: the dtype the alternatives that only name causes are written in."""
     objective = rec.meta["objective"]
     names = [n for n, _ in model.named_parameters()]
-    acc = {key: {} for key in ("g", "micro_mean", "ex", "exb", "scaled", "gm", "last")}
-    rank_acc: dict[int, dict] = {}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    spill = None
     rank_n: dict[int, float] = {}
     rank_loss: dict[int, float] = {}
     n_total, loss_total, micro_means, counts, native = 0.0, 0.0, [], {}, 0.0
     present: set[str] = set()
-
-    def add(d, grads, w=1.0):
-        for n, g in grads.items():
-            if g is not None:
-                d[n] = d.get(n, 0) + g.double() * w
 
     # reduced-precision parameters (a bfloat16 model): their gradients round as autocast's do
     lowp = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
@@ -483,6 +609,23 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                              "between two rec.step() calls (is the Recorder on the model the loop calls?)")
     if rec.meta.get("objective_scope") == "step":  # fn(model, batches) over the whole step, once
         return _step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp, alts=examples is not None)
+    spill = _Spill(model, A.reference_scratch_dir(rec.out) / f"step{step}")
+    try:
+        return _spilled_gradients(model, rec, step, user, mbs, spill, examples=examples, probe=probe, lowp=lowp,
+                                  names=names, shapes=shapes, alt_dtype=alt_dtype)
+    except BaseException:
+        spill.close()
+        raise
+
+
+def _spilled_gradients(model, rec, step, user, mbs, spill: _Spill, *, examples, probe, lowp, names, shapes,
+                       alt_dtype):
+    objective = rec.meta["objective"]
+    rank_n: dict[int, float] = {}
+    rank_loss: dict[int, float] = {}
+    ranks: list[int] = []  # in the order first seen (rank then micro order)
+    n_total, loss_total, micro_means, counts, native = 0.0, 0.0, [], {}, 0.0
+    present: set[str] = set()
     aw = _aux_weight(objective, model, mbs)  # an MoE model's own per-forward term: weighted by the step's count
     rng_sensitive = None
     sample = example_sample(mbs, examples) if examples is not None else set()
@@ -491,6 +634,14 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     # the precision floor, over every micro-batch of a step where any computes in reduced precision
     measure = bool(lowp) or any(rec.autocast(r, step, m) is not None or rec.compute_dtype(r, step, m) is not None
                                 for r, m, _ in mbs)
+    # "gn", the normalised form: each micro-batch's loss sum / N x W backpropagated (N the step's count, W its
+    # ranks: HF's Trainer, loss / num_items_in_batch x W, and DDP loops), then / W; the judge holds the fleet to
+    # the nearer of g and gn. Built-in objectives (N known before the forwards). "partials": sum ||grad loss_sum||
+    # over the micro-batches, "dot_length" the longest dot product of a backward (judge/bounds.py, grad_rtol)
+    n_step = sum(objective_count(objective, b) for _, _, b in mbs) if objective in OBJECTIVES else 0.0
+    w_step, partials = len({r for r, _, _ in mbs}), 0.0
+    dot_length = max([max(p.shape) for p in base.parameters() if p.dim()] +
+                     [int(_labels(b).numel()) for _, _, b in mbs if objective in OBJECTIVES] or [1])
     for i, (r, m, batch) in enumerate(mbs):
         ac, cast = rec.autocast(r, step, m), rec.compute_dtype(r, step, m)
         model = base
@@ -501,12 +652,19 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
         # the model's plain attributes this forward ran with (a flag the loop set), put back after it
         undo = _attrs(model, rec, r, step, m)
         torch.random.default_generator.manual_seed(0)
-        ls, c, grads = _grads(model, objective, batch, user, ac, aux_weight=aw)
-        present |= {n for n, g in grads.items() if g is not None}
-        add(acc["g"], grads)
+        ls, c = _backward(model, objective, batch, user, ac, aux_weight=aw)
+        src, have = spill.put(model)
+        present |= have
+        spill.add("g", src)
+        partials += math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()
+                                  if p.grad is not None))
+        if n_step > 0 and not measure:  # the normalised form (float32 steps: reduced precision has its floor)
+            torch.random.default_generator.manual_seed(0)
+            _backward(model, objective, batch, user, ac, scale=w_step / n_step, aux_weight=aw)
+            spill.add("gn", spill.put(model)[0], 1.0 / w_step)
         if measure:  # the precision floor: the same gradient through the loss / 3
-            _, _, g3 = _grads(model, objective, batch, user, ac, scale=1 / 3, aux_weight=aw)
-            add(acc["scaled"], g3, 3.0)
+            _backward(model, objective, batch, user, ac, scale=1 / 3, aux_weight=aw)
+            spill.add("scaled", spill.put(model)[0], 3.0)
             if objective in OBJECTIVES:  # and the loss from the logits as the forward gives them, computed
                 with torch.no_grad():  # outside autocast (where cross_entropy would run in float32)
                     with _autocast(ac):
@@ -515,64 +673,136 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
                     native += float(objective_of_logits(objective, _logits(out), batch, upcast=False)[0])
                     native += float(aux) * aw if aux is not None and aw is not None else 0.0
         if m == max(mm for rr, mm, _ in mbs if rr == r) and m > 0:  # each rank's last micro-batch (causes)
-            add(acc["last"], grads)
-        rank_acc.setdefault(r, {})
-        add(rank_acc[r], grads)
+            spill.add("last", src)
+        if r not in ranks:
+            ranks.append(r)
+        spill.add(("rank", r), src)
         rank_n[r] = rank_n.get(r, 0.0) + c
         rank_loss[r] = rank_loss.get(r, 0.0) + ls
         counts.setdefault(r, []).append(c)
         n_total += c
         loss_total += ls
         if c > 0:
-            add(acc["micro_mean"], grads, 1.0 / c)
+            spill.add("micro_mean", src, 1.0 / c)
             micro_means.append(ls / c)
         if probe and rng_sensitive is None:  # the same micro-batch under another RNG state
             torch.random.default_generator.manual_seed(1)
-            _, _, again = _grads(model, objective, batch, user, ac, aux_weight=aw)
-            rng_sensitive = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
-                                for a, b in zip(grads.values(), again.values()))
+            _backward(model, objective, batch, user, ac, aux_weight=aw)
+            rng_sensitive = not spill.same(src, model)
         if i in sample:
-            add(acc["exb"], grads)
+            spill.add("exb", src)
             for row in _rows(batch):
                 torch.random.default_generator.manual_seed(0)
-                _, _, g1 = _grads(model, objective, row, user, ac, aux_weight=aw)
-                add(acc["ex"], g1)
+                _backward(model, objective, row, user, ac, aux_weight=aw)
+                spill.add("ex", spill.put(model)[0])
+        model.zero_grad(set_to_none=True)
         undo()
     model = base
     merged = None
     if examples is not None:  # a judged step: its rows in as few forwards as memory allows (batchscope)
-        merged = _global_forward(base, cast_models, rec, step, user, mbs, lambda grads: add(acc["gm"], grads), aw)
+        merged = _global_forward(base, cast_models, rec, step, user, mbs,
+                                 lambda mm: spill.add("gm", spill.put(mm)[0]), aw)
+    for m_ in cast_models.values():
+        m_.zero_grad(set_to_none=True)
+    cast_models.clear()
     model.zero_grad(set_to_none=True)
     if n_total <= 0:
         raise ReferenceError(f"step {step}: the declared objective {objective!r} counts no tokens/examples in the "
                              "recorded micro-batches (every label -100?)")
-    out = {"g": {n: acc["g"][n] / n_total for n in names if n in acc["g"]},
-           "micro_mean": {n: v / max(len(micro_means), 1) for n, v in acc["micro_mean"].items()},
-           "rank_mean": {}}
-    world = len(rank_acc)
-    if not rec.sketch:  # sum_r |g_r| / T: what the bf16 wire rounds, element by element; where it is zero
-        out["wa"] = {}  # no rank has gradient to reduce (facts/gradient.py's made-up gradient)
-        for d in rank_acc.values():
-            for n, v in d.items():
-                out["wa"][n] = out["wa"].get(n, 0) + v.abs() / n_total
-    for r, d in rank_acc.items():
-        if rank_n[r] > 0:
-            for n, v in d.items():
-                out["rank_mean"][n] = out["rank_mean"].get(n, 0) + v / rank_n[r] / world
-    if acc["last"]:
-        out["last"] = {n: v / n_total for n, v in acc["last"].items()}
-    if merged is not None and merged.get("count"):
-        out["gm"] = {n: v / merged["count"] for n, v in acc["gm"].items()}
-    if sample:
-        out["ex"] = {n: v / n_total for n, v in acc["ex"].items()}
-        out["exb"] = {n: v / n_total for n, v in acc["exb"].items()}
-    norm = float(torch.sqrt(sum((v * v).sum() for v in out["g"].values())))
+    world = len(ranks)
+    # exb is g itself where the sample is every micro-batch (the judge reads g then)
+    exb = bool(sample) and len(sample) < len(mbs)
+    gm_count = merged.get("count") if merged is not None else None
+
+    class Outputs:
+        """Every output of one tensor (rows a:b of it), the formulas of the module docstring."""
+
+        def has(self, key: str, n: str) -> bool:
+            def held(k):
+                return any(n in spill.files[s] for s, _ in spill.terms.get(k, []))
+            if key == "wa":
+                return not rec.sketch and held("g")
+            if key == "rank_mean":
+                return any(rank_n[r] > 0 and held(("rank", r)) for r in ranks)
+            if key == "gm":
+                return bool(gm_count) and held("gm")
+            if key in ("ex", "exb"):
+                return bool(sample) and (key == "ex" or exb) and held(key)
+            return held(key)
+
+        def __call__(self, n: str, rows) -> dict[str, torch.Tensor]:
+            o: dict[str, torch.Tensor] = {}
+            if n not in present and not (gm_count and spill.has("gm")):
+                return o
+            g = spill.value("g", n, rows)
+            if g is not None:
+                o["g"] = g / n_total
+            gn = spill.value("gn", n, rows) if spill.has("gn") else None
+            if gn is not None:
+                o["gn"] = gn
+            mm = spill.value("micro_mean", n, rows)
+            if mm is not None:
+                o["micro_mean"] = mm / max(len(micro_means), 1)
+            wa, rm = None, None
+            for r in ranks:  # sum_r |g_r| / T: what the bf16 wire rounds, element by element; where it is zero
+                v = spill.value(("rank", r), n, rows)  # no rank has gradient to reduce (the made-up gradient)
+                if v is None:
+                    continue
+                if not rec.sketch:
+                    wa = (0 if wa is None else wa) + v.abs() / n_total
+                if rank_n[r] > 0:
+                    rm = (0 if rm is None else rm) + v / rank_n[r] / world
+            if wa is not None:
+                o["wa"] = wa
+            if rm is not None:
+                o["rank_mean"] = rm
+            last = spill.value("last", n, rows)
+            if last is not None:
+                o["last"] = last / n_total
+            if gm_count:
+                gm = spill.value("gm", n, rows)
+                if gm is not None:
+                    o["gm"] = gm / gm_count
+            if sample:
+                ex = spill.value("ex", n, rows)
+                if ex is not None:
+                    o["ex"] = ex / n_total
+                if exb:
+                    e = spill.value("exb", n, rows)
+                    if e is not None:
+                        o["exb"] = e / n_total
+            return o
+
+    outputs = Outputs()
+    parts = _StepParts(spill, names, shapes, outputs,
+                       ["g", "gn", "micro_mean", "rank_mean", "wa", "last", "gm", "ex", "exb"], {},
+                       {k: alt_dtype for k in ("micro_mean", "rank_mean", "wa", "last", "gm", "ex", "exb")})
+    # the norm and the precision floor: sums tensor by tensor, read back from the spilled sources
+    total, sq, gnorm, total_n = 0, {}, {}, 0.0
+    for n in names:
+        if n not in present:
+            continue
+        acc_n, sq_n = 0, 0
+        for rows in parts._ranges(n):
+            g = spill.value("g", n, rows) / n_total
+            acc_n = acc_n + (g * g).sum()
+            gn = spill.value("gn", n, rows) if spill.has("gn") else None
+            total_n += float(gn.square().sum()) if gn is not None else 0.0
+            if spill.has("scaled"):
+                s = spill.value("scaled", n, rows)
+                if s is not None:
+                    sq_n = sq_n + ((s / n_total - g) ** 2).sum()
+        total = total + acc_n
+        if spill.has("scaled"):
+            gnorm[n] = float(acc_n.sqrt()) if len(list(parts._ranges(n))) > 1 else \
+                float((spill.value("g", n) / n_total).norm())
+        if spill.has("scaled") and any(n in spill.files[s] for s, _ in spill.terms["scaled"]):
+            sq[n] = float(sq_n)
+    norm = float(torch.sqrt(total)) if isinstance(total, torch.Tensor) else 0.0
     floor, floors = None, None
-    if acc["scaled"]:  # ||g(loss / 3) * 3 - g|| / ||g||: reduced-precision round-off alone, and per tensor
-        sq = {n: float(((acc["scaled"][n] / n_total - v) ** 2).sum()) for n, v in out["g"].items()
-              if n in acc["scaled"]}
+    if spill.has("scaled"):  # ||g(loss / 3) * 3 - g|| / ||g||: reduced-precision round-off alone, and per tensor
         floor = math.sqrt(sum(sq.values())) / norm if norm > 0 else 0.0
-        floors = {n: math.sqrt(x) / max(float(out["g"][n].norm()), 1e-300) for n, x in sq.items()}
+        floors = {n: math.sqrt(x) / max(gnorm[n], 1e-300) for n, x in sq.items()}
     info = {"loss": loss_total / n_total, "loss_sum": loss_total, "count": n_total,
             "loss_alt": {"micro_mean": sum(micro_means) / max(len(micro_means), 1),
                          "rank_mean": sum(rank_loss[r] / rank_n[r] for r in rank_loss if rank_n[r] > 0) / world,
@@ -587,7 +817,10 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
             "router_aux": routeraux.coef(base, mbs[0][2]) if aw is not None else None}
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
-    return out, info
+    info.update(norm_normalised=math.sqrt(total_n) if spill.has("gn") else None, sum_terms=len(mbs),
+                partials=partials / n_total / norm if norm > 0 else 1.0, dot_length=dot_length)
+    parts.info = info
+    return parts, info
 
 
 def probe_tensors(model, rec, k: int, user) -> dict[str, torch.Tensor]:
@@ -630,8 +863,8 @@ def _labels_source(batch: dict) -> str:
 def _global_forward(base, cast_models, rec: A.RecordingSet, step: int, user, mbs, add,
                     aux_weight: float | None = None) -> dict:
     """The declared objective's gradient over the step's rows merged into as
-    few forwards as memory allows (batchscope.merge_plan), each forward's
-    gradient handed to `add`: {"forwards", "rows", "words", "count"}, or
+    few forwards as memory allows (batchscope.merge_plan), `add` called with
+    the model holding each forward's gradient in p.grad: {"forwards", "rows", "words", "count"}, or
     {"error"} when a merged forward cannot be computed."""
     objective = rec.meta["objective"]
     extras = [json.dumps([rec.autocast(r, step, m), rec.compute_dtype(r, step, m),
@@ -645,14 +878,13 @@ def _global_forward(base, cast_models, rec: A.RecordingSet, step: int, user, mbs
         undo = _attrs(model, rec, r, step, m)
         torch.random.default_generator.manual_seed(0)
         try:
-            _, n, grads = _grads(model, objective, BS.merged([mbs[i][2] for i in c]), user, ac,
-                                 aux_weight=aux_weight)
+            _, n = _backward(model, objective, BS.merged([mbs[i][2] for i in c]), user, ac, aux_weight=aux_weight)
         except ReferenceError as e:
             model.zero_grad(set_to_none=True)
             return {"error": str(e), "words": words, "forwards": len(chunks)}
         finally:
             undo()
-        add(grads)
+        add(model)  # the forward's gradient, in p.grad
         count += n
     model.zero_grad(set_to_none=True)
     return {"forwards": len(chunks), "words": words, "count": count,
@@ -813,14 +1045,81 @@ def _sketched(tensors: dict[str, torch.Tensor], numel: dict[str, int], seed: int
 def _train_step(model, opt, sched, grads: dict, mgn: float, *, clipped: bool) -> None:
     """One optimizer step on the given gradients (None where absent), clipped
     by the global norm max_grad_norm unless they already were."""
-    for n, p in model.named_parameters():
-        p.grad = grads[n].clone().to(p.dtype) if n in grads else None
+    for n, p in model.named_parameters():  # each taken out of `grads` as it is copied (read lazily: one at a time)
+        p.grad = grads.pop(n).to(p.dtype, copy=True) if n in grads else None
     if mgn > 0 and not clipped:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], mgn)
     opt.step()
     if sched is not None:
         sched.step()
     opt.zero_grad(set_to_none=True)
+
+
+def _write_params(path: Path, model, prefix: str) -> None:
+    """The model's parameters as they stand, "prefix + name", written straight from them (no copy)."""
+    from dormouse.gate.artifacts.tensorfile import write_streamed
+
+    held = [(prefix + n, p.detach()) for n, p in model.named_parameters()]
+    write_streamed(path, [(k, v.dtype, tuple(v.shape)) for k, v in held], iter(held))
+
+
+def _make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
+    """The reference of a recording in full tensors at every step, in two
+    passes over one model, so that its memory is one model, its gradient and
+    the optimizer's state (never two models, never a step's alternatives in
+    memory): first the replay (the user's optimizer on the recorded
+    gradients, from the initial state; the parameters before each step
+    written as they stand, "rp/", to their own file), then, the optimizer
+    freed, the gradients at each step's recorded parameters
+    (step_gradient_parts: spilled micro-batch by micro-batch, combined tensor
+    by tensor into the step's file; the alternatives that only name causes in
+    float32), the probe and the buffer rule beside them."""
+    from dormouse.gate.artifacts.tensorfile import write_streamed
+
+    opt, sched = build_optimizer(rec, model)
+    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    scan = _scan(model)
+    tensor_steps = set(rec.tensor_steps())
+    rule, rule_text = buffer_rule(rec)
+    log(f"reference for {out}: {len(rec.steps)} steps, mode replay")
+    lrs = {}
+    for k in rec.steps:  # the replay
+        lrs[k] = opt.param_groups[0]["lr"]
+        _write_params(A.reference_replay_tensors_path(out, k), model, "rp/")
+        _train_step(model, opt, sched, rec.tensors_at(k, "g/"), mgn, clipped=rec.step_meta(0, k).get("clipped", False))
+    _write_params(A.reference_final_path(out), model, "rp/")
+    scheduled = sched is not None
+    del opt, sched
+    done: list[int] = []  # the tensor steps so far (their count picks fact 1's sample)
+    for i, k in enumerate(rec.steps):  # the gradients, at the recorded parameters
+        _load_params(model, rec.tensors_at(k, "p/"), rec.tensors_at(k, "b/"))
+        set_modes(model, rec.eval_modules(k))
+        want = k in tensor_steps
+        parts, info = step_gradient_parts(model, rec, k, user, examples=len(done) if want else None,
+                                          probe=(i == 0), alt_dtype=torch.float32)
+        extra: dict[str, torch.Tensor] = {}
+        if probe.is_probe_step(rec, k):  # the probe's one-process side, at the recorded parameters
+            extra.update(probe_tensors(model, rec, k, user))
+        if rule is not None:  # after the gradients: the rule may move the buffers (reloaded each step)
+            extra.update({f"bu/{n}": v for n, v in updated_buffers(rule, rec.meta["buffer_update"], model,
+                                                                    rec, k).items()})
+        done.extend([k] if want else [])
+        info.update({"step": k, "replay_lr": lrs[k], "mode": "replay", **scan})
+        path = A.reference_step_tensors_path(out, k)
+        if not want:
+            if isinstance(parts, _StepParts):
+                parts.spill.close()
+            parts = {}
+        if isinstance(parts, _StepParts):
+            parts.write(path, extra)
+        else:
+            held = [(f"{key}/{n}", v) for key, d in parts.items() for n, v in d.items()] + list(extra.items())
+            write_streamed(path, [(key, v.dtype, tuple(v.shape)) for key, v in held], iter(held))
+        atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
+    meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,
+            "mode": "replay", "steps": rec.steps, "scheduler": scheduled,
+            "buffer_rule": rule_text if rule is not None else None, **scan}
+    return atomic.write_text(A.reference_meta_path(out), json.dumps(meta, indent=1))
 
 
 def make_reference(out, *, log=print, force: bool = False) -> Path:
@@ -831,9 +1130,13 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
         return A.reference_meta_path(out)
     check_provenance(rec)
     user = import_path(rec.meta["objective"], "objective") if rec.meta["objective"] not in OBJECTIVES else None
+    for stale in A.reference_dir(out).glob("*.replay.safetensors"):  # another reference's replay: never read
+        stale.unlink()
     model = rebuild(rec)
     set_modes(model, rec.eval_modules(rec.steps[0]) if rec.steps else [])
     replay = rec.sketch == 0 and rec.every == 1
+    if replay:
+        return _make_replayed(out, rec, model, user, log)
     probe_model = copy_module(model) if replay else model
     opt, sched = build_optimizer(rec, model)
     mgn = float(rec.meta.get("max_grad_norm", 0.0))

@@ -7,9 +7,8 @@ import queue
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as st_save
-
 from dormouse import atomic
+from dormouse.gate.artifacts.tensorfile import write_streamed
 from dormouse.gate.record.options import RecorderError
 
 
@@ -37,7 +36,11 @@ class Writer:
                     return
                 if self.error is None:
                     path, data = item
-                    atomic.write_bytes(path, data if isinstance(data, bytes) else st_save(data))
+                    if isinstance(data, bytes):
+                        atomic.write_bytes(path, data)
+                    else:  # streamed from the tensors (no second copy of the step in memory)
+                        held = sorted(data.items())
+                        write_streamed(path, [(k, v.dtype, tuple(v.shape)) for k, v in held], iter(held))
             except BaseException as e:  # handed to the loop's thread at the next call
                 self.error = e
             finally:

@@ -1,0 +1,115 @@
+"""The check's memory budget (`dormouse gate check --memory GB`): what the
+one process that makes the reference and judges may hold, by default a
+share of the memory the machine has free. Before it starts, the check
+estimates what the recording's model needs (the model, its gradient, the
+optimizer's state, one recorded tensor set being read) and says "not judged:
+needs N GB" when that is past the budget; while it runs, a watcher reads the
+process's resident memory and stops the check with the same words when it
+passes the budget, so that no check is ever killed by the kernel.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from dormouse.errors import DormouseError
+
+GB = 1 << 30
+DEFAULT_SHARE = 0.8  # of the memory available when the check starts
+# the estimate, in parameter-sized tensors (float32 parameters): the model, its gradient, two optimizer moments
+# (Adam's), one recorded tensor set being read, and a float64 gradient being combined
+PARAMETER_COPIES = 6
+
+
+class NotJudged(DormouseError):
+    """The check cannot be made within its memory budget."""
+
+
+def available() -> int:
+    """Bytes the machine has available now (MemAvailable), or 0 where it cannot tell."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def default_budget() -> int:
+    return int(DEFAULT_SHARE * available())
+
+
+def resident() -> int:
+    """This process's resident memory in bytes (0 where it cannot tell)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def parameter_bytes(out) -> int:
+    """The recorded model's parameter bytes, from the initial state's file headers (no tensor read)."""
+    from dormouse.gate import artifacts as A
+    from dormouse.gate.artifacts.tensorfile import LazyTensors
+
+    rec = A.RecordingSet(out)
+    total = 0
+    for r in range(rec.meta["segments"][0]["world"]):
+        f = LazyTensors([A.init_path(out, r)], "initial state")
+        for k in f:
+            shape = f.shape(k)
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * 4
+        if not rec.meta.get("fsdp"):
+            break  # every rank holds the whole model
+    return total
+
+
+def words(need: float, budget: float, what: str) -> str:
+    return (f"not judged: needs {need / GB:.1f} GB ({what}); the budget is {budget / GB:.1f} GB (--memory, by "
+            "default 80% of the memory available): give the check more memory, or check on a machine that has it")
+
+
+def check_fits(out, budget: int) -> None:
+    """Raise NotJudged when the estimate for the recording's model is past `budget` bytes."""
+    need = PARAMETER_COPIES * parameter_bytes(out) + resident()
+    if budget and need > budget:
+        raise NotJudged(words(need, budget, f"about {PARAMETER_COPIES} x the model's parameters: the model, its "
+                                            "gradient, the optimizer's state, a recorded step being read"))
+
+
+@contextmanager
+def watched(budget: int, every_s: float = 0.05):
+    """Run the body while a thread watches this process's resident memory;
+    past `budget` bytes it interrupts the body, which then raises NotJudged."""
+    if not budget:
+        yield
+        return
+    done, over = threading.Event(), []
+
+    def watch():
+        while not done.wait(every_s):
+            now = resident()
+            if now > budget:
+                over.append(now)
+                _thread.interrupt_main()
+                return
+
+    t = threading.Thread(target=watch, name="dormouse-memory-budget", daemon=True)
+    t.start()
+    try:
+        yield
+    except KeyboardInterrupt:
+        if over:
+            raise NotJudged(words(over[0], budget, "the check passed its budget while it ran")) from None
+        raise
+    finally:
+        done.set()
+        t.join()
