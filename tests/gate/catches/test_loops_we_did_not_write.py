@@ -1,0 +1,110 @@
+"""Loops written as users write them (issue 37's review), through tests/support/wild_loop.py: a plain
+DDP loop over loopmodel's TinyLM, 2 gloo ranks, every run in ONE real torchrun launch. Each verdict is
+checked against this file's own computation in plain PyTorch (the loop's rows regenerated, the global
+token mean differentiated in one process), and the real command (`dormouse gate check`) is run where
+the finding was the command's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import looprec
+import torch
+import torch.nn.functional as F
+from looprec import failing
+from loopmodel import VOCAB, build_model, dataset
+from wild_loop import RUN, batches, build_aux_model
+
+from dormouse.gate import artifacts as A
+
+RUNS = {
+    "aux": {"model": "aux"},  # the model keeps self.aux (a graph tensor) after its forward
+    "labels_inputs": {"labels": "inputs"},  # TrainCheck's pytorch-84803 workload: padding not masked
+}
+W = 2
+fleet = looprec.launched_fixture("fleet", {n: {"seed": 3, **cfg} for n, cfg in RUNS.items()}, "wild_loop.py", W)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join([str(looprec.SUPPORT), os.environ.get("PYTHONPATH", "")])}
+
+
+def step_rows(name: str, step: int = 1) -> list[dict]:
+    """Every rank's micro-batches of `step` as the loop built them (torch's DistributedSampler)."""
+    cfg = {**RUN, "seed": 3, **RUNS[name]}
+    K, B = cfg["micro"], cfg["batch"]
+    data = dataset(cfg["n"], cfg["seed"])
+    out = []
+    for r in range(W):
+        order = list(torch.utils.data.DistributedSampler(range(cfg["n"]), num_replicas=W, rank=r, shuffle=True,
+                                                         seed=cfg["seed"], drop_last=True))
+        out += batches(cfg, data, order[(step - 1) * K * B:step * K * B])
+    return out
+
+
+def one_process(net, mbs: list[dict]) -> dict:
+    """The global token mean's gradient in one process (float64 accumulation of plain autograd)."""
+    n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
+    net.zero_grad(set_to_none=True)
+    for mb in mbs:
+        z = net(mb["input_ids"])[:, :-1]
+        (F.cross_entropy(z.reshape(-1, VOCAB), mb["labels"][:, 1:].reshape(-1), ignore_index=-100,
+                         reduction="sum") / n).backward()
+    return {k: p.grad.detach().double().clone() for k, p in net.named_parameters()}
+
+
+def recorded(out, step: int = 1) -> dict:
+    """Rank 0's recorded gradient at `step`, over its clip coefficient where the loop clipped first."""
+    m = A.RecordingSet(out).step_meta(0, step)
+    c = m["clip_coef"] if m["clipped"] else 1.0
+    return {k: v.double() / c for k, v in looprec.recorded_gradients(out, 0, step).items()}
+
+
+def gate_check(out, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dormouse", "gate", "check", "--out", str(out)], env=ENV,
+                          text=True, timeout=300, **({"capture_output": True} | kw))
+
+
+def test_a_module_keeping_a_graph_tensor_after_its_forward_is_judged_by_the_command(fleet):
+    """An MoE-style layer keeps its last forward's term as self.aux: the probe's copy of the model
+    (deepcopy refuses a non-leaf tensor) crashed `gate check`, exit 3. The command now judges it: PASS,
+    and the recorded step-1 gradient is this file's one-process gradient."""
+    r = gate_check(fleet["aux"])
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    got = recorded(fleet["aux"])
+    want = one_process(build_aux_model(seed=3), step_rows("aux"))
+    assert looprec.worst(got, want) < 1e-6
+
+
+def test_labels_equal_to_the_inputs_with_padding_unmasked_pass_as_the_one_process_gradient_does(fleet):
+    """labels = input_ids with padding left as targets (pytorch-84803's workload): every padded
+    position is a target. Fact 1 trimmed each row to its attention mask, dropping those targets, and a
+    clean run failed independence (0.71). The rows alone at their padded length sum to the batch's
+    gradient (this file's arithmetic: the network IS row-independent), the fleet's gradient is the
+    one-process one, and the verdict passes."""
+    v = looprec.verdict(fleet["labels_inputs"])
+    assert v.passed, failing(v)
+    mbs = step_rows("labels_inputs")
+    assert any(bool((mb["attention_mask"] == 0).any()) for mb in mbs)  # padding that the labels make targets
+    net = build_model(seed=3)
+    got = recorded(fleet["labels_inputs"])
+    assert looprec.worst(got, one_process(net, mbs)) < 1e-6
+    mb = next(mb for mb in mbs if bool((mb["attention_mask"] == 0).any()))
+    whole = one_process(net, [mb])
+    n = int((mb["labels"][:, 1:] != -100).sum())
+    rows = [{k: v[i:i + 1] for k, v in mb.items()} for i in range(mb["input_ids"].shape[0])]
+    alone = [one_process(net, [row]) for row in rows]
+    summed = {k: sum(a[k] * int((row["labels"][:, 1:] != -100).sum()) for a, row in zip(alone, rows)) / n
+              for k in whole}
+    assert looprec.worst(summed, whole) < 1e-6
+
+
+def test_output_to_a_full_disk_is_one_line(fleet):
+    """`dormouse gate check --out D > /dev/full`: a traceback and "the run crashed", exit 3, before;
+    now one line saying what could not be written, exit 2."""
+    with open("/dev/full", "w") as full:
+        r = gate_check(fleet["aux"], stdout=full, stderr=subprocess.PIPE, capture_output=False)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in r.stderr and len(errors) == 1, r.stderr
+    assert "No space left on device" in errors[0], r.stderr

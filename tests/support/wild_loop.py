@@ -1,0 +1,104 @@
+"""Loops written the way users write them, for the faults and clean runs of issue 37's review
+(tests/gate/catches/test_loops_we_did_not_write.py): a plain DDP loop over loopmodel's TinyLM,
+2 gloo ranks under torchrun, `--plan PLAN.json` (a JSON list of RUN dicts, one launch).
+
+Knobs (RUN keys):
+  "model"        "tiny" (loopmodel:build_model) or "aux" (wild_loop:build_aux_model: a TinyLM that keeps
+                 a non-leaf tensor as a module attribute after its forward, as many MoE layers keep
+                 their balancing term: self.aux)
+  "labels"       "masked" (padding -100, loopmodel.collate) or "inputs" (labels equal to the input
+                 tokens, padding NOT masked: TrainCheck's pytorch-84803 workload)
+  "skip_bwd"     steps (1-based) at which the loop calls opt.step() without any forward or backward
+                 (gradients None: pytorch #115607's Adam step-counter case)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plan  # noqa: E402  (tests/support)
+from loopmodel import VOCAB, TinyLM, build_model, build_optimizer, collate, dataset  # noqa: E402
+
+from dormouse.gate import Recorder  # noqa: E402
+
+RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
+       "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0}
+
+
+class AuxLM(TinyLM):
+    """TinyLM that keeps its last forward's mean activation (a non-leaf tensor, part of the graph) as
+    an attribute, the way MoE layers keep their balancing term for the loop to read."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None):
+        logits = super().forward(input_ids, attention_mask, labels, position_ids)
+        self.aux = logits.float().pow(2).mean()
+        return logits
+
+
+def build_aux_model(*, seed: int = 0, **_) -> AuxLM:
+    torch.manual_seed(seed)
+    return AuxLM()
+
+
+def batches(cfg: dict, data, idx):
+    mbs = [collate([data[i] for i in idx[m * cfg["batch"]:(m + 1) * cfg["batch"]]]) for m in range(cfg["micro"])]
+    if cfg["labels"] == "inputs":  # labels = input_ids, padding (token 0) left as a target
+        for mb in mbs:
+            mb["labels"] = mb["input_ids"].clone()
+    return mbs
+
+
+def run(cfg: dict) -> None:
+    cfg = {**RUN, **cfg}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    K, B, n = cfg["micro"], cfg["batch"], cfg["n"]
+    kw = {"seed": cfg["seed"], "lr": cfg["lr"]}
+    builder = {"tiny": "loopmodel:build_model", "aux": "wild_loop:build_aux_model"}[cfg["model"]]
+    model = (build_aux_model if cfg["model"] == "aux" else build_model)(**kw)
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    opt, sched = build_optimizer(model, **kw)
+    rec = Recorder(cfg["out"], net, build_model=builder, build_optimizer="loopmodel:build_optimizer",
+                   objective="causal_lm", max_grad_norm=cfg["max_grad_norm"], dataset_len=n, build_kwargs=kw)
+    data = dataset(n, cfg["seed"])
+    sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True,
+                                                  seed=cfg["seed"], drop_last=True)
+    order = list(sampler)
+    for s in range(cfg["steps"]):
+        norm = None
+        if s + 1 in cfg["skip_bwd"]:
+            reported = None
+        else:
+            idx = order[s * K * B:(s + 1) * K * B]
+            mbs = batches(cfg, data, idx)
+            n_local = torch.tensor(sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs))
+            n_global = n_local.clone()
+            dist.all_reduce(n_global)
+            local_sum = torch.zeros(())
+            for m, mb in enumerate(mbs):
+                ctx = net.no_sync() if m < K - 1 else torch.enable_grad()
+                with ctx:
+                    logits = net(**mb)
+                    loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), mb["labels"][:, 1:].reshape(-1),
+                                               ignore_index=-100, reduction="sum")
+                    (loss_sum * world / n_global).backward()
+                local_sum += loss_sum.detach()
+            dist.all_reduce(local_sum)
+            reported = local_sum / n_global
+            if cfg["max_grad_norm"]:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
+        rec.step(loss=reported, optimizer=opt, grad_norm=norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    rec.close()
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.exit(plan.main(run))
