@@ -6,10 +6,14 @@ the code under test (docs/gate.md, "The checks", says how each was measured).
 
 | bound | value | holds | why this value |
 |---|---|---|---|
-| GRAD_RTOL | 1e-5 | a gradient against its one-process reference (L2, all tensors) | clean: <= 9.1e-7 (dormouse fleet, seeds 1-10), <= 1.4e-7 (DDP loop); a weighting fault is 1e-2 |
+| grad_rtol(step) | (WK + 1) u A + LAMBDA u sqrt(R) | a float32 step's gradient against the NEARER of its two one-process forms (L2, all tensors): g, each micro-batch's loss sum differentiated then / N, and gn, each micro-batch's loss sum / N x W differentiated (HF's Trainer, DDP loops), then / W | derived: the fleet adds W x K float32 partial gradients (each element within gamma_{WK-1} sum_rm abs(G_rm), so in L2 within (WK - 1) u A, A = sum_rm norm(G_rm) / norm(sum_rm G_rm), the reference's "partials"), plus the seed and the / W (2u); a micro-batch's own backward, recomputed by other kernels or threads, within LAMBDA u sqrt(R) (R the longest dot product of the backward: the micro-batch's tokens or the widest parameter dimension, the reference's "dot_length"; mean-zero rounding, Higham and Mary 2019). Where the arithmetic is unknown (an objective over the whole step) GRAD_RTOL |
+| LAMBDA | sqrt(2 ln(2 / 1e-6)) = 5.39 | grad_rtol's kernel term: a sum of mean-zero roundings beyond LAMBDA standard bounds | probability <= 1e-6 (Higham and Mary 2019, Theorem 2.4) |
+| NORM_DELTA | 1e-6 | the probability that the Hoeffding part of norm_rtol fails, per tensor | |
+| NORM_LANES | 8 | the lanes of torch's float32 norm kernel norm_rtol assumes | 8 (AVX2, default) or 16 (AVX-512): fewer lanes round coarser, so 8 bounds both; CUDA's tree reduction rounds less |
+| GRAD_RTOL | 1e-5 | the independence, loss and probe checks' float32 bound; the gradient's where grad_rtol's figures are absent | clean: <= 9.1e-7 (dormouse fleet, seeds 1-10), <= 1.4e-7 (DDP loop); a weighting fault is 1e-2 |
 | INDEP_RTOL | 1e-5 | a recording's per-example gradients summed against their micro-batch's | clean <= 6e-8 |
 | LOSS_RTOL | 1e-5 | a logged loss against the token-weighted mean of the reference's | clean <= 3e-8; a plain mean of two ranks' losses under 4x32,1x64 is 5.8e-4 |
-| CLIP_RTOL | 1e-4 | a reported gradient norm / clip coefficient against the reference's norm | the norm of a float32 sum of many squares |
+| norm_rtol(g) + grad_rtol(step) | per step | a reported gradient norm / clip coefficient against the norm of the nearer one-process form | derived: torch's clip_grad_norm_ sums each tensor's squares in float32 (8 or more lanes, each sequential: numerics.sum_squares_roundoff bounds it on the gradient's own magnitudes: terms under an ulp of their lane's running sum deterministically, the rest by Hoeffding at NORM_DELTA), then the norm of the T norms (T + 4) u; the gradient's own bound moves its norm by at most as much. Off by more than FACTOR_AWAY x it: a local or partial norm; between: another arithmetic |
 | FLOOR_MULTIPLE | 10 | a bound measured as a floor (one-ulp nudge spread, precision floor) is this many floors | clean runs sit at 0.9-1.6 floors |
 | CURVE_MIN_RTOL | 1e-6 | the least curve tolerance (dormouse's single process at the global batch) | a few float32 ulps of the loss: the floor of the floor |
 | RUN_MIN_RTOL | 1e-5 | the least per-tensor tolerance of a recording's one-process run (sketch / every-k) | each tensor's drift, not the loss: one float32 tensor's rounding over a few steps |
@@ -36,7 +40,11 @@ INDEP_RTOL = 1e-5
 # per-token losses at the same parameters (float32 slice means summed in
 # float64, against a float64 mean of float32 per-token losses); eval losses alike.
 LOSS_RTOL = 1e-5
-CLIP_RTOL = 1e-4
+# The probabilistic constant of grad_rtol's kernel term: a sum of mean-zero rounding errors exceeds LAMBDA
+# standard bounds with probability <= 2 exp(-LAMBDA^2 / 2) = 1e-6 (Higham and Mary 2019, Theorem 2.4)
+LAMBDA = math.sqrt(2 * math.log(2 / 1e-6))
+NORM_DELTA = 1e-6  # the failure probability numerics.sum_squares_roundoff's bound is stated at, per tensor
+NORM_LANES = 8  # torch's float32 norm kernel on the CPU: 8 lanes (AVX2 / default) or 16 (AVX-512): 8 bounds both
 FLOOR_MULTIPLE = 10.0
 CURVE_MIN_RTOL = 1e-6
 RUN_MIN_RTOL = 1e-5
@@ -61,6 +69,45 @@ BIAS_FLOOR = {"offset": 2e-3, "scale": 1e-2, "decay": 2e-3}
 SKETCH_DELTA = 0.05
 ZERO_RTOL = FP32_UNIT_ROUNDOFF
 PROBE_RTOL = GRAD_RTOL
+
+
+def grad_rtol(info: dict) -> float:
+    """The float32 gradient bound of one step, from the reference's figures of
+    its arithmetic (see the table): (WK + 1) u A + LAMBDA u sqrt(R), W x K =
+    "sum_terms" partial gradients, A = "partials", R = "dot_length";
+    GRAD_RTOL where the reference has no such figures."""
+    terms, a, r = info.get("sum_terms"), info.get("partials"), info.get("dot_length")
+    if not terms or a is None or not r:
+        return GRAD_RTOL
+    u = FP32_UNIT_ROUNDOFF
+    return (terms + 1) * u * max(a, 1.0) + LAMBDA * u * math.sqrt(r)
+
+
+def norm_rtol(tensors) -> float:
+    """A relative bound on torch's float32 norm of a gradient (clip_grad_norm_:
+    each tensor's sum of squares, numerics.sum_squares_roundoff with
+    NORM_LANES lanes at NORM_DELTA, its square root, then the norm of the T
+    norms: (T + 4) u of the total), halved from the sum of squares to its
+    root, plus the last root's u. `tensors`: the gradient (name -> tensor)."""
+    from dormouse.numerics import sum_squares_roundoff
+
+    err, total, count = 0.0, 0.0, 0
+    for v in tensors.values():
+        e, s = sum_squares_roundoff(v, NORM_LANES, NORM_DELTA)
+        err, total, count = err + e, total + s, count + 1
+    if total <= 0:
+        return 0.0
+    u = FP32_UNIT_ROUNDOFF
+    return 0.5 * (err / total + (count + 4) * u) + u
+
+
+def norm_rtol_of_sizes(sizes) -> float:
+    """norm_rtol without the tensors (a sketched recording): the worst case of
+    the same arithmetic from the element counts alone, each lane's sequential
+    sum within gamma_m of itself (m = ceil(n / NORM_LANES) + NORM_LANES)."""
+    u = FP32_UNIT_ROUNDOFF
+    worst = max((-(-int(n) // NORM_LANES) + NORM_LANES for n in sizes), default=1)
+    return min(0.5 * (worst * u / (1 - worst * u) if worst * u < 1 else math.inf) + (len(sizes) + 5) * u, math.inf)
 
 
 def floor_bound(floor: float, minimum: float, multiple: float = FLOOR_MULTIPLE) -> float:

@@ -5,8 +5,13 @@ A recording of any loop (entry.judge_recording):
 gradient      fact 3: the fleet's synchronised gradient (divided by the clip
               coefficient where the loop clipped first) against the one-process
               gradient of the DECLARED objective over every rank's micro-batches
-              at the recorded parameters: ||g_fleet - g|| / ||g|| <= GRAD_RTOL
-              (all tensors together); sketch / every-k recordings hold EACH
+              at the recorded parameters: ||g_fleet - g|| / ||g|| <= grad_rtol(step)
+              (all tensors together), g the NEARER of the one-process forms: each
+              micro-batch's loss sum differentiated, summed, / N ("g"), or each
+              micro-batch's loss sum / N x W differentiated, summed, / W ("gn":
+              what HF's Trainer and DDP loops backpropagate; float32 round-off
+              of the backward depends on that seed, amplified at a high lr), each
+              within the bound derived from its arithmetic (bounds.py); sketch / every-k recordings hold EACH
               tensor to its own bound (run_tolerance), the bound a sketch's
               detection statement is per tensor for.
               On a failure it fits g_fleet = c g and NAMES c when it is a
@@ -35,6 +40,7 @@ from dormouse.gate.judge.bounds import (
     FLOOR_MULTIPLE,
     GRAD_RTOL,
     PRECISION_CAP,
+    grad_rtol,
     RUN_MIN_RTOL,
     ZERO_RTOL,
     floor_bound,
@@ -50,6 +56,22 @@ from dormouse.gate.judge.facts.precision import (
 )
 from dormouse.gate.judge.metrics import factor_name, fit, rel
 from dormouse.gate.judge.verdict import Check, TensorCheck
+
+
+def step_bound(rec: A.RecordingSet, ref: ReferenceSet, k: int) -> float:
+    """Step k's gradient bound: bounds.grad_rtol of the reference's figures of its arithmetic, or in reduced
+    precision FLOOR_MULTIPLE x the step's precision floor where that is larger (precision.arithmetic_bound)."""
+    return arithmetic_bound(rec, ref, grad_rtol(ref.info(k)), k)
+
+
+def _forms_words(rows: list[dict]) -> str:
+    """Which one-process form each step was nearer to, where any was the normalised one."""
+    gn = [r["step"] for r in rows if r.get("form") == "gn"]
+    if not gn:
+        return ""
+    return (f", each step's own, derived from its W x K partial gradients and its longest dot product; nearer "
+            f"the form normalised before the backward (each micro-batch's loss sum / N x W, as HF's Trainer and DDP "
+            f"loops backpropagate) at {len(gn)} of {len(rows)} step(s)")
 
 
 def fleet_grad(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
@@ -93,7 +115,9 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
     """Per recorded tensor step, the fleet's gradient (divided by the clip
     coefficient where the loop clipped first) against one process's gradient
     of the declared objective: "error" ||g_fleet - g|| / ||g|| over all tensors
-    together; replay mode holds that to "bound" = GRAD_RTOL. Run mode (sketch
+    together, against the nearer of the two one-process forms ("form": "g" or
+    "gn", module docstring); replay mode holds that to "bound" = grad_rtol of
+    the step. Run mode (sketch
     or every-k) holds EACH tensor n to its own bound (run_tolerance); "tensor",
     "tensor_error", "tensor_bound" are the tensor nearest its bound (replay:
     the tensor that differs most, tensor_bound None). "scalar" the c fitting
@@ -102,14 +126,19 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
     run = ref.meta.get("mode") == "run"
     wire = rec.meta.get("wire") == "bf16"
     tol = run_tolerance(rec, ref, "g/", "ng/") if run else {}
-    tol = {k: {n: max(b, arithmetic_bound(rec, ref, GRAD_RTOL, k)) for n, b in t.items()} for k, t in tol.items()}
+    tol = {k: {n: max(b, step_bound(rec, ref, k)) for n, b in t.items()} for k, t in tol.items()}
     rows = []
     for k in rec.tensor_steps():
-        gb = arithmetic_bound(rec, ref, GRAD_RTOL, k)
+        gb = step_bound(rec, ref, k)
         g_ref = ref.tensors(k, "g/")
         g = fleet_grad(rec, k)
         names = sorted(set(g) & set(g_ref))
-        x = rel(g, g_ref, names)
+        x, form = rel(g, g_ref, names), "g"
+        g_n = {} if run else ref.tensors(k, "gn/")
+        if g_n and set(g_n) >= set(names):  # the normalised form, where it is the nearer
+            xn = rel(g, g_n, names)
+            if xn < x:
+                x, form, g_ref = xn, "gn", g_n
         if run:
             tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol[k])
             ok = ratio <= 1.0
@@ -124,7 +153,7 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
                 tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol_k)
                 ok = ok and ratio <= 1.0
         c = fit(g, g_ref, names)[0] if names else math.nan  # g_fleet ~ c g: the figure draws c beside the error
-        row = {"step": k, "error": x, "bound": gb if not run else None, "tensor": tn,
+        row = {"step": k, "error": x, "bound": gb if not run else None, "tensor": tn, "form": form,
                "tensor_error": tx, "tensor_bound": tb, "ok": ok, "scalar": c}
         if wire:  # the declared bf16 wire: every element within its rounding bound, not the float32 one
             wa = ref.tensors(k, "wa/")
@@ -304,7 +333,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                            "amplifies round-off; gate the float32 run",
                            worst=max(r["error"] for r in rows), worst_tensor=None, worst_step=k,
                            bound=FLOOR_MULTIPLE * f, per_step=[r["error"] for r in rows], first_step=k)
-    gb = arithmetic_bound(rec, ref, GRAD_RTOL)  # the largest step's (one bound per step in the rows)
+    gb = max((step_bound(rec, ref, r["step"]) for r in rows), default=GRAD_RTOL)  # the largest step's
     tbounds = [r["tensor_bound"] for r in rows] if run else [r["bound"] for r in rows]
     per, worst, worst_k, worst_t, over = [], 0.0, None, None, False
     fits, fitted, alts = [], [], {"micro_mean": [], "rank_mean": [], "gm": [], "fwd": []}
@@ -324,7 +353,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
             worst, worst_k, worst_t = x, k, row["tensor"]
         # a constant factor is named from steps at the same parameters (all of them when replaying)
         if run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > \
-                arithmetic_bound(rec, ref, GRAD_RTOL, k):
+                step_bound(rec, ref, k):
             continue
         fits.append(fit(g, g_ref, names))
         fitted.append(k)
@@ -335,10 +364,10 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
             # an alternative is named only where it is not the declared objective's own gradient (every
             # rank's own token mean IS the global one when the ranks hold as many tokens)
             alt_far[alt] = alt_far[alt] or bool(an) and rel(a, g_ref, an) > \
-                FACTOR_AWAY * arithmetic_bound(rec, ref, GRAD_RTOL, k)
+                FACTOR_AWAY * step_bound(rec, ref, k)
         gm = ref.tensors(k, "gm/")  # the global batch in one forward: named only where it is not the sum's
         gm_far = gm_far or bool(gm) and rel(gm, g_ref, sorted(set(gm) & set(g_ref))) > \
-            FACTOR_AWAY * arithmetic_bound(rec, ref, GRAD_RTOL, k)
+            FACTOR_AWAY * step_bound(rec, ref, k)
     ok = not over
     bound = gb
     wire = rec.meta.get("wire") == "bf16"
@@ -347,7 +376,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     factor_rtol = max(FACTOR_RTOL, bound)  # a fitted constant is as uncertain as the gradients it is fitted to
     micro = rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
     what = "one process's gradient of the declared objective"
-    stated = (bound_words(rec, ref, max(tbounds), GRAD_RTOL) if not run else
+    stated = (bound_words(rec, ref, max(tbounds), gb) + _forms_words(rows) if not run else
               f"each tensor against its own bound, {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor of "
               f"that tensor, {min(tbounds):.2g} to {max(tbounds):.2g}")
     if wire:
