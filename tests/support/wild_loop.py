@@ -8,6 +8,9 @@ Knobs (RUN keys):
                  their balancing term: self.aux)
   "labels"       "masked" (padding -100, loopmodel.collate) or "inputs" (labels equal to the input
                  tokens, padding NOT masked: TrainCheck's pytorch-84803 workload)
+  "bn_rank0"     TinyLM with BatchNorm, frozen (eval mode) in the training forwards; after each step rank 0
+                 alone moves its running statistics by a train-mode forward of its first micro-batch
+                 (no gradient) and broadcasts them: statistics of one rank's rows
   "skip_bwd"     steps (1-based) at which the loop calls opt.step() without any forward or backward
                  (gradients None: pytorch #115607's Adam step-counter case)
 """
@@ -28,7 +31,7 @@ from loopmodel import VOCAB, TinyLM, build_model, build_optimizer, collate, data
 from dormouse.gate import Recorder  # noqa: E402
 
 RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
-       "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0}
+       "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False}
 
 
 class AuxLM(TinyLM):
@@ -58,9 +61,12 @@ def run(cfg: dict) -> None:
     cfg = {**RUN, **cfg}
     world, rank = dist.get_world_size(), dist.get_rank()
     K, B, n = cfg["micro"], cfg["batch"], cfg["n"]
-    kw = {"seed": cfg["seed"], "lr": cfg["lr"]}
-    builder = {"tiny": "loopmodel:build_model", "aux": "wild_loop:build_aux_model"}[cfg["model"]]
-    model = (build_aux_model if cfg["model"] == "aux" else build_model)(**kw)
+    kw = {"seed": cfg["seed"], "lr": cfg["lr"], **({"bn": True} if cfg["bn_rank0"] else {})}
+    builders = {"tiny": build_model, "aux": build_aux_model}
+    builder = {"tiny": "loopmodel:build_model"}.get(cfg["model"], f"wild_loop:{builders[cfg['model']].__name__}")
+    model = builders[cfg["model"]](**kw)
+    if cfg["bn_rank0"]:
+        model.bn.eval()  # frozen statistics in the training forwards
     net = torch.nn.parallel.DistributedDataParallel(model)
     opt, sched = build_optimizer(model, **kw)
     rec = Recorder(cfg["out"], net, build_model=builder, build_optimizer="loopmodel:build_optimizer",
@@ -96,6 +102,14 @@ def run(cfg: dict) -> None:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if cfg["bn_rank0"]:  # rank 0's rows move the statistics, every rank receives them
+            if rank == 0:
+                model.bn.train()
+                with torch.no_grad():
+                    model(mbs[0]["input_ids"])
+                model.bn.eval()
+            for b in (model.bn.running_mean, model.bn.running_var, model.bn.num_batches_tracked):
+                dist.broadcast(b, 0)
     rec.close()
     dist.barrier()
 

@@ -22,6 +22,7 @@ from dormouse.gate import artifacts as A
 RUNS = {
     "aux": {"model": "aux"},  # the model keeps self.aux (a graph tensor) after its forward
     "labels_inputs": {"labels": "inputs"},  # TrainCheck's pytorch-84803 workload: padding not masked
+    "bn_rank0": {"bn_rank0": True},  # BatchNorm statistics from rank 0's rows, broadcast
 }
 W = 2
 fleet = looprec.launched_fixture("fleet", {n: {"seed": 3, **cfg} for n, cfg in RUNS.items()}, "wild_loop.py", W)
@@ -108,3 +109,30 @@ def test_output_to_a_full_disk_is_one_line(fleet):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in r.stderr and len(errors) == 1, r.stderr
     assert "No space left on device" in errors[0], r.stderr
+
+
+def test_batchnorm_statistics_of_one_ranks_rows_are_said_not_judged_never_a_silent_ok(fleet):
+    """The loop freezes its BatchNorm in the training forwards and, after each step, moves the running
+    statistics by rank 0's first micro-batch alone, then broadcasts them: the verdict was a PASS with no
+    word on the buffers. This file's arithmetic shows the statistics are rank 0's rows' (not the global
+    batch's); the verdict's buffers line now says they were not judged, and why."""
+    out = fleet["bn_rank0"]
+    rec = A.RecordingSet(out)
+    params, before, after = rec.tensors_at(2, "p/"), rec.tensors_at(1, "b/"), rec.tensors_at(2, "b/")
+
+    def moved(mbs):  # BatchNorm1d's update (momentum 0.1, unbiased variance) over the rows' embeddings
+        x = torch.cat([(params["tok.weight"][mb["input_ids"]] + params["pos.weight"][:mb["input_ids"].shape[1]])
+                       .reshape(-1, params["tok.weight"].shape[1]) for mb in mbs])
+        return 0.9 * before["bn.running_mean"] + 0.1 * x.mean(0), 0.9 * before["bn.running_var"] + 0.1 * x.var(0)
+
+    mbs = step_rows("bn_rank0")
+    rank0_first = mbs[0]
+    mean0, var0 = moved([rank0_first])
+    assert torch.allclose(after["bn.running_mean"], mean0, atol=1e-6)
+    assert torch.allclose(after["bn.running_var"], var0, atol=1e-6)
+    mean_all, _ = moved(mbs)  # what the global batch's rows would have given (a different statistic)
+    assert not torch.allclose(after["bn.running_mean"], mean_all, atol=1e-3)
+    v = looprec.verdict(out)
+    c = looprec.checks(v)["buffers"]
+    assert c.reason.startswith("not judged: bn.num_batches_tracked, bn.running_mean, bn.running_var moved"), c.reason
+    assert "no buffer_update declares how" in c.reason

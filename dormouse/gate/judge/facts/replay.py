@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import (
@@ -106,11 +107,37 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
 
 
 
+def moved_buffers(rec: A.RecordingSet) -> list[str]:
+    """The persistent buffers whose recorded values before the first step and after the last differ
+    (a BatchNorm's running statistics, a counter): state the run moved outside the optimizer."""
+    for prefix in ("b/", "bs/"):
+        try:
+            first, last = rec.tensors_at(rec.steps[0], prefix), rec.final(prefix)
+        except (DormouseError, KeyError, FileNotFoundError):
+            continue
+        if first:
+            return sorted(n for n, v in first.items() if n in last and (last[n].shape != v.shape
+                                                                        or not torch.equal(last[n], v)))
+    return []
+
+
 def check_buffers(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
-    """None when the recording declares no buffer_update (the check is not part of its verdict)."""
+    """None when the recording declares no buffer_update and no buffer moved during the run (the check
+    is not part of its verdict). Buffers that moved with no rule declared are not judged, and the
+    line says so: the reference loads them as recorded before every step, so whatever moved them
+    (a forward in training mode, one rank's statistics broadcast to the others) is taken as given."""
     path = rec.meta.get("buffer_update")
     if not path:
-        return None
+        moved = moved_buffers(rec) if rec.steps else []
+        if not moved:
+            return None
+        shown = ", ".join(moved[:4]) + (f" and {len(moved) - 4} more" if len(moved) > 4 else "")
+        return Check("buffers", True, f"not judged: {shown} moved during the run (recorded before step "
+                                      f"{rec.steps[0]} and after the last differ) and no buffer_update declares "
+                                      "how: the reference loads them as recorded before every step, so whatever "
+                                      "moved them (the forward's own statistics, one rank's broadcast to the "
+                                      "others) is taken as given; declare buffer_update='pkg.mod:fn' to have them "
+                                      "judged")
     rule = ref.meta.get("buffer_rule")
     if ref.meta.get("mode") != "replay" or rule is None:
         return Check("buffers", True, f"the buffers' declared update ({path}) is not checked: the recording keeps "
