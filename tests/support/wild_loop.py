@@ -11,6 +11,7 @@ Knobs (RUN keys):
   "bn_rank0"     TinyLM with BatchNorm, frozen (eval mode) in the training forwards; after each step rank 0
                  alone moves its running statistics by a train-mode forward of its first micro-batch
                  (no gradient) and broadcasts them: statistics of one rank's rows
+  "collate_drop" rank 1's collator drops the last token of every row (rank 0's rows are the dataset's)
   "skip_bwd"     steps (1-based) at which the loop calls opt.step() without any forward or backward
                  (gradients None: pytorch #115607's Adam step-counter case)
 """
@@ -31,7 +32,8 @@ from loopmodel import VOCAB, TinyLM, build_model, build_optimizer, collate, data
 from dormouse.gate import Recorder  # noqa: E402
 
 RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
-       "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False}
+       "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
+       "collate_drop": False}
 
 
 class AuxLM(TinyLM):
@@ -49,8 +51,10 @@ def build_aux_model(*, seed: int = 0, **_) -> AuxLM:
     return AuxLM()
 
 
-def batches(cfg: dict, data, idx):
-    mbs = [collate([data[i] for i in idx[m * cfg["batch"]:(m + 1) * cfg["batch"]]]) for m in range(cfg["micro"])]
+def batches(cfg: dict, data, idx, rank: int = 0):
+    cut = 1 if cfg["collate_drop"] and rank == 1 else 0  # rank 1's collator drops each row's last token
+    mbs = [collate([data[i][:len(data[i]) - cut] for i in idx[m * cfg["batch"]:(m + 1) * cfg["batch"]]])
+           for m in range(cfg["micro"])]
     if cfg["labels"] == "inputs":  # labels = input_ids, padding (token 0) left as a target
         for mb in mbs:
             mb["labels"] = mb["input_ids"].clone()
@@ -81,7 +85,7 @@ def run(cfg: dict) -> None:
             reported = None
         else:
             idx = order[s * K * B:(s + 1) * K * B]
-            mbs = batches(cfg, data, idx)
+            mbs = batches(cfg, data, idx, rank)
             n_local = torch.tensor(sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs))
             n_global = n_local.clone()
             dist.all_reduce(n_global)

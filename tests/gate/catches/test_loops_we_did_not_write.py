@@ -23,6 +23,7 @@ RUNS = {
     "aux": {"model": "aux"},  # the model keeps self.aux (a graph tensor) after its forward
     "labels_inputs": {"labels": "inputs"},  # TrainCheck's pytorch-84803 workload: padding not masked
     "bn_rank0": {"bn_rank0": True},  # BatchNorm statistics from rank 0's rows, broadcast
+    "collate_drop": {"collate_drop": True},  # rank 1's collator drops every row's last token
 }
 W = 2
 fleet = looprec.launched_fixture("fleet", {n: {"seed": 3, **cfg} for n, cfg in RUNS.items()}, "wild_loop.py", W)
@@ -39,7 +40,7 @@ def step_rows(name: str, step: int = 1) -> list[dict]:
     for r in range(W):
         order = list(torch.utils.data.DistributedSampler(range(cfg["n"]), num_replicas=W, rank=r, shuffle=True,
                                                          seed=cfg["seed"], drop_last=True))
-        out += batches(cfg, data, order[(step - 1) * K * B:step * K * B])
+        out += batches(cfg, data, order[(step - 1) * K * B:step * K * B], r)
     return out
 
 
@@ -136,3 +137,22 @@ def test_batchnorm_statistics_of_one_ranks_rows_are_said_not_judged_never_a_sile
     c = looprec.checks(v)["buffers"]
     assert c.reason.startswith("not judged: bn.num_batches_tracked, bn.running_mean, bn.running_var moved"), c.reason
     assert "no buffer_update declares how" in c.reason
+
+
+def test_rows_a_collator_altered_on_one_rank_are_said_taken_as_given(fleet):
+    """Rank 1's collator drops every row's last token: the gate judges whatever reached the model, and
+    the verdict passed without a word on where the rows came from. This file shows rank 1's recorded rows
+    are not the dataset's (each one token short); the verdict's data line now says the rows were taken
+    as given (a plain loop's Recorder holds no dataset to prove them against)."""
+    out = fleet["collate_drop"]
+    cfg = {**RUN, "seed": 3, **RUNS["collate_drop"]}
+    data = dataset(cfg["n"], cfg["seed"])
+    order = list(torch.utils.data.DistributedSampler(range(cfg["n"]), num_replicas=W, rank=1, shuffle=True,
+                                                     seed=cfg["seed"], drop_last=True))
+    recorded = A.RecordingSet(out).micro_batches(1)
+    rank1 = [b for r, _, b in recorded if r == 1][0]
+    lengths = rank1["attention_mask"].sum(1).tolist()
+    assert lengths == [len(data[i]) - 1 for i in order[:cfg["batch"]]]  # each row one token short
+    v = looprec.verdict(out)
+    assert v.passed, failing(v)
+    assert "the rows are taken as given" in looprec.checks(v)["data"].reason

@@ -241,14 +241,17 @@ def check_data(rec: A.RecordingSet) -> Check:
     how = "by the example ids given" if all_exact else "by their tokens' hash (no example_ids given)"
     if all_exact and rec.meta.get("example_corpus"):
         how += f" ({unverified})" if unverified else ", every row the corpus's bytes at its id"
+    given = ("" if all_exact and rec.meta.get("example_corpus") and not unverified else
+             "; the rows are taken as given: the gate judges the rows that reached the model's forward, not "
+             "what the dataset holds (a collator that alters them on one rank is not seen)")
     if given_epochs:
         return Check("data", True, f"no example was read by two ranks in any step, none twice within any of the "
                                    f"loop's epochs (rec.step(epoch=...): {len(set(epochs))} epoch(s), {reads} reads; "
-                                   f"examples identified {how})")
+                                   f"examples identified {how}){given}")
     if not n:
         return Check("data", True, f"no example was read by two ranks in any step (examples identified {how}); "
                                    "dataset_len unknown and no rec.step(epoch=...): the once-per-epoch check was "
-                                   "skipped")
+                                   f"skipped{given}")
     return Check("data", True, f"no example was read by two ranks in any step, none twice within an epoch of at "
                                f"most {n} examples ({reads} reads; epochs inferred from dataset_len: a new one at "
-                               f"the first step that would pass it; examples identified {how})")
+                               f"the first step that would pass it; examples identified {how}){given}")
