@@ -22,7 +22,10 @@ reduced over the group shows as ranks that differ.
 
 A model is recorded through a Layout when any parameter is a DTensor that is
 not FSDP2's plain Shard(0) over the whole world on a 1-D mesh (which the
-Recorder records shard by shard, record/recorder.py)."""
+Recorder records shard by shard, record/recorder.py). A pipeline stage
+(PipelineLayout) and a context-parallel run (ContextParallelLayout: declared,
+Recorder(context_parallel=...), each CP group's sequence shards assembled into
+its global rows) are recorded through layouts of their own, below."""
 
 from __future__ import annotations
 

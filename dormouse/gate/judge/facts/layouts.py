@@ -23,6 +23,14 @@ TP or expert parallel) is judged the same way from its "declared" entry: its
 "tensor" groups are the model-parallel groups above; an "expert" group's
 ranks are data-parallel ranks (each its own rows), and a factor on the expert
 parameters alone is named by the expert-parallel size (pytorch #160285).
+A context-parallel recording (its "context_parallel" entry: the sequence
+dimension, the declared order, the CP size; its groups the CP groups) is
+judged by _check_context_parallel: every CP peer held its shard (in the
+declared order) of its leader's global rows and the same per-row tensors; the
+global rows' positions neither restart at every shard (rotary offsets not
+shifted) nor fall in order only under the other cut (the order declared is not
+the one the loop cut); every gradient equal on the ranks of a CP group (else
+not all-reduced over it); no factor by the CP or DP size.
 The bound is the gradient check's (facts/gradient.py: GRAD_RTOL, or the
 reduced-precision bound of the step)."""
 
