@@ -39,7 +39,7 @@ from dormouse.gate import Recorder  # noqa: E402
 from dormouse.gate.record.options import RecorderError  # noqa: E402
 
 RUN = {"out": "", "fault": "clean", "from": 1, "hook": None, "fsdp": False, "steps": 4, "micro": 2, "batch": 2,
-       "n": 64, "seed": 0, "sleep": 0.0, "stop": False, "selfcheck": 16}
+       "n": 64, "seed": 0, "sleep": 0.0, "stop": False, "selfcheck": 64}
 
 
 def user_hook(fault: str, drop: set):

@@ -66,10 +66,11 @@ def step_done_path(out: Path, rank: int, step: int) -> Path:
     return rank_dir(out, rank) / f"step{step:06d}.done"
 
 
-# the reference-free checks' sketches in a step's tensors (Recorder(selfcheck=k)), every step: each rank's
-# local gradient before the reduce (the full tensor's buckets), its synchronised gradient (its shard's
-# buckets under FSDP2), its parameters (replicas only)
-LOCAL_SKETCH, SYNC_SKETCH, PARAM_SKETCH = "sl/", "ss/", "sp/"
+# the reference-free checks' numbers in a step's tensors (Recorder(selfcheck=k)), every step, at the step's k
+# sampled elements of each tensor (artifacts/selfcheck.py): each rank's local gradient before the reduce and
+# the sum of its contributions' magnitudes, its synchronised gradient (0 outside its shard under FSDP2), its
+# parameters and their checksum (replicas only)
+LOCAL_SKETCH, ABS_SKETCH, SYNC_SKETCH, PARAM_SKETCH = "sl/", "sa/", "ss/", "sp/"
 
 
 def final_tensors_path(out: Path, rank: int) -> Path:

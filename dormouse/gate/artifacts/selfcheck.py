@@ -3,37 +3,36 @@ Recorder applies it inside the run (`Recorder(selfcheck=k)`, `stop_on_fail`)
 and the judge applies it to the recording (judge/facts/reduction.py,
 `gate check --follow`); neither has a copy of its own.
 
-A CountSketch S (record/sketch.py) is linear: the sketch of the synchronised
-gradient equals the reduction (mean or sum over ranks, times the clip
-coefficient where the loop clipped first) of the ranks' sketches of their
-local gradients, each taken with one shared seed before the reduce. What a
-wrong reduction does then shows tensor by tensor at k numbers per tensor
-per rank: a factor (W: summed, not averaged), a tensor not reduced (equal to
-the rank's own gradient: a missing all-reduce, a dropped bucket), a wire
-rounding beyond the declared one (bfloat16 on the wire). It checks the
-reduction, not the normalisation (how the loss was divided before the
-backward is the reference's business).
+The reduction is linear: every element of the synchronised gradient is the
+reduction (mean or sum over the ranks, times the clip coefficient where the
+loop clipped first) of that element of the ranks' local gradients. Each step,
+every rank reads the same k elements of each tensor (`sample_index`: drawn
+from one shared seed, the step and the tensor's name; every element of a
+tensor of at most k) from its local gradient before the reduce and from the
+synchronised one after it. What a wrong reduction does then shows tensor by
+tensor at k numbers per tensor per rank: a factor (W: summed, not averaged), a
+tensor not reduced (equal to the rank's own gradient: a missing all-reduce, a
+dropped bucket), a wire rounding beyond the declared one (bfloat16). It checks
+the reduction, not the normalisation (how the loss was divided before the
+backward is the reference's business). Reading k elements costs O(k) a tensor,
+whatever its size: the check can stay on for a whole run.
 
-The bound. Let e be the elementwise difference between the synchronised
-gradient and the exact reduction of the ranks' local gradients. Each element
-of e is a rounding of at most W summands of the reduce, K micro-batches'
-accumulation and a few scalings: |e_i| <= g u a_i with g = W + K + 4 (W the
-wire's unit round-off u_w instead of u where declared) and a the elementwise
-mean of the ranks' |local gradient|. A bucket of the sketch sums n_j of the
-n elements, so |(S e)_j| <= sum_{i in j} |e_i| and by Cauchy-Schwarz
-||S e|| <= sqrt(max_j n_j) ||e|| <= sqrt(max_j n_j) g u ||a||, with
-||a|| <= mean_r ||local_r||. Buckets are drawn uniformly: max_j n_j <=
-2 n / k + 16 except with negligible probability for the sizes sketched, and
-||local_r|| <= 2 ||S local_r|| (E||S x||^2 = ||x||^2, Var <= 2 ||x||^4 / k).
-The sketches themselves are summed in float64 (record/selfcheck.py) or
-float32 chunks of 2^14 elements (the Sketcher): their own round-off, at most
-2^14 u of the bucket's absolute sum, is inside the same bound's margin only
-for float64; the Recorder's self-check sketches in float64.
+The bound, element by element. The local gradient is the float sum of its
+micro-batches' contributions (K of them, and what .grad held before); the
+Recorder sums the same contributions in float64 and keeps beside them the sum
+of their magnitudes A_r. The synchronised element is a float reduction of W
+such sums (each summand rounded to the wire's unit u_w where it is bfloat16),
+then scaled (1/W, the clip coefficient c). So
+|sync - c red(local)| <= g u c red(A), g = W u_w / u + K + 4,
+with u the gradient's unit round-off and red the mean (or sum) over ranks:
+a rounding at each of at most W + K + 4 operations, each bounded by the
+magnitudes it adds.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
@@ -42,52 +41,58 @@ WIRE_UNIT = {"fp32": 2.0**-24, "bf16": 2.0**-8}
 REDUCTIONS = ("mean", "sum")
 
 
+def sample_index(name: str, numel: int, k: int, seed: int, step: int) -> torch.Tensor:
+    """The elements of tensor `name` (flat global index) the checks read at `step`:
+    every one when numel <= k, else k drawn uniformly from (seed, step, name)."""
+    if numel <= k:
+        return torch.arange(numel)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919 + zlib.crc32(name.encode())) % (2**63))
+    return torch.randint(0, numel, (k,), generator=g)
+
+
 def _norm(x: torch.Tensor) -> float:
     return float(x.double().norm())
 
 
-def bound(numel: int, k: int, world: int, micro: int, dtype: str, wire: str, local_norm: float) -> float:
-    """The largest ||S e|| the float round-off of a right reduction allows (module docstring)."""
-    u = UNIT.get(dtype, 2.0**-24)
-    g = world * max(u, WIRE_UNIT.get(wire, u)) + (micro + 4) * u
-    return math.sqrt(2 * numel / k + 16) * g * 2 * local_norm
+def _red(xs: list[torch.Tensor], reduction: str) -> torch.Tensor:
+    t = sum(x.double() for x in xs)
+    return t / len(xs) if reduction == "mean" else t
 
 
-def reduction_finding(name: str, got: torch.Tensor, locals_: list[torch.Tensor], own: torch.Tensor | None, *,
-                      numel: int, k: int, micro: int, dtype: str, wire: str, reduction: str,
+def reduction_finding(name: str, got: torch.Tensor, locals_: list[torch.Tensor], mags: list[torch.Tensor],
+                      own: torch.Tensor | None, *, micro: int, dtype: str, wire: str, reduction: str,
                       clip: float | None) -> str | None:
-    """None when `got` (the sketch of tensor `name`'s synchronised gradient) is the
-    reduction of `locals_` (each rank's local sketch) within the bound; else the
-    cause in words. `own`: the rank's own local sketch (None: not one rank's
-    copy, FSDP2's assembled shards)."""
+    """None when `got` (tensor `name`'s sampled elements of the synchronised
+    gradient) is the reduction of `locals_` (each rank's same elements of its
+    local gradient; `mags` their magnitudes' sums) within the bound; else the
+    cause in words. `own`: this rank's own local elements (None: FSDP2's shards)."""
     world = len(locals_)
-    want = sum(x.double() for x in locals_)
-    if reduction == "mean":
-        want = want / world
-    if clip is not None:
-        want = want * clip
+    c = 1.0 if clip is None else float(clip)
+    want = _red(locals_, reduction) * c
     got = got.double()
-    local_norm = max(sum(_norm(x) for x in locals_) / world, _norm(want), _norm(got))
-    tol = bound(numel, k, world, micro, dtype, wire, local_norm)
-    off = _norm(got - want)
-    if off <= tol:
+    u = UNIT.get(dtype, 2.0**-24)
+    g = world * max(u, WIRE_UNIT.get(wire, u)) / u + micro + 4
+    tol = g * u * (_red(mags, reduction) * c + got.abs()) + 1e-300
+    off = (got - want).abs()
+    if bool((off <= tol).all()):
         return None
-    rel = off / max(_norm(want), 1e-300)
-    if own is not None and world > 1 and _norm(got - own.double() * (clip if clip is not None else 1.0)) <= tol \
-            and _norm(own.double() - want) > tol:
-        return f"{name} not reduced: equal to this rank's own gradient (a missing all-reduce, or a dropped bucket)"
+    worst = float((off / tol).max())
+    rel = _norm(got - want) / max(_norm(want), 1e-300)
+    if own is not None and world > 1:
+        mine = own.double() * c
+        if bool(((got - mine).abs() <= tol).all()) and not bool(((mine - want).abs() <= tol).all()):
+            return f"{name} not reduced: equal to this rank's own gradient (a missing all-reduce, or a dropped bucket)"
     ww = _norm(want) ** 2
     if ww > 0:
         f = float((got * want).sum()) / ww
-        if _norm(got - f * want) <= max(tol, 1e-3 * _norm(got)):
-            what = (" = the world size: summed, not averaged" if abs(f - world) < 1e-3 * world and world > 1 else
-                    " = 1 / the world size: divided by it once more" if world > 1 and abs(f * world - 1) < 1e-3 else
-                    "")
+        if bool(((got - f * want).abs() <= tol + 1e-3 * got.abs()).all()):
+            what = (" = the world size: summed, not averaged" if world > 1 and abs(f - world) < 1e-3 * world else
+                    " = 1 / the world size: divided by it once more" if world > 1 and abs(f * world - 1) < 1e-3 else "")
             return f"{name} reduced times {f:.6g}{what}"
     if wire == "fp32" and rel < 2.0**-6:
-        return (f"{name} off the reduction by {rel:.2g} (bound {tol / max(_norm(want), 1e-300):.2g}): rounded beyond "
+        return (f"{name} off the reduction by {rel:.2g} ({worst:.3g} x the float32 bound at worst): rounded beyond "
                 "float32 on the wire (a bfloat16 compress hook? declare wire='bf16')")
-    return f"{name} off the reduction by {rel:.3g} (bound {tol / max(_norm(want), 1e-300):.2g})"
+    return f"{name} off the reduction by {rel:.3g} ({worst:.3g} x its bound at worst)"
 
 
 def replica_finding(what: str, sketches: list[torch.Tensor | None], name: str) -> str | None:
@@ -116,33 +121,33 @@ def loss_finding(loss: float | None, sums: list[float], counts: list[float], mic
     return None
 
 
-def step_findings(local: list[dict], sync: list[dict], params: list[dict], *, names: list[str], numel: dict,
-                  dtype: dict, k: int, micro: int, clips: list, wire: str, reduction: str, sharded: bool,
+def step_findings(local: list[dict], mags: list[dict], sync: list[dict], params: list[dict], *, names: list[str],
+                  dtype: dict, micro: int, clips: list, wire: str, reduction: str, sharded: bool,
                   losses: list[tuple] | None = None) -> list[str]:
-    """Every finding of one step from every rank's sketches ({name: k numbers}):
-    `local` their local gradients', `sync` their synchronised gradients' (a
-    shard's under FSDP2, `sharded`: summed over the ranks), `params` their
-    parameters' (replicas); `clips`: each rank's clip coefficient (None: not
+    """Every finding of one step from every rank's sampled elements ({name: k
+    numbers}): `local` their local gradients' (`mags`: their contributions'
+    magnitudes summed), `sync` their synchronised gradients' (under FSDP2,
+    `sharded`, each rank's shard's elements, zero elsewhere: summed over the
+    ranks), `params` their parameters' (replicas: the elements and a checksum); `clips`: each rank's clip coefficient (None: not
     clipped before the sketch); `losses`: each rank's (logged loss, loss sum, token
     count), None where a rank passed none. The Recorder (every rank, from the
     gathered sketches) and the judge (from the recording) call this alike."""
     world = len(local)
-    z = torch.zeros(k, dtype=torch.float64)
     findings = []
     for n in names:
         have = [n in s for s in sync]
         if not any(have):
             continue
-        locs = [x.get(n, z) for x in local]
-        common = dict(numel=numel[n], k=k, micro=micro, dtype=dtype.get(n, "float32"), wire=wire,
-                      reduction=reduction)
+        z = torch.zeros_like(next(s[n] for s in sync if n in s), dtype=torch.float64)
+        locs, ms = [x.get(n, z) for x in local], [x.get(n, z) for x in mags]
+        common = dict(micro=micro, dtype=dtype.get(n, "float32"), wire=wire, reduction=reduction)
         if sharded:
-            f = reduction_finding(n, sum(s.get(n, z) for s in sync), locs, None, clip=clips[0], **common)
+            f = reduction_finding(n, sum(s.get(n, z) for s in sync), locs, ms, None, clip=clips[0], **common)
         else:
             f = None
             for r in range(world):
                 if have[r]:
-                    f = reduction_finding(n, sync[r][n], locs, locs[r], clip=clips[r], **common)
+                    f = reduction_finding(n, sync[r][n], locs, ms, locs[r], clip=clips[r], **common)
                     if f:
                         f = f"rank {r}: {f}" if world > 1 else f
                         break

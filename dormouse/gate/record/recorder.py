@@ -255,11 +255,11 @@ class Recorder:
                      each rank's inputs are a shard of its CP group's rows along seq_dim; the leader records
                      the group's global rows, assembled in the declared order (record/layouts.py)
     selfcheck        0 = off; k > 0 = the reference-free checks inside the run, every step (record/selfcheck.py):
-                     each rank's local gradient sketched (k numbers per tensor) before the reduce and the
+                     each rank's local gradient read at k elements of each tensor before the reduce and the
                      synchronised gradient against their reduction, replicas' parameters equal, the logged
                      loss against rec.step(loss_sum=, tokens=); written with the step ("selfcheck", sl/ ss/ sp/)
     stop_on_fail     raise one RecorderError on every rank at the first step those checks mark wrong (they
-                     run at k = 16 unless selfcheck says otherwise); the recording is closed before that step
+                     run at k = 64 unless selfcheck says otherwise); the recording is closed before that step
     reduction        "mean" (DDP's and FSDP2's default) or "sum": how the loop reduces the gradients
     reports          the loop calls rec.report() after every step (the HF callback): the step's marker for a
                      follower (`gate check --follow`) is written after the report, not at rec.step()
@@ -417,9 +417,9 @@ class Recorder:
                                     "the in-run checks cover DDP and FSDP2 (Shard(0)); record this run without them")
             from dormouse.gate.record.selfcheck import Watch
 
-            self._watch = Watch(self.module, k=int(selfcheck) or 16, seed=self.seed, rank=self.rank,
+            self._watch = Watch(self.module, k=int(selfcheck) or 64, seed=self.seed, rank=self.rank,
                                 world=self.world, placements=self.placements, wire=wire, reduction=reduction,
-                                dist=self._dist)
+                                dist=self._dist, step=self.k + 1)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -654,6 +654,10 @@ class Recorder:
             self._mark(k)
         if self.stop_on_fail and found:
             self._stop(k, found)
+        if not self._reports:
+            self._mark(k)
+        if self.stop_on_fail and found:
+            self._stop(k, found)
 
     def labels(self, labels) -> None:
         """The labels the loop's loss compares the LAST forward's outputs with,
@@ -723,6 +727,36 @@ class Recorder:
             meta["clip_coef"], meta["clipped"] = clip_coef, True
         # through the writer, after the step's own JSON (its queue keeps the order)
         self._writer.write(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1).encode())
+        self._mark(meta["step"])
+
+    def _mark(self, k: int) -> None:
+        """Step k's marker (A.step_done_path), once, after everything written for it (the writer keeps order)."""
+        if k > self._marked:
+            self._marked = k
+            self._writer.write(A.step_done_path(self.out, self.rank, k),
+                               json.dumps({"step": k, "run": self.run}).encode())
+
+    def _selfcheck(self, k, named, micro, clip_coef, loss, loss_sum, tokens, tensors, meta) -> None:
+        """The in-run checks of step k (record/selfcheck.py), written with the step (its tensors and JSON are
+        rewritten through the writer, which keeps the order); with stop_on_fail, the stop, on every rank alike."""
+        sk, found = self._watch.finish(named, micro=micro, clip=clip_coef, loss=_number(loss),
+                                       loss_sum=_number(loss_sum), tokens=_number(tokens),
+                                       clip_unknown=clip_coef is None and self.max_grad_norm > 0)
+        tensors.update(sk)
+        meta["selfcheck"] = found
+        self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
+        self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
+        if not self._reports:
+            self._mark(k)
+        if self.stop_on_fail and found["findings"]:
+            self._mark(k)
+            self.k = k - 1  # the recording closes before the step that failed: every step in it complete
+            self.meta["stopped"] = {"step": k, "findings": found["findings"][:8]}
+            self.close()
+            raise RecorderError(f"step {k}: the in-run checks failed ({found['findings'][0]}"
+                                f"{'; ...' if len(found['findings']) > 1 else ''}): the run stopped itself on every "
+                                f"rank (stop_on_fail); the recording holds the steps before it: judge it with "
+                                "`dormouse gate check --out DIR`")
         self._mark(meta["step"])
 
     def _mark(self, k: int) -> None:

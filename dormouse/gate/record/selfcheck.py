@@ -1,27 +1,30 @@
 """The Recorder's reference-free checks inside the run (`Recorder(selfcheck=k)`):
 every step, at k numbers per tensor per rank, with no reference.
 
-- The reduction, through linear sketches (artifacts/selfcheck.py says the rule
-  and its bound): each rank's LOCAL gradient is sketched before the reduce,
-  from every gradient autograd accumulates into a parameter (a hook on the
-  tensor autograd accumulates into: the parameter under DDP, FSDP2's unsharded
+- The reduction, element by element on k elements of each tensor drawn anew
+  each step from one shared seed (artifacts/selfcheck.py says the rule and its
+  bound): each rank's LOCAL gradient is read there before the reduce, from
+  every gradient autograd accumulates into a parameter (a hook on the tensor
+  autograd accumulates into: the parameter under DDP, FSDP2's unsharded
   parameter), plus what the parameter's .grad held before the step's first
-  accumulation; a sketch is linear, so the sum of these sketches is the sketch
-  of what the reduce receives, whichever communication hook (a user's
-  bf16_compress_hook, a custom reduce-scatter) the loop's DDP or FSDP2 runs.
-  At rec.step the synchronised gradient is sketched too (its shard under FSDP2).
-- Replicas' parameters equal (DDP): each rank's sketch of its parameters.
+  accumulation: the sum of these is what the reduce receives, whichever
+  communication hook (a user's bf16_compress_hook, a custom reduce-scatter)
+  the loop's DDP or FSDP2 runs, or the loop's own all-reduce. At rec.step the
+  synchronised gradient is read at the same elements (under FSDP2 those in
+  this rank's shard).
+- Replicas' parameters equal (DDP): the same elements and a checksum of each
+  whole tensor.
 - The logged loss against each rank's loss sum and token count, where the
   loop passes them (rec.step(loss_sum=..., tokens=...)).
 
-One all_gather of every rank's sketches a step; every rank then applies the
+One all_gather of every rank's numbers a step; every rank then applies the
 same rule to the same numbers, so every rank reaches the same decision (what
-`stop_on_fail` acts on, without a collective of its own). Sketches are summed
-in float64 (their own round-off far below the bound's)."""
+`stop_on_fail` acts on, without a collective of its own). Reading k elements
+costs O(k) per tensor and accumulation: the check's cost does not grow with
+the model (the checksum, one float32 sum per tensor a step, is the part that
+does)."""
 
 from __future__ import annotations
-
-import zlib
 
 import torch
 
@@ -29,27 +32,22 @@ from dormouse.gate.artifacts import layout as A
 from dormouse.gate.artifacts import selfcheck as rule
 
 
-def _buckets(name: str, numel: int, k: int, seed: int) -> torch.Tensor:
-    """Bucket-and-sign of every element of tensor `name` (flat global index), int32
-    in [0, 2k): b < k bucket b with sign +1, else bucket b - k with sign -1; the
-    self-check's own seeded hash, one table per tensor (4 bytes an element)."""
-    g = torch.Generator().manual_seed((seed * 999_983 + zlib.crc32(name.encode()) + 17) % (2**63))
-    return torch.randint(0, 2 * k, (numel,), generator=g, dtype=torch.int32)
-
-
 class Watch:
     """Local-gradient sketches of one rank's parameters, step by step."""
 
     def __init__(self, module, *, k: int, seed: int, rank: int, world: int, placements: dict, wire: str,
-                 reduction: str, dist: bool):
-        self.k, self.rank, self.world, self.wire, self.reduction, self.dist = k, rank, world, wire, reduction, dist
+                 reduction: str, dist: bool, step: int = 1):
+        self.k, self.seed, self.rank, self.world, self.wire, self.reduction, self.dist = (
+            k, seed, rank, world, wire, reduction, dist)
         self.placements = placements
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.numel = {n: (int(torch.Size(placements[n]["shape"]).numel()) if n in placements else p.numel())
                       for n, p in self.named}
         self.dtype = {n: str(p.dtype).removeprefix("torch.") for n, p in self.named}
-        self.table = {n: _buckets(n, self.numel[n], k, seed) for n, _ in self.named}
+        self.step = 1
+        self.index: dict[str, torch.Tensor] = {}
         self.local: dict[str, torch.Tensor] = {}
+        self.mag: dict[str, torch.Tensor] = {}
         self.hooks = []
         self.watched: set[int] = set()
         if placements:  # FSDP2: autograd accumulates into each FSDPParam's unsharded parameter (made at its
@@ -59,6 +57,12 @@ class Watch:
             self._fsdp = []
             for n, p in self.named:
                 self._watch(n, p)
+        self.begin(step)
+
+    def begin(self, step: int) -> None:
+        """The elements step `step` reads (every rank alike)."""
+        self.step = step
+        self.index = {n: rule.sample_index(n, self.numel[n], self.k, self.seed, step) for n, _ in self.named}
 
     def _fsdp_params(self, module) -> list:
         from torch.distributed.fsdp import FSDPModule
@@ -84,17 +88,29 @@ class Watch:
         self.watched.add(id(leaf))
         self.hooks.append(leaf.register_hook(lambda g, n=name, p=leaf: self._add(n, p, g)))
 
-    def _sketch(self, name: str, x: torch.Tensor, lo: int = 0) -> torch.Tensor:
-        x = x.detach().reshape(-1).to("cpu", torch.float64)
-        z = torch.zeros(2 * self.k, dtype=torch.float64).index_add_(0, self.table[name][lo:lo + x.numel()], x)
-        return z[:self.k] - z[self.k:]
+    def _at(self, name: str, x: torch.Tensor, lo: int = 0) -> torch.Tensor:
+        """x's (a flat piece from global element lo on) values at the step's elements, float64 (0 outside it)."""
+        idx = self.index[name]
+        flat = x.detach().reshape(-1)
+        if idx.device != flat.device:
+            idx = self.index[name] = idx.to(flat.device)
+        if lo == 0 and flat.numel() == self.numel[name]:
+            return flat[idx].double()
+        inside = (idx >= lo) & (idx < lo + flat.numel())
+        out = torch.zeros(idx.numel(), dtype=torch.float64, device=flat.device)
+        out[inside] = flat[(idx[inside] - lo)].double()
+        return out
 
     def _add(self, name: str, leaf: torch.Tensor, grad: torch.Tensor):
+        if name not in self.index:
+            return None
+        v = self._at(name, grad)
         if name not in self.local:  # what .grad held before the step's first accumulation (a loop that never
             held = leaf.grad            # zeroes it), which the reduce receives too
-            self.local[name] = (self._sketch(name, held) if held is not None and not hasattr(held, "to_local")
-                                else torch.zeros(self.k, dtype=torch.float64))
-        self.local[name] += self._sketch(name, grad)
+            h = self._at(name, held) if held is not None and not hasattr(held, "to_local") else torch.zeros_like(v)
+            self.local[name], self.mag[name] = h, h.abs()
+        self.local[name] += v
+        self.mag[name] += v.abs()
         return None
 
     def _shard_lo(self, name: str, piece: torch.Tensor) -> int:
@@ -119,53 +135,63 @@ class Watch:
 
     def finish(self, module_named, *, micro: int, clip: float | None, loss: float | None,
                loss_sum: float | None, tokens: float | None, clip_unknown: bool = False) -> tuple[dict, dict]:
-        """The step's sketches (this rank's, for its step file) and the findings
-        every rank reaches alike from every rank's sketches (one all_gather)."""
+        """The step's numbers (this rank's, for its step file) and the findings
+        every rank reaches alike from every rank's numbers (one all_gather)."""
         if self._fsdp:
             self._watch_fsdp()
-        local, self.local = self.local, {}
+        local, mag, self.local, self.mag = self.local, self.mag, {}, {}
         names = [n for n, _ in self.named]
         params = dict(module_named)
-        sync, present = {}, []
+        sync, psk, present = {}, {}, []
         for n in names:
             g = params[n].grad
             present.append(g is not None)
             if g is not None:
                 piece = g.detach().to_local() if hasattr(g, "to_local") else g.detach()
-                sync[n] = self._sketch(n, piece, self._shard_lo(n, piece))
-        psk = {} if self.placements else {n: self._sketch(n, params[n]) for n in names}
-        k, z = self.k, torch.zeros(self.k, dtype=torch.float64)
-        vec = torch.cat([*(local.get(n, z) for n in names), *(sync.get(n, z) for n in names),
-                         *(psk.get(n, z) for n in names),
-                         torch.tensor([float(x + 2 * (n in local)) for x, n in zip(present, names)] + [float("nan") if loss_sum is None else loss_sum,
-                                                                     float("nan") if tokens is None else tokens,
-                                                                     float("nan") if loss is None else loss,
-                                                                     float("nan") if clip is None else clip],
-                                      dtype=torch.float64)])
+                sync[n] = self._at(n, piece, self._shard_lo(n, piece))
+            if not self.placements:
+                p = params[n].detach()
+                psk[n] = torch.cat([self._at(n, p), p.sum().double().reshape(1)])
+        sizes = [self.index[n].numel() for n in names]
+        dev = self.named[0][1].device if self.named else torch.device("cpu")
+        zeros = {n: torch.zeros(m, dtype=torch.float64, device=dev) for n, m in zip(names, sizes)}
+        flags = [float(x + 2 * (n in local)) for x, n in zip(present, names)]
+        nan = float("nan")
+        tail = torch.tensor(flags + [nan if loss_sum is None else loss_sum, nan if tokens is None else tokens,
+                                     nan if loss is None else loss, nan if clip is None else clip],
+                            dtype=torch.float64, device=dev)
+        vec = torch.cat([*(local.get(n, zeros[n]).to(dev) for n in names), *(mag.get(n, zeros[n]).to(dev) for n in names),
+                         *(sync.get(n, zeros[n]).to(dev) for n in names),
+                         *(psk.get(n, torch.zeros(m + 1, dtype=torch.float64, device=dev)).to(dev)
+                           for n, m in zip(names, sizes)), tail])
         rows = self._gather(vec)
+        cuts = sizes * 3 + [m + 1 for m in sizes] + [len(flags) + 4]
+        parts = [list(row.split(cuts)) for row in rows]
         P = len(names)
-
-        def part(r, i):
-            return {n: rows[r][(i * P + j) * k:(i * P + j + 1) * k] for j, n in enumerate(names)}
-
-        present_r = [[int(x) & 1 for x in rows[r][3 * P * k:3 * P * k + P]] for r in range(self.world)]
-        local_names = [{n for j, n in enumerate(names) if int(rows[r][3 * P * k + j]) & 2} for r in range(self.world)]
-        loc = [{n: v for n, v in part(r, 0).items() if n in local_names[r]} for r in range(self.world)]
-        syn = [{n: v for (n, v), h in zip(part(r, 1).items(), present_r[r]) if h} for r in range(self.world)]
-        par = [] if self.placements else [part(r, 2) for r in range(self.world)]
+        W = self.world
+        present_r = [[int(x) & 1 for x in parts[r][4 * P][:P]] for r in range(W)]
+        local_r = [[int(x) & 2 for x in parts[r][4 * P][:P]] for r in range(W)]
+        loc = [{n: parts[r][j] for j, n in enumerate(names) if local_r[r][j]} for r in range(W)]
+        mags = [{n: parts[r][P + j] for j, n in enumerate(names) if local_r[r][j]} for r in range(W)]
+        syn = [{n: parts[r][2 * P + j] for j, n in enumerate(names) if present_r[r][j]} for r in range(W)]
+        par = [] if self.placements else [{n: parts[r][3 * P + j] for j, n in enumerate(names)} for r in range(W)]
         implied = (rule.implied_clip(loc, syn, names, self.reduction, bool(self.placements))
                    if clip is None and clip_unknown else None)
-        extras = [rows[r][3 * P * k + P:] for r in range(self.world)]
+        extras = [parts[r][4 * P][P:] for r in range(W)]
         num = lambda x: float(x) if x == x else None  # noqa: E731  (NaN: not passed)
         losses = [(num(e[2]), num(e[0]), num(e[1])) for e in extras]
         clips = [implied if implied is not None else num(e[3]) for e in extras]
-        findings = rule.step_findings(loc, syn, par, names=names, numel=self.numel, dtype=self.dtype, k=k,
-                                      micro=micro, clips=clips, wire=self.wire,
-                                      reduction=self.reduction, sharded=bool(self.placements), losses=losses)
-        tensors = {**{A.LOCAL_SKETCH + n: v for n, v in local.items()},
-                   **{A.SYNC_SKETCH + n: v for n, v in sync.items()}, **{A.PARAM_SKETCH + n: v for n, v in psk.items()}}
-        meta = {"k": k, "reduction": self.reduction, "wire": self.wire, "loss_sum": loss_sum, "tokens": tokens,
-                "clip_implied": implied, "findings": findings}
+        findings = rule.step_findings(loc, mags, syn, par, names=names, dtype=self.dtype, micro=micro, clips=clips,
+                                      wire=self.wire, reduction=self.reduction, sharded=bool(self.placements),
+                                      losses=losses)
+        cpu = lambda d: {n: v.detach().cpu() for n, v in d.items()}  # noqa: E731
+        tensors = {**{A.LOCAL_SKETCH + n: v for n, v in cpu(local).items()},
+                   **{A.ABS_SKETCH + n: v for n, v in cpu(mag).items()},
+                   **{A.SYNC_SKETCH + n: v for n, v in cpu(sync).items()},
+                   **{A.PARAM_SKETCH + n: v for n, v in cpu(psk).items()}}
+        meta = {"k": self.k, "seed": self.seed, "reduction": self.reduction, "wire": self.wire, "loss_sum": loss_sum,
+                "tokens": tokens, "clip_implied": implied, "findings": findings}
+        self.begin(self.step + 1)
         return tensors, meta
 
     def remove(self) -> None:

@@ -1,5 +1,5 @@
 """While the run trains, on real torchrun fleets (follow_loop.py, 2 gloo
-ranks, recorded with Recorder(selfcheck=16)), all in ONE launch:
+ranks, recorded with Recorder(selfcheck=64)), all in ONE launch:
 
 - `dormouse gate check --follow` started beside the fleet: rank 1 scales its
   synchronised gradient by 1.01 from step 8 of 40 (each step slowed by a sleep,

@@ -2,8 +2,8 @@
 Recorder(selfcheck=k)).
 
 reduction     at every step, each rank's synchronised gradient is the mean (or
-              sum) of the ranks' local gradients, tensor by tensor, through the
-              sketches the Recorder took before and after the reduce; replicas'
+              sum) of the ranks' local gradients, tensor by tensor, at the k
+              elements the Recorder read before and after the reduce; replicas'
               parameters equal; the logged loss the ranks' loss sum over their
               token count (artifacts/selfcheck.py: the rule and its bound). The
               judge recomputes every finding from the recorded sketches; what the
@@ -24,7 +24,7 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import selfcheck as rule
 from dormouse.gate.judge.verdict import Check
 
-PREFIXES = (A.LOCAL_SKETCH, A.SYNC_SKETCH, A.PARAM_SKETCH)
+PREFIXES = (A.LOCAL_SKETCH, A.ABS_SKETCH, A.SYNC_SKETCH, A.PARAM_SKETCH)
 
 
 def read_prefixed(path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -58,13 +58,13 @@ def step_findings(out, step: int, metas: list[dict], info, sharded: bool, wire: 
     if not all(isinstance(c, dict) for c in checks):
         return None
     names, numel, dtype = info
-    k = int(checks[0].get("k", 0))
     pieces = [read_prefixed(A.step_tensors_path(out, r, step), PREFIXES) for r in range(len(metas))]
 
     def part(p, prefix):
         return {n[len(prefix):]: t for n, t in p.items() if n.startswith(prefix)}
 
     loc = [part(p, A.LOCAL_SKETCH) for p in pieces]
+    mags = [part(p, A.ABS_SKETCH) for p in pieces]
     syn = [part(p, A.SYNC_SKETCH) for p in pieces]
     par = [] if sharded else [part(p, A.PARAM_SKETCH) for p in pieces]
     order = [n for n in names if any(n in s for s in syn) or any(n in x for x in loc)]
@@ -74,7 +74,7 @@ def step_findings(out, step: int, metas: list[dict], info, sharded: bool, wire: 
     if clips[0] is None and checks[0].get("clip_implied") is not None:  # the run clipped and never said by how much
         clips = [rule.implied_clip(loc, syn, order, reduction, sharded)] * len(metas)
     losses = [(m.get("loss"), c.get("loss_sum"), c.get("tokens")) for m, c in zip(metas, checks)]
-    return rule.step_findings(loc, syn, par, names=order, numel=numel, dtype=dtype, k=k, micro=micro, clips=clips,
+    return rule.step_findings(loc, mags, syn, par, names=order, dtype=dtype, micro=micro, clips=clips,
                               wire=wire, reduction=reduction, sharded=sharded, losses=losses)
 
 
@@ -96,5 +96,5 @@ def check_reduction(rec: A.RecordingSet) -> Check | None:
                                          f"{'; '.join((stopped.get('findings') or ['no cause recorded'])[:3])}")
     sc = rec.step_meta(0, steps[0])["selfcheck"]
     return Check("reduction", True, f"every rank's synchronised gradient is the {sc.get('reduction', 'mean')} of the "
-                                    f"ranks' local gradients at all {len(steps)} steps, tensor by tensor (sketches "
-                                    f"of {sc.get('k')} numbers; no reference needed)")
+                                    f"ranks' local gradients at all {len(steps)} steps, tensor by tensor ({sc.get('k')} "
+                                    "elements of each, drawn anew each step; no reference needed)")
