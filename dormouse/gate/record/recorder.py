@@ -654,10 +654,6 @@ class Recorder:
             self._mark(k)
         if self.stop_on_fail and found:
             self._stop(k, found)
-        if not self._reports:
-            self._mark(k)
-        if self.stop_on_fail and found:
-            self._stop(k, found)
 
     def labels(self, labels) -> None:
         """The labels the loop's loss compares the LAST forward's outputs with,
@@ -727,36 +723,6 @@ class Recorder:
             meta["clip_coef"], meta["clipped"] = clip_coef, True
         # through the writer, after the step's own JSON (its queue keeps the order)
         self._writer.write(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1).encode())
-        self._mark(meta["step"])
-
-    def _mark(self, k: int) -> None:
-        """Step k's marker (A.step_done_path), once, after everything written for it (the writer keeps order)."""
-        if k > self._marked:
-            self._marked = k
-            self._writer.write(A.step_done_path(self.out, self.rank, k),
-                               json.dumps({"step": k, "run": self.run}).encode())
-
-    def _selfcheck(self, k, named, micro, clip_coef, loss, loss_sum, tokens, tensors, meta) -> None:
-        """The in-run checks of step k (record/selfcheck.py), written with the step (its tensors and JSON are
-        rewritten through the writer, which keeps the order); with stop_on_fail, the stop, on every rank alike."""
-        sk, found = self._watch.finish(named, micro=micro, clip=clip_coef, loss=_number(loss),
-                                       loss_sum=_number(loss_sum), tokens=_number(tokens),
-                                       clip_unknown=clip_coef is None and self.max_grad_norm > 0)
-        tensors.update(sk)
-        meta["selfcheck"] = found
-        self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
-        self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
-        if not self._reports:
-            self._mark(k)
-        if self.stop_on_fail and found["findings"]:
-            self._mark(k)
-            self.k = k - 1  # the recording closes before the step that failed: every step in it complete
-            self.meta["stopped"] = {"step": k, "findings": found["findings"][:8]}
-            self.close()
-            raise RecorderError(f"step {k}: the in-run checks failed ({found['findings'][0]}"
-                                f"{'; ...' if len(found['findings']) > 1 else ''}): the run stopped itself on every "
-                                f"rank (stop_on_fail); the recording holds the steps before it: judge it with "
-                                "`dormouse gate check --out DIR`")
         self._mark(meta["step"])
 
     def _mark(self, k: int) -> None:
