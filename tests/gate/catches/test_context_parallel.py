@@ -155,10 +155,11 @@ def test_the_non_contiguous_all_gather_gives_a_wrong_dk_which_the_loss_cannot_se
     assert rel(got["layers.1.attn.k.weight"], want["layers.1.attn.k.weight"]) > 0.1
 
 
-def test_a_loss_averaged_over_the_cp_ranks_shard_means_fails_named_at_the_loss(cp):
+def test_a_loss_averaged_over_the_cp_ranks_shard_means_fails_named_by_the_shards_token_counts(cp):
     v = looprec.verdict(cp["loss_avg"])
     looprec.fails_for(v, "gradient", "differs from one process's gradient")
-    looprec.fails_for(v, "probe", "the gradient parts at the model's own output (its loss)")
+    looprec.fails_for(v, "probe", "the CP ranks backpropagate the model's output at different scales")
+    assert "each scale is 1 / its shard's own token count" in v.check("probe").reason, v.check("probe").reason
     # independently: the fleet computed the mean of the shards' token means, not the token mean
     got = recorded(cp["loss_avg"], 0)
     assert worst(got, one_process(CP_RUNS["loss_avg"], 2)) > 1e-2

@@ -18,7 +18,10 @@ probe   at each probed step, for every DP replica leader's first micro-batch:
           with the last that agrees: the gradient parts in the backward of the
           modules between them.
         - the ranks' scales: c_r differing between ranks names the loss (one
-          rank backpropagates another multiple of its loss).
+          rank backpropagates another multiple of its loss); in a context-
+          parallel group, each CP rank's scale on its own shard of the model's
+          output, said to be 1 / the shard's token count where it is (each
+          shard normalised by its own count, then averaged).
         When every module agrees on every rank the check passes and says that
         a gradient fault the other checks find lies after the backward (the
         reduction) or in the loss's normalisation, not in any module.
@@ -34,7 +37,7 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.judge.verdict import Check
 from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, PROBE_RTOL, floor_bound
 from dormouse.gate.artifacts import ReferenceSet
-from dormouse.gate.judge.facts.layouts import cp_join
+from dormouse.gate.judge.facts.layouts import cp_join, cp_split
 from dormouse.gate.judge.metrics import rel
 
 
@@ -112,6 +115,10 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
         return None, figures
     c = _scale(g_root, rg[root])
     figures["scale"] = c
+    if cp and len(group) > 1:  # each CP rank's own loss scale, on its shard of the model's output
+        finding = _cp_scales(rec, k, r, group, pieces, rg[root], cp, whose)
+        if finding:
+            return finding, figures
     last = None
     for name in meta.get("probe_grad_order", []):
         if name not in rg:
@@ -131,6 +138,39 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
         figures["backward"] = max(figures["backward"], x)
         last = name
     return None, figures
+
+
+def _cp_scales(rec: A.RecordingSet, k: int, r: int, group: list[int], pieces: list[dict], ref_root: torch.Tensor,
+               cp: dict, whose: str) -> str | None:
+    """The loss scale each CP rank backpropagates its shard of the model's output at (fitted on its piece of
+    the output gradient against one process's shard), as a sentence where they differ; said to be each
+    shard's own token count when scale x count is one constant (a loss normalised per shard, then averaged
+    over the ranks); None when they agree or the pieces do not cut."""
+    got = [p.get("pg/(model)") for p in pieces]
+    if any(g is None for g in got) or got[0].dim() != ref_root.dim():
+        return None
+    dims = [d for d in range(ref_root.dim()) if got[0].shape[d] != ref_root.shape[d]]
+    if len(dims) != 1:
+        return None
+    parts = cp_split(ref_root, dims[0], len(group), cp["order"])
+    if any(g.shape != q.shape for g, q in zip(got, parts)):
+        return None
+    scales = [_scale(g, q) for g, q in zip(got, parts)]
+    if scales[0] == 0 or all(abs(x / scales[0] - 1) <= PROBE_RTOL for x in scales[1:]):
+        return None
+    said = ", ".join(f"rank {q}: {x:.6g}" for q, x in zip(group, scales))
+    labels = pieces[0].get(f"in/0/{A.LOSS_LABELS}")
+    labels = pieces[0].get("in/0/labels") if labels is None else labels
+    why = "the ranks of a CP group normalise their shards' losses differently"
+    if labels is not None and labels.dim() > cp["seq_dim"]:
+        counts = [int((x != -100).sum()) for x in cp_split(labels, cp["seq_dim"], len(group), cp["order"])]
+        prods = [x * n for x, n in zip(scales, counts)]
+        if all(n > 0 for n in counts) and all(abs(p / prods[0] - 1) <= PROBE_RTOL for p in prods[1:]):
+            why = (f"each scale is 1 / its shard's own token count ({', '.join(map(str, counts))} tokens): each rank "
+                   "normalised its shard's loss by its own count and the ranks were averaged, the mean of the shards' "
+                   "means, not the token mean of the rows")
+    return (f"at step {k} on {whose} every module's forward output agrees with one process's, but the CP ranks "
+            f"backpropagate the model's output at different scales of one process's loss sum ({said}): {why}")
 
 
 def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
