@@ -17,6 +17,9 @@ Faults ("fault"):
                top of scale_grads (the gradient too small by that number)
   stale        the last stage never zeroes its gradients: each step's adds to the
                last one's, which scale_grads divides by the micro-batches again
+  tied_one_way (with "tied": the output tied to the embedding, build_tied_model) the tied weight's
+               gradients reduced to the first stage only: the last stage's copy never receives the
+               first stage's part
 """
 
 from __future__ import annotations
@@ -29,7 +32,29 @@ import torch.nn.functional as F
 
 import plan  # tests/support: the loops' one main
 
-RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "schedule": "GPipe", "micro": 2, "rows": 4, "T": 8}
+RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "schedule": "GPipe", "micro": 2, "rows": 4, "T": 8,
+       "tied": False}
+
+
+def build_tied_model(seed: int = 0, **kw):
+    """tp_llama's model with its output projection tied to the input embedding (one parameter, two names)."""
+    from tp_llama import build_model
+
+    model = build_model(seed=seed, **kw)
+    model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def sync_tied(module, rank: int, world: int, fault: str) -> None:
+    """The tied weight's two copies (the embedding on the first stage, the output on the last) each get
+    the sum of both stages' gradients (an all-reduce over the two stages); "tied_one_way": a reduce to
+    the first stage only, the last stage's copy keeping its own part."""
+    part = module.tok_embeddings if rank == 0 else module.output if rank == world - 1 else None
+    g = part.weight.grad if part is not None else torch.zeros(())
+    if fault == "tied_one_way":
+        dist.reduce(g, dst=0)
+    else:
+        dist.all_reduce(g)
 
 
 def run(cfg: dict) -> None:
@@ -42,7 +67,7 @@ def run(cfg: dict) -> None:
     cfg = {**RUN, **cfg}
     rank, world = dist.get_rank(), dist.get_world_size()
     K = cfg["micro"]
-    module = pipeline_stage_module(build_model(seed=cfg["seed"]), rank, world)
+    module = pipeline_stage_module((build_tied_model if cfg["tied"] else build_model)(seed=cfg["seed"]), rank, world)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
 
     def loss_fn(logits, target):
@@ -51,7 +76,7 @@ def run(cfg: dict) -> None:
 
     schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[cfg["schedule"]](stage, K, loss_fn=loss_fn)
     opt = build_optimizer(module)
-    rec = Recorder(cfg["out"], module, build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
+    rec = Recorder(cfg["out"], module, build_model="pp_loop:build_tied_model" if cfg["tied"] else "tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
                    objective="causal_lm", build_kwargs={"seed": cfg["seed"]}, pipeline_stage=stage)
     for step in range(cfg["steps"]):
         ids = batch_rows(cfg["seed"], step, cfg["rows"], cfg["T"])
@@ -62,6 +87,8 @@ def run(cfg: dict) -> None:
             schedule.step(target=ids, losses=losses)
         logged = torch.stack(losses).mean().detach() if losses else torch.zeros(())
         dist.broadcast(logged, src=world - 1)
+        if cfg["tied"]:
+            sync_tied(module, rank, world, cfg["fault"])
         rec.step(loss=logged, optimizer=opt)
         opt.step()
         if not (cfg["fault"] == "stale" and rank == world - 1):

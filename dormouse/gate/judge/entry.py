@@ -48,6 +48,7 @@ from dormouse.gate.judge.facts.provenance import (
 from dormouse.gate.judge.facts.ranks import check_ranks
 from dormouse.gate.judge.facts.reduction import check_reduction
 from dormouse.gate.judge.facts.replay import check_buffers, check_replay
+from dormouse.gate.judge.facts.tied import check_tied
 from dormouse.gate.judge.verdict import Check, Verdict
 
 
@@ -145,6 +146,8 @@ def judge_recording(out) -> Verdict:
     checks.append(check_data(rec))
     checks.append(check_loss(rec, ref, grad.passed and replay.passed))
     ranks = check_ranks(rec)
+    if ranks.passed and (rec.meta.get("layout") or {}).get("pipeline"):  # a tied parameter's copies on its stages
+        ranks = check_tied(rec, ref) or ranks
     if ranks.passed and not finite.passed and (where := first_nonfinite_state(rec)):
         ranks = Check("ranks", False, f"the ranks' parameters agree by hash, but {where} they hold NaN or inf: "
                                       "not an agreement to pass (see finite)")

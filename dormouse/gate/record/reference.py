@@ -392,12 +392,17 @@ def is_current(out) -> bool:
 
 
 def _scan(model) -> dict:
-    """Modules that break fact 1 by construction: active dropout, batch statistics."""
+    """Modules that break fact 1 by construction: active dropout, batch statistics; and the parameters
+    the model ties (one tensor under several names)."""
     from torch.nn.modules.batchnorm import _BatchNorm
     from torch.nn.modules.dropout import _DropoutNd
 
+    tied: dict[int, list[str]] = {}  # one parameter under several names (tied embeddings): a pipeline's copies
+    for n, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(n)
     return {"dropout": [n for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0 and m.training],
-            "batchnorm": [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]}
+            "batchnorm": [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training],
+            "tied": [names for names in tied.values() if len(names) > 1]}
 
 
 def set_modes(model, eval_names: list[str]) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from looprec import failing
 from loopmodel import VOCAB, build_model, dataset
+from pp_loop import RUN as RUN_PP
 from wild_loop import RUN, batches, build_aux_model
 
 from dormouse.gate import artifacts as A
@@ -27,6 +28,8 @@ RUNS = {
 }
 W = 2
 fleet = looprec.launched_fixture("fleet", {n: {"seed": 3, **cfg} for n, cfg in RUNS.items()}, "wild_loop.py", W)
+PIPELINE = {"tied": {"tied": True, "steps": 2}, "tied_one_way": {"tied": True, "fault": "tied_one_way", "steps": 1}}
+pipeline = looprec.launched_fixture("pipeline", PIPELINE, "pp_loop.py", W)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join([str(looprec.SUPPORT), os.environ.get("PYTHONPATH", "")])}
 
@@ -156,3 +159,29 @@ def test_rows_a_collator_altered_on_one_rank_are_said_taken_as_given(fleet):
     v = looprec.verdict(out)
     assert v.passed, failing(v)
     assert "the rows are taken as given" in looprec.checks(v)["data"].reason
+
+
+def test_a_tied_weight_whose_stage_copies_part_fails_at_the_first_step_named(pipeline):
+    """A 2-stage pipeline whose output projection is tied to its input embedding: each stage holds a
+    copy and the loop must sum the two gradient parts into both. Reduced to the first stage only, the
+    last stage's copy keeps its own part, and one step passed (the ranks line said each parameter
+    "exists once"). This file's one-process gradient of the tied model is the clean copies' (both), and
+    not the one-way last stage's; the verdict now fails on ranks, naming the tied pair and the step."""
+    from pp_loop import build_tied_model
+    from tp_loop import batch_rows
+
+    ids = batch_rows(0, 0, RUN_PP["rows"], RUN_PP["T"])
+    net = build_tied_model(seed=0)
+    F.cross_entropy(net(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    want = net.tok_embeddings.weight.grad.double()
+    for name in ("tied", "tied_one_way"):
+        first = looprec.recorded_gradients(pipeline[name], 0)["tok_embeddings.weight"].double()
+        last = looprec.recorded_gradients(pipeline[name], 1)["output.weight"].double()
+        assert looprec.rel(first, want) < 1e-6
+        assert (looprec.rel(last, want) < 1e-6) == (name == "tied"), (name, looprec.rel(last, want))
+    clean = looprec.verdict(pipeline["tied"])
+    assert clean.passed, failing(clean)
+    assert "tied tok_embeddings.weight = output.weight: their copies are equal bitwise" in clean.check("ranks").reason
+    v = looprec.verdict(pipeline["tied_one_way"])
+    looprec.fails_for(v, "ranks", "the tied tok_embeddings.weight and output.weight")
+    assert "differ in their gradients at step 1" in v.check("ranks").reason

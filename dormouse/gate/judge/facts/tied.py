@@ -1,0 +1,59 @@
+"""Tied parameters across a pipeline's stages: one parameter of the model (an input embedding tied to
+the output projection) that the stages hold as copies, one each, kept equal only by the loop (the
+gradient parts summed over the stages that hold a copy, the same step on each). The reference names
+the ties it finds in the rebuilt model (its meta's "tied"); every copy is then compared with the
+first, bitwise, before every step and after the last, gradients as well as parameters: a stage that
+never receives another's part of the gradient parts from its twin, whatever the other checks (which
+judge the first name) say."""
+
+from __future__ import annotations
+
+import torch
+
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge.verdict import Check
+
+
+def _apart(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """None when equal bitwise, else the relative difference (L2, float64)."""
+    if a.shape == b.shape and torch.equal(a, b):
+        return None
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-300))
+
+
+def tied_groups(rec: A.RecordingSet, ref: ReferenceSet) -> list[list[str]]:
+    """The reference's tie groups whose names the recording holds more than one of."""
+    init = rec.init()
+    return [[n for n in g if n in init] for g in ref.meta.get("tied") or [] if sum(n in init for n in g) > 1]
+
+
+def check_tied(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
+    """None when the model ties no parameters the recording holds twice; else the copies compared."""
+    groups = tied_groups(rec, ref)
+    if not groups:
+        return None
+    for k in rec.steps:
+        for prefix, what in (("p/", "parameters before"), ("g/", "gradients at")):
+            t = rec.tensors_at(k, prefix)
+            for g in groups:
+                first = g[0]
+                for n in g[1:]:
+                    if first in t and n in t and (d := _apart(t[n], t[first])) is not None:
+                        return Check("ranks", False, f"the tied {first} and {n} (one parameter of the model, a copy "
+                                                     f"on each stage that holds it) differ in their {what} step {k} "
+                                                     f"by {d:.3g}: every copy must receive the sum of every stage's "
+                                                     "gradient part (an all-reduce over the stages that hold it), "
+                                                     "and take the same step")
+    final = rec.final("p/")
+    for g in groups:
+        for n in g[1:]:
+            if g[0] in final and n in final and (d := _apart(final[n], final[g[0]])) is not None:
+                return Check("ranks", False, f"the tied {g[0]} and {n} differ after the last step by {d:.3g}: "
+                                             "every copy must receive the sum of every stage's gradient part")
+    shown = "; ".join(" = ".join(g) for g in groups)
+    return Check("ranks", True, f"pipeline: each rank holds its own stage's parameters (each exists once, but the "
+                                f"tied {shown}: their copies are equal bitwise, parameters and gradients, at every "
+                                "step and after the last); merged by name, they are what the other checks judge")
