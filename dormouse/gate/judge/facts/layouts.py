@@ -326,7 +326,9 @@ def _cp_positions(rec: A.RecordingSet, groups: list[list[int]], cp: dict) -> str
                             f"{shards[0][0, :6].tolist()}...): the positions (and the rotary offsets) were not "
                             "shifted to each shard's place in the sequence, so every rank's tokens are encoded as the "
                             "sequence's first ones; shift each shard's positions by its offset (load balanced: each "
-                            "chunk by its own)")
+                            "chunk by its own). Documents packed so that each starts exactly at a shard's start "
+                            "restart there too: such a run needs a document-masked attention, which one process "
+                            "computes only from the same positions and mask (record them, or cut the shards apart)")
                 pieces = cp_split(pos, 1, n, order)  # each rank's shard, as recorded
                 for other in ("contiguous", "load_balanced"):
                     j = cp_join(pieces, 1, other) if other != order else None
