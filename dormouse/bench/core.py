@@ -241,7 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", default=None, help="also write this Markdown page from the results (docs/benchmarks.md)")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="measure nothing: write --docs (or print) from an existing bench.json")
+    p.add_argument("--scale", action="store_true",
+                   help="the scale page instead (dormouse/bench/scale.py): GPT-2 under transformers' Trainer at "
+                        "--sizes, recorded and checked; --out default artifacts/scale.json, --docs writes its section")
+    p.add_argument("--sizes", default="tiny,mid,small", help="with --scale: tiny, mid (30M), small (124M), medium")
+    p.add_argument("--steps", type=int, default=3, help="with --scale: optimizer steps per run")
+    p.add_argument("--kill-gb", type=float, default=None,
+                   help="with --scale: kill a run whose processes hold more (default 90%% of the memory available)")
+    p.add_argument("--check-threads", type=int, default=2, help="with --scale: gate check's --threads")
     args = p.parse_args(argv)
+    if args.scale:
+        from dormouse.bench.scale import scale_main
+
+        sizes = [x.strip() for x in args.sizes.split(",") if x.strip()]
+        return scale_main(sizes, steps=args.steps, out=Path(args.out) if args.out else artifacts_dir() / "scale.json",
+                          docs=Path(args.docs) if args.docs else None, kill_gb=args.kill_gb,
+                          threads=args.check_threads)
     if args.render:
         res = json.loads(Path(args.render).read_text())
         if args.docs:

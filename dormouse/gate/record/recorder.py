@@ -615,7 +615,7 @@ class Recorder:
                 self._probe = None
         named = list(self.module.named_parameters())
         no_grad = [n for n, p in named if p.grad is None]
-        param_hash = grad_hash = None
+        param_hash = grad_hash = hashed = None
         if self._tensor_step(k) and self.sketch_k:  # read in place: the sketches are the copies
             numel = {n: p.numel() for n, p in named}
             ps = self._sketch_all({n: self._piece(p) for n, p in named}, numel)
@@ -633,8 +633,9 @@ class Recorder:
             named_bufs = dict(self.module.named_buffers())
             bufs = {f"b/{n}": self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
             tensors.update(bufs)
-            param_hash = _digest({**params, **bufs})  # the ranks' state: parameters and persistent buffers
-            grad_hash = _digest(grads)  # each rank's copy of the synchronised gradient (the ranks fact compares them)
+            # the ranks' state (parameters and persistent buffers) and each rank's copy of the synchronised gradient
+            # (the ranks fact compares them), hashed on the writer's thread, off the loop's (the copies are ours)
+            hashed = ({**params, **bufs}, grads)
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
@@ -647,8 +648,10 @@ class Recorder:
         found = self._selfcheck(named, len(batches), clip_coef, loss, loss_sum, tokens, tensors, meta)
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
         # by the pre-hook, parameters and gradients by _local or the sketches, ids below)
+        if hashed is not None:
+            self._writer.call(lambda: meta.update(param_hash=_digest(hashed[0]), grad_hash=_digest(hashed[1])))
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
-        self._writer.write(A.step_meta_path(self.out, self.rank, k), json.dumps(meta, indent=1).encode())
+        self._writer.write(A.step_meta_path(self.out, self.rank, k), lambda: json.dumps(meta, indent=1).encode())
         self._last_meta = meta
         if not self._reports:
             self._mark(k)
@@ -721,8 +724,10 @@ class Recorder:
             meta["grad_norm"] = grad_norm
         if clip_coef is not None:
             meta["clip_coef"], meta["clipped"] = clip_coef, True
-        # through the writer, after the step's own JSON (its queue keeps the order)
-        self._writer.write(A.step_meta_path(self.out, self.rank, meta["step"]), json.dumps(meta, indent=1).encode())
+        # through the writer, after the step's own JSON (its queue keeps the order), serialised there (after
+        # the step's hashes)
+        self._writer.write(A.step_meta_path(self.out, self.rank, meta["step"]),
+                           lambda: json.dumps(meta, indent=1).encode())
         self._mark(meta["step"])
 
     def _mark(self, k: int) -> None:

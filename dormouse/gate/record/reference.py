@@ -526,8 +526,8 @@ class _Spill:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-# a tensor above this many elements is combined (and written) by row ranges of about this size
-COMBINE_ELEMENTS = 1 << 23
+# a tensor above this many elements is combined (and written) key by key, by row ranges of about this size
+COMBINE_ELEMENTS = 1 << 21
 
 
 class _StepParts:
@@ -551,8 +551,9 @@ class _StepParts:
             yield a, min(shape[0], a + step)
 
     def present(self) -> list[tuple[str, str]]:
-        """(key, name) of every output there is, in writing order."""
-        return [(key, n) for key in self.keys for n in self.names if self.outputs.has(key, n)]
+        """(key, name) of every output there is, in writing order: tensor by tensor (each tensor's outputs
+        formed together from its sources read once; a large one's key by key, by row ranges)."""
+        return [(key, n) for n in self.names for key in self.keys if self.outputs.has(key, n)]
 
     def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in self.keys}
@@ -570,9 +571,17 @@ class _StepParts:
         spec += [(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]
 
         def pieces():
+            formed: tuple[str, dict] | None = None
             for key, n in have:
-                for rows in self._ranges(n):
-                    yield f"{key}/{n}", self.outputs(n, rows)[key]
+                ranges = list(self._ranges(n))
+                if ranges == [None]:  # every output of n at once
+                    if formed is None or formed[0] != n:
+                        formed = (n, self.outputs(n, None))
+                    yield f"{key}/{n}", formed[1].pop(key)
+                    continue
+                formed = None
+                for rows in ranges:
+                    yield f"{key}/{n}", self.outputs(n, rows, only=key)[key]
             yield from extra.items()
 
         try:
@@ -735,22 +744,37 @@ def _spilled_gradients(model, rec, step, user, mbs, spill: _Spill, *, examples, 
                 return bool(sample) and (key == "ex" or exb) and held(key)
             return held(key)
 
-        def __call__(self, n: str, rows) -> dict[str, torch.Tensor]:
+        def __call__(self, n: str, rows, only: str | None = None) -> dict[str, torch.Tensor]:
+            """Every output of tensor n (rows a:b), or only the one named `only`: each source read once."""
             o: dict[str, torch.Tensor] = {}
             if n not in present and not (gm_count and spill.has("gm")):
                 return o
-            g = spill.value("g", n, rows)
+            held: dict[int, torch.Tensor] = {}
+
+            def val(key, n_, rows_):  # spill.value over this tensor's sources, each read (made float64) once
+                if only is not None and key != only and not (only in ("wa", "rank_mean") and isinstance(key, tuple)):
+                    return None
+                acc = None
+                for src, w in spill.terms.get(key, []):
+                    f = spill.files[src]
+                    if n_ in f:
+                        if src not in held:
+                            held[src] = (f[n_] if rows_ is None else f.rows(n_, *rows_)).double()
+                        acc = (0 if acc is None else acc) + held[src] * w
+                return acc
+
+            g = val("g", n, rows)
             if g is not None:
                 o["g"] = g / n_total
-            gn = spill.value("gn", n, rows) if spill.has("gn") else None
+            gn = val("gn", n, rows) if spill.has("gn") else None
             if gn is not None:
                 o["gn"] = gn
-            mm = spill.value("micro_mean", n, rows)
+            mm = val("micro_mean", n, rows)
             if mm is not None:
                 o["micro_mean"] = mm / max(len(micro_means), 1)
             wa, rm = None, None
             for r in ranks:  # sum_r |g_r| / T: what the bf16 wire rounds, element by element; where it is zero
-                v = spill.value(("rank", r), n, rows)  # no rank has gradient to reduce (the made-up gradient)
+                v = val(("rank", r), n, rows)  # no rank has gradient to reduce (the made-up gradient)
                 if v is None:
                     continue
                 if not rec.sketch:
@@ -761,19 +785,19 @@ def _spilled_gradients(model, rec, step, user, mbs, spill: _Spill, *, examples, 
                 o["wa"] = wa
             if rm is not None:
                 o["rank_mean"] = rm
-            last = spill.value("last", n, rows)
+            last = val("last", n, rows)
             if last is not None:
                 o["last"] = last / n_total
             if gm_count:
-                gm = spill.value("gm", n, rows)
+                gm = val("gm", n, rows)
                 if gm is not None:
                     o["gm"] = gm / gm_count
             if sample:
-                ex = spill.value("ex", n, rows)
+                ex = val("ex", n, rows)
                 if ex is not None:
                     o["ex"] = ex / n_total
                 if exb:
-                    e = spill.value("exb", n, rows)
+                    e = val("exb", n, rows)
                     if e is not None:
                         o["exb"] = e / n_total
             return o

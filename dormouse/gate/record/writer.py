@@ -36,6 +36,11 @@ class Writer:
                     return
                 if self.error is None:
                     path, data = item
+                    if path is None:  # a call (the step's hashes), in the queue's order
+                        data()
+                        continue
+                    if callable(data):  # bytes made here, when the items before have run
+                        data = data()
                     if isinstance(data, bytes):
                         atomic.write_bytes(path, data)
                     else:  # streamed from the tensors (no second copy of the step in memory)
@@ -51,9 +56,15 @@ class Writer:
             e, self.error = self.error, None
             raise RecorderError(f"the Recorder could not write its files ({type(e).__name__}: {e})") from e
 
-    def write(self, path: Path, data: bytes | dict[str, torch.Tensor]) -> None:
+    def write(self, path: Path, data) -> None:
+        """data: bytes, a dict of tensors (serialised here), or a callable giving bytes (called here)."""
         self._raise()
         self.q.put((path, data))
+
+    def call(self, fn) -> None:
+        """Run fn() on the writer's thread, after every write queued before it."""
+        self._raise()
+        self.q.put((None, fn))
 
     def flush(self) -> None:
         self.q.join()

@@ -1,0 +1,246 @@
+"""The scale page (`python -m dormouse.bench --scale`): transformers' Trainer
+on GPT-2 configurations of real size (examples/scale/hf_gpt2.py: random
+init, the real 50,257-token vocabulary, 2 CPU ranks, per-device batch 2,
+sequence 128, 3 steps), recorded for the gate and checked, at each size:
+
+- the Recorder's overhead: the run's wall time recorded (sketch k=256 every
+  step; full tensors every step) over the same run without the Recorder;
+- disk per recorded step (every rank's step files, each mode);
+- one training rank's peak resident memory (the larger rank's, recorded in
+  full tensors);
+- `dormouse gate check` on the full recording: its wall time against the
+  recorded run's, its peak resident memory against one training rank's,
+  and its verdict.
+
+Each command runs in its own process tree, its resident memory read from
+/proc every 0.2 s (the peak of each process, and the tree killed past
+--kill-gb: a size the machine cannot hold is reported, not fatal to it).
+Sizes: tiny (about 0.5M parameters, a 256-token vocabulary), mid (6 x 384,
+about 30M), small (GPT-2 small, 124M), medium (350M) where the machine has
+the memory. Recordings go to a temporary folder, removed size by size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dormouse.bench.paths import repo_root
+
+SCRIPT = Path("examples") / "scale" / "hf_gpt2.py"
+GB = 1 << 30
+
+
+def _children() -> dict[int, int]:
+    """{pid: parent pid} of every process (from /proc)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+                out[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def measured(cmd: list[str], *, env: dict, cwd: Path, kill_bytes: int, log) -> dict:
+    """Run `cmd`; its wall time, exit status, each process's peak RSS (bytes, by
+    pid: its command line and peak), the tree's peak, whether it was killed."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    peaks: dict[int, list] = {}
+    tree_peak, killed = 0, False
+    lines: list[str] = []
+    import threading
+
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    reader.start()
+    while p.poll() is None:
+        parents = _children()
+        tree, todo = {p.pid}, [p.pid]
+        while todo:
+            q = todo.pop()
+            for c, pp in parents.items():
+                if pp == q and c not in tree:
+                    tree.add(c)
+                    todo.append(c)
+        total = 0
+        for q in tree:
+            r = _rss(q)
+            total += r
+            if q not in peaks:
+                peaks[q] = [_cmdline(q), 0]
+            peaks[q][1] = max(peaks[q][1], r)
+        tree_peak = max(tree_peak, total)
+        if total > kill_bytes and not killed:
+            killed = True
+            log(f"  killed: the process tree held {total / GB:.1f} GB (--kill-gb {kill_bytes / GB:.1f})")
+            os.killpg(p.pid, signal.SIGKILL)
+        time.sleep(0.2)
+    reader.join(timeout=5)
+    return {"wall_s": time.perf_counter() - t0, "rc": p.returncode, "killed": killed, "tree_peak": tree_peak,
+            "peaks": {q: v for q, v in peaks.items() if v[1]}, "output": "".join(lines)[-4000:]}
+
+
+def _disk_per_step(out: Path, steps: int) -> float:
+    files = [f for r in out.glob("rank*") if r.is_dir() for f in r.iterdir() if f.name.startswith("step")]
+    return sum(f.stat().st_size for f in files) / max(steps, 1)
+
+
+def _rank_peak(res: dict) -> float:
+    """The largest training rank's peak RSS (the processes running the script, not torchrun's agent)."""
+    ranks = [v[1] for v in res["peaks"].values() if "hf_gpt2.py" in v[0] and "torch.distributed.run" not in v[0]
+             and "torchrun" not in v[0]]
+    return max(ranks, default=0)
+
+
+def _verdict(output: str) -> str:
+    """PASS, or FAIL with the failing checks' names (and the first one's words), or the not-judged line."""
+    lines = output.splitlines()
+    said = next((ln.rsplit(": ", 1)[-1].strip() for ln in lines if "gate verdict for" in ln), None)
+    failed = [ln.strip()[len("[FAIL] "):] for ln in lines if ln.strip().startswith("[FAIL]")]
+    if said is None:
+        return next((ln.strip() for ln in lines if "not judged" in ln), lines[-1].strip() if lines else "")
+    if said == "PASS" or not failed:
+        return said
+    names = ", ".join(f.split(":", 1)[0] for f in failed)
+    return f"{said} ({names}: {failed[0].split(':', 1)[1].strip()[:100]}...)"
+
+
+def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int, log) -> dict:
+    root = repo_root()
+    cwd = root / SCRIPT.parent
+    base = {**os.environ, "SCALE": size, "STEPS": str(steps), "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT.name]
+    row: dict = {"size": size, "steps": steps}
+    for mode, extra in (("none", {"RECORD": "0"}), ("sketch", {"SKETCH": "256"}), ("full", {"SKETCH": "0"})):
+        out = tmp / f"{size}-{mode}"
+        log(f"  {size}: training, recorder {mode} ...")
+        res = measured(run + [str(out)], env={**base, **extra}, cwd=cwd, kill_bytes=kill_bytes, log=log)
+        row[mode] = {"wall_s": res["wall_s"], "rc": res["rc"], "killed": res["killed"],
+                     "rank_peak_gb": _rank_peak(res) / GB}
+        if mode != "none" and res["rc"] == 0:
+            row[mode]["disk_per_step_gb"] = _disk_per_step(out, steps) / GB
+        if res["rc"] != 0:
+            row[mode]["error"] = res["output"][-600:]
+        if mode == "full" and res["rc"] == 0:
+            log(f"  {size}: gate check ...")
+            chk = measured([sys.executable, "-m", "dormouse", "gate", "check", "--out", str(out), "--threads",
+                            str(threads)], env=base, cwd=cwd, kill_bytes=kill_bytes, log=log)
+            row["check"] = {"wall_s": chk["wall_s"], "rc": chk["rc"], "killed": chk["killed"],
+                            "peak_gb": max((v[1] for v in chk["peaks"].values()), default=0) / GB,
+                            "verdict": _verdict(chk["output"]), "output": chk["output"][-3000:]}
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(Path(str(out) + "-trainer"), ignore_errors=True)
+    return row
+
+
+def ratios(row: dict) -> dict:
+    none, sk, full, chk = row.get("none", {}), row.get("sketch", {}), row.get("full", {}), row.get("check", {})
+    r = {}
+    if none.get("wall_s") and sk.get("rc") == 0:
+        r["overhead_sketch"] = sk["wall_s"] / none["wall_s"]
+    if none.get("wall_s") and full.get("rc") == 0:
+        r["overhead_full"] = full["wall_s"] / none["wall_s"]
+    if chk and full.get("wall_s"):
+        r["check_time_ratio"] = chk["wall_s"] / full["wall_s"]
+    if chk and full.get("rank_peak_gb"):
+        r["check_memory_ratio"] = chk["peak_gb"] / full["rank_peak_gb"]
+    return r
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | run unrecorded → sketched → full (s) | overhead sketched / full | disk per step sketched / "
+            "full | one training rank's peak | `gate check` wall (× the full run) | check peak (× a rank's) | "
+            "verdict |")
+    lines = [head, "|" + "---|" * 8]
+    for row in rows:
+        n, s, f, c, r = row.get("none", {}), row.get("sketch", {}), row.get("full", {}), row.get("check", {}), \
+            ratios(row)
+
+        def w(x):
+            return "killed" if x.get("killed") else f"{x['wall_s']:.0f}" if x.get("rc") == 0 else "failed"
+
+        lines.append(
+            f"| {row['size']} ({row.get('params_m', '?')}M) | {w(n)} → {w(s)} → {w(f)} | "
+            f"{r.get('overhead_sketch', float('nan')):.2f} / {r.get('overhead_full', float('nan')):.2f} | "
+            f"{s.get('disk_per_step_gb', float('nan')):.3f} / {f.get('disk_per_step_gb', float('nan')):.2f} GB | "
+            f"{f.get('rank_peak_gb', float('nan')):.2f} GB | "
+            + (f"{c['wall_s']:.0f} s ({r.get('check_time_ratio', float('nan')):.2f} ×) | "
+               f"{c['peak_gb']:.2f} GB ({r.get('check_memory_ratio', float('nan')):.2f} ×) | {c['verdict'][:90]} |"
+               if c else "— | — | — |"))
+    return "\n".join(lines)
+
+
+PARAMS_M = {"tiny": 0.5, "mid": 30, "small": 124, "medium": 355}
+
+
+def scale_main(sizes: list[str], *, steps: int, out: Path, docs: Path | None, kill_gb: float | None,
+               threads: int) -> int:
+    from dormouse import atomic
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if kill_gb is None:
+        from dormouse.gate.budget import available
+
+        kill_gb = 0.9 * available() / GB
+    rows = []
+    t0 = time.perf_counter()
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="dormouse-scale-") as tmp:
+        for size in sizes:
+            row = one_size(size, steps=steps, tmp=Path(tmp), kill_bytes=int(kill_gb * GB), threads=threads, log=log)
+            row["params_m"] = PARAMS_M.get(size, "?")
+            row.update(ratios(row))
+            rows.append(row)
+            log(table([row]).splitlines()[-1])
+    res = {"rows": rows, "meta": {"cpus": os.cpu_count(), "loadavg_start": load, "loadavg_end": os.getloadavg(),
+                                  "wall_s": time.perf_counter() - t0, "check_threads": threads, "steps": steps,
+                                  "unix_time": time.time()}}
+    atomic.write_text(out, json.dumps(res, indent=1) + "\n")
+    print(table(rows))
+    if docs is not None:
+        from dormouse.bench.page import SCALE, write_section
+
+        write_section(docs, page_section(res), heading=SCALE)
+    return 0
+
+
+def page_section(res: dict) -> str:
+    m = res["meta"]
+    return "\n".join([
+        "## At scale", "",
+        f"Generated by `python -m dormouse.bench --scale --docs docs/benchmarks.md` ({m['cpus']} CPUs; 1-minute "
+        f"load average {m['loadavg_start'][0]:.1f} at the start, {m['loadavg_end'][0]:.1f} at the end). "
+        "transformers' `Trainer` on GPT-2 configurations (random init, the real 50,257-token vocabulary but for "
+        f"tiny's 256), 2 CPU ranks, per-device batch 2 × sequence 128 (256 tokens per rank-step), {m['steps']} "
+        "steps; `gate check` on the full-tensor recording with "
+        f"`--threads {m['check_threads']}` (the two cores the ranks trained on). Wall times include each "
+        "process's start (imports, model build); peaks are resident memory read every 0.2 s.", "",
+        table(res["rows"]), ""])
