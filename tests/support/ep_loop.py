@@ -19,6 +19,7 @@ The gate's lines: the declared sharding and the three `rec.` calls. Faults ("fau
   clean            as above
   ep_grad_unscaled the expert gradients are not divided by the EP size: W times one
                    process's while the loss is right (pytorch #160285, Megatron #5956)
+  ep_grad_twice    the expert gradients divided by the EP size twice: 1 / W times one process's
   aux_local        the balancing term's routing counts are this rank's own, not
                    all-reduced (torchtitan #3000): another objective than the declared one
   declare_reversed the run is clean, its declaration names the ranks in the reverse of
@@ -84,7 +85,7 @@ def run(cfg: dict) -> None:
             for n, p in model.named_parameters() if not tp else ():
                 if n in EXPERT_PARAMS:  # summed over every rank's tokens by the all_to_all's backward
                     if fault != "ep_grad_unscaled":
-                        p.grad.div_(world)
+                        p.grad.div_(world * world if fault == "ep_grad_twice" else world)
                 else:  # dense: data parallel over the same ranks
                     dist.all_reduce(p.grad)
                     p.grad.div_(world)

@@ -29,6 +29,7 @@ from dormouse.gate import artifacts as A
 RUNS = {
     "clean": {"seed": 0},
     "ep_grad_unscaled": {"fault": "ep_grad_unscaled", "seed": 1},
+    "ep_grad_twice": {"fault": "ep_grad_twice", "seed": 1},
     "aux_local": {"fault": "aux_local", "seed": 2},
     "tp_clean": {"tp": True, "seed": 3},
     "tp_no_reduce": {"tp": True, "fault": "tp_no_reduce", "seed": 4},
@@ -96,6 +97,19 @@ def test_expert_gradients_too_large_by_the_ep_size_fail_named_while_the_loss_is_
     for n in EXPERTS:
         assert rel(got[n], 2 * want[n]) < 5e-6
     assert max(rel(got[n], want[n]) for n in want if n not in EXPERTS) < 5e-6
+
+
+def test_expert_gradients_divided_by_the_ep_size_once_too_often_are_told_to_drop_it(ep):
+    """The opposite factor (x 1/2): named as 1 / the EP size, and the advice is to remove the extra
+    division, not (as it said) to divide "by the expert-parallel size too"."""
+    v = looprec.verdict(ep["ep_grad_twice"])
+    c = v.check("layout")
+    assert not v.passed and not c.passed, failing(v)
+    assert "1 / the expert-parallel size 2" in c.reason and "remove that division" in c.reason, c.reason
+    assert "must be divided by the expert-parallel size too" not in c.reason, c.reason
+    want, got = plain_gradient(ep["ep_grad_twice"]), recorded(ep["ep_grad_twice"], 0)
+    for n in EXPERTS:  # independently: the experts' gradients are half one process's
+        assert rel(got[n], 0.5 * want[n]) < 5e-6
 
 
 def test_a_balancing_term_over_local_routing_counts_fails_against_the_declared_global_one(ep):

@@ -164,9 +164,14 @@ def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int,
                "parameters' gradients the wrong number of times")
         if ep and cls == "split":
             what = "expert parameters (declared sharded over the expert-parallel ranks)"
-            why = ("each expert's gradient sums every rank's tokens (the all_to_all's backward) while the dense "
-                   "gradients are averaged over the same data-parallel ranks: the expert gradients must be divided "
-                   "by the expert-parallel size too (pytorch #160285)") if named and "expert" in named else why
+            if named and "expert" in named and cs[0] > 1:
+                why = ("each expert's gradient sums every rank's tokens (the all_to_all's backward) while the dense "
+                       "gradients are averaged over the same data-parallel ranks: the expert gradients must be "
+                       "divided by the expert-parallel size too (pytorch #160285)")
+            elif named and "expert" in named:
+                why = ("the expert gradients were divided by the expert-parallel size once more than the dense "
+                       "ones: the all_to_all's backward already brings each expert every rank's tokens at the "
+                       "dense gradients' scale, so remove that division (or divide them as the dense ones are)")
         elif ep:
             what = "dense parameters (replicated: each rank holds all of them)"
             why = "their reduction over the data-parallel ranks applied the wrong number of times"
