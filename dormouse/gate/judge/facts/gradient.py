@@ -376,7 +376,8 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     factor_rtol = max(FACTOR_RTOL, bound)  # a fitted constant is as uncertain as the gradients it is fitted to
     micro = rec.step_meta(0, rec.steps[0]).get("micro_batches", 1)
     what = "one process's gradient of the declared objective"
-    stated = (bound_words(rec, ref, max(tbounds), gb) + _forms_words(rows) if not run else
+    f32 = max((grad_rtol(ref.info(r["step"])) for r in rows), default=GRAD_RTOL)  # the bound in float32
+    stated = (bound_words(rec, ref, max(tbounds), f32) + _forms_words(rows) if not run else
               f"each tensor against its own bound, {FLOOR_MULTIPLE:g} x the one-process run's one-ulp floor of "
               f"that tensor, {min(tbounds):.2g} to {max(tbounds):.2g}")
     if wire:
@@ -453,7 +454,8 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                       f"({stated}): optimizer.zero_grad() is missing where those tensors live (every rank, or one "
                       "pipeline stage)")
         elif per_step and not alt_hit:
-            reason = C.describe_scalars(scalars, step_counts_of(rec, fitted), factor_rtol) + f" ({stated})"
+            reason = C.describe_scalars(scalars, step_counts_of(rec, fitted), factor_rtol,
+                                        norms=[ref.info(k).get("norm") for k, _, _ in scalars]) + f" ({stated})"
         elif alt_hit:
             c = alts[alt_hit][0][0]
             per_unit = rank_mean_words(rec)
