@@ -12,6 +12,7 @@ Knobs (RUN keys):
                  alone moves its running statistics by a train-mode forward of its first micro-batch
                  (no gradient) and broadcasts them: statistics of one rank's rows
   "collate_drop" rank 1's collator drops the last token of every row (rank 0's rows are the dataset's)
+  "clip_no_norm" the loop clips (clip_grad_norm_) before rec.step but does not pass it grad_norm
   "skip_bwd"     steps (1-based) at which the loop calls opt.step() without any forward or backward
                  (gradients None: pytorch #115607's Adam step-counter case)
 """
@@ -33,7 +34,7 @@ from dormouse.gate import Recorder  # noqa: E402
 
 RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
-       "collate_drop": False}
+       "collate_drop": False, "clip_no_norm": False}
 
 
 class AuxLM(TinyLM):
@@ -102,7 +103,7 @@ def run(cfg: dict) -> None:
             reported = local_sum / n_global
             if cfg["max_grad_norm"]:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
-        rec.step(loss=reported, optimizer=opt, grad_norm=norm)
+        rec.step(loss=reported, optimizer=opt, grad_norm=None if cfg["clip_no_norm"] else norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

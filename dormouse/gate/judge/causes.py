@@ -133,16 +133,44 @@ def per_step_scalar(fits: list[tuple[int, float, float]], bound: float, away: fl
         any(abs(c - 1) > away for _, c, _ in fits)
 
 
+def clip_norm_of(fits: list[tuple[int, float, float]], norms: list[float] | None, rtol: float) -> float | None:
+    """The max_grad_norm C where the per-step scalars are exactly clip coefficients of one process's
+    gradient norms: c = C / ||g|| at every step whose scalar is below 1 (one C for all of them), c = 1
+    where ||g|| <= C; else None. A loop that clipped before rec.step and did not pass grad_norm leaves
+    the recorded gradient clipped while the Recorder takes it for the unclipped one."""
+    if not norms or len(norms) != len(fits) or any(n is None for n in norms) or \
+            not any(c < 1 - rtol for _, c, _ in fits):
+        return None
+    if any(c > 1 + rtol or not n > 0 for (_, c, _), n in zip(fits, norms)):
+        return None
+    cs = [c * n for (_, c, _), n in zip(fits, norms) if c < 1 - rtol]
+    C = cs[0]
+    if any(abs(x / C - 1) > rtol for x in cs):
+        return None
+    if any(n > C * (1 + rtol) for (_, c, _), n in zip(fits, norms) if abs(c - 1) <= rtol):
+        return None  # a step the clip would have cut, left whole
+    return C
+
+
 def describe_scalars(fits: list[tuple[int, float, float]], counts: list[dict[str, float]] | None,
-                     rtol: float) -> str:
+                     rtol: float, norms: list[float] | None = None) -> str:
     """The sentence for an exact per-step scalar: the scalars, the counts they
-    imply against the steps' target counts, and the known count that matches."""
+    imply against the steps' target counts, and the known count that matches;
+    or, where the scalars are clip coefficients of one process's gradient norms
+    (`norms`, one a fitted step), the grad_norm the loop did not pass."""
     show = fits[:SHOWN_STEPS]
     more = f", ... ({len(fits)} steps)" if len(fits) > SHOWN_STEPS else ""
     scal = ", ".join(f"{c:.4g}" for _, c, _ in show)
     steps = ", ".join(str(k) for k, _, _ in show)
     words = (f"the fleet's gradient is one process's times a scalar that changes from step to step, exact at each "
              f"(residual within the bound): {scal}{more} at steps {steps}")
+    clip = clip_norm_of(fits, norms, rtol)
+    if clip is not None:
+        return words + (f"; each scalar is min(1, {clip:.6g} / ||g||), one process's gradient norm at that step: the "
+                        f"clip coefficients of a max_grad_norm of {clip:.6g}. The loop clipped before rec.step() "
+                        "without telling the Recorder: pass the norm clip_grad_norm_ returned, "
+                        "rec.step(grad_norm=norm), and Recorder(max_grad_norm=...), so that the recorded gradient "
+                        "is read as clipped")
     if not counts:
         return words
     implied = [cnt["targets"] / c for (_, c, _), cnt in zip(fits, counts)]

@@ -25,6 +25,7 @@ RUNS = {
     "labels_inputs": {"labels": "inputs"},  # TrainCheck's pytorch-84803 workload: padding not masked
     "bn_rank0": {"bn_rank0": True},  # BatchNorm statistics from rank 0's rows, broadcast
     "collate_drop": {"collate_drop": True},  # rank 1's collator drops every row's last token
+    "clip_no_norm": {"clip_no_norm": True, "max_grad_norm": 0.3},  # clipped, grad_norm not passed
 }
 W = 2
 fleet = looprec.launched_fixture("fleet", {n: {"seed": 3, **cfg} for n, cfg in RUNS.items()}, "wild_loop.py", W)
@@ -185,3 +186,19 @@ def test_a_tied_weight_whose_stage_copies_part_fails_at_the_first_step_named(pip
     v = looprec.verdict(pipeline["tied_one_way"])
     looprec.fails_for(v, "ranks", "the tied tok_embeddings.weight and output.weight")
     assert "differ in their gradients at step 1" in v.check("ranks").reason
+
+
+def test_a_loop_that_clips_without_passing_grad_norm_is_told_to_pass_it(fleet):
+    """The loop clips by 0.3 before rec.step and passes no grad_norm: the recorded gradient is the
+    clipped one, read as unclipped. The per-step scalars are exactly the clip coefficients (this file's
+    arithmetic: the recorded step-1 gradient is 0.3 / ||g|| times its one-process gradient g); the
+    verdict named a token count ("divided by 152.984"), and now names the clip and the missing grad_norm."""
+    out = fleet["clip_no_norm"]
+    want = one_process(build_model(seed=3), step_rows("clip_no_norm"))
+    norm = sum(float((g ** 2).sum()) for g in want.values()) ** 0.5
+    assert norm > 0.3
+    assert looprec.worst(looprec.recorded_gradients(out, 0), want, 0.3 / (norm + 1e-6)) < 1e-5
+    v = looprec.verdict(out)
+    looprec.fails_for(v, "gradient", "the clip coefficients of a max_grad_norm of 0.3")
+    assert "rec.step(grad_norm=norm)" in v.check("gradient").reason
+    assert "divided each step's loss sum by" not in v.check("gradient").reason
