@@ -106,3 +106,20 @@ def test_a_recording_rewritten_by_importing_the_builders_is_refused(scripts):
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: ") and "was rewritten while it was judged" in line, err
     assert 'if __name__ == "__main__":' in line
+
+
+def test_a_check_past_its_memory_budget_is_not_judged_and_says_what_it_needs(scripts, monkeypatch, capsys):
+    from loopmodel import build_model
+
+    from dormouse.__main__ import main
+
+    monkeypatch.chdir(scripts)
+    monkeypatch.syspath_prepend(str(scripts))
+    assert main(["gate", "check", "--out", str(scripts / "guarded-rec"), "--force", "--memory", "0.01"]) == 1
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "not judged: needs" in ln)
+    need = float(line.split("not judged: needs ", 1)[1].split(" GB", 1)[0])
+    # the test's own count: the model's float32 parameters, six times (model, gradient, two moments, a read step)
+    params = sum(p.numel() for p in build_model(seed=0).parameters()) * 4
+    assert need >= round(6 * params / (1 << 30), 1) and "the budget is 0.0 GB" in line, line
+    assert out.splitlines()[0].rstrip().endswith("FAIL"), out

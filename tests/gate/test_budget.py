@@ -1,0 +1,31 @@
+"""The check's memory budget (dormouse/gate/budget.py): a body that passes it is stopped with the budget's words,
+not left to the kernel."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dormouse.gate import budget as B
+
+
+def test_a_body_that_grows_past_its_budget_is_stopped_in_one_line():
+    start = B.resident()
+    assert start > 0  # /proc/self/statm read
+    held = []
+    with pytest.raises(B.NotJudged) as e:
+        with B.watched(start + (200 << 20)):
+            t0 = time.time()
+            while time.time() - t0 < 20:  # 50 MB a time, each touched (ones, not empty)
+                held.append(torch.ones(50 << 18))
+    grown = sum(t.numel() * 4 for t in held)
+    assert 100 << 20 < grown < 2 << 30, grown  # stopped soon after the budget (torch's own start counts too)
+    assert str(e.value).startswith("not judged: needs ") and "\n" not in str(e.value)
+
+
+def test_a_body_within_its_budget_runs_to_its_end():
+    with B.watched(B.resident() + (1 << 30)):
+        x = torch.ones(1 << 20).sum()
+    assert float(x) == 1 << 20
