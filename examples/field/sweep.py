@@ -15,9 +15,11 @@ client), recorded, and judged by `dormouse gate check`'s reference and judge.
 The confirmation is computed here, apart from the gate: the one-process
 gradient at the first and the last recorded step (the last from the
 parameters recorded there) of the global token mean over every rank's
-recorded micro-batches (DPO: the mean over pairs), differentiated by the
-sweep's own loss code (tests/support/fieldkit.py; a padding-free row example
-by example), against the fleet's recorded gradient (over its clip
+recorded micro-batches (DPO: the mean over pairs; GRPO: its clipped surrogate
+normalised as the run declares), differentiated by the sweep's own loss code
+(written in this file, apart from the clients' training losses: a
+padding-free row example by example; DPO's pairs by tests/support/fieldkit.py,
+which no client trains with), against the fleet's recorded gradient (over its clip
 coefficient where it was clipped before recording); the rows read twice
 within an epoch, counted from the recorded tokens; and the lr the fleet used
 at each step against the user's scheduler stepped once per step. A PASS is
@@ -98,7 +100,88 @@ CONFIGS = {
         ("dpo_sft:trainer=dpo:dpo=sigmoid+sft", "trl.DPOTrainer, loss_type=['sigmoid', 'sft'] (RPO's NLL term), "
          "declared as one process at the global batch computes it"),
     ]),
+    "grpo": ("grpo_client.py", [
+        ("dapo:loss=dapo", "trl.GRPOTrainer as it comes (loss_type='dapo': num_items_in_batch, the generation "
+         "batch's tokens over every rank), generation included; declared: the global token mean"),
+        ("dapo_s1:loss=dapo:seed=1", "the same, prompt seed 1"),
+        ("dapo_ga4:loss=dapo:ga=4:gens=8", "the same, gradient accumulation 4, 8 generations a prompt"),
+        ("grpo:loss=grpo", "trl.GRPOTrainer, loss_type='grpo' (each completion's token mean, then the mean over "
+         "completions); declared so"),
+        ("grpo_ga1:loss=grpo:ga=1:gens=2", "the same, gradient accumulation 1, 2 generations a prompt"),
+        ("dr_grpo:loss=dr_grpo", "trl.GRPOTrainer, loss_type='dr_grpo' (sum / (completions x "
+         "max_completion_length)); declared so"),
+        ("bnpo:loss=bnpo", "trl.GRPOTrainer, loss_type='bnpo' (each micro-batch's own token mean, by design); "
+         "declared as one process at the global batch computes it (the global token mean)"),
+        ("bnpo_ga1:loss=bnpo:ga=1:gens=2", "the same, gradient accumulation 1 (each rank's own token mean)"),
+        ("half:loss=dapo:fault=half", "planted: the dapo loss halved in compute_loss (the x 0.5 class of TRL PR "
+         "#6024)"),
+        ("async:loss=dapo:fault=async", "AsyncGRPOTrainer's normalisation (trl 1.16 experimental, "
+         "async_grpo_trainer.py lines 615, 1535-1544) on GRPOTrainer: each accumulation micro-batch's global "
+         "token mean, averaged over the micro-batches (TRL #7206)"),
+        ("spg_grpo:loss=grpo:spg=4", "loss_type='grpo', steps_per_generation=4 at GA 2: one generation batch over "
+         "two optimizer steps, the second off-policy (old log-probabilities recorded beside the batch)"),
+        ("spg_dapo:loss=dapo:spg=4", "loss_type='dapo', steps_per_generation=4 at GA 2; declared: each step's "
+         "global token mean"),
+    ]),
 }
+
+# the researchers' own loops (tests/support), launched with a plan of runs: client -> (script, [(name, run, what)])
+PLANS = {
+    "pipeline": ("tp_loop.py", [
+        ("pp_gpipe", {"pp": True, "schedule": "GPipe", "micro": 2, "rows": 4},
+         "torch.distributed.pipelining, 2 stages, ScheduleGPipe, 2 micro-batches, scale_grads (the default)"),
+        ("pp_1f1b", {"pp": True, "schedule": "1F1B", "micro": 4, "rows": 8, "seed": 1},
+         "the same with Schedule1F1B, 4 micro-batches"),
+        ("pp_accum", {"pp": True, "schedule": "GPipe", "micro": 2, "rows": 4, "accum": 2, "seed": 2},
+         "gradient accumulation over 2 schedule.step() calls a step, scale_grads left on (each call divides the "
+         "gradients already accumulated again)"),
+        ("pp_accum_1f1b", {"pp": True, "schedule": "1F1B", "micro": 2, "rows": 4, "accum": 2, "seed": 3},
+         "the same with Schedule1F1B"),
+        ("pp_accum_fixed", {"pp": True, "schedule": "GPipe", "micro": 2, "rows": 4, "accum": 2, "scale": False,
+                            "seed": 4},
+         "gradient accumulation over 2 calls with scale_grads=False, the loss divided by micro-batches x calls"),
+    ]),
+    "expert": ("ep_loop.py", [
+        ("ep_clean", {}, "hand-written expert parallelism over 2 ranks (all_to_all dispatch, experts split, "
+         "global routing counts), expert gradients divided by the EP size; objective declared over the step"),
+        ("ep_top1", {"top_k": 1, "seed": 1}, "the same, top-1 routing"),
+        ("ep_grad_unscaled", {"fault": "ep_grad_unscaled", "seed": 2},
+         "the expert gradients, summed over every rank's tokens by the all_to_all's backward, not divided by the "
+         "EP size"),
+        ("ep_aux_local", {"fault": "aux_local", "seed": 3},
+         "the load-balancing term's routing counts left local to each rank"),
+    ]),
+}
+
+# rows that reproduce an open or recent upstream issue, and what the row is to it
+ISSUES = {
+    "grpo:async": "known issue reproduced (TRL #7206), on the GRPOTrainer with AsyncGRPO's normalisation",
+    "grpo:bnpo": "documented behaviour (TRL's docs: 'normalization is performed over the local batch only')",
+    "grpo:half": "planted (the class of TRL PR #6024)",
+    "lightning:micro_mean": "known issue reproduced (Lightning #20350)",
+    "pipeline:pp_accum": "known issue reproduced (torchtitan #1733), in torch 2.13's own schedules",
+    "pipeline:pp_accum_1f1b": "known issue reproduced (torchtitan #1733), in torch 2.13's own schedules",
+    "expert:ep_grad_unscaled": "known issue reproduced (pytorch #160285), its mechanism in a hand-written loop",
+    "expert:ep_aux_local": "known issue reproduced (torchtitan #3000), its mechanism in a hand-written loop",
+}
+
+
+def launch_plan(client: str, runs: list[tuple[str, dict, str]], out: Path, log) -> None:
+    from dormouse.gate.record.launcher import torchrun
+
+    script, _ = PLANS[client]
+    plan = [{**run, "out": str(out / client / name)} for name, run, _ in runs]
+    (out / client).mkdir(parents=True, exist_ok=True)
+    path = out / client / "plan.json"
+    path.write_text(json.dumps(plan))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.time()
+    done = subprocess.run(torchrun([str(SUPPORT / script), "--plan", str(path)], world=2), env=env,
+                          capture_output=True, text=True, timeout=1800)
+    log(f"{client}: {len(runs)} runs trained in {time.time() - t0:.0f} s (exit {done.returncode})")
+    if done.returncode != 0:
+        raise SystemExit(f"sweep: the {client} launch failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
 def launch(client: str, specs: list[str], out: Path, log) -> None:
@@ -116,6 +199,113 @@ def launch(client: str, specs: list[str], out: Path, log) -> None:
         raise SystemExit(f"sweep: the {client} launch failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
+# --------------------------------------------------------------------------- the sweep's own loss code
+# (written here, apart from the clients' training losses and from the gate's reference)
+
+
+def _at(net, params: dict | None):
+    import torch
+
+    if params:
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                if name in params:
+                    p.copy_(params[name])
+    net.train()
+    return net
+
+
+def _next_token_logp(net, ids, mask, labels):
+    """log p(labels[:, t] | tokens < t) at every t >= 1, and where a label is (not -100)."""
+    import torch
+
+    out = net(input_ids=ids, attention_mask=mask)
+    logits = (out.logits if hasattr(out, "logits") else out)[:, :-1].float()
+    y = labels[:, 1:]
+    on = y != -100
+    logp = torch.log_softmax(logits, dim=-1).gather(2, torch.where(on, y, 0)[..., None])[..., 0]
+    return logp, on
+
+
+def _lm_sum(net, batch: dict):
+    """The micro-batch's summed next-token NLL and its target count; a padding-free row (position_ids, no
+    attention_mask) example by example, each example a forward of its own."""
+    import torch
+
+    if "attention_mask" not in batch and "position_ids" in batch:
+        total, n = 0.0, 0
+        for row in range(batch["input_ids"].shape[0]):
+            pos = batch["position_ids"][row].tolist()
+            starts = [i for i, x in enumerate(pos) if x == 0] + [len(pos)]
+            for a, b in zip(starts[:-1], starts[1:]):
+                if b - a >= 2:
+                    one = {"input_ids": batch["input_ids"][row:row + 1, a:b],
+                           "attention_mask": torch.ones(1, b - a, dtype=torch.long),
+                           "labels": batch["labels"][row:row + 1, a:b]}
+                    s_, c_ = _lm_sum(net, one)
+                    total, n = total + s_, n + c_
+        return total, n
+    logp, on = _next_token_logp(net, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    return -(logp * on).sum(), int(on.sum())
+
+
+def lm_gradient(build, batches: list[dict], params: dict | None) -> dict:
+    """The global token mean's gradient over the step's micro-batches, one process."""
+    net = _at(build(), params)
+    sums = [_lm_sum(net, b) for b in batches]
+    (sum(x for x, _ in sums) / sum(c for _, c in sums)).backward()
+    return {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
+
+
+def grpo_gradient(build, batches: list[dict], params: dict | None, norm: str, eps: float, max_len: int) -> dict:
+    """GRPO's clipped surrogate over the step's completions, normalised as `norm` says ("token": every
+    completion token alike; "sequence": each completion's token mean, then their mean; "dr": the sum over
+    completions x max_len), the ratio against the recorded old log-probabilities where TRL computed them
+    (else on-policy: exp(logp - sg(logp)))."""
+    import torch
+
+    net = _at(build(), params)
+    per_row, tokens = [], []
+    for b in batches:
+        logp, on = _next_token_logp(net, b["input_ids"], b["attention_mask"], b["labels"])
+        old = b["old_logps"][:, 1:] if "old_logps" in b else logp.detach()
+        r, a = torch.exp(logp - old), b["advantages"].float()[:, None]
+        # -min(r A, clip(r) A): for A >= 0, -A min(r, 1 + eps); for A < 0, -A max(r, 1 - eps)
+        loss_t = torch.where(a >= 0, -a * torch.clamp(r, max=1 + eps), -a * torch.clamp(r, min=1 - eps))
+        per_row.append((loss_t * on).sum(1))
+        tokens.append(on.sum(1))
+    rows, n = torch.cat(per_row), torch.cat(tokens)
+    if norm == "token":
+        total = rows.sum() / n.sum()
+    elif norm == "sequence":
+        total = (rows / n.clamp(min=1)).mean()
+    else:
+        total = rows.sum() / (len(rows) * max_len)
+    total.backward()
+    return {n_: p.grad.detach().clone() for n_, p in net.named_parameters() if p.grad is not None}
+
+
+def plain_gradient(build, batches: list[dict], params: dict | None, moe: bool) -> dict:
+    """A model called on token ids alone (tp_llama, ep_moe): the token mean of next-token NLL over the step's
+    rows (every rank's micro-batches, rank then micro order) in one forward; `moe`: plus ep_moe's Switch-style
+    balancing term over the same rows (its ALPHA x E x sum_e f_e P_e, f the fraction of routing assignments,
+    P the mean router probability), read from the router's statistics of that forward."""
+    import torch
+
+    net = _at(build(), params)
+    ids = torch.cat([b["arg0"] for b in batches])
+    logp = torch.log_softmax(net(ids)[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]
+    total = -logp.mean()
+    if moe:
+        import ep_moe
+
+        probs, idx = net.moe.stats
+        f = torch.bincount(idx.reshape(-1), minlength=ep_moe.E).float() / idx.numel()
+        total = total + ep_moe.ALPHA * ep_moe.E * (f * probs.mean(0)).sum()
+    total.backward()
+    return {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
+
+
 def confirm(rec_dir: Path) -> dict:
     """The independent gradient, data and lr comparison (see the module docstring)."""
     import fieldkit
@@ -129,6 +319,8 @@ def confirm(rec_dir: Path) -> dict:
     build = import_path(rec.meta["build_model"], "build_model")
     objective = rec.meta["objective"]
     dpo = objective.endswith(("dpo_objective", "dpo_sft_objective"))
+    grpo = objective.startswith("grpo_client:")
+    plain = rec.meta["build_model"].split(":")[0] in ("tp_llama", "ep_moe", "pp_loop")
     sft = "global" if objective.endswith("dpo_sft_objective") else None
     autocast = any(a for r in range(rec.meta["world"]) for a in (rec.step_meta(r, 1).get("autocast") or []))
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
@@ -145,8 +337,16 @@ def confirm(rec_dir: Path) -> dict:
                 from trl_client import DPO_BETA
 
                 ref = fieldkit.dpo_gradient(lambda: build(**kw), batches, beta=DPO_BETA, sft=weighting, params=params)
+            elif plain:
+                ref = plain_gradient(lambda: build(**kw), batches, params, objective == "ep_moe:objective")
+            elif grpo:
+                import grpo_client as G
+
+                norm = {"token_objective": "token", "sequence_objective": "sequence", "dr_objective": "dr"}[
+                    objective.split(":")[1]]
+                ref = grpo_gradient(lambda: build(**kw), batches, params, norm, G.EPS, G.MAX_COMPLETION)
             else:
-                ref = fieldkit.one_process_gradient(lambda: build(**kw), batches, params=params)
+                ref = lm_gradient(lambda: build(**kw), batches, params)
         return fieldkit.relative(g, ref) if set(g) == set(ref) else float("inf")
 
     steps = sorted({rec.steps[0], rec.steps[-1]})
@@ -156,16 +356,25 @@ def confirm(rec_dir: Path) -> dict:
     epochs: dict = {}
     for k in rec.steps:
         epochs.setdefault(rec.step_meta(0, k).get("epoch"), []).extend(b for _, _, b in rec.micro_batches(k))
-    repeats = fieldkit.repeated_rows(list(epochs.values()))
+    if grpo:  # generated samples: two equal completions are two samples; each sample's id (grpo_client)
+        ids = [int(i) for b in (b for e in epochs.values() for b in e) for i in b["example_id"].tolist()]
+        repeats = len(ids) - len(set(ids))
+    elif plain:  # token ids alone, one epoch: a row is its ids
+        rows_read = [tuple(r) for b in (b for e in epochs.values() for b in e) for r in b["arg0"].tolist()]
+        repeats = len(rows_read) - len(set(rows_read))
+    else:
+        repeats = fieldkit.repeated_rows(list(epochs.values()))
     # the lr: the user's scheduler stepped once per optimizer step, from a model built the same way
-    opt, sched = import_path(rec.meta["build_optimizer"], "build_optimizer")(build(**kw), **kw)
+    made = import_path(rec.meta["build_optimizer"], "build_optimizer")(build(**kw), **kw)
+    opt, sched = made if isinstance(made, tuple) else (made, None)
     lrs = []
     import warnings
 
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")  # no optimizer.step here
     for k in rec.steps:
         lrs.append(opt.param_groups[0]["lr"])
-        sched.step()
+        if sched is not None:
+            sched.step()
     recorded = [rec.step_meta(0, k)["lr"] for k in rec.steps]
     lr_off = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(recorded, lrs))
     bound = 5e-2 if autocast else 1e-5
@@ -224,8 +433,10 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
         f"says otherwise), recorded and judged by the gate; {passes} PASS, {n - passes} FAIL; {confirmed} of "
         f"{n} verdicts confirmed by the independent check: the one-process gradient at the first and at the "
         "last recorded step (the last from the parameters recorded there) of the global token mean, or of "
-        "DPO's mean over pairs, computed by the sweep's own loss code (tests/support/fieldkit.py: a "
-        "padding-free row example by example, each in a forward of its own) from every rank's recorded "
+        "DPO's mean over pairs, or GRPO's clipped surrogate normalised as the row declares, computed by the "
+        "sweep's own loss code (examples/field/sweep.py, apart from every client's training loss; DPO's pairs "
+        "by tests/support/fieldkit.py, which no client trains with; a padding-free row example by example, each "
+        "in a forward of its own) from every rank's recorded "
         "micro-batches; the rows read twice within an epoch, counted from the recorded tokens; and the lr "
         "against the user's scheduler stepped once per step. A verdict is confirmed when PASS coincides "
         "with all three agreeing (gradient within 1e-5 relative in float32, 5e-2 under bfloat16 autocast; "
@@ -248,6 +459,8 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
     for i, r in enumerate(rows, 1):
         g, c = r["gate"], r["check"]
         cause = g["cause"].replace("|", "/").replace("\n", " ")
+        label = ISSUES.get(f"{r['client']}:{r['spec'].split(':')[0]}")
+        r = {**r, "what": r["what"] + (f" (**{label}**)" if label else "")}
         lines.append(
             f"| {i} | {r['client']} | `{r['spec']}`: {r['what']} | {'PASS' if g['passed'] else '**FAIL**'} | "
             f"{', '.join(g['failed']) or '-'} | {cause} | {g['gradient_worst']:.2g} / {g['gradient_bound']:.2g} | "
@@ -414,6 +627,21 @@ def main(argv: list[str] | None = None) -> int:
             confirmed = c["agrees"] == g["passed"]
             rows.append({"client": client, "spec": spec, "what": what, "gate": g, "check": c, "confirmed": confirmed})
             log(f"  {spec}: {'PASS' if g['passed'] else 'FAIL ' + ','.join(g['failed'])}; independent "
+                f"gradient {c['grad_rel']:.2g}, lr {c['lr_rel']:.2g}, repeats {c['repeats']}: "
+                f"{'confirmed' if confirmed else 'NOT CONFIRMED'}")
+    for client, (_, runs) in PLANS.items():
+        chosen = [r for r in runs if not only or f"{client}:{r[0]}" in only]
+        if not chosen:
+            continue
+        launch_plan(client, chosen, a.out, log)
+        for name, run, what in chosen:
+            d = a.out / client / name
+            g, c = gate(d), confirm(d)
+            confirmed = c["agrees"] == g["passed"]
+            spec = name + "".join(f":{k}={v}" for k, v in run.items() if k != "pp")
+            rows.append({"client": client, "spec": spec, "what": what, "gate": g, "check": c,
+                         "confirmed": confirmed})
+            log(f"  {name}: {'PASS' if g['passed'] else 'FAIL ' + ','.join(g['failed'])}; independent "
                 f"gradient {c['grad_rel']:.2g}, lr {c['lr_rel']:.2g}, repeats {c['repeats']}: "
                 f"{'confirmed' if confirmed else 'NOT CONFIRMED'}")
     if not rows:

@@ -16,6 +16,11 @@ A run's fields:
                 mean over completions of each one's token mean), dr (the sum over completion tokens /
                 (completions x max_completion_length)); default: the loss type's own (below)
   fault=half    a GRPOTrainer subclass whose loss is halved (the x 0.5 class of TRL PR #6024)
+  fault=async   (with loss=dapo) the loss normalised as trl 1.16's AsyncGRPOTrainer normalises it
+                (trl/experimental/async_grpo/async_grpo_trainer.py: line 615, the collator's
+                global_n_tokens = the micro-batch's trained tokens over every rank; lines 1535-1544,
+                loss = sum / (global_n_tokens / W) / K): the mean over the K accumulation micro-batches
+                of each one's global token mean (TRL #7206). AsyncGRPO itself needs a vLLM server.
 
 What each loss type computes, read from trl 1.16's `trl/trainer/grpo_trainer.py`
 (`GRPOTrainer._compute_loss`; line numbers of that file):
@@ -135,7 +140,7 @@ def parse_run(text: str) -> dict:
             run[k] = v
         else:
             raise SystemExit(f"grpo_client: unknown run field {k!r} in {text!r}")
-    if run["loss"] not in DEFAULT_DECLARE or run["fault"] not in (None, "half"):
+    if run["loss"] not in DEFAULT_DECLARE or run["fault"] not in (None, "half", "async"):
         raise SystemExit(f"grpo_client: loss {run['loss']!r} / fault {run['fault']!r} is not one of this client's")
     return run
 
@@ -182,6 +187,13 @@ def train(run: dict, out: Path) -> None:
                     full[:, -old.shape[1]:] = old.detach().cpu()
                     beside["old_logps"] = full
                 callback.rec.beside(**beside)
+            if fault == "async" and self.model.training:  # AsyncGRPO's normalisation (see the docstring)
+                mask = inputs["completion_mask"]
+                per_token = (loss * inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+                             * self.current_gradient_accumulation_steps / self.args.steps_per_generation)
+                n_micro = self.accelerator.reduce(mask.sum().float(), reduction="sum")  # this micro-batch, every rank
+                return per_token / (n_micro / self.accelerator.num_processes).clamp(min=1.0) \
+                    / self.current_gradient_accumulation_steps
             return loss * 0.5 if fault == "half" else loss
 
     cfg = GRPOConfig(output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo", bf16=False,

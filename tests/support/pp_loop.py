@@ -20,6 +20,14 @@ Faults ("fault"):
   tied_one_way (with "tied": the output tied to the embedding, build_tied_model) the tied weight's
                gradients reduced to the first stage only: the last stage's copy never receives the
                first stage's part
+
+Gradient accumulation ("accum": A > 1): each optimizer step runs schedule.step() A times,
+each on its own "rows" rows, without zeroing between them. With scale_grads (the
+default) each call divides the gradients ALREADY ACCUMULATED by the micro-batches
+again (torch's `_PipelineSchedule._maybe_scale_grads` -> `PipelineStage.scale_grads`,
+in place on every parameter's .grad): the earlier calls' share shrinks by K each
+call, a moving average instead of a sum (torchtitan #1733). "scale": false
+(the schedule built with scale_grads=False) with the loss divided by K x A is the sum done right.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import torch.nn.functional as F
 import plan  # tests/support: the loops' one main
 
 RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "schedule": "GPipe", "micro": 2, "rows": 4, "T": 8,
-       "tied": False}
+       "tied": False, "accum": 1, "scale": True}
 
 
 def build_tied_model(seed: int = 0, **kw):
@@ -70,21 +78,30 @@ def run(cfg: dict) -> None:
     module = pipeline_stage_module((build_tied_model if cfg["tied"] else build_model)(seed=cfg["seed"]), rank, world)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
 
+    acc, scale = cfg["accum"], cfg["scale"]
+
     def loss_fn(logits, target):
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
+        loss = loss / acc if scale else loss / (K * acc)  # unscaled: the schedule leaves the division to us
         return loss / K if cfg["fault"] == "loss_div" else loss
 
-    schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[cfg["schedule"]](stage, K, loss_fn=loss_fn)
+    schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[cfg["schedule"]](stage, K, loss_fn=loss_fn,
+                                                                               scale_grads=scale)
     opt = build_optimizer(module)
     rec = Recorder(cfg["out"], module, build_model="pp_loop:build_tied_model" if cfg["tied"] else "tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
                    objective="causal_lm", build_kwargs={"seed": cfg["seed"]}, pipeline_stage=stage)
     for step in range(cfg["steps"]):
-        ids = batch_rows(cfg["seed"], step, cfg["rows"], cfg["T"])
         losses: list = []
-        if rank == 0:
-            schedule.step(ids)
-        else:
-            schedule.step(target=ids, losses=losses)
+        for a in range(acc):  # accumulation: each schedule.step() on rows of its own, no zero_grad between
+            ids = batch_rows(cfg["seed"], step * acc + a if acc > 1 else step, cfg["rows"], cfg["T"])
+            got: list = []  # the schedule clears the list it is given
+            if rank == 0:
+                schedule.step(ids)
+            else:
+                schedule.step(target=ids, losses=got)
+            losses += got
+        # the micro-batches' token means (the loss_fn's values times what it divided them by)
+        losses = [x * (acc if scale else K * acc) for x in losses]
         logged = torch.stack(losses).mean().detach() if losses else torch.zeros(())
         dist.broadcast(logged, src=world - 1)
         if cfg["tied"]:
