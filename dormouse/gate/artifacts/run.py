@@ -378,6 +378,24 @@ class RecordingSet:
         return self.tensors_at(self.steps[i + 1], prefix) if i + 1 < len(self.steps) else self.final(prefix)
 
 
+def init_edited(rec: "RecordingSet", r: int, init: dict[str, torch.Tensor] | None = None) -> bool:
+    """Whether rank r's recorded initial tensors differ from the parameters and buffers the same rank
+    recorded before the run's first step (a fresh run: nothing trains between the two), where that step
+    holds full tensors."""
+    if rec.steps[0] != 1:
+        return False
+    if init is None:
+        init = read_tensors(init_path(rec.out, r), "initial state")[0]
+    t = rec.step_tensors(r, 1)
+    if not any(k.startswith("p/") for k in t):
+        return False
+    for n, v in init.items():
+        w = t.get(f"p/{n}", t.get(f"b/{n}"))
+        if w is not None and (w.shape != v.shape or w.dtype != v.dtype or not torch.equal(w, v)):
+            return True
+    return False
+
+
 def ranks_apart_from(rec: "RecordingSet", built: dict[str, torch.Tensor]) -> str | None:
     """Where build_model's state (`built`, full tensors) differs from the
     recorded initial one: the sentence blaming the RANKS when some rank's
@@ -415,6 +433,12 @@ def ranks_apart_from(rec: "RecordingSet", built: dict[str, torch.Tensor]) -> str
     good = [r for r, ok in enumerate(same) if ok]
     bad = [r for r, ok in enumerate(same) if not ok]
     words = lambda rs: ", ".join(map(str, rs))  # noqa: E731
+    edited = [r for r in bad if init_edited(rec, r, pieces[r])]
+    if edited:
+        return (f"rank {words(edited)}'s recorded initial state ({init_path(rec.out, edited[0]).name}) is not the "
+                f"parameters that rank recorded before step {rec.steps[0]} (its first step's tensors, which the "
+                "intact check holds to their recorded hash), while build_model's equal rank "
+                f"{words(good)}'s: the initial state was edited or damaged after the run; re-record")
     return (f"the ranks started from different parameters: rank {words(good)}'s recorded initial tensors equal "
             f"build_model's, rank {words(bad)}'s do not: each rank built its own model from other parameters (a seed "
             "that differs by rank, or none; FSDP2 does not broadcast rank 0's): seed every rank alike before "

@@ -7,6 +7,7 @@ the finding was the command's."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -202,3 +203,29 @@ def test_a_loop_that_clips_without_passing_grad_norm_is_told_to_pass_it(fleet):
     looprec.fails_for(v, "gradient", "the clip coefficients of a max_grad_norm of 0.3")
     assert "rec.step(grad_norm=norm)" in v.check("gradient").reason
     assert "divided each step's loss sum by" not in v.check("gradient").reason
+
+
+def test_an_edited_initial_state_is_named_as_edited_not_as_ranks_seeded_apart(fleet, tmp_path):
+    """A rank's init.safetensors edited after the run (one tensor x 1.5). Rank 0's: `gate check` blamed
+    the ranks' seeds ("seed every rank alike"); rank 1's: nothing read it, a PASS. Each rank recorded
+    its parameters before step 1 itself (hash-checked), and they are equal across the ranks (this
+    file's torch.equal): the command now says the initial state was edited, in one line, exit 2, and
+    the verdict's intact check names rank 1's."""
+    from gatekit import copy_of, edit_tensors
+
+    for r in (0, 1):
+        out = copy_of(fleet["labels_inputs"], tmp_path / f"edited{r}")
+        shutil.rmtree(out / "reference", ignore_errors=True)
+        edit_tensors(out / f"rank{r}" / "init.safetensors", lambda t: t["ln1.weight"].mul_(1.5))
+        rec = A.RecordingSet(out)
+        assert torch.equal(rec.step_tensors(0, 1)["p/ln1.weight"], rec.step_tensors(1, 1)["p/ln1.weight"])
+        r_ = gate_check(out)
+        said = r_.stdout + r_.stderr
+        assert r_.returncode in (1, 2), said[-3000:]
+        assert f"rank {r}'s recorded initial state (init.safetensors) is not the parameters that rank recorded " \
+               "before step 1" in said, said[-3000:]
+        assert "seed every rank alike" not in said and "Traceback" not in said
+        if r == 0:  # the rebuild refuses it, one line
+            assert r_.returncode == 2 and "edited or damaged after the run" in r_.stderr, said[-3000:]
+        else:  # judged: the intact check fails on it
+            assert r_.returncode == 1 and "[FAIL] intact: rank 1's recorded initial state" in r_.stdout, said[-3000:]

@@ -25,7 +25,13 @@ def _state_at_step(t: dict) -> dict:
 
 def first_mismatch(rec: A.RecordingSet) -> str | None:
     """The first rank file (in step then rank order, then the final ones)
-    whose tensors do not hash to the hash recorded beside them; None when all do."""
+    whose tensors do not hash to the hash recorded beside them, or a rank whose initial state is not
+    the parameters it recorded before the first step of a fresh run; None when all agree."""
+    if rec.steps:
+        for r in range(int(rec.meta["segments"][0]["world"])):
+            if A.init_edited(rec, r):
+                return (f"rank {r}'s recorded initial state ({A.init_path(rec.out, r).name}) is not the parameters "
+                        f"that rank recorded before step {rec.steps[0]}")
     for k in rec.steps:
         for r in range(rec.world_at(k)):
             want = rec.step_meta(r, k).get("param_hash")
