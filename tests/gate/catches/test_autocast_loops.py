@@ -27,6 +27,7 @@ RUNS = {
     "micro_mean": {"seed": 8, "autocast": True, "fault": "micro_mean"},
     "comp_twice": {"seed": 8, "autocast": True, "fault": "comp_twice"},
     "rank1_fp32": {"seed": 8, "autocast": True, "fault": "rank1_fp32"},
+    "bias_x2": {"seed": 8, "autocast": True, "fault": "bias_x2"},  # one small tensor's gradient doubled
     # FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): no autocast, the
     # parameters cast for the forward (the submodules' pre-hooks see them unsharded and cast)
     "fsdp_mp": {"seed": 9, "fsdp": True, "fsdp_mp": True},
@@ -118,3 +119,21 @@ def test_fsdp2_mixed_precision_is_recorded_and_judged_on_cast_parameters(recordi
     assert "loss floor" in loss.reason, loss.reason
     fault = looprec.verdict(recordings["fsdp_mp_comp_twice"])
     looprec.fails_for(fault, "gradient", "= W ")
+
+
+def test_a_small_tensors_fault_under_autocast_states_the_per_tensor_bound_that_failed(recordings):
+    """ln1.bias's gradient doubled after the all-reduce: diluted in the global norm, it is caught by that
+    tensor's own bound (10 x its own bfloat16 floor). The verdict stated the global bound (a few
+    hundredths) beside it; it now names the tensor's bound that failed. This file's arithmetic: the
+    recorded ln1.bias gradient is doubled on every rank, its norm a small share
+    of the whole gradient's."""
+    from dormouse.gate import artifacts as A
+
+    out = recordings["bias_x2"]
+    rec = A.RecordingSet(out)
+    g = rec.tensors_at(1, "g/")
+    share = float(g["ln1.bias"].double().norm() / sum(float((t.double() ** 2).sum()) for t in g.values()) ** 0.5)
+    assert share < 0.1  # halved, it moves the whole gradient by less than 5 %: the global bound dilutes it
+    v = looprec.verdict(out)
+    looprec.fails_for(v, "gradient", "in tensor ln1.bias by 1 at step 1, above that tensor's bound")
+    assert "x that tensor's own floor" in v.check("gradient").reason

@@ -492,10 +492,13 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
             micros = [rec.step_meta(0, k).get("micro_batches", 1) for k, *_ in lasts]
             reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} ({stated}): "
                       + C.describe_last(lasts, micros, step_counts_of(rec, [k for k, *_ in lasts]), factor_rtol))
-        elif run and first_bad is not None:
+        elif first_bad is not None and first_bad.get("tensor_bound") is not None and \
+                first_bad["tensor_error"] > first_bad["tensor_bound"]:  # run mode, or a tensor's own floor
             reason = (f"the fleet's gradient differs from {what} in tensor {first_bad['tensor']} by "
                       f"{first_bad['tensor_error']:.2g} at step {first_bad['step']}, above that tensor's bound "
-                      f"{first_bad['tensor_bound']:.2g} (all tensors together: {worst:.2g}; {stated})"
+                      f"{first_bad['tensor_bound']:.2g}" + ("" if run else
+                                                           f" ({FLOOR_MULTIPLE:g} x that tensor's own floor)")
+                      + f" (all tensors together: {worst:.2g}; {stated})"
                       + ("" if near_one else ", not by a constant factor"))
         else:
             reason = (f"the fleet's gradient differs from {what} by {worst:.2g} at step {worst_k} (tensor "
