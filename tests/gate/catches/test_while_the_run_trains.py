@@ -248,3 +248,35 @@ def test_stop_on_fail_stops_every_rank_at_the_faulty_step_and_the_recording_is_j
     want = 1.01 * _clip(out, 1, 2) / _clip(out, 0, 2)  # each rank clipped by its own norm
     assert all(abs(float((g1[n].double() * g0[n].double()).sum() / (g0[n].double() ** 2).sum()) - want) < 1e-5
                for n in g0)
+
+
+# ---------------------------------------------------------------- the ranks' copies, rank by rank (issue 37)
+
+@pytest.mark.parametrize("rehash", [False, True])
+def test_a_rank_gradient_edited_after_the_run_fails_ranks_whatever_its_hash_says(followed, tmp_path, rehash):
+    from gatekit import copy_of, edit_json, edit_tensors
+
+    from dormouse.digest import fingerprint
+    from dormouse.gate.artifacts import RecordingSet
+    from dormouse.gate.judge.facts.ranks import check_ranks
+
+    clean = followed["root"] / "ddp"
+    assert check_ranks(RecordingSet(clean)).passed, check_ranks(RecordingSet(clean)).reason
+    out = copy_of(clean, tmp_path / "edited")
+    path = out / "rank1" / "step000002.safetensors"
+    edit_tensors(path, lambda t: t.update({n: v * 1.5 for n, v in t.items() if n.startswith("g/")}))
+    if rehash:  # the edit's hash written beside it: the copies themselves are compared, not only the hashes
+        grads = {n[2:]: v for n, v in _read_all(path).items() if n.startswith("g/")}
+        edit_json(out / "rank1" / "step000002.json", lambda d: d.update(grad_hash=fingerprint(grads)))
+    # the test's own reading: rank 1's gradient is now 1.5 x rank 0's at step 2, equal at step 1
+    g0, g1 = _grads(out, 0, 2), _grads(out, 1, 2)
+    assert all(torch.allclose(g1[n], 1.5 * g0[n]) for n in g0)
+    c = check_ranks(RecordingSet(out))
+    assert not c.passed, c.reason
+    assert "at step 2 rank 1's synchronised gradient differs from rank 0's" in c.reason and "(x1.5)" in c.reason, c.reason
+
+
+def _read_all(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
