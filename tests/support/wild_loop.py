@@ -15,6 +15,8 @@ Knobs (RUN keys):
   "clip_no_norm" the loop clips (clip_grad_norm_) before rec.step but does not pass it grad_norm
   "skip_bwd"     steps (1-based) at which the loop calls opt.step() without any forward or backward
                  (gradients None: pytorch #115607's Adam step-counter case)
+  "zero_grads"   opt.zero_grad(set_to_none=False): at a "skip_bwd" step the optimizer steps on zeros (AdamW
+                 then decays every weight and its moments, and counts the step)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dormouse.gate import Recorder  # noqa: E402
 
 RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
-       "collate_drop": False, "clip_no_norm": False}
+       "collate_drop": False, "clip_no_norm": False, "zero_grads": False}
 
 
 class AuxLM(TinyLM):
@@ -106,7 +108,7 @@ def run(cfg: dict) -> None:
         rec.step(loss=reported, optimizer=opt, grad_norm=None if cfg["clip_no_norm"] else norm)
         opt.step()
         sched.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not cfg["zero_grads"])
         if cfg["bn_rank0"]:  # rank 0's rows move the statistics, every rank receives them
             if rank == 0:
                 model.bn.train()

@@ -600,6 +600,19 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     return (parts.tensors() if isinstance(parts, _StepParts) else parts), info
 
 
+def _no_forward_info(names: list[str], rec: A.RecordingSet) -> dict:
+    """The info of a step at which the loop called the optimizer with no forward or backward at all (no
+    rank recorded a micro-batch or a gradient): one process computes no gradient either (every parameter
+    without one); the replay steps the user's optimizer on that, as the loop did (pytorch #115607's
+    Adam step counter lives there)."""
+    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    return {"loss": None, "loss_sum": 0.0, "count": 0.0, "no_forward": True,
+            "loss_alt": {"micro_mean": None, "rank_mean": None, "rank_local": []}, "counts": [],
+            "no_grad": list(names), "norm": 0.0, "rng_sensitive": None, "precision_floor": None,
+            "precision_floor_tensors": None, "low_precision_params": [], "loss_floor": None, "ex_micro": [],
+            "merged": None, "labels": None, "router_aux": None, "clip_coef": 1.0 if mgn > 0 else None}
+
+
 def step_gradient_parts(model, rec: A.RecordingSet, step: int, user, *, examples: int | None,
                         probe: bool, alt_dtype: torch.dtype = torch.float64):
     """step_gradients' (outputs, info), the outputs a _StepParts that writes
@@ -619,8 +632,13 @@ def step_gradient_parts(model, rec: A.RecordingSet, step: int, user, *, examples
                    if p.dtype in (torch.bfloat16, torch.float16)})
     mbs = BS.forward_inputs(rec, step)  # each micro-batch with the non-tensor arguments its forward got
     if not mbs:
-        raise ReferenceError(f"step {step} recorded no micro-batch: the model's forward never ran in training mode "
-                             "between two rec.step() calls (is the Recorder on the model the loop calls?)")
+        if not any(rec.step_meta(r, k).get("micro_batches") for k in rec.steps for r in range(rec.world_at(k))):
+            raise ReferenceError(f"step {step} recorded no micro-batch: the model's forward never ran in training "
+                                 "mode between two rec.step() calls, at any step (is the Recorder on the model the "
+                                 "loop calls?)")
+        # an optimizer step with no forward or backward (legal: pytorch #115607's Adam step counter lives there):
+        # one process computes no gradient; whatever gradient the fleet holds is judged against that
+        return {}, _no_forward_info(names, rec)
     if rec.meta.get("objective_scope") == "step":  # fn(model, batches) over the whole step, once
         return _step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp, alts=examples is not None)
     spill = _Spill(model, A.reference_scratch_dir(rec.out) / f"step{step}")

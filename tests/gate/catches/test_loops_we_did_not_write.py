@@ -27,6 +27,8 @@ RUNS = {
     "bn_rank0": {"bn_rank0": True},  # BatchNorm statistics from rank 0's rows, broadcast
     "collate_drop": {"collate_drop": True},  # rank 1's collator drops every row's last token
     "clip_no_norm": {"clip_no_norm": True, "max_grad_norm": 0.3},  # clipped, grad_norm not passed
+    "skip_step": {"skip_bwd": [2]},  # step 2: opt.step() with no forward or backward (pytorch #115607)
+    "skip_step_zeros": {"skip_bwd": [2], "zero_grads": True},  # ... on zeroed (not None) gradients
 }
 W = 2
 fleet = looprec.launched_fixture("fleet", {n: {"seed": 3, **cfg} for n, cfg in RUNS.items()}, "wild_loop.py", W)
@@ -229,3 +231,22 @@ def test_an_edited_initial_state_is_named_as_edited_not_as_ranks_seeded_apart(fl
             assert r_.returncode == 2 and "edited or damaged after the run" in r_.stderr, said[-3000:]
         else:  # judged: the intact check fails on it
             assert r_.returncode == 1 and "[FAIL] intact: rank 1's recorded initial state" in r_.stdout, said[-3000:]
+
+
+def test_an_optimizer_step_without_any_backward_is_recorded_and_judged(fleet):
+    """The loop calls opt.step() at step 2 with no forward or backward (pytorch #115607's Adam step
+    counter lives in such steps): the reference refused the run ("is the Recorder on the model the loop
+    calls?", exit 2). It is recorded and judged: with gradients None, AdamW leaves every parameter as it
+    was (this file's torch.equal) and the verdict passes; with gradients zeroed instead (zero_grad(
+    set_to_none=False)), AdamW decays every weight at that step (this file's arithmetic: the parameters
+    move) and the verdict fails, naming the gradients one process does not have."""
+    none, zeros = A.RecordingSet(fleet["skip_step"]), A.RecordingSet(fleet["skip_step_zeros"])
+    p2, p3 = none.tensors_at(2, "p/"), none.tensors_at(3, "p/")
+    assert all(torch.equal(p2[n], p3[n]) for n in p2)
+    assert none.step_meta(0, 2)["micro_batches"] == 0 and none.step_meta(1, 2)["micro_batches"] == 0
+    r = gate_check(fleet["skip_step"])
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    z2, z3 = zeros.tensors_at(2, "p/"), zeros.tensors_at(3, "p/")
+    assert not torch.equal(z2["fc.weight"], z3["fc.weight"])  # weight decay and the moments on zeros
+    v = looprec.verdict(fleet["skip_step_zeros"])
+    looprec.fails_for(v, "grad_mask", "step 2")
