@@ -122,6 +122,8 @@ CONFIGS = {
          "two optimizer steps, the second off-policy (old log-probabilities recorded beside the batch)"),
         ("spg_dapo:loss=dapo:spg=4", "loss_type='dapo', steps_per_generation=4 at GA 2; declared: each step's "
          "global token mean"),
+        ("spg_dr_grpo:loss=dr_grpo:spg=4", "loss_type='dr_grpo', steps_per_generation=4 at GA 2"),
+        ("grpo_gens2:loss=grpo:gens=2", "loss_type='grpo', 2 generations a prompt (4 prompts a step)"),
     ]),
 }
 
@@ -500,6 +502,7 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
               "- Strategy coverage: Lightning's `strategy='fsdp'` does not run on CPU (2.6.6 raises 'requires "
               "a GPU accelerator'); not swept.",
               *_new_findings(rows),
+              *_rl_and_issue_findings(rows),
               "",
               "## History",
               "",
@@ -603,6 +606,88 @@ def _new_findings(rows: list[dict]) -> list[str]:
             "short last step's gradient (one micro-batch per rank) is right (the Trainer counts that step's "
             "tokens). " + (f"With `dataloader_drop_last=True` (`trainer_uneven_drop`, two epochs): "
                            f"{'PASS' if drop['gate']['passed'] else 'FAIL'}." if drop else ""))
+    return out
+
+
+def _rows_words(rows: list[dict], client: str, names: list[str]) -> str:
+    got = [r for r in rows if r["client"] == client and r["spec"].split(":")[0] in names]
+    return ", ".join(f"`{r['spec'].split(':')[0]}` {'PASS' if r['gate']['passed'] else 'FAIL'} (independent "
+                     f"{r['check']['grad_rel']:.2g})" for r in got)
+
+
+def _rl_and_issue_findings(rows: list[dict]) -> list[str]:
+    """The GRPO rows and the open issues reproduced (those swept), with their figures."""
+    out = []
+    if any(r["client"] == "grpo" for r in rows):
+        out.append(
+            "- **TRL's GRPOTrainer, declared** (tests/support/grpo_client.py; trl 1.16, "
+            "`GRPOTrainer._compute_loss`, `trl/trainer/grpo_trainer.py` lines 3060-3174): generation included (the "
+            "policy samples completions of 1..6 tokens, a reward scores them, the advantages are each group's "
+            "normalised rewards), the advantages (and, past the first step of a generation batch, the old "
+            "log-probabilities) recorded beside each micro-batch (`rec.beside`), the completion mask read from "
+            "the forward's own labels. Each `loss_type` declared as TRL's code normalises it: `dapo` (the "
+            "default) the global token mean (`num_items_in_batch` spans the generation batch over every rank), "
+            "`grpo` the mean over completions of each one's token mean, `dr_grpo` the sum over completions x "
+            "`max_completion_length`. " + _rows_words(rows, "grpo", ["dapo", "dapo_s1", "dapo_ga4", "grpo", "grpo_ga1",
+                                                                   "grpo_gens2", "dr_grpo", "spg_grpo",
+                                                                   "spg_dr_grpo"]) +
+            ". What the gate does not judge: the rollout (generation, rewards, the group statistics): they are "
+            "the recorded data.")
+        out.append(
+            "- **`bnpo` normalises over the local batch, by design** (TRL's docs say so): each micro-batch's own "
+            "token mean, divided by the accumulation steps, averaged over the ranks. Declared as one process at "
+            "the global batch computes it (the global token mean), the gate fails it and names the mean of "
+            "per-micro-batch token means: " + _rows_words(rows, "grpo", ["bnpo", "bnpo_ga1"]) + ".")
+        out.append(
+            "- **`dapo` with `steps_per_generation` > gradient accumulation**: the normaliser is "
+            "`num_items_in_batch / W x K / S`, the generation batch's tokens per optimizer step on average, not the "
+            "step's own, so each step's gradient is the step's token mean times (its tokens / the average): the "
+            "gate names a scalar that changes from step to step (" + _rows_words(rows, "grpo", ["spg_dapo"]) +
+            "). Every token of the generation batch weighted alike across its steps: a choice, not a split "
+            "bug (the normaliser does not depend on how the batch is split over ranks); `grpo` and `dr_grpo` "
+            "pass there.")
+    if any(r["client"] == "grpo" and r["spec"].startswith("async") for r in rows):
+        out.append(
+            "- **TRL #7206, reproduced: AsyncGRPOTrainer averages its accumulation micro-batches' token means** "
+            "(trl 1.16, `trl/experimental/async_grpo/async_grpo_trainer.py`: the collator's `global_n_tokens` is "
+            "one micro-batch's trained tokens over every rank, line 615; `compute_loss` divides by it over W and "
+            "by the accumulation steps, lines 1535-1544). AsyncGRPO needs a vLLM server, so row `async` puts its "
+            "normalisation on GRPOTrainer: " + _rows_words(rows, "grpo", ["async"]) + ", named as each rank's "
+            "last micro-batch weighted apart from the others. Reproduction through `AsyncGRPOTrainer.compute_loss` "
+            "itself, one process, CPU: `examples/field/async_grpo_micro_means.py` (completions of 2 and 6 tokens "
+            "as 2 accumulation micro-batches against 1: 8.1e-1 apart; 4 and 4: 4e-8).")
+    if any(r["client"] == "pipeline" for r in rows):
+        out.append(
+            "- **torchtitan #1733, reproduced in torch 2.13's own pipeline schedules**: gradient accumulation over "
+            "several `schedule.step()` calls with `scale_grads` on (the default) divides the gradients ALREADY "
+            "accumulated by the micro-batches again at every call (`PipelineStage.scale_grads`: "
+            "`p.grad.div_(n_microbatches)` on every parameter), a moving average instead of a sum: " +
+            _rows_words(rows, "pipeline", ["pp_accum", "pp_accum_1f1b"]) + "; with `scale_grads=False` and the "
+            "loss divided by micro-batches x calls: " + _rows_words(rows, "pipeline", ["pp_accum_fixed"]) +
+            "; a single call a step: " + _rows_words(rows, "pipeline", ["pp_gpipe", "pp_1f1b"]) + ". "
+            "Reproduction, 2 gloo ranks, CPU: `examples/field/pp_accumulation.py` (a 2-stage MLP, 2 calls of "
+            "2 micro-batches: 3.4e-1 from one process with the default, 5e-8 with the fix).")
+    if any(r["client"] == "expert" for r in rows):
+        out.append(
+            "- **pytorch #160285 (expert gradients doubled, the loss curve unchanged) and torchtitan #3000 (the "
+            "balancing term over local routing counts)**, their mechanisms in a hand-written expert-parallel loop "
+            "(tests/support/ep_loop.py: all_to_all dispatch, experts split over 2 ranks that are also data-"
+            "parallel ranks, the objective declared over the step): " + _rows_words(
+                rows, "expert", ["ep_clean", "ep_top1", "ep_grad_unscaled", "ep_aux_local"]) + ". Mechanisms "
+            "reproduced, not the upstream code: no script.")
+    if any(r["client"] == "lightning" and r["spec"].startswith("micro_mean") for r in rows):
+        out.append(
+            "- **Lightning #20350, reproduced**: with `accumulate_grad_batches`, Lightning divides the loss "
+            "`training_step` returns by the accumulation steps (pytorch-lightning 2.6.6, "
+            "`loops/optimization/automatic.py` lines 83, 329), so the usual per-micro-batch token mean trains the "
+            "mean of the micro-batches' token means, not the larger batch's on padded rows (row `micro_mean`). "
+            "Reproduction, one process, CPU: `examples/field/lightning_accumulation.py` (2 x 2 padded rows "
+            "against 4: 1.2e-1 apart; equal lengths 7e-8).")
+    out.append(
+        "- Not reproduced in this round: torchtitan #2972 (pipeline gradients `global_valid_tokens` times too "
+        "large) and #3280 (TP2 x CP2 logging half the loss) live in torchtitan's own trainer, which is not "
+        "installed in this environment (its llama3 model imports triton); transformers #48687 (a wrong EP "
+        "router gradient, the loss correct) was not attempted.")
     return out
 
 
