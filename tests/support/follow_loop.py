@@ -15,6 +15,8 @@ Faults, by each run's "fault" (the loop's own code, no patched module):
                hand-written all-reduce / W of every gradient but fc.weight's); with the user's hook,
                the hook returns the bucket holding fc.weight unreduced (buckets of ~4 KB)
   fsdp_sum     (FSDP2) the gradient divide factor set to 1: the shards' reduce-scatter sums
+"hook": "bf16": ddp_loop's line-for-line copy of torch's bf16_compress_hook (gloo refuses torch's own);
+  "wire": the Recorder's declared wire ("bf16" when that hook is meant)
 "stop": Recorder(stop_on_fail=True); the RecorderError it raises is caught and printed as
   "[rank R] stopped: ..." (one line), and the loop goes on to the plan's next run.
 "sleep": seconds each step sleeps (a slower fleet, as a real run's steps are).
@@ -39,7 +41,8 @@ from dormouse.gate import Recorder  # noqa: E402
 from dormouse.gate.record.options import RecorderError  # noqa: E402
 
 RUN = {"out": "", "fault": "clean", "from": 1, "hook": None, "fsdp": False, "steps": 4, "micro": 2, "batch": 2,
-       "n": 64, "seed": 0, "sleep": 0.0, "stop": False, "selfcheck": 64}
+       "n": 64, "seed": 0, "sleep": 0.0, "stop": False, "selfcheck": 64,
+       "wire": "fp32"}
 
 
 def user_hook(fault: str, drop: set):
@@ -77,11 +80,15 @@ def run(cfg: dict) -> None:
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
         if cfg["hook"] == "user":
             net.register_comm_hook(None, user_hook(fault, {id(model.fc.weight)}))
+        elif cfg["hook"] == "bf16":
+            from ddp_loop import bf16_wire_hook
+
+            net.register_comm_hook(None, bf16_wire_hook)
     opt, sched = build_optimizer(model, **kw)
     try:
         rec = Recorder(cfg["out"], net, build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
                        objective="causal_lm", max_grad_norm=1.0, dataset_len=n, build_kwargs=kw,
-                       selfcheck=cfg["selfcheck"], stop_on_fail=cfg["stop"])
+                       selfcheck=cfg["selfcheck"], stop_on_fail=cfg["stop"], wire=cfg["wire"])
         data = dataset(n, cfg["seed"])
         per_epoch = n // (world * K * B)
         for s in range(cfg["steps"]):

@@ -142,5 +142,10 @@ def follow(out, *, start: int = 1, every: int = 1, wait: float = 600.0, poll: fl
         if bad:
             log(f"step {k}: FAIL {bad[0]}: {bad[1]}  {lag}")
             return Followed(k, bool(meta.get("closed")), judged, f"{bad[0]}: {bad[1]}")
-        log(f"step {k}: PASS  {lag}")
+        replicas = not meta.get("fsdp") and not (meta.get("layout") or {})
+        if not replicas and not isinstance(metas[0].get("selfcheck"), dict):
+            log(f"step {k}: NOT JUDGED (no replicas to compare rank by rank, and no in-run checks recorded: "
+                f"record with Recorder(selfcheck=k))  {lag}")
+        else:
+            log(f"step {k}: PASS  {lag}")
         k += every
