@@ -526,7 +526,21 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
               "whose model computes that term (`*_aux`, and `sft_mixtral`: the SFTTrainer turns it on) declared "
               "with the default scope now fail the independence check, named: the term is over each forward's "
               "rows, which interact; before, they failed the gradient check as 'not by a constant factor'. "
-              "Declaring `objective_scope='forward'` passes them (tests/gate/catches/test_hf_trainer.py).",
+              "Declaring `objective_scope='forward'` passes the Trainer's rows (`*_aux`: each forward's term counted "
+              "once, as the Trainer adds it; tests/gate/catches/test_hf_trainer.py), but not `sft_mixtral`: "
+              "re-judged with the declaration, its gradient is still off by 0.00093. TRL 1.16's SFTTrainer divides "
+              "the router loss by the accumulation steps (`trl/trainer/sft_trainer.py`, `compute_loss`: `loss + "
+              "weighted_aux_loss / steps` with `steps = current_gradient_accumulation_steps` whenever "
+              "`num_items_in_batch` is given), so under DDP it trains the MEAN of the forwards' router losses, not "
+              "each forward's counted once; the objective a user declares for it must follow that code (the "
+              "forward-scope term divided by the number of micro-batches of the step), which no built-in "
+              "objective does today.",
+              "- Fourth generation: TRL's GRPOTrainer (generation included; each loss type declared as its code "
+              "normalises; what the loss reads beside the forward recorded with `rec.beside`), pipeline-parallel "
+              "loops over torch's own schedules with and without gradient accumulation, and expert-parallel loops "
+              "swept; the open issues of the field reproduced where this CPU allows, each row labelled; the "
+              "independent check's loss code moved into this script (the Lightning and accelerate clients "
+              "trained with the same fieldkit loss their confirmation used).",
               ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
