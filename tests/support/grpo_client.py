@@ -24,11 +24,11 @@ A run's fields:
 
 What each loss type computes, read from trl 1.16's `trl/trainer/grpo_trainer.py`
 (`GRPOTrainer._compute_loss`; line numbers of that file):
-* per-token loss (lines 3112-3119): coef_1 = exp(logp - old_logp), coef_2 = clamp(coef_1, 1 - eps,
+* per-token loss (lines 3112-3120): coef_1 = exp(logp - old_logp), coef_2 = clamp(coef_1, 1 - eps,
   1 + eps_high), loss_t = -min(coef_1 A, coef_2 A), A the completion's advantage; old_logp is
   logp.detach() when no old log-probabilities were computed (lines 3060-3065: num_iterations 1 and
   steps_per_generation <= gradient_accumulation_steps), else the generation-time ones.
-* grpo (3150-3154): mean over the micro-batch's completions of each one's token mean, / K: with B rows
+* grpo (3153-3157): mean over the micro-batch's completions of each one's token mean, / K: with B rows
   in every micro-batch and DDP's average over W ranks, the mean over the step's completions of each
   one's token mean (declare=sequence).
 * bnpo (3158-3162): the micro-batch's token mean, / K: the mean of the micro-batches' token means,
