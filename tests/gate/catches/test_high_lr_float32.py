@@ -12,15 +12,21 @@ from it than the gate's bound at some step."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+
+import pytest
 import torch
 import torch.nn.functional as F
 
 from dormouse.gate import artifacts as A
 from loopmodel import VOCAB, build_model
-from looprec import fails_for, launched_fixture, rel, verdict
+from looprec import QUIET, fails_for, launched_fixture, rel, verdict
 
 high_lr = launched_fixture("high_lr", {"clean": {"lr": 1.0, "steps": 12},
-                                     "eps": {"lr": 1.0, "steps": 2, "fault": "rank1_eps", "eps": 1e-3}},
+                                     "eps": {"lr": 1.0, "steps": 2, "fault": "rank1_eps", "eps": 1e-3},
+                                     "one": {"lr": 1.0, "steps": 1}},
                          "ddp_loop.py", 2)
 
 
@@ -82,3 +88,23 @@ def test_x1_001_on_one_rank_at_lr_1_fails_the_gradient(high_lr):
     # the test's own: rank 1's gradient x 1.001 moves the mean by 5e-4 x norm(g_1) / norm(g) at step 1
     got, _, normalised = _own_forms(high_lr["eps"], 1)
     assert 3e-4 < rel(got, normalised) < 2e-3 and g.worst > 50 * g.bound, (rel(got, normalised), g.reason)
+
+
+@pytest.mark.parametrize("times, words", [(3, "a norm computed in another arithmetic"),
+                                          (3e4, "clipping by a local or partial norm")])
+def test_a_norm_near_its_bound_is_another_arithmetic_and_one_far_off_a_local_or_partial_norm(high_lr, tmp_path,
+                                                                                              times, words):
+    from dormouse.gate.judge.entry import judge_recording
+    from dormouse.gate.record.reference import make_reference
+
+    clean = verdict(high_lr["one"]).check("clip")
+    bound = float(re.search(r"against its bound ([0-9.e+-]+)", clean.reason).group(1))
+    d = tmp_path / "one"
+    shutil.copytree(high_lr["one"], d, ignore=shutil.ignore_patterns("reference*"))
+    for r in (0, 1):  # every rank reports the same norm, off from the loop's own by `times` x the stated bound
+        path = A.step_meta_path(d, r, 1)
+        meta = json.loads(path.read_text())
+        meta["grad_norm"] *= 1 + times * bound
+        path.write_text(json.dumps(meta))
+    make_reference(d, log=QUIET)
+    fails_for(judge_recording(d), "clip", words)
