@@ -6,9 +6,8 @@ and the judge applies it to the recording (judge/facts/reduction.py,
 The reduction is linear: every element of the synchronised gradient is the
 reduction (mean or sum over the ranks, times the clip coefficient where the
 loop clipped first) of that element of the ranks' local gradients. Each step,
-every rank reads the same k elements of each tensor (`sample_index`: drawn
-from one shared seed, the step and the tensor's name; every element of a
-tensor of at most k) from its local gradient before the reduce and from the
+every rank reads the same k elements of each tensor (`sample_indices`: drawn
+from one shared seed and the step; every element of a tensor of at most k) from its local gradient before the reduce and from the
 synchronised one after it. What a wrong reduction does then shows tensor by
 tensor at k numbers per tensor per rank: a factor (W: summed, not averaged), a
 tensor not reduced (equal to the rank's own gradient: a missing all-reduce, a
@@ -32,7 +31,6 @@ magnitudes it adds.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 
@@ -41,13 +39,14 @@ WIRE_UNIT = {"fp32": 2.0**-24, "bf16": 2.0**-8}
 REDUCTIONS = ("mean", "sum")
 
 
-def sample_index(name: str, numel: int, k: int, seed: int, step: int) -> torch.Tensor:
-    """The elements of tensor `name` (flat global index) the checks read at `step`:
-    every one when numel <= k, else k drawn uniformly from (seed, step, name)."""
-    if numel <= k:
-        return torch.arange(numel)
-    g = torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919 + zlib.crc32(name.encode())) % (2**63))
-    return torch.randint(0, numel, (k,), generator=g)
+def sample_indices(names: list[str], numel: dict[str, int], k: int, seed: int, step: int) -> dict[str, torch.Tensor]:
+    """The elements of each tensor (flat global index) the checks read at `step`:
+    every one of a tensor of at most k elements, else k drawn uniformly, all
+    tensors' at once from (seed, step) (every rank draws the same)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919) % (2**63))
+    u = torch.rand(len(names), k, generator=g, dtype=torch.float64)
+    return {n: (torch.arange(numel[n]) if numel[n] <= k else (u[i] * numel[n]).long().clamp_(max=numel[n] - 1))
+            for i, n in enumerate(names)}
 
 
 def _norm(x: torch.Tensor) -> float:

@@ -46,8 +46,7 @@ class Watch:
         self.dtype = {n: str(p.dtype).removeprefix("torch.") for n, p in self.named}
         self.step = 1
         self.index: dict[str, torch.Tensor] = {}
-        self.local: dict[str, torch.Tensor] = {}
-        self.mag: dict[str, torch.Tensor] = {}
+        self.parts: dict[str, list[torch.Tensor]] = {}
         self.hooks = []
         self.watched: set[int] = set()
         if placements:  # FSDP2: autograd accumulates into each FSDPParam's unsharded parameter (made at its
@@ -62,7 +61,7 @@ class Watch:
     def begin(self, step: int) -> None:
         """The elements step `step` reads (every rank alike)."""
         self.step = step
-        self.index = {n: rule.sample_index(n, self.numel[n], self.k, self.seed, step) for n, _ in self.named}
+        self.index = rule.sample_indices([n for n, _ in self.named], self.numel, self.k, self.seed, step)
 
     def _fsdp_params(self, module) -> list:
         from torch.distributed.fsdp import FSDPModule
@@ -102,15 +101,18 @@ class Watch:
         return out
 
     def _add(self, name: str, leaf: torch.Tensor, grad: torch.Tensor):
-        if name not in self.index:
-            return None
-        v = self._at(name, grad)
-        if name not in self.local:  # what .grad held before the step's first accumulation (a loop that never
-            held = leaf.grad            # zeroes it), which the reduce receives too
-            h = self._at(name, held) if held is not None and not hasattr(held, "to_local") else torch.zeros_like(v)
-            self.local[name], self.mag[name] = h, h.abs()
-        self.local[name] += v
-        self.mag[name] += v.abs()
+        """One contribution autograd is about to accumulate into `leaf`: its k elements, kept (a copy) to be
+        summed in float64 at rec.step; at the step's first, what .grad held before (a loop that never zeroes
+        it: the reduce receives that too)."""
+        parts = self.parts.get(name)
+        if parts is None:
+            held = leaf.grad
+            parts = self.parts[name] = ([self._at(name, held)] if held is not None and not hasattr(held, "to_local")
+                                        else [])
+        idx = self.index[name]
+        if idx.device != grad.device:
+            idx = self.index[name] = idx.to(grad.device)
+        parts.append(grad.detach().reshape(-1)[idx])
         return None
 
     def _shard_lo(self, name: str, piece: torch.Tensor) -> int:
@@ -139,7 +141,11 @@ class Watch:
         every rank reaches alike from every rank's numbers (one all_gather)."""
         if self._fsdp:
             self._watch_fsdp()
-        local, mag, self.local, self.mag = self.local, self.mag, {}, {}
+        parts, self.parts = self.parts, {}
+        local, mag = {}, {}
+        for n, xs in parts.items():  # the contributions' elements summed in float64, and their magnitudes
+            x = torch.stack([v.double() for v in xs])
+            local[n], mag[n] = x.sum(0), x.abs().sum(0)
         names = [n for n, _ in self.named]
         params = dict(module_named)
         sync, psk, present = {}, {}, []
@@ -169,8 +175,9 @@ class Watch:
         parts = [list(row.split(cuts)) for row in rows]
         P = len(names)
         W = self.world
-        present_r = [[int(x) & 1 for x in parts[r][4 * P][:P]] for r in range(W)]
-        local_r = [[int(x) & 2 for x in parts[r][4 * P][:P]] for r in range(W)]
+        flags_r = [[int(x) for x in parts[r][4 * P][:P].tolist()] for r in range(W)]
+        present_r = [[x & 1 for x in f] for f in flags_r]
+        local_r = [[x & 2 for x in f] for f in flags_r]
         loc = [{n: parts[r][j] for j, n in enumerate(names) if local_r[r][j]} for r in range(W)]
         mags = [{n: parts[r][P + j] for j, n in enumerate(names) if local_r[r][j]} for r in range(W)]
         syn = [{n: parts[r][2 * P + j] for j, n in enumerate(names) if present_r[r][j]} for r in range(W)]
