@@ -50,6 +50,7 @@ LONGEST_FIRST = (
     "tests/gate/catches/test_expert_parallel.py",  # 30 (one 2-rank launch of 6 recordings)
     "tests/test_distributed.py",  # 20
     "tests/gate/catches/test_named_causes.py",  # 20
+    "tests/gate/catches/test_while_the_run_trains.py",  # 30 (a 40-step fleet slowed by a sleep, its followers)
     "tests/gate/catches/test_own_fleet_exact.py",  # 45
     "tests/gate/catches/test_own_fleet_bf16_model.py",  # 45
     "notebooks/",  # 13 (nbmake: the four notebooks at their defaults, presenting gate_run's gate in a fresh clone)
