@@ -592,7 +592,9 @@ class Recorder:
         what it passed to sampler.set_epoch) gives the data check the loop's
         own epochs instead of ones inferred from dataset_len. `extra`: tensors
         of this rank's own kept with the step as x/<name> (not assembled, not
-        judged but by a client's own facts)."""
+        judged but by a client's own facts). `loss_sum`, `tokens`: this rank's own
+        loss sum and token count of the step, for the in-run check of the logged
+        loss (selfcheck > 0)."""
         if self.closed:
             raise RecorderError("rec.step() after rec.close()")
         self.k += 1
