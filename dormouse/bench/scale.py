@@ -58,6 +58,15 @@ def _rss(pid: int) -> int:
         return 0
 
 
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) the process has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -92,8 +101,9 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, kill_bytes: int, log) -> d
             r = _rss(q)
             total += r
             if q not in peaks:
-                peaks[q] = [_cmdline(q), 0]
+                peaks[q] = [_cmdline(q), 0, 0.0]
             peaks[q][1] = max(peaks[q][1], r)
+            peaks[q][2] = max(peaks[q][2], _cpu(q))  # the last reading before it ends
         tree_peak = max(tree_peak, total)
         if total > kill_bytes and not killed:
             killed = True
@@ -102,6 +112,7 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, kill_bytes: int, log) -> d
         time.sleep(0.2)
     reader.join(timeout=5)
     return {"wall_s": time.perf_counter() - t0, "rc": p.returncode, "killed": killed, "tree_peak": tree_peak,
+            "cpu_s": sum(v[2] for v in peaks.values()),
             "peaks": {q: v for q, v in peaks.items() if v[1]}, "output": "".join(lines)[-4000:]}
 
 
@@ -141,7 +152,7 @@ def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int,
         out = tmp / f"{size}-{mode}"
         log(f"  {size}: training, recorder {mode} ...")
         res = measured(run + [str(out)], env={**base, **extra}, cwd=cwd, kill_bytes=kill_bytes, log=log)
-        row[mode] = {"wall_s": res["wall_s"], "rc": res["rc"], "killed": res["killed"],
+        row[mode] = {"wall_s": res["wall_s"], "cpu_s": res["cpu_s"], "rc": res["rc"], "killed": res["killed"],
                      "rank_peak_gb": _rank_peak(res) / GB}
         if mode != "none" and res["rc"] == 0:
             row[mode]["disk_per_step_gb"] = _disk_per_step(out, steps) / GB
@@ -151,7 +162,7 @@ def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int,
             log(f"  {size}: gate check ...")
             chk = measured([sys.executable, "-m", "dormouse", "gate", "check", "--out", str(out), "--threads",
                             str(threads)], env=base, cwd=cwd, kill_bytes=kill_bytes, log=log)
-            row["check"] = {"wall_s": chk["wall_s"], "rc": chk["rc"], "killed": chk["killed"],
+            row["check"] = {"wall_s": chk["wall_s"], "cpu_s": chk["cpu_s"], "rc": chk["rc"], "killed": chk["killed"],
                             "peak_gb": max((v[1] for v in chk["peaks"].values()), default=0) / GB,
                             "verdict": _verdict(chk["output"]), "output": chk["output"][-3000:]}
         shutil.rmtree(out, ignore_errors=True)
@@ -168,14 +179,20 @@ def ratios(row: dict) -> dict:
         r["overhead_full"] = full["wall_s"] / none["wall_s"]
     if chk and full.get("wall_s"):
         r["check_time_ratio"] = chk["wall_s"] / full["wall_s"]
+    if chk and full.get("cpu_s"):
+        r["check_cpu_ratio"] = chk["cpu_s"] / full["cpu_s"]
+    if none.get("cpu_s") and full.get("cpu_s"):
+        r["overhead_full_cpu"] = full["cpu_s"] / none["cpu_s"]
+    if none.get("cpu_s") and sk.get("cpu_s"):
+        r["overhead_sketch_cpu"] = sk["cpu_s"] / none["cpu_s"]
     if chk and full.get("rank_peak_gb"):
         r["check_memory_ratio"] = chk["peak_gb"] / full["rank_peak_gb"]
     return r
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | run unrecorded → sketched → full (s) | overhead sketched / full | disk per step sketched / "
-            "full | one training rank's peak | `gate check` wall (× the full run) | check peak (× a rank's) | "
+    head = ("| model | run unrecorded → sketched → full (s) | recorded / unrecorded, sketched / full | disk per step sketched / "
+            "full | one training rank's peak | `gate check` wall (× the full run's wall; CPU × its CPU) | check peak (× a rank's) | "
             "verdict |")
     lines = [head, "|" + "---|" * 8]
     for row in rows:
@@ -187,10 +204,12 @@ def table(rows: list[dict]) -> str:
 
         lines.append(
             f"| {row['size']} ({row.get('params_m', '?')}M) | {w(n)} → {w(s)} → {w(f)} | "
-            f"{r.get('overhead_sketch', float('nan')):.2f} / {r.get('overhead_full', float('nan')):.2f} | "
+            f"{r.get('overhead_sketch', float('nan')):.2f} / {r.get('overhead_full', float('nan')):.2f} (CPU "
+            f"{r.get('overhead_sketch_cpu', float('nan')):.2f} / {r.get('overhead_full_cpu', float('nan')):.2f}) | "
             f"{s.get('disk_per_step_gb', float('nan')):.3f} / {f.get('disk_per_step_gb', float('nan')):.2f} GB | "
             f"{f.get('rank_peak_gb', float('nan')):.2f} GB | "
-            + (f"{c['wall_s']:.0f} s ({r.get('check_time_ratio', float('nan')):.2f} ×) | "
+            + (f"{c['wall_s']:.0f} s ({r.get('check_time_ratio', float('nan')):.2f} ×; CPU "
+               f"{r.get('check_cpu_ratio', float('nan')):.2f} ×) | "
                f"{c['peak_gb']:.2f} GB ({r.get('check_memory_ratio', float('nan')):.2f} ×) | {c['verdict'][:90]} |"
                if c else "— | — | — |"))
     return "\n".join(lines)
