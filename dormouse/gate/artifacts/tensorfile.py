@@ -29,50 +29,67 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
            torch.bool: "BOOL"}
 
 
+_NAMES = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (JSON) and where its data starts."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n)), 8 + n
+
+
 class LazyTensors(Mapping):
     """The tensors of safetensors files by key, each read when asked (a later
     file's key replaces an earlier one's). Raises DormouseError (one line)
     when a file is missing or unreadable."""
 
     def __init__(self, paths: Iterable[Path], what: str):
-        from safetensors import safe_open
-
         self.what = what
-        self._where: dict[str, str] = {}
+        self._where: dict[str, tuple[str, torch.dtype, list[int], int, int]] = {}  # path, dtype, shape, bytes
         self.metadata: dict = {}
         for path in paths:
             path = Path(path)
             if not path.exists():
                 raise DormouseError(f"{what} {str(path)!r} is missing: the recording is incomplete (a rank crashed?)")
             try:
-                with safe_open(str(path), framework="pt") as f:
-                    self.metadata.update(f.metadata() or {})
-                    self._where.update(dict.fromkeys(f.keys(), str(path)))
+                header, base = _header(path)
             except Exception as e:
                 raise DormouseError(f"{what} {str(path)!r} cannot be read ({e}): re-record") from e
+            self.metadata.update(header.pop("__metadata__", None) or {})
+            for key, h in header.items():
+                a, b = h["data_offsets"]
+                self._where[key] = (str(path), _NAMES[h["dtype"]], list(h["shape"]), base + a, base + b)
+
+    def _read(self, key: str, start: int, stop: int, shape: list[int]) -> torch.Tensor:
+        """Bytes start:stop of the file that holds `key`, as a tensor of its dtype and `shape` (one copy,
+        read with plain file I/O: nothing of the file stays mapped once the caller drops the tensor)."""
+        path, dtype = self._where[key][:2]
+        out = torch.empty(stop - start, dtype=torch.uint8)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                got = f.readinto(out.numpy()) if stop > start else 0
+        except OSError as e:
+            raise DormouseError(f"{self.what} {path!r} cannot be read ({e}): re-record") from e
+        if got != stop - start:
+            raise DormouseError(f"{self.what} {path!r} cannot be read (it ends inside {key!r}): re-record")
+        return out.view(dtype).reshape(shape)
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        path = self._where[key]
-        try:
-            with safe_open(path, framework="pt") as f:
-                return f.get_tensor(key)
-        except Exception as e:
-            raise DormouseError(f"{self.what} {path!r} cannot be read ({e}): re-record") from e
+        path, dtype, shape, a, b = self._where[key]
+        return self._read(key, a, b, shape)
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of a tensor (its first dimension), read alone."""
-        from safetensors import safe_open
-
-        with safe_open(self._where[key], framework="pt") as f:
-            return f.get_slice(key)[start:stop]
+        path, dtype, shape, a, b = self._where[key]
+        start, stop = max(0, min(start, shape[0])), max(0, min(stop, shape[0]))
+        stop = max(start, stop)
+        row = (b - a) // shape[0] if shape[0] else 0
+        return self._read(key, a + start * row, a + stop * row, [stop - start, *shape[1:]])
 
     def shape(self, key: str) -> list[int]:
-        from safetensors import safe_open
-
-        with safe_open(self._where[key], framework="pt") as f:
-            return list(f.get_slice(key).get_shape())
+        return list(self._where[key][2])
 
     def __contains__(self, key) -> bool:
         return key in self._where
