@@ -498,7 +498,7 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
               "runs W times faster than one process's; the gate's replay fails on the lr. Documented "
               "behaviour, not an upstream bug.",
               "- **`average_tokens_across_devices=False`**: each rank its own token count (known, "
-              "docs/your-loop.md).",
+              "docs/clients/hf.md).",
               "- The faults planted through each framework's own extension points fail, named: a per-rank "
               "count and a per-micro-batch mean in Lightning, a clip before the reduce in Lightning's manual "
               "optimization, a per-micro-batch mean under accelerate's `accumulate()`, "

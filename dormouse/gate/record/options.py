@@ -18,7 +18,7 @@ EXAMPLE_ID_KEYS = ("idx", "example_id")
 INPUTS = ("input_ids", "attention_mask", "labels")
 
 
-# What the declared objective is a function of (docs/your-loop.md, "Objectives over more than one row"):
+# What the declared objective is a function of (docs/objectives.md):
 #   example  each row alone: a sum over rows (the default); the reference checks that a row's
 #            gradient does not depend on the rows beside it, nor on which rows share a forward
 #   forward  each forward's own statistics (a per-forward load-balancing term, what HF's MoE models

@@ -58,7 +58,7 @@ def test_a_clean_loop_computing_its_loss_outside_autocast_passes(recs):
 
 
 def test_a_flat_model_whose_forward_enters_autocast_is_a_false_alarm_never_a_pass(recs):
-    # docs/your-loop.md's limit: no submodule pre-hook fires inside the patched forward, autocast is
+    # docs/limits.md's limit: no submodule pre-hook fires inside the patched forward, autocast is
     # not recorded, the float32 reference fails the clean run (1.0e-2 against 1e-5); the reason says
     # nothing of precision, but the verdict is never a PASS it should not be
     v = looprec.verdict(recs["flat_patch"])
