@@ -141,14 +141,15 @@ def _verdict(output: str) -> str:
     return f"{said} ({names}: {failed[0].split(':', 1)[1].strip()[:100]}...)"
 
 
-def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int, log) -> dict:
+def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int, log, partial=None) -> dict:
     root = repo_root()
     cwd = root / SCRIPT.parent
     base = {**os.environ, "SCALE": size, "STEPS": str(steps), "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT.name]
     row: dict = {"size": size, "steps": steps}
-    for mode, extra in (("none", {"RECORD": "0"}), ("sketch", {"SKETCH": "256"}), ("full", {"SKETCH": "0"})):
+    # full tensors (and the check) first: the figures a short allocation must not lose
+    for mode, extra in (("full", {"SKETCH": "0"}), ("none", {"RECORD": "0"}), ("sketch", {"SKETCH": "256"})):
         out = tmp / f"{size}-{mode}"
         log(f"  {size}: training, recorder {mode} ...")
         res = measured(run + [str(out)], env={**base, **extra}, cwd=cwd, kill_bytes=kill_bytes, log=log)
@@ -167,6 +168,8 @@ def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int,
                             "verdict": _verdict(chk["output"]), "output": chk["output"][-3000:]}
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(Path(str(out) + "-trainer"), ignore_errors=True)
+        if partial is not None:
+            partial(row)
     return row
 
 
@@ -234,7 +237,11 @@ def scale_main(sizes: list[str], *, steps: int, out: Path, docs: Path | None, ki
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dormouse-scale-") as tmp:
         for size in sizes:
-            row = one_size(size, steps=steps, tmp=Path(tmp), kill_bytes=int(kill_gb * GB), threads=threads, log=log)
+            def partial(row, done=tuple(rows)):  # what is measured so far, written as it comes
+                atomic.write_text(out, json.dumps({"rows": [*done, row], "partial": True}, indent=1) + "\n")
+
+            row = one_size(size, steps=steps, tmp=Path(tmp), kill_bytes=int(kill_gb * GB), threads=threads, log=log,
+                           partial=partial)
             row["params_m"] = PARAMS_M.get(size, "?")
             row.update(ratios(row))
             rows.append(row)
