@@ -78,13 +78,6 @@ def check_clip(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
             coefs = f"coefficient {metas[0].get('clip_coef'):.4g}, one process {info['clip_coef']:.4g}"
             far = max(o for o in off if math.isfinite(o)) if any(math.isfinite(o) for o in off) else math.inf
             stated = f"off by {far:.2g}, bound {tol:.2g}: the norm's float32 arithmetic and the gradient's"
-            if far <= FACTOR_AWAY * tol and not differ:
-                return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {norms[0]:.6g} where "
-                                            f"one process's gradient has norm {want:.6g} ({stated} bound; {coefs}): "
-                                            f"within {FACTOR_AWAY:g} x the bound, nearer than a local or partial "
-                                            "norm would be: a norm computed in another arithmetic (a lower "
-                                            "precision, or a coarser float32 sum than torch's), or an edited "
-                                            "recording")
             if differ and _never_reduced(rec, ref, arithmetic_bound(rec, ref, grad_rtol(info), k)) is not None:
                 return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
                                             "its own gradient's: the gradients were never all-reduced (see gradient),"
@@ -101,6 +94,13 @@ def check_clip(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                 return Check("clip", False, f"at step {k} the loop clipped by its own synchronised gradient's norm "
                                             f"{norms[0]:.6g}, but one process's gradient has norm {want:.6g}: the "
                                             "gradient itself is wrong (see gradient)")
+            if far <= FACTOR_AWAY * tol and not differ:
+                return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {norms[0]:.6g} where "
+                                            f"one process's gradient has norm {want:.6g} ({stated} bound; {coefs}): "
+                                            f"within {FACTOR_AWAY:g} x the bound, nearer than a local or partial "
+                                            "norm would be: a norm computed in another arithmetic (a lower "
+                                            "precision, or a coarser float32 sum than torch's), or an edited "
+                                            "recording")
             return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {norms[0]:.6g}, "
                                         f"neither its synchronised gradient's ({own:.6g}) nor one process's "
                                         f"({want:.6g}), {stated}: clipping by a local or partial norm ({coefs})")
