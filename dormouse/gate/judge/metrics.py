@@ -52,13 +52,19 @@ def first_difference(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tup
 
 
 
+def _sq(x: torch.Tensor) -> float:
+    """sum x_i^2 in float64, one pass (a dot product: no squared copy)."""
+    x = x.double().reshape(-1)
+    return float(torch.dot(x, x))
+
+
 def norm(d: dict[str, torch.Tensor], names) -> float:
-    return math.sqrt(sum(float((d[n].double() ** 2).sum()) for n in names))
+    return math.sqrt(sum(_sq(d[n]) for n in names))
 
 
 
 def dot(a, b, names) -> float:
-    return sum(float((a[n].double().reshape(-1) * b[n].double().reshape(-1)).sum()) for n in names)
+    return sum(float(torch.dot(a[n].double().reshape(-1), b[n].double().reshape(-1))) for n in names)
 
 
 
@@ -66,7 +72,7 @@ def rel(a: dict, b: dict, names=None) -> float:
     """||a - b|| / ||b|| over the tensors `names` (all of b's) taken as one vector."""
     names = sorted(b) if names is None else names
     den = norm(b, names)
-    num = math.sqrt(sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in names))
+    num = math.sqrt(sum(_sq(a[n].double() - b[n].double()) for n in names))
     x = num / den if den > 0 else num
     return x if math.isfinite(x) else math.inf  # NaN compares false with every bound: above all of them
 
@@ -79,7 +85,7 @@ def fit(a: dict, b: dict, names) -> tuple[float, float]:
     if not c:
         return c, math.inf
     # rel(a, c b) tensor by tensor, c b never held whole (a gradient of 124M parameters in float64 is 1 GB)
-    num = math.sqrt(sum(float(((a[n].double() - b[n].double() * c) ** 2).sum()) for n in names))
+    num = math.sqrt(sum(_sq(a[n].double() - b[n].double() * c) for n in names))
     den = abs(c) * math.sqrt(bb)
     x = num / den if den > 0 else num
     return c, (x if math.isfinite(x) else math.inf)
