@@ -133,28 +133,42 @@ def _all_within(local, mags, sync, params, *, names, dtype, micro, clips, wire, 
     def cat(d, n_=names):
         return torch.cat([d[n].double() if n in d else torch.zeros(m, dtype=torch.float64) for n, m in zip(n_, sizes)])
 
-    loc, mag = [cat(x) for x in local], [cat(x) for x in mags]
     u = torch.repeat_interleave(torch.tensor([UNIT.get(dtype.get(n, "float32"), 2.0**-24) for n in names],
                                              dtype=torch.float64), torch.tensor(sizes))
+    ps = [torch.cat([p[n].double() for n in names if n in p]) for p in params] if params and all(params) else None
+    return all_within(torch.stack([cat(x) for x in local]), torch.stack([cat(x) for x in mags]),
+                      torch.stack([cat(x) for x in sync]), ps, u=u, micro=micro, clips=clips, wire=wire,
+                      reduction=reduction, sharded=sharded)
+
+
+def all_within(loc: torch.Tensor, mag: torch.Tensor, syn: torch.Tensor, params, *, u: torch.Tensor, micro: int,
+               clips: list, wire: str, reduction: str, sharded: bool) -> bool:
+    """_all_within on every tensor's elements laid end to end: (W, S) float64 rows of
+    the ranks' local elements, their magnitudes and their synchronised elements
+    (zeros where a rank has none), `params` the ranks' parameter elements (None:
+    not compared), `u` each element's unit round-off. The Recorder calls it on the
+    rows it gathered as they are, with no pass tensor by tensor."""
+    world = loc.shape[0]
     g = world * torch.clamp(WIRE_UNIT.get(wire, 2.0**-24) / u, min=1.0) + micro + 4
-    red, redmag = _red(loc, reduction), _red(mag, reduction)
-    gots = [sum(cat(s) for s in sync)] if sharded else [cat(s) for s in sync]
-    for r, got in enumerate(gots):
+    red, redmag = loc.sum(0), mag.sum(0)
+    if reduction == "mean":
+        red, redmag = red / world, redmag / world
+    gots = syn.sum(0, keepdim=True) if sharded else syn
+    for r in range(gots.shape[0]):
         c = 1.0 if clips[r] is None else float(clips[r])
+        got = gots[r]
         if not bool(((got - red * c).abs() <= g * u * (redmag * c + got.abs()) + 1e-300).all()):
             return False
-    if not sharded and any(not torch.equal(gots[0], x) for x in gots[1:]):
+    if not sharded and any(not torch.equal(gots[0], gots[r]) for r in range(1, world)):
         return False
-    if not sharded and params and all(params):
-        ps = [torch.cat([p[n].double() for n in names if n in p]) for p in params]
-        if any(not torch.equal(ps[0], x) for x in ps[1:]):
-            return False
+    if not sharded and params is not None and any(not torch.equal(params[0], x) for x in params[1:]):
+        return False
     return True
 
 
 def step_findings(local: list[dict], mags: list[dict], sync: list[dict], params: list[dict], *, names: list[str],
                   dtype: dict, micro: int, clips: list, wire: str, reduction: str, sharded: bool,
-                  losses: list[tuple] | None = None) -> list[str]:
+                  losses: list[tuple] | None = None, within: bool | None = None) -> list[str]:
     """Every finding of one step from every rank's sampled elements ({name: k
     numbers}): `local` their local gradients' (`mags`: their contributions'
     magnitudes summed), `sync` their synchronised gradients' (under FSDP2,
@@ -164,8 +178,10 @@ def step_findings(local: list[dict], mags: list[dict], sync: list[dict], params:
     count), None where a rank passed none. The Recorder (every rank, from the
     gathered sketches) and the judge (from the recording) call this alike."""
     world = len(local)
-    if _all_within(local, mags, sync, params, names=names, dtype=dtype, micro=micro, clips=clips, wire=wire,
-                   reduction=reduction, sharded=sharded):  # the usual step: one pass over every tensor at once
+    if within is None:  # the usual step: one pass over every tensor at once (the caller's, where it ran it)
+        within = _all_within(local, mags, sync, params, names=names, dtype=dtype, micro=micro, clips=clips, wire=wire,
+                             reduction=reduction, sharded=sharded)
+    if within:
         names = []
     findings = []
     for n in names:

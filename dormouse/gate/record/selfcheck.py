@@ -47,6 +47,7 @@ class Watch:
         self.step = 1
         self.index: dict[str, torch.Tensor] = {}
         self.parts: dict[str, list[torch.Tensor]] = {}
+        self.u_vec: torch.Tensor | None = None
         self.hooks = []
         self.watched: set[int] = set()
         if placements:  # FSDP2: autograd accumulates into each FSDPParam's unsharded parameter (made at its
@@ -171,27 +172,47 @@ class Watch:
                          *(psk.get(n, torch.zeros(m + 1, dtype=torch.float64, device=dev)).to(dev)
                            for n, m in zip(names, sizes)), tail])
         rows = self._gather(vec)
-        cuts = sizes * 3 + [m + 1 for m in sizes] + [len(flags) + 4]
-        parts = [list(row.split(cuts)) for row in rows]
-        P = len(names)
-        W = self.world
-        flags_r = [[int(x) for x in parts[r][4 * P][:P].tolist()] for r in range(W)]
-        present_r = [[x & 1 for x in f] for f in flags_r]
-        local_r = [[x & 2 for x in f] for f in flags_r]
-        loc = [{n: parts[r][j] for j, n in enumerate(names) if local_r[r][j]} for r in range(W)]
-        mags = [{n: parts[r][P + j] for j, n in enumerate(names) if local_r[r][j]} for r in range(W)]
-        syn = [{n: parts[r][2 * P + j] for j, n in enumerate(names) if present_r[r][j]} for r in range(W)]
-        par = [] if self.placements else [{n: parts[r][3 * P + j] for j, n in enumerate(names)} for r in range(W)]
-        implied = (rule.implied_clip(loc, syn, names, self.reduction, bool(self.placements))
-                   if clip is None and clip_unknown else None)
-        extras = [parts[r][4 * P][P:] for r in range(W)]
+        P, W, S = len(names), self.world, sum(sizes)
+        R = torch.stack(rows)  # (W, L): every rank's elements, tensors end to end, as rule.all_within reads them
+        tails = R[:, 4 * S + P:].tolist()
+        flags_r = [[int(x) for x in t[:P]] for t in tails]
         num = lambda x: float(x) if x == x else None  # noqa: E731  (NaN: not passed)
-        losses = [(num(e[2]), num(e[0]), num(e[1])) for e in extras]
-        clips = [implied if implied is not None else num(e[3]) for e in extras]
-        findings = rule.step_findings(loc, mags, syn, par, names=names, dtype=self.dtype, micro=micro, clips=clips,
-                                      wire=self.wire, reduction=self.reduction, sharded=bool(self.placements),
-                                      losses=losses)
-        cpu = lambda d: {n: v.detach().cpu() for n, v in d.items()}  # noqa: E731
+        losses = [(num(t[P + 2]), num(t[P]), num(t[P + 1])) for t in tails]
+        clips = [num(t[P + 3]) for t in tails]
+        sharded = bool(self.placements)
+        implied = None
+        if clip is None and clip_unknown:  # the one factor <= 1 over every tensor (rule.implied_clip's)
+            want = R[:, :S].sum(0) / (W if self.reduction == "mean" else 1)
+            got = R[:, 2 * S:3 * S].sum(0) if sharded else R[0, 2 * S:3 * S]
+            den = float((want * want).sum())
+            c = float((got * want).sum()) / den if den > 0 else None
+            implied = c if c is not None and 0 < c <= 1 else None
+            clips = [implied if implied is not None else x for x in clips]
+        if self.u_vec is None or self.u_vec.numel() != S:
+            self.u_vec = torch.repeat_interleave(
+                torch.tensor([rule.UNIT.get(self.dtype[n], 2.0**-24) for n in names], dtype=torch.float64),
+                torch.tensor(sizes))
+        pblock = None if sharded else [R[r, 3 * S:4 * S + P] for r in range(W)]
+        within = (all(f == flags_r[0] for f in flags_r) or sharded) and rule.all_within(
+            R[:, :S], R[:, S:2 * S], R[:, 2 * S:3 * S], pblock, u=self.u_vec, micro=micro, clips=clips, wire=self.wire,
+            reduction=self.reduction, sharded=sharded)
+        if within:  # the usual step: no pass tensor by tensor (the loss alone is left to check)
+            findings = rule.step_findings([], [], [], [], names=[], dtype=self.dtype, micro=micro, clips=clips,
+                                          wire=self.wire, reduction=self.reduction, sharded=sharded, losses=losses,
+                                          within=True)
+        else:  # every tensor by name, to name the causes
+            cuts = sizes * 3 + [m + 1 for m in sizes] + [P + 4]
+            parts = [list(row.split(cuts)) for row in rows]
+            present_r = [[x & 1 for x in f] for f in flags_r]
+            local_r = [[x & 2 for x in f] for f in flags_r]
+            loc = [{n: parts[r][j] for j, n in enumerate(names) if local_r[r][j]} for r in range(W)]
+            mags = [{n: parts[r][P + j] for j, n in enumerate(names) if local_r[r][j]} for r in range(W)]
+            syn = [{n: parts[r][2 * P + j] for j, n in enumerate(names) if present_r[r][j]} for r in range(W)]
+            par = [] if sharded else [{n: parts[r][3 * P + j] for j, n in enumerate(names)} for r in range(W)]
+            findings = rule.step_findings(loc, mags, syn, par, names=names, dtype=self.dtype, micro=micro,
+                                          clips=clips, wire=self.wire, reduction=self.reduction, sharded=sharded,
+                                          losses=losses, within=False)
+        cpu = lambda d: {n: (v if v.device.type == "cpu" else v.detach().cpu()) for n, v in d.items()}  # noqa: E731
         tensors = {**{A.LOCAL_SKETCH + n: v for n, v in cpu(local).items()},
                    **{A.ABS_SKETCH + n: v for n, v in cpu(mag).items()},
                    **{A.SYNC_SKETCH + n: v for n, v in cpu(sync).items()},
