@@ -142,6 +142,9 @@ PLANS = {
         ("pp_accum_fixed", {"pp": True, "schedule": "GPipe", "micro": 2, "rows": 4, "accum": 2, "scale": False,
                             "seed": 4},
          "gradient accumulation over 2 calls with scale_grads=False, the loss divided by micro-batches x calls"),
+        ("pp_sum_loss", {"pp": True, "schedule": "GPipe", "micro": 2, "rows": 4, "fault": "sum_loss", "seed": 5},
+         "scale_grads=False, the loss_fn returning each micro-batch's summed cross-entropy, the division by the "
+         "step's token count applied after schedule.step() to the logged loss alone"),
     ]),
     "expert": ("ep_loop.py", [
         ("ep_clean", {}, "hand-written expert parallelism over 2 ranks (all_to_all dispatch, experts split, "
@@ -163,6 +166,7 @@ ISSUES = {
     "lightning:micro_mean": "known issue reproduced (Lightning #20350)",
     "pipeline:pp_accum": "known issue reproduced (torchtitan #1733), in torch 2.13's own schedules",
     "pipeline:pp_accum_1f1b": "known issue reproduced (torchtitan #1733), in torch 2.13's own schedules",
+    "pipeline:pp_sum_loss": "known issue reproduced (torchtitan #2972), its mechanism in a hand-written loop",
     "expert:ep_grad_unscaled": "known issue reproduced (pytorch #160285), its mechanism in a hand-written loop",
     "expert:ep_aux_local": "known issue reproduced (torchtitan #3000), its mechanism in a hand-written loop",
 }
@@ -448,9 +452,10 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
         "",
         "Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".",
         "",
-        "The configurations are listed in the script; ten of them are faults planted on purpose "
+        "The configurations are listed in the script; eleven of them are faults planted on purpose "
         "(Lightning's rank_mean, micro_mean and clip_local, accelerate's micro_mean and sched_prepared, "
-        "SFT's no_items, GRPO's half and async, the expert-parallel ep_grad_unscaled and ep_aux_local), the "
+        "SFT's no_items, GRPO's half and async, the pipeline's pp_sum_loss, the expert-parallel ep_grad_unscaled "
+        "and ep_aux_local), the "
         "rest are configurations as people run them (the pipeline and expert-parallel loops are hand-written "
         "over torch.distributed.pipelining and all_to_all, tests/support/pp_loop.py and ep_loop.py). Rows "
         "marked **known issue reproduced** reproduce an open or recent upstream issue. Not yet swept: Lightning precision plugins; DPO's other losses (ipo, "
@@ -685,6 +690,14 @@ def _rl_and_issue_findings(rows: list[dict]) -> list[str]:
             "; a single call a step: " + _rows_words(rows, "pipeline", ["pp_gpipe", "pp_1f1b"]) + ". "
             "Reproduction, 2 gloo ranks, CPU: `examples/field/pp_accumulation.py` (a 2-stage MLP, 2 calls of "
             "2 micro-batches: 3.4e-1 from one process with the default, 5e-8 with the fix).")
+    if any(r["client"] == "pipeline" and r["spec"].startswith("pp_sum_loss") for r in rows):
+        out.append(
+            "- **torchtitan #2972 (PP gradients `global_valid_tokens` times too large), its mechanism**: the loss "
+            "function hands the schedule each micro-batch's summed loss with `scale_grads=False`, and the "
+            "division by the step's token count happens after `schedule.step()`, on the logged loss alone: "
+            + _rows_words(rows, "pipeline", ["pp_sum_loss"]) + ", the gradient named as one process's times a "
+            "constant (the step's token count), the logged loss passing. torchtitan's own trainer is not "
+            "installed here: a mechanism reproduced, no script.")
     if any(r["client"] == "expert" for r in rows):
         out.append(
             "- **pytorch #160285 (expert gradients doubled, the loss curve unchanged) and torchtitan #3000 (the "
@@ -702,10 +715,9 @@ def _rl_and_issue_findings(rows: list[dict]) -> list[str]:
             "Reproduction, one process, CPU: `examples/field/lightning_accumulation.py` (2 x 2 padded rows "
             "against 4: 1.2e-1 apart; equal lengths 7e-8).")
     out.append(
-        "- Not reproduced in this round: torchtitan #2972 (pipeline gradients `global_valid_tokens` times too "
-        "large) and #3280 (TP2 x CP2 logging half the loss) live in torchtitan's own trainer, which is not "
-        "installed in this environment (its llama3 model imports triton); transformers #48687 (a wrong EP "
-        "router gradient, the loss correct) was not attempted.")
+        "- Not reproduced in this round: torchtitan #3280 (TP2 x CP2 logging half the loss) lives in "
+        "torchtitan's own trainer, which is not installed in this environment (its llama3 model imports "
+        "triton); transformers #48687 (a wrong EP router gradient, the loss correct) was not attempted.")
     return out
 
 

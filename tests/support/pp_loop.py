@@ -21,6 +21,13 @@ Faults ("fault"):
                gradients reduced to the first stage only: the last stage's copy never receives the
                first stage's part
 
+  sum_loss     the loss function returns each micro-batch's summed cross-entropy with
+               scale_grads=False, and the division by the step's token count is applied
+               after schedule.step(), to the logged loss alone: the schedule backpropagates
+               the raw sum, the gradient is the token count times too large while the logged
+               loss is right (torchtitan #2972: its PP path divides by global_valid_tokens
+               after the backward, for metrics only)
+
 Gradient accumulation ("accum": A > 1): each optimizer step runs schedule.step() A times,
 each on its own "rows" rows, without zeroing between them. With scale_grads (the
 default) each call divides the gradients ALREADY ACCUMULATED by the micro-batches
@@ -78,9 +85,11 @@ def run(cfg: dict) -> None:
     module = pipeline_stage_module((build_tied_model if cfg["tied"] else build_model)(seed=cfg["seed"]), rank, world)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
 
-    acc, scale = cfg["accum"], cfg["scale"]
+    acc, scale = cfg["accum"], cfg["scale"] and cfg["fault"] != "sum_loss"
 
     def loss_fn(logits, target):
+        if cfg["fault"] == "sum_loss":  # the raw sum: the schedule backpropagates it as it is
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten(), reduction="sum")
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
         loss = loss / acc if scale else loss / (K * acc)  # unscaled: the schedule leaves the division to us
         return loss / K if cfg["fault"] == "loss_div" else loss
@@ -101,7 +110,10 @@ def run(cfg: dict) -> None:
                 schedule.step(target=ids, losses=got)
             losses += got
         # the micro-batches' token means (the loss_fn's values times what it divided them by)
-        losses = [x * (acc if scale else K * acc) for x in losses]
+        if cfg["fault"] == "sum_loss":  # divided after the backward, for the logged loss alone
+            losses = [x * K / (acc * cfg["rows"] * (cfg["T"] - 1)) for x in losses]
+        else:
+            losses = [x * (acc if scale else K * acc) for x in losses]
         logged = torch.stack(losses).mean().detach() if losses else torch.zeros(())
         dist.broadcast(logged, src=world - 1)
         if cfg["tied"]:
