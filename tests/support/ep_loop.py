@@ -30,6 +30,9 @@ instead: every expert on every rank, the output head split over the ranks'
 vocabulary (ep_moe.shard_output, plain tensors, declared shard(0, ranks)),
 the logits gathered, every rank reading the same rows (one replica): the
 replicated parameters' gradients are already equal on every rank. Its fault:
+  rng_apart        with "emb_dropout" > 0 (torch's dropout on the embedding's output, build_dropout_model):
+                   each rank seeds the global RNG by its rank, so the TP ranks draw different masks in a
+                   region they all hold whole
   tp_no_reduce     the head's input gradient is not all-reduced over the TP ranks (a
                    hand-written all-reduce whose backward communicates nothing,
                    flash-attention #1244): each rank's replicated gradients hold
@@ -46,7 +49,18 @@ import torch.nn.functional as F
 
 import plan  # tests/support: the loops' one main
 
-RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "rows": 4, "T": 8, "top_k": 2, "tp": False}
+RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "rows": 4, "T": 8, "top_k": 2, "tp": False,
+       "emb_dropout": 0.0}
+
+
+def build_dropout_model(seed: int = 0, top_k: int = 2, emb_dropout: float = 0.1):
+    """ep_moe's model with torch's dropout (the global RNG) on the embedding's output: under the
+    hand-written TP a region every rank holds whole, where the TP ranks must draw one mask."""
+    from ep_moe import build_model
+
+    model = build_model(seed=seed, top_k=top_k)
+    model.emb.register_forward_hook(lambda m, a, out: F.dropout(out, emb_dropout, m.training))
+    return model
 EXPERT_PARAMS = ("moe.w1", "moe.w2")
 
 
@@ -58,7 +72,10 @@ def run(cfg: dict) -> None:
     cfg = {**RUN, **cfg}
     world, rank = dist.get_world_size(), dist.get_rank()
     fault = cfg["fault"]
-    kw = {"seed": cfg["seed"], "top_k": cfg["top_k"]}
+    kw = {"seed": cfg["seed"], "top_k": cfg["top_k"], **({"emb_dropout": cfg["emb_dropout"]} if cfg["emb_dropout"]
+                                                         else {})}
+    if cfg["emb_dropout"]:
+        build_model = build_dropout_model  # noqa: F811  (the recording names it below)
     tp, ranks = cfg["tp"], list(range(world))
     if tp:  # the vocabulary-parallel head: one replica of `world` tensor-parallel ranks
         model = shard_output(build_model(**kw), rank, world, reduce=fault != "tp_no_reduce")
@@ -68,7 +85,10 @@ def run(cfg: dict) -> None:
             {"moe.w*": shard(0, ranks[::-1] if fault == "declare_reversed" else dist.new_group(ranks), "expert")}, \
             world, rank  # the group as a ProcessGroup (its ranks in its order), or a list of ranks
     opt = build_optimizer(model)
-    rec = Recorder(cfg["out"], model, build_model="ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
+    if cfg["emb_dropout"]:  # the replicated region's masks: one RNG state on every rank, or ("rng_apart") not
+        torch.manual_seed(4321 + (rank if fault == "rng_apart" else 0))
+    rec = Recorder(cfg["out"], model, build_model="ep_loop:build_dropout_model" if cfg["emb_dropout"] else
+                   "ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
                    objective="ep_moe:objective", objective_scope="step", build_kwargs=kw, sharding=sharding)
     B, T = cfg["rows"], cfg["T"]
     for step in range(cfg["steps"]):

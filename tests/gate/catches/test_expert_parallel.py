@@ -33,6 +33,8 @@ RUNS = {
     "aux_local": {"fault": "aux_local", "seed": 2},
     "tp_clean": {"tp": True, "seed": 3},
     "tp_no_reduce": {"tp": True, "fault": "tp_no_reduce", "seed": 4},
+    "tp_rng_alike": {"tp": True, "emb_dropout": 0.1, "seed": 6, "steps": 1},  # one mask on every TP rank
+    "tp_rng_apart": {"tp": True, "emb_dropout": 0.1, "fault": "rng_apart", "seed": 6, "steps": 1},
     "declare_reversed": {"fault": "declare_reversed", "seed": 5, "steps": 1},
 }
 EXPERTS = ("moe.w1", "moe.w2")
@@ -225,3 +227,17 @@ def test_a_declaration_naming_the_ranks_out_of_order_is_refused_at_the_rebuild_n
     init, _ = A.read_tensors(A.init_path(ep["declare_reversed"], 0), "initial state")
     w1 = build_model(seed=5).moe.w1.detach()
     assert torch.equal(init["moe.w1"], torch.cat([w1[2:], w1[:2]]))
+
+
+def test_tp_ranks_drawing_different_dropout_masks_are_named_so_not_an_unreduced_gradient(ep):
+    """Hand-written TP with torch's dropout on the embedding's output (a region every TP rank holds
+    whole): seeded alike, the ranks draw one mask and their replicated gradients agree (this file's
+    torch.equal on their recorded files; the layout check passes); seeded by rank, they differ, and
+    the layout line said "not reduced over it", inviting an all-reduce. It now names the masks."""
+    for name, apart in (("tp_rng_alike", False), ("tp_rng_apart", True)):
+        g0, g1 = recorded(ep[name], 0), recorded(ep[name], 1)
+        assert torch.equal(g0["emb.weight"], g1["emb.weight"]) != apart, name
+    assert looprec.verdict(ep["tp_rng_alike"]).check("layout").passed
+    v = looprec.verdict(ep["tp_rng_apart"])
+    looprec.fails_for(v, "layout", "the TP ranks drew different masks (dropout) where they hold the same activations")
+    assert "Not a missing reduction" in v.check("layout").reason

@@ -102,6 +102,14 @@ def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], 
                             f"{group} by {x:.2g}: every parameter is replicated over the CP group and each rank's "
                             "gradient covers only its own shard of the sequence; it was not all-reduced over the CP "
                             f"group (only over the data-parallel ranks, or not at all){said}")
+                if summed > bound and any(ref.info(j).get("rng_sensitive") for j in rec.steps):
+                    return (f"at step {k} the gradient of {n} ({held}) differs between ranks {group[0]} and {r} of TP "
+                            f"group {group} by {x:.2g}, and their sum is not one process's either (off by "
+                            f"{summed:.2g}), while the network draws random masks (its gradient changes with the "
+                            "RNG state: see independence): the TP ranks drew different masks (dropout) where they "
+                            "hold the same activations, so each computed another function. Not a missing "
+                            "reduction: draw the masks of a replicated region alike on the ranks of a TP group (one "
+                            "RNG state per group there, as Megatron's model-parallel RNG tracker keeps)")
                 return (f"at step {k} the gradient of {n} ({held}) differs between ranks {group[0]} and {r} of TP "
                         f"group {group} by {x:.2g}: a parameter replicated over the group whose gradient was not "
                         f"reduced over it (a sequence-parallel norm's weight, for one){said}")
