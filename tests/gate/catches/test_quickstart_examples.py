@@ -28,12 +28,18 @@ def _user_env() -> dict:
 
 QUICKSTARTS = [("ddp_train.py", "runs/ddp")] + ([("hf_train.py", "runs/hf")] if os.environ.get("RUN_HF_QUICKSTART")
                                                 else [])
+# the accelerate and Lightning recipes of docs/clients/ on two ranks (tests/test_docs.py runs accelerate's
+# in one process and checks both pages' blocks against these files): RUN_ALL_QUICKSTARTS=1
+if os.environ.get("RUN_ALL_QUICKSTARTS"):
+    QUICKSTARTS += [("hf_train.py", "runs/hf")] * (not os.environ.get("RUN_HF_QUICKSTART")) + [
+        ("accelerate_train.py", "runs/accelerate"), ("lightning_train.py", "runs/lightning")]
 
 
 @pytest.mark.parametrize("script, out", QUICKSTARTS)
 def test_the_quick_start_script_trains_on_two_ranks_and_its_recording_passes_the_check(tmp_path, script, out):
     pytest.importorskip("transformers") if script == "hf_train.py" else None
-    shutil.copy(EXAMPLES / script, tmp_path / script)
+    for f in EXAMPLES.glob("*.py"):  # accelerate_train.py and lightning_train.py import ddp_train.py's builders
+        shutil.copy(f, tmp_path / f.name)
     train = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                             script], cwd=tmp_path, env=_user_env(), capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
