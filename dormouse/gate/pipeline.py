@@ -77,6 +77,7 @@ def check_recording(out, *, force: bool = False, log: Log = print, memory: int |
     from dormouse.gate.record.reference import make_reference
 
     limit = B.default_budget() if memory is None else int(memory)
+    B.return_freed_memory()
     before = _recording_stamp(out)
     try:
         B.check_fits(out, limit)
@@ -87,6 +88,7 @@ def check_recording(out, *, force: bool = False, log: Log = print, memory: int |
                 _refuse_if_rewritten(out, before)
                 raise
             _refuse_if_rewritten(out, before)
+            B.return_freed_memory()
             v = judge(out)
     except B.NotJudged as e:
         v = Verdict(str(out), False, [Check("complete", False, str(e))], [])

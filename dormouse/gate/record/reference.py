@@ -341,6 +341,22 @@ def build_optimizer(rec: A.RecordingSet, model):
     return opt, sched
 
 
+def other_kernels(rec: A.RecordingSet) -> str | None:
+    """Why the reference's backward of a recorded micro-batch may round otherwise than the fleet's
+    (judge/bounds.py grad_rtol's kernel term), or None where it is the same arithmetic: a data-parallel
+    layout (plain, DDP, FSDP2: each micro-batch's forward and backward on the whole parameters, the
+    same shapes) recorded on this device type with the threads and the vector capability the reference
+    runs with. A layout that splits a matmul (TP, 2-D, CP, EP, a declared sharding, a pipeline) or
+    another device, thread count or capability computes other dot products: the kernel term stands."""
+    prov = rec.meta.get("provenance", {})
+    if rec.meta.get("layout"):
+        return "a layout that splits the model's products across ranks"
+    here = {"device": "cpu", "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    apart = [f"{k} {prov.get(k)!r} (the reference: {v!r})" for k, v in here.items() if prov.get(k) != v]
+    return "recorded with " + ", ".join(apart) if apart else None
+
+
 def check_provenance(rec: A.RecordingSet) -> None:
     """The code that would rebuild the run is the code that recorded it."""
     prov = rec.meta.get("provenance", {})
@@ -674,6 +690,9 @@ def _spilled_gradients(model, rec, step, user, mbs, spill: _Spill, *, examples, 
     w_step, partials = len({r for r, _, _ in mbs}), 0.0
     dot_length = max([max(p.shape) for p in base.parameters() if p.dim()] +
                      [int(_labels(b).numel()) for _, _, b in mbs if objective in OBJECTIVES] or [1])
+    kernels = other_kernels(rec)
+    if kernels is None:  # each micro-batch's backward is the fleet's own arithmetic: no kernel term
+        dot_length = 0
     for i, (r, m, batch) in enumerate(mbs):
         ac, cast = rec.autocast(r, step, m), rec.compute_dtype(r, step, m)
         model = base
@@ -865,7 +884,8 @@ def _spilled_gradients(model, rec, step, user, mbs, spill: _Spill, *, examples, 
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     info.update(norm_normalised=math.sqrt(total_n) if spill.has("gn") else None, sum_terms=len(mbs),
-                partials=partials / n_total / norm if norm > 0 else 1.0, dot_length=dot_length)
+                partials=partials / n_total / norm if norm > 0 else 1.0, dot_length=dot_length,
+                other_kernels=kernels)
     parts.info = info
     return parts, info
 
@@ -1102,6 +1122,16 @@ def _train_step(model, opt, sched, grads: dict, mgn: float, *, clipped: bool) ->
     opt.zero_grad(set_to_none=True)
 
 
+def _trim() -> None:
+    """The heap's freed memory back to the system between steps (glibc's malloc_trim; a no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _write_params(path: Path, model, prefix: str) -> None:
     """The model's parameters as they stand, "prefix + name", written straight from them (no copy)."""
     from dormouse.gate.artifacts.tensorfile import write_streamed
@@ -1136,7 +1166,8 @@ def _make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
         _train_step(model, opt, sched, rec.tensors_at(k, "g/"), mgn, clipped=rec.step_meta(0, k).get("clipped", False))
     _write_params(A.reference_final_path(out), model, "rp/")
     scheduled = sched is not None
-    del opt, sched
+    del opt, sched  # the optimizer's state: not held through the gradients' pass
+    _trim()
     done: list[int] = []  # the tensor steps so far (their count picks fact 1's sample)
     for i, k in enumerate(rec.steps):  # the gradients, at the recorded parameters
         _load_params(model, rec.tensors_at(k, "p/"), rec.tensors_at(k, "b/"))
@@ -1163,6 +1194,7 @@ def _make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
             held = [(f"{key}/{n}", v) for key, d in parts.items() for n, v in d.items()] + list(extra.items())
             write_streamed(path, [(key, v.dtype, tuple(v.shape)) for key, v in held], iter(held))
         atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
+        _trim()
     meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,
             "mode": "replay", "steps": rec.steps, "scheduler": scheduled,
             "buffer_rule": rule_text if rule is not None else None, **scan}
