@@ -215,7 +215,7 @@ def table(rows: list[dict]) -> str:
                f"{r.get('check_cpu_ratio', float('nan')):.2f} ×) | "
                f"{c['peak_gb']:.2f} GB ({r.get('check_memory_ratio', float('nan')):.2f} ×) | {c['verdict'][:90]} |"
                if c else "— | — | — |"))
-    return "\n".join(lines)
+    return "\n".join(ln.replace(" (CPU nan / nan)", "").replace("; CPU nan ×", "") for ln in lines)
 
 
 PARAMS_M = {"tiny": 0.5, "mid": 30, "small": 124, "medium": 355}
