@@ -341,22 +341,6 @@ def build_optimizer(rec: A.RecordingSet, model):
     return opt, sched
 
 
-def other_kernels(rec: A.RecordingSet) -> str | None:
-    """Why the reference's backward of a recorded micro-batch may round otherwise than the fleet's
-    (judge/bounds.py grad_rtol's kernel term), or None where it is the same arithmetic: a data-parallel
-    layout (plain, DDP, FSDP2: each micro-batch's forward and backward on the whole parameters, the
-    same shapes) recorded on this device type with the threads and the vector capability the reference
-    runs with. A layout that splits a matmul (TP, 2-D, CP, EP, a declared sharding, a pipeline) or
-    another device, thread count or capability computes other dot products: the kernel term stands."""
-    prov = rec.meta.get("provenance", {})
-    if rec.meta.get("layout"):
-        return "a layout that splits the model's products across ranks"
-    here = {"device": "cpu", "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    apart = [f"{k} {prov.get(k)!r} (the reference: {v!r})" for k, v in here.items() if prov.get(k) != v]
-    return "recorded with " + ", ".join(apart) if apart else None
-
-
 def check_provenance(rec: A.RecordingSet) -> None:
     """The code that would rebuild the run is the code that recorded it."""
     prov = rec.meta.get("provenance", {})
@@ -690,9 +674,6 @@ def _spilled_gradients(model, rec, step, user, mbs, spill: _Spill, *, examples, 
     w_step, partials = len({r for r, _, _ in mbs}), 0.0
     dot_length = max([max(p.shape) for p in base.parameters() if p.dim()] +
                      [int(_labels(b).numel()) for _, _, b in mbs if objective in OBJECTIVES] or [1])
-    kernels = other_kernels(rec)
-    if kernels is None:  # each micro-batch's backward is the fleet's own arithmetic: no kernel term
-        dot_length = 0
     for i, (r, m, batch) in enumerate(mbs):
         ac, cast = rec.autocast(r, step, m), rec.compute_dtype(r, step, m)
         model = base
@@ -885,7 +866,8 @@ def _spilled_gradients(model, rec, step, user, mbs, spill: _Spill, *, examples, 
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     info.update(norm_normalised=math.sqrt(total_n) if spill.has("gn") else None, sum_terms=len(mbs),
                 partials=partials / n_total / norm if norm > 0 else 1.0, dot_length=dot_length,
-                other_kernels=kernels)
+                elements=sum(p.numel() for p in base.parameters() if p.requires_grad),
+                split_products=bool(rec.meta.get("layout")))
     parts.info = info
     return parts, info
 

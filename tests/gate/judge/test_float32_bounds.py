@@ -51,3 +51,12 @@ def test_the_gradient_bound_grows_with_its_summands_and_dot_length_and_fails_a_o
     # x 1.001 on one of two ranks moves the mean by 5e-4: far above the bound at GPT-2's vocabulary
     assert 5e-4 > 5 * wide
     assert bounds.grad_rtol({}) == bounds.GRAD_RTOL  # no figures of the arithmetic: the fixed bound
+    # data parallelism (products not split): the kernel term averages over the elements of the L2 norm. A
+    # review's DDP loop (3.1M parameters, a 32k vocabulary, 2 ranks x 2 micro-batches) departed 4e-8 clean and
+    # 4.55e-5 with rank 1's loss x 1.00007 at one step (its own plain-PyTorch figure); with LAMBDA's tail the
+    # bound was 5.8e-5 and passed it
+    dp = bounds.grad_rtol({"sum_terms": 4, "partials": 1.0, "dot_length": 32000, "elements": 3_100_000,
+                           "split_products": False})
+    split = bounds.grad_rtol({"sum_terms": 4, "partials": 1.0, "dot_length": 32000, "elements": 3_100_000,
+                              "split_products": True})
+    assert 4e-8 * 100 < dp < 4.55e-5 / 3 < split
