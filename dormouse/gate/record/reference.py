@@ -134,8 +134,12 @@ def _logits(out) -> torch.Tensor:
         return out.logits
     if isinstance(out, dict) and isinstance(out.get("logits"), torch.Tensor):
         return out["logits"]
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
+    if isinstance(out, (tuple, list)) and out:
+        # transformers' return_dict=False convention: (loss, logits, ...) when labels were given, (logits, ...)
+        # otherwise; the logits are the first tensor with a class dimension, never a 0-d loss
+        found = next((t for t in out if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+        if found is not None:
+            return found
     raise ReferenceError(f"the model's output ({type(out).__name__}) holds no logits the declared objective "
                          "can read: return a tensor, or an object with .logits, or declare objective='pkg.mod:fn'")
 
