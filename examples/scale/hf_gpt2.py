@@ -9,7 +9,10 @@ SCALE picks the size (tiny ≈ 0.5M with a 256-token vocabulary; mid ≈ 30M: 6 
 small = GPT-2 small, 124M: 12 x 768), STEPS the optimizer steps (3), SEQ the
 sequence (128), LR the peak lr (1e-3), SKETCH (0 = full tensors), RECORD=0
 trains without the Recorder (the overhead's baseline), FAULT one of
-  scale1.001  rank 1's synchronised gradient x 1.001 at every step (a hook after the reduce)
+  scale1.001  rank 1's synchronised gradient x 1.001 at every step (a hook after the reduce:
+              the ranks part, which the ranks check names)
+  scale1.001_pre  rank 1's own gradient x 1.001 before DDP's all-reduce (its loss scaled): the
+              synchronised gradient off on every rank alike (what the gradient's bound must see)
   local_norm  clip by the rank's local pre-reduce norm (a wrong clip; with ACCUM=1)
   no_avg_tokens  average_tokens_across_devices=False (each rank its own token count)
   micro_mean  the mean of micro-batch means (with ACCUM=2): the Trainer told the model takes no
@@ -81,6 +84,17 @@ def _faults(model, fault: str):
     return []
 
 
+class PreScaleTrainer(Trainer):
+    """FAULT=scale1.001_pre: rank 1 backpropagates its loss x 1.001, so its gradient enters the all-reduce
+    x 1.001."""
+
+    def compute_loss(self, model, inputs, *a, **kw):
+        out = super().compute_loss(model, inputs, *a, **kw)
+        if int(os.environ.get("RANK", "0")) != 1:
+            return out
+        return (out[0] * 1.001, *out[1:]) if isinstance(out, tuple) else out * 1.001
+
+
 class LocalNormTrainer(Trainer):
     """FAULT=local_norm: clips by this rank's own gradient's norm, summed from the gradients each
     parameter receives in the backward (before DDP's all-reduce), not the synchronised gradient's."""
@@ -120,7 +134,7 @@ if __name__ == "__main__":
                                           build_kwargs=dict(scale=SCALE, seq=SEQ, lr=LR, steps=STEPS),
                                           sketch=int(os.environ.get("SKETCH", "0"))))
     # the fault callbacks come first: the Recorder sees the faulty gradient the optimizer applies
-    trainer = (LocalNormTrainer if fault == "local_norm" else Trainer)(
+    trainer = {"local_norm": LocalNormTrainer, "scale1.001_pre": PreScaleTrainer}.get(fault, Trainer)(
         model=model, args=args, train_dataset=dataset(), optimizers=build_optimizer(model),
         callbacks=_faults(model, fault) + callbacks)
     if fault == "micro_mean":
