@@ -19,6 +19,8 @@ hooks below (`loss_of`, `scale_of`, `after_sync`, ...) selected by each run's "f
                    FSDP2: by the norm of this rank's gradient shards alone)
   unused_zero      zero gradients written for an unused parameter, with weight decay
   resume_drop_sched  the resume drops the lr scheduler's state
+  resume_noopt     the resume loads the scheduler's state and not the optimizer's
+  resume_nomoments the same, the lr put right by hand: only Adam's moments and step count dropped
   loss_rank_mean   the logged loss is a mean of rank means (the gradient is right)
   resume_data      the resume restarts the epoch's data order from its beginning
   rank_lr          rank 1's optimizer has another lr (the ranks drift apart)
@@ -280,9 +282,13 @@ def run(cfg: dict) -> None:
     elif cfg["leg"] == 2:
         ck = torch.load(out / "ckpt.pt", weights_only=False)
         model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
+        if fault not in ("resume_noopt", "resume_nomoments"):
+            opt.load_state_dict(ck["opt"])
         if fault != "resume_drop_sched":
             sched.load_state_dict(ck["sched"])
+        if fault == "resume_nomoments":  # the lr put right by hand; Adam's moments start afresh
+            for group, lr in zip(opt.param_groups, sched.get_last_lr()):
+                group["lr"] = lr
         start = ck["step"]
     if fault == "dropout":
         torch.manual_seed(1234 + rank)

@@ -56,6 +56,8 @@ RUNS = {
     "loss_rank_mean": {"fault": "loss_rank_mean"},
     "sketch_comp_twice": {"fault": "comp_twice", "sketch": 64, "every": 2, "steps": 5},
     "resume_data": {"fault": "resume_data", "stop_at": 2, "leg": 1},
+    "resume_noopt": {"fault": "resume_noopt", "stop_at": 2, "leg": 1},
+    "resume_nomoments": {"fault": "resume_nomoments", "stop_at": 2, "leg": 1},
     "rank_lr": {"fault": "rank_lr"},
     # FSDP2 (fully_shard, Shard(0) DTensors): faults of a sharded loop
     "fsdp_local_count": {"fault": "local_count", "fsdp": True},
@@ -110,6 +112,15 @@ FAULTS = {
     "loss_rank_mean": ("loss", "the mean of the ranks' own token means"),
     "sketch_comp_twice": ("gradient", "= W "),
     "resume_data": ("data", "an example was read twice within epoch 0 (steps 1 and 3"),
+    # the resume at step 3 with a fresh AdamW(lr=1e-2) under LambdaLR: its lr is 1e-2 x the warm-up's first
+    # factor, 1/3 (loopmodel.lr_factor(0)), where the schedule's third step gives 1e-2 x 0.9
+    "resume_noopt": ("replay", f"the loop's lr at step 3 is {1e-2 / 3:.6g}, the optimizer's initial lr, where "
+                               f"the uninterrupted scheduler gives {1e-2 * 0.9:.6g}: the resume did not load "
+                               "the optimizer's state"),
+    # the lr right, the first update after the resume (step 3) wrong: the moments named
+    "resume_nomoments": ("replay", "the first update after the resume at step 3 is the first that differs, with "
+                                   "the parameters and the lr right, so the resume did not restore the "
+                                   "optimizer's state"),
     "rank_lr": ("ranks", "rank 1's parameters or persistent buffers differ from rank 0's before step 2"),
     "fsdp_local_count": ("gradient", "each rank normalised by its own token count"),
     "fsdp_clip_local": ("clip", "each rank its own, where the global gradient's norm is"),

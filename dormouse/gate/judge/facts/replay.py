@@ -54,6 +54,15 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
         if lr is not None and want is not None and abs(lr - want) > 1e-12 * max(abs(want), 1e-30):
             if k in resumed or any(s <= k for s in resumed):
                 first = min(s for s in resumed if s <= k)
+                lr0 = ref.step(steps[0])[0].get("replay_lr") if steps[0] == 1 else None
+                if k == first and lr0 is not None and abs(lr - lr0) <= 1e-12 * max(abs(lr0), 1e-30):
+                    # a fresh optimizer (its scheduler's state loaded or not) starts at its initial lr
+                    # at the resume step itself; a dropped scheduler's state shows only a step later
+                    return Check("replay", False,
+                                 f"after the resume at step {first} the loop's lr at step {k} is {lr:.6g}, the "
+                                 f"optimizer's initial lr, where the uninterrupted scheduler gives {want:.6g}: "
+                                 "the resume did not load the optimizer's state (its lr, and its moments and "
+                                 "step count with it, start afresh): load the optimizer's state_dict")
                 return Check("replay", False,
                              f"after the resume at step {first} the loop's lr at step {k} is {lr:.6g} where the "
                              f"uninterrupted scheduler gives {want:.6g}: the resume dropped the lr scheduler's state")
@@ -93,9 +102,17 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
         if diff:
             where = ("the parameters the resume loaded" if k in resumed else
                      f"the fleet's update at step {k - 1}" if k > steps[0] else "the recorded initial state")
+            cause = ""
+            if k - 1 in resumed and k not in resumed:
+                # every update before the resume matched, its lr matched, and the first update after it
+                # does not: what the resume restores beyond the parameters and the lr is the optimizer's state
+                cause = (f": the first update after the resume at step {k - 1} is the first that differs, with "
+                         "the parameters and the lr right, so the resume did not restore the optimizer's state "
+                         "as saved (Adam's moments and step count dropped at the resume?): load the "
+                         "optimizer's state_dict")
             return Check("replay", False,
                          f"{where} differs from the replay of the user's optimizer on the recorded gradients: "
-                         f"parameters before step {k} differ (first: {diff[0]}, relative {diff[1]:.2g})")
+                         f"parameters before step {k} differ (first: {diff[0]}, relative {diff[1]:.2g})" + cause)
     diff = first_unequal(rec.final("p/"), ref.final())
     if diff:
         return Check("replay", False, f"the fleet's update at step {steps[-1]} differs from the replay: final "
