@@ -34,8 +34,10 @@ import math
 
 import torch
 
-UNIT = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
-WIRE_UNIT = {"fp32": 2.0**-24, "bf16": 2.0**-8}
+from dormouse.numerics import BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF
+
+UNIT = {"float64": 2.0**-53, "float32": FP32_UNIT_ROUNDOFF, "bfloat16": BF16_UNIT_ROUNDOFF, "float16": 2.0**-11}
+WIRE_UNIT = {"fp32": FP32_UNIT_ROUNDOFF, "bf16": BF16_UNIT_ROUNDOFF}
 REDUCTIONS = ("mean", "sum")
 
 
