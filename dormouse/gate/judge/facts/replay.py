@@ -58,6 +58,16 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                 if k == first and lr0 is not None and abs(lr - lr0) <= 1e-12 * max(abs(lr0), 1e-30):
                     # a fresh optimizer (its scheduler's state loaded or not) starts at its initial lr
                     # at the resume step itself; a dropped scheduler's state shows only a step later
+                    nxt = [j for j in steps if j > k and j not in resumed][:1]
+                    lr1, want1 = ((rec.step_meta(0, nxt[0]).get("lr"), ref.step(nxt[0])[0].get("replay_lr"))
+                                  if nxt else (None, None))
+                    if lr1 is not None and want1 is not None and abs(lr1 - want1) > 1e-12 * max(abs(want1), 1e-30):
+                        return Check("replay", False,
+                                     f"after the resume at step {first} the loop's lr at step {k} is {lr:.6g}, the "
+                                     f"optimizer's initial lr, and at step {nxt[0]} {lr1:.6g}, where the "
+                                     f"uninterrupted scheduler gives {want:.6g} and {want1:.6g}: the resume loaded "
+                                     "neither the optimizer's state (its lr, moments and step count start afresh) "
+                                     "nor the lr scheduler's: load both state_dicts")
                     return Check("replay", False,
                                  f"after the resume at step {first} the loop's lr at step {k} is {lr:.6g}, the "
                                  f"optimizer's initial lr, where the uninterrupted scheduler gives {want:.6g}: "
