@@ -5,8 +5,9 @@ writes its steps.
 A step is judged once every rank has written its marker for it
 (artifacts.step_done_path: the Recorder writes it after everything of the
 step, the HF callback's report after the optimizer step included). Each
-judged step prints one line: the step, PASS or the first failing fact with its
-cause, and the lag behind the run (steps the fleet has written since, seconds
+judged step prints one line: the step, the facts it was judged by and found ok
+("ranks, reduction, loss ok (no reference yet)": never a PASS, the full check
+decides) or the first failing fact with its cause, and the lag behind the run (steps the fleet has written since, seconds
 since the step's last marker). What a step is judged by, with no reference:
 
 ranks       every rank's copy of what the replicas hold alike (the synchronised
@@ -146,6 +147,8 @@ def follow(out, *, start: int = 1, every: int = 1, wait: float = 600.0, poll: fl
         if not replicas and not isinstance(metas[0].get("selfcheck"), dict):
             log(f"step {k}: NOT JUDGED (no replicas to compare rank by rank, and no in-run checks recorded: "
                 f"record with Recorder(selfcheck=k))  {lag}")
-        else:
-            log(f"step {k}: PASS  {lag}")
+        else:  # what the step was judged by, never a PASS: the step's gradient waits for the full check
+            seen = (["ranks"] if replicas else []) + (["reduction", "loss"]
+                                                      if isinstance(metas[0].get("selfcheck"), dict) else [])
+            log(f"step {k}: {', '.join(seen)} ok (no reference yet)  {lag}")
         k += every
