@@ -78,6 +78,31 @@ def rel(a: dict, b: dict, names=None) -> float:
 
 
 
+def parts(a: dict, b: dict, names) -> dict[str, tuple[float, float, float]]:
+    """Per tensor n, in one pass over a[n] and b[n]: (||a - b||^2, ||b||^2, a.b),
+    each summed exactly as rel, norm and dot sum it (so rel_of gives rel's
+    figures to the last bit, and dd / bb fit's c, without reading the tensors again)."""
+    out = {}
+    for n in names:
+        x, y = a[n].double().reshape(-1), b[n].double().reshape(-1)
+        out[n] = (_sq(x - y), float(torch.dot(y, y)), float(torch.dot(x, y)))
+    return out
+
+
+def rel_of(p: dict, names) -> float:
+    """rel(a, b, names) from parts(a, b, ...): the same sums in the same order."""
+    den = math.sqrt(sum(p[n][1] for n in names))
+    num = math.sqrt(sum(p[n][0] for n in names))
+    x = num / den if den > 0 else num
+    return x if math.isfinite(x) else math.inf
+
+
+def fit_c(p: dict, names) -> float:
+    """fit(a, b, names)[0] from parts(a, b, ...) (the residual not computed)."""
+    bb = sum(p[n][1] for n in names)
+    return sum(p[n][2] for n in names) / bb if bb > 0 else 0.0
+
+
 def fit(a: dict, b: dict, names) -> tuple[float, float]:
     """The c minimising ||a - c b|| and the residual ||a - c b|| / ||c b||."""
     bb = dot(b, b, names)

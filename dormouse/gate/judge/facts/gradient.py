@@ -54,7 +54,7 @@ from dormouse.gate.judge.facts.precision import (
     too_loose,
     wire_bound,
 )
-from dormouse.gate.judge.metrics import factor_name, fit, rel
+from dormouse.gate.judge.metrics import factor_name, fit, fit_c, parts, rel, rel_of
 from dormouse.gate.judge.verdict import Check, TensorCheck
 
 
@@ -133,18 +133,20 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
         g_ref = ref.tensors(k, "g/")
         g = fleet_grad(rec, k)
         names = sorted(set(g) & set(g_ref))
-        x, form = rel(g, g_ref, names), "g"
+        pt = parts(g, g_ref, names)  # one pass a form: the error, the tensor nearest, the fitted c
+        x, form = rel_of(pt, names), "g"
         g_n = {} if run else ref.tensors(k, "gn/")
         if g_n and set(g_n) >= set(names):  # the normalised form, where it is the nearer
-            xn = rel(g, g_n, names)
+            ptn = parts(g, g_n, names)
+            xn = rel_of(ptn, names)
             if xn < x:
-                x, form, g_ref = xn, "gn", g_n
+                x, form, g_ref, pt = xn, "gn", g_n, ptn
         if run:
             tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol[k])
             ok = ratio <= 1.0
         else:
-            tn = max(names, key=lambda n: rel({n: g[n]}, {n: g_ref[n]}, [n])) if names else None
-            tx = rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0
+            tn = max(names, key=lambda n: rel_of(pt, [n])) if names else None
+            tx = rel_of(pt, [tn]) if tn else 0.0
             tb, ok = None, x <= gb  # replay: the tensors are bounded together, not one by one
             per_t = ref.info(k).get("precision_floor_tensors")
             if per_t:  # reduced precision: each tensor also against FLOOR_MULTIPLE x its own floor
@@ -152,7 +154,7 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
                 tol_k = {n: floor_bound(per_t.get(n, 0.0), GRAD_RTOL) for n in names}
                 tx, tn, tb, ratio = _per_tensor(g, g_ref, names, tol_k)
                 ok = ok and ratio <= 1.0
-        c = fit(g, g_ref, names)[0] if names else math.nan  # g_fleet ~ c g: the figure draws c beside the error
+        c = fit_c(pt, names) if names else math.nan  # g_fleet ~ c g: the figure draws c beside the error
         row = {"step": k, "error": x, "bound": gb if not run else None, "tensor": tn, "form": form,
                "tensor_error": tx, "tensor_bound": tb, "ok": ok, "scalar": c}
         if wire:  # the declared bf16 wire: every element within its rounding bound, not the float32 one
