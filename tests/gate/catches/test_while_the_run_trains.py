@@ -120,6 +120,8 @@ def test_follow_passes_the_clean_loop_and_exits_0_when_it_closes(followed):
     assert all(": ranks, reduction, loss ok (no reference yet)  (lag " in x for x in lines)
     assert "the full check against the one-process reference decides:" in out and "gate verdict" in out and ": PASS" in out, out[-3000:]
     assert "[ok] reduction" in out and "[ok] ranks" in out, out[-3000:]
+    # the line claims what it read: Recorder(selfcheck=64) samples 64 elements of each tensor, not the whole gradient
+    assert "[ok] reduction: on 64 sampled elements per tensor (drawn anew each step)" in out, out[-3000:]
 
 
 def test_follow_bad_input_is_one_line_exit_2(tmp_path):

@@ -95,6 +95,7 @@ def check_reduction(rec: A.RecordingSet) -> Check | None:
         return Check("reduction", False, f"the run stopped itself at step {stopped.get('step')} (stop_on_fail): "
                                          f"{'; '.join((stopped.get('findings') or ['no cause recorded'])[:3])}")
     sc = rec.step_meta(0, steps[0])["selfcheck"]
-    return Check("reduction", True, f"every rank's synchronised gradient is the {sc.get('reduction', 'mean')} of the "
-                                    f"ranks' local gradients at all {len(steps)} steps, tensor by tensor ({sc.get('k')} "
-                                    "elements of each, drawn anew each step; no reference needed)")
+    return Check("reduction", True, f"on {sc.get('k')} sampled elements per tensor (drawn anew each step), every "
+                                    f"rank's synchronised gradient is the {sc.get('reduction', 'mean')} of the "
+                                    f"ranks' local gradients at all {len(steps)} steps (no reference needed; a "
+                                    "fault in the elements not sampled is the full gradient check's to find)")
