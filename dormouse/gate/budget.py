@@ -91,7 +91,7 @@ def parameter_bytes(out) -> int:
 
 
 def words(need: float, budget: float, what: str) -> str:
-    return (f"not judged: needs {need / GB:.1f} GB ({what}); the budget is {budget / GB:.1f} GB (--memory, by "
+    return (f"not judged: needs {need / GB:.2g} GB ({what}); the budget is {budget / GB:.2g} GB (--memory, by "
             "default 80% of the memory available): give the check more memory, or check on a machine that has it")
 
 

@@ -306,6 +306,10 @@ def render_recording(v, out: Path | None = None) -> list[Path]:
     v = v.to_dict() if hasattr(v, "to_dict") else v
     out = Path(out or v["out"])
     paths = render(v, out)
+    from dormouse.gate import artifacts as A
+
+    if not A.reference_meta_path(out).exists():  # not judged (past its memory budget, say): no series to draw
+        return paths
     fig = recording_gradient(gradient_series(out))
     return paths + (save({"recording_gradient": fig}, out) if fig is not None else [])
 

@@ -121,5 +121,5 @@ def test_a_check_past_its_memory_budget_is_not_judged_and_says_what_it_needs(scr
     need = float(line.split("not judged: needs ", 1)[1].split(" GB", 1)[0])
     # the test's own count: the model's float32 parameters, six times (model, gradient, two moments, a read step)
     params = sum(p.numel() for p in build_model(seed=0).parameters()) * 4
-    assert need >= round(6 * params / (1 << 30), 1) and "the budget is 0.0 GB" in line, line
+    assert need >= 6 * params / (1 << 30) * 0.99 and "the budget is 0.01 GB" in line, line
     assert out.splitlines()[0].rstrip().endswith("FAIL"), out
