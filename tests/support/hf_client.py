@@ -36,6 +36,7 @@ optimizer and schedule (`build_optimizer`), on the same generated data
               logits to its loss (modeling_qwen3_moe.py, Qwen3MoeForCausalLM.forward)
   bs=B        per_device_train_batch_size (default 2)
   scope=S     the RecorderCallback's objective_scope (default "example")
+  selfcheck=K the RecorderCallback's in-run checks, K sampled elements per tensor (default 0: off)
   objective=O the RecorderCallback's objective (default causal_lm; "global": moe_global_step below)
   build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
   loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
@@ -218,12 +219,13 @@ def parse_run(text: str) -> dict:
     run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "eval": 0, "fault": None,
            "loss_type": None, "build": MODULE, "leg": 0, "stop": 2, "gc": 0, "bf16": 0,
            "unused": 0, "examples": EXAMPLES, "drop": 0, "flat": 0, "moe": 0, "bs": 2, "scope": "example",
-           "objective": "causal_lm"}
+           "objective": "causal_lm", "selfcheck": 0}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
             run["avg"] = v == "1"
-        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16", "unused", "examples", "drop", "flat", "moe", "bs"):
+        elif k in ("seed", "steps", "ga", "eval", "leg", "stop", "gc", "bf16", "unused", "examples", "drop", "flat", "moe", "bs",
+                   "selfcheck"):
             run[k] = int(v)
         elif k in ("fault", "loss_type", "scope", "objective"):
             run[k] = v
@@ -244,7 +246,8 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
     kw = {**({"unused": True} if run["unused"] else {}), **({"moe": True} if run["moe"] else {})}
     recorder = [RecorderCallback(out / run["name"], build_model=f"{run['build']}:build_model",
                                  build_optimizer=f"{run['build']}:build_optimizer", objective=run["objective"] if run["objective"] != "global" else f"{run['build']}:moe_global_step",
-                                 build_kwargs=kw, objective_scope=run["scope"])] if record else []
+                                 build_kwargs=kw, objective_scope=run["scope"],
+                                 selfcheck=run["selfcheck"])] if record else []
     args = TrainingArguments(
         output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
         per_device_train_batch_size=run["bs"], gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,

@@ -28,12 +28,12 @@ from dormouse.gate.record.reference import make_reference
 
 FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)
 RUNS = [  # name:fields, in the order the launch trains them (hf_client's docstring says what each field does)
-    f"clean:avg=1:{FIX}",                     # HF's default average_tokens_across_devices=True
+    f"clean:avg=1:selfcheck=32:{FIX}",        # HF's default average_tokens_across_devices=True; in-run checks
     f"clean_s1:avg=1:seed=1:eval=2:gc=1:{FIX}",  # another seed, an eval every 2 steps, gradient checkpointing
     f"clean_s2:avg=1:seed=2:unused=1:{FIX}",       # another seed, a parameter the forward never uses
     f"clean_bf16:avg=1:seed=3:bf16=1:{FIX}",      # bf16=True: accelerate's CPU autocast around the forward
     "stock:avg=1",                            # HF's defaults with GPT2LMHeadModel as it comes
-    f"local:avg=0:{FIX}",                     # average_tokens_across_devices=False
+    f"local:avg=0:selfcheck=32:{FIX}",        # average_tokens_across_devices=False
     f"mean_of_means:fault=mean_of_means:{FIX}",
     f"no_world_comp:ga=3:fault=no_world_comp:{FIX}",  # GA 3 so that W and K differ: the factor is named alone
     f"world_comp_x2:ga=3:fault=world_comp_x2:{FIX}",
@@ -123,6 +123,18 @@ def test_average_tokens_across_devices_true_passes(fleet, name):
     c = checks(v)
     assert c["gradient"].worst <= 1e-5 and "equals one process" in c["gradient"].reason
     assert "bitwise" in c["replay"].reason and "equals the declared objective" in c["loss"].reason
+
+
+def test_the_in_run_reduction_check_passes_either_token_average_and_the_gradient_tells_them_apart(fleet):
+    """Recorded with selfcheck=32: the in-run checks judge the REDUCTION (the synchronised gradient against
+    the mean of the ranks' local gradients, sampled before DDP's all-reduce), not the normalisation, so
+    they pass average_tokens_across_devices=True and False alike; the one-process reference is what tells
+    the two apart (False: each rank's own token mean, the gradient check fails)."""
+    for name, right in (("clean", True), ("local", False)):
+        v = verdict(fleet, name)
+        r = checks(v)["reduction"]
+        assert r.passed and "on 32 sampled elements per tensor" in r.reason, (name, r.reason)
+        assert checks(v)["gradient"].passed is right, (name, checks(v)["gradient"].reason)
 
 
 def test_bf16_autocast_passes_within_ten_times_its_measured_floor(fleet):
