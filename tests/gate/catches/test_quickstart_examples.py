@@ -46,3 +46,5 @@ def test_the_quick_start_script_trains_on_two_ranks_and_its_recording_passes_the
     check = subprocess.run([str(CONSOLE), "gate", "check", "--out", out], cwd=tmp_path, env=_user_env(),
                            capture_output=True, text=True, timeout=300)
     assert check.returncode == 0 and "PASS" in check.stdout, check.stdout[-3000:] + check.stderr[-2000:]
+    if script == "ddp_train.py":  # recorded with the in-run checks (selfcheck=64): the reduction judged too
+        assert "[ok] reduction: on 64 sampled elements per tensor" in check.stdout, check.stdout[-3000:]
