@@ -250,3 +250,22 @@ def test_an_optimizer_step_without_any_backward_is_recorded_and_judged(fleet):
     assert not torch.equal(z2["fc.weight"], z3["fc.weight"])  # weight decay and the moments on zeros
     v = looprec.verdict(fleet["skip_step_zeros"])
     looprec.fails_for(v, "grad_mask", "step 2")
+
+
+def test_a_replica_apart_after_the_last_step_is_named_with_its_rank_and_tensor(fleet, tmp_path):
+    """Rank 1's state after the last step holding another value of one tensor, with a hash of its own
+    beside it (as a replica that kept a stale parameter records it): the ranks line names rank 1 and the
+    tensor (a review's stale replica was reported without either). The test's own torch.equal says which
+    tensor it moved."""
+    from gatekit import copy_of, edit_json, edit_tensors
+
+    out = copy_of(fleet["labels_inputs"], tmp_path / "apart")
+    edit_tensors(A.final_tensors_path(out, 1), lambda t: t["p/ln1.bias"].add_(1.0))
+    edit_json(A.final_meta_path(out, 1), lambda m: m.update(param_hash="0" * 64))
+    mine = A.read_tensors(A.final_tensors_path(out, 0), "final")[0]
+    theirs = A.read_tensors(A.final_tensors_path(out, 1), "final")[0]
+    assert [n for n in mine if not torch.equal(mine[n], theirs[n])] == ["p/ln1.bias"]
+    r = gate_check(out)
+    assert r.returncode == 1 and "[FAIL] ranks: rank 1's parameters or persistent buffers differ from rank 0's " \
+        "after the last step" in r.stdout and "ln1.bias" in r.stdout.split("[FAIL] ranks:")[1].splitlines()[0], \
+        r.stdout[-3000:]

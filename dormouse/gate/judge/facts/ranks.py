@@ -105,6 +105,17 @@ def _which(rec: A.RecordingSet, k: int, r: int) -> str:
     return f": {', '.join(n[2:] for n in keys[:3])}" + (", ..." if len(keys) > 3 else "") if keys else ""
 
 
+def _which_final(rec: A.RecordingSet, r: int) -> str:
+    """_which for the state after the last step (final.safetensors): "" under sketches."""
+    if rec.sketch:
+        return ""
+    mine = _read(A.final_tensors_path(rec.out, 0), ("p/", "b/"))
+    theirs = _read(A.final_tensors_path(rec.out, r), ("p/", "b/"))
+    keys = [n for n in mine if n not in theirs or not torch.equal(mine[n], theirs[n])]
+    keys.sort(key=lambda n: -relative(theirs[n], mine[n]) if n in theirs else -math.inf)
+    return f": {', '.join(n[2:] for n in keys[:3])}" + (", ..." if len(keys) > 3 else "") if keys else ""
+
+
 # what every replica of a data-parallel step holds alike, compared rank by rank (never read from rank 0 alone)
 SAME_ON_EVERY_RANK = ("clip_coef", "grad_norm", "lr", "no_grad")
 
@@ -175,8 +186,10 @@ def check_ranks(rec: A.RecordingSet) -> Check:
                 return Check("ranks", False, apart)
     w = rec.world_at(rec.steps[-1])
     finals = [A.read_json(A.final_meta_path(rec.out, r), "final").get("param_hash") for r in range(w)]
-    if any(h != finals[0] for h in finals):
-        return Check("ranks", False, "the ranks' parameters or persistent buffers differ after the last step")
+    bad = [r for r, h in enumerate(finals) if h != finals[0]]
+    if bad:
+        return Check("ranks", False, f"rank {bad[0]}'s parameters or persistent buffers differ from rank 0's after "
+                                     f"the last step (step {rec.steps[-1]})" + _which_final(rec, w and bad[0]))
     return Check("ranks", True, "every rank's parameters and persistent buffers are equal before every "
                                 "recorded step and after the last, and every rank's synchronised gradient and clip "
                                 "at every step")
