@@ -807,21 +807,12 @@ def _spilled_gradients(model, rec, step, user, mbs, spill: _Spill, *, examples, 
                 o["wa"] = wa
             if rm is not None:
                 o["rank_mean"] = rm
-            last = val("last", n, rows)
-            if last is not None:
-                o["last"] = last / n_total
-            if gm_count:
-                gm = val("gm", n, rows)
-                if gm is not None:
-                    o["gm"] = gm / gm_count
-            if sample:
-                ex = val("ex", n, rows)
-                if ex is not None:
-                    o["ex"] = ex / n_total
-                if exb:
-                    e = val("exb", n, rows)
-                    if e is not None:
-                        o["exb"] = e / n_total
+            # the sums normalised by their counts: the last micro-batches', the merged forward's, the rows'
+            for key, count, wanted in (("last", n_total, True), ("gm", gm_count, bool(gm_count)),
+                                       ("ex", n_total, bool(sample)), ("exb", n_total, bool(sample and exb))):
+                v = val(key, n, rows) if wanted else None
+                if v is not None:
+                    o[key] = v / count
             return o
 
     outputs = Outputs()
