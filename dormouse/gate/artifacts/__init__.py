@@ -13,9 +13,11 @@ configuration that made it (`settings`), so a reader can tell an artifact
 from another configuration apart from a missing one.
 
 The package: layout.py (every name and path), applies.py (which references
-a run needs), store.py (writing, hashing), run.py (the readers)."""
+a run needs), store.py (writing, hashing), run.py (the readers), spec.py (recording.json's typed
+fields: RecordingSpec, RecordedRun)."""
 
 from dormouse.gate.artifacts.applies import *  # noqa: F403
 from dormouse.gate.artifacts.layout import *  # noqa: F403
 from dormouse.gate.artifacts.run import *  # noqa: F403
+from dormouse.gate.artifacts.spec import *  # noqa: F403
 from dormouse.gate.artifacts.store import *  # noqa: F403

@@ -26,7 +26,7 @@ def rank_name(rank: int) -> str:
 #   <out>/reference/step{k:06d}.safetensors|.json  the references at step k
 #   <out>/reference/reference.json           what the references were made from (their staleness key)
 
-RECORDING_SCHEMA = 1
+RECORDING_SCHEMA = 2  # 2: every field typed by artifacts/spec.py (RecordingSpec, RecordedRun)
 EXTRA = "x/"  # a step's tensors a client keeps beside the run (Recorder.step(extra=...)): this rank's own
 
 

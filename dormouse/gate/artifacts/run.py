@@ -5,11 +5,11 @@ references beside them (GateReferences). What the judge sees."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from dormouse.errors import DormouseError
+from dormouse.gate.artifacts.spec import kind_words, read_recording, typed
 from dormouse.gate.artifacts.tensorfile import LazyTensors
 from dormouse.gate.artifacts.layout import (
     EXACT,
@@ -17,9 +17,7 @@ from dormouse.gate.artifacts.layout import (
     FLOOR,
     GATE_SCHEMA,
     GRADREF,
-    RECORDING_SCHEMA,
     SINGLE,
-    WIRES,
     final_meta_path,
     final_tensors_path,
     init_path,
@@ -103,76 +101,26 @@ def assemble(shards: list[torch.Tensor], placement: dict | None) -> torch.Tensor
     return full
 
 
-# recording.json's fields and the type each must have: a field of another type is one line (exit 2),
-# not a traceback wherever it is read. (kind, schema, run: checked first; segments: each their own.)
-_INT, _NUM, _STR = (int,), (int, float), (str,)
-
-
-RECORDING_FIELDS = {
-    "world": (_INT, False), "build_model": (_STR, False), "build_optimizer": (_STR, False),
-    "build_kwargs": ((dict,), False), "objective": (_STR, False), "wire": (_STR, True), "buffer_update": (_STR, True),
-    "max_grad_norm": (_NUM, False), "dataset_len": (_INT, False), "example_corpus": (_STR, True),
-    "example_corpus_sha256": (_STR, True), "sketch": (_INT, False), "every": (_INT, False), "seed": (_INT, False),
-    "inputs": ((list,), False), "fsdp": ((bool,), False), "closed": ((bool,), False), "frozen": ((list,), False),
-    "hf_config": ((dict,), True), "provenance": ((dict,), False), "steps": ((list,), True), "extra": ((dict,), True),
-}
-
-
 # a step JSON's numbers (None where the loop gave none) and counts
 STEP_NUMBERS = ("lr", "loss", "clip_coef", "grad_norm")
+
+
+_INT, _NUM, _STR = (int,), (int, float), (str,)
 
 
 STEP_FIELDS = {"micro_batches": (_INT, False), "epoch": (_INT, True), "no_grad": ((list,), False),
                "param_hash": (_STR, True), "tensors": ((bool,), False), "clipped": ((bool,), False)}
 
 
-def _typed(x, types: tuple, nullable: bool) -> bool:
-    if x is None:
-        return nullable
-    if isinstance(x, bool) and bool not in types:  # True is an int to Python, not to a recording
-        return False
-    return isinstance(x, types)
-
-
-def _kind(types: tuple, nullable: bool) -> str:
-    words = {int: "an integer", float: "a number", str: "a string", dict: "an object", list: "a list",
-             bool: "true or false"}
-    return " or ".join([words[types[-1] if types == _NUM else types[0]]] + (["null"] if nullable else []))
-
-
-def validate_recording_meta(meta: dict, path: Path) -> None:
-    """Every field of recording.json of the type it must have (RECORDING_FIELDS),
-    the numbers in range, the segments well formed: one line on the first
-    that is not."""
-    for key, (types, nullable) in RECORDING_FIELDS.items():
-        if key in meta and not _typed(meta[key], types, nullable):
-            raise DormouseError(f"{path}: field {key!r} is {meta[key]!r}, not {_kind(types, nullable)}: the recording "
-                                "was edited or is damaged: re-record")
-    for key, low in (("world", 1), ("max_grad_norm", 0), ("dataset_len", 0), ("sketch", 0), ("every", 1)):
-        if key in meta and not (meta[key] >= low and math.isfinite(meta[key])):
-            raise DormouseError(f"{path}: field {key!r} is {meta[key]!r}, below {low}: re-record")
-    if meta.get("wire") not in (None, *WIRES):
-        raise DormouseError(f"{path}: field 'wire' is {meta['wire']!r}, none of {', '.join(WIRES)}: re-record")
-    segs = meta.get("segments")
-    if not isinstance(segs, list) or not all(
-            isinstance(sg, dict) and _typed(sg.get("start"), _INT, False) and _typed(sg.get("end"), _INT, True)
-            and _typed(sg.get("world"), _INT, False) and sg["world"] >= 1 for sg in segs):
-        raise DormouseError(f"{path}: field 'segments' is not a list of {{start, end, world}} with integer steps and "
-                            "a world of at least 1: re-record")
-    if segs and "world" in meta and meta["world"] != segs[-1]["world"]:
-        raise DormouseError(f"{path}: field 'world' is {meta['world']} but its last segment ran at world "
-                            f"{segs[-1]['world']}: the recording was edited: re-record")
-
-
 def validate_step_meta(m: dict, path: Path) -> None:
     """A step JSON's numbers numbers (or null) and its counts of their type: one line."""
     for key in STEP_NUMBERS:
-        if not _typed(m.get(key), _NUM, True):
+        if not typed(m.get(key), _NUM, True):
             raise DormouseError(f"{path}: field {key!r} is {m[key]!r}, not a number or null: the recording was "
                                 "edited or is damaged: re-record")
     for key, (types, nullable) in STEP_FIELDS.items():
-        if key in m and not _typed(m[key], types, nullable):
-            raise DormouseError(f"{path}: field {key!r} is {m[key]!r}, not {_kind(types, nullable)}: re-record")
+        if key in m and not typed(m[key], types, nullable):
+            raise DormouseError(f"{path}: field {key!r} is {m[key]!r}, not {kind_words(types, nullable)}: re-record")
 
 
 class RecordingSet:
@@ -186,18 +134,14 @@ class RecordingSet:
             raise DormouseError(f"{self.out} holds no recording ({recording_path(self.out).name}): point --out at "
                                 "the directory the Recorder wrote")
         self.meta = read_json(recording_path(self.out), "recording")
-        if self.meta.get("kind") != "recording" or self.meta.get("schema") != RECORDING_SCHEMA:
-            raise DormouseError(f"{recording_path(self.out)} is not a recording of schema {RECORDING_SCHEMA}: "
-                                "re-record with this dormouse")
-        validate_recording_meta(self.meta, recording_path(self.out))
+        # the typed recording (artifacts/spec.py): what it was asked to record, and what it recorded
+        self.spec, self.recorded = read_recording(self.meta, recording_path(self.out))
         self.steps = recording_steps(self.meta)
         if not self.steps:
             raise DormouseError(f"the recording in {self.out} has no finished segment: the loop must call "
                                 "rec.close() (every rank)")
         self.run = self.meta["run"]
-        self.sketch = int(self.meta.get("sketch", 0))
-        self.every = int(self.meta.get("every", 1))
-        self.seed = int(self.meta.get("seed", 0))
+        self.sketch, self.every, self.seed = self.spec.sketch, self.spec.every, self.spec.seed
         self._metas: dict = {}
         self._init_meta: dict | None = None
 

@@ -276,10 +276,12 @@ class Recorder:
                  objective_scope: str = "example", probe_steps=None, pipeline_stage=None, sharding=None,
                  selfcheck: int = 0, stop_on_fail: bool = False, reduction: str = "mean", reports: bool = False,
                  wire: str = "fp32", extra: dict | None = None, start: int = 0, context_parallel=None):
-        check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
-                      max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every,
-                      build_kwargs=build_kwargs, buffer_update=buffer_update, objective_scope=objective_scope,
-                      wire=wire, extra=extra)
+        self.spec = check_options(
+            build_model=build_model, build_optimizer=build_optimizer, objective=objective,
+            max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every, inputs=inputs,
+            build_kwargs=build_kwargs, seed=seed, buffer_update=buffer_update, example_corpus=example_corpus,
+            objective_scope=objective_scope, probe_steps=probe_steps, selfcheck=selfcheck, stop_on_fail=stop_on_fail,
+            reduction=reduction, reports=reports, wire=wire, extra=extra, start=start)
         if pipeline_stage is not None and int(sketch):  # each stage's sketches would need summing by name
             raise RecorderError(f"sketch={sketch} with pipeline_stage: a pipeline is recorded in full tensors "
                                 "(sketch=0)")
