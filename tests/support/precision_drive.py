@@ -11,7 +11,7 @@ import looprec  # noqa: E402
 
 from dormouse.gate import artifacts as A  # noqa: E402
 from dormouse.gate.artifacts import ReferenceSet
-from dormouse.gate.judge.facts.precision import precision_floor
+from dormouse.gate.judge.precision import precision_floor
 
 root, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
 root.mkdir(parents=True, exist_ok=True)

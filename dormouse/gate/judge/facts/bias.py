@@ -18,8 +18,8 @@ import torch
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
-from dormouse.gate.judge.bounds import BF16_UNIT_ROUNDOFF, BIAS_FLOOR, BIAS_SIGMAS, GRAD_RTOL
-from dormouse.gate.judge.facts.gradient import fleet_grad
+from dormouse.gate.judge.bounds import BIAS_FLOOR, BIAS_SIGMAS
+from dormouse.gate.judge.gradtools import fleet_grad, wire_element_bound
 from dormouse.gate.judge.verdict import Check
 
 
@@ -93,8 +93,7 @@ def check_bias_recorded(rec: A.RecordingSet, ref: ReferenceSet) -> BiasCheck:
         before = rec.tensors_at(k, "p/")
         w = rec.world_at(k)
         for n in sorted(set(g) & set(g_ref) & set(wa) & set(before)):
-            # the gradient check's bound (facts/gradient.py wire_ratio): the wire's rounding and the float32 term
-            b = w * BF16_UNIT_ROUNDOFF * wa[n].double() + GRAD_RTOL * float(g_ref[n].double().abs().max())
+            b = wire_element_bound(g_ref[n], wa[n], w)  # the gradient check's bound (gradtools.wire_ratio)
             per.setdefault(n, []).append((g[n].double() - g_ref[n].double(), b, g_ref[n].double(),
                                           before[n].double()))
     series = [tuple(torch.stack([x[i] for x in items]) for i in range(4)) for items in per.values()]

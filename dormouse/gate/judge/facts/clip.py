@@ -20,8 +20,8 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import FACTOR_AWAY, FP32_UNIT_ROUNDOFF, NORM_LANES, grad_rtol, norm_rtol, \
     norm_rtol_of_sizes
-from dormouse.gate.judge.facts.gradient import _never_reduced, fleet_grad
-from dormouse.gate.judge.facts.precision import (
+from dormouse.gate.judge.gradtools import fleet_grad, never_reduced
+from dormouse.gate.judge.precision import (
     arithmetic_bound,
     bound_words,
     precision_floor,
@@ -78,7 +78,7 @@ def check_clip(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
             coefs = f"coefficient {metas[0].get('clip_coef'):.4g}, one process {info['clip_coef']:.4g}"
             far = max(o for o in off if math.isfinite(o)) if any(math.isfinite(o) for o in off) else math.inf
             stated = f"off by {far:.2g}, bound {tol:.2g}: the norm's float32 arithmetic and the gradient's"
-            if differ and _never_reduced(rec, ref, arithmetic_bound(rec, ref, grad_rtol(info), k)) is not None:
+            if differ and never_reduced(rec, ref, arithmetic_bound(rec, ref, grad_rtol(info), k)) is not None:
                 return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
                                             "its own gradient's: the gradients were never all-reduced (see gradient),"
                                             " not a clip by a local norm")

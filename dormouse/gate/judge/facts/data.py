@@ -75,6 +75,37 @@ def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bo
     return groups, exact
 
 
+def _labels_apart(rec: A.RecordingSet) -> str | None:
+    """A rank whose labels are not its input tokens (at most half its targets are) where another rank's are
+    its input tokens at every target (the causal-LM convention: labels = input_ids, -100 where not trained):
+    labels altered on some ranks alone (zeroed on one rank's device copy), which every other check takes as
+    given, since the gate's one process reads the labels the fleet's forward got. None otherwise (ranks
+    whose labels are all their inputs, or all something else: another objective's labels)."""
+    seen: dict[int, list] = {}  # rank -> [targets equal to the input token, targets, up to 2 target values]
+    for k in rec.steps:
+        for r, _, b in rec.micro_batches(k):
+            y, x = b.get(A.LOSS_LABELS, b.get("labels")), b.get("input_ids", b.get("arg0"))
+            if y is None or x is None or y.shape != x.shape:
+                continue
+            on = y != -100
+            s = seen.setdefault(r, [0, 0, set()])
+            s[0], s[1] = s[0] + int((on & (y == x)).sum()), s[1] + int(on.sum())
+            if len(s[2]) < 2:
+                s[2] |= set(y[on].unique()[:2].tolist())
+    same = [r for r, s in sorted(seen.items()) if s[1] and s[0] == s[1]]
+    apart = [r for r, s in sorted(seen.items()) if s[1] and s[0] <= s[1] / 2]
+    if not same or not apart:
+        return None
+    r = apart[0]
+    agree, total, values = seen[r]
+    what = f"; every target is token {next(iter(values))}" if len(values) == 1 else ""
+    return (f"rank {r}'s labels are not its input tokens at {total - agree} of its {total} targets{what}, where "
+            f"rank(s) {', '.join(map(str, same))}'s labels are their input tokens at every target: "
+            f"the labels were altered on rank {', '.join(map(str, apart))} alone (zeroed or overwritten on that "
+            "rank's device copy?) and the fleet trained towards them; the gate's one process reads the labels the "
+            "forward got, so every other check takes them as given")
+
+
 
 def _ids_against_corpus(rec: A.RecordingSet) -> tuple[str | None, str]:
     """Where the recording names the corpus its example ids are byte offsets
@@ -172,6 +203,9 @@ def check_data(rec: A.RecordingSet) -> Check:
     wrong, unverified = _ids_against_corpus(rec)
     if wrong:
         return Check("data", False, wrong)
+    labels = _labels_apart(rec)
+    if labels:
+        return Check("data", False, labels)
     n = int(rec.meta.get("dataset_len", 0))
     epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
     given_epochs = all(e is not None for e in epochs)

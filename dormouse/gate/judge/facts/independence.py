@@ -31,7 +31,7 @@ import math
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, INDEP_RTOL, floor_bound
-from dormouse.gate.judge.facts.precision import arithmetic_bound, bound_words
+from dormouse.gate.judge.precision import arithmetic_bound, bound_words
 from dormouse.gate.judge.metrics import rel
 from dormouse.gate.judge.verdict import TensorCheck
 

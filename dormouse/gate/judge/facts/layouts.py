@@ -42,8 +42,9 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.judge.verdict import Check
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import FACTOR_AWAY, FACTOR_RTOL, GRAD_RTOL
-from dormouse.gate.judge.facts.gradient import fleet_grad
-from dormouse.gate.judge.facts.precision import arithmetic_bound
+from dormouse.gate.judge.cpshards import cp_chunks, cp_join, cp_split
+from dormouse.gate.judge.gradtools import fleet_grad
+from dormouse.gate.judge.precision import arithmetic_bound
 from dormouse.gate.judge.metrics import fit, rel
 
 
@@ -247,32 +248,6 @@ def check_layout(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
 
 
 # ---------------------------------------------------------------------------------------------- context parallel
-
-def cp_chunks(n: int, order: str) -> list[list[int]]:
-    """The chunks of a row's sequence each of a CP group's n ranks holds, in its local order (the judge's own
-    reading of the declared order): "contiguous" n chunks, rank i chunk i; "load_balanced" torch's head-tail
-    balancer, 2n chunks, rank i chunk i then chunk 2n - 1 - i."""
-    return [[i] for i in range(n)] if order == "contiguous" else [[i, 2 * n - 1 - i] for i in range(n)]
-
-
-def cp_split(t: torch.Tensor, dim: int, n: int, order: str) -> list[torch.Tensor]:
-    """The global tensor t cut into the n shards of a CP group, rank by rank, in `order`."""
-    held = cp_chunks(n, order)
-    chunks = t.chunk(sum(len(h) for h in held), dim)
-    return [torch.cat([chunks[c] for c in h], dim) for h in held]
-
-
-def cp_join(pieces: list[torch.Tensor], dim: int, order: str) -> torch.Tensor | None:
-    """The global tensor of a CP group's shards (in its rank order) along `dim`; None when they do not cut."""
-    held = cp_chunks(len(pieces), order)
-    chunks: dict[int, torch.Tensor] = {}
-    for piece, h in zip(pieces, held):
-        if piece.shape[dim] % len(h):
-            return None
-        for c, part in zip(h, piece.chunk(len(h), dim)):
-            chunks[c] = part
-    return torch.cat([chunks[c] for c in sorted(chunks)], dim)
-
 
 POSITION_KEYS = ("position_ids", "positions", "pos")
 

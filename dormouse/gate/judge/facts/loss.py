@@ -18,8 +18,8 @@ from dormouse.gate.judge.bounds import (
     LOSS_RTOL,
     floor_bound,
 )
-from dormouse.gate.judge.facts.gradient import rank_mean_words
-from dormouse.gate.judge.facts.precision import precision_words
+from dormouse.gate.judge.gradtools import rank_mean_words
+from dormouse.gate.judge.precision import precision_words
 from dormouse.gate.judge.verdict import Check, TensorCheck
 
 

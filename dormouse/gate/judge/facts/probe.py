@@ -37,7 +37,7 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.judge.verdict import Check
 from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, PROBE_RTOL, floor_bound
 from dormouse.gate.artifacts import ReferenceSet
-from dormouse.gate.judge.facts.layouts import cp_join, cp_split
+from dormouse.gate.judge.cpshards import cp_join, cp_split
 from dormouse.gate.judge.metrics import rel
 
 
@@ -185,6 +185,13 @@ def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
         return Check("probe", True, "not probed: the probed micro-batches ran in reduced precision (autocast, cast or "
                                     "bfloat16/float16 parameters), or the reference ran past the recorded "
                                     "parameters; the probe's floors are float32's")
+    drawn = [k for k in steps if ref.info(k).get("rng_sensitive")]
+    if drawn:  # each rank's masks are its own draws: neither a module's output nor a rank's scale has one value
+        return Check("probe", True, (
+            f"not judged: one process's gradient of the probed micro-batch at step {drawn[0]} changes with the RNG "
+            "state (dropout or another random draw in the forward): each rank drew its own masks, which one process "
+            "does not repeat, so neither the modules' outputs nor the ranks' loss scales can be compared with one "
+            "process's (see independence)"))
     worst_f, worst_b, skipped, n = 0.0, 0.0, set(), 0
     for k in steps:
         scales = {}

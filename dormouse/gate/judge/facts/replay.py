@@ -31,8 +31,8 @@ from dormouse.gate.judge.bounds import (
     RUN_MIN_RTOL,
     sketch_detection,
 )
-from dormouse.gate.judge.facts.gradient import _per_tensor, run_tolerance
-from dormouse.gate.judge.facts.precision import arithmetic_bound
+from dormouse.gate.judge.gradtools import per_tensor, run_tolerance
+from dormouse.gate.judge.precision import arithmetic_bound
 from dormouse.gate.judge.metrics import rel
 from dormouse.gate.judge.verdict import Check
 
@@ -88,13 +88,13 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
         pre = "ps/" if rec.sketch else "p/"
         for k in rec.tensor_steps():
             a, b = rec.tensors_at(k, pre), ref.tensors(k, "rp/")
-            x, n, t, ratio = _per_tensor(a, b, sorted(set(a) & set(b)), tol[k])
+            x, n, t, ratio = per_tensor(a, b, sorted(set(a) & set(b)), tol[k])
             ok = ok and ratio <= 1.0
             if ratio > worst[1]:
                 worst, at, name = (x, ratio), k, n
         last = tol[rec.tensor_steps()[-1]]
         a, b = rec.final(pre), ref.final()
-        x, n, t, ratio = _per_tensor(a, b, sorted(set(a) & set(b)), last)
+        x, n, t, ratio = per_tensor(a, b, sorted(set(a) & set(b)), last)
         ok = ok and ratio <= 1.0
         if ratio > worst[1]:
             worst, at, name = (x, ratio), "final", n
