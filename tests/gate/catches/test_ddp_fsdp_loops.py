@@ -12,6 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
+import casecheck
+import catalogue
 import looprec
 import pytest
 import torch
@@ -23,118 +25,20 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.judge.entry import judge_recording
 from dormouse.gate.record.reference import make_reference
 
-# name -> the run's settings (ddp_loop.RUN); "leg": 1 runs are resumed in a second launch.
-RUNS = {
-    "clean0": {"seed": 0, "steps": 6},
-    "clean1": {"seed": 1},
-    "clean2": {"seed": 2},
-    "clean_resume": {"seed": 3, "stop_at": 2, "leg": 1},
-    "fsdp": {"seed": 4, "fsdp": True},
-    "sketch": {"seed": 5, "sketch": 64, "every": 2, "steps": 5},
-    "fsdp_sketch": {"seed": 6, "fsdp": True, "sketch": 64},
-    "micro_mean": {"fault": "micro_mean"},
-    "comp_twice": {"fault": "comp_twice"},
-    "comp_none": {"fault": "comp_none"},
-    "local_count": {"fault": "local_count"},
-    "same_data": {"fault": "same_data"},
-    "bn": {"fault": "bn"},
-    "dropout": {"fault": "dropout"},
-    "bn_frozen": {"fault": "bn", "eval_modules": ["bn"]},  # BatchNorm in eval mode: its running statistics
-    "dropout_off": {"fault": "dropout", "eval_modules": ["drop"]},  # a dropout module in eval mode
-    "bn_frozen_rank1": {"fault": "bn", "eval_modules": ["bn"], "eval_rank": 1},  # rank 1 alone froze it
-    "frozen_script": {"freeze": ["pos.weight"]},  # frozen by the training script, after build_model
-    "position_ids": {"position_ids": True},
-    "left_pad": {"left_pad": True},  # left padding, absolute positions: a row's function depends on its padding
-    # FSDP2 layers kept unsharded after their forward, and a no-grad probe forward before rec.step
-    # (no clipping: see the next)
-    "fsdp_unsharded_probe": {"fsdp": True, "fsdp_layers": True, "fault": "nograd_log", "max_grad_norm": 0.0},
-    # ... and clip_grad_norm_ after the probe: it reads the unsharded parameters, which hold no gradient
-    "fsdp_unsharded_clip": {"fsdp": True, "fsdp_layers": True, "fault": "nograd_log"},  # a forward keyword beyond Recorder(inputs=...)
-    "clip_local": {"fault": "clip_local"},
-    "unused_zero": {"fault": "unused_zero"},
-    "resume_drop_sched": {"fault": "resume_drop_sched", "stop_at": 2, "leg": 1},
-    "loss_rank_mean": {"fault": "loss_rank_mean"},
-    "sketch_comp_twice": {"fault": "comp_twice", "sketch": 64, "every": 2, "steps": 5},
-    "resume_data": {"fault": "resume_data", "stop_at": 2, "leg": 1},
-    "resume_noopt": {"fault": "resume_noopt", "stop_at": 2, "leg": 1},
-    "resume_nomoments": {"fault": "resume_nomoments", "stop_at": 2, "leg": 1},
-    "rank_lr": {"fault": "rank_lr"},
-    # FSDP2 (fully_shard, Shard(0) DTensors): faults of a sharded loop
-    "fsdp_local_count": {"fault": "local_count", "fsdp": True},
-    "fsdp_clip_local": {"fault": "clip_local", "fsdp": True},
-    "fsdp_comp_twice": {"fault": "comp_twice", "fsdp": True},
-}
-DEFAULTS = {"steps": 4}
-
-
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("recordings")
-    plan = [{**DEFAULTS, **cfg, "out": str(root / name)} for name, cfg in RUNS.items()]
-    launch(plan, root)
+    plan = [{**cfg, "out": str(root / name)} for name, cfg in catalogue.runs("ddp").items()]
+    launch(plan, root)  # every run's first leg; "leg": 1 runs are resumed in a second launch
     launch([{**p, "leg": 2} for p in plan if p.get("leg") == 1], root)
-    return {name: root / name for name in RUNS}
+    return {name: root / name for name in catalogue.ids("ddp")}
 
 
-def verdict(recordings, name):
-    return looprec.verdict(recordings[name])
-
-
-@pytest.mark.parametrize("name", ["clean0", "clean1", "clean2", "clean_resume", "fsdp", "sketch", "fsdp_sketch",
-                                  "fsdp_unsharded_probe"])
-def test_clean_runs_pass(recordings, name):
-    v = verdict(recordings, name)
-    assert v.passed, failing(v)
-    names = {c.name for c in v.checks}
-    assert {"independence", "gradient", "grad_mask", "replay", "data", "loss", "ranks", "clip"} <= names
-    if name == "clean1":  # fact 1's sample: both ranks' first micro-batch at step 1, one at each of steps 2-4
-        assert "5 of 24 micro-batches differentiated row by row" in v.check("independence").reason
-        # one process at the global batch: the step's 12 rows of different lengths in one forward, padded
-        assert "the step's 12 rows in 1 forward (padded on the right" in v.check("independence").reason
-    if name == "clean_resume":
-        assert "across 1 resume" in v.check("replay").reason
-    if "sketch" in name:
-        assert "sketch k=64" in v.check("gradient").reason and "detected with probability" in v.check("gradient").reason
-
-
-# fault -> (the check that fails, words of its reason)
-FAULTS = {
-    "micro_mean": ("gradient", "mean of per-micro-batch token means"),
-    "comp_twice": ("gradient", "= W "),
-    "comp_none": ("gradient", "= 1/W "),
-    "local_count": ("gradient", "each rank normalised by its own token count"),
-    "same_data": ("data", "every rank read the same data"),
-    "bn": ("independence", "BatchNorm (bn)"),
-    "dropout": ("independence", "active dropout (drop)"),
-    "clip_local": ("clip", "local norm"),
-    "unused_zero": ("grad_mask", "spare.bias, spare.weight had a gradient (all zeros)"),
-    "resume_drop_sched": ("replay", "the resume dropped the lr scheduler's state"),
-    "loss_rank_mean": ("loss", "the mean of the ranks' own token means"),
-    "sketch_comp_twice": ("gradient", "= W "),
-    "resume_data": ("data", "an example was read twice within epoch 0 (steps 1 and 3"),
-    # the resume at step 3 with a fresh AdamW(lr=1e-2) under LambdaLR: its lr is 1e-2 x the warm-up's first
-    # factor, 1/3 (loopmodel.lr_factor(0)), where the schedule's third step gives 1e-2 x 0.9
-    "resume_noopt": ("replay", f"the loop's lr at step 3 is {1e-2 / 3:.6g}, the optimizer's initial lr, where "
-                               f"the uninterrupted scheduler gives {1e-2 * 0.9:.6g}: the resume did not load "
-                               "the optimizer's state"),
-    # the lr right, the first update after the resume (step 3) wrong: the moments named
-    "resume_nomoments": ("replay", "the first update after the resume at step 3 is the first that differs, with "
-                                   "the parameters and the lr right, so the resume did not restore the "
-                                   "optimizer's state"),
-    "rank_lr": ("ranks", "rank 1's parameters or persistent buffers differ from rank 0's before step 2"),
-    "fsdp_local_count": ("gradient", "each rank normalised by its own token count"),
-    "fsdp_clip_local": ("clip", "each rank its own, where the global gradient's norm is"),
-    "fsdp_comp_twice": ("gradient", "= W "),
-    "fsdp_unsharded_clip": ("clip", "the loop clipped by a gradient norm of 0"),
-    "bn_frozen_rank1": ("ranks", "rank 1's micro-batch 0 ran other submodules in eval mode (bn) than rank 0's "
-                                 "first (none)"),
-    "left_pad": ("independence", "or on its padding (left padding with absolute positions)"),
-}
-
-
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_each_fault_fails_for_its_named_reason(recordings, fault):
-    looprec.fails_for(verdict(recordings, fault), *FAULTS[fault])
+@pytest.mark.parametrize("case", catalogue.of("ddp"), ids=catalogue.ids("ddp"))
+def test_the_verdict_is_the_catalogues(recordings, case):
+    """Clean runs pass (several seeds, a resume, FSDP2, sketches); each fault fails for its named reason
+    (tests/support/catalogue.py, the "ddp" rows)."""
+    casecheck.holds(recordings[case.id], case)
 
 
 @pytest.mark.parametrize("name", ["bn_frozen", "dropout_off"])
@@ -142,9 +46,7 @@ def test_submodules_the_loop_runs_in_eval_mode_are_judged_in_eval_mode(recording
     """A frozen BatchNorm (running statistics) or a dropout module in eval mode
     is a function of each example alone: the Recorder records the modes, the
     reference sets them (not model.train()'s all-training), and the loop
-    passes; the same modules in training mode fail independence (FAULTS)."""
-    v = verdict(recordings, name)
-    assert v.passed, failing(v)
+    passes (its catalogue row); the same modules in training mode fail independence (rows bn, dropout)."""
     module = "bn" if name == "bn_frozen" else "drop"
     rec = A.RecordingSet(recordings[name])
     assert rec.eval_modules(1) == [module]
@@ -161,8 +63,6 @@ def test_a_parameter_the_script_froze_is_frozen_in_the_reference(recordings, tmp
     """requires_grad is recorded with the initial state: the reference freezes
     what the loop froze, so the loop passes; without that record (a recording
     read as before) the reference trains pos.weight and the mask fails."""
-    v = verdict(recordings, "frozen_script")
-    assert v.passed, failing(v)
     assert A.RecordingSet(recordings["frozen_script"]).meta["frozen"] == ["pos.weight"]
     dst = _copy(recordings, tmp_path, "frozen_script")
     meta = json.loads(A.recording_path(dst).read_text())
@@ -181,8 +81,6 @@ def test_a_forward_keyword_beyond_the_inputs_is_recorded_and_passed(recordings, 
     other positions and the gradient check fails."""
     from safetensors.torch import load_file, save_file
 
-    v = verdict(recordings, "position_ids")
-    assert v.passed, failing(v)
     rec = A.RecordingSet(recordings["position_ids"])
     assert all("position_ids" in b for _, _, b in rec.micro_batches(1))
     dst = _copy(recordings, tmp_path, "position_ids")
@@ -195,25 +93,11 @@ def test_a_forward_keyword_beyond_the_inputs_is_recorded_and_passed(recordings, 
     assert not judge_recording(dst).check("gradient").passed
 
 
-def test_wrong_logged_loss_is_not_wrong_training(recordings):
-    v = verdict(recordings, "loss_rank_mean")
-    assert v.check("gradient").passed and v.check("replay").passed
-    assert "the logged loss is wrong, not the training" in v.check("loss").reason
-    assert [c.name for c in v.checks if not c.passed] == ["loss"]
-
-
-def test_same_data_gradient_still_matches(recordings):
-    """Every rank reading the same batch computes the one-process gradient of
-    that (duplicated) batch: only the data check can see it."""
-    v = verdict(recordings, "same_data")
-    assert v.check("gradient").passed and not v.check("data").passed
-
-
 # --------------------------------------------------------------------------- bad input: one line, exit 2
 
 
 def _copy(recordings, tmp_path, name="clean1") -> Path:
-    verdict(recordings, name)
+    looprec.verdict(recordings[name])  # its reference made: copied without it
     dst = tmp_path / name
     shutil.copytree(recordings[name], dst)
     shutil.rmtree(dst / "reference")
