@@ -133,7 +133,7 @@ def timed_rounds(out: Path, kinds: list[str], rounds: int, steps: int, new_run, 
 def _rank_main(argv: list[str]) -> int:
     import torch.distributed as dist
 
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -160,9 +160,9 @@ def _rank_main(argv: list[str]) -> int:
         opt = build_optimizer(model)
         rec = None
         if KINDS[kind] is not None:
-            rec = Recorder(path, net, build_model="dormouse.bench.recorder:build_model",
-                           build_optimizer="dormouse.bench.recorder:build_optimizer", objective="causal_lm",
-                           max_grad_norm=1.0, build_kwargs=kw, **KINDS[kind])
+            rec = Recorder(path, net, RecordingSpec(build_model="dormouse.bench.recorder:build_model",
+                                                    build_optimizer="dormouse.bench.recorder:build_optimizer", objective="causal_lm",
+                                                    max_grad_norm=1.0, build_kwargs=kw, **KINDS[kind]))
 
         def step() -> tuple[float, float]:
             """One optimizer step: (its wall seconds, those inside rec.step)."""

@@ -41,7 +41,7 @@ def _rank_main(argv: list[str]) -> int:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from dormouse.bench.tp_llama import build_model, build_optimizer, parallelize
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -72,9 +72,9 @@ def _rank_main(argv: list[str]) -> int:
         opt = build_optimizer(model)
         rec = None
         if KINDS[kind] is not None:
-            rec = Recorder(path, model, build_model="dormouse.bench.tp_llama:build_model",
-                           build_optimizer="dormouse.bench.tp_llama:build_optimizer", objective="causal_lm",
-                           build_kwargs=kw, **KINDS[kind])
+            rec = Recorder(path, model, RecordingSpec(build_model="dormouse.bench.tp_llama:build_model",
+                                                      build_optimizer="dormouse.bench.tp_llama:build_optimizer", objective="causal_lm",
+                                                      build_kwargs=kw, **KINDS[kind]))
 
         def step() -> tuple[float, float]:
             """One optimizer step: (its wall seconds, those inside rec.step)."""

@@ -16,6 +16,10 @@ def __getattr__(name):
         from dormouse.gate.record.recorder import Recorder
 
         return Recorder
+    if name == "RecordingSpec":  # what a Recorder records (artifacts/spec.py)
+        from dormouse.gate.artifacts.spec import RecordingSpec
+
+        return RecordingSpec
     if name == "shard":  # a declared sharding's entry (record/declared.py)
         from dormouse.gate.record.declared import shard
 

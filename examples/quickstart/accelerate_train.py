@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from dormouse.gate import Recorder
+from dormouse.gate import Recorder, RecordingSpec
 from ddp_train import build_model, build_optimizer, dataset  # noqa: F401 (the gate imports them from here)
 
 STEPS, ACCUM, MICRO = 4, 2, 4
@@ -49,9 +49,9 @@ def main() -> None:
     model = build_model()
     opt, sched = build_optimizer(model)
     model, opt = accelerator.prepare(model, opt)  # the scheduler is not prepared: this loop steps it
-    rec = Recorder("runs/accelerate", model, build_model="accelerate_train:build_model",
-                   build_optimizer="accelerate_train:build_optimizer", objective="causal_lm",
-                   max_grad_norm=1.0, dataset_len=len(dataset()))
+    rec = Recorder("runs/accelerate", model, RecordingSpec(build_model="accelerate_train:build_model",
+                                                           build_optimizer="accelerate_train:build_optimizer", objective="causal_lm",
+                                                           max_grad_norm=1.0, dataset_len=len(dataset())))
     total = torch.zeros(())
     for batch in micro_batches(accelerator):
         with accelerator.accumulate(model):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dormouse.gate import Recorder
+from dormouse.gate import Recorder, RecordingSpec
 
 STEPS, ACCUM, MICRO, SEQ, VOCAB = 4, 2, 4, 32, 64
 
@@ -67,9 +67,9 @@ def main() -> None:
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0,
                                                   drop_last=True)
     loader = iter(torch.utils.data.DataLoader(data, batch_size=MICRO, sampler=sampler, drop_last=True))
-    rec = Recorder("runs/ddp", model, build_model="ddp_train:build_model",
-                   build_optimizer="ddp_train:build_optimizer", objective="causal_lm", max_grad_norm=1.0,
-                   dataset_len=len(data), selfcheck=64)  # selfcheck: the in-run checks (docs/follow.md)
+    rec = Recorder("runs/ddp", model, RecordingSpec(build_model="ddp_train:build_model",
+                                                    build_optimizer="ddp_train:build_optimizer", objective="causal_lm", max_grad_norm=1.0,
+                                                    dataset_len=len(data), selfcheck=64))  # selfcheck: the in-run checks (docs/follow.md)
     for _ in range(STEPS):
         batches = [next(loader) for _ in range(ACCUM)]
         # the causal-LM token mean over the GLOBAL batch: every rank's targets counted

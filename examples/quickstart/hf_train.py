@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
-from dormouse.gate.record.hf import RecorderCallback
+from dormouse.gate import RecordingSpec
+from dormouse.gate.record.hf import TrainerRecorder
 
 STEPS, SEQ, VOCAB = 4, 32, 64
 
@@ -55,9 +56,9 @@ if __name__ == "__main__":
                              gradient_accumulation_steps=2, max_steps=STEPS, max_grad_norm=1.0, logging_steps=1,
                              save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), optimizers=build_optimizer(model),
-                      callbacks=[RecorderCallback("runs/hf", build_model="hf_train:build_model",
-                                                  build_optimizer="hf_train:build_optimizer",
-                                                  objective="causal_lm")])
+                      callbacks=[TrainerRecorder("runs/hf", RecordingSpec(build_model="hf_train:build_model",
+                                                                          build_optimizer="hf_train:build_optimizer",
+                                                                          objective="causal_lm"))])
     trainer.train()
     if dist.is_initialized():
         dist.destroy_process_group()

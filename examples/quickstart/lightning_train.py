@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ddp_train import build_model, build_optimizer, dataset  # noqa: F401 (the gate imports them from here)
-from dormouse.gate.record.lightning import RecorderCallback
+from dormouse.gate import RecordingSpec
+from dormouse.gate.record.lightning import LightningRecorder
 
 STEPS, ACCUM, MICRO = 4, 2, 4
 WORLD, RANK = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -68,8 +69,8 @@ if __name__ == "__main__":
                          accumulate_grad_batches=ACCUM, gradient_clip_val=1.0, use_distributed_sampler=False,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False,
-                         callbacks=[RecorderCallback("runs/lightning", module="net",
-                                                     build_model="lightning_train:build_model",
-                                                     build_optimizer="lightning_train:build_optimizer",
-                                                     objective="causal_lm", dataset_len=len(dataset()))])
+                         callbacks=[LightningRecorder("runs/lightning",
+                                                     RecordingSpec(build_model="lightning_train:build_model",
+                                                                   build_optimizer="lightning_train:build_optimizer",
+                                                                   objective="causal_lm", dataset_len=len(dataset())), module="net")])
     trainer.fit(LitLM(), train_dataloaders=torch.utils.data.DataLoader(micro_batches(), batch_size=None))

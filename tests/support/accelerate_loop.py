@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fieldkit  # noqa: E402
 import loopmodel  # noqa: E402
 
-from dormouse.gate import Recorder  # noqa: E402
+from dormouse.gate import Recorder, RecordingSpec  # noqa: E402
 
 LR, CLIP = 1e-2, 1.0
 MODES = ("clean", "micro_mean", "sched_prepared")
@@ -56,10 +56,10 @@ def train(run: dict, out: Path, accelerator) -> None:
         model, opt, sched = accelerator.prepare(model, opt, sched)
     else:
         model, opt = accelerator.prepare(model, opt)
-    rec = Recorder(out / run["name"], model, build_model="loopmodel:build_model",   # gate
-                   build_optimizer="loopmodel:build_optimizer", objective="causal_lm",
-                   build_kwargs={"seed": run["seed"], "lr": LR}, max_grad_norm=CLIP,
-                   dataset_len=len(items) * world * fieldkit.B)
+    rec = Recorder(out / run["name"], model, RecordingSpec(build_model="loopmodel:build_model",   # gate
+                                                           build_optimizer="loopmodel:build_optimizer", objective="causal_lm",
+                                                           build_kwargs={"seed": run["seed"], "lr": LR}, max_grad_norm=CLIP,
+                                                           dataset_len=len(items) * world * fieldkit.B))
     reported = torch.zeros(())
     for batch in loader:
         with accelerator.accumulate(model):

@@ -92,7 +92,7 @@ import plan  # noqa: E402  (tests/support)
 from loopmodel import VOCAB, build_model, build_optimizer, collate, dataset  # noqa: E402
 from loopmodel import T as TLEN  # noqa: E402  the position table's length
 
-from dormouse.gate import Recorder  # noqa: E402
+from dormouse.gate import Recorder, RecordingSpec  # noqa: E402
 
 RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 0, "fsdp": False,
        "micro": 3, "batch": 2, "n": 48, "max_grad_norm": 1.0, "sketch": 0, "every": 1, "lr": 1e-2, "eps": 0.0,
@@ -295,10 +295,10 @@ def run(cfg: dict) -> None:
     if fault == "rank_lr" and rank == 1:
         for group in opt.param_groups:
             group["lr"] *= 1.01
-    rec = Recorder(out, net, build_model=builder, build_optimizer="loopmodel:build_optimizer",
-                   objective="causal_lm", max_grad_norm=mgn, dataset_len=n, build_kwargs=kw,
-                   sketch=cfg["sketch"], every=cfg["every"], resume=start if cfg["leg"] == 2 else False,
-                   wire=cfg["wire"])
+    rec = Recorder(out, net, RecordingSpec(build_model=builder, build_optimizer="loopmodel:build_optimizer",
+                                           objective="causal_lm", max_grad_norm=mgn, dataset_len=n, build_kwargs=kw,
+                                           sketch=cfg["sketch"], every=cfg["every"], start=start if cfg["leg"] == 2 else 0,
+                                           wire=cfg["wire"]))
     data = data_of(fault, n, cfg["seed"])
     if cfg["fixed_len"]:
         data = [r[:cfg["fixed_len"]] for r in data]

@@ -65,7 +65,7 @@ EXPERT_PARAMS = ("moe.w1", "moe.w2")
 
 
 def run(cfg: dict) -> None:
-    from dormouse.gate import Recorder, shard
+    from dormouse.gate import Recorder, RecordingSpec, shard
     from ep_moe import E, balance, build_model, build_optimizer, shard_experts, shard_output
     from tp_loop import batch_rows
 
@@ -87,9 +87,9 @@ def run(cfg: dict) -> None:
     opt = build_optimizer(model)
     if cfg["emb_dropout"]:  # the replicated region's masks: one RNG state on every rank, or ("rng_apart") not
         torch.manual_seed(4321 + (rank if fault == "rng_apart" else 0))
-    rec = Recorder(cfg["out"], model, build_model="ep_loop:build_dropout_model" if cfg["emb_dropout"] else
-                   "ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
-                   objective="ep_moe:objective", objective_scope="step", build_kwargs=kw, sharding=sharding)
+    rec = Recorder(cfg["out"], model, RecordingSpec(build_model="ep_loop:build_dropout_model" if cfg["emb_dropout"] else
+                                                    "ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
+                                                    objective="ep_moe:objective", objective_scope="step", build_kwargs=kw), sharding=sharding)
     B, T = cfg["rows"], cfg["T"]
     for step in range(cfg["steps"]):
         ids = batch_rows(cfg["seed"], step, dp * B, T)[dp_rank * B:(dp_rank + 1) * B]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plan  # noqa: E402  (tests/support)
 from loopmodel import VOCAB, build_model, build_optimizer, collate, dataset  # noqa: E402
 
-from dormouse.gate import Recorder  # noqa: E402
+from dormouse.gate import Recorder, RecordingSpec  # noqa: E402
 from dormouse.gate.record.options import RecorderError  # noqa: E402
 
 RUN = {"out": "", "fault": "clean", "from": 1, "hook": None, "fsdp": False, "steps": 4, "micro": 2, "batch": 2,
@@ -86,9 +86,9 @@ def run(cfg: dict) -> None:
             net.register_comm_hook(None, bf16_wire_hook)
     opt, sched = build_optimizer(model, **kw)
     try:
-        rec = Recorder(cfg["out"], net, build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
-                       objective="causal_lm", max_grad_norm=1.0, dataset_len=n, build_kwargs=kw,
-                       selfcheck=cfg["selfcheck"], stop_on_fail=cfg["stop"], wire=cfg["wire"])
+        rec = Recorder(cfg["out"], net, RecordingSpec(build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
+                                                      objective="causal_lm", max_grad_norm=1.0, dataset_len=n, build_kwargs=kw,
+                                                      selfcheck=cfg["selfcheck"], stop_on_fail=cfg["stop"], wire=cfg["wire"]))
         data = dataset(n, cfg["seed"])
         per_epoch = n // (world * K * B)
         for s in range(cfg["steps"]):

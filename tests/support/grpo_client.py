@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer as a client of the HF callback (`dormouse.gate.record.hf.RecorderCallback`),
+"""TRL's GRPOTrainer as a client of the HF callback (`dormouse.gate.record.hf.TrainerRecorder`),
 generation included, under torchrun (gloo, CPU), for tests and the field sweep. Nothing is
 downloaded: the random-init tiny Llama and the toy tokenizer of trl_client.py, prompts of 1..3
 toy words, a reward computed here (the fraction of a completion's tokens with an even id).
@@ -153,14 +153,15 @@ def train(run: dict, out: Path) -> None:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from dormouse.gate.record.hf import RecorderCallback
+    from dormouse.gate import RecordingSpec
+    from dormouse.gate.record.hf import TrainerRecorder
 
     kw = build_kwargs(run)
     model = build_model(**kw)
     declare = run["declare"] or DEFAULT_DECLARE[run["loss"]]
-    callback = RecorderCallback(out / run["name"], build_model=f"{MODULE}:build_model",
-                                build_optimizer=f"{MODULE}:build_optimizer",
-                                objective=f"{MODULE}:{OBJECTIVES[declare]}", build_kwargs=kw)
+    callback = TrainerRecorder(out / run["name"], RecordingSpec(build_model=f"{MODULE}:build_model",
+                                                                build_optimizer=f"{MODULE}:build_optimizer",
+                                                                objective=f"{MODULE}:{OBJECTIVES[declare]}", build_kwargs=kw))
     fault = run["fault"]
 
     class Recorded(GRPOTrainer):

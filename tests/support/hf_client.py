@@ -1,6 +1,6 @@
 """A real Hugging Face Trainer client of the gate, for tests: a tiny random-init
 GPT-2 trained by `transformers.Trainer` as a data-parallel fleet, recorded by
-`dormouse.gate.record.hf.RecorderCallback`. Nothing is downloaded: the model
+`dormouse.gate.record.hf.TrainerRecorder`. Nothing is downloaded: the model
 comes from a config, the data is generated.
 
 Run under torchrun, one or more runs per launch (the imports and the process
@@ -35,9 +35,9 @@ optimizer and schedule (`build_optimizer`), on the same generated data
               transformers' load_balancing_loss_func over that forward's own router
               logits to its loss (modeling_qwen3_moe.py, Qwen3MoeForCausalLM.forward)
   bs=B        per_device_train_batch_size (default 2)
-  scope=S     the RecorderCallback's objective_scope (default "example")
-  selfcheck=K the RecorderCallback's in-run checks, K sampled elements per tensor (default 0: off)
-  objective=O the RecorderCallback's objective (default causal_lm; "global": moe_global_step below)
+  scope=S     the TrainerRecorder's objective_scope (default "example")
+  selfcheck=K the TrainerRecorder's in-run checks, K sampled elements per tensor (default 0: off)
+  objective=O the TrainerRecorder's objective (default causal_lm; "global": moe_global_step below)
   build=main  name the builders "__main__:..." (the script itself: bad input, refused in one line)
   loss_type=T model.loss_type before the Trainer is built. GPT2LMHeadModel's is None
               (its class name holds no "ForCausalLM"), so transformers 5.24's
@@ -240,14 +240,15 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
     """One Trainer run, recorded into out/<name>; returns what the Trainer logged."""
     from transformers import TrainerCallback, TrainingArguments
 
-    from dormouse.gate.record.hf import RecorderCallback
+    from dormouse.gate import RecordingSpec
+    from dormouse.gate.record.hf import TrainerRecorder
 
     # the gate's line: a bad argument fails here, in one line, before anything is built
     kw = {**({"unused": True} if run["unused"] else {}), **({"moe": True} if run["moe"] else {})}
-    recorder = [RecorderCallback(out / run["name"], build_model=f"{run['build']}:build_model",
-                                 build_optimizer=f"{run['build']}:build_optimizer", objective=run["objective"] if run["objective"] != "global" else f"{run['build']}:moe_global_step",
-                                 build_kwargs=kw, objective_scope=run["scope"],
-                                 selfcheck=run["selfcheck"])] if record else []
+    recorder = [TrainerRecorder(out / run["name"], RecordingSpec(build_model=f"{run['build']}:build_model",
+                                                                 build_optimizer=f"{run['build']}:build_optimizer", objective=run["objective"] if run["objective"] != "global" else f"{run['build']}:moe_global_step",
+                                                                 build_kwargs=kw, objective_scope=run["scope"],
+                                                                 selfcheck=run["selfcheck"]))] if record else []
     args = TrainingArguments(
         output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
         per_device_train_batch_size=run["bs"], gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,

@@ -1,7 +1,7 @@
 """A real PyTorch Lightning client of the gate, for tests: loopmodel's tiny
 causal LM inside a LightningModule, trained by `pl.Trainer(accelerator="cpu",
 strategy="ddp", devices=W)` under torchrun (gloo), recorded by
-`dormouse.gate.record.lightning.RecorderCallback`. Nothing is downloaded.
+`dormouse.gate.record.lightning.LightningRecorder`. Nothing is downloaded.
 
     torchrun --standalone --nproc_per_node=2 tests/support/lightning_client.py --out DIR clean:mode=clean ...
 
@@ -129,18 +129,19 @@ def parse_run(text: str) -> dict:
 def fit(run: dict, out: Path) -> None:
     import pytorch_lightning as pl
 
-    from dormouse.gate.record.lightning import RecorderCallback
+    from dormouse.gate import RecordingSpec
+    from dormouse.gate.record.lightning import LightningRecorder
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     manual = run["mode"] in ("manual", "clip_local")
     items = fieldkit.step_batches(seed=run["seed"], world=world, rank=rank, k=run["k"], steps=run["steps"])
     loader = torch.utils.data.DataLoader(fieldkit.Listed(items), batch_size=None, shuffle=False)
-    callback = RecorderCallback(out / run["name"], module="net", build_model="loopmodel:build_model",
-                                build_optimizer="loopmodel:build_optimizer", objective="causal_lm",
-                                build_kwargs={"seed": run["seed"], "lr": LR}, loss_key="step_loss",
-                                grad_norm_key="grad_norm" if manual else None,
-                                max_grad_norm=run["clip"] if manual else None,
-                                dataset_len=None if run["infer_len"] else len(items) * world * fieldkit.B)
+    callback = LightningRecorder(out / run["name"], RecordingSpec(build_model="loopmodel:build_model",
+                                                                  build_optimizer="loopmodel:build_optimizer", objective="causal_lm",
+                                                                  build_kwargs={"seed": run["seed"], "lr": LR},
+                                                                  max_grad_norm=run["clip"] if manual else None,
+                                                                  dataset_len=None if run["infer_len"] else len(items) * world * fieldkit.B), module="net", loss_key="step_loss",
+                                grad_norm_key="grad_norm" if manual else None)
     trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=world, max_steps=run["steps"],
                          accumulate_grad_batches=run["k"], gradient_clip_val=None if manual else run["clip"],
                          use_distributed_sampler=False, logger=False, enable_checkpointing=False,

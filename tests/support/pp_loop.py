@@ -75,7 +75,7 @@ def sync_tied(module, rank: int, world: int, fault: str) -> None:
 def run(cfg: dict) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
     from tp_llama import build_model, build_optimizer, pipeline_stage_module
     from tp_loop import batch_rows
 
@@ -97,8 +97,8 @@ def run(cfg: dict) -> None:
     schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[cfg["schedule"]](stage, K, loss_fn=loss_fn,
                                                                                scale_grads=scale)
     opt = build_optimizer(module)
-    rec = Recorder(cfg["out"], module, build_model="pp_loop:build_tied_model" if cfg["tied"] else "tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
-                   objective="causal_lm", build_kwargs={"seed": cfg["seed"]}, pipeline_stage=stage)
+    rec = Recorder(cfg["out"], module, RecordingSpec(build_model="pp_loop:build_tied_model" if cfg["tied"] else "tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
+                                                     objective="causal_lm", build_kwargs={"seed": cfg["seed"]}), pipeline_stage=stage)
     for step in range(cfg["steps"]):
         losses: list = []
         for a in range(acc):  # accumulation: each schedule.step() on rows of its own, no zero_grad between

@@ -102,7 +102,7 @@ def run(cfg: dict) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
     from tp_llama import build_model, build_optimizer, parallelize
 
     cfg = {**RUN, **cfg}
@@ -133,8 +133,8 @@ def run(cfg: dict) -> None:
     opt = build_optimizer(model)
     if tp == 1:  # a plain data-parallel run: DDP over every rank
         model = torch.nn.parallel.DistributedDataParallel(model)
-    rec = Recorder(cfg["out"], model, build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
-                   objective="causal_lm", build_kwargs=build, wire=cfg["wire"])
+    rec = Recorder(cfg["out"], model, RecordingSpec(build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
+                                                    objective="causal_lm", build_kwargs=build, wire=cfg["wire"]))
     K, B, T = cfg["micro"], cfg["rows"], cfg["T"]
     for step in range(cfg["steps"]):
         rows = batch_rows(cfg["seed"], step, dp * K * B, T)

@@ -1,6 +1,6 @@
 """Hugging Face clients beyond the plain Trainer, for tests and the field sweep:
 TRL's `SFTTrainer` and PEFT LoRA adapters, recorded by the HF callback
-(`dormouse.gate.record.hf.RecorderCallback`), under torchrun (gloo, CPU).
+(`dormouse.gate.record.hf.TrainerRecorder`), under torchrun (gloo, CPU).
 Nothing is downloaded: random-init models from configs built here, a toy
 tokenizer built here (64 word-level tokens "t0".."t63"; token 0 pads, 1 ends),
 the data generated and handed over as token ids (TRL's "processed" path).
@@ -282,7 +282,8 @@ def build_kwargs(run: dict) -> dict:
 
 
 def train(run: dict, out: Path) -> None:
-    from dormouse.gate.record.hf import RecorderCallback
+    from dormouse.gate import RecordingSpec
+    from dormouse.gate.record.hf import TrainerRecorder
 
     kw = build_kwargs(run)
     model = build_model(**kw)
@@ -290,9 +291,9 @@ def train(run: dict, out: Path) -> None:
     if run["trainer"] == "dpo":  # per pair, over the whole step (see the module docstring)
         objective = f"{MODULE}:{'dpo_sft_objective' if 'sft' in run['dpo'].split('+') else 'dpo_objective'}"
         scope = "step"
-    callback = RecorderCallback(out / run["name"], build_model=f"{MODULE}:build_model",
-                                build_optimizer=f"{MODULE}:build_optimizer", objective=objective, build_kwargs=kw,
-                                objective_scope=scope)
+    callback = TrainerRecorder(out / run["name"], RecordingSpec(build_model=f"{MODULE}:build_model",
+                                                                build_optimizer=f"{MODULE}:build_optimizer", objective=objective, build_kwargs=kw,
+                                                                objective_scope=scope))
     common = dict(output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
                   per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,
                   max_steps=run["steps"], logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plan  # noqa: E402  (tests/support)
 from loopmodel import VOCAB, TinyLM, build_model, build_optimizer, collate, dataset  # noqa: E402
 
-from dormouse.gate import Recorder  # noqa: E402
+from dormouse.gate import Recorder, RecordingSpec  # noqa: E402
 
 RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
@@ -76,8 +76,8 @@ def run(cfg: dict) -> None:
         model.bn.eval()  # frozen statistics in the training forwards
     net = torch.nn.parallel.DistributedDataParallel(model)
     opt, sched = build_optimizer(model, **kw)
-    rec = Recorder(cfg["out"], net, build_model=builder, build_optimizer="loopmodel:build_optimizer",
-                   objective="causal_lm", max_grad_norm=cfg["max_grad_norm"], dataset_len=n, build_kwargs=kw)
+    rec = Recorder(cfg["out"], net, RecordingSpec(build_model=builder, build_optimizer="loopmodel:build_optimizer",
+                                                  objective="causal_lm", max_grad_norm=cfg["max_grad_norm"], dataset_len=n, build_kwargs=kw))
     data = dataset(n, cfg["seed"])
     sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True,
                                                   seed=cfg["seed"], drop_last=True)

@@ -86,7 +86,7 @@ import torch.nn.functional as F
 from dormouse.config import RunConfig
 from dormouse.gate import artifacts as A
 from dormouse.gate.record.options import RecorderError
-from dormouse.gate.record.recorder import Recorder
+from dormouse.gate.record.recorder import Recorder, RecordingSpec
 from dormouse.train import loop
 from dormouse.train.hooks import Clipped, Evaluated, Hooks, Reduced, Start
 
@@ -237,13 +237,12 @@ class LoopRecorder:
         if self.fresh and st.step:  # rebuilt from the checkpoint it continues
             kwargs.update(checkpoint=str(Path(run.train.resume_from).resolve()), start=st.step)
         self.run = run
-        self.rec = Recorder(self.out, st.model, build_model=BUILD_MODEL, build_optimizer=BUILD_OPTIMIZER,
-                            objective=OBJECTIVE, max_grad_norm=run.train.grad_clip, build_kwargs=kwargs,
-                            resume=st.step if st.step and not self.fresh else False,
-                            start=st.step if self.fresh else 0,
-                            buffer_update=BUFFER_UPDATE if moving_bias(run) else None,
-                            wire="bf16" if run.train.dist and run.train.dist_reduce == "bf16" else "fp32",
-                            example_corpus=str(loop.resolve_corpus(run)), extra=self.extra)
+        self.rec = Recorder(self.out, st.model, RecordingSpec(build_model=BUILD_MODEL, build_optimizer=BUILD_OPTIMIZER,
+                                                              objective=OBJECTIVE, max_grad_norm=run.train.grad_clip, build_kwargs=kwargs,
+                                                              start=st.step,
+                                                              buffer_update=BUFFER_UPDATE if moving_bias(run) else None,
+                                                              wire="bf16" if run.train.dist and run.train.dist_reduce == "bf16" else "fp32",
+                                                              example_corpus=str(loop.resolve_corpus(run)), extra=self.extra))
         # a resumed segment keeps the evals of the steps before it, not those it runs again
         self.rec.extra["evals"] = [e for e in self.rec.extra.get("evals", []) if e[0] <= st.step]
 

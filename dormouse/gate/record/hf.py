@@ -1,9 +1,10 @@
 """The Recorder as a Hugging Face `transformers.TrainerCallback`.
 
-    from dormouse.gate.record.hf import RecorderCallback
+    from dormouse.gate import RecordingSpec
+    from dormouse.gate.record.hf import TrainerRecorder
+    spec = RecordingSpec(build_model="mypkg.train:build_model", build_optimizer="mypkg.train:build_optimizer")
     trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=build_optimizer(model),
-                      callbacks=[RecorderCallback("runs/rec", build_model="mypkg.train:build_model",
-                                                  build_optimizer="mypkg.train:build_optimizer")])
+                      callbacks=[TrainerRecorder("runs/rec", spec)])
     trainer.train()          # then: dormouse gate check --out runs/rec
 
 This is the only module of dormouse that imports transformers (the `[hf]`
@@ -49,7 +50,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dormouse.gate.record.options import INPUTS, RecorderError, check_options
+from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts.spec import OBJECTIVES, RecorderError, RecordingSpec
 from dormouse.gate.record.recorder import Recorder
 
 try:
@@ -59,41 +61,30 @@ except ImportError as e:  # the [hf] extra is not installed
                         "pip install 'dormouse[hf]'") from None
 
 
-class RecorderCallback(TrainerCallback):
+class TrainerRecorder(TrainerCallback):
     """Records a `transformers.Trainer` run for the gate (see the module docstring).
 
     out_dir          where the recording goes (one run per directory; `dormouse gate check --out` it)
-    build_model      "pkg.mod:fn": fn() returns the same initial model in a fresh process
-    build_optimizer  "pkg.mod:fn": fn(model) returns the optimizer and lr scheduler the Trainer uses
-                     (hand the same to the Trainer: `optimizers=build_optimizer(model)`)
-    objective        what the reference differentiates: "causal_lm" (HF's convention: logits against
-                     labels shifted by one, ignore_index -100, token mean over the GLOBAL batch; an MoE model's
-                     own router_aux_loss_coef x aux_loss of each forward with it, record/routeraux.py),
-                     "token_mean", "example_mean", or "pkg.mod:fn" with fn(model, batch) -> (loss_sum, count)
-    sketch, every    the Recorder's scale settings: k projections per tensor (0 = full), every k-th step
-    inputs           the forward keyword arguments that are the batch
-    build_kwargs     JSON-able keyword arguments for build_model and build_optimizer
-    dataset_len      examples in the dataset; None = len(train_dataset) when it has one (0 = unknown)
-    objective_scope  "example" (default), "forward" (each forward's own statistics: an MoE model's
-                     per-forward load-balancing term) or "step" (objective fn(model, batches)): the Recorder's
-    selfcheck, stop_on_fail  the Recorder's in-run checks (k numbers per tensor; 0 = off) and the stop at
-                     the first step they mark wrong (every rank raises); the step's marker for a follower
-                     comes after the log's report
+    spec             a RecordingSpec (docs/recording.md): build_model's fn() returns the same initial model in a
+                     fresh process, build_optimizer's fn(model) the optimizer and lr scheduler the Trainer uses
+                     (hand the same to the Trainer: `optimizers=build_optimizer(model)`); the objective
+                     "causal_lm" is HF's convention (logits against labels shifted by one, ignore_index -100,
+                     token mean over the GLOBAL batch; an MoE model's own router_aux_loss_coef x aux_loss of
+                     each forward with it, record/routeraux.py). Read from the Trainer where left None:
+                     max_grad_norm (TrainingArguments.max_grad_norm), dataset_len (len(train_dataset));
+                     start is the Trainer's global_step, reports is on (the step's marker comes after the log)
     """
 
-    def __init__(self, out_dir, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
-                 sketch: int = 0, every: int = 1, inputs=INPUTS, build_kwargs: dict | None = None,
-                 dataset_len: int | None = None, objective_scope: str = "example", selfcheck: int = 0,
-                 stop_on_fail: bool = False):
-        # bad options fail here, in one line, before the Trainer trains (not at on_train_begin on every rank)
-        check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective, sketch=sketch,
-                      every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs,
-                      objective_scope=objective_scope)
+    def __init__(self, out_dir, spec: RecordingSpec):
+        # bad options fail where the spec is made, in one line, before the Trainer trains
+        if not isinstance(spec, RecordingSpec):
+            raise RecorderError(f"TrainerRecorder(out_dir, spec): spec is a {type(spec).__name__}, not a "
+                                "RecordingSpec: pass RecordingSpec(build_model=..., build_optimizer=..., ...)")
+        if spec.start:
+            raise RecorderError(f"TrainerRecorder: spec start={spec.start}: the Trainer's global_step says where "
+                                "the recording starts: leave start at 0")
         self.out_dir = Path(out_dir)
-        self.options = dict(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
-                            sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs,
-                            objective_scope=objective_scope, selfcheck=selfcheck, stop_on_fail=stop_on_fail)
-        self.dataset_len = dataset_len
+        self.spec = spec
         self.rec: Recorder | None = None
         self._step_logged = -1  # the Trainer's global_step whose log reached the Recorder
         self._epoch: int | None = None  # the Trainer's epoch (on_epoch_begin), for the data check's epochs
@@ -102,17 +93,17 @@ class RecorderCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         if getattr(args, "deepspeed", None):
-            raise RecorderError("RecorderCallback does not record DeepSpeed runs (the gradients live in the "
+            raise RecorderError("TrainerRecorder does not record DeepSpeed runs (the gradients live in the "
                                 "engine's partitions): record a DDP run, or call the Recorder from your own loop")
         if model is None:
-            raise RecorderError("RecorderCallback.on_train_begin was given no model: add it to a "
+            raise RecorderError("TrainerRecorder.on_train_begin was given no model: add it to a "
                                 "transformers.Trainer (callbacks=[...]), not call it by hand")
         smoothing = float(getattr(args, "label_smoothing_factor", 0.0) or 0.0)
-        if smoothing > 0 and self.options["objective"] in ("causal_lm", "token_mean", "example_mean"):
+        if smoothing > 0 and self.spec.objective in OBJECTIVES:
             raise RecorderError(
                 f"label_smoothing_factor = {smoothing}: the Trainer takes the labels out of the batch before the "
                 f"model's forward (its label smoother computes the loss), so the recording holds no labels and "
-                f"the built-in objective {self.options['objective']!r} is not the loss it trains: declare "
+                f"the built-in objective {self.spec.objective!r} is not the loss it trains: declare "
                 "objective='pkg.mod:fn' computing your smoothed loss from the recorded batch, or record the run "
                 "with label_smoothing_factor = 0")
         alpha = getattr(args, "neftune_noise_alpha", None)
@@ -128,12 +119,9 @@ class RecorderCallback(TrainerCallback):
         sharded = type(model).__name__ == "FullyShardedDataParallel" or any(
             hasattr(p, "placements") for p in model.parameters())
         if getattr(args, "fsdp", None) or sharded:
-            raise RecorderError("RecorderCallback does not record the Trainer's FSDP (its parameters are the "
+            raise RecorderError("TrainerRecorder does not record the Trainer's FSDP (its parameters are the "
                                 "engine's shards): record a DDP run, or an FSDP2 loop with the Recorder itself")
-        self.rec = Recorder(self.out_dir, model, max_grad_norm=float(args.max_grad_norm or 0.0),
-                            dataset_len=self._dataset_len(train_dataloader),
-                            resume=int(state.global_step) if state.global_step else False, reports=True,
-                            **self.options)
+        self.rec = Recorder(self.out_dir, model, self._spec(args, state, train_dataloader))
         return control
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -173,13 +161,28 @@ class RecorderCallback(TrainerCallback):
 
     def _live(self) -> Recorder:
         if self.rec is None:
-            raise RecorderError("RecorderCallback saw an optimizer step before on_train_begin: add it to the "
+            raise RecorderError("TrainerRecorder saw an optimizer step before on_train_begin: add it to the "
                                 "Trainer's callbacks before trainer.train()")
         return self.rec
 
+    def _spec(self, args, state, loader) -> RecordingSpec:
+        """The spec with what the Trainer says: its clip threshold, its dataset's length where the spec leaves
+        them None, the step it resumed at (a new segment of the recording in out_dir)."""
+        mgn = float(args.max_grad_norm or 0.0)
+        if self.spec.max_grad_norm is not None and self.spec.max_grad_norm != mgn:
+            raise RecorderError(f"spec max_grad_norm={self.spec.max_grad_norm} but the Trainer clips at "
+                                f"TrainingArguments.max_grad_norm={mgn}: leave max_grad_norm None (read from the "
+                                "Trainer)")
+        step = int(state.global_step or 0)
+        if step and not A.recording_path(self.out_dir).exists():
+            raise RecorderError(f"the Trainer resumed at step {step} but {self.out_dir} holds no recording.json: "
+                                "record the run's first steps there (train from step 0)")
+        return self.spec.replace(max_grad_norm=mgn, dataset_len=self._dataset_len(loader), start=step,
+                                 reports=True)
+
     def _dataset_len(self, loader) -> int:
-        if self.dataset_len is not None:
-            return int(self.dataset_len)
+        if self.spec.dataset_len is not None:
+            return self.spec.dataset_len
         ds = getattr(loader, "dataset", None)
         try:
             return len(ds) if ds is not None else 0

@@ -1,11 +1,10 @@
 """The Recorder as a PyTorch Lightning `Callback`.
 
-    from dormouse.gate.record.lightning import RecorderCallback
+    from dormouse.gate import RecordingSpec
+    from dormouse.gate.record.lightning import LightningRecorder
+    spec = RecordingSpec(build_model="mypkg.train:build_model", build_optimizer="mypkg.train:build_optimizer")
     trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, accumulate_grad_batches=2,
-                         gradient_clip_val=1.0,
-                         callbacks=[RecorderCallback("runs/rec", module="net",
-                                                     build_model="mypkg.train:build_model",
-                                                     build_optimizer="mypkg.train:build_optimizer")])
+                         gradient_clip_val=1.0, callbacks=[LightningRecorder("runs/rec", spec, module="net")])
     trainer.fit(lit_module, datamodule)    # then: dormouse gate check --out runs/rec
 
 This is the only module of dormouse that imports Lightning (the `[lightning]`
@@ -44,7 +43,7 @@ does about it:
   `_after_closure`), after whatever the module did to the gradients. A module
   that clips before `opt.step()` says so by logging its pre-clip norm
   (`self.log(grad_norm_key, norm)`, rank-local, no sync_dist) with
-  `max_grad_norm` given to the callback: the gradient is then recorded as
+  the spec's `max_grad_norm` given: the gradient is then recorded as
   clipped, and a norm that differs between ranks (a clip before the reduce)
   is what the judge's clip check names.
 * The loss: Lightning logs what the module logs. `loss_key` names a metric the
@@ -56,7 +55,7 @@ does about it:
   train dataloader unless given, when its loader batches the dataset's items
   (a loader with `batch_size=None` reads a dataset of ready-made batches: its
   length counts micro-batches, not examples, so dataset_len is left unknown and
-  the data check goes by the epochs alone; give `dataset_len=` the examples).
+  the data check goes by the epochs alone; give the spec's `dataset_len` the examples).
 
 Refused, one line each (`RecorderError`), at `on_fit_start`: a strategy other
 than single-device or `ddp` (`fsdp` is FSDP1, whose FlatParameter shards the
@@ -73,7 +72,7 @@ from pathlib import Path
 
 import torch
 
-from dormouse.gate.record.options import INPUTS, RecorderError, check_options
+from dormouse.gate.artifacts.spec import RecorderError, RecordingSpec
 from dormouse.gate.record.recorder import Recorder
 
 try:
@@ -83,41 +82,33 @@ except ImportError as e:  # the [lightning] extra is not installed
                         "pip install 'dormouse[lightning]'") from None
 
 
-class RecorderCallback(pl.Callback):
+class LightningRecorder(pl.Callback):
     """Records a `pytorch_lightning.Trainer` run for the gate (see the module docstring).
 
     out_dir          where the recording goes (one run per directory; `dormouse gate check --out` it)
+    spec             a RecordingSpec (docs/recording.md): build_model's fn() returns the network, the same
+                     initial one, in a fresh process; build_optimizer's fn(net) returns (optimizer, lr scheduler
+                     stepped per optimizer step). Read from the Trainer where left None: max_grad_norm
+                     (gradient_clip_val; manual optimization that clips: give the threshold), dataset_len
+                     (len(dataset) of the train dataloader)
     module           the LightningModule's attribute holding the network the batch goes through
                      (None: the LightningModule itself)
-    build_model      "pkg.mod:fn": fn() returns that network, the same initial one, in a fresh process
-    build_optimizer  "pkg.mod:fn": fn(net) returns (optimizer, lr scheduler stepped per optimizer step)
-    objective        what the reference differentiates (see dormouse.gate.record.recorder.OBJECTIVES),
-                     or "pkg.mod:fn" with fn(model, batch) -> (loss_sum, count)
     loss_key         a metric the module logs every step: the step's loss over the global batch
     grad_norm_key    manual optimization that clips before opt.step(): the metric holding the
-                     pre-clip norm (rank-local); max_grad_norm its clip threshold
-    max_grad_norm    None: the Trainer's gradient_clip_val (automatic optimization)
-    sketch, every, inputs, build_kwargs, dataset_len, selfcheck, stop_on_fail: as the Recorder's
+                     pre-clip norm (rank-local); the spec's max_grad_norm its clip threshold
     """
 
-    def __init__(self, out_dir, *, build_model: str, build_optimizer: str, module: str | None = None,
-                 objective: str = "causal_lm", loss_key: str | None = None, grad_norm_key: str | None = None,
-                 max_grad_norm: float | None = None, sketch: int = 0, every: int = 1, inputs=INPUTS,
-                 build_kwargs: dict | None = None, dataset_len: int | None = None, selfcheck: int = 0,
-                 stop_on_fail: bool = False):
-        check_options(build_model=build_model, build_optimizer=build_optimizer, objective=objective, sketch=sketch,
-                      every=every, dataset_len=dataset_len or 0, build_kwargs=build_kwargs,
-                      max_grad_norm=float(max_grad_norm or 0.0))
-        if grad_norm_key is not None and not max_grad_norm:
-            raise RecorderError(f"grad_norm_key={grad_norm_key!r} without max_grad_norm: give the threshold "
-                                "your module clips at (the judge checks the clip coefficient by it)")
+    def __init__(self, out_dir, spec: RecordingSpec, *, module: str | None = None, loss_key: str | None = None,
+                 grad_norm_key: str | None = None):
+        if not isinstance(spec, RecordingSpec):
+            raise RecorderError(f"LightningRecorder(out_dir, spec): spec is a {type(spec).__name__}, not a "
+                                "RecordingSpec: pass RecordingSpec(build_model=..., build_optimizer=..., ...)")
+        if grad_norm_key is not None and not spec.max_grad_norm:
+            raise RecorderError(f"grad_norm_key={grad_norm_key!r} without the spec's max_grad_norm: give the "
+                                "threshold your module clips at (the judge checks the clip coefficient by it)")
         self.out_dir = Path(out_dir)
-        self.module = module
-        self.loss_key, self.grad_norm_key, self.max_grad_norm = loss_key, grad_norm_key, max_grad_norm
-        self.options = dict(build_model=build_model, build_optimizer=build_optimizer, objective=objective,
-                            sketch=sketch, every=every, inputs=inputs, build_kwargs=build_kwargs,
-                            selfcheck=selfcheck, stop_on_fail=stop_on_fail)
-        self.dataset_len = dataset_len
+        self.spec, self.module = spec, module
+        self.loss_key, self.grad_norm_key = loss_key, grad_norm_key
         self.rec: Recorder | None = None
 
     # ------------------------------------------------------------------ Lightning's events
@@ -127,7 +118,7 @@ class RecorderCallback(pl.Callback):
         from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 
         if type(strategy) is not SingleDeviceStrategy and type(strategy) is not DDPStrategy:
-            raise RecorderError(f"RecorderCallback records single-device and strategy='ddp' runs, not "
+            raise RecorderError(f"LightningRecorder records single-device and strategy='ddp' runs, not "
                                 f"{type(strategy).__name__} (its parameters are the engine's shards or partitions, "
                                 "which the callback does not assemble): record a DDP run, or an FSDP2 loop with "
                                 "the Recorder itself")
@@ -141,13 +132,13 @@ class RecorderCallback(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         net = pl_module if self.module is None else getattr(pl_module, self.module)
-        mgn = self.max_grad_norm if self.max_grad_norm is not None else float(trainer.gradient_clip_val or 0.0)
-        self.rec = Recorder(self.out_dir, net, max_grad_norm=float(mgn), dataset_len=self._dataset_len(trainer),
-                            **self.options)
+        mgn = self.spec.max_grad_norm if self.spec.max_grad_norm is not None else trainer.gradient_clip_val
+        self.rec = Recorder(self.out_dir, net, self.spec.replace(max_grad_norm=float(mgn or 0.0),
+                                                                 dataset_len=self._dataset_len(trainer)))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.rec is None:
-            raise RecorderError("RecorderCallback saw an optimizer step before on_train_start: add it to the "
+            raise RecorderError("LightningRecorder saw an optimizer step before on_train_start: add it to the "
                                 "Trainer's callbacks before trainer.fit()")
         metrics = trainer.callback_metrics
         loss = metrics.get(self.loss_key) if self.loss_key else None
@@ -162,8 +153,8 @@ class RecorderCallback(pl.Callback):
     # ------------------------------------------------------------------ plumbing
 
     def _dataset_len(self, trainer) -> int:
-        if self.dataset_len is not None:
-            return int(self.dataset_len)
+        if self.spec.dataset_len is not None:
+            return self.spec.dataset_len
         loader = trainer.train_dataloader
         ds = getattr(loader, "dataset", None)
         if isinstance(loader, torch.utils.data.DataLoader) and loader.batch_sampler is None:

@@ -1,15 +1,17 @@
 """The Recorder: what any training loop calls so the gate can judge it.
 
-    rec = Recorder(out_dir, model, build_model="pkg.mod:fn", build_optimizer="pkg.mod:fn",
-                   objective="causal_lm")
+    rec = Recorder(out_dir, model, RecordingSpec(build_model="pkg.mod:fn", build_optimizer="pkg.mod:fn",
+                                                 objective="causal_lm"))
     for each optimizer step:
         ... forwards and backwards (gradient accumulation, DDP/FSDP2 synchronisation) ...
         rec.step(loss=reported_loss, lr=current_lr, optimizer=opt)   # after the LAST backward, before opt.step()
         opt.step(); ...
     rec.close()
 
-Construction registers a forward PRE-hook on the model (on `model.module` under
-DDP): every forward in training mode appends its batch (positional tensor
+What to record is a RecordingSpec (dormouse.gate.artifacts.spec: every option,
+its default and its check; docs/recording.md). Construction registers a
+forward PRE-hook on the model (on `model.module` under DDP; record/capture.py):
+every forward in training mode appends its batch (positional tensor
 arguments as "arg0", "arg1", ..., and the keyword tensors named in `inputs`,
 plus "idx"/"example_id" when the loop passes them) to the current step's
 micro-batch list, detached, on the CPU, with the autocast its forward runs
@@ -67,9 +69,10 @@ layout, and a pipeline stage through `pipeline_stage` (record/layouts.py); the
 probe (record/probe.py, `probe_steps`) records every module's output and output
 gradient on a probed step's first micro-batch.
 
-A loop that resumes from a checkpoint records into the same directory with
-`resume=True` (continue after the last recorded step) or `resume=K` (the
-checkpoint holds the state after step K): a new segment.
+A loop that resumes from a checkpoint holding the state after step K records
+into the same directory with `start=K`: a new segment (a run continued from
+another run's checkpoint records `start=K` into an empty directory: a fresh
+recording whose first step is K + 1).
 """
 
 from __future__ import annotations
@@ -85,17 +88,10 @@ from dormouse import atomic
 from dormouse.clip import clip_coef as clip
 from dormouse.digest import fingerprint
 from dormouse.gate import artifacts as A
+from dormouse.gate.artifacts.spec import RecordedRun, RecordingSpec, read_recording, to_json
 from dormouse.gate.record import declared, layouts, probe
-from dormouse.gate.record.options import (
-    EXAMPLE_ID_KEYS,
-    INPUTS,
-    LOSS_LABELS,
-    NEUTRAL_ATTRS,
-    OBJECTIVES,
-    PLAIN,
-    RecorderError,
-    check_options,
-)
+from dormouse.gate.record.capture import Capture, attr_changes, core_module, plain_attrs  # noqa: F401 (public)
+from dormouse.gate.record.options import EXAMPLE_ID_KEYS, RecorderError
 from dormouse.gate.record.provenance import provenance
 from dormouse.gate.record.sketch import Sketcher, sketch_buckets
 from dormouse.gate.record.userfns import code_hashes
@@ -139,14 +135,6 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 
-def _autocast_state(device_type: str) -> dict | None:
-    """The autocast a forward on `device_type` runs under now: {"device_type",
-    "dtype"} (e.g. "cpu", "bfloat16"), or None when autocast is off."""
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return {"device_type": device_type, "dtype": str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")}
-
-
 def _hf_config(model) -> dict | None:
     """A transformers model's config (PretrainedConfig) as its scalar fields, else None."""
     cfg = getattr(model, "config", None)
@@ -159,51 +147,6 @@ def _hf_config(model) -> dict | None:
     return {k: v for k, v in d.items() if v is None or isinstance(v, (bool, int, float, str))}
 
 
-def plain_attrs(model) -> dict[str, dict]:
-    """Each module's public attributes of plain types (bool, int, float, str,
-    None): {module path ("" the model): {name: value}}. A flag a loop sets on
-    the model (a branch switch) is a value the forward reads."""
-    out = {}
-    for path, m in model.named_modules():
-        d = {k: v for k, v in vars(m).items()
-             if not k.startswith("_") and k not in NEUTRAL_ATTRS and type(v) in PLAIN}
-        if d:
-            out[path] = d
-    return out
-
-
-def attr_changes(now: dict, then: dict) -> dict | None:
-    """The attributes of `now` whose value (or type) differs from `then`'s; None when none."""
-    out = {}
-    for path, d in now.items():
-        old = then.get(path, {})
-        diff = {k: v for k, v in d.items() if k not in old or type(old[k]) is not type(v) or old[k] != v}
-        if diff:
-            out[path] = diff
-    return out or None
-
-
-def core_module(model):
-    """The module a wrapper runs: under DDP its .module, under torch.compile
-    its _orig_mod (in any order: compile(DDP(m)), DDP(compile(m)))."""
-    ddp = torch.nn.parallel.DistributedDataParallel
-    while True:
-        if isinstance(model, ddp):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def _eager(fn):
-    """fn run as plain Python under torch.compile (the Recorder's hooks copy
-    tensors to the CPU and keep lists: nothing for dynamo to trace; a graph
-    break there, not a crash of the run)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
-
-
 def _number(x):
     if x is None:
         return None
@@ -214,168 +157,75 @@ def _number(x):
     return float(x)
 
 
+def _check_runtime(spec, pipeline_stage, sharding, context_parallel) -> None:
+    """The spec against the run's layout (what only the Recorder knows): one line on the first that cannot be."""
+    if not isinstance(spec, RecordingSpec):
+        raise RecorderError(f"Recorder(out_dir, model, spec): spec is a {type(spec).__name__}, not a RecordingSpec: "
+                            "pass RecordingSpec(build_model=..., build_optimizer=..., ...) "
+                            "(from dormouse.gate import RecordingSpec)")
+    if pipeline_stage is not None and spec.sketch:  # each stage's sketches would need summing by name
+        raise RecorderError(f"sketch={spec.sketch} with pipeline_stage: a pipeline is recorded in full tensors "
+                            "(sketch=0)")
+    if sharding is not None and (spec.sketch or pipeline_stage is not None or spec.probe_steps):
+        raise RecorderError(f"sharding with sketch={spec.sketch}, pipeline_stage or probe_steps: a declared sharding "
+                            "is recorded in full tensors (sketch=0), without a pipeline, and not probed")
+    if context_parallel is not None and (pipeline_stage is not None or sharding is not None):
+        raise RecorderError("context_parallel with pipeline_stage or sharding: a context-parallel run is "
+                            "recorded with its parameters replicated (no pipeline, no declared sharding)")
+
+
+def _effective(spec: RecordingSpec, prior: tuple | None, segments: list[dict]) -> RecordingSpec:
+    """The spec as recording.json keeps it: the numbers a framework would infer (None) at the Recorder's own
+    defaults, the example-id keys among the inputs, the corpus's absolute path, the extra merged over a
+    resumed recording's, the recording's own start (its first segment's)."""
+    return spec.replace(
+        max_grad_norm=float(spec.max_grad_norm or 0.0), dataset_len=int(spec.dataset_len or 0),
+        inputs=tuple(spec.inputs) + tuple(k for k in EXAMPLE_ID_KEYS if k not in spec.inputs),
+        example_corpus=str(Path(spec.example_corpus).resolve()) if spec.example_corpus else None,
+        extra={**(prior[0].extra if prior else {}), **spec.extra},
+        start=segments[0]["start"] - 1 if segments else spec.start)
+
+
 class Recorder:
     """Records a training loop's steps for the gate (see the module docstring).
 
     out_dir          where the recording goes (one run per directory)
     model            the model the loop trains (a DDP wrapper is unwrapped; FSDP2 modules as they are)
-    build_model      "pkg.mod:fn": fn(**build_kwargs) returns the same initial model in a fresh process
-    build_optimizer  "pkg.mod:fn": fn(model, **build_kwargs) returns the optimizer, or (optimizer, lr_scheduler)
-    objective        causal_lm | token_mean | example_mean | "pkg.mod:fn" with fn(model, batch) -> (loss_sum, count)
-    max_grad_norm    the loop's clipping threshold (0 = no clipping)
-    dataset_len      examples in the dataset (0 = unknown: the epoch check is skipped, and says so)
-    sketch           0 = full tensors; k > 0 = a CountSketch of k numbers per tensor
-    every            tensors at every `every`-th step (micro-batches at every step)
-    inputs           which forward keyword arguments are the batch
-    build_kwargs     JSON-able keyword arguments for build_model and build_optimizer (a configured run)
-    resume           False = a fresh recording; True = a new segment after the last recorded step;
-                     an int K = a new segment after step K (the checkpoint's step)
-    seed             the sketches' seed
-    buffer_update    None, or "pkg.mod:fn": the rule that moves persistent buffers after a step,
-                     fn(model, batches, **build_kwargs) -> {name: buffer after the step} (module docstring)
+    spec             a RecordingSpec: what to record (its fields: docs/recording.md)
     pipeline_stage   None, or this rank's torch.distributed.pipelining PipelineStage (model: its module):
                      stage 0's forwards are the data, each stage records its own parameters (layouts.py)
-    probe_steps      the steps whose first micro-batch is probed module by module (record/probe.py):
-                     None = the first recorded step (none under pipeline_stage or sharding), () = none
     sharding         None, or a declared sharding of plain-tensor shards (record/declared.py: hand-written
                      tensor parallelism, expert parallelism): {pattern: "replicated" | shard(dim, group, parallel)}
-    example_corpus   None, or a file of bytes whose byte offsets the loop's example ids are (each row
-                     its input tokens read from that offset, as dormouse's loop reads its windows):
-                     the data check then requires every recorded row to be those bytes
-    objective_scope  what the objective is a function of (SCOPES): "example" (each row alone, the
-                     default), "forward" (each forward's own statistics, declared), "step"
-                     (objective fn(model, batches) over every rank's micro-batches of the step)
-    wire             how the gradient's reduce rounds (WIRES): "fp32", or "bf16" when every summand is
-                     rounded to bfloat16 on the wire (DDP's bf16_compress_hook): the gradient is then
-                     judged element by element against that rounding's bound, and for bias
-    start            a fresh recording's first step is start + 1 (a run continued from a checkpoint of
-                     another run: build_model and build_optimizer must then rebuild the state after
-                     step `start`, and the scheduler its lr from there)
     context_parallel None, or dict(group=<the CP process group>, seq_dim=1, order="contiguous" | "load_balanced"):
                      each rank's inputs are a shard of its CP group's rows along seq_dim; the leader records
                      the group's global rows, assembled in the declared order (record/layouts.py)
-    selfcheck        0 = off; k > 0 = the reference-free checks inside the run, every step (record/selfcheck.py):
-                     each rank's local gradient read at k elements of each tensor before the reduce and the
-                     synchronised gradient against their reduction, replicas' parameters equal, the logged
-                     loss against rec.step(loss_sum=, tokens=); written with the step ("selfcheck", sl/ ss/ sp/)
-    stop_on_fail     raise one RecorderError on every rank at the first step those checks mark wrong (they
-                     run at k = 64 unless selfcheck says otherwise); the recording is closed before that step
-    reduction        "mean" (DDP's and FSDP2's default) or "sum": how the loop reduces the gradients
-    reports          the loop calls rec.report() after every step (the HF callback): the step's marker for a
-                     follower (`gate check --follow`) is written after the report, not at rec.step()
-    extra            None, or a JSON object kept in recording.json as "extra" (rec.extra, until close;
-                     a resumed segment starts from the earlier one's): what a client keeps beside the
-                     run (dormouse's own gate: its settings, provenance and evals); no fact reads it
-                     but a client's own
     """
 
-    def __init__(self, out_dir, model, *, build_model: str, build_optimizer: str, objective: str = "causal_lm",
-                 max_grad_norm: float = 0.0, dataset_len: int = 0, sketch: int = 0, every: int = 1,
-                 inputs=INPUTS, build_kwargs: dict | None = None, resume: bool | int = False, seed: int = 0,
-                 buffer_update: str | None = None, example_corpus: str | None = None,
-                 objective_scope: str = "example", probe_steps=None, pipeline_stage=None, sharding=None,
-                 selfcheck: int = 0, stop_on_fail: bool = False, reduction: str = "mean", reports: bool = False,
-                 wire: str = "fp32", extra: dict | None = None, start: int = 0, context_parallel=None):
-        self.spec = check_options(
-            build_model=build_model, build_optimizer=build_optimizer, objective=objective,
-            max_grad_norm=max_grad_norm, dataset_len=dataset_len, sketch=sketch, every=every, inputs=inputs,
-            build_kwargs=build_kwargs, seed=seed, buffer_update=buffer_update, example_corpus=example_corpus,
-            objective_scope=objective_scope, probe_steps=probe_steps, selfcheck=selfcheck, stop_on_fail=stop_on_fail,
-            reduction=reduction, reports=reports, wire=wire, extra=extra, start=start)
-        if pipeline_stage is not None and int(sketch):  # each stage's sketches would need summing by name
-            raise RecorderError(f"sketch={sketch} with pipeline_stage: a pipeline is recorded in full tensors "
-                                "(sketch=0)")
-        if sharding is not None and (int(sketch) or pipeline_stage is not None or probe_steps):
-            raise RecorderError(f"sharding with sketch={sketch}, pipeline_stage or probe_steps: a declared sharding is "
-                                "recorded in full tensors (sketch=0), without a pipeline, and not probed")
+    def __init__(self, out_dir, model, spec: RecordingSpec, *, pipeline_stage=None, sharding=None,
+                 context_parallel=None):
+        _check_runtime(spec, pipeline_stage, sharding, context_parallel)
         self.out = Path(out_dir)
         self.module = core_module(model)  # under DDP and torch.compile wrappers, in any order
         import torch.distributed as dist
 
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self._dist else (0, 1)
-        self.sketch_k, self.every, self.seed = int(sketch), int(every), int(seed)
-        self.max_grad_norm = float(max_grad_norm)
-        self.inputs = tuple(inputs) + tuple(k for k in EXAMPLE_ID_KEYS if k not in inputs)
-        self.batches: list[dict[str, torch.Tensor]] = []
-        # each micro-batch's autocast ({"device_type", "dtype"} or None), read in the pre-hook:
-        # the reference computes the micro-batch under the same one
-        self.autocasts: list[dict | None] = []
-        # each micro-batch's compute dtype where the forward ran on parameters cast from the
-        # stored ones (FSDP2's MixedPrecisionPolicy(param_dtype=...)), else None: the reference
-        # computes that micro-batch on a copy of the model cast the same way
-        self.casts: list[str | None] = []
-        # each micro-batch's submodules in eval mode (a frozen BatchNorm, a dropout switched off),
-        # None when none is: the reference sets the same modes, not model.train()'s all-training
-        self.evals: list[list[str] | None] = []
-        # each micro-batch's non-tensor forward arguments (a bool keyword that switches a branch) and the
-        # model's plain attributes that differ from the Recorder's start (a flag the loop set), or None
-        self.calls: list[dict | None] = []
-        self.attrs: list[dict | None] = []
-        self._submodules = [(n, m) for n, m in self.module.named_modules() if n]
-        p = next(self.module.parameters(), None)
-        self._device_type = p.device.type if p is not None else "cpu"
-        self._sketcher = Sketcher(int(sketch))
         self.closed = False
-
-        prior = self._prior(resume)
-        if prior is None:
-            run = uuid.uuid4().hex if self.rank == 0 else None
-            run = self._broadcast(run)
-            if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-                raise RecorderError(f"start={start!r}: the number of steps done before this recording (an int >= 0)")
-            self.k = start
-            segments = []
-            self._clear()
-        else:
-            run = prior["run"]
-            last = max(A.recording_steps(prior), default=0)
-            self.k = last if resume is True else int(resume)
-            if resume is not True and self.k > last:
-                raise RecorderError(f"resume={resume} but the recording in {self.out} ends at step {last}")
-            segments = prior["segments"]
-        self.run = run
+        prior = self._prior(spec.start)
+        segments = self._open(spec.start, prior)  # self.k, self.run
+        self.spec = _effective(spec, prior, segments)
+        self.sketch_k, self.every, self.seed = self.spec.sketch, self.spec.every, self.spec.seed
+        self.max_grad_norm, self.inputs = self.spec.max_grad_norm, self.spec.inputs
+        self.extra = self.spec.extra  # recording.json's "extra": a client may add to it until close
+        self.capture = Capture(self.module, self.inputs, self.spec.objective, arm=self._arm)
+        self._sketcher = Sketcher(self.sketch_k)
         self.segment = len(segments)
-        self.extra = {**((prior or {}).get("extra") or {}), **(extra or {})}  # recording.json's "extra"
         params = {n for n, _ in self.module.named_parameters()}
         # persistent buffers (state outside the optimizer, e.g. a routing bias): "b/" at tensor steps
         self._buffers = [n for n in self.module.state_dict() if n not in params]
-        # a tensor-parallel (or 2-D) layout: full tensors, each DP replica's micro-batches once (layouts.py)
-        if context_parallel is not None and (pipeline_stage is not None or sharding is not None):
-            raise RecorderError("context_parallel with pipeline_stage or sharding: a context-parallel run is "
-                                "recorded with its parameters replicated (no pipeline, no declared sharding)")
-        self.layout, layout_meta = (layouts.pipeline(pipeline_stage, self.module, self.rank, self._gather)
-                                    if pipeline_stage is not None else
-                                    layouts.context_parallel(context_parallel, self.module, self.rank, self._gather)
-                                    if context_parallel is not None else
-                                    declared.of(self.module, sharding, self.rank, self.world, self._gather,
-                                                build_model, build_kwargs) if sharding is not None else
-                                    layouts.of(self.module, self.rank, self.world, self._gather))
-        self._full = (self.layout.full if sharding is not None else layouts.full if self.layout is not None
-                      else _local)  # _full(tensor, name): a declared sharding assembles by parameter name
-        placements = {} if self.layout is not None else {n: _placement(t) for n, t in self.module.state_dict().items()}
-        self.placements = {n: p for n, p in placements.items() if p}
-        self.meta = {
-            "schema": A.RECORDING_SCHEMA, "kind": "recording", "run": run, "world": self.world,
-            "segments": segments + [{"start": self.k + 1, "end": None, "world": self.world,
-                                     "resumed": prior is not None}],
-            "build_model": build_model, "build_optimizer": build_optimizer, "build_kwargs": build_kwargs or {},
-            "objective": objective, "objective_scope": objective_scope, "wire": wire, "buffer_update": buffer_update, "max_grad_norm": self.max_grad_norm, "dataset_len": int(dataset_len),
-            "example_corpus": str(Path(example_corpus).resolve()) if example_corpus else None,
-            "example_corpus_sha256": A.file_hash(example_corpus) if example_corpus else None,
-            "sketch": self.sketch_k, "every": self.every, "seed": self.seed, "inputs": list(self.inputs),
-            "fsdp": bool(self.placements), "closed": False, "layout": layout_meta,
-            # the model as the loop runs it, beyond its tensors: the parameters it froze, and a
-            # Hugging Face config's runtime fields (the Trainer sets use_cache = False, which
-            # decides how GPT-2 masks packed sequences): the reference rebuilds the same
-            "frozen": [n for n, q in self.module.named_parameters() if not q.requires_grad],
-            "hf_config": _hf_config(self.module),
-            # the modules' plain attributes at the start (the reference sets those build_model's differ in)
-            "attrs": plain_attrs(self.module),
-            "provenance": provenance(device=self._device_type,
-                                     code=code_hashes([build_model, build_optimizer, objective, buffer_update])),
-            "extra": self.extra,
-        }
+        layout_meta = self._lay_out(pipeline_stage, sharding, context_parallel)
+        self.recorded = self._recorded(segments + [{"start": self.k + 1, "end": None, "world": self.world,
+                                                    "resumed": prior is not None}], layout_meta)
         if prior is None:
             # clone: tied weights (GPT-2's lm_head and wte) are one tensor under two names,
             # which safetensors refuses to store as shared memory
@@ -387,41 +237,91 @@ class Recorder:
             named = list(self.module.named_parameters())
             self._sketch_all({n: self._piece(p) for n, p in named}, {n: p.numel() for n, p in named})
         self._writer = Writer()
-        self._attrs0 = self.meta["attrs"]
-        # the probe's steps (record/probe.py): its hooks go before the Recorder's own pre-hook
-        self._probe_steps = ({self.k + 1} if pipeline_stage is None and sharding is None else set()) \
-            if probe_steps is None else {int(x) for x in probe_steps}  # a pipeline's stages, a declared
-        # sharding's pieces are not probed (docs/parallelisms.md)
-        self._probe = probe.Probe(self.module) if self._probe_steps else None
-        # the hooks run eagerly under torch.compile (a graph break, in any placement of the compile)
-        self._hook = self.module.register_forward_pre_hook(_eager(self._pre), with_kwargs=True)
-        if isinstance(self.layout, layouts.PipelineLayout):  # a stage's forwards no backward reaches: not data
-            self.layout.watch(self.module, lambda: len(self.batches))
-        # autocast is read inside the forward too: a wrapper may enter it after the model's
-        # pre-hook ran (accelerate, and so HF's Trainer with bf16=True, wraps model.forward)
-        inner = _eager(self._inner)
-        self._inner_hooks = [m.register_forward_pre_hook(inner)
-                             for m in self.module.modules() if m is not self.module]
-        # each module's own parameters' stored dtypes (under FSDP2 the sharded ones): a forward that
-        # sees another dtype runs on a cast copy
-        self._stored = {m: {n: p.dtype for n, p in m._parameters.items() if p is not None}
-                        for m in self.module.modules()}
+        self._hook_up(pipeline_stage is not None or sharding is not None)
         # the reference-free checks inside the run (record/selfcheck.py) and the follower's step markers
-        self.stop_on_fail, self._reports, self._marked = bool(stop_on_fail), bool(reports), self.k
-        self._watch = None
-        if selfcheck or stop_on_fail:
-            if isinstance(selfcheck, bool) or not isinstance(selfcheck, int) or selfcheck < 0:
-                raise RecorderError(f"selfcheck={selfcheck!r}: the sketch size of the in-run checks (an int >= 0)")
-            if reduction not in ("mean", "sum"):
-                raise RecorderError(f"reduction={reduction!r}: 'mean' (DDP's and FSDP2's default) or 'sum'")
-            if self.layout is not None:
-                raise RecorderError("selfcheck / stop_on_fail with a tensor-parallel, pipeline or declared layout: "
-                                    "the in-run checks cover DDP and FSDP2 (Shard(0)); record this run without them")
-            from dormouse.gate.record.selfcheck import Watch
+        self.stop_on_fail, self._reports, self._marked = self.spec.stop_on_fail, self.spec.reports, self.k
+        self._watch = self._watcher()
 
-            self._watch = Watch(self.module, k=int(selfcheck) or 64, seed=self.seed, rank=self.rank,
-                                world=self.world, placements=self.placements, wire=wire, reduction=reduction,
-                                dist=self._dist, step=self.k + 1)
+    # ------------------------------------------------------------------ the start, in steps
+
+    def _open(self, start: int, prior: tuple[RecordingSpec, RecordedRun] | None) -> list[dict]:
+        """The run's id and the step before its first (self.run, self.k); the earlier segments."""
+        if prior is None:
+            self.run = self._broadcast(uuid.uuid4().hex if self.rank == 0 else None)
+            self.k = start
+            self._clear()
+            return []
+        self.run = prior[1].run
+        last = max(A.recording_steps({"segments": prior[1].segments}), default=0)
+        if start > last:
+            raise RecorderError(f"start={start} but the recording in {self.out} ends at step {last}: continue "
+                                "from a checkpoint it reached, or record into an empty directory")
+        self.k = start
+        return prior[1].segments
+
+    def _lay_out(self, pipeline_stage, sharding, context_parallel) -> dict | None:
+        """self.layout (a tensor-parallel or 2-D layout: full tensors, each DP replica's micro-batches once;
+        a pipeline stage; a context-parallel group; a declared sharding), self._full, self.placements;
+        the layout's recording.json entry."""
+        spec = self.spec
+        self.layout, layout_meta = (layouts.pipeline(pipeline_stage, self.module, self.rank, self._gather)
+                                    if pipeline_stage is not None else
+                                    layouts.context_parallel(context_parallel, self.module, self.rank, self._gather)
+                                    if context_parallel is not None else
+                                    declared.of(self.module, sharding, self.rank, self.world, self._gather,
+                                                spec.build_model, spec.build_kwargs) if sharding is not None else
+                                    layouts.of(self.module, self.rank, self.world, self._gather))
+        self._full = (self.layout.full if sharding is not None else layouts.full if self.layout is not None
+                      else _local)  # _full(tensor, name): a declared sharding assembles by parameter name
+        placements = {} if self.layout is not None else {n: _placement(t) for n, t in self.module.state_dict().items()}
+        self.placements = {n: p for n, p in placements.items() if p}
+        return layout_meta
+
+    def _recorded(self, segments: list[dict], layout_meta: dict | None) -> RecordedRun:
+        """What recording.json says about the run beside the spec."""
+        spec = self.spec
+        return RecordedRun(
+            run=self.run, world=self.world, segments=segments, fsdp=bool(self.placements), layout=layout_meta,
+            # the model as the loop runs it, beyond its tensors: the parameters it froze, and a
+            # Hugging Face config's runtime fields (the Trainer sets use_cache = False, which
+            # decides how GPT-2 masks packed sequences): the reference rebuilds the same
+            frozen=[n for n, q in self.module.named_parameters() if not q.requires_grad],
+            hf_config=_hf_config(self.module),
+            # the modules' plain attributes at the start (the reference sets those build_model's differ in)
+            attrs=self.capture.attrs0,
+            provenance=provenance(device=self.capture.device_type, code=code_hashes(
+                [spec.build_model, spec.build_optimizer, spec.objective, spec.buffer_update])),
+            example_corpus_sha256=A.file_hash(spec.example_corpus) if spec.example_corpus else None)
+
+    def _hook_up(self, laid_out: bool) -> None:
+        """The probe's hooks (record/probe.py: they go before the capture's own pre-hook), the capture's,
+        a pipeline stage's watch on the forwards a backward reaches."""
+        probe_steps = self.spec.probe_steps
+        # a pipeline's stages, a declared sharding's pieces are not probed (docs/parallelisms.md)
+        self._probe_steps = ({self.k + 1} if not laid_out else set()) if probe_steps is None else set(probe_steps)
+        self._probe = probe.Probe(self.module) if self._probe_steps else None
+        self.capture.hook()
+        if isinstance(self.layout, layouts.PipelineLayout):  # a stage's forwards no backward reaches: not data
+            self.layout.watch(self.module, lambda: len(self.capture.batches))
+
+    def _arm(self, n: int) -> None:
+        """The probe watches the probed step's first micro-batch alone."""
+        if self._probe is not None:
+            self._probe.armed = n == 1 and self.k + 1 in self._probe_steps
+
+    def _watcher(self):
+        """The in-run checks (record/selfcheck.py), or None when the spec asks for none."""
+        spec = self.spec
+        if not (spec.selfcheck or spec.stop_on_fail):
+            return None
+        if self.layout is not None:
+            raise RecorderError("selfcheck / stop_on_fail with a tensor-parallel, pipeline or declared layout: "
+                                "the in-run checks cover DDP and FSDP2 (Shard(0)); record this run without them")
+        from dormouse.gate.record.selfcheck import Watch
+
+        return Watch(self.module, k=spec.selfcheck or 64, seed=self.seed, rank=self.rank, world=self.world,
+                     placements=self.placements, wire=spec.wire, reduction=spec.reduction, dist=self._dist,
+                     step=self.k + 1)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -453,20 +353,18 @@ class Recorder:
 
             dist.barrier()
 
-    def _prior(self, resume) -> dict | None:
-        if resume is False or resume is None:
-            return None
+    def _prior(self, start: int) -> tuple[RecordingSpec, RecordedRun] | None:
+        """The recording in out_dir that a start after step 0 continues (None: a fresh recording)."""
         path = A.recording_path(self.out)
-        if not path.exists():
-            raise RecorderError(f"resume={resume} but {self.out} holds no recording.json: record the first "
-                                "segment there (resume=False)")
-        prior = A.read_json(path, "recording")
-        segs = prior["segments"]
+        if start == 0 or not path.exists():
+            return None
+        spec, run = read_recording(A.read_json(path, "recording"), path)
+        segs = [dict(sg) for sg in run.segments]
         if segs and segs[-1].get("end") is None:  # that segment crashed: its steps are the files it left
             done = [json.loads(p.read_text()) for p in A.step_files(self.out, 0)]
             ends = [m["step"] for m in done if m.get("segment") == len(segs) - 1]
             segs[-1]["end"] = max(ends, default=segs[-1]["start"] - 1)
-        return prior
+        return spec, run.replace(segments=segs)
 
     def _clear(self):
         """A fresh recording: this rank's earlier files (and rank 0: the recording's) go."""
@@ -479,54 +377,10 @@ class Recorder:
         self._barrier()
 
     def _write_recording(self):
-        self.meta["steps"] = A.recording_steps(self.meta)
+        """recording.json (rank 0): the spec and the run as they stand, written from their types only."""
+        self.recorded = self.recorded.replace(steps=A.recording_steps({"segments": self.recorded.segments}))
         if self.rank == 0:
-            atomic.write_text(A.recording_path(self.out), json.dumps(self.meta, indent=1))
-
-    def _pre(self, module, args, kwargs):
-        # eval-mode forwards and forwards under torch.no_grad()/inference_mode (a metric, a probe
-        # loss) are not the step's micro-batches: no gradient can come of them
-        if not module.training or not torch.is_grad_enabled():
-            return None
-        batch = {}
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                batch[f"arg{i}"] = a.detach().cpu().clone()
-        for key in self.inputs:
-            v = kwargs.get(key)
-            if isinstance(v, torch.Tensor):
-                batch[key] = v.detach().cpu().clone()
-        # every other tensor argument with the batch's rows (position_ids of packed sequences,
-        # token_type_ids, ...): the forward is a function of it, so the reference passes it too
-        rows = next((t.shape[0] for t in batch.values() if t.dim()), None)
-        for key, v in kwargs.items():
-            if key not in batch and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
-                batch[key] = v.detach().cpu().clone()
-        # non-tensor arguments of plain types (a bool keyword that switches a branch): the reference passes them
-        call = {f"arg{i}": a for i, a in enumerate(args) if type(a) in PLAIN}
-        call.update({key: v for key, v in kwargs.items() if type(v) in PLAIN})
-        self.calls.append(call or None)
-        self.attrs.append(attr_changes(plain_attrs(module), self._attrs0))
-        self.batches.append(batch)
-        if self._probe is not None:  # the probe step's first micro-batch alone
-            self._probe.armed = len(self.batches) == 1 and self.k + 1 in self._probe_steps
-        self.autocasts.append(_autocast_state(self._device_type))
-        self.casts.append(None)
-        self.evals.append([n for n, m in self._submodules if not m.training] or None)
-        return None
-
-    def _inner(self, module, args):
-        if not self.autocasts or not module.training or not torch.is_grad_enabled():
-            return None
-        if self.autocasts[-1] is None:
-            self.autocasts[-1] = _autocast_state(self._device_type)
-        if self.casts[-1] is None:  # this module's parameters as its forward sees them (after FSDP2's unshard)
-            stored = self._stored.get(module, {})
-            for n, p in module._parameters.items():
-                if p is not None and n in stored and p.dtype != stored[n]:
-                    self.casts[-1] = str(p.dtype).removeprefix("torch.")
-                    break
-        return None
+            atomic.write_text(A.recording_path(self.out), json.dumps(to_json(self.spec, self.recorded), indent=1))
 
     def _buffered(self):
         """copy(key, t): this rank's t (as _local gives it) copied into a CPU buffer of the Recorder's own,
@@ -602,12 +456,7 @@ class Recorder:
         self.k += 1
         k = self.k
         self._mark(k - 1)  # the step before, where no report came for it
-        batches, self.batches = self.batches, []
-        autocasts, self.autocasts = self.autocasts, []
-        casts, self.casts = self.casts, []
-        evals, self.evals = self.evals, []
-        calls, self.calls = self.calls, []
-        attrs, self.attrs = self.attrs, []
+        batches, autocasts, casts, evals, calls, attrs = self.capture.take()
         if isinstance(self.layout, layouts.PipelineLayout):  # the forwards a backward reached (layouts.py)
             keep = self.layout.kept(len(batches))
             batches, autocasts, casts, evals, calls, attrs = (
@@ -702,17 +551,7 @@ class Recorder:
         batch["loss_labels"] (never passed to the forward)."""
         if self.closed:
             raise RecorderError("rec.labels() after rec.close()")
-        if not self.batches:
-            raise RecorderError("rec.labels() with no forward recorded since the last rec.step(): call it after "
-                                "the micro-batch's forward in training mode, with the labels its loss reads")
-        if not isinstance(labels, torch.Tensor):
-            raise RecorderError(f"rec.labels() takes a tensor of labels, not a {type(labels).__name__}")
-        batch = self.batches[-1]
-        rows = next((t.shape[0] for t in batch.values() if t.dim()), None)
-        if labels.dim() == 0 or (rows is not None and labels.shape[0] != rows):
-            raise RecorderError(f"rec.labels() got labels of shape {tuple(labels.shape)} for a forward of {rows} "
-                                "rows: pass the micro-batch's own labels, one row per row")
-        batch[LOSS_LABELS] = labels.detach().cpu().clone()
+        self.capture.labels(labels)
 
     def beside(self, **tensors) -> None:
         """What the loop's loss reads beside the LAST forward's inputs, one row per
@@ -724,22 +563,7 @@ class Recorder:
         forward's length (its second dimension), aligned with its input ids."""
         if self.closed:
             raise RecorderError("rec.beside() after rec.close()")
-        if self.meta["objective"] in OBJECTIVES:
-            raise RecorderError(f"rec.beside() with the built-in objective {self.meta['objective']!r}, which reads "
-                                "only the batch's labels: declare objective='pkg.mod:fn' reading batch[name]")
-        if not self.batches:
-            raise RecorderError("rec.beside() with no forward recorded since the last rec.step(): call it after "
-                                "the micro-batch's forward in training mode")
-        batch = self.batches[-1]
-        rows = next((t.shape[0] for t in batch.values() if t.dim()), None)
-        for name, t in tensors.items():
-            if name in batch or name.startswith("arg") or "/" in name:
-                raise RecorderError(f"rec.beside({name}=...): the name is taken by the forward's inputs (or starts "
-                                    "with 'arg', or holds '/'): give it a name of its own")
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or (rows is not None and t.shape[0] != rows):
-                raise RecorderError(f"rec.beside({name}=...) takes a tensor with the forward's {rows} rows, not "
-                                    f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-            batch[name] = t.detach().cpu().clone()
+        self.capture.beside(**tensors)
 
     def report(self, *, loss=None, grad_norm=None, clip_coef=None) -> None:
         """The loss and the clipping of the step just recorded, where the loop
@@ -788,7 +612,7 @@ class Recorder:
         stops here, without a collective of its own; the recording closes before step k (all complete)."""
         self._mark(k)
         self.k = k - 1
-        self.meta["stopped"] = {"step": k, "findings": findings[:8]}
+        self.recorded = self.recorded.replace(stopped={"step": k, "findings": findings[:8]})
         self.close()
         raise RecorderError(f"step {k}: the in-run checks failed ({findings[0]}{'; ...' if len(findings) > 1 else ''})"
                             ": the run stopped itself on every rank (stop_on_fail); the recording holds the steps "
@@ -799,12 +623,10 @@ class Recorder:
         done: a barrier, so every rank must call it) the recording's JSON."""
         if self.closed:
             return
-        self._hook.remove()
+        self.capture.remove()
         if getattr(self, "_watch", None) is not None:
             self._watch.remove()
         self._mark(self.k)
-        for h in self._inner_hooks:
-            h.remove()
         self._writer.flush()
         self._writer.stop()
         named = list(self.module.named_parameters())
@@ -821,8 +643,8 @@ class Recorder:
                           json.dumps({"step": self.k, "run": self.run, "segment": self.segment,
                                       "param_hash": _digest({**params, **bufs})}, indent=1))
         self._barrier()
-        self.meta["segments"][-1]["end"] = self.k
-        self.meta["closed"] = True
+        segs = self.recorded.segments
+        self.recorded = self.recorded.replace(segments=[*segs[:-1], {**segs[-1], "end": self.k}], closed=True)
         self._write_recording()
         if self._probe is not None:
             self._probe.remove()

@@ -222,16 +222,16 @@ def test_a_compiled_model_is_recorded_in_every_placement_of_the_compile(recordin
 
 def test_a_bad_objective_scope_or_labels_call_is_one_line(tmp_path):
     from dormouse.errors import DormouseError
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
 
     ok = {"build_model": "batchmodels:build_switch", "build_optimizer": "batchmodels:build_optimizer"}
     for bad, match in (({"objective_scope": "global"}, "is none of example, forward, step"),
                        ({"objective_scope": "step"}, "needs objective='pkg.mod:fn'")):
         with pytest.raises(DormouseError, match=match) as e:
-            Recorder(tmp_path / "bad", BM.build_switch(), **ok, **bad)
+            Recorder(tmp_path / "bad", BM.build_switch(), RecordingSpec(**ok, **bad))
         assert "\n" not in str(e.value)
     model = BM.build_switch()
-    rec = Recorder(tmp_path / "rec", model, **ok)
+    rec = Recorder(tmp_path / "rec", model, RecordingSpec(**ok))
     with pytest.raises(DormouseError, match="no forward recorded since the last rec.step"):
         rec.labels(torch.zeros(2, BM.T, dtype=torch.long))
     model(torch.zeros(2, BM.T, dtype=torch.long))
@@ -244,14 +244,14 @@ def test_an_attribute_the_loop_added_is_set_and_one_on_a_submodule_build_model_l
     """One-process recordings whose loop gave the model attributes build_model's model does not have:
     on a submodule it has, the reference sets them; on one it lacks, one line."""
     from dormouse.errors import DormouseError
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
     from dormouse.gate.record.reference import make_reference
 
     def record(out, loop_sets):
         model = BM.build_switch()
         loop_sets(model)
-        rec = Recorder(out, model, build_model="batchmodels:build_switch",
-                       build_optimizer="batchmodels:build_optimizer", objective="causal_lm")
+        rec = Recorder(out, model, RecordingSpec(build_model="batchmodels:build_switch",
+                                                 build_optimizer="batchmodels:build_optimizer", objective="causal_lm"))
         opt = BM.build_optimizer(model)
         x = torch.randint(0, BM.VOCAB, (2, BM.T), generator=torch.Generator().manual_seed(3))
         F.cross_entropy(model(x)[:, :-1].reshape(-1, BM.VOCAB), x[:, 1:].reshape(-1)).backward()

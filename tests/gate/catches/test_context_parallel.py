@@ -248,7 +248,7 @@ def test_torch_rings_float32_merge_stays_within_its_derived_bound(n):
 
 def test_a_bad_context_parallel_declaration_is_one_clear_line(tmp_path):
     from dormouse.errors import DormouseError
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
 
     model = cp_loop.build_model(0)
     for spec, words in ((dict(order="zigzag"), "order='zigzag': one of contiguous, load_balanced"),
@@ -256,6 +256,6 @@ def test_a_bad_context_parallel_declaration_is_one_clear_line(tmp_path):
                         (dict(group=None, chunks=2), "a dict(group=<the CP process group>"),
                         (dict(order="contiguous"), "context_parallel without torch.distributed initialised")):
         with pytest.raises(DormouseError) as e:
-            Recorder(tmp_path / "rec", model, build_model="cp_loop:build_model",
-                     build_optimizer="cp_loop:build_optimizer", objective="token_mean", context_parallel=spec)
+            Recorder(tmp_path / "rec", model, RecordingSpec(build_model="cp_loop:build_model",
+                                                            build_optimizer="cp_loop:build_optimizer", objective="token_mean"), context_parallel=spec)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)

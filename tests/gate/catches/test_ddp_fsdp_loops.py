@@ -20,7 +20,7 @@ import torch
 from looprec import QUIET, ROOT, failing, launch
 
 from dormouse.errors import DormouseError
-from dormouse.gate import Recorder
+from dormouse.gate import Recorder, RecordingSpec
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.entry import judge_recording
 from dormouse.gate.record.reference import make_reference
@@ -143,8 +143,8 @@ def test_objective_that_does_not_fit_the_outputs(tmp_path):
 
     model = build_classifier(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = Recorder(tmp_path / "r", model, build_model="loopmodel:build_classifier",
-                   build_optimizer="loopmodel:build_optimizer", objective="causal_lm", build_kwargs={})
+    rec = Recorder(tmp_path / "r", model, RecordingSpec(build_model="loopmodel:build_classifier",
+                                                        build_optimizer="loopmodel:build_optimizer", objective="causal_lm", build_kwargs={}))
     batch = collate(dataset(4, 0))
     model(**batch).sum().backward()
     rec.step(loss=0.0, optimizer=opt)
@@ -157,11 +157,11 @@ def test_objective_that_does_not_fit_the_outputs(tmp_path):
 def test_recorder_bad_arguments_are_one_line(tmp_path):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(DormouseError, match="is not an import path"):
-        Recorder(tmp_path, model, build_model="no_colon", build_optimizer="a:b")
+        Recorder(tmp_path, model, RecordingSpec(build_model="no_colon", build_optimizer="a:b"))
     with pytest.raises(DormouseError, match="objective 'mse' is none of"):
-        Recorder(tmp_path, model, build_model="a:b", build_optimizer="a:b", objective="mse")
-    with pytest.raises(DormouseError, match="holds no recording.json"):
-        Recorder(tmp_path / "empty", model, build_model="a:b", build_optimizer="a:b", resume=True)
+        Recorder(tmp_path, model, RecordingSpec(build_model="a:b", build_optimizer="a:b", objective="mse"))
+    with pytest.raises(DormouseError, match="the number of steps done before this recording"):
+        Recorder(tmp_path / "empty", model, RecordingSpec(build_model="a:b", build_optimizer="a:b", start=-1))
 
 
 def test_user_objective_one_process(tmp_path):

@@ -132,10 +132,10 @@ def test_a_balancing_term_over_local_routing_counts_fails_against_the_declared_g
 
 
 def _recorder(tmp_path, model, sharding):
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
 
-    return Recorder(tmp_path, model, build_model="ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
-                    objective="ep_moe:objective", objective_scope="step", build_kwargs={"seed": 0},
+    return Recorder(tmp_path, model, RecordingSpec(build_model="ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
+                                                   objective="ep_moe:objective", objective_scope="step", build_kwargs={"seed": 0}),
                     sharding=sharding)
 
 
@@ -176,13 +176,13 @@ def test_a_sharding_whose_pieces_do_not_assemble_to_build_models_shape_is_refuse
 def test_a_declared_sharding_is_refused_with_sketches_or_the_probe(tmp_path):
     from ep_moe import build_model
 
-    from dormouse.gate import Recorder, shard
+    from dormouse.gate import Recorder, RecordingSpec, shard
     from dormouse.gate.record.options import RecorderError
 
     for extra in ({"sketch": 64}, {"probe_steps": [1]}):
         with pytest.raises(RecorderError, match="a declared sharding is recorded in full tensors"):
-            Recorder(tmp_path, build_model(seed=0), build_model="ep_moe:build_model",
-                     build_optimizer="ep_moe:build_optimizer", sharding={"moe.w*": shard(0, [0], "expert")}, **extra)
+            Recorder(tmp_path, build_model(seed=0), RecordingSpec(build_model="ep_moe:build_model",
+                                                                  build_optimizer="ep_moe:build_optimizer", **extra), sharding={"moe.w*": shard(0, [0], "expert")})
 
 
 def test_a_clean_hand_written_tensor_parallel_run_declared_the_same_way_passes(ep):

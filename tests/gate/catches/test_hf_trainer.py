@@ -1,7 +1,7 @@
 """The gate on a real Hugging Face Trainer fleet (issue 13): a tiny random-init
 GPT-2 trained by `transformers.Trainer` under `torchrun --nproc_per_node=2`
 (gloo, CPU, gradient accumulation 2, max_grad_norm 1.0, variable-length padded
-sequences), recorded by `RecorderCallback` and judged by the recording judge.
+sequences), recorded by `TrainerRecorder` and judged by the recording judge.
 
 One launch trains every run below in turn (tests/support/hf_client.py; the
 imports and the process group are paid once); each test judges its own.
@@ -383,7 +383,8 @@ def test_bad_callback_input_is_one_line(tmp_path, capsys):
     from transformers import TrainingArguments
 
     from dormouse.errors import DormouseError
-    from dormouse.gate.record.hf import RecorderCallback
+    from dormouse.gate import RecordingSpec
+    from dormouse.gate.record.hf import TrainerRecorder
 
     ok = {"build_model": "hf_client:build_model", "build_optimizer": "hf_client:build_optimizer"}
     for bad, match in (({"build_model": "hf_client.build_model"}, "is not an import path"),
@@ -391,9 +392,9 @@ def test_bad_callback_input_is_one_line(tmp_path, capsys):
                        ({"objective": "mse"}, "objective 'mse' is none of"),
                        ({"every": 0}, "every a whole number >= 1")):
         with pytest.raises(DormouseError, match=match) as e:
-            RecorderCallback(tmp_path, **{**ok, **bad})
+            TrainerRecorder(tmp_path, RecordingSpec(**{**ok, **bad}))
         assert "\n" not in str(e.value)
-    cb = RecorderCallback(tmp_path, **ok)
+    cb = TrainerRecorder(tmp_path, RecordingSpec(**ok))
     args = TrainingArguments(str(tmp_path / "hf"), use_cpu=True, report_to="none")
     with pytest.raises(DormouseError, match="before on_train_begin"):
         cb.on_pre_optimizer_step(args, None, None, optimizer=None)
@@ -426,13 +427,14 @@ def test_neftune_is_refused_in_one_line_before_the_first_step(tmp_path):
     from transformers import Trainer, TrainingArguments
 
     from dormouse.errors import DormouseError
-    from dormouse.gate.record.hf import RecorderCallback
+    from dormouse.gate import RecordingSpec
+    from dormouse.gate.record.hf import TrainerRecorder
 
     model = hf_client.build_model()
     args = TrainingArguments(str(tmp_path / "hf"), use_cpu=True, report_to="none", max_steps=1,
                              per_device_train_batch_size=2, neftune_noise_alpha=5.0, save_strategy="no")
-    cb = RecorderCallback(tmp_path / "rec", build_model="hf_client:build_model",
-                          build_optimizer="hf_client:build_optimizer")
+    cb = TrainerRecorder(tmp_path / "rec", RecordingSpec(build_model="hf_client:build_model",
+                                                         build_optimizer="hf_client:build_optimizer"))
     trainer = Trainer(model=model, args=args, train_dataset=hf_client.PaddedSequences(0, n=4),
                       optimizers=hf_client.build_optimizer(model), callbacks=[cb])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

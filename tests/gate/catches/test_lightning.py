@@ -2,7 +2,7 @@
 LightningModule, `pl.Trainer(accelerator="cpu", strategy="ddp", devices=2)`
 under torchrun (gloo), `accumulate_grad_batches=2`, `gradient_clip_val=1.0`,
 variable-length padded sequences, recorded by
-`dormouse.gate.record.lightning.RecorderCallback`.
+`dormouse.gate.record.lightning.LightningRecorder`.
 
 One launch fits every run (tests/support/lightning_client.py says what each
 mode's training_step does); each test judges its own. Every verdict is also
@@ -178,12 +178,13 @@ def test_what_the_callback_cannot_judge_is_refused_in_one_line(tmp_path):
     (the hook is called with a real, unfitted Trainer)."""
     import pytorch_lightning as pl
 
-    from dormouse.gate.record.lightning import RecorderCallback
+    from dormouse.gate import RecordingSpec
+    from dormouse.gate.record.lightning import LightningRecorder
     from dormouse.gate.record.options import RecorderError
 
     paths = dict(build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer")
     with pytest.raises(RecorderError, match="without max_grad_norm"):
-        RecorderCallback(tmp_path, grad_norm_key="grad_norm", **paths)
+        LightningRecorder(tmp_path, RecordingSpec(**paths), grad_norm_key="grad_norm")
 
     class Lit(pl.LightningModule):
         def __init__(self):
@@ -193,7 +194,7 @@ def test_what_the_callback_cannot_judge_is_refused_in_one_line(tmp_path):
     quiet = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
     value = pl.Trainer(gradient_clip_val=1.0, gradient_clip_algorithm="value", **quiet)
     with pytest.raises(RecorderError, match="gradient_clip_algorithm") as e:
-        RecorderCallback(tmp_path, module="net", **paths).on_fit_start(value, Lit())
+        LightningRecorder(tmp_path, RecordingSpec(**paths), module="net").on_fit_start(value, Lit())
     assert "\n" not in str(e.value)
     with pytest.raises(RecorderError, match="has no network attribute 'model'"):
-        RecorderCallback(tmp_path, module="model", **paths).on_fit_start(pl.Trainer(**quiet), Lit())
+        LightningRecorder(tmp_path, RecordingSpec(**paths), module="model").on_fit_start(pl.Trainer(**quiet), Lit())

@@ -115,17 +115,17 @@ def test_a_bad_beside_call_is_one_line(tmp_path):
     """rec.beside refuses, in one line each: a built-in objective (which never reads it), a call before
     any forward, a tensor without the forward's rows, a name the forward's inputs already hold."""
     from dormouse.errors import DormouseError
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
 
     ok = {"build_model": "grpo_client:build_model", "build_optimizer": "grpo_client:build_optimizer"}
     net = torch.nn.Linear(3, 2)
-    builtin = Recorder(tmp_path / "builtin", net, **ok)
+    builtin = Recorder(tmp_path / "builtin", net, RecordingSpec(**ok))
     net(torch.zeros(2, 3))
     with pytest.raises(DormouseError, match="built-in objective 'causal_lm'") as e:
         builtin.beside(advantages=torch.zeros(2))
     assert "\n" not in str(e.value)
     builtin.close()
-    rec = Recorder(tmp_path / "rec", net, **ok, objective="grpo_client:token_objective")
+    rec = Recorder(tmp_path / "rec", net, RecordingSpec(**ok, objective="grpo_client:token_objective"))
     with pytest.raises(DormouseError, match="no forward recorded since the last rec.step"):
         rec.beside(advantages=torch.zeros(2))
     net(torch.zeros(2, 3))

@@ -374,15 +374,15 @@ def test_a_2d_run_whose_dp_reduction_sums_fails_named_by_the_mesh(dp_tp):
 
 
 def test_a_pipeline_recording_with_sketches_is_refused_in_one_line(tmp_path):
-    from dormouse.gate import Recorder
+    from dormouse.gate import Recorder, RecordingSpec
     from dormouse.gate.record.options import RecorderError
 
     class Stage:  # a PipelineStage's two fields the Recorder reads
         stage_index, num_stages = 0, 2
 
     with pytest.raises(RecorderError, match="a pipeline is recorded in full tensors"):
-        Recorder(tmp_path, torch.nn.Linear(2, 2), build_model="tp_llama:build_model",
-                 build_optimizer="tp_llama:build_optimizer", sketch=64, pipeline_stage=Stage())
+        Recorder(tmp_path, torch.nn.Linear(2, 2), RecordingSpec(build_model="tp_llama:build_model",
+                                                                build_optimizer="tp_llama:build_optimizer", sketch=64), pipeline_stage=Stage())
 
 
 def test_a_keyed_dropout_on_the_column_split_hidden_passes_when_each_tp_rank_keys_its_global_columns(tp):

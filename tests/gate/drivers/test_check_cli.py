@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from loopmodel import build_model, build_optimizer, collate, dataset  # this script's builders
 
-from dormouse.gate import Recorder
+from dormouse.gate import Recorder, RecordingSpec
 
 
 def train():
     model = build_model(seed=0)
     opt, sched = build_optimizer(model)
-    rec = Recorder({out!r}, model, build_model="{name}:build_model", build_optimizer="{name}:build_optimizer",
-                   objective="causal_lm", build_kwargs={{"seed": 0}}, dataset_len=8)
+    rec = Recorder({out!r}, model, RecordingSpec(build_model="{name}:build_model", build_optimizer="{name}:build_optimizer",
+                                                 objective="causal_lm", build_kwargs={{"seed": 0}}, dataset_len=8))
     data = dataset(8, 0)
     for s in range(2):
         batch = collate(data[4 * s:4 * s + 4])

@@ -1,0 +1,216 @@
+"""The micro-batches of the step being taken, read where the model runs them:
+a forward PRE-hook on the core module (under any DDP and torch.compile
+wrappers) copies each training forward's batch to the CPU, with the autocast
+and the parameters' compute dtype it runs under (read again in pre-hooks on
+the submodules: a wrapper may enter autocast inside the call), the submodules
+in eval mode, its plain non-tensor arguments and the modules' attributes that
+changed since the start. rec.labels() and rec.beside() add to the last one.
+The Recorder (record/recorder.py) takes them at each rec.step()."""
+
+from __future__ import annotations
+
+import torch
+
+from dormouse.gate.record.options import LOSS_LABELS, NEUTRAL_ATTRS, OBJECTIVES, PLAIN, RecorderError
+
+
+def _autocast_state(device_type: str) -> dict | None:
+    """The autocast a forward on `device_type` runs under now: {"device_type",
+    "dtype"} (e.g. "cpu", "bfloat16"), or None when autocast is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return {"device_type": device_type, "dtype": str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")}
+
+
+def plain_attrs(model) -> dict[str, dict]:
+    """Each module's public attributes of plain types (bool, int, float, str,
+    None): {module path ("" the model): {name: value}}. A flag a loop sets on
+    the model (a branch switch) is a value the forward reads."""
+    out = {}
+    for path, m in model.named_modules():
+        d = {k: v for k, v in vars(m).items()
+             if not k.startswith("_") and k not in NEUTRAL_ATTRS and type(v) in PLAIN}
+        if d:
+            out[path] = d
+    return out
+
+
+def attr_changes(now: dict, then: dict) -> dict | None:
+    """The attributes of `now` whose value (or type) differs from `then`'s; None when none."""
+    out = {}
+    for path, d in now.items():
+        old = then.get(path, {})
+        diff = {k: v for k, v in d.items() if k not in old or type(old[k]) is not type(v) or old[k] != v}
+        if diff:
+            out[path] = diff
+    return out or None
+
+
+def core_module(model):
+    """The module a wrapper runs: under DDP its .module, under torch.compile
+    its _orig_mod (in any order: compile(DDP(m)), DDP(compile(m)))."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    while True:
+        if isinstance(model, ddp):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _eager(fn):
+    """fn run as plain Python under torch.compile (the Recorder's hooks copy
+    tensors to the CPU and keep lists: nothing for dynamo to trace; a graph
+    break there, not a crash of the run)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+class Capture:
+    """The forwards' micro-batches of the step being taken (see the module docstring).
+
+    module     the core module (core_module(model)): its pre-hook reads the batch
+    inputs     the forward keyword arguments that are the batch
+    objective  the spec's objective (rec.beside() is for a declared one)
+    arm        None, or arm(n) called after the step's n-th micro-batch was read (the probe's trigger)
+    """
+
+    def __init__(self, module, inputs: tuple, objective: str, arm=None):
+        self.module, self.inputs, self.objective, self.arm = module, tuple(inputs), objective, arm
+        self.batches: list[dict[str, torch.Tensor]] = []
+        # each micro-batch's autocast ({"device_type", "dtype"} or None), read in the pre-hook:
+        # the reference computes the micro-batch under the same one
+        self.autocasts: list[dict | None] = []
+        # each micro-batch's compute dtype where the forward ran on parameters cast from the
+        # stored ones (FSDP2's MixedPrecisionPolicy(param_dtype=...)), else None: the reference
+        # computes that micro-batch on a copy of the model cast the same way
+        self.casts: list[str | None] = []
+        # each micro-batch's submodules in eval mode (a frozen BatchNorm, a dropout switched off),
+        # None when none is: the reference sets the same modes, not model.train()'s all-training
+        self.evals: list[list[str] | None] = []
+        # each micro-batch's non-tensor forward arguments (a bool keyword that switches a branch) and the
+        # model's plain attributes that differ from the Recorder's start (a flag the loop set), or None
+        self.calls: list[dict | None] = []
+        self.attrs: list[dict | None] = []
+        self._submodules = [(n, m) for n, m in module.named_modules() if n]
+        p = next(module.parameters(), None)
+        self.device_type = p.device.type if p is not None else "cpu"
+        self._attrs0 = plain_attrs(module)  # the modules' plain attributes at the start (recording.json's)
+        self._hooks: list = []
+
+    @property
+    def attrs0(self) -> dict:
+        return self._attrs0
+
+    def hook(self) -> None:
+        """The pre-hooks: the model's own (the batch), then every submodule's (autocast and casts read
+        inside the forward: accelerate, and so HF's Trainer with bf16=True, wraps model.forward). They
+        run eagerly under torch.compile (a graph break, in any placement of the compile)."""
+        self._hooks = [self.module.register_forward_pre_hook(_eager(self._pre), with_kwargs=True)]
+        inner = _eager(self._inner)
+        self._hooks += [m.register_forward_pre_hook(inner) for m in self.module.modules() if m is not self.module]
+        # each module's own parameters' stored dtypes (under FSDP2 the sharded ones): a forward that
+        # sees another dtype runs on a cast copy
+        self._stored = {m: {n: p.dtype for n, p in m._parameters.items() if p is not None}
+                        for m in self.module.modules()}
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def take(self) -> tuple[list, list, list, list, list, list]:
+        """The step's (batches, autocasts, casts, evals, calls, attrs), each per micro-batch; empty after."""
+        got = (self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs)
+        self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs = [], [], [], [], [], []
+        return got
+
+    def _pre(self, module, args, kwargs):
+        # eval-mode forwards and forwards under torch.no_grad()/inference_mode (a metric, a probe
+        # loss) are not the step's micro-batches: no gradient can come of them
+        if not module.training or not torch.is_grad_enabled():
+            return None
+        batch = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                batch[f"arg{i}"] = a.detach().cpu().clone()
+        for key in self.inputs:
+            v = kwargs.get(key)
+            if isinstance(v, torch.Tensor):
+                batch[key] = v.detach().cpu().clone()
+        # every other tensor argument with the batch's rows (position_ids of packed sequences,
+        # token_type_ids, ...): the forward is a function of it, so the reference passes it too
+        rows = next((t.shape[0] for t in batch.values() if t.dim()), None)
+        for key, v in kwargs.items():
+            if key not in batch and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
+                batch[key] = v.detach().cpu().clone()
+        # non-tensor arguments of plain types (a bool keyword that switches a branch): the reference passes them
+        call = {f"arg{i}": a for i, a in enumerate(args) if type(a) in PLAIN}
+        call.update({key: v for key, v in kwargs.items() if type(v) in PLAIN})
+        self.calls.append(call or None)
+        self.attrs.append(attr_changes(plain_attrs(module), self._attrs0))
+        self.batches.append(batch)
+        if self.arm is not None:  # the probe step's first micro-batch alone
+            self.arm(len(self.batches))
+        self.autocasts.append(_autocast_state(self.device_type))
+        self.casts.append(None)
+        self.evals.append([n for n, m in self._submodules if not m.training] or None)
+        return None
+
+    def _inner(self, module, args):
+        if not self.autocasts or not module.training or not torch.is_grad_enabled():
+            return None
+        if self.autocasts[-1] is None:
+            self.autocasts[-1] = _autocast_state(self.device_type)
+        if self.casts[-1] is None:  # this module's parameters as its forward sees them (after FSDP2's unshard)
+            stored = self._stored.get(module, {})
+            for n, p in module._parameters.items():
+                if p is not None and n in stored and p.dtype != stored[n]:
+                    self.casts[-1] = str(p.dtype).removeprefix("torch.")
+                    break
+        return None
+
+    def labels(self, labels) -> None:
+        """The labels the loop's loss compares the LAST forward's outputs with,
+        where the model is not given them (the loop passes only input_ids to
+        the model and calls its loss on logits and labels): call once per
+        micro-batch, after its forward. The built-in objectives read them
+        instead of the input ids; a declared fn finds them as
+        batch["loss_labels"] (never passed to the forward)."""
+        if not self.batches:
+            raise RecorderError("rec.labels() with no forward recorded since the last rec.step(): call it after "
+                                "the micro-batch's forward in training mode, with the labels its loss reads")
+        if not isinstance(labels, torch.Tensor):
+            raise RecorderError(f"rec.labels() takes a tensor of labels, not a {type(labels).__name__}")
+        batch = self.batches[-1]
+        rows = next((t.shape[0] for t in batch.values() if t.dim()), None)
+        if labels.dim() == 0 or (rows is not None and labels.shape[0] != rows):
+            raise RecorderError(f"rec.labels() got labels of shape {tuple(labels.shape)} for a forward of {rows} "
+                                "rows: pass the micro-batch's own labels, one row per row")
+        batch[LOSS_LABELS] = labels.detach().cpu().clone()
+
+    def beside(self, **tensors) -> None:
+        """What the loop's loss reads beside the LAST forward's inputs, one row per
+        row (an RL loss's advantages, old log-probabilities): kept with that
+        micro-batch under the names given, never passed to the forward, for a
+        declared objective fn(model, batch) to read as batch[name]. Call once per
+        micro-batch, after its forward. The rows go with the batch's rows (fact 1's
+        rows alone, the merged forward), so a per-position tensor must have the
+        forward's length (its second dimension), aligned with its input ids."""
+        if self.objective in OBJECTIVES:
+            raise RecorderError(f"rec.beside() with the built-in objective {self.objective!r}, which reads "
+                                "only the batch's labels: declare objective='pkg.mod:fn' reading batch[name]")
+        if not self.batches:
+            raise RecorderError("rec.beside() with no forward recorded since the last rec.step(): call it after "
+                                "the micro-batch's forward in training mode")
+        batch = self.batches[-1]
+        rows = next((t.shape[0] for t in batch.values() if t.dim()), None)
+        for name, t in tensors.items():
+            if name in batch or name.startswith("arg") or "/" in name:
+                raise RecorderError(f"rec.beside({name}=...): the name is taken by the forward's inputs (or starts "
+                                    "with 'arg', or holds '/'): give it a name of its own")
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or (rows is not None and t.shape[0] != rows):
+                raise RecorderError(f"rec.beside({name}=...) takes a tensor with the forward's {rows} rows, not "
+                                    f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            batch[name] = t.detach().cpu().clone()
