@@ -17,6 +17,10 @@ Knobs (RUN keys):
                  (gradients None: pytorch #115607's Adam step-counter case)
   "zero_grads"   opt.zero_grad(set_to_none=False): at a "skip_bwd" step the optimizer steps on zeros (AdamW
                  then decays every weight and its moments, and counts the step)
+  "dropout"      TinyLM's dropout at this p, each rank seeding its own RNG (seed + rank) after the build: a
+                 clean loop whose masks are each rank's own draws
+  "zero_labels"  rank 1 moves each micro-batch to its "device" (a copy) and zeroes the copy's labels there
+                 before the forward: its loss trains every position (padding too) towards token 0
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from dormouse.gate import Recorder, RecordingSpec  # noqa: E402
 
 RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
-       "collate_drop": False, "clip_no_norm": False, "zero_grads": False}
+       "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
+       "dropout": 0.0, "zero_labels": False}
 
 
 class AuxLM(TinyLM):
@@ -61,6 +66,10 @@ def batches(cfg: dict, data, idx, rank: int = 0):
     if cfg["labels"] == "inputs":  # labels = input_ids, padding (token 0) left as a target
         for mb in mbs:
             mb["labels"] = mb["input_ids"].clone()
+    if cfg["zero_labels"] and rank == 1:  # the "device" copy's labels zeroed on rank 1 alone
+        mbs = [{k: v.clone() for k, v in mb.items()} for mb in mbs]
+        for mb in mbs:
+            mb["labels"].zero_()
     return mbs
 
 
@@ -68,12 +77,15 @@ def run(cfg: dict) -> None:
     cfg = {**RUN, **cfg}
     world, rank = dist.get_world_size(), dist.get_rank()
     K, B, n = cfg["micro"], cfg["batch"], cfg["n"]
-    kw = {"seed": cfg["seed"], "lr": cfg["lr"], **({"bn": True} if cfg["bn_rank0"] else {})}
+    kw = {"seed": cfg["seed"], "lr": cfg["lr"], **({"bn": True} if cfg["bn_rank0"] else {}),
+          **({"dropout": cfg["dropout"]} if cfg["dropout"] else {})}
     builders = {"tiny": build_model, "aux": build_aux_model}
     builder = {"tiny": "loopmodel:build_model"}.get(cfg["model"], f"wild_loop:{builders[cfg['model']].__name__}")
     model = builders[cfg["model"]](**kw)
     if cfg["bn_rank0"]:
         model.bn.eval()  # frozen statistics in the training forwards
+    if cfg["dropout"]:
+        torch.manual_seed(cfg["seed"] + rank)  # each rank its own masks
     net = torch.nn.parallel.DistributedDataParallel(model)
     opt, sched = build_optimizer(model, **kw)
     rec = Recorder(cfg["out"], net, RecordingSpec(build_model=builder, build_optimizer="loopmodel:build_optimizer",

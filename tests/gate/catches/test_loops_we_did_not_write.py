@@ -29,6 +29,8 @@ RUNS = {
     "clip_no_norm": {"clip_no_norm": True, "max_grad_norm": 0.3},  # clipped, grad_norm not passed
     "skip_step": {"skip_bwd": [2]},  # step 2: opt.step() with no forward or backward (pytorch #115607)
     "skip_step_zeros": {"skip_bwd": [2], "zero_grads": True},  # ... on zeroed (not None) gradients
+    "dropout": {"dropout": 0.1, "steps": 2},  # a clean loop with dropout, each rank seeding its own masks
+    "zero_labels": {"zero_labels": True, "steps": 2},  # rank 1 zeroes its device copy's labels
 }
 W = 2
 fleet = looprec.launched_fixture("fleet", {n: {"seed": 3, **cfg} for n, cfg in RUNS.items()}, "wild_loop.py", W)
@@ -269,3 +271,44 @@ def test_a_replica_apart_after_the_last_step_is_named_with_its_rank_and_tensor(f
     assert r.returncode == 1 and "[FAIL] ranks: rank 1's parameters or persistent buffers differ from rank 0's " \
         "after the last step" in r.stdout and "ln1.bias" in r.stdout.split("[FAIL] ranks:")[1].splitlines()[0], \
         r.stdout[-3000:]
+
+
+def test_a_clean_loop_with_dropout_is_not_judged_by_the_probe_never_blamed_on_the_loss(fleet):
+    """A clean DDP loop with dropout, each rank seeding its own masks: the probe said rank 1 backpropagates
+    its loss at another scale than rank 0 ("the loss is at fault"), where the two ranks' masks differ. This
+    file's one-process gradient of rank 0's first micro-batch differs under two RNG states (the draws); the
+    probe now says it was not judged, and why; independence names the dropout."""
+    mb = step_rows("dropout")[0]
+    net = build_model(seed=3, dropout=0.1)
+    torch.manual_seed(0)
+    a = one_process(net, [mb])
+    torch.manual_seed(1)
+    assert looprec.worst(one_process(net, [mb]), a) > 1e-3
+    v = looprec.verdict(fleet["dropout"])
+    probe = v.check("probe")
+    assert probe.passed and probe.reason.startswith("not judged: one process's gradient of the probed "
+                                                    "micro-batch at step 1 changes with the RNG state"), probe.reason
+    assert "each rank drew its own masks" in probe.reason and "loss is at fault" not in probe.reason
+    looprec.fails_for(v, "independence", "active dropout (drop)")
+
+
+def test_labels_zeroed_on_one_ranks_device_copy_fail_the_data_named(fleet):
+    """Rank 1 moves each micro-batch to its device (a copy) and zeroes the copy's labels before the forward:
+    it trains every position towards token 0. The gate's one process read the zeroed labels the forward got,
+    and the verdict passed (a review's variant blamed independence). This file's arithmetic: rank 1's
+    recorded labels are all 0 where the dataset's rows hold other tokens, and the fleet's step-1 gradient is
+    the one-process gradient of the zeroed rows, not of the dataset's; the data check now names rank 1's
+    labels."""
+    out = fleet["zero_labels"]
+    rank1 = [b for r, _, b in A.RecordingSet(out).micro_batches(1) if r == 1]
+    assert all(bool((b["labels"] == 0).all()) for b in rank1)
+    assert any(bool((b["input_ids"] != 0).any()) for b in rank1)
+    zeroed = step_rows("zero_labels")
+    clean = [{**mb, "labels": mb["input_ids"].masked_fill(mb["attention_mask"] == 0, -100)} for mb in zeroed]
+    net = build_model(seed=3)
+    got = recorded(out)
+    assert looprec.worst(got, one_process(net, zeroed)) < 1e-6
+    assert looprec.worst(got, one_process(net, clean)) > 1e-2
+    v = looprec.verdict(out)
+    looprec.fails_for(v, "data", "rank 1's labels are not its input tokens at")
+    assert "every target is token 0" in v.check("data").reason
