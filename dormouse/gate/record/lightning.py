@@ -104,7 +104,7 @@ class LightningRecorder(pl.Callback):
             raise RecorderError(f"LightningRecorder(out_dir, spec): spec is a {type(spec).__name__}, not a "
                                 "RecordingSpec: pass RecordingSpec(build_model=..., build_optimizer=..., ...)")
         if grad_norm_key is not None and not spec.max_grad_norm:
-            raise RecorderError(f"grad_norm_key={grad_norm_key!r} without the spec's max_grad_norm: give the "
+            raise RecorderError(f"grad_norm_key={grad_norm_key!r} without max_grad_norm in the spec: give the "
                                 "threshold your module clips at (the judge checks the clip coefficient by it)")
         self.out_dir = Path(out_dir)
         self.spec, self.module = spec, module
