@@ -13,6 +13,12 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
+def window_digest(values: list[int]) -> str:
+    """A token window's identity (gradref.json, and the judge's reading of the fleet's windows): the sha256
+    of its T + 1 byte values."""
+    return hashlib.sha256(bytes(values)).hexdigest()
+
+
 def fingerprint(state: dict[str, torch.Tensor]) -> str:
     """sha256 over names, dtypes, shapes and bytes, in name order."""
     h = hashlib.sha256()

@@ -13,6 +13,11 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bfloat16 keeps 8 significand bits: round-to-ne
 FP32_UNIT_ROUNDOFF = 2.0 ** -24  # float32: 24 significand bits
 
 
+def scalar_relative(a: float, b: float) -> float:
+    """|a - b| / |b| of two numbers (a loss against one process's), |b| at least 1e-30."""
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (max |a - b| where b is all zero): how far a
     tensor is from another, in units of the other's largest element."""

@@ -3,8 +3,11 @@ statement, at module level or inside a function, relative ones resolved):
 
     dormouse.gate -> dormouse.train -> dormouse.model -> dormouse.config
 
-and inside the gate: record -> artifacts <- judge <- show. The gate's settings
-are the running side's (record): what a run is asked to do; the judge and the
+and inside the gate: record -> artifacts <- judge <- show, and record ->
+settings: the gate's settings (settings.py, with the fixture run they derive,
+fixtures.py, and their command line, cli.py) are what a run is asked to do,
+below the running side and importing none of the gate's other layers; the
+settings hold no argparse (the command line is cli.py's). The judge and the
 show read settings only as the artifacts record them (GateSettings.record()),
 and which references apply to them is artifacts.references. There are no
 known exceptions. Only the drivers
@@ -77,11 +80,12 @@ def real(names: set[str]) -> set[str]:
 
 
 def layer(module: str) -> str | None:
-    """config | model | train | gate.record | gate.artifacts | gate.judge | gate.show |
+    """config | model | train | gate.settings | gate.record | gate.artifacts | gate.judge | gate.show |
     driver | base (errors, atomic, argtypes, numerics, the package itself) | None (others: infer)."""
     if module in DRIVERS or module.startswith("dormouse.bench"):
         return "driver"
-    for prefix, name in (("dormouse.gate.record", "gate.record"), ("dormouse.gate.settings", "gate.record"),
+    for prefix, name in (("dormouse.gate.record", "gate.record"), ("dormouse.gate.settings", "gate.settings"),
+                         ("dormouse.gate.cli", "gate.settings"), ("dormouse.gate.fixtures", "gate.settings"),
                          ("dormouse.gate.artifacts", "gate.artifacts"), ("dormouse.gate.judge", "gate.judge"),
                          ("dormouse.gate.show", "gate.show"), ("dormouse.gate", "gate"),
                          ("dormouse.train", "train"), ("dormouse.model", "model"), ("dormouse.config", "config")):
@@ -135,6 +139,25 @@ def test_the_gates_layers_point_one_way():
     assert violations("gate.judge", ("dormouse.gate.record", "dormouse.gate.settings", "dormouse.gate.show",
                                      "dormouse.train")) == []
     assert violations("gate.show", ("dormouse.gate.record", "dormouse.gate.settings")) == []
+    assert violations("gate.settings", ("dormouse.gate.record", "dormouse.gate.artifacts", "dormouse.gate.judge",
+                                        "dormouse.gate.show", "dormouse.gate.pipeline", "dormouse.gate.__main__")) == []
+
+
+def test_the_settings_hold_no_command_line():
+    """argparse lives in gate/cli.py (and the drivers), never in the settings or the fixture run."""
+    for m in ("dormouse.gate.settings", "dormouse.gate.fixtures"):
+        assert "argparse" not in {name for name, _ in import_statements(MODULES[m], m)}, m
+
+
+def test_a_settings_module_reaching_up_to_the_running_side_is_seen():
+    """(settings.py imported record/fixtures.py for the fleet's plan and run, the one arrow up, until
+    the fixture run moved below the settings.)"""
+    GRAPH["dormouse.gate.settings"].add("dormouse.gate.record.modes")
+    try:
+        assert violations("gate.settings", ("dormouse.gate.record",)) == [
+            "dormouse.gate.settings imports dormouse.gate.record.modes"]
+    finally:
+        GRAPH["dormouse.gate.settings"].discard("dormouse.gate.record.modes")
 
 
 def test_only_drivers_import_more_than_one_of_record_judge_and_show():

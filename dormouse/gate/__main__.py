@@ -43,13 +43,14 @@ MODES = ("single", "rank", "gradref", "reference", "verdict")
 
 
 def parser() -> argparse.ArgumentParser:
-    from dormouse.gate.settings import _NOT_FLAGS, BY_HAND_RESUME_WORLD, VALIDATED_FLAG, add_arguments
+    from dormouse.gate.cli import BY_HAND_RESUME_WORLD, add_arguments
+    from dormouse.gate.settings import _NOT_FLAGS, VALIDATED_FLAG
 
     p = OneLineParser(prog="dormouse gate", description=__doc__.splitlines()[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("mode", nargs="?", choices=MODES, help="what to run")
     p.add_argument("--mode", dest="mode_flag", choices=MODES, help=argparse.SUPPRESS)
-    # Only the flags given reach the namespace: a default never overrides one (settings.by_hand).
+    # Only the flags given reach the namespace: a default never overrides one (cli.by_hand).
     add_arguments(p, skip=_NOT_FLAGS, given_only=True,
                   shown={"resume_world": f"{BY_HAND_RESUME_WORLD} by hand, one launch",
                          "world": "torchrun's WORLD_SIZE for rank, else 2",
@@ -66,13 +67,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def settings_for(mode: str, args: argparse.Namespace):
-    """The GateSettings this launch runs with (settings.by_hand): the flags
+    """The GateSettings this launch runs with (cli.by_hand): the flags
     given, then the fleet's recorded settings for the modes that check it,
     then the by-hand defaults."""
     import os
 
     from dormouse.gate.artifacts import RecordingSet, recording_path
-    from dormouse.gate.settings import FIELDS, REFERENCE_MODES, by_hand, resolve_out
+    from dormouse.gate.cli import REFERENCE_MODES, by_hand
+    from dormouse.gate.settings import FIELDS, resolve_out
 
     given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
     recorded = None

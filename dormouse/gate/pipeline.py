@@ -21,8 +21,9 @@ from dormouse.gate.judge.entry import judge
 from dormouse.gate.judge.verdict import Verdict
 from dormouse.gate.show.text import VERDICT_FILE, format_verdict, write_verdict
 from dormouse.gate.record.produce import SETS, Log, ensure_all, locked, status
+from dormouse.gate.cli import add_arguments
 from dormouse.gate.settings import (ALIASES, ARTIFACTS, DEFAULT_OUT, FIELDS, REPO_ROOT, GateSettings, ParameterError,
-                                    add_arguments, check)
+                                    check)
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 EXECUTED_DIR = ARTIFACTS / "notebooks"

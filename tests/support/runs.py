@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from dormouse.config import RunConfig
-from dormouse.gate.record import fixtures
+from dormouse.gate import fixtures
 from dormouse.gate.settings import GateSettings
 
 

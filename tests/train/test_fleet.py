@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dormouse.config import ModelConfig
 from dormouse.gate.artifacts import RecordingSet
 from dormouse.errors import PEER_LOST, DormouseError, FleetError
-from dormouse.gate.record.fixtures import make_run
+from dormouse.gate.fixtures import make_run
 from dormouse.gate.record.launcher import failure_summary, launch_fleet, torchrun, torchrun_command
 from dormouse.gate.settings import GateSettings
 from dormouse.model import DormouseModel

@@ -29,6 +29,50 @@ def rank_name(rank: int) -> str:
 RECORDING_SCHEMA = 2  # 2: every field typed by artifacts/spec.py (RecordingSpec, RecordedRun)
 EXTRA = "x/"  # a step's tensors a client keeps beside the run (Recorder.step(extra=...)): this rank's own
 
+# A step file's tensors are keyed <prefix><name>; every prefix is typed here and nowhere else.
+# The recording's (rank r's step file):
+INPUT = "in/"  # a micro-batch's inputs: in/{m}/{key}
+PARAM = "p/"  # the parameters before the step (the reference's replayed ones: REPLAY_PARAM)
+GRAD = "g/"  # the synchronised gradient the optimizer stepped on; in the reference, one process's
+BUFFER = "b/"  # the persistent buffers before the step
+SKETCHED_PARAM, SKETCHED_GRAD, SKETCHED_BUFFER = "ps/", "gs/", "bs/"  # a sketched recording's (Recorder(sketch=))
+TP_INPUT = "tp/"  # a TP peer's (or a pipeline stage's, a CP rank's) own inputs, kept apart from its leader's
+PROBE_OUTPUT, PROBE_GRAD = "po/", "pg/"  # the probed modules' outputs and their gradients (record/probe.py)
+# The one-process reference's (reference/step{k}.safetensors; record/reference):
+GRAD_NORMALISED = "gn/"  # each micro-batch's loss sum / N x W differentiated, summed, / W (HF's, DDP loops')
+GRAD_MERGED = "gm/"  # the step's rows in one forward
+WIRE_ABS = "wa/"  # sum_r |g_r| / T: every rank's contribution a reduce rounds
+LAST_MICRO = "last/"  # the last micro-batch's own gradient
+REPLAY_PARAM = "rp/"  # the replay's parameters before the step (reference/step{k}.replay.safetensors)
+NUDGED_PARAM, NUDGED_GRAD = "np/", "ng/"  # a run mode's replay and gradient from parameters one ulp away
+BUFFER_AFTER = "bu/"  # the buffers after the step as one process updates them
+SAMPLED, SAMPLED_GRAD = "ex/", "exb/"  # the independence check's sampled micro-batches: reshaped, and as recorded
+PROBE = "probe/"  # probe/{rank}/: a replica leader's probed micro-batch as one process computes it (probe_prefix)
+PROBE_REF_OUTPUT, PROBE_REF_GRAD = "ro/", "rg/"  # ... its modules' outputs and gradients at the recorded parameters
+PROBE_NUDGED_OUTPUT, PROBE_NUDGED_GRAD = "ron/", "rgn/"  # ... and from parameters one ulp away
+# the alternative weightings a failing gradient is named by (record/reference/__init__.py): micro_mean/, ...
+ALTERNATIVES = ("micro_mean", "rank_mean", "gm", "fwd")
+
+
+def prefixed(prefix: str, tensors: dict) -> dict:
+    """The tensors whose key starts with `prefix`, keyed by the rest of it."""
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def micro_input(m: int, prefix: str = INPUT) -> str:
+    """The prefix of micro-batch m's inputs (a TP peer's own: prefix TP_INPUT): in/{m}/{key}."""
+    return f"{prefix}{m}/"
+
+
+def probe_prefix(rank: int) -> str:
+    """The reference's probe tensors of the replica led by `rank`."""
+    return f"{PROBE}{rank}/"
+
+
+def alternative(name: str) -> str:
+    """The prefix of the alternative weighting `name` (one of ALTERNATIVES)."""
+    return f"{name}/"
+
 
 # how a recorded loop's gradient reduce rounds (Recorder(wire=...)): "fp32", or "bf16" (every summand and
 # partial sum rounded to bfloat16 on the wire: DDP's bf16_compress_hook, dormouse's reduce="bf16")

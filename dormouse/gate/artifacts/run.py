@@ -12,12 +12,17 @@ from dormouse.errors import DormouseError
 from dormouse.gate.artifacts.spec import kind_words, read_recording, typed
 from dormouse.gate.artifacts.tensorfile import LazyTensors
 from dormouse.gate.artifacts.layout import (
+    BUFFER,
     EXACT,
     EXTRA,
     FLOOR,
     GATE_SCHEMA,
     GRADREF,
+    PARAM,
+    REPLAY_PARAM,
     SINGLE,
+    micro_input,
+    prefixed,
     final_meta_path,
     final_tensors_path,
     init_path,
@@ -238,11 +243,11 @@ class RecordingSet:
     def init(self) -> dict[str, torch.Tensor]:
         pieces = [read_tensors(init_path(self.out, r), "initial state")[0]
                   for r in range(self.meta["segments"][0]["world"])]
-        return self._assembled([{f"x/{k}": v for k, v in p.items()} for p in pieces], "x/")
+        return self._assembled([{EXTRA + k: v for k, v in p.items()} for p in pieces], EXTRA)
 
     def tensors_at(self, step: int, prefix: str) -> dict[str, torch.Tensor]:
-        """Full tensors "p/" or "g/" at `step` (assembled across FSDP2 shards);
-        sketches "ps/"/"gs/": rank 0's, or the sum of the ranks' partial sketches under FSDP2."""
+        """Full tensors PARAM or GRAD at `step` (assembled across FSDP2 shards);
+        sketches SKETCHED_PARAM/SKETCHED_GRAD: rank 0's, or the sum of the ranks' partial sketches under FSDP2."""
         pieces = [self.step_tensors(r, step) for r in range(self.world_at(step))]
         return self._combine(pieces, prefix)
 
@@ -266,7 +271,7 @@ class RecordingSet:
             t = self.step_tensors(r, step)
             n = self.step_meta(r, step).get("micro_batches", 0)
             for m in range(n):
-                pre = f"in/{m}/"
+                pre = micro_input(m)
                 out.append((r, m, {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)}))
         return out
 
@@ -316,7 +321,7 @@ class RecordingSet:
         """The loss the loop reported at every step (rank 0's)."""
         return [self.step_meta(0, k).get("loss") for k in self.steps]
 
-    def state_after(self, step: int, prefix: str = "p/") -> dict[str, torch.Tensor]:
+    def state_after(self, step: int, prefix: str = PARAM) -> dict[str, torch.Tensor]:
         """The tensors after `step` (full): those before the next step, or after the last."""
         i = self.steps.index(step)
         return self.tensors_at(self.steps[i + 1], prefix) if i + 1 < len(self.steps) else self.final(prefix)
@@ -331,10 +336,10 @@ def init_edited(rec: "RecordingSet", r: int, init: dict[str, torch.Tensor] | Non
     if init is None:
         init = read_tensors(init_path(rec.out, r), "initial state")[0]
     t = rec.step_tensors(r, 1)
-    if not any(k.startswith("p/") for k in t):
+    if not any(k.startswith(PARAM) for k in t):
         return False
     for n, v in init.items():
-        w = t.get(f"p/{n}", t.get(f"b/{n}"))
+        w = t.get(PARAM + n, t.get(BUFFER + n))
         if w is not None and (w.shape != v.shape or w.dtype != v.dtype or not torch.equal(w, v)):
             return True
     return False
@@ -419,7 +424,7 @@ class ReferenceSet:
 
     def final(self) -> dict[str, torch.Tensor]:
         t, _ = read_tensors(reference_final_path(self.out), "reference final")
-        return {n[3:]: v for n, v in t.items() if n.startswith("rp/")}
+        return prefixed(REPLAY_PARAM, t)
 
 
 def read_gate_json(path: Path, what: str) -> dict:

@@ -18,7 +18,7 @@ from dormouse.gate.judge.metrics import factor_name, fit, rel
 
 
 def fleet_grad(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
-    g = rec.tensors_at(k, "gs/" if rec.sketch else "g/")
+    g = rec.tensors_at(k, A.SKETCHED_GRAD if rec.sketch else A.GRAD)
     m = rec.step_meta(0, k)
     if m.get("clipped") and m.get("clip_coef"):
         g = {n: v.double() / m["clip_coef"] for n, v in g.items()}
@@ -90,8 +90,8 @@ def never_reduced(rec: A.RecordingSet, ref: ReferenceSet, bound: float):
         for r in range(w):
             m = rec.step_meta(r, k)
             coef = m.get("clip_coef") if m.get("clipped") and m.get("clip_coef") else 1.0
-            grads.append({n[2:]: v.double() / coef for n, v in rec.step_tensors(r, k).items() if n.startswith("g/")})
-        found = C.never_reduced(grads, ref.tensors(k, "g/"), rel, bound)
+            grads.append({n: v.double() / coef for n, v in A.prefixed(A.GRAD, rec.step_tensors(r, k)).items()})
+        found = C.never_reduced(grads, ref.tensors(k, A.GRAD), rel, bound)
         if found is not None:
             return k, found
     return None
@@ -109,7 +109,7 @@ def stale_steps(rec: A.RecordingSet, ref: ReferenceSet, bound: float, failing: l
         i = steps.index(k)
         if i == 0 or steps[i - 1] != k - 1 or k in rec.resumed_at():
             return None
-        off = C.stale_gradient(rec.tensors_at(k - 1, "g/"), fleet_grad(rec, k), ref.tensors(k, "g/"), rel, fit, bound)
+        off = C.stale_gradient(rec.tensors_at(k - 1, A.GRAD), fleet_grad(rec, k), ref.tensors(k, A.GRAD), rel, fit, bound)
         if off is None:
             return None
         found.append(off)
@@ -139,7 +139,7 @@ def bf16_wire(rec: A.RecordingSet) -> bool:
     every tensor step the loop did not clip (clip coefficient 1 or none: a
     clip multiplies it off the bfloat16 grid); False where no step qualifies."""
     steps = [k for k in rec.tensor_steps() if rec.step_meta(0, k).get("clip_coef") in (None, 1.0)]
-    return bool(steps) and all(C.bf16_representable(rec.tensors_at(k, "g/")) for k in steps)
+    return bool(steps) and all(C.bf16_representable(rec.tensors_at(k, A.GRAD)) for k in steps)
 
 
 def bf16_tensors(rec: A.RecordingSet, least: int = 16) -> list[str]:
@@ -149,7 +149,7 @@ def bf16_tensors(rec: A.RecordingSet, least: int = 16) -> list[str]:
     steps = [k for k in rec.tensor_steps() if rec.step_meta(0, k).get("clip_coef") in (None, 1.0)]
     names, total = None, 0
     for k in steps:
-        g = rec.tensors_at(k, "g/")
+        g = rec.tensors_at(k, A.GRAD)
         total = len(g)
         on = {n for n, v in g.items() if int((v != 0).sum()) >= least and C.bf16_representable({n: v})}
         names = on if names is None else names & on
@@ -161,7 +161,7 @@ def off_the_bf16_grid(rec: A.RecordingSet) -> int | None:
     clip whose gradient holds a value that is not a bfloat16 (what a bf16
     all-reduce cannot give), else None."""
     for k in rec.tensor_steps():
-        if rec.step_meta(0, k).get("clip_coef") in (None, 1.0) and not C.bf16_representable(rec.tensors_at(k, "g/")):
+        if rec.step_meta(0, k).get("clip_coef") in (None, 1.0) and not C.bf16_representable(rec.tensors_at(k, A.GRAD)):
             return k
     return None
 
@@ -200,7 +200,7 @@ def factor_words(rec: A.RecordingSet, c: float, micro: int, rtol: float) -> str 
 def made_up_gradient(rec: A.RecordingSet, ref: ReferenceSet):
     """Where one process gives an element an exactly zero gradient every way
     it computes it, micro-batch by micro-batch (sum_r |g_r| = 0, the
-    reference's "wa/") and the step's rows merged ("gm/"): an embedding row of
+    reference's A.WIRE_ABS) and the step's rows merged (A.GRAD_MERGED): an embedding row of
     a byte no window read, an expert no token chose, LoRA's A while B is 0;
     not a gradient that is zero in exact arithmetic only (a key bias, which
     softmax ignores: exactly 0 in one summation order, 6.5e-9 of the tensor's
@@ -221,11 +221,11 @@ def made_up_gradient(rec: A.RecordingSet, ref: ReferenceSet):
         return 0
     zeros = 0
     for k in rec.tensor_steps():
-        wa, gm = ref.tensors(k, "wa/"), ref.tensors(k, "gm/")
+        wa, gm = ref.tensors(k, A.WIRE_ABS), ref.tensors(k, A.GRAD_MERGED)
         if not wa or not gm:
             continue
         g = fleet_grad(rec, k)
-        g_ref = ref.tensors(k, "g/")
+        g_ref = ref.tensors(k, A.GRAD)
         for n in sorted(set(g) & set(wa) & set(gm) & set(g_ref)):
             mask = (wa[n] == 0) & (gm[n] == 0)
             stray = int((g[n][mask].abs() > ZERO_RTOL * float(g_ref[n].abs().max())).sum())

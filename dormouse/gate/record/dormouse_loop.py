@@ -54,7 +54,7 @@ State outside the optimizer: the MoE's routing bias (a buffer) moves after
 every step by b += rate * sign(mean(load) - load) from the step's global
 expert loads. It changes which experts each token chooses, so the
 one-process gradient at step k must be taken at the fleet's bias before k:
-the Recorder stores the model's persistent buffers ("b/", full-tensor steps,
+the Recorder stores the model's persistent buffers (A.BUFFER, full-tensor steps,
 and after the last) and the reference loads them with the parameters. The
 replay of the optimizer does not need the bias (it steps on the recorded
 gradients); the bias's own update is the recording's declared buffer_update,

@@ -18,7 +18,7 @@ replica leader's first micro-batch, backpropagating that micro-batch's
 declared loss_sum (the fleet's loop scales its loss its own way: the judge
 fits that scale on the model's own output gradient), and measures each
 module's floor: the same forward and backward from parameters one ulp away
-("pn/", "pgn/")."""
+(layout's PROBE_NUDGED_OUTPUT, PROBE_NUDGED_GRAD)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ import math
 
 import torch
 
-PREFIXES = ("po/", "pg/")
+from dormouse.gate import artifacts as A
+
+PREFIXES = (A.PROBE_OUTPUT, A.PROBE_GRAD)
 
 
 def _first_tensor(out):
@@ -84,12 +86,12 @@ class Probe:
         self.armed = False
 
     def take(self, full, gather=None) -> tuple[dict[str, torch.Tensor], dict]:
-        """The recorded tensors ("po/NAME", "pg/NAME"), each assembled by `full` in one order on every
+        """The recorded tensors (A.PROBE_OUTPUT + NAME, A.PROBE_GRAD + NAME), each assembled by `full` in one order on every
         rank (sorted names: full_tensor() is a collective), and the step JSON's probe entry. With
         `gather` (every rank's object: a collective), only the names every rank holds are assembled,
         so that no rank waits in a collective another never enters."""
         tensors = {}
-        for prefix, d in (("po/", self.outs), ("pg/", self.grads)):
+        for prefix, d in ((A.PROBE_OUTPUT, self.outs), (A.PROBE_GRAD, self.grads)):
             names = set(d)
             if gather is not None:
                 for other in gather(sorted(names)):
@@ -121,11 +123,13 @@ def capture(model, fn):
 def reference_probe(model, batch: dict, loss_sum) -> dict[str, torch.Tensor]:
     """The plain model's module outputs and output gradients on one micro-batch
     (loss_sum(model, batch) -> that micro-batch's declared loss sum), and the
-    same from parameters one ulp away: {"ro/", "rg/", "rn/", "rgn/"} + NAME."""
+    same from parameters one ulp away: A.PROBE_REF_OUTPUT, PROBE_REF_GRAD, PROBE_NUDGED_OUTPUT,
+    PROBE_NUDGED_GRAD + NAME."""
     from dormouse.train.tensors import copy_module
 
     out: dict[str, torch.Tensor] = {}
-    for tag, m in (("", model), ("n", None)):
+    for (out_at, grad_at), m in (((A.PROBE_REF_OUTPUT, A.PROBE_REF_GRAD), model),
+                                  ((A.PROBE_NUDGED_OUTPUT, A.PROBE_NUDGED_GRAD), None)):
         if m is None:
             m = copy_module(model)  # deepcopy, past a graph tensor the forward left on a module
             with torch.no_grad():
@@ -135,8 +139,8 @@ def reference_probe(model, batch: dict, loss_sum) -> dict[str, torch.Tensor]:
         m.zero_grad(set_to_none=True)
         outs, grads, _ = capture(m, lambda m=m: loss_sum(m, batch).backward())
         m.zero_grad(set_to_none=True)
-        out.update({f"ro{tag}/{n}": v.clone() for n, v in outs.items()})
-        out.update({f"rg{tag}/{n}": v.clone() for n, v in grads.items()})
+        out.update({out_at + n: v.clone() for n, v in outs.items()})
+        out.update({grad_at + n: v.clone() for n, v in grads.items()})
     return out
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from dormouse.gate.record.fixtures import base_run
+from dormouse.gate.fixtures import base_run
 from dormouse.gate.settings import GateSettings
 from dormouse.gate.judge.entry import judge
 from gatekit import faulty_fleets, references

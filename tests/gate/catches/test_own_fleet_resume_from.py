@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from dormouse.gate.judge.entry import judge
-from dormouse.gate.record.fixtures import build, make_run
+from dormouse.gate.fixtures import build, make_run
 from dormouse.train.loop import train
 from dormouse.gate.settings import GateSettings, ParameterError
 from gatekit import QUIET, fleets, references

@@ -40,7 +40,7 @@ def _attributes() -> list[tuple[object, dict]]:
 
 
 RUNNING = ("dormouse.gate.record.modes", "dormouse.gate.record.dormouse_loop", "dormouse.gate.record.recorder",
-           "dormouse.gate.record.reference", "dormouse.gate.record.fixtures")
+           "dormouse.gate.record.reference", "dormouse.gate.fixtures")
 
 
 def _changed(before: list[tuple[object, dict]]) -> list[str]:

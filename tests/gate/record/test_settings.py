@@ -20,8 +20,8 @@ import pytest
 from dormouse.errors import ConfigError, DormouseError
 from dormouse.gate.artifacts import FLOOR, SINGLE, GateReferences, RecordingSet, gate_reference_dir
 from dormouse.gate.__main__ import parser
-from dormouse.gate.settings import (_NOT_FLAGS, FIELDS, VALIDATED_FLAG, GateSettings, ParameterError, add_arguments,
-                                    by_hand, check, from_args)
+from dormouse.gate.cli import add_arguments, by_hand, from_args
+from dormouse.gate.settings import _NOT_FLAGS, FIELDS, VALIDATED_FLAG, GateSettings, ParameterError, check
 
 
 def _flag(name: str) -> str:

@@ -82,15 +82,15 @@ def check_bias_recorded(rec: A.RecordingSet, ref: ReferenceSet) -> BiasCheck:
     """check_bias on a recording that declares the bf16 wire: the fleet's
     gradient (divided by the clip coefficient) minus one process's, against
     the gradient check's element bound W u sum_r |g_r| / T + GRAD_RTOL max|g|
-    (sum_r |g_r| the reference summed, "wa/"; the float32 term keeps elements
+    (sum_r |g_r| the reference summed, A.WIRE_ABS; the float32 term keeps elements
     whose ranks' contributions nearly vanish from weighing in by their
     float32 round-off alone), with the recorded parameters before each step;
     every recorded tensor step."""
     steps = rec.tensor_steps()
     per: dict[str, list] = {}
     for k in steps:
-        g, g_ref, wa = fleet_grad(rec, k), ref.tensors(k, "g/"), ref.tensors(k, "wa/")
-        before = rec.tensors_at(k, "p/")
+        g, g_ref, wa = fleet_grad(rec, k), ref.tensors(k, A.GRAD), ref.tensors(k, A.WIRE_ABS)
+        before = rec.tensors_at(k, A.PARAM)
         w = rec.world_at(k)
         for n in sorted(set(g) & set(g_ref) & set(wa) & set(before)):
             b = wire_element_bound(g_ref[n], wa[n], w)  # the gradient check's bound (gradtools.wire_ratio)

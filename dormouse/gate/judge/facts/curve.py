@@ -45,7 +45,7 @@ def run_config(rec: A.RecordingSet) -> dict:
 def _unclipped(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
     """Step k's gradient before clipping: the applied one over its recorded coefficient."""
     coef = rec.step_meta(0, k).get("clip_coef") or 1.0
-    return {n: g.double() / coef for n, g in rec.tensors_at(k, "g/").items()}
+    return {n: g.double() / coef for n, g in rec.tensors_at(k, A.GRAD).items()}
 
 
 def _after(rec: A.RecordingSet) -> dict[str, torch.Tensor]:

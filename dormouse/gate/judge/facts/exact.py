@@ -14,7 +14,7 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.judge.metrics import first_difference, ulps
 from dormouse.gate.judge.verdict import ExactCheck
 
-SERIES = ("p/", "g/", "b/")  # a step's tensors compared bitwise
+SERIES = (A.PARAM, A.GRAD, A.BUFFER)  # a step's tensors compared bitwise
 
 
 def _step_difference(fleet: A.RecordingSet, exact: A.RecordingSet, k: int):
@@ -44,7 +44,7 @@ def check_exact(fleet: A.RecordingSet, exact: A.RecordingSet) -> ExactCheck:
     for k in fleet.steps:
         d = _step_difference(fleet, exact, k)
         if d is None and k == fleet.steps[-1]:  # and after the last step
-            d = first_difference([("final p/" + n, t, exact.final("p/")[n]) for n, t in fleet.final("p/").items()])
+            d = first_difference([("final " + A.PARAM + n, t, exact.final(A.PARAM)[n]) for n, t in fleet.final(A.PARAM).items()])
         equal.append(d is None)
         if d is not None and first is None:
             first = (k, *d)

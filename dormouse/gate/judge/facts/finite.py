@@ -23,8 +23,8 @@ from dormouse.gate.judge.verdict import Check
 NUMBERS = (("loss", "logged loss"), ("grad_norm", "logged gradient norm"), ("clip_coef", "clip coefficient"),
            ("lr", "lr"))
 # a tensor's kind by its prefix, in the order they are searched within a rank's step
-KINDS = (("in/", "input"), ("ids", "example ids"), ("p/", "parameter"), ("b/", "buffer"), ("ps/", "parameter sketch"),
-         ("g/", "gradient"), ("gs/", "gradient sketch"))
+KINDS = ((A.INPUT, "input"), ("ids", "example ids"), (A.PARAM, "parameter"), (A.BUFFER, "buffer"), (A.SKETCHED_PARAM, "parameter sketch"),
+         (A.GRAD, "gradient"), (A.SKETCHED_GRAD, "gradient sketch"))
 
 
 def bad_number(x) -> bool:
@@ -46,7 +46,7 @@ def _name(key: str) -> str:
     for pre, word in KINDS:
         if key.startswith(pre):
             rest = key[len(pre):]
-            if pre == "in/":
+            if pre == A.INPUT:
                 m, _, inp = rest.partition("/")
                 return f"input {inp} of micro-batch {m}"
             return f"{word} of {rest}" if rest else word
@@ -61,7 +61,7 @@ def _first_bad(t: dict[str, torch.Tensor]) -> tuple[str, str] | None:
     """The first tensor of one file (by KINDS, then name) holding NaN or inf,
     and how many others of its kind do: "gradient of ln1.bias holds NaN (1 of
     16 elements)" (a clip by a NaN norm spreads it to every tensor)."""
-    # the tensors the checks compare (a TP peer's or a pipeline stage's own inputs, "tp/", and the probe's
+    # the tensors the checks compare (a TP peer's or a pipeline stage's own inputs, A.TP_INPUT, and the probe's
     # module outputs are not the run's data: a later stage's received activations start as empty buffers)
     bad = [(key, said) for key in sorted(t, key=_order) if _order(key)[0] < len(KINDS) and (said := describe(t[key]))]
     if not bad:
@@ -111,7 +111,7 @@ def first_nonfinite_state(rec: A.RecordingSet) -> str | None:
     """Where the ranks' state (parameters or buffers) first holds NaN or inf:
     "before step k" or "after the last step"; None when nowhere. The ranks
     check compares that state by hash: equal NaN is not an agreement to pass."""
-    state = ("p/", "b/", "ps/")
+    state = (A.PARAM, A.BUFFER, A.SKETCHED_PARAM)
     for k in rec.steps:
         for r in range(rec.world_at(k)):
             t = rec.step_tensors(r, k)

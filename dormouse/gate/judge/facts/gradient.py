@@ -100,17 +100,17 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
     passes."""
     run = ref.meta.get("mode") == "run"
     wire = rec.meta.get("wire") == "bf16"
-    tol = run_tolerance(rec, ref, "g/", "ng/") if run else {}
+    tol = run_tolerance(rec, ref, A.GRAD, A.NUDGED_GRAD) if run else {}
     tol = {k: {n: max(b, step_bound(rec, ref, k)) for n, b in t.items()} for k, t in tol.items()}
     rows = []
     for k in rec.tensor_steps():
         gb = step_bound(rec, ref, k)
-        g_ref = ref.tensors(k, "g/")
+        g_ref = ref.tensors(k, A.GRAD)
         g = fleet_grad(rec, k)
         names = sorted(set(g) & set(g_ref))
         pt = parts(g, g_ref, names)  # one pass a form: the error, the tensor nearest, the fitted c
         x, form = rel_of(pt, names), "g"
-        g_n = {} if run else ref.tensors(k, "gn/")
+        g_n = {} if run else ref.tensors(k, A.GRAD_NORMALISED)
         if g_n and set(g_n) >= set(names):  # the normalised form, where it is the nearer
             ptn = parts(g, g_n, names)
             xn = rel_of(ptn, names)
@@ -133,7 +133,7 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
         row = {"step": k, "error": x, "bound": gb if not run else None, "tensor": tn, "form": form,
                "tensor_error": tx, "tensor_bound": tb, "ok": ok, "scalar": c}
         if wire:  # the declared bf16 wire: every element within its rounding bound, not the float32 one
-            wa = ref.tensors(k, "wa/")
+            wa = ref.tensors(k, A.WIRE_ABS)
             ratio, tn = wire_ratio(g, g_ref, wa, rec.world_at(k), names)
             row.update(ok=ratio <= 1.0, wire_ratio=ratio, tensor=tn,
                        tensor_error=rel({tn: g[tn]}, {tn: g_ref[tn]}, [tn]) if tn else 0.0,
@@ -201,7 +201,7 @@ def _scan_rows(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> None:
     s.alt_far = dict.fromkeys(s.alts, False)
     for row in s.rows:
         k = row["step"]
-        g_ref = ref.tensors(k, "g/")
+        g_ref = ref.tensors(k, A.GRAD)
         g = fleet_grad(rec, k)
         names = sorted(set(g) & set(g_ref))
         x = row["error"]
@@ -212,20 +212,20 @@ def _scan_rows(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> None:
         if x > s.worst:
             s.worst, s.worst_k, s.worst_t = x, k, row["tensor"]
         # a constant factor is named from steps at the same parameters (all of them when replaying)
-        if s.run and rel(rec.tensors_at(k, "ps/" if rec.sketch else "p/"), ref.tensors(k, "rp/")) > \
+        if s.run and rel(rec.tensors_at(k, A.SKETCHED_PARAM if rec.sketch else A.PARAM), ref.tensors(k, A.REPLAY_PARAM)) > \
                 step_bound(rec, ref, k):
             continue
         s.fits.append(fit(g, g_ref, names))
         s.fitted.append(k)
         for alt in s.alts:
-            a = ref.tensors(k, f"{alt}/")
+            a = ref.tensors(k, A.alternative(alt))
             an = sorted(set(g) & set(a))
             s.alts[alt].append(fit(g, a, an) if an else (0.0, math.inf))
             # an alternative is named only where it is not the declared objective's own gradient (every
             # rank's own token mean IS the global one when the ranks hold as many tokens)
             s.alt_far[alt] = s.alt_far[alt] or bool(an) and rel(a, g_ref, an) > \
                 FACTOR_AWAY * step_bound(rec, ref, k)
-        gm = ref.tensors(k, "gm/")  # the global batch in one forward: named only where it is not the sum's
+        gm = ref.tensors(k, A.GRAD_MERGED)  # the global batch in one forward: named only where it is not the sum's
         s.gm_far = s.gm_far or bool(gm) and rel(gm, g_ref, sorted(set(gm) & set(g_ref))) > \
             FACTOR_AWAY * step_bound(rec, ref, k)
 
@@ -298,10 +298,10 @@ def _fault_shape(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> dict:
         stale_steps(rec, ref, bound, [r["step"] for r in s.rows if not r["ok"]])
     scalars = [(k, c, r) for k, (c, r) in zip(s.fitted, s.fits)]
     per_step = not constant and not unit and C.per_step_scalar(scalars, bound, FACTOR_AWAY * bound)
-    lasts = [(k, *C.last_micro_fit(fleet_grad(rec, k), ref.tensors(k, "g/"), ref.tensors(k, "last/"),
-                                   sorted(set(ref.tensors(k, "g/")) & set(fleet_grad(rec, k)))))
+    lasts = [(k, *C.last_micro_fit(fleet_grad(rec, k), ref.tensors(k, A.GRAD), ref.tensors(k, A.LAST_MICRO),
+                                   sorted(set(ref.tensors(k, A.GRAD)) & set(fleet_grad(rec, k)))))
              for k in s.fitted] if not constant and not unit and not per_step and s.fitted and \
-        ref.tensors(s.fitted[0], "last/") else []
+        ref.tensors(s.fitted[0], A.LAST_MICRO) else []
     return dict(cs=cs, constant=constant, near_one=near_one, unit=unit, named=named, alt_hit=alt_hit, apart=apart,
                 stale=stale, scalars=scalars, per_step=per_step, lasts=lasts,
                 last_apart=C.last_micro_weighted(lasts, bound, FACTOR_AWAY * bound))
@@ -496,7 +496,7 @@ def check_grad_mask(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
         if extra:
             zero = ""
             if rec.step_meta(0, k).get("tensors", True) and not rec.sketch:
-                g = rec.tensors_at(k, "g/")
+                g = rec.tensors_at(k, A.GRAD)
                 if all(n in g and not g[n].any() for n in extra):
                     zero = " (all zeros)"
             return Check("grad_mask", False,

@@ -15,8 +15,7 @@ gradref    at every step, every window the fleet's forwards saw (each rank's
 
 from __future__ import annotations
 
-import hashlib
-
+from dormouse.digest import window_digest
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.bounds import LOSS_RTOL, arithmetic_rtol
 from dormouse.gate.judge.verdict import Check, TensorCheck
@@ -29,7 +28,7 @@ def recorded_windows(rec: A.RecordingSet, step: int) -> list[str]:
     out = []
     for _, _, b in rec.micro_batches(step):
         for x, y in zip(b["arg0"], b["arg1"]):
-            out.append(hashlib.sha256(bytes(x.tolist() + y[-1:].tolist())).hexdigest())
+            out.append(window_digest(x.tolist() + y[-1:].tolist()))
     return out
 
 

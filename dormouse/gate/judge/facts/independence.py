@@ -8,7 +8,7 @@ independence  fact 1: at every recorded step the per-example gradients of a
               ||ex - exb|| / ||exb|| <= INDEP_RTOL, and the gradient does not change
               with the RNG state (active dropout, per-rank RNG); BatchNorm and
               dropout modules are named. And the step's rows in one forward
-              ("gm/", as few merged forwards as memory allows) give the
+              (A.GRAD_MERGED, as few merged forwards as memory allows) give the
               micro-batches' gradient within the same bound: else "the rows of
               a forward interact". Declared objective_scope "forward" states
               that distance and passes; "step" has neither check.
@@ -18,7 +18,7 @@ independence  fact 1: at every recorded step the per-example gradients of a
               spread so far, the largest distance up to that step between the
               two one-process forms of the gradient (the loss sum differentiated
               then divided, and the loss divided before the backward: equal in
-              exact arithmetic, "g/" and "gn/"). A rows' interaction does not
+              exact arithmetic, A.GRAD and A.GRAD_NORMALISED). A rows' interaction does not
               move that spread (both forms hold it alike); at a high lr the
               rounding of a reshaped batch does (lr 1.0: spread up to 1.3e-5,
               the merged forward 1.5e-5 from the micro-batches' sum, clean).
@@ -41,7 +41,7 @@ def _spread_bounds(rec: A.RecordingSet, ref: ReferenceSet) -> dict[int, tuple[fl
     k between the one-process forms g and gn, where that exceeds the float32 (or reduced-precision) bound."""
     out, top = {}, 0.0
     for k in rec.tensor_steps():
-        g, gn = ref.tensors(k, "g/"), ref.tensors(k, "gn/")
+        g, gn = ref.tensors(k, A.GRAD), ref.tensors(k, A.GRAD_NORMALISED)
         names = sorted(set(g) & set(gn))
         if names:
             top = max(top, rel(gn, g, names))
@@ -62,14 +62,14 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     rng, sampled, total = False, 0, 0
     over = False
     scope = rec.meta.get("objective_scope") or "example"
-    # the step's rows in as few forwards as memory allows ("gm/") against the micro-batches' sum ("g/")
+    # the step's rows in as few forwards as memory allows (A.GRAD_MERGED) against the micro-batches' sum (A.GRAD)
     gm_worst, gm_k, gm_words, gm_err, gm_over = 0.0, None, None, None, False
     bounds = _spread_bounds(rec, ref)
     for k in rec.tensor_steps():
         info, _ = ref.step(k)
         rng = rng or bool(info.get("rng_sensitive"))
-        ex = ref.tensors(k, "ex/")
-        g = ref.tensors(k, "exb/") or ref.tensors(k, "g/")  # the sampled micro-batches' own gradient
+        ex = ref.tensors(k, A.SAMPLED)
+        g = ref.tensors(k, A.SAMPLED_GRAD) or ref.tensors(k, A.GRAD)  # the sampled micro-batches' own gradient
         x = rel(ex, g, sorted(set(g) & set(ex)))
         sampled += len(info.get("ex_micro") or [])
         total += sum(len(c) for c in info.get("counts", []))
@@ -79,7 +79,7 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
         if merged.get("error") and gm_err is None:
             gm_err = (k, merged["error"], merged.get("words"))
         elif merged:
-            gm, full = ref.tensors(k, "gm/"), ref.tensors(k, "g/")
+            gm, full = ref.tensors(k, A.GRAD_MERGED), ref.tensors(k, A.GRAD)
             y = rel(gm, full, sorted(set(gm) & set(full)))
             gm_words = merged.get("words")
             gm_over = gm_over or y > bounds[k][0]

@@ -17,10 +17,10 @@ from dormouse.gate.judge.verdict import Check
 def _state_at_step(t: dict) -> dict:
     """What the Recorder hashed at a step: the parameters by their names, the buffers as "b/<name>"
     (a sketched step: the parameter sketches by their names)."""
-    full = {k[2:]: v for k, v in t.items() if k.startswith("p/")}
+    full = A.prefixed(A.PARAM, t)
     if full:
-        return {**full, **{k: v for k, v in t.items() if k.startswith("b/")}}
-    return {k[3:]: v for k, v in t.items() if k.startswith("ps/")}
+        return {**full, **{k: v for k, v in t.items() if k.startswith(A.BUFFER)}}
+    return A.prefixed(A.SKETCHED_PARAM, t)
 
 
 def first_mismatch(rec: A.RecordingSet) -> str | None:

@@ -63,8 +63,8 @@ def _peer_inputs(rec: A.RecordingSet, groups: list[list[int]]) -> str | None:
                     return (f"{where} ran {pn} micro-batches where rank {lead} ran {n}: the ranks of a TP group "
                             "compute one forward together and must run the same micro-batches")
                 for m in range(n):
-                    a = {key[len(f"in/{m}/"):]: v for key, v in lt.items() if key.startswith(f"in/{m}/")}
-                    b = {key[len(f"tp/{m}/"):]: v for key, v in pt.items() if key.startswith(f"tp/{m}/")}
+                    a = A.prefixed(A.micro_input(m), lt)
+                    b = A.prefixed(A.micro_input(m, A.TP_INPUT), pt)
                     bad = next((key for key in sorted(set(a) | set(b))
                                 if key not in a or key not in b or a[key].shape != b[key].shape
                                 or not torch.equal(a[key], b[key])), None)
@@ -81,9 +81,9 @@ def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], 
     does."""
     for k in rec.tensor_steps():
         bound = arithmetic_bound(rec, ref, GRAD_RTOL, k)
-        g_ref = ref.tensors(k, "g/")
+        g_ref = ref.tensors(k, A.GRAD)
         for group in groups:
-            grads = [{n[2:]: v for n, v in rec.step_tensors(r, k).items() if n.startswith("g/")} for r in group]
+            grads = [A.prefixed(A.GRAD, rec.step_tensors(r, k)) for r in group]
             for n in sorted(grads[0]):
                 others = [(r, g[n]) for r, g in zip(group[1:], grads[1:]) if n in g and not torch.equal(g[n], grads[0][n])]
                 if not others:
@@ -129,7 +129,7 @@ def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int,
     for k in rec.tensor_steps():
         bound = arithmetic_bound(rec, ref, GRAD_RTOL, k)
         bounds.append(bound)
-        g, g_ref = fleet_grad(rec, k), ref.tensors(k, "g/")
+        g, g_ref = fleet_grad(rec, k), ref.tensors(k, A.GRAD)
         names = sorted(set(g) & set(g_ref))
         for cls, ns in (("split", [n for n in names if n in split]), ("replicated", [n for n in names if n not in split])):
             if not ns:
@@ -144,7 +144,7 @@ def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int,
         cands += [(f"the world size {tp * dp}", tp * dp), (f"1 / the world size {tp * dp}", 1 / (tp * dp))]
     if ep:  # a declared expert-parallel sharding: the split parameters are experts, their factor the EP size's
         cands = [(f"the expert-parallel size {ep}", ep), (f"1 / the expert-parallel size {ep}", 1 / ep)] + cands
-    whole = [fit(fleet_grad(rec, k), ref.tensors(k, "g/"), sorted(set(fleet_grad(rec, k)) & set(ref.tensors(k, "g/"))))
+    whole = [fit(fleet_grad(rec, k), ref.tensors(k, A.GRAD), sorted(set(fleet_grad(rec, k)) & set(ref.tensors(k, A.GRAD))))
              for k in rec.tensor_steps()]
     cs = [c for c, _ in whole]
     if whole and all(res <= bound for _, res in whole) and max(cs) - min(cs) <= tol * abs(cs[0]) \
@@ -201,7 +201,7 @@ def _check_pipeline(rec: A.RecordingSet, ref: ReferenceSet, lay: dict) -> Check:
                                               "a pipeline's stages must each hold their own parameters")
             seen[n] = r
     k = rec.tensor_steps()[0]
-    missing = sorted(set(ref.tensors(k, "g/")) - set(seen))
+    missing = sorted(set(ref.tensors(k, A.GRAD)) - set(seen))
     if missing:
         return Check("layout", False, f"no stage records {', '.join(missing[:3])}, which the whole model has: "
                                       "pass each stage's module to its rank's Recorder")
@@ -271,8 +271,8 @@ def _cp_inputs(rec: A.RecordingSet, groups: list[list[int]], cp: dict) -> str | 
                     return (f"{where} ran {pn} micro-batches where its leader rank {lead} ran {n}: the ranks of a CP "
                             "group compute one forward together and must run the same micro-batches")
                 for m in range(n):
-                    a = {key[len(f"in/{m}/"):]: v for key, v in lt.items() if key.startswith(f"in/{m}/")}
-                    b = {key[len(f"tp/{m}/"):]: v for key, v in pt.items() if key.startswith(f"tp/{m}/")}
+                    a = A.prefixed(A.micro_input(m), lt)
+                    b = A.prefixed(A.micro_input(m, A.TP_INPUT), pt)
                     for key in sorted(set(a) | set(b)):
                         if key not in a or key not in b:
                             return (f"{where} fed {key!r} where rank {lead} did not (micro-batch {m}), or the other "
@@ -298,10 +298,10 @@ def _cp_positions(rec: A.RecordingSet, groups: list[list[int]], cp: dict) -> str
         for lead in (g[0] for g in groups):
             t = rec.step_tensors(lead, k)
             for m in range(rec.step_meta(lead, k).get("micro_batches", 0)):
-                key = next((key for key in POSITION_KEYS if f"in/{m}/{key}" in t), None)
+                key = next((key for key in POSITION_KEYS if A.micro_input(m) + key in t), None)
                 if key is None:
                     continue
-                pos = t[f"in/{m}/{key}"]
+                pos = t[A.micro_input(m) + key]
                 if pos.dim() <= dim or pos.is_floating_point():
                     continue
                 pos = pos.movedim(dim, -1).reshape(-1, pos.shape[dim]).long()

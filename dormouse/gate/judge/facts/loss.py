@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from dormouse.numerics import scalar_relative
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import (
@@ -60,7 +61,7 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
     for k in rec.steps:
         info, _ = ref.step(k)
         if info.get("nudged_loss") is not None:  # run mode: the one-process run's own one-ulp floor
-            floor = max(floor, abs(info["nudged_loss"] - info["loss"]) / max(abs(info["loss"]), 1e-30))
+            floor = max(floor, scalar_relative(info["nudged_loss"], info["loss"]))
         # a step in reduced precision: the largest loss floor of such steps (one scalar a step is a noisy
         # measure of a rounding); a float32 step keeps its own bound
         tol = floor_bound(max(floor, lowp if info.get("loss_floor") is not None else 0.0), LOSS_RTOL)
@@ -69,7 +70,7 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
             continue
         reported_any = True
         pairs.append((losses[0], info["loss"], tol))
-        x = abs(losses[0] - info["loss"]) / max(abs(info["loss"]), 1e-30)
+        x = scalar_relative(losses[0], info["loss"])
         x = x if math.isfinite(x) else math.inf  # a NaN logged (or a NaN reference): above every bound
         if x > worst:
             worst, at = x, k

@@ -87,8 +87,8 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
     cp = (rec.meta.get("layout") or {}).get("context_parallel") or {}
     order = cp.get("order", "contiguous")
     meta = rec.step_meta(r, k)
-    ro, rn = ref.tensors(k, f"probe/{r}/ro/"), ref.tensors(k, f"probe/{r}/ron/")
-    rg, rgn = ref.tensors(k, f"probe/{r}/rg/"), ref.tensors(k, f"probe/{r}/rgn/")
+    ro, rn = ref.tensors(k, A.probe_prefix(r) + A.PROBE_REF_OUTPUT), ref.tensors(k, A.probe_prefix(r) + A.PROBE_NUDGED_OUTPUT)
+    rg, rgn = ref.tensors(k, A.probe_prefix(r) + A.PROBE_REF_GRAD), ref.tensors(k, A.probe_prefix(r) + A.PROBE_NUDGED_GRAD)
     figures = {"forward": 0.0, "backward": 0.0, "skipped": [], "scale": None}
     whose = f"rank {r}'s first micro-batch" if len(group) == 1 else \
         f"the first micro-batch of the replica led by rank {r} ({'CP' if cp else 'TP'} group {group}, pieces assembled)"
@@ -96,7 +96,7 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
     for name in meta.get("probe_order", []):
         if name not in ro:
             continue
-        compared = _against(name, pieces, "po/", ro, rn, order=order)
+        compared = _against(name, pieces, A.PROBE_OUTPUT, ro, rn, order=order)
         if compared is None:
             figures["skipped"].append(name)
             continue
@@ -108,9 +108,9 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
         figures["forward"] = max(figures["forward"], x)
         agree += 1
     root = "(model)"
-    if f"pg/{root}" not in pieces[0] or root not in rg:
+    if A.PROBE_GRAD + root not in pieces[0] or root not in rg:
         return None, figures
-    g_root = _assemble([p[f"pg/{root}"] for p in pieces if f"pg/{root}" in p], rg[root].shape, order)
+    g_root = _assemble([p[A.PROBE_GRAD + root] for p in pieces if A.PROBE_GRAD + root in p], rg[root].shape, order)
     if g_root is None:
         return None, figures
     c = _scale(g_root, rg[root])
@@ -123,7 +123,7 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
     for name in meta.get("probe_grad_order", []):
         if name not in rg:
             continue
-        compared = _against(name, pieces, "pg/", rg, rgn, scale=c, order=order)
+        compared = _against(name, pieces, A.PROBE_GRAD, rg, rgn, scale=c, order=order)
         if compared is None:
             figures["skipped"].append(name)
             continue
@@ -146,7 +146,7 @@ def _cp_scales(rec: A.RecordingSet, k: int, r: int, group: list[int], pieces: li
     the output gradient against one process's shard), as a sentence where they differ; said to be each
     shard's own token count when scale x count is one constant (a loss normalised per shard, then averaged
     over the ranks); None when they agree or the pieces do not cut."""
-    got = [p.get("pg/(model)") for p in pieces]
+    got = [p.get(A.PROBE_GRAD + "(model)") for p in pieces]
     if any(g is None for g in got) or got[0].dim() != ref_root.dim():
         return None
     dims = [d for d in range(ref_root.dim()) if got[0].shape[d] != ref_root.shape[d]]
@@ -159,8 +159,8 @@ def _cp_scales(rec: A.RecordingSet, k: int, r: int, group: list[int], pieces: li
     if scales[0] == 0 or all(abs(x / scales[0] - 1) <= PROBE_RTOL for x in scales[1:]):
         return None
     said = ", ".join(f"rank {q}: {x:.6g}" for q, x in zip(group, scales))
-    labels = pieces[0].get(f"in/0/{A.LOSS_LABELS}")
-    labels = pieces[0].get("in/0/labels") if labels is None else labels
+    labels = pieces[0].get(A.micro_input(0) + A.LOSS_LABELS)
+    labels = pieces[0].get(A.micro_input(0) + "labels") if labels is None else labels
     why = "the ranks of a CP group normalise their shards' losses differently"
     if labels is not None and labels.dim() > cp["seq_dim"]:
         counts = [int((x != -100).sum()) for x in cp_split(labels, cp["seq_dim"], len(group), cp["order"])]
@@ -178,10 +178,10 @@ def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     steps = [k for k in rec.steps if rec.step_meta(0, k).get("probe_order") is not None]
     if not steps:
         return None
-    if not any(ref.tensors(k, "probe/") for k in steps) and rec.meta.get("objective_scope") == "step":
+    if not any(ref.tensors(k, A.PROBE) for k in steps) and rec.meta.get("objective_scope") == "step":
         return Check("probe", True, "not probed: the objective is declared over the whole step "
                                     "(objective_scope='step'), so no one micro-batch's gradient is the fleet's alone")
-    if not any(ref.tensors(k, "probe/") for k in steps):
+    if not any(ref.tensors(k, A.PROBE) for k in steps):
         return Check("probe", True, "not probed: the probed micro-batches ran in reduced precision (autocast, cast or "
                                     "bfloat16/float16 parameters), or the reference ran past the recorded "
                                     "parameters; the probe's floors are float32's")
@@ -196,7 +196,7 @@ def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     for k in steps:
         scales = {}
         for r in range(rec.world_at(k)):
-            if rec.step_meta(r, k).get("micro_batches", 0) == 0 or not ref.tensors(k, f"probe/{r}/ro/"):
+            if rec.step_meta(r, k).get("micro_batches", 0) == 0 or not ref.tensors(k, A.probe_prefix(r) + A.PROBE_REF_OUTPUT):
                 continue
             finding, fig = _one(rec, ref, k, r)
             if finding:

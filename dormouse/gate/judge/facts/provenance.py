@@ -139,7 +139,7 @@ def provenance(rec: A.RecordingSet) -> dict:
         for r in range(rec.world_at(k)):
             tensors = rec.step_tensors(r, k)  # read one at a time: the inputs only
             for key in sorted(tensors):
-                if key.startswith("in/") or key == "ids":
+                if key.startswith(A.INPUT) or key == "ids":
                     t = tensors[key]
                     h.update(f"{k}:{r}:{key}:{tuple(t.shape)}".encode())
                     h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())

@@ -100,20 +100,20 @@ def _which(rec: A.RecordingSet, k: int, r: int) -> str:
     if rec.sketch:
         return ""
     mine, theirs = rec.step_tensors(0, k), rec.step_tensors(r, k)
-    keys = [n for n in mine if n.startswith(("p/", "b/")) and (n not in theirs or not torch.equal(mine[n], theirs[n]))]
+    keys = [n for n in mine if n.startswith((A.PARAM, A.BUFFER)) and (n not in theirs or not torch.equal(mine[n], theirs[n]))]
     keys.sort(key=lambda n: -relative(theirs[n], mine[n]) if n in theirs else -math.inf)
-    return f": {', '.join(n[2:] for n in keys[:3])}" + (", ..." if len(keys) > 3 else "") if keys else ""
+    return f": {', '.join(n.split('/', 1)[1] for n in keys[:3])}" + (", ..." if len(keys) > 3 else "") if keys else ""
 
 
 def _which_final(rec: A.RecordingSet, r: int) -> str:
     """_which for the state after the last step (final.safetensors): "" under sketches."""
     if rec.sketch:
         return ""
-    mine = _read(A.final_tensors_path(rec.out, 0), ("p/", "b/"))
-    theirs = _read(A.final_tensors_path(rec.out, r), ("p/", "b/"))
+    mine = _read(A.final_tensors_path(rec.out, 0), (A.PARAM, A.BUFFER))
+    theirs = _read(A.final_tensors_path(rec.out, r), (A.PARAM, A.BUFFER))
     keys = [n for n in mine if n not in theirs or not torch.equal(mine[n], theirs[n])]
     keys.sort(key=lambda n: -relative(theirs[n], mine[n]) if n in theirs else -math.inf)
-    return f": {', '.join(n[2:] for n in keys[:3])}" + (", ..." if len(keys) > 3 else "") if keys else ""
+    return f": {', '.join(n.split('/', 1)[1] for n in keys[:3])}" + (", ..." if len(keys) > 3 else "") if keys else ""
 
 
 # what every replica of a data-parallel step holds alike, compared rank by rank (never read from rank 0 alone)
@@ -129,16 +129,16 @@ def _read(path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
 
 def replica_apart(out, step: int, metas: list[dict]) -> str | None:
     """Where a rank's copy of what every replica must hold alike at `step` (the
-    synchronised gradient, full "g/" or sketched "gs/", the clip coefficient and
+    synchronised gradient, full A.GRAD or sketched A.SKETCHED_GRAD, the clip coefficient and
     norm, the lr, the parameters without a gradient) differs from rank 0's: the
     sentence naming the rank, the step and the tensor, else None. The tensors
     themselves are compared, whatever the hashes beside them say."""
     hashes = [m.get("grad_hash") for m in metas]
     if not metas[0].get("tensors", True) and all(h is None for h in hashes):
         return _scalars_apart(step, metas)
-    base = _read(A.step_tensors_path(out, 0, step), ("g/", "gs/"))
+    base = _read(A.step_tensors_path(out, 0, step), (A.GRAD, A.SKETCHED_GRAD))
     for r in range(1, len(metas)):
-        mine = _read(A.step_tensors_path(out, r, step), ("g/", "gs/"))
+        mine = _read(A.step_tensors_path(out, r, step), (A.GRAD, A.SKETCHED_GRAD))
         apart = [n for n in sorted(set(base) | set(mine))
                  if n not in base or n not in mine or not torch.equal(base[n], mine[n])]
         if apart or hashes[r] != hashes[0]:

@@ -79,15 +79,15 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
             return Check("replay", False, f"the loop's lr at step {k} is {lr:.6g} where its scheduler, replayed, "
                                           f"gives {want:.6g}")
     if ref.meta.get("mode") == "run":
-        tol = run_tolerance(rec, ref, "rp/", "np/")
+        tol = run_tolerance(rec, ref, A.REPLAY_PARAM, A.NUDGED_PARAM)
         # reduced precision: a one-ulp nudge mostly vanishes in the cast, so the run's own drift
         # under-measures; each step's precision bound (a gradient's, so loose for parameters) instead
         tol = {k: {n: max(b, arithmetic_bound(rec, ref, RUN_MIN_RTOL, k)) for n, b in t.items()}
                for k, t in tol.items()}
         worst, at, name, ok = (0.0, 0.0), None, None, True
-        pre = "ps/" if rec.sketch else "p/"
+        pre = A.SKETCHED_PARAM if rec.sketch else A.PARAM
         for k in rec.tensor_steps():
-            a, b = rec.tensors_at(k, pre), ref.tensors(k, "rp/")
+            a, b = rec.tensors_at(k, pre), ref.tensors(k, A.REPLAY_PARAM)
             x, n, t, ratio = per_tensor(a, b, sorted(set(a) & set(b)), tol[k])
             ok = ok and ratio <= 1.0
             if ratio > worst[1]:
@@ -108,7 +108,7 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
             why += "; " + sketch_detection(rec.sketch, max(bounds))[1]
         return Check("replay", ok, why)
     for k in steps:
-        diff = first_unequal(rec.tensors_at(k, "p/"), ref.tensors(k, "rp/"))
+        diff = first_unequal(rec.tensors_at(k, A.PARAM), ref.tensors(k, A.REPLAY_PARAM))
         if diff:
             where = ("the parameters the resume loaded" if k in resumed else
                      f"the fleet's update at step {k - 1}" if k > steps[0] else "the recorded initial state")
@@ -123,7 +123,7 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
             return Check("replay", False,
                          f"{where} differs from the replay of the user's optimizer on the recorded gradients: "
                          f"parameters before step {k} differ (first: {diff[0]}, relative {diff[1]:.2g})" + cause)
-    diff = first_unequal(rec.final("p/"), ref.final())
+    diff = first_unequal(rec.final(A.PARAM), ref.final())
     if diff:
         return Check("replay", False, f"the fleet's update at step {steps[-1]} differs from the replay: final "
                                       f"parameters differ (first: {diff[0]}, relative {diff[1]:.2g})")
@@ -137,7 +137,7 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
 def moved_buffers(rec: A.RecordingSet) -> list[str]:
     """The persistent buffers whose recorded values before the first step and after the last differ
     (a BatchNorm's running statistics, a counter): state the run moved outside the optimizer."""
-    for prefix in ("b/", "bs/"):
+    for prefix in (A.BUFFER, A.SKETCHED_BUFFER):
         try:
             first, last = rec.tensors_at(rec.steps[0], prefix), rec.final(prefix)
         except (DormouseError, KeyError, FileNotFoundError):
@@ -171,9 +171,9 @@ def check_buffers(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
                                       "no full tensors at every step (sketch or every > 1)")
     steps, names = rec.steps, set()
     for i, k in enumerate(steps):
-        want = ref.tensors(k, "bu/")
+        want = ref.tensors(k, A.BUFFER_AFTER)
         after = f"before step {steps[i + 1]}" if i + 1 < len(steps) else "after the last step"
-        got = rec.tensors_at(steps[i + 1], "b/") if i + 1 < len(steps) else rec.final("b/")
+        got = rec.tensors_at(steps[i + 1], A.BUFFER) if i + 1 < len(steps) else rec.final(A.BUFFER)
         for n in sorted(want):
             names.add(n)
             if n not in got:

@@ -36,7 +36,7 @@ def check_tied(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     if not groups:
         return None
     for k in rec.steps:
-        for prefix, what in (("p/", "parameters before"), ("g/", "gradients at")):
+        for prefix, what in ((A.PARAM, "parameters before"), (A.GRAD, "gradients at")):
             t = rec.tensors_at(k, prefix)
             for g in groups:
                 first = g[0]
@@ -47,7 +47,7 @@ def check_tied(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
                                                      f"by {d:.3g}: every copy must receive the sum of every stage's "
                                                      "gradient part (an all-reduce over the stages that hold it), "
                                                      "and take the same step")
-    final = rec.final("p/")
+    final = rec.final(A.PARAM)
     for g in groups:
         for n in g[1:]:
             if g[0] in final and n in final and (d := _apart(final[n], final[g[0]])) is not None:

@@ -15,7 +15,7 @@ from dormouse.config import RunConfig
 from dormouse.digest import fingerprint
 from dormouse.errors import DormouseError
 from dormouse.gate.record.dormouse_loop import LoopRecorder
-from dormouse.gate.record.fixtures import build, make_run
+from dormouse.gate.fixtures import build, make_run
 from dormouse.gate.record.provenance import gate_provenance
 from dormouse.gate.settings import GateSettings
 from dormouse.train.tensors import named_state

@@ -6,14 +6,14 @@ rule), written into the recording's reference folder (gradref.json)."""
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from dormouse.digest import fingerprint
+from dormouse.digest import fingerprint, window_digest
+from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import GRADREF, RecordingSet, gate_reference_path, write_gate_json
 from dormouse.gate.record.modes.base import mode
 from dormouse.gate.settings import GateSettings
@@ -59,11 +59,6 @@ def step_windows(corpus: bytes, train_bytes: int, prof: list[tuple[int, int]], s
     return ranks
 
 
-def window_digest(values: list[int]) -> str:
-    """A window's identity in gradref.json: the sha256 of its T + 1 bytes."""
-    return hashlib.sha256(bytes(values)).hexdigest()
-
-
 def run_gradref(s: GateSettings, log=print) -> dict:
     """The data rule by gradref's own arithmetic, at every step of the fleet's
     recording (reference/gradref.json): the windows each step must hold
@@ -91,7 +86,7 @@ def run_gradref(s: GateSettings, log=print) -> dict:
     if t.eval_every:  # at the fleet's steps the recipe evaluates, from its recorded state after them
         for k in fleet.steps:
             if k % t.eval_every == 0:
-                model.load_state_dict({**fleet.state_after(k, "p/"), **fleet.state_after(k, "b/")})
+                model.load_state_dict({**fleet.state_after(k, A.PARAM), **fleet.state_after(k, A.BUFFER)})
                 evals.append([k, eval_loss(model, corpus, train_bytes, t.seq_len, m.device)])
     log(f"gradref: {len(rows)} steps, {len(prof)} ranks, {rows[0]['tokens'] if rows else 0} tokens per step")
     meta = m.gate_extra(init, run=fleet.run, steps=rows, evals=evals,

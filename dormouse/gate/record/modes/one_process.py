@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from dormouse.errors import DormouseError
+from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import (
     EXACT,
     FLOOR,
@@ -146,8 +147,8 @@ def measure_floor(m: Mode, single: RecordingSet, start: int = 0) -> dict:
     than that rounding)."""
     s, run = m.s, m.run
     quiet = dataclasses.replace(run.train, ckpt_every=0, eval_every=0, log_every=max(1, run.train.steps))
-    ref_p = {n: torch.stack([single.state_after(k)[n] for k in single.steps]) for n in single.final("p/")}
-    ref_g = [single.tensors_at(k, "g/") for k in single.steps]
+    ref_p = {n: torch.stack([single.state_after(k)[n] for k in single.steps]) for n in single.final(A.PARAM)}
+    ref_g = [single.tensors_at(k, A.GRAD) for k in single.steps]
     out = {}
     kinds = ["ulp0"] + ([f"wire{j}" for j in range(WIRE_RUNS)] if s.reduce == "bf16"
                         else [f"ulp{j}" for j in range(1, ULP_RUNS)])
