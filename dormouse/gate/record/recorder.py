@@ -91,43 +91,12 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts.spec import RecordedRun, RecordingSpec, read_recording, to_json
 from dormouse.gate.record import declared, layouts, probe
 from dormouse.gate.record.capture import Capture, attr_changes, core_module, plain_attrs  # noqa: F401 (public)
-from dormouse.gate.record.options import EXAMPLE_ID_KEYS, RecorderError
+from dormouse.gate.record.options import RecorderError, check_runtime, effective_spec
+from dormouse.gate.record.pieces import local, placement, shard
 from dormouse.gate.record.provenance import provenance
 from dormouse.gate.record.sketch import Sketcher, sketch_buckets
 from dormouse.gate.record.userfns import code_hashes
 from dormouse.gate.record.writer import Writer
-
-
-def _local(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """This rank's part of t on the CPU, always a copy: the digest's .numpy()
-    marks a storage non-resizable, and FSDP2 resizes the storage of its
-    unsharded parameters (a live one, after a no-grad forward at world 1)."""
-    t = t.detach()
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    out = t.cpu().contiguous()
-    return out.clone() if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else out
-
-
-def _shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of t as it is (a view: a DTensor's local shard), for
-    sketching, which reads it once into a copy of its own."""
-    t = t.detach()
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _placement(t) -> dict | None:
-    """Shard(dim) and the global shape of a DTensor (None for a plain tensor)."""
-    if not hasattr(t, "placements"):
-        return None
-    from torch.distributed.tensor import Replicate, Shard
-
-    shards = [p for p in t.placements if isinstance(p, Shard)]
-    if any(not isinstance(p, (Shard, Replicate)) for p in t.placements) or len(shards) > 1:
-        raise RecorderError(f"placements {t.placements} are not supported: the Recorder records FSDP2's Shard(0)")
-    if not shards:
-        return None
-    return {"dim": shards[0].dim, "shape": list(t.shape)}
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -157,35 +126,6 @@ def _number(x):
     return float(x)
 
 
-def _check_runtime(spec, pipeline_stage, sharding, context_parallel) -> None:
-    """The spec against the run's layout (what only the Recorder knows): one line on the first that cannot be."""
-    if not isinstance(spec, RecordingSpec):
-        raise RecorderError(f"Recorder(out_dir, model, spec): spec is a {type(spec).__name__}, not a RecordingSpec: "
-                            "pass RecordingSpec(build_model=..., build_optimizer=..., ...) "
-                            "(from dormouse.gate import RecordingSpec)")
-    if pipeline_stage is not None and spec.sketch:  # each stage's sketches would need summing by name
-        raise RecorderError(f"sketch={spec.sketch} with pipeline_stage: a pipeline is recorded in full tensors "
-                            "(sketch=0)")
-    if sharding is not None and (spec.sketch or pipeline_stage is not None or spec.probe_steps):
-        raise RecorderError(f"sharding with sketch={spec.sketch}, pipeline_stage or probe_steps: a declared sharding "
-                            "is recorded in full tensors (sketch=0), without a pipeline, and not probed")
-    if context_parallel is not None and (pipeline_stage is not None or sharding is not None):
-        raise RecorderError("context_parallel with pipeline_stage or sharding: a context-parallel run is "
-                            "recorded with its parameters replicated (no pipeline, no declared sharding)")
-
-
-def _effective(spec: RecordingSpec, prior: tuple | None, segments: list[dict]) -> RecordingSpec:
-    """The spec as recording.json keeps it: the numbers a framework would infer (None) at the Recorder's own
-    defaults, the example-id keys among the inputs, the corpus's absolute path, the extra merged over a
-    resumed recording's, the recording's own start (its first segment's)."""
-    return spec.replace(
-        max_grad_norm=float(spec.max_grad_norm or 0.0), dataset_len=int(spec.dataset_len or 0),
-        inputs=tuple(spec.inputs) + tuple(k for k in EXAMPLE_ID_KEYS if k not in spec.inputs),
-        example_corpus=str(Path(spec.example_corpus).resolve()) if spec.example_corpus else None,
-        extra={**(prior[0].extra if prior else {}), **spec.extra},
-        start=segments[0]["start"] - 1 if segments else spec.start)
-
-
 class Recorder:
     """Records a training loop's steps for the gate (see the module docstring).
 
@@ -203,7 +143,7 @@ class Recorder:
 
     def __init__(self, out_dir, model, spec: RecordingSpec, *, pipeline_stage=None, sharding=None,
                  context_parallel=None):
-        _check_runtime(spec, pipeline_stage, sharding, context_parallel)
+        check_runtime(spec, pipeline_stage, sharding, context_parallel)
         self.out = Path(out_dir)
         self.module = core_module(model)  # under DDP and torch.compile wrappers, in any order
         import torch.distributed as dist
@@ -213,7 +153,7 @@ class Recorder:
         self.closed = False
         prior = self._prior(spec.start)
         segments = self._open(spec.start, prior)  # self.k, self.run
-        self.spec = _effective(spec, prior, segments)
+        self.spec = effective_spec(spec, prior[0] if prior else None, segments)
         self.sketch_k, self.every, self.seed = self.spec.sketch, self.spec.every, self.spec.seed
         self.max_grad_norm, self.inputs = self.spec.max_grad_norm, self.spec.inputs
         self.extra = self.spec.extra  # recording.json's "extra": a client may add to it until close
@@ -272,8 +212,8 @@ class Recorder:
                                                 spec.build_model, spec.build_kwargs) if sharding is not None else
                                     layouts.of(self.module, self.rank, self.world, self._gather))
         self._full = (self.layout.full if sharding is not None else layouts.full if self.layout is not None
-                      else _local)  # _full(tensor, name): a declared sharding assembles by parameter name
-        placements = {} if self.layout is not None else {n: _placement(t) for n, t in self.module.state_dict().items()}
+                      else local)  # _full(tensor, name): a declared sharding assembles by parameter name
+        placements = {} if self.layout is not None else {n: placement(t) for n, t in self.module.state_dict().items()}
         self.placements = {n: p for n, p in placements.items() if p}
         return layout_meta
 
@@ -345,7 +285,7 @@ class Recorder:
 
     def _piece(self, t):
         """What a sketch reads of t: this rank's shard, or (a layout) the full tensor."""
-        return self._full(t) if self.layout is not None else _shard(t)
+        return self._full(t) if self.layout is not None else shard(t)
 
     def _barrier(self):
         if self._dist:
@@ -383,7 +323,7 @@ class Recorder:
             atomic.write_text(A.recording_path(self.out), json.dumps(to_json(self.spec, self.recorded), indent=1))
 
     def _buffered(self):
-        """copy(key, t): this rank's t (as _local gives it) copied into a CPU buffer of the Recorder's own,
+        """copy(key, t): this rank's t (as local gives it) copied into a CPU buffer of the Recorder's own,
         the same one each step (a copy into memory already touched costs a tenth of a fresh one's: at 124M
         parameters 0.3 s against 3 s a step), once the writer has written the step before from it."""
         import threading
@@ -502,7 +442,7 @@ class Recorder:
             param_hash = _digest(ps)
             grad_hash = _digest(gs)  # each rank's copy of the synchronised gradient (the ranks fact compares them)
         elif self._tensor_step(k):
-            if self._full is _local:  # into the step buffers the writer has finished with (no fresh memory)
+            if self._full is local:  # into the step buffers the writer has finished with (no fresh memory)
                 copy = self._buffered()
                 params = {n: copy("p/" + n, p) for n, p in named}
                 grads = {n: copy("g/" + n, p.grad) for n, p in named if p.grad is not None}
@@ -529,11 +469,11 @@ class Recorder:
                 "epoch": None if epoch is None else int(epoch), **probed}
         found = self._selfcheck(named, len(batches), clip_coef, loss, loss_sum, tokens, tensors, meta)
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
-        # by the pre-hook, parameters and gradients by _local or the sketches, ids below)
+        # by the pre-hook, parameters and gradients by local or the sketches, ids below)
         if hashed is not None:
             self._writer.call(lambda: meta.update(param_hash=_digest(hashed[0]), grad_hash=_digest(hashed[1])))
         self._writer.write(A.step_tensors_path(self.out, self.rank, k), tensors)
-        if hashed is not None and self._full is _local:  # the step buffers are free again once written
+        if hashed is not None and self._full is local:  # the step buffers are free again once written
             self._writer.call(self._buffers_free.set)
         self._writer.write(A.step_meta_path(self.out, self.rank, k), lambda: json.dumps(meta, indent=1).encode())
         self._last_meta = meta
