@@ -145,7 +145,7 @@ class RecordingSet:
         if not self.steps:
             raise DormouseError(f"the recording in {self.out} has no finished segment: the loop must call "
                                 "rec.close() (every rank)")
-        self.run = self.meta["run"]
+        self.run = self.recorded.run
         self.sketch, self.every, self.seed = self.spec.sketch, self.spec.every, self.spec.seed
         self._metas: dict = {}
         self._init_meta: dict | None = None
@@ -159,7 +159,7 @@ class RecordingSet:
 
     def resumed_at(self) -> list[int]:
         """The first step of each resumed segment."""
-        return [s["start"] for s in self.meta["segments"] if s.get("resumed") and s["start"] in self.steps]
+        return [s["start"] for s in self.recorded.segments if s.get("resumed") and s["start"] in self.steps]
 
     # files
     def step_meta(self, rank: int, step: int) -> dict:
@@ -191,7 +191,7 @@ class RecordingSet:
 
     def validate(self) -> None:
         """Every rank of every step present, from this run (one line on the first problem)."""
-        worlds = {s["world"] for s in self.meta["segments"]}
+        worlds = {s["world"] for s in self.recorded.segments}
         for r in range(max(worlds)):
             if not rank_dir(self.out, r).is_dir():
                 raise DormouseError(f"the recording in {self.out} has no {rank_name(r)}/ (world {max(worlds)}): "
@@ -212,8 +212,8 @@ class RecordingSet:
             m = read_json(final_meta_path(self.out, r), "final")
             if m.get("run") != self.run:
                 raise DormouseError(f"{final_meta_path(self.out, r)} belongs to another run: re-record")
-        if bool(self.placements()) != self.meta.get("fsdp", False):
-            raise DormouseError(f"{recording_path(self.out)}: field 'fsdp' is {self.meta.get('fsdp')} but the "
+        if bool(self.placements()) != self.recorded.fsdp:
+            raise DormouseError(f"{recording_path(self.out)}: field 'fsdp' is {self.recorded.fsdp} but the "
                                 f"initial state holds {'sharded' if self.placements() else 'no sharded'} tensors: the "
                                 "recording was edited: re-record")
 
@@ -242,7 +242,7 @@ class RecordingSet:
 
     def init(self) -> dict[str, torch.Tensor]:
         pieces = [read_tensors(init_path(self.out, r), "initial state")[0]
-                  for r in range(self.meta["segments"][0]["world"])]
+                  for r in range(self.recorded.segments[0]["world"])]
         return self._assembled([{EXTRA + k: v for k, v in p.items()} for p in pieces], EXTRA)
 
     def tensors_at(self, step: int, prefix: str) -> dict[str, torch.Tensor]:
@@ -258,7 +258,7 @@ class RecordingSet:
 
     def _combine(self, pieces, prefix):
         if prefix.endswith("s/"):
-            if not self.meta.get("fsdp"):
+            if not self.recorded.fsdp:
                 return {k[len(prefix):]: v for k, v in pieces[0].items() if k.startswith(prefix)}
             names = sorted({k[len(prefix):] for p in pieces for k in p if k.startswith(prefix)})
             return {n: sum(p[prefix + n] for p in pieces if prefix + n in p) for n in names}
@@ -311,7 +311,7 @@ class RecordingSet:
     # what a client keeps beside the run (Recorder(extra=...), Recorder.step(extra=...))
     @property
     def extra(self) -> dict:
-        return self.meta.get("extra") or {}
+        return self.spec.extra
 
     def step_extra(self, rank: int, step: int, name: str) -> torch.Tensor | None:
         return self.step_tensors(rank, step).get(EXTRA + name)
@@ -352,7 +352,7 @@ def ranks_apart_from(rec: "RecordingSet", built: dict[str, torch.Tensor]) -> str
     at its offset) equal build_model's and another's do not -- each rank built
     its own model from other parameters (FSDP2 does not broadcast) -- else None
     (no rank's equal: build_model's fault, said by the caller)."""
-    world = int(rec.meta["segments"][0]["world"])
+    world = int(rec.recorded.segments[0]["world"])
     if world < 2:
         return None
     pl = rec.placements()

@@ -123,7 +123,7 @@ def judge_recording(out) -> Verdict:
                                                                   " re-run `dormouse gate check`")],
                        [], provenance(rec))
     checks = [Check("complete", True, f"recording of {len(rec.steps)} steps, {rec.world_at(rec.steps[-1])} ranks, "
-                                      f"{len(rec.meta['segments'])} segment(s); the one-process reference made "
+                                      f"{len(rec.recorded.segments)} segment(s); the one-process reference made "
                                       f"from it ({ref.meta.get('mode')})")]
     checks.append(check_intact(rec))
     found = first_nonfinite(rec) or ()
@@ -136,7 +136,7 @@ def judge_recording(out) -> Verdict:
         grad.reason = (f"rank {found[1]}'s gradient at step {found[0]} holds NaN or inf (see finite), which no bound "
                        f"allows; the copy compared: {grad.reason}")
     checks.append(grad)
-    if rec.meta.get("wire") == "bf16":  # the declared bf16 wire's rounding, unbiased (facts/bias.py)
+    if rec.spec.wire == "bf16":  # the declared bf16 wire's rounding, unbiased (facts/bias.py)
         checks.append(check_bias_recorded(rec, ref))
     checks.append(check_grad_mask(rec, ref))
     replay = check_replay(rec, ref)
@@ -146,7 +146,7 @@ def judge_recording(out) -> Verdict:
     checks.append(check_data(rec))
     checks.append(check_loss(rec, ref, grad.passed and replay.passed))
     ranks = check_ranks(rec)
-    if ranks.passed and (rec.meta.get("layout") or {}).get("pipeline"):  # a tied parameter's copies on its stages
+    if ranks.passed and (rec.recorded.layout or {}).get("pipeline"):  # a tied parameter's copies on its stages
         ranks = check_tied(rec, ref) or ranks
     if ranks.passed and not finite.passed and (where := first_nonfinite_state(rec)):
         ranks = Check("ranks", False, f"the ranks' parameters agree by hash, but {where} they hold NaN or inf: "

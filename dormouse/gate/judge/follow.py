@@ -61,9 +61,22 @@ def _newest_step(out: Path, world: int) -> int:
     return best
 
 
-def judge_step(out: Path, k: int, metas: list[dict], meta: dict, info) -> tuple[str, str] | None:
+def _recording(out: Path) -> tuple[A.RecordingSpec, A.RecordedRun] | None:
+    """The recording.json a running fleet writes, typed (artifacts.read_recording), or None while it is
+    being replaced."""
+    meta = _json(A.recording_path(out))
+    return None if meta is None else A.read_recording(meta, A.recording_path(out))
+
+
+def _replicas(recorded: A.RecordedRun) -> bool:
+    """Whether every rank holds the whole model (DDP): no FSDP2 shards, no model-parallel layout."""
+    return not recorded.fsdp and not recorded.layout
+
+
+def judge_step(out: Path, k: int, metas: list[dict], spec: A.RecordingSpec, recorded: A.RecordedRun,
+               info) -> tuple[str, str] | None:
     """The first failing fact of step k and its cause, else None."""
-    replicas = not meta.get("fsdp") and not (meta.get("layout") or {})
+    replicas = _replicas(recorded)
     if replicas:
         hashes = [m.get("param_hash") for m in metas]
         bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
@@ -72,7 +85,7 @@ def judge_step(out: Path, k: int, metas: list[dict], meta: dict, info) -> tuple[
         apart = replica_apart(out, k, metas)
         if apart:
             return "ranks", apart
-    found = step_findings(out, k, metas, info, bool(meta.get("fsdp")), meta.get("wire") or "fp32")
+    found = step_findings(out, k, metas, info, recorded.fsdp, spec.wire)
     if found:
         return "reduction", "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "")
     return None
@@ -93,28 +106,26 @@ def follow(out, *, start: int = 1, every: int = 1, wait: float = 600.0, poll: fl
             raise DormouseError(f"no recording appeared in {out} within {wait:.0f} s: start the fleet with its Recorder "
                                 "writing there, or point --out at the directory it writes")
         time.sleep(poll)
-    meta = None
-    while meta is None:
-        meta = _json(A.recording_path(out))
-        if meta is None:
+    typed = None
+    while typed is None:
+        typed = _recording(out)  # one line on a file of another kind or schema
+        if typed is None:
             time.sleep(poll)
-    if meta.get("kind") != "recording":
-        raise DormouseError(f"{A.recording_path(out)} is not a recording: point --out at the directory a Recorder "
-                            "writes")
-    run, seg = meta["run"], meta["segments"][-1]
+    spec, recorded = typed
+    run, seg = recorded.run, recorded.segments[-1]
     world = int(seg["world"])
     k = max(start, int(seg["start"]))
     k += (start - k) % every
     judged, info, last_new = 0, None, time.monotonic()
     while True:
-        meta = _json(A.recording_path(out)) or meta
-        if meta.get("run") != run:
+        spec, recorded = _recording(out) or (spec, recorded)
+        if recorded.run != run:
             raise DormouseError(f"the recording in {out} was replaced by another run while it was followed")
-        end = meta["segments"][-1].get("end") if meta.get("closed") else None
-        stopped = (meta.get("stopped") or {}).get("step")
+        end = recorded.segments[-1].get("end") if recorded.closed else None
+        stopped = (recorded.stopped or {}).get("step")
         if end is not None and k > end and (stopped is None or k > stopped):
             if stopped is not None:  # the step the run stopped itself at, off the sampled steps
-                why = "; ".join((meta["stopped"].get("findings") or ["no cause recorded"])[:3])
+                why = "; ".join((recorded.stopped.get("findings") or ["no cause recorded"])[:3])
                 log(f"step {stopped}: FAIL reduction: {why}  (the run stopped itself there: stop_on_fail)")
                 return Followed(stopped, True, judged, f"reduction: {why}")
             return Followed(None, True, judged)
@@ -137,13 +148,13 @@ def follow(out, *, start: int = 1, every: int = 1, wait: float = 600.0, poll: fl
                                 "was edited or is damaged")
         lag_steps = max(_newest_step(out, world) - k, 0)
         lag_s = max(time.time() - max(p.stat().st_mtime for p in marks), 0.0)
-        bad = judge_step(out, k, metas, meta, info)
+        bad = judge_step(out, k, metas, spec, recorded, info)
         judged += 1
         lag = f"(lag {lag_steps} step{'s' if lag_steps != 1 else ''}, {lag_s:.1f} s)"
         if bad:
             log(f"step {k}: FAIL {bad[0]}: {bad[1]}  {lag}")
-            return Followed(k, bool(meta.get("closed")), judged, f"{bad[0]}: {bad[1]}")
-        replicas = not meta.get("fsdp") and not (meta.get("layout") or {})
+            return Followed(k, recorded.closed, judged, f"{bad[0]}: {bad[1]}")
+        replicas = _replicas(recorded)
         if not replicas and not isinstance(metas[0].get("selfcheck"), dict):
             log(f"step {k}: NOT JUDGED (no replicas to compare rank by rank, and no in-run checks recorded: "
                 f"record with Recorder(selfcheck=k))  {lag}")

@@ -82,7 +82,7 @@ def never_reduced(rec: A.RecordingSet, ref: ReferenceSet, bound: float):
     ranks' recorded gradients differ and their mean is one process's
     (causes.never_reduced): DDP's gradients never all-reduced. None under
     FSDP2 (each rank holds a shard) or sketches, or where it does not hold."""
-    if rec.meta.get("fsdp") or rec.sketch:
+    if rec.recorded.fsdp or rec.sketch:
         return None
     for k in rec.tensor_steps():
         w = rec.world_at(k)
@@ -119,7 +119,7 @@ def stale_steps(rec: A.RecordingSet, ref: ReferenceSet, bound: float, failing: l
 def step_counts_of(rec: A.RecordingSet, steps: list[int]) -> list[dict] | None:
     """causes.step_counts at each of `steps` (a built-in token objective only;
     causal_lm shifts by one), or None where a step's targets are not [rows, T]."""
-    objective = rec.meta.get("objective")
+    objective = rec.spec.objective
     if objective not in ("causal_lm", "token_mean"):
         return None
     micro_max = max(rec.step_meta(0, k).get("micro_batches", 1) for k in rec.steps)
@@ -170,7 +170,7 @@ def replicas(rec: A.RecordingSet) -> tuple[int, str]:
     """W, the count a data-parallel normalisation divides by, and its words: a plain data-parallel run's
     ranks; under a layout with a model-parallel dimension (TP, 2-D) or a pipeline, its data-parallel
     replicas (the layout's groups), the ranks of each named."""
-    lay = rec.meta.get("layout") or {}
+    lay = rec.recorded.layout or {}
     if not lay.get("groups"):
         world = rec.world_at(rec.steps[0])
         return world, f"W = {world} ranks"
@@ -188,7 +188,7 @@ def rank_mean_words(rec: A.RecordingSet) -> str:
 def factor_words(rec: A.RecordingSet, c: float, micro: int, rtol: float) -> str | None:
     """factor_name over W = the data-parallel replicas (replicas), then the TP size where the layout
     has a model-parallel dimension and c is it or its reciprocal."""
-    lay = rec.meta.get("layout") or {}
+    lay = rec.recorded.layout or {}
     tp = max((len(g) for g in lay.get("groups", [])), default=1) if not lay.get("pipeline") else 1
     w = replicas(rec)[0]
     names = [n for n in (factor_name(c, w, micro, rtol) or "").split(" = ") if n and (w > 1 or "W" not in n)]

@@ -53,7 +53,7 @@ def wire_bound(rec: A.RecordingSet, ref: ReferenceSet, k: int) -> float:
     W u ||sum_r |g_r| / T|| / ||g|| (the element bound W u sum_r |g_r| / T,
     A.WIRE_ABS, taken as a vector), what it lets the gradient's norm, a fitted
     factor or the clip coefficient move by; 0 without a declared bf16 wire."""
-    if rec.meta.get("wire") != "bf16":
+    if rec.spec.wire != "bf16":
         return 0.0
     wa, g = ref.tensors(k, A.WIRE_ABS), ref.tensors(k, A.GRAD)
     return rec.world_at(k) * BF16_UNIT_ROUNDOFF * norm(wa, sorted(wa)) / max(norm(g, sorted(g)), 1e-300)

@@ -32,7 +32,7 @@ from dormouse.gate.judge.verdict import Check
 
 
 def check_clip(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
-    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    mgn = float(rec.spec.max_grad_norm)
     if mgn <= 0:
         bound = [(k, c) for k in rec.steps if (c := rec.step_meta(0, k).get("clip_coef")) is not None and c < 1]
         if bound:

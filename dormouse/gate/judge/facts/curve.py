@@ -39,7 +39,7 @@ def curve_tolerance(envelope: list[float], multiple: float = FLOOR_MULTIPLE) -> 
 
 def run_config(rec: A.RecordingSet) -> dict:
     """The RunConfig (as a dict) a recording of dormouse's loop rebuilds its run from."""
-    return (rec.meta.get("build_kwargs") or {}).get("run") or {}
+    return rec.spec.build_kwargs.get("run") or {}
 
 
 def _unclipped(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:

@@ -117,13 +117,13 @@ def _ids_against_corpus(rec: A.RecordingSet) -> tuple[str | None, str]:
     says so: the run is not blamed for a file moved or edited after it."""
     import numpy as np
 
-    path = rec.meta.get("example_corpus")
+    path = rec.spec.example_corpus
     if not path:
         return None, ""
     p = Path(path)
     if not p.is_file():
         return None, f"not checked against the corpus: {str(p)!r} is no longer there"
-    if rec.meta.get("example_corpus_sha256") not in (None, A.file_hash(p)):
+    if rec.recorded.example_corpus_sha256 not in (None, A.file_hash(p)):
         return None, f"not checked against the corpus: {str(p)!r} changed since the recording (sha256)"
     corpus = np.memmap(p, dtype=np.uint8, mode="r")
     windows: dict = {}  # epoch -> [(first byte, end, step, rank)] of every window read in it
@@ -206,7 +206,7 @@ def check_data(rec: A.RecordingSet) -> Check:
     labels = _labels_apart(rec)
     if labels:
         return Check("data", False, labels)
-    n = int(rec.meta.get("dataset_len", 0))
+    n = rec.spec.dataset_len
     epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
     given_epochs = all(e is not None for e in epochs)
     all_exact, reads = True, 0
@@ -273,9 +273,9 @@ def check_data(rec: A.RecordingSet) -> Check:
             return Check("data", False, f"epoch {ep} read {cur_reads} examples by step {k}, more than dataset_len "
                                         f"{n}")
     how = "by the example ids given" if all_exact else "by their tokens' hash (no example_ids given)"
-    if all_exact and rec.meta.get("example_corpus"):
+    if all_exact and rec.spec.example_corpus:
         how += f" ({unverified})" if unverified else ", every row the corpus's bytes at its id"
-    given = ("" if all_exact and rec.meta.get("example_corpus") and not unverified else
+    given = ("" if all_exact and rec.spec.example_corpus and not unverified else
              "; the rows are taken as given: the gate judges the rows that reached the model's forward, not "
              "what the dataset holds (a collator that alters them on one rank is not seen)")
     if given_epochs:

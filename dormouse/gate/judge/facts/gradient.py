@@ -99,7 +99,7 @@ def gradient_rows(rec: A.RecordingSet, ref: ReferenceSet) -> list[dict]:
     g_fleet = c g (a wrong count shows as a c per step). "ok" whether the step
     passes."""
     run = ref.meta.get("mode") == "run"
-    wire = rec.meta.get("wire") == "bf16"
+    wire = rec.spec.wire == "bf16"
     tol = run_tolerance(rec, ref, A.GRAD, A.NUDGED_GRAD) if run else {}
     tol = {k: {n: max(b, step_bound(rec, ref, k)) for n, b in t.items()} for k, t in tol.items()}
     rows = []
@@ -261,7 +261,7 @@ def _state_bound(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> None:
 
 def _pass_reason(rec: A.RecordingSet, s: _Scan) -> str:
     top = max(s.rows, key=lambda r: r["tensor_error"] / r["tensor_bound"]) if s.run else None
-    return (f"the fleet's gradient equals {WHAT} ({rec.meta['objective']}) at every recorded step "
+    return (f"the fleet's gradient equals {WHAT} ({rec.spec.objective}) at every recorded step "
             f"(worst {s.worst:.2g}" + (f"; per tensor, worst {top['tensor_error']:.2g} in {top['tensor']} "
                                       f"at step {top['step']} against its {top['tensor_bound']:.2g}"
                                       if top else "") + f"; {s.stated})")
@@ -331,7 +331,7 @@ def _alt_reason(rec: A.RecordingSet, s: _Scan, alt_hit: str) -> str:
             "rank_mean": per_unit + f" (each {'replica' if 'replicas' in per_unit else 'rank'} normalised by its "
                                     "own token count)"}[alt_hit]
     declared = "the global mean the objective declares"
-    if alt_hit == "rank_mean" and rec.meta.get("objective_scope") == "step":
+    if alt_hit == "rank_mean" and rec.spec.objective_scope == "step":
         desc = ("the mean over the ranks of the declared objective, each rank's over its own micro-batches alone "
                 "(the step's statistics, such as a load-balancing term's routing counts, computed over each rank's "
                 "own rows and never reduced over the ranks that share them)")
@@ -470,7 +470,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     loose = too_loose(rec, ref)
     if loose is not None:
         return _not_judged(rows, precision_words(rec, ref), loose)
-    s = _Scan(rows=rows, run=run, wire=rec.meta.get("wire") == "bf16",
+    s = _Scan(rows=rows, run=run, wire=rec.spec.wire == "bf16",
               tbounds=[r["tensor_bound"] for r in rows] if run else [r["bound"] for r in rows])
     _scan_rows(rec, ref, s)
     _state_bound(rec, ref, s)

@@ -61,7 +61,7 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     per, worst, worst_k = [], 0.0, None
     rng, sampled, total = False, 0, 0
     over = False
-    scope = rec.meta.get("objective_scope") or "example"
+    scope = rec.spec.objective_scope
     # the step's rows in as few forwards as memory allows (A.GRAD_MERGED) against the micro-batches' sum (A.GRAD)
     gm_worst, gm_k, gm_words, gm_err, gm_over = 0.0, None, None, None, False
     bounds = _spread_bounds(rec, ref)

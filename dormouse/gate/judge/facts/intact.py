@@ -28,7 +28,7 @@ def first_mismatch(rec: A.RecordingSet) -> str | None:
     whose tensors do not hash to the hash recorded beside them, or a rank whose initial state is not
     the parameters it recorded before the first step of a fresh run; None when all agree."""
     if rec.steps:
-        for r in range(int(rec.meta["segments"][0]["world"])):
+        for r in range(int(rec.recorded.segments[0]["world"])):
             if A.init_edited(rec, r):
                 return (f"rank {r}'s recorded initial state ({A.init_path(rec.out, r).name}) is not the parameters "
                         f"that rank recorded before step {rec.steps[0]}")

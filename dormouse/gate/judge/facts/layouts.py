@@ -213,7 +213,7 @@ def _check_pipeline(rec: A.RecordingSet, ref: ReferenceSet, lay: dict) -> Check:
 
 def check_layout(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     """The layout check (module docstring); None for a recording without a layout."""
-    lay = rec.meta.get("layout")
+    lay = rec.recorded.layout
     if not lay:
         return None
     groups, params = lay["groups"], lay["params"]

@@ -27,7 +27,7 @@ from dormouse.gate.judge.verdict import Check, TensorCheck
 def mesh_sizes(rec: A.RecordingSet) -> tuple[int, int]:
     """(TP, DP): the model-parallel group size and the data-parallel replicas of a recorded DTensor layout
     or declared sharding; (1, 1) without one, or in a pipeline."""
-    lay = rec.meta.get("layout") or {}
+    lay = rec.recorded.layout or {}
     groups = [] if lay.get("pipeline") else lay.get("groups", [])
     return max((len(g) for g in groups), default=1), max(len(groups), 1)
 

@@ -42,7 +42,7 @@ from dormouse.gate.judge.metrics import rel
 
 
 def _group(rec: A.RecordingSet, r: int) -> list[int]:
-    lay = rec.meta.get("layout") or {}
+    lay = rec.recorded.layout or {}
     return next((g for g in lay.get("groups", []) if r in g), [r])
 
 
@@ -84,7 +84,7 @@ def _one(rec: A.RecordingSet, ref: ReferenceSet, k: int, r: int) -> tuple[str | 
     """Rank r's first micro-batch at step k: (a finding, or None; the figures)."""
     group = _group(rec, r)
     pieces = [rec.step_tensors(q, k) for q in group]
-    cp = (rec.meta.get("layout") or {}).get("context_parallel") or {}
+    cp = (rec.recorded.layout or {}).get("context_parallel") or {}
     order = cp.get("order", "contiguous")
     meta = rec.step_meta(r, k)
     ro, rn = ref.tensors(k, A.probe_prefix(r) + A.PROBE_REF_OUTPUT), ref.tensors(k, A.probe_prefix(r) + A.PROBE_NUDGED_OUTPUT)
@@ -178,7 +178,7 @@ def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     steps = [k for k in rec.steps if rec.step_meta(0, k).get("probe_order") is not None]
     if not steps:
         return None
-    if not any(ref.tensors(k, A.PROBE) for k in steps) and rec.meta.get("objective_scope") == "step":
+    if not any(ref.tensors(k, A.PROBE) for k in steps) and rec.spec.objective_scope == "step":
         return Check("probe", True, "not probed: the objective is declared over the whole step "
                                     "(objective_scope='step'), so no one micro-batch's gradient is the fleet's alone")
     if not any(ref.tensors(k, A.PROBE) for k in steps):

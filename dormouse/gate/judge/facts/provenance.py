@@ -113,7 +113,7 @@ def check_config(rec: A.RecordingSet, refs: GateReferences) -> Check:
     """The fleet trained the network and recipe the settings give: its
     recorded configuration against gradref's (made from the settings), field by field."""
     want = (refs.meta(GRADREF) or {}).get("config") or {}
-    have = (rec.meta.get("build_kwargs") or {}).get("run") or {}
+    have = rec.spec.build_kwargs.get("run") or {}
     diffs = []
     for section in ("model", "train"):
         for k, v in (want.get(section) or {}).items():
@@ -133,7 +133,7 @@ def provenance(rec: A.RecordingSet) -> dict:
     order), "init" the fingerprint of the recorded initial state."""
     import hashlib as _h
 
-    p = dict(rec.meta.get("provenance", {}))
+    p = dict(rec.recorded.provenance)
     h = _h.sha256()
     for k in rec.steps:
         for r in range(rec.world_at(k)):

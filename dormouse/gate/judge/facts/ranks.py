@@ -167,10 +167,10 @@ def check_ranks(rec: A.RecordingSet) -> Check:
     split = _precision_split(rec) or _mode_split(rec) or _call_split(rec)
     if split:
         return Check("ranks", False, split)
-    if rec.meta.get("fsdp"):
+    if rec.recorded.fsdp:
         return Check("ranks", True, "FSDP2: each rank holds its own shard (each parameter exists once); the "
                                     "assembled tensors are what the other checks judge")
-    if (rec.meta.get("layout") or {}).get("pipeline"):  # judge/facts/layouts.py: each stage's parameters exist once
+    if (rec.recorded.layout or {}).get("pipeline"):  # judge/facts/layouts.py: each stage's parameters exist once
         return Check("ranks", True, "pipeline: each rank holds its own stage's parameters (each exists once); "
                                     "merged by name, they are what the other checks judge")
     for k in rec.tensor_steps():
@@ -179,7 +179,7 @@ def check_ranks(rec: A.RecordingSet) -> Check:
         if bad:
             return Check("ranks", False, f"rank {bad[0]}'s parameters or persistent buffers differ from rank 0's "
                                          f"before step {k}" + _which(rec, k, bad[0]))
-    if not (rec.meta.get("layout") or {}):  # replicas (DDP): every rank's copy, rank by rank
+    if not rec.recorded.layout:  # replicas (DDP): every rank's copy, rank by rank
         for k in rec.steps:
             apart = replica_apart(rec.out, k, [rec.step_meta(r, k) for r in range(rec.world_at(k))])
             if apart:

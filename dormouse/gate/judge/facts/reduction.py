@@ -80,12 +80,12 @@ def step_findings(out, step: int, metas: list[dict], info, sharded: bool, wire: 
 
 def check_reduction(rec: A.RecordingSet) -> Check | None:
     """The fact over every recorded step (None: the recording has no in-run checks)."""
-    stopped = rec.meta.get("stopped")
+    stopped = rec.recorded.stopped
     steps = [k for k in rec.steps if isinstance(rec.step_meta(0, k).get("selfcheck"), dict)]
     if not steps and not stopped:
         return None
     info = tensor_info(rec.out)
-    sharded, wire = bool(rec.meta.get("fsdp")), rec.meta.get("wire") or "fp32"
+    sharded, wire = rec.recorded.fsdp, rec.spec.wire
     for k in steps:
         metas = [rec.step_meta(r, k) for r in range(rec.world_at(k))]
         found = step_findings(rec.out, k, metas, info, sharded, wire)

@@ -127,7 +127,7 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
     if diff:
         return Check("replay", False, f"the fleet's update at step {steps[-1]} differs from the replay: final "
                                       f"parameters differ (first: {diff[0]}, relative {diff[1]:.2g})")
-    segs = len(rec.meta["segments"])
+    segs = len(rec.recorded.segments)
     return Check("replay", True, f"the user's optimizer and scheduler, replayed from the initial state on the "
                                  f"recorded gradients, give the recorded parameters bitwise at all {len(steps)} "
                                  f"steps" + (f", across {segs - 1} resume(s)" if segs > 1 else ""))
@@ -153,7 +153,7 @@ def check_buffers(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     is not part of its verdict). Buffers that moved with no rule declared are not judged, and the
     line says so: the reference loads them as recorded before every step, so whatever moved them
     (a forward in training mode, one rank's statistics broadcast to the others) is taken as given."""
-    path = rec.meta.get("buffer_update")
+    path = rec.spec.buffer_update
     if not path:
         moved = moved_buffers(rec) if rec.steps else []
         if not moved:
