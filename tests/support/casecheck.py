@@ -66,6 +66,18 @@ def judged(out: Path):
     return _JUDGED[str(out)]
 
 
+_GATED: dict = {}
+
+
+def gated(s):
+    """The verdict on the gate's own fleet already in s.out (gatekit.judged: its references made first), cached."""
+    from gatekit import judged as judged_fleet
+
+    if str(s.out_dir) not in _GATED:
+        _GATED[str(s.out_dir)] = judged_fleet(s)
+    return _GATED[str(s.out_dir)]
+
+
 def holds(out: Path, case: Case, *, reference: bool = True) -> None:
     """The row's verdict on the recording in `out` (its reference made first, unless `reference` is
     False: its client made it already)."""

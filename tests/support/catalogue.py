@@ -111,8 +111,52 @@ FLEETS: dict[str, Fleet] = {f.name: f for f in (
           "test_named_causes.py", {"steps": 2, "micro": 2}),
     Fleet("precision", "ddp_loop.py", 2, "DDP under bfloat16/float16 autocast, 2 gloo ranks, 3 micro-batches a step",
           "test_reduced_precision_loops.py", {"steps": 3}),
+    Fleet("cp", "cp_loop.py", 2, "context parallel: CP 2 on 2 gloo ranks (torch's ring or a plain one)",
+          "test_context_parallel.py"),
+    Fleet("cp_dp", "cp_loop.py", 4, "context parallel: CP 2 x DP 2 on 4 gloo ranks", "test_context_parallel.py"),
+    Fleet("ep", "ep_loop.py", 2, "expert parallel (4 experts over 2 gloo ranks, all_to_all) and hand-written tensor "
+          "parallel, declared shardings", "test_expert_parallel.py"),
+    Fleet("tp", "tp_loop.py", 2, "DTensor tensor parallel (TP 2, sequence parallel, loss_parallel), DDP, and "
+          "pipeline parallel (pp_loop.py, 2 stages) on 2 gloo ranks", "test_tensor_and_pipeline_parallel.py"),
+    Fleet("batch", "batch_loop.py", 2, "DDP, 2 gloo ranks: objectives over more than a row (MoE balancing, in-batch "
+          "contrastive), what else a forward receives, torch.compile", "test_batch_level_objectives.py"),
+    Fleet("hf", "hf_client.py", 2, "Hugging Face Trainer (GPT-2, gradient accumulation 2, max_grad_norm 1.0) on 2 "
+          "gloo ranks", "test_hf_trainer.py"),
+    Fleet("lightning", "lightning_client.py", 2, "PyTorch Lightning, strategy ddp, accumulate_grad_batches 2, "
+          "gradient_clip_val 1.0, 2 gloo ranks", "test_lightning.py", fault_key="mode"),
+    Fleet("trl", "trl_client.py", 2, "TRL's SFTTrainer and DPOTrainer, PEFT LoRA (a tiny Llama, gradient accumulation "
+          "2) on 2 gloo ranks", "test_trl_peft.py"),
+    Fleet("grpo", "grpo_client.py", 2, "TRL's GRPOTrainer, generation included, gradient accumulation 2, on 2 gloo "
+          "ranks", "test_rl_trainers.py"),
+    Fleet("accelerate", "accelerate_loop.py", 2, "a hand-written accelerate loop (gradient accumulation 2) on 2 "
+          "gloo ranks, run by the field sweep (examples/field/sweep.py)", "test_accelerate.py", fault_key=None),
+    Fleet("own", "dormouse.gate (fleet_faults.py)", 2, "dormouse's own trainer under the gate's own fleet "
+          "(GateSettings), each run with a fault of fleet_faults.py", "test_own_fleet_logged_loss_and_stale_weights.py",
+          fault_key=None),
+    Fleet("titan", "titan_loop.py", 2, "torchtitan's own llama and TP plan, TP 2 on 2 gloo ranks", "test_torchtitan.py"),
+    Fleet("titan_2d", "titan_loop.py", 4, "torchtitan's llama, FSDP2 x TP (fsdp 2 x tp 2) on 4 gloo ranks",
+          "test_torchtitan.py"),
+    Fleet("dp_tp", "tp_loop.py", 4, "FSDP2 x tensor parallel (mesh dp 2 x tp 2) on 4 gloo ranks",
+          "test_tensor_and_pipeline_parallel.py"),
 )}
 EVERY_CHECK = dict.fromkeys(("independence", "gradient", "grad_mask", "replay", "data", "loss", "ranks", "clip"), ())
+CP_LAYOUT = "context parallel ({} order along dim 1): 1 data-parallel replica(s) of 2 CP rank(s)"
+BY_HAND = "one process's gradient on the global rows in plain PyTorch (the test's own)"
+EP_HAND = "the one-process model's autograd on the global batch (the test's own)"
+TP_LAYOUT = ("mesh tp 2", "16 of 21 parameters split")
+AGREE = "every module's forward output and output gradient agree"
+PP_LAYOUT = ("pipeline of 2 stages", "21 parameters")
+PLAIN = "the unparallelised model's gradient on the global batch (the test's own)"
+TITAN = ("the layout check fails, so do gradient and loss, replay passes; rank 0's gradient is the factor times "
+         "the unparallelised model's (the test's own)")
+BATCH = "batchmodels' formulas on the rows batch_loop gives, one process (the test's own)"
+FIELD = "one process's gradient computed by hand from the data layout (fieldkit.one_process_gradient)"
+WRONG_GRADIENT = {"clip": "the gradient itself is wrong (see gradient)", "probe": "the loss is at fault, not a module"}
+HF_HAND = "one process's gradient by hand"
+FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_client's docstring)
+HF_CLEAN = {"gradient": "equals one process", "replay": "bitwise", "loss": "equals the declared objective"}
+TRL_HAND = "the recorded micro-batches' gradient by hand in one process (fieldkit, its own loss code)"
+GRPO_HAND = "the test's own surrogate and normalisation in plain PyTorch on the recorded micro-batches"
 AC = {"seed": 8, "autocast": True}
 SKETCHED = {**EVERY_CHECK, "gradient": ("sketch k=64", "detected with probability")}
 
@@ -294,4 +338,350 @@ CASES: tuple[Case, ...] = (
          what="one row of tok.weight's gradient doubled after the all-reduce"),
     Case("ac_micro0", "precision", {**AC, "ac_micro": [0]}, what="autocast on the first micro-batch of every step",
          confirmation="the bound stays under 0.1"),
+    # ---------------------------------------------------------------- cp, cp_dp: context parallelism
+    Case("clean", "cp", {"seed": 0}, holds={"layout": CP_LAYOUT.format("contiguous")}, confirmation=BY_HAND,
+         what="torch's ring, contiguous shards, all-gather rotation"),
+    Case("clean_lb", "cp", {"order": "load_balanced", "rotate": "alltoall", "seed": 1},
+         holds={"layout": CP_LAYOUT.format("load_balanced")}, confirmation=BY_HAND,
+         what="torch's ring, head-tail load balancing, all-to-all rotation"),
+    Case("plain_lb", "cp", {"ring": "plain", "order": "load_balanced", "micro": 2, "seed": 2, "steps": 1},
+         holds={"layout": CP_LAYOUT.format("load_balanced")}, confirmation=BY_HAND,
+         what="a plain ring of the loop's own, load balanced"),
+    Case("nn_gather", "cp", {"ring": "plain", "seed": 3, "steps": 1}, "nn_gather", verdict="FAIL",
+         fails={"gradient": "differs from one process's gradient",
+                "probe": "the gradient flowing into the output of layers.1.attn.k departs"}, holds={"loss": ()},
+         what="torch.distributed.nn all_gather on gloo (pytorch #192920): dK wrong, the loss right",
+         confirmation=BY_HAND + ": in the last layer only the key projection's gradient is wrong"),
+    Case("loss_avg", "cp", {"seed": 4, "steps": 1}, "loss_avg", verdict="FAIL", fails={
+        "gradient": "differs from one process's gradient",
+        "probe": ("the CP ranks backpropagate the model's output at different scales",
+                  "each scale is 1 / its shard's own token count")},
+         what="the loss averaged over the CP ranks' shard means",
+         confirmation=BY_HAND + ": the fleet's is the mean of the shards' token means"),
+    Case("no_cp_reduce", "cp", {"seed": 5, "steps": 1}, "no_cp_reduce", verdict="FAIL", fails={"layout": (
+        "it was not all-reduced over the CP group", "the sum of the group's gradients is one process's gradient")},
+         confirmation=BY_HAND + ": the group's gradients sum to it"),
+    Case("positions", "cp", {"seed": 6, "steps": 1}, "positions", verdict="FAIL", fails={"layout": (
+        "restart at every rank's shard", "not shifted to each shard's place in the sequence")},
+         what="positions not shifted per shard", confirmation=BY_HAND + " with every shard's positions from 0"),
+    Case("lb_order", "cp", {"ring": "plain", "order": "load_balanced", "seed": 7, "steps": 1}, "lb_order",
+         verdict="FAIL", fails={"gradient": (), "probe": (
+             "the first module whose forward output departs from one process's is layers.0.attn.core")},
+         what="load-balanced keys reassembled in rank order", confirmation=BY_HAND),
+    Case("declared_order", "cp", {"order": "load_balanced", "seed": 8, "steps": 1}, "declared_order", verdict="FAIL",
+         fails={"layout": "the loop cut the sequence load_balanced and declared contiguous"},
+         what="a load-balanced cut declared contiguous", confirmation=BY_HAND + ": the fleet's gradient is right"),
+    Case("clean", "cp_dp", {"order": "load_balanced", "micro": 2, "seed": 10},
+         holds={"layout": "2 data-parallel replica(s) of 2 CP rank(s)"}, confirmation=BY_HAND),
+    Case("no_cp_reduce", "cp_dp", {"seed": 11, "steps": 1}, "no_cp_reduce", verdict="FAIL",
+         fails={"layout": ("it was not all-reduced over the CP group", "CP group [0, 1]")},
+         what="reduced over DP only", confirmation=BY_HAND + ": the CP group's two gradients sum to it"),
+    # ---------------------------------------------------------------- ep: expert parallel, hand-written TP
+    Case("clean", "ep", {"seed": 0}, holds={"layout": (
+        "declared sharding ('moe.w*' along dim 0 over ranks [0, 1] (expert parallel))",
+        "2 of 8 parameters assembled from their ranks' pieces")}, confirmation=EP_HAND),
+    Case("ep_grad_unscaled", "ep", {"seed": 1}, "ep_grad_unscaled", verdict="FAIL", fails={"layout": (
+        "the 2 expert parameters", "times 2 = the expert-parallel size 2", "pytorch #160285"), "gradient": ()},
+         holds={"loss": (), "replay": ()}, what="expert gradients too large by the EP size, the loss right",
+         confirmation=EP_HAND + ": the experts' gradients twice its"),
+    Case("ep_grad_twice", "ep", {"seed": 1}, "ep_grad_twice", verdict="FAIL",
+         fails={"layout": ("1 / the expert-parallel size 2", "remove that division")},
+         what="expert gradients divided by the EP size once too often", confirmation=EP_HAND + ": half its"),
+    Case("aux_local", "ep", {"seed": 2}, "aux_local", verdict="FAIL", fails={"gradient": (
+        "each rank's over its own micro-batches alone", "not the objective declared over the whole step")},
+         holds={"layout": ()}, what="a balancing term over local routing counts, a global one declared",
+         confirmation=EP_HAND + " with each rank's term over its own counts"),
+    Case("tp_clean", "ep", {"tp": True, "seed": 3}, holds={"layout": (
+        "('out.*' along dim 0 over ranks [0, 1] (tensor parallel))",
+        "1 data-parallel replica(s) of 2 tensor-parallel rank(s)")}, confirmation=EP_HAND,
+         what="hand-written TP: the output head split over the vocabulary"),
+    Case("tp_no_reduce", "ep", {"tp": True, "seed": 4}, "tp_no_reduce", verdict="FAIL", fails={"layout": (
+        "differs between ranks 0 and 1 of TP group [0, 1]", "not reduced over it")},
+         what="the input gradient's all-reduce left out", confirmation=EP_HAND + ": the replicated ones differ"),
+    Case("tp_rng_alike", "ep", {"tp": True, "emb_dropout": 0.1, "seed": 6, "steps": 1}, verdict="FAIL",
+         fails={"independence": ()}, holds={"layout": ()}, what="dropout seeded alike on every TP rank",
+         confirmation="the ranks' recorded replicated gradients are equal"),
+    Case("tp_rng_apart", "ep", {"tp": True, "emb_dropout": 0.1, "seed": 6, "steps": 1}, "rng_apart", verdict="FAIL",
+         fails={"layout": ("the TP ranks drew different masks (dropout) where they hold the same activations",
+                           "Not a missing reduction")},
+         what="... seeded by rank", confirmation="the ranks' recorded replicated gradients differ"),
+    Case("declare_reversed", "ep", {"seed": 5, "steps": 1}, "declare_reversed", verdict="refused", fails={"reference": (
+        "builds moe.w1 other than the recorded initial one, which the declared sharding 'moe.w*' assembled",
+        "declared in another order than the pieces concatenate in")},
+         what="the ranks of a declared sharding named out of order",
+         confirmation="the recorded initial experts are build_model's with the halves swapped"),
+    # ---------------------------------------------------------------- tp, dp_tp: tensor, pipeline and 2-D parallelism
+    Case("clean", "tp", {"seed": 0}, holds={"layout": TP_LAYOUT, "data": (), "probe": AGREE}, confirmation=PLAIN),
+    Case("clean_seed2", "tp", {"seed": 2, "loss_parallel": False, "dropout": 0.1}, holds={"layout": TP_LAYOUT,
+         "probe": ()}, confirmation=PLAIN + "; each TP rank its own columns' dropout mask",
+         what="logits gathered (not loss_parallel); a dropout keyed by global column on the column-split hidden"),
+    Case("sp_norm_local", "tp", {"seed": 3}, "sp_norm_local", verdict="FAIL", fails={"layout": (
+        "norm.weight", "not reduced over it", "the sum of the group's gradients is one process's gradient")},
+         what="a sequence-parallel norm's weight gradient not reduced over TP",
+         confirmation=PLAIN + ": the ranks' parts sum to it"),
+    Case("tp_grad_x", "tp", {"seed": 4}, "tp_grad_x", verdict="FAIL", fails={"layout": (
+        "times 2 = the TP size 2", "split over a model-parallel"), "gradient": ()},
+         what="TP-split gradients too large by the TP size", confirmation=PLAIN + ": the split ones twice it"),
+    Case("tp_rows", "tp", {"seed": 5}, "tp_rows", verdict="FAIL",
+         fails={"layout": ("rank 1, a model-parallel peer of rank 0", "other rows")},
+         what="a TP rank fed other rows than its replica"),
+    Case("tp_w1", "tp", {"module": "layers.1.feed_forward.w1", "factor": 1.01, "seed": 6}, "module_x",
+         verdict="FAIL", fails={"probe": (
+             "the first module whose forward output departs from one process's is layers.1.feed_forward.w1",
+             "the 20 module(s) before it in execution order agree")},
+         what="one column shard of w1 off by 1.01 on rank 1",
+         confirmation="the recorded w1 output is the plain model's but for rank 1's shard x 1.01"),
+    Case("dp_clean", "tp", {"tp": 1, "seed": 7}, holds={"probe": AGREE}, what="DDP (tp 1)"),
+    Case("dp_wv", "tp", {"tp": 1, "module": "layers.0.attention.wv", "factor": 1.01, "seed": 8}, "module_x",
+         verdict="FAIL", fails={"probe": (
+             "on rank 1's first micro-batch the first module whose forward output departs",
+             "is layers.0.attention.wv", "the 4 module(s) before it")},
+         what="DDP: wv's output off by 1.01 on rank 1", confirmation="rank 1's recorded wv output is the plain x 1.01"),
+    Case("dp_loss_x", "tp", {"tp": 1, "factor": 1.5, "seed": 9}, "loss_x", verdict="FAIL", fails={"probe": (
+        "rank 1 backpropagates its loss at 1.5 times rank 0's scale", "the loss is at fault, not a module")},
+         what="DDP: rank 1's loss scaled by 1.5"),
+    Case("dp_sum", "tp", {"tp": 1, "seed": 10}, "dp_sum", verdict="FAIL", fails={"gradient": "= W"},
+         holds={"probe": "after the backward (the reduction)"}, what="DDP: a reduction that sums"),
+    Case("pp_gpipe", "tp", {"pp": True, "schedule": "GPipe", "micro": 2, "rows": 4, "seed": 11},
+         holds={"layout": PP_LAYOUT}, confirmation=PLAIN + ": each stage's recorded part"),
+    Case("pp_1f1b", "tp", {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "seed": 12},
+         holds={"layout": PP_LAYOUT}, confirmation=PLAIN + ": each stage's recorded part"),
+    Case("pp_loss_div", "tp", {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "seed": 13}, "loss_div",
+         verdict="FAIL", fails={"gradient": ("times 0.3333 = 1/K", "K = 3 micro-batches"), "loss": ()},
+         what="a pipeline loss divided by the micro-batches on top of scale_grads"),
+    Case("pp_stale", "tp", {"pp": True, "schedule": "1F1B", "micro": 3, "rows": 6, "seed": 14}, "stale",
+         verdict="FAIL", fails={"gradient": ("not zeroed between steps: from step 2 on", "times 0.3333 = 1/K")},
+         what="a pipeline stage that never zeroes its gradients",
+         confirmation=PLAIN + " at step 2 plus a third of the stage's step-1 gradient"),
+    Case("tp_loss_x2", "tp", {"factor": 2.0, "seed": 16, "steps": 1}, "loss_x_all", verdict="FAIL", fails={
+        "gradient": "times 2 = K = the TP size 2 (W = 1 data-parallel replica(s) of 2 model-parallel ranks, K = 2 "
+                    "micro-batches)",
+        "layout": "every gradient is one process's times 2 = the TP size 2"},
+         what="every gradient x 2 in TP alone", confirmation=PLAIN + " x 2"),
+    Case("tp_loss_vp", "tp", {"loss_parallel": False, "seed": 17}, "loss_vp_gathered", verdict="FAIL", fails={
+        "loss": "it is the declared objective + log(2) = + 0.6931, log of the TP size 2, at every step",
+        "gradient": (), "probe": ("every module's forward output agrees with one process's, but the gradient "
+                                  "flowing into the output of output departs",
+                                  "the gradient parts at the model's own output (its loss)")},
+         holds={"layout": (), "replay": ()}, what="Megatron's vocabulary-parallel cross-entropy on gathered logits",
+         confirmation="the logged loss is the plain model's token mean + log 2"),
+    Case("tp_reduce_bf16", "tp", {"seed": 24, "steps": 1}, "tp_reduce_bf16", verdict="FAIL", fails={"gradient": (
+        "the gradients of 5 tensor(s) (layers.0.attention_norm.weight, layers.0.ffn_norm.weight, "
+        "layers.1.attention_norm.weight, ...) are bfloat16 values in every element",
+        "a reduce dtype applied on one mesh dimension only")}, holds={"loss": (), "replay": ()},
+         what="the TP-replicated norms' gradients all-reduced in bf16, the rest float32",
+         confirmation="the norms' recorded gradients on the bf16 grid, the rest " + PLAIN),
+    Case("tp_dropout_local", "tp", {"dropout": 0.1, "seed": 19, "steps": 1}, "dropout_local", verdict="FAIL",
+         fails={"gradient": "not by a constant factor", "probe": (
+             "the first module whose forward output departs from one process's is layers.0.feed_forward.drop",
+             "the 10 module(s) before it in execution order agree")}, holds={"layout": (), "replay": ()},
+         what="the keyed dropout keyed by each TP rank's local column",
+         confirmation="both TP ranks zeroed the same elements of their shards"),
+    Case("tp_init_shards", "tp", {"seed": 15, "steps": 1}, "init_shards", verdict="refused", fails={"reference": (
+        "equal copies of one shard along dim 0", "after parallelize_module")},
+         what="DTensor's random ops initialising sharded parameters", confirmation="the two halves of wq are equal"),
+    Case("clean", "dp_tp", {"seed": 0}, holds={"layout": ("mesh dp 2 x tp 2", "2 data-parallel replica(s) of 2")},
+         confirmation=PLAIN),
+    Case("loss_local", "dp_tp", {"seed": 1}, "loss_local", verdict="FAIL", fails={"loss": (
+        "rank 0's own token mean", "the logged loss is wrong, not the training")},
+         holds={"gradient": (), "layout": (), "replay": ()}, what="the loss logged without its DP reduction",
+         confirmation="rank 0 logged its replica's rows' token mean"),
+    Case("dp_sum", "dp_tp", {"seed": 2}, "dp_sum", verdict="FAIL",
+         fails={"layout": "every gradient is one process's times 2 = the DP size 2"},
+         what="a DP reduction that sums", confirmation=PLAIN + " x 2"),
+    # FSDP2's reduce_dtype bf16 on dp (the TP reductions stay float32): undeclared, then declared (one
+    # micro-batch: FSDP2 accumulates no-sync micro-batches in the reduce dtype, which the wire does not cover)
+    Case("reduce_bf16", "dp_tp", {"reduce_dtype": "bfloat16", "seed": 20, "steps": 1}, verdict="FAIL", fails={
+        "gradient": ("every element of the fleet's gradient is a bfloat16 value", "declare it, Recorder(wire='bf16')")},
+         holds={"loss": (), "layout": (), "replay": ()}, what="FSDP2's reduce_dtype bf16 on dp, undeclared",
+         confirmation="every recorded gradient on the bf16 grid, a bf16 rounding from " + PLAIN),
+    Case("reduce_bf16_wire", "dp_tp", {"reduce_dtype": "bfloat16", "wire": "bf16", "micro": 1, "rows": 4, "seed": 21,
+                                       "steps": 1},
+         holds={"gradient": "declared bf16 wire's bound", "bias": ()}, what="... declared wire='bf16'",
+         confirmation="on the bf16 grid, a bf16 rounding from " + PLAIN),
+    # ---------------------------------------------------------------- titan, titan_2d: torchtitan's llama
+    Case("clean", "titan", {"seed": 0}, holds={"layout": ("mesh fsdp 1 x tp 2", "12 of 17 parameters split")},
+         confirmation=PLAIN),
+    # K = 3 micro-batches, so that the factor 1/2 is the TP size's alone
+    Case("world_tokens", "titan", {"seed": 5, "micro": 3}, "world_tokens", verdict="FAIL", fails={
+        "layout": "every gradient is one process's times 0.5 = 1 / the TP size 2",
+        "gradient": "times 0.5 = 1 / the TP size 2 (W = 1 data-parallel replica(s)", "loss": ()},
+         holds={"replay": ()}, what="the token count summed over the TP peers too", confirmation=TITAN),
+    Case("init_after", "titan", {"seed": 7, "steps": 1}, "init_after", verdict="refused", fails={"reference": (
+        "equal copies of one shard along dim 1", "initialise the model before parallelising it")},
+         what="torchtitan's trainer's order: built on meta, parallelised, then init_states() on each rank's shards",
+         confirmation="the two halves of wo are equal, not build_model's"),
+    Case("clean", "titan_2d", {"seed": 0}, holds={"layout": ("mesh fsdp 2 x tp 2", "2 data-parallel replica(s) of 2")},
+         confirmation=PLAIN),
+    Case("local_tokens", "titan_2d", {"seed": 1, "micro": 3}, "local_tokens", verdict="FAIL", fails={
+        "layout": "every gradient is one process's times 2 = the DP size 2", "gradient": (), "loss": ()},
+         holds={"replay": ()}, what="the loss divided by each rank's own token count (K = 3: the factor 2 is not K's)",
+         confirmation=TITAN),
+    # ---------------------------------------------------------------- batch: objectives over more than a row
+    # load balancing over each forward's own routing statistics, one row a micro-batch (the usual LLM setting)
+    Case("moe_local", "batch", {"kind": "moe"}, verdict="FAIL",
+         fails={"independence": ("the rows of a forward interact", "objective_scope='step'")}, holds={"gradient": ()},
+         what="an MoE balancing term over each forward's statistics, undeclared",
+         confirmation=BATCH + ": each forward's own term, not the global batch's"),
+    Case("moe_local_declared", "batch", {"kind": "moe", "scope": "forward"},
+         holds={"independence": ("declared per forward", "in 1 forward give a gradient")}, what="... declared per forward"),
+    # ... over the step's statistics, all-reduced across ranks with autograd
+    Case("moe_global", "batch", {"kind": "moe", "stats": "global", "micro": 1, "batch": 2,
+                                 "objective": "batchmodels:moe_step", "scope": "step"},
+         holds={"probe": "not probed: the objective is declared over the whole step"},
+         what="balancing over all-reduced statistics, declared over the step", confirmation=BATCH),
+    Case("moe_global_undeclared", "batch", {"kind": "moe", "stats": "global", "micro": 1, "batch": 2}, verdict="FAIL",
+         fails={"gradient": ("the gradient of the step's rows in one forward", "declare objective_scope='step'")},
+         what="... undeclared"),
+    # in-batch contrastive with every rank's positives as the negatives (all_gather with autograd)
+    Case("pair", "batch", {"kind": "pair", "micro": 1, "batch": 2, "objective": "batchmodels:contrastive_step",
+                           "scope": "step"}, what="in-batch contrastive, every rank's negatives, declared",
+         confirmation=BATCH),
+    Case("pair_undeclared", "batch", {"kind": "pair", "micro": 1, "batch": 2, "objective": "batchmodels:contrastive_local"},
+         verdict="FAIL", fails={"gradient": "declare objective_scope='step'"},
+         what="... each forward's own negatives declared"),
+    # a bool forward keyword, attributes the loop sets, labels the loss reads and the model is not given
+    Case("switch", "batch", {"kind": "switch", "objective": "causal_lm", "flip": True, "attrs": True, "labels": "rec"},
+         what="a bool forward keyword, attributes the loop sets, labels given to rec.labels", confirmation=BATCH),
+    # a branch one rank switches alone: a keyword, an attribute
+    Case("flip_rank1", "batch", {"kind": "switch", "objective": "causal_lm", "flip": "rank1", "attrs": True},
+         verdict="FAIL", fails={"ranks": "non-tensor forward arguments"}, what="a keyword one rank switches alone",
+         confirmation=BATCH + ": rank 0's network over every rank's rows is not the fleet's"),
+    Case("attrs_rank1", "batch", {"kind": "switch", "objective": "causal_lm", "attrs": "rank1"},
+         verdict="FAIL", fails={"ranks": "plain attributes"}, what="an attribute one rank sets alone",
+         confirmation=BATCH + ": rank 0's network over every rank's rows is not the fleet's"),
+    Case("labels_unrecorded", "batch", {"kind": "switch", "objective": "causal_lm", "labels": "unrecorded", "steps": 1},
+         verdict="FAIL", fails={"gradient": "judged against input_ids"}, what="labels the model is not given, unrecorded"),
+    # torch.compile in four placements (backend "eager": dynamo's tracing, which crashed in the Recorder's hook)
+    *(Case(f"compile_{w}", "batch", {"kind": "switch", "objective": "causal_lm", "compile": w, "attrs": True,
+                                     "steps": 1}, holds={"gradient": "judged against input_ids"},
+           what=f"torch.compile ({w})", confirmation=BATCH) for w in ("outer", "inner", "block", "given")),
+    # ---------------------------------------------------------------- hf: the Hugging Face Trainer (hf_client's fields)
+    Case("clean", "hf", f"avg=1:selfcheck=32:{FIX}", holds={
+        **HF_CLEAN, "reduction": "on 32 sampled elements per tensor"},
+         what="HF's default average_tokens_across_devices=True; in-run checks"),
+    Case("clean_s1", "hf", f"avg=1:seed=1:eval=2:gc=1:{FIX}", holds=HF_CLEAN,
+         what="another seed, an eval every 2 steps, gradient checkpointing"),
+    Case("clean_s2", "hf", f"avg=1:seed=2:unused=1:{FIX}", holds=HF_CLEAN,
+         what="another seed, a parameter the forward never uses"),
+    Case("clean_bf16", "hf", f"avg=1:seed=3:bf16=1:{FIX}", holds={"gradient": "autocast floor"},
+         what="bf16=True: accelerate's CPU autocast around the forward"),
+    Case("stock", "hf", "avg=1", verdict="FAIL", fails={"gradient": (
+        "a scalar that changes from step to step", "one extra target per row"), "loss": ()}, may_fail=WRONG_GRADIENT,
+         what="HF's defaults with GPT2LMHeadModel as it comes (loss_type None: the unshifted labels counted)",
+         confirmation="the per-step factor fitted against the reference is N / (N + rows) by the recorded labels"),
+    Case("local", "hf", f"avg=0:selfcheck=32:{FIX}", verdict="FAIL", fails={
+        "gradient": "each rank normalised by its own token count", "loss": "mean of the ranks' own token means"},
+         may_fail=WRONG_GRADIENT, holds={"reduction": "on 32 sampled elements per tensor"},
+         what="average_tokens_across_devices=False"),
+    Case("mean_of_means", "hf", FIX, "mean_of_means", verdict="FAIL", fails={
+        "gradient": "mean of per-micro-batch token means", "loss": "mean of per-micro-batch token means"},
+         may_fail=WRONG_GRADIENT, what="HF's pre-fix (2024) gradient accumulation"),
+    # GA 3 so that W and K differ: the factor is named alone
+    Case("no_world_comp", "hf", f"ga=3:{FIX}", "no_world_comp", verdict="FAIL", fails={
+        "gradient": "= 1/W (W = 2 ranks, K = 3 micro-batches)", "loss": ()}, may_fail=WRONG_GRADIENT,
+         what="the loss's world-size compensation left out"),
+    Case("world_comp_x2", "hf", f"ga=3:{FIX}", "world_comp_x2", verdict="FAIL", fails={
+        "gradient": "= W (W = 2 ranks, K = 3 micro-batches)", "loss": ()}, may_fail=WRONG_GRADIENT,
+         what="... applied twice"),
+    Case("logged_rank_means", "hf", FIX, "logged_rank_means", verdict="FAIL", may_fail={},
+         fails={"loss": ("mean of the ranks' own token means", "not the training")},
+         what="the logged loss a mean of the ranks' token means"),
+    Case("unused_zero", "hf", f"unused=1:{FIX}", "unused_zero", verdict="FAIL", may_fail={},
+         fails={"grad_mask": "extra.bias, extra.weight had a gradient (all zeros)"},
+         what="zero gradients for an unused parameter"),
+    Case("flat", "hf", f"flat=1:{FIX}", what="packed sequences (DataCollatorWithFlattening, position_ids)",
+         confirmation="without the recorded config the reference attends across sequences and fails"),
+    Case("uneven", "hf", f"examples=18:steps=3:{FIX}", verdict="FAIL", fails={"data": (
+        "rows read at steps 1 and 3 are identical", "within epoch 0", "even_batches", "dataloader_drop_last")},
+         what="18 examples, global batch 8: an uneven end of the epoch"),
+    Case("uneven_two", "hf", f"examples=18:steps=6:{FIX}", verdict="FAIL", fails={"data": (
+        "rows read at steps 1 and 3 are identical", "within epoch 0", "even_batches", "dataloader_drop_last")},
+         what="... over two epochs"),
+    Case("uneven_drop", "hf", f"examples=18:steps=4:drop=1:{FIX}", what="dataloader_drop_last=True: two epochs of 16",
+         holds={"data": "within any of the loop's epochs (rec.step(epoch=...): 2 epoch(s), 32 reads"}),
+    Case("resume", "hf", (f"leg=1:{FIX}", f"leg=2:{FIX}"), what="a checkpoint after step 2, resumed to step 4",
+         holds={"replay": "across 1 resume(s)"}),
+    Case("resume_no_sched", "hf", (f"leg=1:{FIX}", f"leg=2:{FIX}"), "no_sched_file", verdict="FAIL", fails={"replay": (
+        "the resume loaded neither the optimizer's state (its lr, moments and step count start afresh) nor the lr "
+        "scheduler's")}, may_fail={}, what="... resumed without the scheduler file"),
+    # a tiny Qwen3-MoE (output_router_logits=True), one row a micro-batch: its load-balancing term over each
+    # forward's own routing, declared per forward; undeclared; declared over the global batch (hf_client)
+    Case("moe", "hf", "moe=1:bs=1:steps=2:scope=forward", what="an MoE model's per-forward balancing, declared",
+         holds={"gradient": "router_aux_loss_coef 0.5 x each forward's aux_loss", "independence": (
+             "declared per forward", "the step's 4 rows in 1 forward give a gradient")},
+         confirmation="the per-forward objective by hand, 10% or more from the global batch's"),
+    Case("moe_undeclared", "hf", "moe=1:bs=1:steps=1", verdict="FAIL", may_fail={}, fails={
+        "independence": "the rows of a forward interact: the step's 4 rows in 1 forward"}, what="... undeclared",
+         confirmation="the per-forward objective by hand"),
+    Case("moe_global", "hf", "moe=1:bs=1:steps=1:scope=step:objective=global", verdict="FAIL",
+         fails={"gradient": ("over each forward's own routing statistics",
+                             "not the declared objective over the whole step")}, what="... declared over the global batch",
+         confirmation="the per-forward objective by hand"),
+    # ---------------------------------------------------------------- lightning (lightning_client's fields)
+    Case("clean", "lightning", holds={"gradient": (), "replay": "bitwise", "loss": "equals the declared objective"},
+         confirmation=FIELD),
+    Case("rank_mean", "lightning", fault="rank_mean", verdict="FAIL", fails={
+        "gradient": "each rank normalised by its own token count", "loss": ()},
+         may_fail={"clip": (), "probe": "the loss is at fault"}, what="loss normalised per rank",
+         confirmation=FIELD + " with weights 1 / (W N_r)"),
+    Case("micro_mean", "lightning", fault="micro_mean", verdict="FAIL", fails={
+        "gradient": "mean of per-micro-batch token means", "loss": ()},
+         may_fail={"clip": (), "probe": "the loss is at fault"}, what="each micro-batch's own token mean",
+         confirmation=FIELD + " with weights 1 / (W K n_m)"),
+    Case("manual", "lightning", "mode=manual", holds={"clip": "equal the one-process gradient's"},
+         what="manual optimization, clipping after the reduce", confirmation=FIELD),
+    Case("clip_local", "lightning", fault="clip_local", verdict="FAIL",
+         fails={"clip": "clipping by a local norm", "gradient": ()}, what="each rank clipping before the all-reduce",
+         confirmation="the ranks' own norms by hand differ from the global gradient's"),
+    Case("inferred_len", "lightning", "infer_len=1:steps=2", holds={
+        "data": "within any of the loop's epochs (rec.step(epoch=...): 1 epoch(s), 16 reads"},
+         what="a pre-batched loader, dataset_len left unknown"),
+    # ---------------------------------------------------------------- trl: TRL and PEFT (trl_client's fields)
+    Case("lora", "trl", "trainer=hf:lora=1", what="PEFT LoRA under the Trainer", confirmation=TRL_HAND),
+    Case("sft", "trl", "trainer=sft", holds={"replay": "bitwise"}, what="SFTTrainer", confirmation=TRL_HAND),
+    Case("sft_completion", "trl", "trainer=sft:completion=1", holds={"replay": "bitwise"},
+         what="SFTTrainer, completion_only_loss", confirmation=TRL_HAND),
+    Case("sft_no_items", "trl", "trainer=sft", "no_items", verdict="FAIL", fails={
+        "gradient": "mean of per-micro-batch token means", "loss": ()}, may_fail={"clip": ()},
+         what="compute_loss dropping num_items_in_batch", confirmation=TRL_HAND + " with weights K / (W K n_m)"),
+    Case("sft_packing", "trl", "trainer=sft:pack=1", what="SFTTrainer(packing=True)",
+         confirmation="each packed sequence computed alone, by hand"),
+    Case("dpo", "trl", "trainer=dpo:steps=2", holds={"independence": "objective_scope='step'"},
+         what="DPOTrainer, declared per pair over the step", confirmation="fieldkit's own pair code"),
+    Case("dpo_sft", "trl", "trainer=dpo:dpo=sigmoid+sft:steps=2", verdict="FAIL", fails={"gradient": ()},
+         what="DPO's sft term: each micro-batch's own token mean",
+         confirmation="fieldkit's own pair code with the micro-batch-mean weighting"),
+    Case("padfree", "trl", "trainer=sft:pf=1:steps=2", what="padding_free=True", confirmation=TRL_HAND),
+    # ---------------------------------------------------------------- grpo: TRL's GRPOTrainer (grpo_client's fields)
+    Case("grpo", "grpo", "loss=grpo:steps=1", holds={"gradient": ()}, what="loss_type grpo", confirmation=GRPO_HAND),
+    Case("dapo", "grpo", "loss=dapo:steps=1", holds={"gradient": ()}, what="TRL's default, dapo",
+         confirmation=GRPO_HAND),
+    Case("bnpo", "grpo", "loss=bnpo:steps=1", verdict="FAIL", fails={
+        "gradient": "mean of per-micro-batch token means", "loss": ()}, may_fail={"clip": ()},
+         what="bnpo: normalised over each local batch by design", confirmation=GRPO_HAND),
+    Case("half", "grpo", "loss=dapo:steps=1", "half", verdict="FAIL", fails={"gradient": "times 0.5"},
+         what="dapo with its loss halved (the x 0.5 class of TRL PR #6024)", confirmation=GRPO_HAND),
+    # ---------------------------------------------------------------- accelerate: the field sweep's configurations
+    Case("clean", "accelerate", holds={"gradient": (), "replay": "bitwise"},
+         what="accumulate() with the global token count", confirmation=FIELD),
+    Case("micro_mean", "accelerate", fault="micro_mean", verdict="FAIL", fails={
+        "gradient": "mean of per-micro-batch token means", "loss": ()},
+         may_fail={"clip": (), "probe": "the loss is at fault"}, what="each micro-batch's own token mean",
+         confirmation=FIELD + " with weights 1 / (W K n_m)"),
+    Case("sched_prepared", "accelerate", fault="sched_prepared", verdict="FAIL", fails={"replay": "lr at step 2"},
+         may_fail={}, what="the lr scheduler through accelerator.prepare: stepped W times a step",
+         confirmation="the recorded lr at step 2 is the schedule's at index W"),
+    # ---------------------------------------------------------------- own: the gate's own fleet (GateSettings)
+    Case("mean_of_ranks_loss", "own", {"profile": "4x32,1x64", "steps": 3}, "mean_of_ranks_loss", verdict="FAIL",
+         fails={"loss": ("it is the mean of the ranks' own token means", "the logged loss is wrong, not the training")},
+         may_fail={}, what="the plain mean of the ranks' losses logged under two window lengths"),
+    Case("eval_wrong", "own", {"steps": 5}, "eval_wrong", verdict="FAIL", may_fail={},
+         fails={"gradref": "the logged eval loss is wrong: at step 5"}, what="an eval reporting a constant"),
+    Case("stale_weights", "own", {"steps": 4}, "stale_weights", verdict="FAIL", fails={"gradient": (), "curve": ()},
+         what="rank 1 computing one step on the previous step's weights",
+         confirmation="the curve's summary names the first failing check and step"),
+    Case("fsdp_stale_shard", "own", {"shard": "fsdp", "steps": 4}, "fsdp_stale_shard", verdict="FAIL",
+         fails={"gradient": (), "curve": ()}, what="an FSDP2 shard keeping last step's gradient",
+         confirmation="the curve's summary names the first failing check and step"),
 )

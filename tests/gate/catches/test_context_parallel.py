@@ -14,34 +14,20 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import casecheck
+import catalogue
 import looprec
 import pytest
 import torch
 import torch.nn.functional as F
-from looprec import failing
 from safetensors.torch import load_file
 
 import cp_loop
 
-CP_RUNS = {
-    "clean": {"seed": 0},  # torch's ring, contiguous, all-gather rotation
-    "clean_lb": {"order": "load_balanced", "rotate": "alltoall", "seed": 1},
-    "plain_lb": {"ring": "plain", "order": "load_balanced", "micro": 2, "seed": 2, "steps": 1},
-    "nn_gather": {"fault": "nn_gather", "ring": "plain", "seed": 3, "steps": 1},
-    "loss_avg": {"fault": "loss_avg", "seed": 4, "steps": 1},
-    "no_cp_reduce": {"fault": "no_cp_reduce", "seed": 5, "steps": 1},
-    "positions": {"fault": "positions", "seed": 6, "steps": 1},
-    "lb_order": {"fault": "lb_order", "ring": "plain", "order": "load_balanced", "seed": 7, "steps": 1},
-    "declared_order": {"fault": "declared_order", "order": "load_balanced", "seed": 8, "steps": 1},
-}
-CP_DP_RUNS = {
-    "clean": {"order": "load_balanced", "micro": 2, "seed": 10},
-    "no_cp_reduce": {"fault": "no_cp_reduce", "seed": 11, "steps": 1},  # reduced over DP only
-}
+cp = looprec.launched_fixture("cp", catalogue.runs("cp"), "cp_loop.py", 2)
+cp_dp = looprec.launched_fixture("cp_dp", catalogue.runs("cp_dp"), "cp_loop.py", 4)
 
-cp = looprec.launched_fixture("cp", CP_RUNS, "cp_loop.py", 2)
-cp_dp = looprec.launched_fixture("cp_dp", CP_DP_RUNS, "cp_loop.py", 4)
-
+RUN = catalogue.runs("cp")  # each row's cp_loop options, for this file's one-process computation
 BOUND = 1e-5  # the gate's float32 gradient bound (GRAD_RTOL); the clean runs' departures are stated below
 
 
@@ -92,18 +78,27 @@ def one_process(cfg: dict, world: int, positions: str = "global", loss: str = "t
     return {k: p.grad for k, p in model.named_parameters()}
 
 
+# ------------------------------------------------------------------------ the catalogue's rows
+
+@pytest.mark.parametrize("case", catalogue.of("cp"), ids=catalogue.ids("cp"))
+def test_the_verdict_on_two_ranks_is_the_catalogues(cp, case):
+    """Clean runs pass; each planted fault fails for its named cause (tests/support/catalogue.py)."""
+    casecheck.holds(cp[case.id], case)
+
+
+@pytest.mark.parametrize("case", catalogue.of("cp_dp"), ids=catalogue.ids("cp_dp"))
+def test_the_verdict_on_four_ranks_is_the_catalogues(cp_dp, case):
+    casecheck.holds(cp_dp[case.id], case)
+
+
 # ------------------------------------------------------------------------ clean runs
 
 @pytest.mark.parametrize("run", ["clean", "clean_lb", "plain_lb"])
-def test_a_clean_context_parallel_run_passes_on_two_ranks(cp, run):
-    v = looprec.verdict(cp[run])
-    assert v.passed, failing(v)
-    lay = v.check("layout")
-    order = CP_RUNS[run].get("order", "contiguous")
-    assert f"context parallel ({order} order along dim 1): 1 data-parallel replica(s) of 2 CP rank(s)" in lay.reason
+def test_a_clean_context_parallel_run_equals_one_process_on_two_ranks(cp, run):
+    v = looprec.verdict(cp[run])  # its row: PASS, the layout named
     assert v.check("gradient").worst < BOUND, v.check("gradient").reason
     # independently: both ranks' recorded gradient is the plain model's on the whole sequence
-    want = one_process(CP_RUNS[run], 2)
+    want = one_process(RUN[run], 2)
     for rank in (0, 1):
         assert worst(recorded(cp[run], rank), want) < BOUND
 
@@ -123,15 +118,10 @@ def test_the_leader_records_the_global_rows_and_the_peer_its_shard(cp):
 
 @pytest.mark.parametrize("run", ["clean", "no_cp_reduce"])
 def test_cp_by_dp_on_four_ranks(cp_dp, run):
-    v = looprec.verdict(cp_dp[run])
-    want = one_process(CP_DP_RUNS[run], 4)
+    want = one_process(catalogue.runs("cp_dp")[run], 4)  # its row: the verdict
     if run == "clean":
-        assert v.passed, failing(v)
-        assert "2 data-parallel replica(s) of 2 CP rank(s)" in v.check("layout").reason
         assert all(worst(recorded(cp_dp[run], r), want) < BOUND for r in range(4))
         return
-    looprec.fails_for(v, "layout", "it was not all-reduced over the CP group")
-    assert "CP group [0, 1]" in v.check("layout").reason
     # independently: the CP group's two gradients (each reduced over DP) sum to one process's
     g0, g1 = recorded(cp_dp[run], 0), recorded(cp_dp[run], 1)
     assert worst(g0, want) > 0.1
@@ -144,33 +134,24 @@ def test_the_non_contiguous_all_gather_gives_a_wrong_dk_which_the_loss_cannot_se
     """torch.distributed.nn.functional.all_gather on gloo (pytorch #192920): the attention's output, dQ and dV
     right, dK wrong. The logged loss passes; the gradient fails and the probe finds the gradient parting at
     the key projection's output."""
-    v = looprec.verdict(cp["nn_gather"])
-    assert v.check("loss").passed, v.check("loss").reason
-    looprec.fails_for(v, "gradient", "differs from one process's gradient")
-    looprec.fails_for(v, "probe", "the gradient flowing into the output of layers.1.attn.k departs")
+    # (its row: loss passes, gradient and probe fail, the key projection named)
     # independently: in the last layer only the key projection's gradient is wrong
-    want, got = one_process(CP_RUNS["nn_gather"], 2), recorded(cp["nn_gather"], 0)
+    want, got = one_process(RUN["nn_gather"], 2), recorded(cp["nn_gather"], 0)
     right = ["layers.1.attn.q.weight", "layers.1.attn.v.weight", "layers.1.attn.o.weight", "head.weight"]
     assert worst(got, want, right) < BOUND
     assert rel(got["layers.1.attn.k.weight"], want["layers.1.attn.k.weight"]) > 0.1
 
 
 def test_a_loss_averaged_over_the_cp_ranks_shard_means_fails_named_by_the_shards_token_counts(cp):
-    v = looprec.verdict(cp["loss_avg"])
-    looprec.fails_for(v, "gradient", "differs from one process's gradient")
-    looprec.fails_for(v, "probe", "the CP ranks backpropagate the model's output at different scales")
-    assert "each scale is 1 / its shard's own token count" in v.check("probe").reason, v.check("probe").reason
-    # independently: the fleet computed the mean of the shards' token means, not the token mean
+    # (its row: gradient and probe fail, the scales named) independently: the fleet computed the mean of
+    # the shards' token means, not the token mean
     got = recorded(cp["loss_avg"], 0)
-    assert worst(got, one_process(CP_RUNS["loss_avg"], 2)) > 1e-2
-    assert worst(got, one_process(CP_RUNS["loss_avg"], 2, loss="shard_means")) < BOUND
+    assert worst(got, one_process(RUN["loss_avg"], 2)) > 1e-2
+    assert worst(got, one_process(RUN["loss_avg"], 2, loss="shard_means")) < BOUND
 
 
 def test_gradients_not_all_reduced_over_the_cp_group_fail_named(cp):
-    v = looprec.verdict(cp["no_cp_reduce"])
-    looprec.fails_for(v, "layout", "it was not all-reduced over the CP group")
-    assert "the sum of the group's gradients is one process's gradient" in v.check("layout").reason
-    want = one_process(CP_RUNS["no_cp_reduce"], 2)
+    want = one_process(RUN["no_cp_reduce"], 2)
     g0, g1 = recorded(cp["no_cp_reduce"], 0), recorded(cp["no_cp_reduce"], 1)
     assert worst(g0, want) > 0.1 and worst({n: g0[n] + g1[n] for n in g0}, want) < BOUND
 
@@ -178,27 +159,18 @@ def test_gradients_not_all_reduced_over_the_cp_group_fail_named(cp):
 def test_positions_not_shifted_per_shard_fail_named_though_the_gradient_matches_its_rows(cp):
     """One process fed the recorded positions computes the fleet's gradient (the gradient check passes): only
     the positions say that every shard was encoded as the sequence's start."""
-    v = looprec.verdict(cp["positions"])
-    looprec.fails_for(v, "layout", "restart at every rank's shard")
-    assert "not shifted to each shard's place in the sequence" in v.check("layout").reason
     got = recorded(cp["positions"], 0)
-    assert worst(got, one_process(CP_RUNS["positions"], 2, positions="per_shard")) < BOUND
-    assert worst(got, one_process(CP_RUNS["positions"], 2)) > 1e-2
+    assert worst(got, one_process(RUN["positions"], 2, positions="per_shard")) < BOUND
+    assert worst(got, one_process(RUN["positions"], 2)) > 1e-2
 
 
 def test_load_balanced_keys_reassembled_in_rank_order_fail_named_at_the_attention(cp):
-    v = looprec.verdict(cp["lb_order"])
-    looprec.fails_for(v, "probe", "the first module whose forward output departs from one process's is "
-                                  "layers.0.attn.core")
-    assert not v.check("gradient").passed
-    assert worst(recorded(cp["lb_order"], 0), one_process(CP_RUNS["lb_order"], 2)) > 1e-2
+    assert worst(recorded(cp["lb_order"], 0), one_process(RUN["lb_order"], 2)) > 1e-2
 
 
 def test_a_load_balanced_cut_declared_contiguous_fails_named_by_the_positions(cp):
     """The fleet computed the right gradient; the declaration assembles another sequence for one process."""
-    v = looprec.verdict(cp["declared_order"])
-    looprec.fails_for(v, "layout", "the loop cut the sequence load_balanced and declared contiguous")
-    assert worst(recorded(cp["declared_order"], 0), one_process(CP_RUNS["declared_order"], 2)) < BOUND
+    assert worst(recorded(cp["declared_order"], 0), one_process(RUN["declared_order"], 2)) < BOUND
 
 
 # ------------------------------------------------------------------------ torch's float32 merge
