@@ -51,7 +51,7 @@ from dormouse.gate.record.launcher import torchrun
 VOCAB = 256
 KINDS = {"none": None, "full": {"sketch": 0, "every": 1}, "sketch": {"sketch": 256, "every": 1},
          "sketch_every10": {"sketch": 256, "every": 10},
-         # the same with the reference-free checks inside the run (Recorder(selfcheck=64)): their cost is this
+         # the same with the reference-free checks inside the run (RecordingSpec(selfcheck=64)): their cost is this
          # kind's step over sketch_every10's in the same rounds
          "sketch_every10_selfcheck": {"sketch": 256, "every": 10, "selfcheck": 64}}
 

@@ -190,7 +190,7 @@ CASES: tuple[Case, ...] = (
          what="rank 1 alone froze its BatchNorm"),
     Case("frozen_script", "ddp", {"freeze": ["pos.weight"]}, what="a parameter frozen by the script",
          confirmation="without the recorded freeze the reference trains pos.weight and grad_mask fails"),
-    Case("position_ids", "ddp", {"position_ids": True}, what="a forward keyword beyond Recorder(inputs=...)",
+    Case("position_ids", "ddp", {"position_ids": True}, what="a forward keyword beyond RecordingSpec(inputs=...)",
          confirmation="without the recorded position_ids the gradient check fails"),
     Case("left_pad", "ddp", {"left_pad": True}, verdict="FAIL",
          fails={"independence": "or on its padding (left padding with absolute positions)"},
@@ -301,7 +301,7 @@ CASES: tuple[Case, ...] = (
     Case("clip_local", "causes", fault="clip_local", verdict="FAIL", fails={"clip": "clipping by a local norm"},
          what="each rank clips by its local norm, then all-reduces"),
     Case("bf16_hook", "causes", {"bf16_hook": True, "max_grad_norm": 0.0}, verdict="FAIL",
-         fails={"gradient": ("all-reduced in bfloat16", "declare it, Recorder(wire='bf16')")},
+         fails={"gradient": ("all-reduced in bfloat16", "declare it, RecordingSpec(wire='bf16')")},
          confirmation="every recorded gradient is a bfloat16 value"),
     Case("bf16_wire", "causes", {"bf16_hook": True, "max_grad_norm": 0.0, "wire": "bf16"},
          holds={"gradient": "declared bf16 wire's bound", "bias": ()}, what="a bf16 wire declared",
@@ -492,7 +492,7 @@ CASES: tuple[Case, ...] = (
     # FSDP2's reduce_dtype bf16 on dp (the TP reductions stay float32): undeclared, then declared (one
     # micro-batch: FSDP2 accumulates no-sync micro-batches in the reduce dtype, which the wire does not cover)
     Case("reduce_bf16", "dp_tp", {"reduce_dtype": "bfloat16", "seed": 20, "steps": 1}, verdict="FAIL", fails={
-        "gradient": ("every element of the fleet's gradient is a bfloat16 value", "declare it, Recorder(wire='bf16')")},
+        "gradient": ("every element of the fleet's gradient is a bfloat16 value", "declare it, RecordingSpec(wire='bf16')")},
          holds={"loss": (), "layout": (), "replay": ()}, what="FSDP2's reduce_dtype bf16 on dp, undeclared",
          confirmation="every recorded gradient on the bf16 grid, a bf16 rounding from " + PLAIN),
     Case("reduce_bf16_wire", "dp_tp", {"reduce_dtype": "bfloat16", "wire": "bf16", "micro": 1, "rows": 4, "seed": 21,

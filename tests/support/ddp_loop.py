@@ -69,7 +69,7 @@ The judge's cause-naming knobs (tests/gate/catches/test_named_causes.py), cfg ke
                    micro-batch the same token count
   "short_last"     the run's last step reads K - 1 micro-batches (an epoch's short end); the loop's
                    normalisation is left as it is (micro_mean still divides by K there)
-  "wire"           Recorder(wire=...): "bf16" declares the bf16 wire (with "bf16_hook")
+  "wire"           RecordingSpec(wire=...): "bf16" declares the bf16 wire (with "bf16_hook")
 fault "wire_decay": (with "bf16_hook") the hook folds an extra weight decay into each rank's gradient before
                    compressing it, g_r += 0.05 W u |g_r| sign(p) (u = 2^-8): a bias inside the wire's bound
 and the fault
@@ -320,7 +320,7 @@ def run(cfg: dict) -> None:
                 for key, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
                     mb[key] = F.pad(mb[key], (0, extra), value=fill)
         if cfg["position_ids"]:  # each row's positions start at its length mod 3 (a forward keyword the gate
-            for mb in mbs:       # must record without being told: it is not among Recorder(inputs=...))
+            for mb in mbs:       # must record without being told: it is not among RecordingSpec(inputs=...))
                 t = mb["input_ids"].shape[1]
                 start = mb["attention_mask"].sum(1, keepdim=True) % 3
                 mb["position_ids"] = (torch.arange(t) + start).clamp(max=TLEN - 1)

@@ -1,5 +1,5 @@
 """A researcher's DDP (or FSDP2) loop recorded with the in-run checks on
-(Recorder(selfcheck=k)), for the follower and the reduction tests: loopmodel's
+(RecordingSpec(selfcheck=k)), for the follower and the reduction tests: loopmodel's
 TinyLM, K micro-batches a step, AdamW, clipping, each rank's loss sum and
 token count passed to rec.step. Run under torchrun (gloo) with `--plan PLAN`
 (a JSON list of runs, see RUN), one after another.
@@ -17,7 +17,7 @@ Faults, by each run's "fault" (the loop's own code, no patched module):
   fsdp_sum     (FSDP2) the gradient divide factor set to 1: the shards' reduce-scatter sums
 "hook": "bf16": ddp_loop's line-for-line copy of torch's bf16_compress_hook (gloo refuses torch's own);
   "wire": the Recorder's declared wire ("bf16" when that hook is meant)
-"stop": Recorder(stop_on_fail=True); the RecorderError it raises is caught and printed as
+"stop": RecordingSpec(stop_on_fail=True); the RecorderError it raises is caught and printed as
   "[rank R] stopped: ..." (one line), and the loop goes on to the plan's next run.
 "sleep": seconds each step sleeps (a slower fleet, as a real run's steps are).
 """

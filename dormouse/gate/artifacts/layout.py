@@ -35,7 +35,7 @@ INPUT = "in/"  # a micro-batch's inputs: in/{m}/{key}
 PARAM = "p/"  # the parameters before the step (the reference's replayed ones: REPLAY_PARAM)
 GRAD = "g/"  # the synchronised gradient the optimizer stepped on; in the reference, one process's
 BUFFER = "b/"  # the persistent buffers before the step
-SKETCHED_PARAM, SKETCHED_GRAD, SKETCHED_BUFFER = "ps/", "gs/", "bs/"  # a sketched recording's (Recorder(sketch=))
+SKETCHED_PARAM, SKETCHED_GRAD, SKETCHED_BUFFER = "ps/", "gs/", "bs/"  # a sketched recording's (RecordingSpec(sketch=))
 TP_INPUT = "tp/"  # a TP peer's (or a pipeline stage's, a CP rank's) own inputs, kept apart from its leader's
 PROBE_OUTPUT, PROBE_GRAD = "po/", "pg/"  # the probed modules' outputs and their gradients (record/probe.py)
 # The one-process reference's (reference/step{k}.safetensors; record/reference):
@@ -74,7 +74,7 @@ def alternative(name: str) -> str:
     return f"{name}/"
 
 
-# how a recorded loop's gradient reduce rounds (Recorder(wire=...)): "fp32", or "bf16" (every summand and
+# how a recorded loop's gradient reduce rounds (RecordingSpec(wire=...)): "fp32", or "bf16" (every summand and
 # partial sum rounded to bfloat16 on the wire: DDP's bf16_compress_hook, dormouse's reduce="bf16")
 WIRES = ("fp32", "bf16")
 
@@ -110,7 +110,7 @@ def step_done_path(out: Path, rank: int, step: int) -> Path:
     return rank_dir(out, rank) / f"step{step:06d}.done"
 
 
-# the reference-free checks' numbers in a step's tensors (Recorder(selfcheck=k)), every step, at the step's k
+# the reference-free checks' numbers in a step's tensors (RecordingSpec(selfcheck=k)), every step, at the step's k
 # sampled elements of each tensor (artifacts/selfcheck.py): each rank's local gradient before the reduce and
 # the sum of its contributions' magnitudes, its synchronised gradient (0 outside its shard under FSDP2), its
 # parameters and their checksum (replicas only)

@@ -308,7 +308,7 @@ class RecordingSet:
         t = self.step_tensors(rank, step)
         return t.get("ids")
 
-    # what a client keeps beside the run (Recorder(extra=...), Recorder.step(extra=...))
+    # what a client keeps beside the run (RecordingSpec(extra=...), Recorder.step(extra=...))
     @property
     def extra(self) -> dict:
         return self.spec.extra

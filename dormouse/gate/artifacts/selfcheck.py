@@ -1,5 +1,5 @@
 """The reference-free checks' one rule, on numbers a recording holds: the
-Recorder applies it inside the run (`Recorder(selfcheck=k)`, `stop_on_fail`)
+Recorder applies it inside the run (`RecordingSpec(selfcheck=k)`, `stop_on_fail`)
 and the judge applies it to the recording (judge/facts/reduction.py,
 `gate check --follow`); neither has a copy of its own.
 

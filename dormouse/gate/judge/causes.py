@@ -169,7 +169,7 @@ def describe_scalars(fits: list[tuple[int, float, float]], counts: list[dict[str
         return words + (f"; each scalar is min(1, {clip:.6g} / ||g||), one process's gradient norm at that step: the "
                         f"clip coefficients of a max_grad_norm of {clip:.6g}. The loop clipped before rec.step() "
                         "without telling the Recorder: pass the norm clip_grad_norm_ returned, "
-                        "rec.step(grad_norm=norm), and Recorder(max_grad_norm=...), so that the recorded gradient "
+                        "rec.step(grad_norm=norm), and RecordingSpec(max_grad_norm=...), so that the recorded gradient "
                         "is read as clipped")
     if not counts:
         return words

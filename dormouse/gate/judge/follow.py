@@ -12,7 +12,7 @@ since the step's last marker). What a step is judged by, with no reference:
 
 ranks       every rank's copy of what the replicas hold alike (the synchronised
             gradient, the clip, the lr; the parameters by hash), rank by rank
-reduction   (a recording made with Recorder(selfcheck=k)) each rank's
+reduction   (a recording made with RecordingSpec(selfcheck=k)) each rank's
             synchronised gradient against the reduction of the ranks' local
             gradients, the replicas' parameters, the logged loss against the
             ranks' loss sums and token counts (judge/facts/reduction.py)
@@ -157,7 +157,7 @@ def follow(out, *, start: int = 1, every: int = 1, wait: float = 600.0, poll: fl
         replicas = _replicas(recorded)
         if not replicas and not isinstance(metas[0].get("selfcheck"), dict):
             log(f"step {k}: NOT JUDGED (no replicas to compare rank by rank, and no in-run checks recorded: "
-                f"record with Recorder(selfcheck=k))  {lag}")
+                f"record with RecordingSpec(selfcheck=k))  {lag}")
         else:  # what the step was judged by, never a PASS: the step's gradient waits for the full check
             seen = (["ranks"] if replicas else []) + (["reduction", "loss"]
                                                       if isinstance(metas[0].get("selfcheck"), dict) else [])

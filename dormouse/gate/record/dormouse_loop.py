@@ -17,7 +17,7 @@ It enters train() only through its explicit hooks (dormouse.train.hooks):
                 check's exact example ids and the loop's own epochs, so text
                 that repeats in the corpus is not taken for a window read
                 twice; the ids are checked against the corpus's bytes
-                (Recorder(example_corpus=...)), not taken on trust
+                (RecordingSpec(example_corpus=...)), not taken on trust
     on_clipped  rec.step(loss, lr, clip_coef, grad_norm, example_ids, epoch): the gradient the
                 optimizer is about to apply, after the loop's clipping
                 (max_grad_norm = train.grad_clip; the loop's own norm and

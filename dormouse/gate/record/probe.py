@@ -1,6 +1,6 @@
 """The probe: where a parallel run parts from one process, module by module.
 
-At a probe step (Recorder(probe_steps=[...]); by default the first recorded
+At a probe step (RecordingSpec(probe_steps=[...]); by default the first recorded
 step) the Recorder records, for the step's FIRST micro-batch on every rank,
 every submodule's forward output (a forward hook, after the module's own and
 its parallel style's hooks: what the next module receives) and the gradient

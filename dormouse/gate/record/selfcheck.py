@@ -1,4 +1,4 @@
-"""The Recorder's reference-free checks inside the run (`Recorder(selfcheck=k)`):
+"""The Recorder's reference-free checks inside the run (`RecordingSpec(selfcheck=k)`):
 every step, at k numbers per tensor per rank, with no reference.
 
 - The reduction, element by element on k elements of each tensor drawn anew

@@ -75,7 +75,7 @@ def test_a_parameter_the_script_froze_is_frozen_in_the_reference(recordings, tmp
 
 def test_a_forward_keyword_beyond_the_inputs_is_recorded_and_passed(recordings, tmp_path):
     """position_ids (packed sequences' positions) reach the forward as a
-    keyword not named in Recorder(inputs=...): the Recorder keeps every tensor
+    keyword not named in RecordingSpec(inputs=...): the Recorder keeps every tensor
     keyword with the batch's rows, and the reference passes it, so the loop
     passes; with position_ids taken out of the recording the reference runs
     other positions and the gradient check fails."""

@@ -304,7 +304,7 @@ def _wire_figures(out: Path) -> tuple[float, float]:
 
 
 def test_a_declared_bf16_wire_is_judged_by_its_rounding_bound_and_a_bias_inside_it_fails(recordings):
-    """Recorder(wire='bf16'): the clean bf16-hook fleet passes, each element within W u sum_r |g_r| / T
+    """RecordingSpec(wire='bf16'): the clean bf16-hook fleet passes, each element within W u sum_r |g_r| / T
     (this file's own figure below 1); a hook that folds an extra weight decay of 0.05 W u |g_r| sign(p)
     into each rank's gradient passes the gradient check (inside the bound, by this file's figure) and
     fails the bias test, whose mean along sign(p) this file measures clearly positive; a float32 fleet

@@ -1,5 +1,5 @@
 """While the run trains, on real torchrun fleets (follow_loop.py, 2 gloo
-ranks, recorded with Recorder(selfcheck=64)), all in ONE launch:
+ranks, recorded with RecordingSpec(selfcheck=64)), all in ONE launch:
 
 - `dormouse gate check --follow` started beside the fleet: rank 1 scales its
   synchronised gradient by 1.01 from step 8 of 40 (each step slowed by a sleep,
@@ -120,7 +120,7 @@ def test_follow_passes_the_clean_loop_and_exits_0_when_it_closes(followed):
     assert all(": ranks, reduction, loss ok (no reference yet)  (lag " in x for x in lines)
     assert "the full check against the one-process reference decides:" in out and "gate verdict" in out and ": PASS" in out, out[-3000:]
     assert "[ok] reduction" in out and "[ok] ranks" in out, out[-3000:]
-    # the line claims what it read: Recorder(selfcheck=64) samples 64 elements of each tensor, not the whole gradient
+    # the line claims what it read: RecordingSpec(selfcheck=64) samples 64 elements of each tensor, not the whole gradient
     assert "[ok] reduction: on 64 sampled elements per tensor (drawn anew each step)" in out, out[-3000:]
 
 

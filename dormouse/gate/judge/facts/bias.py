@@ -1,6 +1,6 @@
 """Fact 3 under the bf16 wire: round-off, not a systematic error.
 
-bias       a recording that declares the bf16 wire (Recorder(wire="bf16");
+bias       a recording that declares the bf16 wire (RecordingSpec(wire="bf16");
            dormouse's fleet under reduce="bf16"): the fleet's differences from
            one process's gradient, scaled by their rounding bound
            W u sum_r |g_r| / T (the reference's sum over the ranks'

@@ -197,7 +197,7 @@ def check_data(rec: A.RecordingSet) -> Check:
     a loop that leaves more unread must pass epoch=.
 
     Ids are taken as given, unless the recording names the corpus they are
-    byte offsets into (Recorder(example_corpus=...), dormouse's own loop):
+    byte offsets into (RecordingSpec(example_corpus=...), dormouse's own loop):
     then every recorded row must be the corpus's bytes at its id first
     (_ids_against_corpus), so the ids describe what was read."""
     wrong, unverified = _ids_against_corpus(rec)

@@ -268,7 +268,7 @@ def _pass_reason(rec: A.RecordingSet, s: _Scan) -> str:
 
 
 def _off_grid_reason(s: _Scan) -> str:
-    return (f"the recording declares a bf16 wire (Recorder(wire='bf16')), but the fleet's gradient at step "
+    return (f"the recording declares a bf16 wire (RecordingSpec(wire='bf16')), but the fleet's gradient at step "
             f"{s.first_bad['step']}, unclipped, holds values that are not bfloat16 (float32 with nonzero low 16 "
             "bits): the gradient was not all-reduced in bfloat16, so the wire's looser bound does not apply; "
             "declare wire='fp32' (or the recording was edited: re-record)")
@@ -356,7 +356,7 @@ def _residual_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan, near_one:
                    "zero) at every step it was not clipped: the gradient was all-reduced in bfloat16 (a bf16 "
                    "compress hook, or FSDP2's reduce_dtype=torch.bfloat16), whose round-off (~4e-3 relative) "
                    "the float32 bound does not allow; "
-                   "declare it, Recorder(wire='bf16'), to judge it against that rounding's bound")
+                   "declare it, RecordingSpec(wire='bf16'), to judge it against that rounding's bound")
     elif not rec.sketch and not s.wire and precision_floor(rec, ref) is None and (lowp := bf16_tensors(rec)):
         # a float32 run (no autocast, cast or low-precision parameters, whose gradients are bf16 values)
         reason += (f"; the gradients of {len(lowp)} tensor(s) ({', '.join(lowp[:3])}"

@@ -1,5 +1,5 @@
 """Fact: the reduction, judged with no reference (a recording made with
-Recorder(selfcheck=k)).
+RecordingSpec(selfcheck=k)).
 
 reduction     at every step, each rank's synchronised gradient is the mean (or
               sum) of the ranks' local gradients, tensor by tensor, at the k
