@@ -65,12 +65,11 @@ class LitLM(pl.LightningModule):
 
 
 if __name__ == "__main__":
+    spec = RecordingSpec(build_model="lightning_train:build_model", build_optimizer="lightning_train:build_optimizer",
+                         objective="causal_lm", dataset_len=len(dataset()))
     trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=WORLD, max_steps=STEPS,
                          accumulate_grad_batches=ACCUM, gradient_clip_val=1.0, use_distributed_sampler=False,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False,
-                         callbacks=[LightningRecorder("runs/lightning",
-                                                     RecordingSpec(build_model="lightning_train:build_model",
-                                                                   build_optimizer="lightning_train:build_optimizer",
-                                                                   objective="causal_lm", dataset_len=len(dataset())), module="net")])
+                         callbacks=[LightningRecorder("runs/lightning", spec, module="net")])
     trainer.fit(LitLM(), train_dataloaders=torch.utils.data.DataLoader(micro_batches(), batch_size=None))

@@ -136,12 +136,12 @@ def fit(run: dict, out: Path) -> None:
     manual = run["mode"] in ("manual", "clip_local")
     items = fieldkit.step_batches(seed=run["seed"], world=world, rank=rank, k=run["k"], steps=run["steps"])
     loader = torch.utils.data.DataLoader(fieldkit.Listed(items), batch_size=None, shuffle=False)
-    callback = LightningRecorder(out / run["name"], RecordingSpec(build_model="loopmodel:build_model",
-                                                                  build_optimizer="loopmodel:build_optimizer", objective="causal_lm",
-                                                                  build_kwargs={"seed": run["seed"], "lr": LR},
-                                                                  max_grad_norm=run["clip"] if manual else None,
-                                                                  dataset_len=None if run["infer_len"] else len(items) * world * fieldkit.B), module="net", loss_key="step_loss",
-                                grad_norm_key="grad_norm" if manual else None)
+    spec = RecordingSpec(build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
+                         objective="causal_lm", build_kwargs={"seed": run["seed"], "lr": LR},
+                         max_grad_norm=run["clip"] if manual else None,
+                         dataset_len=None if run["infer_len"] else len(items) * world * fieldkit.B)
+    callback = LightningRecorder(out / run["name"], spec, module="net", loss_key="step_loss",
+                                 grad_norm_key="grad_norm" if manual else None)
     trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=world, max_steps=run["steps"],
                          accumulate_grad_batches=run["k"], gradient_clip_val=None if manual else run["clip"],
                          use_distributed_sampler=False, logger=False, enable_checkpointing=False,
