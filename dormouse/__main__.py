@@ -91,11 +91,13 @@ def _add_train_parser(sub) -> None:
                        if shown is not None else f"{text} (default: the config's)")
     t.add_argument("--out-dir", dest="out_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
     t.add_argument("--capacity", dest="dist_profile", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
-    t.add_argument("--resume", nargs="?", const=True, default=False, metavar="CKPT",
-                   help="continue from <out>'s checkpoint if there is one (any world size or sharding); "
-                        "--resume CKPT continues from that .pt file or .dcp directory instead, on every "
-                        "launch (under torchrun --max-restarts use plain --resume: a restart then continues "
-                        "from the newest checkpoint)")
+    resume = t.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", default=False,
+                        help="continue from <out>'s checkpoint if there is one (any world size or sharding; under "
+                             "torchrun --max-restarts a restart then continues from the newest checkpoint)")
+    resume.add_argument("--resume-from", default="", metavar="CKPT",
+                        help="continue from that .pt file or .dcp directory instead, on every launch (the name "
+                             "`dormouse gate` gives it too)")
     t.add_argument("--dist", action="store_true", default=argparse.SUPPRESS,
                    help="train as one rank of a fleet: only under torchrun, which it requires (under "
                         "torchrun a fleet is the default: a process torchrun starts is one rank of it)")
@@ -108,10 +110,10 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--tensorboard", default="", metavar="DIR",
                    help="write loss, lr, tokens/s and eval loss per step as TensorBoard events to DIR "
                         "(rank 0; needs the tracking extra; default: none)")
-    t.add_argument("--record", default="", metavar="DIR",
-                   help="record every step for the gate (dormouse.gate.Recorder: micro-batches, parameters, "
-                        "gradients, lr, loss; every rank into DIR/rank<r>/); judge it with "
-                        "`dormouse gate check --out DIR` (default: no recording)")
+    t.add_argument("--record", action="store_true",
+                   help="record every step for the gate into --out (dormouse.gate.Recorder: micro-batches, "
+                        "parameters, gradients, lr, loss; every rank into OUT/rank<r>/); judge it with "
+                        "`dormouse gate check --out OUT`, the same directory (default: no recording)")
     t.add_argument("--set", action="append", default=[], metavar="[model.|train.]FIELD=VALUE",
                    help="any ModelConfig or TrainConfig field, e.g. --set model.max_iter=3 "
                         "--set train.opt=adamw (a bare FIELD is a TrainConfig field)")
@@ -123,10 +125,10 @@ def run_from_args(args):
     flags = {field: getattr(args, field) for _, field, *_ in TRAIN_FLAGS if hasattr(args, field)}
     if getattr(args, "dist", False):
         flags["dist"] = True
-    if args.resume is True:
+    if args.resume:
         flags["resume"] = True
-    elif args.resume:
-        flags["resume_from"] = args.resume
+    elif args.resume_from:
+        flags["resume_from"] = args.resume_from
     return build_run(file=args.config, preset_name=args.preset, flags=flags, sets=args.set,
                      defaults=_cli_train_defaults())
 
@@ -138,15 +140,17 @@ def _train(args) -> int:
 
     torch.set_num_threads(args.threads)
     describe = f"config={args.config}" if args.config else f"preset={args.preset or 'tiny'}"
+    config = run_from_args(args)
     hooks = None
     if args.record:
         from dormouse.gate.record.dormouse_loop import LoopRecorder
 
-        hooks = LoopRecorder(args.record).hooks()
-    report = run(run_from_args(args), device=args.device, log_dir=args.log_dir, tensorboard=args.tensorboard,
+        hooks = LoopRecorder(config.train.out_dir).hooks()
+    report = run(config, device=args.device, log_dir=args.log_dir, tensorboard=args.tensorboard,
                  describe=describe, hooks=hooks)
     if args.record and report.get("rank", 0) == 0 and report["final_loss"] is not None:
-        print(f"recording in {args.record}: judge it with `dormouse gate check --out {args.record}`", flush=True)
+        out = config.train.out_dir
+        print(f"recording in {out}: judge it with `dormouse gate check --out {out}`", flush=True)
     return EXIT_OK
 
 

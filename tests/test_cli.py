@@ -74,7 +74,7 @@ def test_train_help_explains_the_options(tmp_path):
     proc = _cli("train", "--help", cwd=tmp_path)
     assert proc.returncode == 0
     for option in ("--config", "--preset", "--data", "--steps", "--batch", "--seq-len", "--lr", "--out",
-                   "--ckpt-every", "--resume", "--set", "--dist", "--profile", "--shard", "--reduce",
+                   "--ckpt-every", "--resume", "--resume-from", "--set", "--dist", "--profile", "--shard", "--reduce",
                    "--micro-batch", "--data-order", "--log-dir", "--tensorboard"):
         assert option in proc.stdout, option
     assert "tiny" in proc.stdout and "small" in proc.stdout  # the preset choices
@@ -304,7 +304,7 @@ def fleet_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     torchrun alone makes it a fleet; it records itself (--record) for the gate."""
     d = tmp_path_factory.mktemp("fleet")
     proc = _finish(_torchrun("-m", "dormouse", "train", *FLEET_ARGS, "--out", str(d / "run"),
-                             "--log-dir", str(d / "logs"), "--record", str(d / "rec"), cwd=d))
+                             "--log-dir", str(d / "logs"), "--record", cwd=d))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return d, proc
 
@@ -331,9 +331,9 @@ def test_the_fleets_recording_passes_the_recording_judge(fleet_run):
     from dormouse.gate.record.reference import make_reference
 
     d, proc = fleet_run
-    assert proc.stdout.count(f"judge it with `dormouse gate check --out {d / 'rec'}`") == 1
-    make_reference(d / "rec", log=lambda line: None)
-    v = judge_recording(d / "rec")
+    assert proc.stdout.count(f"judge it with `dormouse gate check --out {d / 'run'}`") == 1
+    make_reference(d / "run", log=lambda line: None)
+    v = judge_recording(d / "run")
     assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
     assert v.check("complete").reason.startswith("recording of 6 steps, 2 ranks")
     assert v.check("gradient").worst < 1e-6 and "bitwise at all 6 steps" in v.check("replay").reason
@@ -407,9 +407,9 @@ def test_a_sharded_fleets_dcp_checkpoint_samples_evaluates_and_resumes_alone(tmp
     head.write_bytes((tmp_path / "run" / "builtin_corpus.bin").read_bytes()[:8192])
     ev = _main("eval", "--ckpt", str(dcp), "--data", str(head), cwd=tmp_path)
     assert ev.returncode == 0 and "bits/byte" in ev.stdout and "whole file" in ev.stdout, ev.stderr
-    # --resume CKPT: a different out dir continues from the fleet's checkpoint, in one process
+    # --resume-from CKPT: a different out dir continues from the fleet's checkpoint, in one process
     res = _main("train", "--config", str(tmp_path / "run" / "run.json"), "--set", "train.dist=false",
-               "--steps", "3", "--resume", str(dcp), "--out", str(tmp_path / "alone"), cwd=tmp_path)
+               "--steps", "3", "--resume-from", str(dcp), "--out", str(tmp_path / "alone"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert f"resumed from {dcp} at step 2" in res.stdout and "step=3/3" in res.stdout
     # ... and a replicated fleet of 2 continues what that one process wrote

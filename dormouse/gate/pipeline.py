@@ -131,16 +131,6 @@ def raise_if_failed(v: Verdict) -> None:
 # --------------------------------------------------------------------------- the papermill runner
 
 
-def parse_value(text: str):
-    """papermill's -p conversion: int, float, True/False/None, else the string."""
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return {"True": True, "False": False, "None": None}.get(text, text)
-
-
 def notebook_parameters(path: Path) -> list[str]:
     """The names a notebook's `parameters` cell assigns."""
     import nbformat
@@ -289,15 +279,11 @@ def _cli() -> argparse.ArgumentParser:
     a = OneLineParser(
         prog="dormouse pipeline",
         description="Run notebooks 01-04 under papermill with the gate's settings (every `dormouse gate` "
-                    "flag, or -p NAME VALUE); executed copies, figures and verdict.json go to the out dir. "
+                    "flag: --world 3 --profile 4,2,1); executed copies, figures and verdict.json go to the out dir. "
                     "Exit 0 when the gate passes, 1 when it fails, 2 on bad input, 3 when a notebook crashed.")
     add_arguments(a, skip=("out",), given_only=True)
     a.add_argument("--out", dest="out", default=argparse.SUPPRESS,
                    help="artifact directory (default: <repository>/artifacts/gate)")
-    a.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                   help="a notebook parameter (papermill's conversion), e.g. -p world 3 -p profile 4,2,1")
-    a.add_argument("-r", "--raw", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                   help="a parameter kept as a string")
     a.add_argument("--executed", default=None,
                    help="where executed notebooks go (default artifacts/notebooks, or <out>/notebooks)")
     a.add_argument("--only", default="",
@@ -307,14 +293,15 @@ def _cli() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _cli().parse_args(argv)
+    try:
+        args = _cli().parse_args(argv)
+    except SystemExit as e:  # a bad flag: argparse printed its one line; its status is returned like any other
+        return int(e.code or 0)
     return command_status("pipeline", lambda: _main(args))
 
 
 def _main(args) -> int:
-    overrides = {k: parse_value(v) for k, v in args.parameter}
-    overrides.update({k: v for k, v in args.raw})
-    overrides.update({k: getattr(args, k) for k in FIELDS if hasattr(args, k)})
+    overrides = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
     if not args.quiet:
         import logging
 

@@ -24,7 +24,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 @pytest.fixture(scope="session")
 def gate_run(tmp_path_factory):
     """The whole pipeline at the defaults from a directory that is not the
-    repository: `cd elsewhere && python -m dormouse.gate.pipeline -p out <tmp>`.
+    repository: `cd elsewhere && python -m dormouse.gate.pipeline --out <tmp>`.
     Run once per session even under xdist: the workers share it through a
     flock. Read it, or work on gatekit.copy_of its out dir."""
     root = tmp_path_factory.getbasetemp()
@@ -35,7 +35,7 @@ def gate_run(tmp_path_factory):
     with produce.locked(base, "fixture"):
         if not result.exists():
             cwd.mkdir(parents=True)
-            r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "-p", "out", str(out)],
+            r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "--out", str(out)],
                                cwd=cwd, capture_output=True, text=True, env=ENV, timeout=500)
             atomic.write_text(result, json.dumps({"returncode": r.returncode, "stdout": r.stdout,
                                                   "stderr": r.stderr}))

@@ -1,7 +1,7 @@
 """dormouse's own trainer as a client of the Recorder (record/recorder.py):
 one recording format and one judge for every loop, this one included.
 
-    rec = LoopRecorder(out_dir)                  # e.g. `dormouse train --record DIR`
+    rec = LoopRecorder(out_dir)                  # e.g. `dormouse train --out DIR --record`
     train(model, run, hooks=rec.hooks())         # or train_dist(run, hooks=rec.hooks())
 
 It enters train() only through its explicit hooks (dormouse.train.hooks):

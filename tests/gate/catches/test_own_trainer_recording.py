@@ -1,5 +1,5 @@
 """dormouse's own trainer records through the public Recorder (issue 13):
-`dormouse train --record DIR` and `dormouse gate check --out DIR`, one
+`dormouse train --out DIR --record` and `dormouse gate check --out DIR`, one
 process here (the fleet's recording rides in test_own_fleet_faults.py's launches)."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def reasons(v) -> str:
 
 
 def test_dormouse_train_record_then_gate_check_passes_in_one_process(tmp_path, capsys):
-    rec = tmp_path / "rec"
-    assert main(["train", "--out", str(tmp_path / "run"), "--record", str(rec), *SMALL]) == 0
+    rec = tmp_path / "run"  # the run's own directory: checkpoints, run.json and the recording
+    assert main(["train", "--out", str(rec), "--record", *SMALL]) == 0
     assert "dormouse gate check --out" in capsys.readouterr().out
     assert main(["gate", "check", "--out", str(rec)]) == 0
     v = judge_recording(rec)
@@ -72,7 +72,7 @@ def test_record_refuses_a_resumed_run_without_its_first_steps(tmp_path, capsys):
     assert main(["train", "--out", out, "--steps", "1", "--set", "seq_len=16", "--set", "batch=1"]) == 0
     capsys.readouterr()
     status = main(["train", "--out", out, "--steps", "2", "--resume", "--set", "seq_len=16", "--set", "batch=1",
-                   "--record", str(tmp_path / "rec")])
+                   "--record"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and "resumed at step 1" in err[0] and "holds no recording" in err[0]
 

@@ -328,24 +328,24 @@ def test_notebook_kernels_listen_on_private_socket_files_not_tcp_ports():
 
 def test_pipeline_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
     # one case as the command a user types (a process of its own: its stderr and exit status) ...
-    r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "-p", "out", str(tmp_path), "-p", "world", "0"],
+    r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--out", str(tmp_path), "--world", "0"],
                        cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=120)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: "), r.stderr
     # ... the others through the same main(), in this process
-    for args in (["-p", "world", "two"], ["-p", "bogus", "1"], ["-p", "world", "2", "-p", "profile", "4,2,1"],
+    for args in (["--world", "two"], ["--bogus", "1"], ["--world", "2", "--profile", "4,2,1"],
                  ["--only", "05"]):
-        assert pipeline.main(["-p", "out", str(tmp_path), *args]) == 2, args
+        assert pipeline.main(["--out", str(tmp_path), *args]) == 2, args
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), (args, err)
     assert not (tmp_path / "notebooks").exists()  # nothing ran
 
 
 def test_pipeline_checks_its_overrides_against_the_profile_the_notebooks_run(tmp_path, capsys):
-    """-p micro_batch 4 does not divide the default profile's rank 1 batch (2):
+    """--micro-batch 4 does not divide the default profile's rank 1 batch (2):
     bad input, refused before any notebook runs (exit 2), as the notebooks
     themselves would refuse it."""
-    assert pipeline.main(["--quiet", "-p", "out", str(tmp_path), "-p", "micro_batch", "4"]) == 2
+    assert pipeline.main(["--quiet", "--out", str(tmp_path), "--micro-batch", "4"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: micro_batch = 4 is not allowed: it does not divide every rank's batch (4, 2)"), err
     assert not (tmp_path / "notebooks").exists()  # nothing ran
@@ -637,7 +637,7 @@ def test_pipeline_exits_1_and_the_notebook_fails_when_the_gate_fails(gate_run, t
     out = copy_of(gate_run[2], tmp_path / "out")
     plant_rank_params(out)
     r = subprocess.run([sys.executable, "-m", "dormouse.gate.pipeline", "--quiet", "--only", "04",
-                        "-p", "out", str(out)], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+                        "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"gate verdict for {out}: FAIL" in r.stdout and "[FAIL] ranks: rank 1's parameters" in r.stdout
     assert "[ok] curve:" in r.stdout
