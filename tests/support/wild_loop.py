@@ -21,6 +21,9 @@ Knobs (RUN keys):
                  clean loop whose masks are each rank's own draws
   "zero_labels"  rank 1 moves each micro-batch to its "device" (a copy) and zeroes the copy's labels there
                  before the forward: its loss trains every position (padding too) towards token 0
+  "loss_x"       {step (1-based, as a string): factor}: every rank backpropagates its loss times the factor at
+                 that step alone (the logged loss is right)
+  "sketch"       RecordingSpec(sketch=k): CountSketches of k numbers per tensor, not the full tensors
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from dormouse.gate import Recorder, RecordingSpec  # noqa: E402
 RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
        "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
-       "dropout": 0.0, "zero_labels": False}
+       "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0}
 
 
 class AuxLM(TinyLM):
@@ -89,7 +92,8 @@ def run(cfg: dict) -> None:
     net = torch.nn.parallel.DistributedDataParallel(model)
     opt, sched = build_optimizer(model, **kw)
     rec = Recorder(cfg["out"], net, RecordingSpec(build_model=builder, build_optimizer="loopmodel:build_optimizer",
-                                                  objective="causal_lm", max_grad_norm=cfg["max_grad_norm"], dataset_len=n, build_kwargs=kw))
+                                                  objective="causal_lm", max_grad_norm=cfg["max_grad_norm"],
+                                                  dataset_len=n, build_kwargs=kw, sketch=cfg["sketch"]))
     data = dataset(n, cfg["seed"])
     sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True,
                                                   seed=cfg["seed"], drop_last=True)
@@ -111,7 +115,7 @@ def run(cfg: dict) -> None:
                     logits = net(**mb)
                     loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), mb["labels"][:, 1:].reshape(-1),
                                                ignore_index=-100, reduction="sum")
-                    (loss_sum * world / n_global).backward()
+                    (loss_sum * world / n_global * cfg["loss_x"].get(str(s + 1), 1.0)).backward()
                 local_sum += loss_sum.detach()
             dist.all_reduce(local_sum)
             reported = local_sum / n_global

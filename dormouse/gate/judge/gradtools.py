@@ -15,6 +15,7 @@ from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge import causes as C
 from dormouse.gate.judge.bounds import BF16_UNIT_ROUNDOFF, GRAD_RTOL, RUN_MIN_RTOL, ZERO_RTOL, floor_bound
 from dormouse.gate.judge.metrics import factor_name, fit, rel
+from dormouse.gate.judge.precision import arithmetic_bound
 
 
 def fleet_grad(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
@@ -38,6 +39,22 @@ def run_tolerance(rec: A.RecordingSet, ref: ReferenceSet, ours: str, nudged: str
             top[n] = max(top.get(n, 0.0), rel({n: a[n]}, {n: b[n]}, [n]) if n in a else 0.0)
         out[k] = {n: floor_bound(x, RUN_MIN_RTOL) for n, x in top.items()}
     return out
+
+
+def param_tolerance(rec: A.RecordingSet, ref: ReferenceSet) -> dict[int, dict[str, float]]:
+    """Run mode's bound on each tensor of the parameters before each step (the replay's, and where the
+    gradient check asks whether the parameters still agree): run_tolerance of the replayed parameters, at
+    least the step's precision bound (in reduced precision a one-ulp nudge mostly vanishes in the cast, so
+    the run's own drift under-measures; a gradient's bound, so loose for parameters)."""
+    tol = run_tolerance(rec, ref, A.REPLAY_PARAM, A.NUDGED_PARAM)
+    return {k: {n: max(b, arithmetic_bound(rec, ref, RUN_MIN_RTOL, k)) for n, b in t.items()} for k, t in tol.items()}
+
+
+def params_agree(rec: A.RecordingSet, ref: ReferenceSet, k: int, tol: dict[int, dict[str, float]]) -> bool:
+    """Whether the fleet's parameters before step k are the one-process run's, each tensor within its own
+    bound (param_tolerance's tol)."""
+    a, b = rec.tensors_at(k, A.SKETCHED_PARAM if rec.sketch else A.PARAM), ref.tensors(k, A.REPLAY_PARAM)
+    return per_tensor(a, b, sorted(set(a) & set(b)), tol[k])[3] <= 1.0
 
 
 def per_tensor(a: dict, b: dict, names, tol: dict[str, float]) -> tuple[float, str | None, float, float]:

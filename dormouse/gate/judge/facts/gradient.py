@@ -51,6 +51,8 @@ from dormouse.gate.judge.gradtools import (
     made_up_gradient,
     never_reduced,
     off_the_bf16_grid,
+    param_tolerance,
+    params_agree,
     per_tensor,
     rank_mean_words,
     replicas,
@@ -177,6 +179,7 @@ class _Scan:
     factor_rtol: float = FACTOR_RTOL
     micro: int = 1
     stated: str = ""
+    param_tol: dict = field(default_factory=dict)  # run mode: param_tolerance, the replay's bound per tensor
 
 
 WHAT = "one process's gradient of the declared objective"
@@ -199,6 +202,7 @@ def _scan_rows(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> None:
     replaying), the fitted factor c and each alternative weighting's fit, and whether each alternative (and
     the rows merged, "gm") is far from the declared objective's own gradient."""
     s.alt_far = dict.fromkeys(s.alts, False)
+    s.param_tol = param_tolerance(rec, ref) if s.run else {}
     for row in s.rows:
         k = row["step"]
         g_ref = ref.tensors(k, A.GRAD)
@@ -211,9 +215,10 @@ def _scan_rows(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> None:
         s.ok = s.ok and row["ok"]
         if x > s.worst:
             s.worst, s.worst_k, s.worst_t = x, k, row["tensor"]
-        # a constant factor is named from steps at the same parameters (all of them when replaying)
-        if s.run and rel(rec.tensors_at(k, A.SKETCHED_PARAM if rec.sketch else A.PARAM), ref.tensors(k, A.REPLAY_PARAM)) > \
-                step_bound(rec, ref, k):
+        # a constant factor is named from steps at the same parameters (all of them when replaying): each
+        # tensor within the replay's own bound on it (a sketched AdamW run's parameters drift past the
+        # gradient's bound before any fault, and the fault's own step was taken for a step between)
+        if s.run and not params_agree(rec, ref, k, s.param_tol):
             continue
         s.fits.append(fit(g, g_ref, names))
         s.fitted.append(k)
@@ -508,5 +513,3 @@ def check_grad_mask(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                                              "where one process has one")
     return Check("grad_mask", True, "the parameters with a gradient are the ones one process gives a gradient, "
                                     "at every step")
-
-

@@ -28,11 +28,9 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import (
     FLOOR_MULTIPLE,
-    RUN_MIN_RTOL,
     sketch_detection,
 )
-from dormouse.gate.judge.gradtools import per_tensor, run_tolerance
-from dormouse.gate.judge.precision import arithmetic_bound
+from dormouse.gate.judge.gradtools import param_tolerance, per_tensor
 from dormouse.gate.judge.metrics import rel
 from dormouse.gate.judge.verdict import Check
 
@@ -79,11 +77,7 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
             return Check("replay", False, f"the loop's lr at step {k} is {lr:.6g} where its scheduler, replayed, "
                                           f"gives {want:.6g}")
     if ref.meta.get("mode") == "run":
-        tol = run_tolerance(rec, ref, A.REPLAY_PARAM, A.NUDGED_PARAM)
-        # reduced precision: a one-ulp nudge mostly vanishes in the cast, so the run's own drift
-        # under-measures; each step's precision bound (a gradient's, so loose for parameters) instead
-        tol = {k: {n: max(b, arithmetic_bound(rec, ref, RUN_MIN_RTOL, k)) for n, b in t.items()}
-               for k, t in tol.items()}
+        tol = param_tolerance(rec, ref)
         worst, at, name, ok = (0.0, 0.0), None, None, True
         pre = A.SKETCHED_PARAM if rec.sketch else A.PARAM
         for k in rec.tensor_steps():
