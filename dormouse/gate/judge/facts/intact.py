@@ -15,7 +15,7 @@ from dormouse.gate.judge.verdict import Check
 
 
 def _state_at_step(t: dict) -> dict:
-    """What the Recorder hashed at a step: the parameters by their names, the buffers as "b/<name>"
+    """What the Recorder hashed at a step: the parameters by their names, the buffers as A.BUFFER + name
     (a sketched step: the parameter sketches by their names)."""
     full = A.prefixed(A.PARAM, t)
     if full:
