@@ -172,12 +172,7 @@ class Capture:
         return None
 
     def labels(self, labels) -> None:
-        """The labels the loop's loss compares the LAST forward's outputs with,
-        where the model is not given them (the loop passes only input_ids to
-        the model and calls its loss on logits and labels): call once per
-        micro-batch, after its forward. The built-in objectives read them
-        instead of the input ids; a declared fn finds them as
-        batch["loss_labels"] (never passed to the forward)."""
+        """The labels of the LAST forward's loss, kept with its micro-batch (Recorder.labels says when)."""
         if not self.batches:
             raise RecorderError("rec.labels() with no forward recorded since the last rec.step(): call it after "
                                 "the micro-batch's forward in training mode, with the labels its loss reads")
@@ -191,13 +186,8 @@ class Capture:
         batch[LOSS_LABELS] = labels.detach().cpu().clone()
 
     def beside(self, **tensors) -> None:
-        """What the loop's loss reads beside the LAST forward's inputs, one row per
-        row (an RL loss's advantages, old log-probabilities): kept with that
-        micro-batch under the names given, never passed to the forward, for a
-        declared objective fn(model, batch) to read as batch[name]. Call once per
-        micro-batch, after its forward. The rows go with the batch's rows (fact 1's
-        rows alone, the merged forward), so a per-position tensor must have the
-        forward's length (its second dimension), aligned with its input ids."""
+        """What the LAST forward's loss reads beside its inputs, kept with its micro-batch under the names
+        given, one row per row (Recorder.beside says what for)."""
         if self.objective in OBJECTIVES:
             raise RecorderError(f"rec.beside() with the built-in objective {self.objective!r}, which reads "
                                 "only the batch's labels: declare objective='pkg.mod:fn' reading batch[name]")
