@@ -29,7 +29,6 @@ def _row_ids(batch: dict[str, torch.Tensor]) -> list[str]:
     return _row_hashes(batch)
 
 
-
 def _row_hashes(batch: dict[str, torch.Tensor]) -> list[str]:
     """A sha1 of each row's tokens (input_ids where attention_mask is 1)."""
     ids = batch.get("input_ids", batch.get("arg0"))
@@ -41,7 +40,6 @@ def _row_hashes(batch: dict[str, torch.Tensor]) -> list[str]:
         row = ids[i] if mask is None else ids[i][mask[i].bool()]
         out.append(hashlib.sha1(row.to(torch.int64).contiguous().numpy().tobytes()).hexdigest())
     return out
-
 
 
 def _identical_ranks(rec: A.RecordingSet, k: int) -> tuple[tuple[int, int], int] | None:
@@ -56,7 +54,6 @@ def _identical_ranks(rec: A.RecordingSet, k: int) -> tuple[tuple[int, int], int]
             return (seen[rows], r), len(rows)
         seen[rows] = r
     return None
-
 
 
 def _reads(rec: A.RecordingSet, k: int) -> tuple[list[tuple[int, list[str]]], bool]:
@@ -104,7 +101,6 @@ def _labels_apart(rec: A.RecordingSet) -> str | None:
             f"the labels were altered on rank {', '.join(map(str, apart))} alone (zeroed or overwritten on that "
             "rank's device copy?) and the fleet trained towards them; the gate's one process reads the labels the "
             "forward got, so every other check takes them as given")
-
 
 
 def _ids_against_corpus(rec: A.RecordingSet) -> tuple[str | None, str]:
@@ -161,18 +157,81 @@ def _ids_against_corpus(rec: A.RecordingSet) -> tuple[str | None, str]:
     return None, ""
 
 
-
 EVEN_BATCHES = ("a read twice is what HF's Trainer does at an uneven end of an epoch: accelerate's even_batches "
                 "fills the last step's batch on every rank with the epoch's first examples, which one process "
                 "does not read again (dataloader_drop_last=True, or a dataset that divides by the global batch, "
                 "trains each example once an epoch)")
 
 
-
 IDENTICAL = ("the data check identifies examples by a hash of their tokens, so identical rows (duplicates in "
              "the dataset) cannot be told from one example read twice: identical rows: pass example_ids=... to "
              "rec.step (the sampler's indices) to tell them apart")
 
+
+def _identical_words(k: int, same) -> str:
+    """Two ranks whose rows at step k are identical though the loop's ids differ."""
+    (q, r), rows = same
+    return (f"at step {k} ranks {q} and {r} read identical rows, token for token (all "
+            f"{rows} of them, in order), though the example ids the loop gave differ: "
+            "every rank read the same data (no DistributedSampler?) and the ids do not "
+            "describe the reads; only a dataset that repeats every one of those rows, in "
+            "that order, under other ids would read so")
+
+
+def _twice_in_step(k: int, e: str, q: int, r: int, whole: tuple, groups, exact: bool, replayed: bool) -> str:
+    """Example e, read at step k by rank q and again by rank r (r = q: one rank twice), in words."""
+    if not replayed:
+        return f"at step {k} ranks {q} and {r} read identical rows (equal tokens); {IDENTICAL}"
+    if q != r:
+        if exact and tuple(dict(groups)[q]) != whole:
+            return (f"at step {k} example {e.removeprefix('id:')} was read by ranks {q} and {r}: the ranks' reads "
+                    "overlap (each rank must read its own share: a DistributedSampler, or shards of the data)")
+        ident = "" if exact else " (all its rows, in order: the same step's reads)"
+        return (f"at step {k} an example was read by ranks {q} and {r}{ident}: every rank read the same data (no "
+                "DistributedSampler?)")
+    return f"at step {k} an example was read by rank {r} twice in one step"
+
+
+def _read_twice(k: int, groups, exact: bool, cur: dict, cur_groups: set, epoch: int, src: str) -> str | None:
+    """The first example step k reads twice: by two ranks, by one rank twice, or again within the epoch
+    (`cur`: id -> the step that read it, `cur_groups` the epoch's whole reads; `src` what the epochs are)."""
+    seen: dict[str, int] = {}  # id -> rank, within this step
+    step_groups: dict[tuple[str, ...], int] = {}
+    for r, ids in groups:
+        whole = tuple(ids)
+        replayed = exact or whole in step_groups or whole in cur_groups
+        for e in ids:
+            if e in seen:
+                return _twice_in_step(k, e, seen[e], r, whole, groups, exact, replayed)
+            if e in cur:
+                if not replayed:
+                    return (f"rows read at steps {cur[e]} and {k} are identical (equal tokens) within epoch "
+                            f"{epoch}; {EVEN_BATCHES}; {IDENTICAL}")
+                return f"an example was read twice within epoch {epoch} (steps {cur[e]} and {k}, {src})"
+            seen[e] = r
+        step_groups[whole] = r
+    return None
+
+
+def _passed_words(rec: A.RecordingSet, all_exact: bool, unverified: str, epochs: list, reads: int, n: int) -> str:
+    """The pass: how examples were identified, and which epochs the once-per-epoch check held to."""
+    how = "by the example ids given" if all_exact else "by their tokens' hash (no example_ids given)"
+    if all_exact and rec.spec.example_corpus:
+        how += f" ({unverified})" if unverified else ", every row the corpus's bytes at its id"
+    given = ("" if all_exact and rec.spec.example_corpus and not unverified else
+             "; the rows are taken as given: the gate judges the rows that reached the model's forward, not "
+             "what the dataset holds (a collator that alters them on one rank is not seen)")
+    if all(e is not None for e in epochs):
+        return (f"no example was read by two ranks in any step, none twice within any of the "
+                f"loop's epochs (rec.step(epoch=...): {len(set(epochs))} epoch(s), {reads} reads; "
+                f"examples identified {how}){given}")
+    if not n:
+        return (f"no example was read by two ranks in any step (examples identified {how}); "
+                "dataset_len unknown and no rec.step(epoch=...): the once-per-epoch check was "
+                f"skipped{given}")
+    return (f"no example was read by two ranks in any step, none twice within an epoch of at "
+            f"most {n} examples ({reads} reads; epochs inferred from dataset_len: a new one at "
+            f"the first step that would pass it; examples identified {how}){given}")
 
 
 def check_data(rec: A.RecordingSet) -> Check:
@@ -209,6 +268,7 @@ def check_data(rec: A.RecordingSet) -> Check:
     n = rec.spec.dataset_len
     epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
     given_epochs = all(e is not None for e in epochs)
+    src = "the loop's epochs" if given_epochs else f"dataset_len {n}"
     all_exact, reads = True, 0
     cur: dict[str, int] = {}  # id -> step, within the current epoch
     cur_groups: set[tuple[str, ...]] = set()
@@ -218,12 +278,7 @@ def check_data(rec: A.RecordingSet) -> Check:
         all_exact = all_exact and exact
         same = _identical_ranks(rec, k) if exact else None
         if same:  # ids given: they never overrule the tokens
-            (q, r), rows = same
-            return Check("data", False, f"at step {k} ranks {q} and {r} read identical rows, token for token (all "
-                                        f"{rows} of them, in order), though the example ids the loop gave differ: "
-                                        "every rank read the same data (no DistributedSampler?) and the ids do not "
-                                        "describe the reads; only a dataset that repeats every one of those rows, in "
-                                        "that order, under other ids would read so")
+            return Check("data", False, _identical_words(k, same))
         step_n = sum(len(ids) for _, ids in groups)
         reads += step_n
         if given_epochs:
@@ -234,36 +289,9 @@ def check_data(rec: A.RecordingSet) -> Check:
             cur, cur_groups, cur_reads = {}, set(), 0
         elif cur_reads and cur_reads + step_n > n:
             cur, cur_groups, cur_reads, epoch = {}, set(), 0, epoch + 1
-        seen: dict[str, int] = {}  # id -> rank, within this step
-        step_groups: dict[tuple[str, ...], int] = {}
-        for r, ids in groups:
-            whole = tuple(ids)
-            replayed = exact or whole in step_groups or whole in cur_groups
-            for e in ids:
-                if e in seen:
-                    if not replayed:
-                        return Check("data", False, f"at step {k} ranks {seen[e]} and {r} read identical rows "
-                                                    f"(equal tokens); {IDENTICAL}")
-                    if seen[e] != r:
-                        if exact and tuple(dict(groups)[seen[e]]) != whole:
-                            return Check("data", False, f"at step {k} example {e.removeprefix('id:')} was read by "
-                                                        f"ranks {seen[e]} and {r}: the ranks' reads overlap (each "
-                                                        "rank must read its own share: a DistributedSampler, or "
-                                                        "shards of the data)")
-                        ident = "" if exact else " (all its rows, in order: the same step's reads)"
-                        return Check("data", False, f"at step {k} an example was read by ranks {seen[e]} and {r}"
-                                                    f"{ident}: every rank read the same data (no "
-                                                    "DistributedSampler?)")
-                    return Check("data", False, f"at step {k} an example was read by rank {r} twice in one step")
-                if e in cur:
-                    if not replayed:
-                        return Check("data", False, f"rows read at steps {cur[e]} and {k} are identical (equal "
-                                                    f"tokens) within epoch {epoch}; {EVEN_BATCHES}; {IDENTICAL}")
-                    src = "the loop's epochs" if given_epochs else f"dataset_len {n}"
-                    return Check("data", False, f"an example was read twice within epoch {epoch} (steps {cur[e]} "
-                                                f"and {k}, {src})")
-                seen[e] = r
-            step_groups[whole] = r
+        found = _read_twice(k, groups, exact, cur, cur_groups, epoch, src)
+        if found:
+            return Check("data", False, found)
         for r, ids in groups:
             for e in ids:
                 cur[e] = k
@@ -272,20 +300,4 @@ def check_data(rec: A.RecordingSet) -> Check:
         if given_epochs and n and cur_reads > n:
             return Check("data", False, f"epoch {ep} read {cur_reads} examples by step {k}, more than dataset_len "
                                         f"{n}")
-    how = "by the example ids given" if all_exact else "by their tokens' hash (no example_ids given)"
-    if all_exact and rec.spec.example_corpus:
-        how += f" ({unverified})" if unverified else ", every row the corpus's bytes at its id"
-    given = ("" if all_exact and rec.spec.example_corpus and not unverified else
-             "; the rows are taken as given: the gate judges the rows that reached the model's forward, not "
-             "what the dataset holds (a collator that alters them on one rank is not seen)")
-    if given_epochs:
-        return Check("data", True, f"no example was read by two ranks in any step, none twice within any of the "
-                                   f"loop's epochs (rec.step(epoch=...): {len(set(epochs))} epoch(s), {reads} reads; "
-                                   f"examples identified {how}){given}")
-    if not n:
-        return Check("data", True, f"no example was read by two ranks in any step (examples identified {how}); "
-                                   "dataset_len unknown and no rec.step(epoch=...): the once-per-epoch check was "
-                                   f"skipped{given}")
-    return Check("data", True, f"no example was read by two ranks in any step, none twice within an epoch of at "
-                               f"most {n} examples ({reads} reads; epochs inferred from dataset_len: a new one at "
-                               f"the first step that would pass it; examples identified {how}){given}")
+    return Check("data", True, _passed_words(rec, all_exact, unverified, epochs, reads, n))
