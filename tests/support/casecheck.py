@@ -57,12 +57,13 @@ def refused(out: Path, case: Case) -> None:
 _JUDGED: dict = {}
 
 
-def judged(out: Path):
-    """The verdict on the recording in `out` whose reference its client made already (cached)."""
-    from dormouse.gate.judge.entry import judge_recording
+def judged(out: Path, *, fleet: bool = False):
+    """The verdict on the recording in `out` whose references are made already (cached): a Recorder's
+    recording, or (fleet) a run of the gate's own fleet."""
+    from dormouse.gate.judge.entry import judge, judge_recording
 
     if str(out) not in _JUDGED:
-        _JUDGED[str(out)] = judge_recording(out)
+        _JUDGED[str(out)] = judge(out) if fleet else judge_recording(out)
     return _JUDGED[str(out)]
 
 

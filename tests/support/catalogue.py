@@ -133,6 +133,8 @@ FLEETS: dict[str, Fleet] = {f.name: f for f in (
     Fleet("own", "dormouse.gate (fleet_faults.py)", 2, "dormouse's own trainer under the gate's own fleet "
           "(GateSettings), each run with a fault of fleet_faults.py", "test_own_fleet_logged_loss_and_stale_weights.py",
           fault_key=None),
+    Fleet("configs", "dormouse.gate", 2, "dormouse's own trainer under the gate's own fleet at configurations "
+          "other than the tiny fixture", "test_own_fleet_configs.py", fault_key=None),
     Fleet("titan", "titan_loop.py", 2, "torchtitan's own llama and TP plan, TP 2 on 2 gloo ranks", "test_torchtitan.py"),
     Fleet("titan_2d", "titan_loop.py", 4, "torchtitan's llama, FSDP2 x TP (fsdp 2 x tp 2) on 4 gloo ranks",
           "test_torchtitan.py"),
@@ -684,4 +686,12 @@ CASES: tuple[Case, ...] = (
     Case("fsdp_stale_shard", "own", {"shard": "fsdp", "steps": 4}, "fsdp_stale_shard", verdict="FAIL",
          fails={"gradient": (), "curve": ()}, what="an FSDP2 shard keeping last step's gradient",
          confirmation="the curve's summary names the first failing check and step"),
+    # ---------------------------------------------------------------- configs: the gate's own fleet, other configurations
+    Case("small", "configs", {"preset": "small", "steps": 2, "profile": "1,1"},
+         what="the small preset's network (d_model 256) on one window per rank"),
+    Case("file", "configs", {"config": "run.json", "steps": 6, "profile": "3,1"},
+         what="a RunConfig file written by hand: Engram off, the block applied three times"),
+    Case("data", "configs", {"data": "text.txt", "steps": 4, "profile": ""}, what="the user's own corpus, read in place"),
+    *(Case(f"seed{k}", "configs", {"seed": k, "steps": 6}, what="a clean fixture run at another seed")
+      for k in range(1, 4)),
 )

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import casecheck
+import catalogue
 import pytest
+from gatekit import fleets, references
 
 from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.gate.artifacts import GRADREF, GateReferences, RecordingSet
-from dormouse.gate.judge.entry import judge
 from dormouse.gate.settings import GateSettings
-from gatekit import fleets, references
 
-SEEDS = range(1, 4)
+FILES = ("config", "data")  # the settings whose row names a file the fixture writes
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +30,9 @@ def runs(tmp_path_factory):
     text = base / "text.txt"
     text.write_bytes(b"".join(p.read_bytes() for p in sorted((base.parents[2]).glob("*.txt")))
                      or bytes(range(256)) * 40)
-    plan = {
-        # the small preset's network (d_model 256) on one window per rank: its size is the point
-        "small": GateSettings(out=str(base / "small"), preset="small", steps=2, profile="1,1"),
-        "file": GateSettings(out=str(base / "file"), config=str(base / "run.json"), steps=6, profile="3,1"),
-        "data": GateSettings(out=str(base / "data"), data=str(text), steps=4, profile=""),
-        **{f"seed{k}": GateSettings(out=str(base / f"seed{k}"), seed=k, steps=6) for k in SEEDS},
-    }
+    plan = {c.id: GateSettings(out=str(base / c.id), **{k: str(base / v) if k in FILES else v
+                                                        for k, v in c.config.items()})
+            for c in catalogue.of("configs")}  # the small preset's row: its size is the point
     plan = {k: dataclasses.replace(s, resume_world=0).validate() for k, s in plan.items()}
     fleets(list(plan.values()))
     for s in plan.values():
@@ -48,32 +45,24 @@ def run_of(s) -> dict:
     return RecordingSet(s.out_dir).meta["build_kwargs"]["run"]
 
 
-def verdict(runs, name):
-    v = judge(runs[name].out_dir)
-    assert v.passed, "\n".join(f"{c.name}: {c.reason}" for c in v.checks)
-    return v
+@pytest.mark.parametrize("case", catalogue.of("configs"), ids=catalogue.ids("configs"))
+def test_the_verdict_is_the_catalogues(runs, case):
+    """Every configuration passes (tests/support/catalogue.py, the "configs" rows)."""
+    casecheck.gives(casecheck.judged(runs[case.id].out_dir, fleet=True), case)
 
 
-def test_the_small_preset_passes_the_gate(runs):
-    verdict(runs, "small")
+def test_the_small_preset_is_built_at_its_size(runs):
     assert run_of(runs["small"])["model"]["d_model"] == 256
 
 
-def test_a_runconfig_file_with_engram_off_and_three_iterations_passes_the_gate(runs):
-    verdict(runs, "file")
+def test_a_runconfig_file_with_engram_off_and_three_iterations_is_what_the_fleet_trained(runs):
     model = run_of(runs["file"])["model"]
     assert model["engram_rows"] == 0 and model["max_iter"] == 3
     assert GateReferences(runs["file"].out_dir).meta(GRADREF)["profile"] == [[3, 32], [1, 32]]  # the file's window
 
 
 def test_the_users_corpus_is_read_in_place(runs):
-    verdict(runs, "data")
     assert run_of(runs["data"])["train"]["data"] == runs["data"].data
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_clean_fixture_runs_pass_for_every_seed(runs, seed):
-    verdict(runs, f"seed{seed}")
 
 
 # `dormouse pipeline --config` on the run.json a `dormouse train` wrote: tests/gate/catches/test_own_fleet_bf16_model.py
