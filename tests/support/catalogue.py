@@ -111,6 +111,8 @@ FLEETS: dict[str, Fleet] = {f.name: f for f in (
           "test_named_causes.py", {"steps": 2, "micro": 2}),
     Fleet("precision", "ddp_loop.py", 2, "DDP under bfloat16/float16 autocast, 2 gloo ranks, 3 micro-batches a step",
           "test_reduced_precision_loops.py", {"steps": 3}),
+    Fleet("autocast", "ddp_loop.py", 2, "DDP under bfloat16 autocast and FSDP2 mixed precision, 2 gloo ranks, 3 "
+          "micro-batches a step", "test_autocast_loops.py", {"steps": 3}),
     Fleet("cp", "cp_loop.py", 2, "context parallel: CP 2 on 2 gloo ranks (torch's ring or a plain one)",
           "test_context_parallel.py"),
     Fleet("cp_dp", "cp_loop.py", 4, "context parallel: CP 2 x DP 2 on 4 gloo ranks", "test_context_parallel.py"),
@@ -694,4 +696,27 @@ CASES: tuple[Case, ...] = (
     Case("data", "configs", {"data": "text.txt", "steps": 4, "profile": ""}, what="the user's own corpus, read in place"),
     *(Case(f"seed{k}", "configs", {"seed": k, "steps": 6}, what="a clean fixture run at another seed")
       for k in range(1, 4)),
+    # ---------------------------------------------------------------- autocast: bfloat16 autocast, FSDP2 mixed precision
+    Case("clean", "autocast", AC, holds={"gradient": ("autocast floor", "bfloat16 autocast"),
+                                         "independence": "autocast floor", "clip": "autocast floor"},
+         what="bfloat16 autocast: the bounds 10 x the floor the reference measures",
+         confirmation="without the recorded autocast the same run fails at the float32 bound"),
+    Case("micro_mean", "autocast", AC, "micro_mean", verdict="FAIL",
+         fails={"gradient": "mean of per-micro-batch token means"}, confirmation="off by over 10 x the bound"),
+    Case("comp_twice", "autocast", AC, "comp_twice", verdict="FAIL", fails={"gradient": "= W "},
+         confirmation="off by over 10 x the bound"),
+    Case("rank1_fp32", "autocast", AC, "rank1_fp32", verdict="FAIL", fails={"ranks": (
+        "rank 1 ran micro-batch 0 under no autocast, rank 0 under cpu bfloat16 autocast: the fleet's ranks do not "
+        "compute in one precision")}, what="rank 1 computing in float32"),
+    Case("bias_x2", "autocast", AC, "bias_x2", verdict="FAIL", fails={"gradient": (
+        "in tensor ln1.bias by 1 at step 1, above that tensor's bound", "x that tensor's own floor")},
+         what="one small tensor's gradient doubled", confirmation="its norm a small share of the whole gradient's"),
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): no autocast, the
+    # parameters cast for the forward (the submodules' pre-hooks see them unsharded and cast)
+    Case("fsdp_mp", "autocast", {"seed": 9, "fsdp": True, "fsdp_mp": True}, holds={
+        "gradient": ("bfloat16 compute floor", "cast to bfloat16"), "loss": "loss floor"},
+         what="FSDP2 mixed precision: parameters cast to bfloat16 for the forward",
+         confirmation="every micro-batch recorded as computed in bfloat16"),
+    Case("fsdp_mp_comp_twice", "autocast", {"seed": 9, "fsdp": True, "fsdp_mp": True}, "comp_twice",
+         verdict="FAIL", fails={"gradient": "= W "}),
 )
