@@ -38,7 +38,7 @@ the parameters before the step, the gradient on the parameters at rec.step()
 clipped one the optimizer applies and `clip_coef` says by how much), the lr,
 the loop's reported loss, the parameters with no gradient, a sha256 of the
 parameters (ranks equal), and (full-tensor steps) the module's persistent
-buffers before the step ("b/": state outside the optimizer, e.g. a routing
+buffers before the step (A.BUFFER: state outside the optimizer, e.g. a routing
 bias, which the reference loads with the parameters; after the last step
 too, in final.safetensors). Every file is written atomically, the JSON last.
 
@@ -161,7 +161,7 @@ class Recorder:
         self._sketcher = Sketcher(self.sketch_k)
         self.segment = len(segments)
         params = {n for n, _ in self.module.named_parameters()}
-        # persistent buffers (state outside the optimizer, e.g. a routing bias): "b/" at tensor steps
+        # persistent buffers (state outside the optimizer, e.g. a routing bias): A.BUFFER at tensor steps
         self._buffers = [n for n in self.module.state_dict() if n not in params]
         layout_meta = self._lay_out(pipeline_stage, sharding, context_parallel)
         self.recorded = self._recorded(segments + [{"start": self.k + 1, "end": None, "world": self.world,
@@ -412,7 +412,7 @@ class Recorder:
         tensors: dict[str, torch.Tensor] = {}
         for m, b in enumerate(batches):
             for key, t in b.items():
-                tensors[f"in/{m}/{key}"] = t
+                tensors[A.micro_input(m) + key] = t
         if example_ids is not None:
             tensors["ids"] = torch.as_tensor(example_ids).detach().cpu().reshape(-1).clone()
         for name, t in (extra or {}).items():
@@ -420,7 +420,7 @@ class Recorder:
         if self.placements or self.layout is not None:  # FSDP2: the sharded parameters, which hold the
             self._reshard()  # reduced gradients (see _reshard)
         if self.layout is not None and self.rank != self.layout.leader:  # a TP peer's inputs: kept apart
-            tensors = {("tp/" + n[3:] if n.startswith("in/") else "tp_ids" if n == "ids" else n): t
+            tensors = {(A.TP_INPUT + n[len(A.INPUT):] if n.startswith(A.INPUT) else "tp_ids" if n == "ids" else n): t
                        for n, t in tensors.items()}
         probed = {}
         if self._probe is not None and k in self._probe_steps:  # every rank: full_tensor() is a collective
@@ -437,23 +437,23 @@ class Recorder:
             numel = {n: p.numel() for n, p in named}
             ps = self._sketch_all({n: self._piece(p) for n, p in named}, numel)
             gs = self._sketch_all({n: self._piece(p.grad) for n, p in named if p.grad is not None}, numel)
-            tensors.update({f"ps/{n}": v for n, v in ps.items()})
-            tensors.update({f"gs/{n}": v for n, v in gs.items()})
+            tensors.update({A.SKETCHED_PARAM + n: v for n, v in ps.items()})
+            tensors.update({A.SKETCHED_GRAD + n: v for n, v in gs.items()})
             param_hash = _digest(ps)
             grad_hash = _digest(gs)  # each rank's copy of the synchronised gradient (the ranks fact compares them)
         elif self._tensor_step(k):
             if self._full is local:  # into the step buffers the writer has finished with (no fresh memory)
                 copy = self._buffered()
-                params = {n: copy("p/" + n, p) for n, p in named}
-                grads = {n: copy("g/" + n, p.grad) for n, p in named if p.grad is not None}
+                params = {n: copy(A.PARAM + n, p) for n, p in named}
+                grads = {n: copy(A.GRAD + n, p.grad) for n, p in named if p.grad is not None}
             else:
                 params = {n: self._full(p, n) for n, p in named}
                 grads = {n: self._full(p.grad, n) for n, p in named if p.grad is not None}
-            tensors.update({f"p/{n}": v for n, v in params.items()})
-            tensors.update({f"g/{n}": v for n, v in grads.items()})
+            tensors.update({A.PARAM + n: v for n, v in params.items()})
+            tensors.update({A.GRAD + n: v for n, v in grads.items()})
             # named_buffers, not state_dict(): under FSDP2 a state_dict mid-step reshards (its hook)
             named_bufs = dict(self.module.named_buffers())
-            bufs = {f"b/{n}": self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
+            bufs = {A.BUFFER + n: self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
             tensors.update(bufs)
             # the ranks' state (parameters and persistent buffers) and each rank's copy of the synchronised gradient
             # (the ranks fact compares them), hashed on the writer's thread, off the loop's (the copies are ours)
@@ -572,12 +572,13 @@ class Recorder:
         named = list(self.module.named_parameters())
         params = {n: self._full(p, n) for n, p in named}
         if self.sketch_k:
-            params = {f"ps/{n}": v for n, v in self._sketch_all(params, {n: p.numel() for n, p in named}).items()}
+            sketched = self._sketch_all(params, {n: p.numel() for n, p in named})
+            params = {A.SKETCHED_PARAM + n: v for n, v in sketched.items()}
             bufs = {}
         else:
-            params = {f"p/{n}": v for n, v in params.items()}
+            params = {A.PARAM + n: v for n, v in params.items()}
             named_bufs = dict(self.module.named_buffers())
-            bufs = {f"b/{n}": self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
+            bufs = {A.BUFFER + n: self._full(named_bufs[n]).clone() for n in self._buffers if n in named_bufs}
         atomic.write_bytes(A.final_tensors_path(self.out, self.rank), st_save({**params, **bufs}))
         atomic.write_text(A.final_meta_path(self.out, self.rank),
                           json.dumps({"step": self.k, "run": self.run, "segment": self.segment,
