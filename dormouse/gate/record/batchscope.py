@@ -1,4 +1,4 @@
-"""What the one-process reference (record/reference.py) needs beyond each
+"""What the one-process reference (record/reference/) needs beyond each
 recorded micro-batch's tensors: what else its forward received, and the
 step's rows merged into as few forwards as memory allows.
 

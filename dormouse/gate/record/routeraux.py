@@ -1,5 +1,5 @@
 """A transformers MoE model's own load-balancing term, in the built-in
-objectives (issue 27): what the reference (record/reference.py) adds to a
+objectives (issue 27): what the reference (record/reference/) adds to a
 forward's loss sum when the model adds it to the loss it returns.
 
 What transformers computes, read from transformers 5.24:

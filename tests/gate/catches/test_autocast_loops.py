@@ -78,12 +78,13 @@ def test_a_wrong_weighting_under_autocast_fails_far_above_its_bound(recordings, 
 
 
 def test_a_cuda_autocast_recording_is_refused_in_one_line():
-    from dormouse.gate.record.reference import ReferenceError, _autocast
+    from dormouse.gate.record.reference import ReferenceError
+    from dormouse.gate.record.reference.forward import autocast
 
     with pytest.raises(ReferenceError, match="cuda autocast .*record a CPU run, or the run without autocast"):
-        _autocast({"device_type": "cuda", "dtype": "bfloat16"})
+        autocast({"device_type": "cuda", "dtype": "bfloat16"})
     with pytest.raises(ReferenceError, match="a dtype 'bfloat17' torch does not have"):
-        _autocast({"device_type": "cpu", "dtype": "bfloat17"})
+        autocast({"device_type": "cpu", "dtype": "bfloat17"})
 
 
 # (rank1_fp32's row: rank 1 computes in float32 while rank 0 runs under bfloat16 autocast; the

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from dormouse.gate.record.reference import objective_sum
+from dormouse.gate.record.reference.objective import objective_sum
 
 
 class TupleLM(torch.nn.Module):

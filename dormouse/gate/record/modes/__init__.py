@@ -19,7 +19,7 @@ gradref - from the fleet's recording, by its OWN arithmetic from the documented
           held-out loss at the fleet's recorded parameters after each eval step
           (reference/gradref.json). The one-process gradient, the replay and
           the routing bias's update are the recording's own reference
-          (record/reference.py), which every loop's recording gets.
+          (record/reference/), which every loop's recording gets.
 """
 
 from __future__ import annotations

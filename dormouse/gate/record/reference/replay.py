@@ -1,0 +1,120 @@
+"""Replay (full tensors at every step): the user's optimizer on the recorded gradients from the
+initial state, then each step's gradients at its recorded parameters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dormouse import atomic
+from dormouse.gate import artifacts as A
+from dormouse.gate.record import probe
+from dormouse.gate.record.sketch import Sketcher, sketch_buckets
+from dormouse.gate.record.reference.buffers import buffer_rule, load_params, updated_buffers
+from dormouse.gate.record.reference import forward as FW
+from dormouse.gate.record.reference.forward import set_modes
+from dormouse.gate.record.reference.gradients import probe_tensors, step_gradient_parts
+from dormouse.gate.record.reference.rebuild import build_optimizer
+from dormouse.gate.record.reference.spill import StepParts
+from dormouse.gate.record.reference.staleness import REFERENCE_SCHEMA, staleness_key
+
+
+def sketched(tensors: dict[str, torch.Tensor], numel: dict[str, int], seed: int, sketcher: Sketcher):
+    for n in tensors:
+        if n not in sketcher.buckets:
+            sketcher.buckets[n] = sketch_buckets(n, numel[n], sketcher.k, seed)
+    return sketcher(tensors)
+
+
+def train_step(model, opt, sched, grads: dict, mgn: float, *, clipped: bool) -> None:
+    """One optimizer step on the given gradients (None where absent), clipped
+    by the global norm max_grad_norm unless they already were."""
+    for n, p in model.named_parameters():  # each taken out of `grads` as it is copied (read lazily: one at a time)
+        p.grad = grads.pop(n).to(p.dtype, copy=True) if n in grads else None
+    if mgn > 0 and not clipped:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], mgn)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _trim() -> None:
+    """The heap's freed memory back to the system between steps (glibc's malloc_trim; a no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _write_params(path: Path, model, prefix: str) -> None:
+    """The model's parameters as they stand, "prefix + name", written straight from them (no copy)."""
+    from dormouse.gate.artifacts.tensorfile import write_streamed
+
+    held = [(prefix + n, p.detach()) for n, p in model.named_parameters()]
+    write_streamed(path, [(k, v.dtype, tuple(v.shape)) for k, v in held], iter(held))
+
+
+def make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
+    """The reference of a recording in full tensors at every step, in two
+    passes over one model, so that its memory is one model, its gradient and
+    the optimizer's state (never two models, never a step's alternatives in
+    memory): first the replay (the user's optimizer on the recorded
+    gradients, from the initial state; the parameters before each step
+    written as they stand, "rp/", to their own file), then, the optimizer
+    freed, the gradients at each step's recorded parameters
+    (step_gradient_parts: spilled micro-batch by micro-batch, combined tensor
+    by tensor into the step's file; the alternatives that only name causes in
+    float32), the probe and the buffer rule beside them."""
+    from dormouse.gate.artifacts.tensorfile import write_streamed
+
+    opt, sched = build_optimizer(rec, model)
+    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    scan = FW.scan(model)
+    tensor_steps = set(rec.tensor_steps())
+    rule, rule_text = buffer_rule(rec)
+    log(f"reference for {out}: {len(rec.steps)} steps, mode replay")
+    lrs = {}
+    for k in rec.steps:  # the replay
+        lrs[k] = opt.param_groups[0]["lr"]
+        _write_params(A.reference_replay_tensors_path(out, k), model, "rp/")
+        train_step(model, opt, sched, rec.tensors_at(k, "g/"), mgn, clipped=rec.step_meta(0, k).get("clipped", False))
+    _write_params(A.reference_final_path(out), model, "rp/")
+    scheduled = sched is not None
+    del opt, sched  # the optimizer's state: not held through the gradients' pass
+    _trim()
+    done: list[int] = []  # the tensor steps so far (their count picks fact 1's sample)
+    for i, k in enumerate(rec.steps):  # the gradients, at the recorded parameters
+        load_params(model, rec.tensors_at(k, "p/"), rec.tensors_at(k, "b/"))
+        set_modes(model, rec.eval_modules(k))
+        want = k in tensor_steps
+        parts, info = step_gradient_parts(model, rec, k, user, examples=len(done) if want else None,
+                                          probe=(i == 0), alt_dtype=torch.float32)
+        extra: dict[str, torch.Tensor] = {}
+        if probe.is_probe_step(rec, k):  # the probe's one-process side, at the recorded parameters
+            extra.update(probe_tensors(model, rec, k, user))
+        if rule is not None:  # after the gradients: the rule may move the buffers (reloaded each step)
+            extra.update({f"bu/{n}": v for n, v in updated_buffers(rule, rec.meta["buffer_update"], model,
+                                                                   rec, k).items()})
+        done.extend([k] if want else [])
+        info.update({"step": k, "replay_lr": lrs[k], "mode": "replay", **scan})
+        path = A.reference_step_tensors_path(out, k)
+        if not want:
+            if isinstance(parts, StepParts):
+                parts.spill.close()
+            parts = {}
+        if isinstance(parts, StepParts):
+            parts.write(path, extra)
+        else:
+            held = [(f"{key}/{n}", v) for key, d in parts.items() for n, v in d.items()] + list(extra.items())
+            write_streamed(path, [(key, v.dtype, tuple(v.shape)) for key, v in held], iter(held))
+        atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
+        _trim()
+    meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,
+            "mode": "replay", "steps": rec.steps, "scheduler": scheduled,
+            "buffer_rule": rule_text if rule is not None else None, **scan}
+    return atomic.write_text(A.reference_meta_path(out), json.dumps(meta, indent=1))
