@@ -44,6 +44,11 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
                  (the TP-replicated parameters': the sequence-parallel norms') are all-reduced
                  in bfloat16 by the loop, every other reduction float32 (pytorch #190626's
                  TP-dimension reduce in bf16, in a float32 run; TP alone, no FSDP2)
+  clip_tp0_norms with "max_grad_norm": the loop clips every gradient by the global norm, but on TP ranks
+                 other than 0 the TP-replicated parameters' (the sequence-parallel norms') gradients keep
+                 their unclipped values (DeepSpeed #1801's mechanism: the replicated LayerNorm clipped on
+                 one TP rank only); the replicas then step apart
+"max_grad_norm": clip_grad_norm_ before rec.step (its norm passed as grad_norm); 0: no clipping.
 "reduce_dtype" / "param_dtype" ("bfloat16" or "float32"): FSDP2's MixedPrecisionPolicy on
 the dp dimension (2-D runs); "wire": the Recorder's declared wire ("fp32" or "bf16").
 """
@@ -60,7 +65,7 @@ import plan  # tests/support: the loops' one main
 
 RUN = {"out": None, "fault": "clean", "seed": 0, "steps": 2, "tp": 2, "micro": 2, "rows": 2, "T": 8,
        "loss_parallel": True, "module": None, "factor": 1.0, "dropout": 0.0, "reduce_dtype": None,
-       "param_dtype": None, "wire": "fp32"}
+       "param_dtype": None, "wire": "fp32", "max_grad_norm": 0.0}
 
 
 def batch_rows(seed: int, step: int, n: int, T: int, vocab: int = 64) -> torch.Tensor:
@@ -134,7 +139,8 @@ def run(cfg: dict) -> None:
     if tp == 1:  # a plain data-parallel run: DDP over every rank
         model = torch.nn.parallel.DistributedDataParallel(model)
     rec = Recorder(cfg["out"], model, RecordingSpec(build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
-                                                    objective="causal_lm", build_kwargs=build, wire=cfg["wire"]))
+                                                    objective="causal_lm", build_kwargs=build, wire=cfg["wire"],
+                                                    max_grad_norm=cfg["max_grad_norm"]))
     K, B, T = cfg["micro"], cfg["rows"], cfg["T"]
     for step in range(cfg["steps"]):
         rows = batch_rows(cfg["seed"], step, dp * K * B, T)
@@ -186,10 +192,29 @@ def run(cfg: dict) -> None:
         logged = torch.tensor(total)
         if dp > 1 and fault != "loss_local":
             dist.all_reduce(logged, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
-        rec.step(loss=logged, optimizer=opt)
+        norm = clip(model, cfg, tp_rank) if cfg["max_grad_norm"] else None
+        rec.step(loss=logged, optimizer=opt, grad_norm=norm)
         opt.step()
         opt.zero_grad()
     rec.close()
+
+
+def clip(model, cfg: dict, tp_rank: int) -> torch.Tensor:
+    """clip_grad_norm_ by the global norm (returned, a plain tensor); with "clip_tp0_norms", TP ranks other
+    than 0 put their TP-replicated gradients back to their unclipped values (DeepSpeed #1801)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    replicated = [p for p in model.parameters()
+                  if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)]
+    for p in replicated:  # their gradients reduced over the group first (DTensor leaves them Partial)
+        p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
+    faulty = cfg["fault"] == "clip_tp0_norms" and tp_rank != 0
+    held = {p: p.grad._local_tensor.clone() for p in replicated} if faulty else {}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
+    with torch.no_grad():
+        for p, g in held.items():
+            p.grad._local_tensor.copy_(g)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def run_any(cfg: dict) -> None:

@@ -24,6 +24,8 @@ Knobs (RUN keys):
   "loss_x"       {step (1-based, as a string): factor}: every rank backpropagates its loss times the factor at
                  that step alone (the logged loss is right)
   "sketch"       RecordingSpec(sketch=k): CountSketches of k numbers per tensor, not the full tensors
+  "grad_x"       {tensor name: factor}: after the all-reduce, every rank scales those tensors' gradients alone
+                 (a tied weight's or a router's gradient averaged once more than the rest: x 0.5)
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from dormouse.gate import Recorder, RecordingSpec  # noqa: E402
 RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
        "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
-       "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0}
+       "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {}}
 
 
 class AuxLM(TinyLM):
@@ -119,6 +121,9 @@ def run(cfg: dict) -> None:
                 local_sum += loss_sum.detach()
             dist.all_reduce(local_sum)
             reported = local_sum / n_global
+            for name, p in model.named_parameters():
+                if name in cfg["grad_x"]:
+                    p.grad.mul_(cfg["grad_x"][name])
             if cfg["max_grad_norm"]:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
         rec.step(loss=reported, optimizer=opt, grad_norm=None if cfg["clip_no_norm"] else norm)

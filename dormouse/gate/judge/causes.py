@@ -35,6 +35,14 @@ Other named patterns, each a pure test below:
   never_reduced  the ranks' gradients differ (DDP all-reduces them equal) and
                  their mean is one process's gradient: no_sync on every
                  micro-batch, the gradients never all-reduced
+  tensor_factor  some tensors' gradient alone is one process's times one
+                 constant c at every step, every other tensor agreeing: a
+                 scale or a reduction applied to those tensors apart (a tied
+                 weight's copies, a router's gradient, x 0.5 = 1/W)
+  clipped_apart  a rank's gradient of some tensors is another rank's over the
+                 clip coefficient, where the two must agree: the loop clipped
+                 those tensors on one rank only (DeepSpeed #1801: a replicated
+                 LayerNorm clipped on one TP rank), and the replicas step apart
   stale_gradient at every failing step, the tensors that differ hold one
                  process's gradient plus the gradient the loop applied at the
                  step before (every other tensor agrees): the gradients were
@@ -275,6 +283,50 @@ def stale_gradient(prev: dict[str, torch.Tensor], g: dict[str, torch.Tensor], g_
         return None
     c, res = fit({n: g[n].double() - g_ref[n].double() for n in off}, prev, off)
     return (off, c) if res <= bound and c > bound else None
+
+
+def tensor_factor(steps: list[dict[str, tuple[float, float, float]]], bound: float,
+                  rtol: float) -> tuple[float, list[str]] | None:
+    """(c, the tensors) where at every step some tensors' gradient alone is one process's times one
+    constant c (each tensor's fit within `rtol`, c clearly away from 1), and every other tensor, taken
+    together, agrees within `bound`; None otherwise. steps: per step, metrics.parts(g_fleet, g_ref) per
+    tensor, (||a - b||^2, ||b||^2, a.b)."""
+    cs, names = [], set()
+    for p in steps:
+        off = {}
+        for n, (dd, bb, ab) in p.items():
+            if bb <= 0 or math.sqrt(dd / bb) <= bound:
+                continue
+            c = ab / bb
+            resid = math.sqrt(max(dd + 2 * ab - bb - ab * ab / bb, 0.0) / bb) / abs(c) if c else math.inf
+            if resid > rtol:  # not a factor of this tensor's gradient
+                return None
+            off[n] = c
+        rest = [n for n in p if n not in off]
+        if not off or not rest or math.sqrt(sum(p[n][0] for n in rest) / max(sum(p[n][1] for n in rest), 1e-300)) \
+                > bound:
+            return None
+        cs += off.values()
+        names |= set(off)
+    if not cs or max(cs) - min(cs) > rtol * abs(cs[0]) or abs(cs[0] - 1) <= rtol:
+        return None
+    return sum(cs) / len(cs), sorted(names)
+
+
+def clipped_apart(first: dict[str, torch.Tensor], other: dict[str, torch.Tensor], coef: float,
+                  rel, bound: float) -> tuple[list[str], bool] | None:
+    """(the tensors, whether `other` is the unclipped one) where two ranks' gradients that must agree
+    differ, and one is the other over the clip coefficient `coef` < 1 (within `bound`, by `rel(a, b,
+    names)`): clipped on one rank and not the other; None where none differs so or coef is not below 1."""
+    if not coef < 1:
+        return None
+    names = [n for n in sorted(set(first) & set(other))
+             if first[n].shape == other[n].shape and not torch.equal(first[n], other[n])]
+    up = [n for n in names if rel({n: other[n].double()}, {n: first[n].double() / coef}, [n]) <= bound]
+    down = [n for n in names if rel({n: other[n].double()}, {n: first[n].double() * coef}, [n]) <= bound]
+    if up or down:
+        return (up, True) if len(up) >= len(down) else (down, False)
+    return None
 
 
 def bf16_representable(g: dict[str, torch.Tensor]) -> bool:

@@ -32,11 +32,16 @@ RUNS = {
     "dropout": {"dropout": 0.1, "steps": 2},  # a clean loop with dropout, each rank seeding its own masks
     "zero_labels": {"zero_labels": True, "steps": 2},  # rank 1 zeroes its device copy's labels
     "sketch_late": {"sketch": 64, "loss_x": {"2": 1.5}},  # sketched; every rank's loss x 1.5 at step 2 alone
+    "half_fc": {"grad_x": {"fc.weight": 0.5}, "steps": 2},  # one tensor's gradient halved after the reduce
 }
 W = 2
 fleet = looprec.launched_fixture("fleet", {n: {"seed": 3, **cfg} for n, cfg in RUNS.items()}, "wild_loop.py", W)
-PIPELINE = {"tied": {"tied": True, "steps": 2}, "tied_one_way": {"tied": True, "fault": "tied_one_way", "steps": 1}}
-pipeline = looprec.launched_fixture("pipeline", PIPELINE, "pp_loop.py", W)
+# pipeline runs (pp_loop.py) and a tensor-parallel one (tp_loop.py) in one launch of tp_loop.py
+PIPELINE = {"tied": {"pp": True, "tied": True, "steps": 2},
+            "tied_one_way": {"pp": True, "tied": True, "fault": "tied_one_way", "steps": 1},
+            # DeepSpeed #1801's mechanism: the TP-replicated norms' gradients clipped on TP rank 0 alone
+            "ds1801": {"fault": "clip_tp0_norms", "max_grad_norm": 0.05, "steps": 1}}
+pipeline = looprec.launched_fixture("pipeline", PIPELINE, "tp_loop.py", W)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join([str(looprec.SUPPORT), os.environ.get("PYTHONPATH", "")])}
 
@@ -342,3 +347,47 @@ def test_a_sketched_adamw_run_names_the_step_whose_own_gradient_is_wrong(fleet):
     v = looprec.verdict(out)
     looprec.fails_for(v, "gradient", "1, 1.5 at steps 1, 2")
     assert "a step between" not in v.check("gradient").reason
+
+
+def test_a_factor_on_one_tensors_gradient_alone_is_named_with_the_tensor(fleet):
+    """After the all-reduce, every rank halves fc.weight's gradient alone (as a tied weight's or a router's
+    gradient averaged once more than the rest): the verdict said "not by a constant factor", naming
+    neither the 0.5 nor that the other tensors agree. This file's one-process gradient: the recorded
+    fc.weight gradient is 0.5 x it, every other tensor is it; the verdict now names the factor and the
+    tensor."""
+    out = fleet["half_fc"]
+    want = one_process(build_model(seed=3), step_rows("half_fc"))
+    got = recorded(out)
+    assert looprec.rel(got["fc.weight"], 0.5 * want["fc.weight"]) < 1e-6
+    assert looprec.worst({n: t for n, t in got.items() if n != "fc.weight"},
+                         {n: t for n, t in want.items() if n != "fc.weight"}) < 1e-6
+    v = looprec.verdict(out)
+    looprec.fails_for(v, "gradient", "times 0.5 = 1/W = 1/K in tensor fc.weight alone, at every step, and every "
+                                     "other tensor agrees")
+
+
+def test_a_replicated_norm_clipped_on_one_tp_rank_fails_the_clip_named(pipeline):
+    """DeepSpeed #1801's mechanism on 2 gloo ranks (TP 2): the loop clips every gradient by the global norm,
+    but TP rank 1 keeps its replicated norms' gradients unclipped, so the replicas step apart. The layout
+    line blamed a missing reduction and the clip line said [ok]. This file's one-process gradient of the
+    step's rows: rank 0 recorded the norms' gradients times the clip coefficient, rank 1 recorded them
+    unclipped; the clip line now fails, naming the ranks and the tensors, and the layout line sends there."""
+    from tp_llama import build_model as build_tp
+    from tp_loop import RUN as RUN_TP, batch_rows
+
+    cfg = {**RUN_TP, **PIPELINE["ds1801"]}
+    ids = batch_rows(cfg["seed"], 0, cfg["micro"] * cfg["rows"], cfg["T"])
+    net = build_tp(seed=cfg["seed"])
+    F.cross_entropy(net(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    g = {n: p.grad.double() for n, p in net.named_parameters()}
+    coef = cfg["max_grad_norm"] / (sum(float((t ** 2).sum()) for t in g.values()) ** 0.5 + 1e-6)
+    rec = A.RecordingSet(pipeline["ds1801"])
+    first, second = (A.prefixed(A.GRAD, rec.step_tensors(r, 1)) for r in (0, 1))
+    norms = [n for n in g if n.endswith("norm.weight")]
+    assert len(norms) == 5 and coef < 0.1
+    for n in norms:
+        assert looprec.rel(first[n], coef * g[n]) < 1e-5 and looprec.rel(second[n], g[n]) < 1e-5, n
+    v = looprec.verdict(pipeline["ds1801"])
+    looprec.fails_for(v, "clip", "at step 1 rank 1's gradient of 5 tensor(s) (layers.0.attention_norm.weight")
+    assert "the loop clipped those tensors on rank 0 and not on rank 1" in v.check("clip").reason
+    assert "not a missing reduction (see clip)" in v.check("layout").reason

@@ -9,6 +9,10 @@ clip          the gradient norm and clip coefficient the loop reported against
               counts and magnitudes) plus the gradient's own bound of the step
               (bounds.grad_rtol). A norm off by more than FACTOR_AWAY x that is
               a local or partial norm; one off by less is another arithmetic.
+              Where two ranks' gradients must agree (the synchronised
+              gradients, a replicated parameter's on a TP group) and one is
+              the other over the clip coefficient, the loop clipped them on
+              one rank only (causes.clipped_apart): a FAIL naming the ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 from dormouse.clip import clip_coef
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge import causes as C
 from dormouse.gate.judge.bounds import FACTOR_AWAY, FP32_UNIT_ROUNDOFF, NORM_LANES, grad_rtol, norm_rtol, \
     norm_rtol_of_sizes
 from dormouse.gate.judge.gradtools import fleet_grad, never_reduced
@@ -27,7 +32,7 @@ from dormouse.gate.judge.precision import (
     precision_floor,
     wire_bound,
 )
-from dormouse.gate.judge.metrics import norm
+from dormouse.gate.judge.metrics import norm, rel
 from dormouse.gate.judge.verdict import Check
 
 
@@ -41,6 +46,9 @@ def check_clip(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                                         "max_grad_norm is not the one the loop clipped by (edited, or another value "
                                         "given to the Recorder)")
         return Check("clip", True, "no clipping declared (max_grad_norm=0)")
+    apart = _clipped_apart(rec, ref)
+    if apart:
+        return Check("clip", False, apart)
     seen, worst = False, (0.0, 1.0, None)  # the largest error / bound: (error, bound, step)
     for k in rec.steps:
         info = ref.info(k)
@@ -121,6 +129,31 @@ def check_clip(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                                + ": the norm's float32 arithmetic and the gradient's, each step its own"
                                + (f"; {bound_words(rec, ref, t, -1.0, k)}" if precision_floor(rec, ref) is not None
                                   else "") + ")")
+
+
+def _clipped_apart(rec: A.RecordingSet, ref: ReferenceSet) -> str | None:
+    """The first step where a rank's gradient of some tensors is rank 0's over the clip coefficient (or
+    rank 0's is its), tensors the two ranks hold alike and must agree on, as a sentence; None otherwise."""
+    if rec.sketch:
+        return None
+    for k in rec.tensor_steps():
+        coef = rec.step_meta(0, k).get("clip_coef")
+        if coef is None or not coef < 1:
+            continue
+        first = A.prefixed(A.GRAD, rec.step_tensors(0, k))
+        for r in range(1, rec.world_at(k)):
+            found = C.clipped_apart(first, A.prefixed(A.GRAD, rec.step_tensors(r, k)), coef, rel,
+                                    arithmetic_bound(rec, ref, GRAD_RTOL, k))
+            if found:
+                names, other_unclipped = found
+                clipped, not_clipped = (0, r) if other_unclipped else (r, 0)
+                return (f"at step {k} rank {not_clipped}'s gradient of {len(names)} tensor(s) ("
+                        f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is rank {clipped}'s over the clip "
+                        f"coefficient {coef:.4g}, where the two must agree: the loop clipped those tensors on rank "
+                        f"{clipped} and not on rank {not_clipped} (a replicated parameter's gradient clipped on one TP "
+                        "rank only: DeepSpeed #1801's mechanism), so the replicas step apart (see ranks); clip every "
+                        "rank's copy by the same coefficient")
+    return None
 
 
 def _norm_bound(rec: A.RecordingSet, k: int) -> float:

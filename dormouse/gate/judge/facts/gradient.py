@@ -293,12 +293,14 @@ def _fault_shape(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> dict:
     # first failing step not among them, puts the fault in a step between
     unit = near_one and s.worst_k not in s.fitted
     named = factor_words(rec, cs[0], micro, factor_rtol) if constant else None
+    tensors = None if constant or unit else C.tensor_factor([_parts_at(rec, ref, k) for k in s.fitted], bound,
+                                                            factor_rtol)
     # with one micro-batch a rank, the mean of micro-batch means IS each rank's own token mean: named so
     alt_hit = next((alt for alt, fs in sorted(s.alts.items(), key=lambda a: micro == 1 and a[0] == "micro_mean")
                     if fs and all(r <= bound for _, r in fs)
                     and max(c for c, _ in fs) - min(c for c, _ in fs) <= factor_rtol * abs(fs[0][0])
                     and (alt != "gm" or s.gm_far) and s.alt_far[alt]), None)  # one factor at every step
-    apart = None if constant or unit else never_reduced(rec, ref, bound)
+    apart = None if constant or unit or tensors else never_reduced(rec, ref, bound)
     stale = None if constant or unit or apart is not None or s.run else \
         stale_steps(rec, ref, bound, [r["step"] for r in s.rows if not r["ok"]])
     scalars = [(k, c, r) for k, (c, r) in zip(s.fitted, s.fits)]
@@ -307,9 +309,27 @@ def _fault_shape(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> dict:
                                    sorted(set(ref.tensors(k, A.GRAD)) & set(fleet_grad(rec, k)))))
              for k in s.fitted] if not constant and not unit and not per_step and s.fitted and \
         ref.tensors(s.fitted[0], A.LAST_MICRO) else []
-    return dict(cs=cs, constant=constant, near_one=near_one, unit=unit, named=named, alt_hit=alt_hit, apart=apart,
+    return dict(cs=cs, constant=constant, near_one=near_one, unit=unit, named=named, tensors=tensors,
+                alt_hit=alt_hit, apart=apart,
                 stale=stale, scalars=scalars, per_step=per_step, lasts=lasts,
                 last_apart=C.last_micro_weighted(lasts, bound, FACTOR_AWAY * bound))
+
+
+def _parts_at(rec: A.RecordingSet, ref: ReferenceSet, k: int) -> dict:
+    """metrics.parts of the fleet's gradient at step k against one process's, tensor by tensor."""
+    g, g_ref = fleet_grad(rec, k), ref.tensors(k, A.GRAD)
+    return parts(g, g_ref, sorted(set(g) & set(g_ref)))
+
+
+def _tensors_reason(rec: A.RecordingSet, s: _Scan, c: float, names: list[str]) -> str:
+    """Some tensors' gradient alone times one constant (causes.tensor_factor), named with the constant."""
+    named = factor_words(rec, c, s.micro, s.factor_rtol)
+    which = f"tensor {names[0]}" if len(names) == 1 else \
+        f"tensors {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"the fleet's gradient is {WHAT} times {c:.4g}" + (f" = {named}" if named else "") + f" in {which} "
+            f"alone, at every step, and every other tensor agrees ({s.stated}): a scale or a reduction applied to "
+            f"{'that tensor' if len(names) == 1 else 'those tensors'} apart from the rest (a tied weight's copies or a "
+            "router's gradient summed or averaged once more, or once less, than the other parameters' gradients)")
 
 
 def _alt_reason(rec: A.RecordingSet, s: _Scan, alt_hit: str) -> str:
@@ -392,6 +412,8 @@ def _fail_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> str:
                 f"K = {s.micro} micro-batches) at every step: a normalisation applied the wrong number of times")
     if f["constant"]:
         return f"the fleet's gradient is {WHAT} times a constant {f['cs'][0]:.4g} at every step"
+    if f["tensors"] is not None:
+        return _tensors_reason(rec, s, *f["tensors"])
     if f["apart"] is not None:
         k0, (far, off) = f["apart"]
         return (f"the gradients were never all-reduced: at step {k0} the ranks' gradients differ from each other "

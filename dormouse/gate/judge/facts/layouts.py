@@ -41,6 +41,7 @@ import torch
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.verdict import Check
 from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge import causes as C
 from dormouse.gate.judge.bounds import FACTOR_AWAY, FACTOR_RTOL, GRAD_RTOL
 from dormouse.gate.judge.cpshards import cp_chunks, cp_join, cp_split
 from dormouse.gate.judge.gradtools import fleet_grad
@@ -111,6 +112,11 @@ def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], 
                             "hold the same activations, so each computed another function. Not a missing "
                             "reduction: draw the masks of a replicated region alike on the ranks of a TP group (one "
                             "RNG state per group there, as Megatron's model-parallel RNG tracker keeps)")
+                coef = rec.step_meta(group[0], k).get("clip_coef")
+                if coef is not None and C.clipped_apart({n: grads[0][n]}, {n: other}, coef, rel, bound):
+                    return (f"at step {k} the gradient of {n} ({held}) differs between ranks {group[0]} and {r} of TP "
+                            f"group {group} by {x:.2g}: one is the other over the clip coefficient {coef:.4g}, "
+                            "clipped on one rank of the group only, not a missing reduction (see clip)")
                 return (f"at step {k} the gradient of {n} ({held}) differs between ranks {group[0]} and {r} of TP "
                         f"group {group} by {x:.2g}: a parameter replicated over the group whose gradient was not "
                         f"reduced over it (a sequence-parallel norm's weight, for one){said}")
