@@ -23,7 +23,7 @@ from dormouse.clip import clip_coef
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge import causes as C
-from dormouse.gate.judge.bounds import FACTOR_AWAY, FP32_UNIT_ROUNDOFF, NORM_LANES, grad_rtol, norm_rtol, \
+from dormouse.gate.judge.bounds import FACTOR_AWAY, FP32_UNIT_ROUNDOFF, GRAD_RTOL, NORM_LANES, grad_rtol, norm_rtol, \
     norm_rtol_of_sizes
 from dormouse.gate.judge.gradtools import fleet_grad, never_reduced
 from dormouse.gate.judge.precision import (
