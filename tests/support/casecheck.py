@@ -8,8 +8,17 @@ from pathlib import Path
 
 import pytest
 
+import catalogue
 import looprec
 from catalogue import Case
+
+
+def rows(*fleets: str):
+    """The parametrisation of a test by the fleets' catalogue rows (`case`), each named by its run (and
+    its fleet, when there are several: the test reads that fleet's fixture, named as the fleet)."""
+    cases = [c for f in fleets for c in catalogue.of(f)]
+    return pytest.mark.parametrize("case", cases, ids=[f"{c.fleet}-{c.id}" if len(fleets) > 1 else c.id
+                                                       for c in cases])
 
 
 def _reasons(v) -> str:

@@ -55,7 +55,7 @@ def fleet(sweep):
     return sweep / "accelerate"
 
 
-@pytest.mark.parametrize("case", catalogue.of("accelerate"), ids=CONFIGS)
+@casecheck.rows("accelerate")
 def test_the_verdict_is_the_catalogues(fleet, case):
     """Each configuration's verdict (tests/support/catalogue.py, the "accelerate" rows): the sweep made
     the reference, the judge reads it."""

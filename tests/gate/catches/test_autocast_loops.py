@@ -31,7 +31,7 @@ def recordings(tmp_path_factory):
     return {name: root / name for name in catalogue.ids("autocast")}
 
 
-@pytest.mark.parametrize("case", catalogue.of("autocast"), ids=catalogue.ids("autocast"))
+@casecheck.rows("autocast")
 def test_the_verdict_is_the_catalogues(recordings, case):
     """A clean run passes within ten times its measured floor (measured: the clean fleet 3.5e-3 from the
     reference, the floor 3.4e-3, the bound 3.4e-2); each fault fails for its named reason (tests/support/

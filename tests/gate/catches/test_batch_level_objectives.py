@@ -30,7 +30,7 @@ def recordings(tmp_path_factory):
     return {name: root / name for name in catalogue.ids("batch")}
 
 
-@pytest.mark.parametrize("case", catalogue.of("batch"), ids=catalogue.ids("batch"))
+@casecheck.rows("batch")
 def test_the_verdict_is_the_catalogues(recordings, case):
     """Each run's verdict and named cause (tests/support/catalogue.py, the "batch" rows); the tests below
     confirm each against this file's own one-process computation."""

@@ -21,7 +21,7 @@ def test_docs_catches_is_what_its_generator_writes_today():
 def test_every_fleet_is_held_to_its_rows_by_its_test_file():
     for fleet in catalogue.FLEETS.values():
         text = (HERE / fleet.test).read_text()
-        assert f'catalogue.of("{fleet.name}")' in text, (fleet.name, fleet.test)
+        assert f'"{fleet.name}"' in text and "@casecheck.rows(" in text, (fleet.name, fleet.test)
         assert "casecheck." in text, fleet.test
         assert "RUNS = {" not in text and "RUNS = [" not in text, fleet.test
 

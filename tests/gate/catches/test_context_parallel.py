@@ -80,15 +80,11 @@ def one_process(cfg: dict, world: int, positions: str = "global", loss: str = "t
 
 # ------------------------------------------------------------------------ the catalogue's rows
 
-@pytest.mark.parametrize("case", catalogue.of("cp"), ids=catalogue.ids("cp"))
-def test_the_verdict_on_two_ranks_is_the_catalogues(cp, case):
-    """Clean runs pass; each planted fault fails for its named cause (tests/support/catalogue.py)."""
-    casecheck.holds(cp[case.id], case)
-
-
-@pytest.mark.parametrize("case", catalogue.of("cp_dp"), ids=catalogue.ids("cp_dp"))
-def test_the_verdict_on_four_ranks_is_the_catalogues(cp_dp, case):
-    casecheck.holds(cp_dp[case.id], case)
+@casecheck.rows("cp", "cp_dp")
+def test_the_verdict_is_the_catalogues(request, case):
+    """Clean runs pass; each planted fault fails for its named cause (tests/support/catalogue.py): on 2
+    ranks (cp) and 4 (cp_dp)."""
+    casecheck.holds(request.getfixturevalue(case.fleet)[case.id], case)
 
 
 # ------------------------------------------------------------------------ clean runs

@@ -34,7 +34,7 @@ def recordings(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in catalogue.ids("ddp")}
 
 
-@pytest.mark.parametrize("case", catalogue.of("ddp"), ids=catalogue.ids("ddp"))
+@casecheck.rows("ddp")
 def test_the_verdict_is_the_catalogues(recordings, case):
     """Clean runs pass (several seeds, a resume, FSDP2, sketches); each fault fails for its named reason
     (tests/support/catalogue.py, the "ddp" rows)."""

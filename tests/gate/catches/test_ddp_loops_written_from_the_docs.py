@@ -23,7 +23,7 @@ def recordings(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in catalogue.ids("review")}
 
 
-@pytest.mark.parametrize("case", catalogue.of("review"), ids=catalogue.ids("review"))
+@casecheck.rows("review")
 def test_the_verdict_is_the_catalogues(recordings, case):
     """Clean loops at other settings pass; each attack is caught for its named reason (tests/support/
     catalogue.py, the "review" rows)."""

@@ -34,7 +34,7 @@ EXPERTS = ("moe.w1", "moe.w2")
 ep = looprec.launched_fixture("ep", catalogue.runs("ep"), "ep_loop.py", 2)
 
 
-@pytest.mark.parametrize("case", catalogue.of("ep"), ids=catalogue.ids("ep"))
+@casecheck.rows("ep")
 def test_the_verdict_is_the_catalogues(ep, case):
     """The clean runs pass; each fault fails (or is refused) named (tests/support/catalogue.py, the "ep" rows);
     the tests below confirm each against the plain model's own autograd."""

@@ -38,7 +38,7 @@ def fleet(tmp_path_factory):
 checks = looprec.checks
 
 
-@pytest.mark.parametrize("case", catalogue.of("hf"), ids=catalogue.ids("hf"))
+@casecheck.rows("hf")
 def test_the_verdict_is_the_catalogues(fleet, case):
     """Each run's verdict (tests/support/catalogue.py, the "hf" rows). A wrong gradient fails gradient and
     loss; clip, when it fails, points at the gradient; the probe, when it fails, at the loss (each rank

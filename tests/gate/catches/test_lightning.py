@@ -42,7 +42,7 @@ def fleet(tmp_path_factory):
 checks = looprec.checks
 
 
-@pytest.mark.parametrize("case", catalogue.of("lightning"), ids=catalogue.ids("lightning"))
+@casecheck.rows("lightning")
 def test_the_verdict_is_the_catalogues(fleet, case):
     """Each run's verdict and named cause (tests/support/catalogue.py, the "lightning" rows); the probe,
     where it fails too, names the loss (the ranks backpropagate their losses at other scales)."""

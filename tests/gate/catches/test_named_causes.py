@@ -36,7 +36,7 @@ def recordings(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in catalogue.ids("causes")}
 
 
-@pytest.mark.parametrize("case", catalogue.of("causes"), ids=catalogue.ids("causes"))
+@casecheck.rows("causes")
 def test_the_verdict_is_the_catalogues(recordings, case):
     """The clean fleet passes; each run fails or is refused naming its cause (tests/support/catalogue.py,
     the "causes" rows); the tests below confirm each cause by this file's own computation."""

@@ -45,7 +45,7 @@ def run_of(s) -> dict:
     return RecordingSet(s.out_dir).meta["build_kwargs"]["run"]
 
 
-@pytest.mark.parametrize("case", catalogue.of("configs"), ids=catalogue.ids("configs"))
+@casecheck.rows("configs")
 def test_the_verdict_is_the_catalogues(runs, case):
     """Every configuration passes (tests/support/catalogue.py, the "configs" rows)."""
     casecheck.gives(casecheck.judged(runs[case.id].out_dir, fleet=True), case)

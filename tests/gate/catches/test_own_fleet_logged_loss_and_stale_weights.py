@@ -36,7 +36,7 @@ def gate(wrong, fault):
     return casecheck.gated(wrong[fault])
 
 
-@pytest.mark.parametrize("case", catalogue.of("own"), ids=catalogue.ids("own"))
+@casecheck.rows("own")
 def test_the_verdict_is_the_catalogues(wrong, case):
     casecheck.gives(gate(wrong, case.id), case)
 

@@ -23,7 +23,7 @@ def recs(tmp_path_factory):
     return {name: root / name for name in catalogue.ids("precision")}
 
 
-@pytest.mark.parametrize("case", catalogue.of("precision"), ids=catalogue.ids("precision"))
+@casecheck.rows("precision")
 def test_the_verdict_is_the_catalogues(recs, case):
     """Measured: clean 3.5e-3 against 3.4e-2 (floor 3.4e-3); fp16 4.1e-4 against 4.2e-3. The loss outside
     autocast: its floor measured with the cross-entropy on the bfloat16 logits, 2.5e-3 within 10 x it. The

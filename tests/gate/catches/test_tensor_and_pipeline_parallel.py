@@ -31,16 +31,11 @@ tp = looprec.launched_fixture("tp", catalogue.runs("tp"), "tp_loop.py", 2)
 dp_tp = looprec.launched_fixture("dp_tp", catalogue.runs("dp_tp"), "tp_loop.py", 4)
 
 
-@pytest.mark.parametrize("case", catalogue.of("tp"), ids=catalogue.ids("tp"))
-def test_the_verdict_on_two_ranks_is_the_catalogues(tp, case):
-    """Clean runs pass; each fault fails (or is refused) for its named cause (tests/support/catalogue.py);
-    the tests below confirm each against this file's own computation."""
-    casecheck.holds(tp[case.id], case)
-
-
-@pytest.mark.parametrize("case", catalogue.of("dp_tp"), ids=catalogue.ids("dp_tp"))
-def test_the_verdict_on_four_ranks_is_the_catalogues(dp_tp, case):
-    casecheck.holds(dp_tp[case.id], case)
+@casecheck.rows("tp", "dp_tp")
+def test_the_verdict_is_the_catalogues(request, case):
+    """Clean runs pass; each fault fails (or is refused) for its named cause (tests/support/catalogue.py),
+    on 2 ranks (tp) and 4 (dp_tp); the tests below confirm each against this file's own computation."""
+    casecheck.holds(request.getfixturevalue(case.fleet)[case.id], case)
 
 
 def plain_gradient(out: Path, step: int = 1, rows: int | None = None) -> dict[str, torch.Tensor]:

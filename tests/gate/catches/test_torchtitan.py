@@ -39,15 +39,11 @@ titan = looprec.launched_fixture("titan", catalogue.runs("titan"), "titan_loop.p
 titan_2d = looprec.launched_fixture("titan_2d", catalogue.runs("titan_2d"), "titan_loop.py", 4)
 
 
-@pytest.mark.parametrize("case", catalogue.of("titan"), ids=catalogue.ids("titan"))
-def test_the_verdict_on_two_ranks_is_the_catalogues(titan, case):
-    """torchtitan's clean run passes, each fault fails or is refused named (tests/support/catalogue.py)."""
-    casecheck.holds(titan[case.id], case)
-
-
-@pytest.mark.parametrize("case", catalogue.of("titan_2d"), ids=catalogue.ids("titan_2d"))
-def test_the_verdict_on_four_ranks_is_the_catalogues(titan_2d, case):
-    casecheck.holds(titan_2d[case.id], case)
+@casecheck.rows("titan", "titan_2d")
+def test_the_verdict_is_the_catalogues(request, case):
+    """torchtitan's clean runs pass, each fault fails or is refused named (tests/support/catalogue.py): on
+    2 ranks (titan) and 4 (titan_2d)."""
+    casecheck.holds(request.getfixturevalue(case.fleet)[case.id], case)
 
 
 def plain_gradient(out: Path, micro: int) -> dict[str, torch.Tensor]:

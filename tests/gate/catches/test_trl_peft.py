@@ -39,7 +39,7 @@ def fleet(tmp_path_factory):
 checks = looprec.checks
 
 
-@pytest.mark.parametrize("case", catalogue.of("trl"), ids=catalogue.ids("trl"))
+@casecheck.rows("trl")
 def test_the_verdict_is_the_catalogues(fleet, case):
     """Each run's verdict (tests/support/catalogue.py, the "trl" rows); the tests below confirm each at
     step 1 by a gradient computed by hand."""
