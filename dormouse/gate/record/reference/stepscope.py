@@ -25,36 +25,12 @@ def step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, pr
     routing statistics, in-batch negatives gathered from every rank)."""
     objective = rec.meta["objective"]
     names = [n for n, _ in model.named_parameters()]
-    acs = {json.dumps(rec.autocast(r, step, m), sort_keys=True) for r, m, _ in mbs}
-    if len(acs) > 1 or any(rec.compute_dtype(r, step, m) is not None for r, m, _ in mbs):
-        raise ReferenceError(f"objective_scope='step': step {step}'s micro-batches ran under different autocasts or "
-                             "on cast parameters, which one call of the objective over the whole step cannot "
-                             "reproduce: record the run in one precision")
-    changed = [(r, m) for r, m, _ in mbs if BS.attr_changes_at(rec, r, step, m)]
-    if changed:
-        raise ReferenceError(f"objective_scope='step': micro-batch {changed[0][1]} of rank {changed[0][0]} at step "
-                             f"{step} ran with other model attributes ({BS.attr_changes_at(rec, step=step, r=changed[0][0], m=changed[0][1])})"
-                             ", which one call of the objective over the whole step cannot set")
+    _check_one_call(rec, step, mbs)
     ac = rec.autocast(mbs[0][0], step, mbs[0][1])
     batches = [b for _, _, b in mbs]
 
     def once(seed: int, scale: float = 1.0, part: list | None = None):
-        model.zero_grad(set_to_none=True)
-        torch.random.default_generator.manual_seed(seed)
-        with FW.autocast(ac):
-            try:
-                ls, c = user(model, batches if part is None else part)
-            except DormouseError:
-                raise
-            except Exception as e:
-                raise ReferenceError(f"objective {objective!r} (objective_scope='step') failed on step {step}'s "
-                                     f"micro-batches ({type(e).__name__}: {e})")
-        if not isinstance(ls, torch.Tensor) or not ls.requires_grad:
-            raise ReferenceError(f"objective {objective!r} gives a loss with no gradient: it must be computed from "
-                                 "the model's outputs")
-        (ls * scale if scale != 1.0 else ls).backward()
-        return float(ls.detach()), float(c), {n: (p.grad.detach().clone() if p.grad is not None else None)
-                                              for n, p in model.named_parameters()}
+        return _once(model, user, batches if part is None else part, ac, objective, step, seed, scale)
 
     ls, c, grads = once(0)
     if c <= 0:
@@ -75,17 +51,7 @@ def step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, pr
     fwd = _per_forward_moe(model, mbs, ac)
     model.zero_grad(set_to_none=True)
     ranks = sorted({r for r, _, _ in mbs})
-    # beside it, each rank's micro-batches alone, their objectives averaged ("rank_mean": statistics over each
-    # rank's own rows, e.g. routing counts not reduced over the ranks), so that the judge can name that split
-    rank_mean: dict[str, torch.Tensor] = {}
-    try:
-        for r in ranks if len(ranks) > 1 and alts else []:  # at judged steps
-            _, cr, gr = once(0, part=[b for rr, _, b in mbs if rr == r])
-            for n in names:
-                if gr.get(n) is not None and cr > 0:
-                    rank_mean[n] = rank_mean.get(n, 0) + gr[n].double() / (cr * len(ranks))
-    except DormouseError:  # an objective that needs the whole step: no alternative to name, the check unchanged
-        rank_mean = {}
+    rank_mean = _rank_mean(once, names, mbs, ranks) if len(ranks) > 1 and alts else {}  # at judged steps
     model.zero_grad(set_to_none=True)
     info = {"loss": ls / c, "loss_sum": ls, "count": c,
             "loss_alt": {"micro_mean": None, "rank_mean": None, "rank_local": []},
@@ -96,6 +62,59 @@ def step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, pr
     mgn = float(rec.meta.get("max_grad_norm", 0.0))
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     return {"g": g, "micro_mean": {}, "rank_mean": rank_mean, **({"fwd": fwd} if fwd else {})}, info
+
+
+def _check_one_call(rec: A.RecordingSet, step: int, mbs) -> None:
+    """One call of the objective over the whole step can reproduce it: one autocast, no cast parameters, the
+    model's attributes the same for every micro-batch."""
+    acs = {json.dumps(rec.autocast(r, step, m), sort_keys=True) for r, m, _ in mbs}
+    if len(acs) > 1 or any(rec.compute_dtype(r, step, m) is not None for r, m, _ in mbs):
+        raise ReferenceError(f"objective_scope='step': step {step}'s micro-batches ran under different autocasts or "
+                             "on cast parameters, which one call of the objective over the whole step cannot "
+                             "reproduce: record the run in one precision")
+    changed = [(r, m) for r, m, _ in mbs if BS.attr_changes_at(rec, r, step, m)]
+    if changed:
+        (r, m), = changed[:1]
+        raise ReferenceError(f"objective_scope='step': micro-batch {m} of rank {r} at step {step} ran with other "
+                             f"model attributes ({BS.attr_changes_at(rec, step=step, r=r, m=m)}), which one call of "
+                             "the objective over the whole step cannot set")
+
+
+def _once(model, user, batches: list, ac, objective: str, step: int, seed: int, scale: float = 1.0):
+    """The declared fn(model, batches) differentiated once: (loss_sum, count, each parameter's gradient)."""
+    model.zero_grad(set_to_none=True)
+    torch.random.default_generator.manual_seed(seed)
+    with FW.autocast(ac):
+        try:
+            ls, c = user(model, batches)
+        except DormouseError:
+            raise
+        except Exception as e:
+            raise ReferenceError(f"objective {objective!r} (objective_scope='step') failed on step {step}'s "
+                                 f"micro-batches ({type(e).__name__}: {e})")
+    if not isinstance(ls, torch.Tensor) or not ls.requires_grad:
+        raise ReferenceError(f"objective {objective!r} gives a loss with no gradient: it must be computed from "
+                             "the model's outputs")
+    (ls * scale if scale != 1.0 else ls).backward()
+    return float(ls.detach()), float(c), {n: (p.grad.detach().clone() if p.grad is not None else None)
+                                          for n, p in model.named_parameters()}
+
+
+def _rank_mean(once, names: list[str], mbs, ranks: list[int]) -> dict[str, torch.Tensor]:
+    """Beside the step's gradient, each rank's micro-batches alone, their objectives averaged ("rank_mean":
+    statistics over each rank's own rows, e.g. routing counts not reduced over the ranks), so that the judge
+    can name that split; {} for an objective that needs the whole step (no alternative to name, the check
+    unchanged)."""
+    rank_mean: dict[str, torch.Tensor] = {}
+    try:
+        for r in ranks:
+            _, cr, gr = once(0, part=[b for rr, _, b in mbs if rr == r])
+            for n in names:
+                if gr.get(n) is not None and cr > 0:
+                    rank_mean[n] = rank_mean.get(n, 0) + gr[n].double() / (cr * len(ranks))
+    except DormouseError:
+        return {}
+    return rank_mean
 
 
 def _per_forward_moe(model, mbs, ac) -> dict:
