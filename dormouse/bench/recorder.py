@@ -161,8 +161,9 @@ def _rank_main(argv: list[str]) -> int:
         rec = None
         if KINDS[kind] is not None:
             rec = Recorder(path, net, RecordingSpec(build_model="dormouse.bench.recorder:build_model",
-                                                    build_optimizer="dormouse.bench.recorder:build_optimizer", objective="causal_lm",
-                                                    max_grad_norm=1.0, build_kwargs=kw, **KINDS[kind]))
+                                                    build_optimizer="dormouse.bench.recorder:build_optimizer",
+                                                    objective="causal_lm", max_grad_norm=1.0, build_kwargs=kw,
+                                                    **KINDS[kind]))
 
         def step() -> tuple[float, float]:
             """One optimizer step: (its wall seconds, those inside rec.step)."""

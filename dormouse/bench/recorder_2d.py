@@ -73,8 +73,8 @@ def _rank_main(argv: list[str]) -> int:
         rec = None
         if KINDS[kind] is not None:
             rec = Recorder(path, model, RecordingSpec(build_model="dormouse.bench.tp_llama:build_model",
-                                                      build_optimizer="dormouse.bench.tp_llama:build_optimizer", objective="causal_lm",
-                                                      build_kwargs=kw, **KINDS[kind]))
+                                                      build_optimizer="dormouse.bench.tp_llama:build_optimizer",
+                                                      objective="causal_lm", build_kwargs=kw, **KINDS[kind]))
 
         def step() -> tuple[float, float]:
             """One optimizer step: (its wall seconds, those inside rec.step)."""

@@ -50,8 +50,9 @@ def main() -> None:
     opt, sched = build_optimizer(model)
     model, opt = accelerator.prepare(model, opt)  # the scheduler is not prepared: this loop steps it
     rec = Recorder("runs/accelerate", model, RecordingSpec(build_model="accelerate_train:build_model",
-                                                           build_optimizer="accelerate_train:build_optimizer", objective="causal_lm",
-                                                           max_grad_norm=1.0, dataset_len=len(dataset())))
+                                                           build_optimizer="accelerate_train:build_optimizer",
+                                                           objective="causal_lm", max_grad_norm=1.0,
+                                                           dataset_len=len(dataset())))
     total = torch.zeros(())
     for batch in micro_batches(accelerator):
         with accelerator.accumulate(model):

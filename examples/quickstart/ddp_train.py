@@ -68,8 +68,9 @@ def main() -> None:
                                                   drop_last=True)
     loader = iter(torch.utils.data.DataLoader(data, batch_size=MICRO, sampler=sampler, drop_last=True))
     rec = Recorder("runs/ddp", model, RecordingSpec(build_model="ddp_train:build_model",
-                                                    build_optimizer="ddp_train:build_optimizer", objective="causal_lm", max_grad_norm=1.0,
-                                                    dataset_len=len(data), selfcheck=64))  # selfcheck: the in-run checks (docs/follow.md)
+                                                    build_optimizer="ddp_train:build_optimizer", objective="causal_lm",
+                                                    max_grad_norm=1.0, dataset_len=len(data),
+                                                    selfcheck=64))  # selfcheck: the in-run checks (docs/follow.md)
     for _ in range(STEPS):
         batches = [next(loader) for _ in range(ACCUM)]
         # the causal-LM token mean over the GLOBAL batch: every rank's targets counted

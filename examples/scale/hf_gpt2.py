@@ -130,10 +130,9 @@ if __name__ == "__main__":
 
         here = os.path.dirname(os.path.abspath(__file__))
         sys.path.insert(0, here)
-        callbacks.append(TrainerRecorder(out, RecordingSpec(build_model="hf_gpt2:build_model",
-                                                            build_optimizer="hf_gpt2:build_optimizer", objective="causal_lm",
-                                                            build_kwargs=dict(scale=SCALE, seq=SEQ, lr=LR, steps=STEPS),
-                                                            sketch=int(os.environ.get("SKETCH", "0")))))
+        callbacks.append(TrainerRecorder(out, RecordingSpec(
+            build_model="hf_gpt2:build_model", build_optimizer="hf_gpt2:build_optimizer", objective="causal_lm",
+            build_kwargs=dict(scale=SCALE, seq=SEQ, lr=LR, steps=STEPS), sketch=int(os.environ.get("SKETCH", "0")))))
     # the fault callbacks come first: the Recorder sees the faulty gradient the optimizer applies
     trainer = {"local_norm": LocalNormTrainer, "scale1.001_pre": PreScaleTrainer}.get(fault, Trainer)(
         model=model, args=args, train_dataset=dataset(), optimizers=build_optimizer(model),

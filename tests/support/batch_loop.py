@@ -71,9 +71,9 @@ def run(cfg: dict) -> None:
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
     net = torch.compile(ddp, backend="eager") if where == "outer" else ddp
-    rec = Recorder(cfg["out"], given if where == "given" else net, RecordingSpec(build_model=BUILD[kind],
-                                                                                 build_optimizer="batchmodels:build_optimizer", objective=cfg["objective"],
-                                                                                 objective_scope=cfg["scope"], build_kwargs={"seed": cfg["seed"]}))
+    rec = Recorder(cfg["out"], given if where == "given" else net, RecordingSpec(
+        build_model=BUILD[kind], build_optimizer="batchmodels:build_optimizer", objective=cfg["objective"],
+        objective_scope=cfg["scope"], build_kwargs={"seed": cfg["seed"]}))
     n_global = world * K * B * (BM.T - 1) if kind != "pair" else world * K * B
     for s in range(cfg["steps"]):
         if cfg["attrs"] is True and s == 1 or cfg["attrs"] == "rank1" and s == 0 and rank == 1:

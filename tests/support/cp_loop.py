@@ -244,8 +244,9 @@ def run(cfg: dict) -> None:
             m._cp = {"group": cp_group, "n": n, "c": c, "order": order, "ring": ring, "fault": fault}
     opt = build_optimizer(model, lr=cfg["lr"])
     declared = "contiguous" if fault == "declared_order" else order
-    rec = Recorder(cfg["out"], model, RecordingSpec(build_model="cp_loop:build_model", build_optimizer="cp_loop:build_optimizer",
-                                                    objective="token_mean", build_kwargs={"seed": cfg["seed"]}),
+    rec = Recorder(cfg["out"], model, RecordingSpec(build_model="cp_loop:build_model",
+                                                    build_optimizer="cp_loop:build_optimizer", objective="token_mean",
+                                                    build_kwargs={"seed": cfg["seed"]}),
                    context_parallel=dict(group=cp_group, seq_dim=1, order=declared))
     B, K, T = cfg["rows"], cfg["micro"], cfg["T"]
     for step in range(cfg["steps"]):

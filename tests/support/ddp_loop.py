@@ -297,8 +297,8 @@ def run(cfg: dict) -> None:
             group["lr"] *= 1.01
     rec = Recorder(out, net, RecordingSpec(build_model=builder, build_optimizer="loopmodel:build_optimizer",
                                            objective="causal_lm", max_grad_norm=mgn, dataset_len=n, build_kwargs=kw,
-                                           sketch=cfg["sketch"], every=cfg["every"], start=start if cfg["leg"] == 2 else 0,
-                                           wire=cfg["wire"]))
+                                           sketch=cfg["sketch"], every=cfg["every"],
+                                           start=start if cfg["leg"] == 2 else 0, wire=cfg["wire"]))
     data = data_of(fault, n, cfg["seed"])
     if cfg["fixed_len"]:
         data = [r[:cfg["fixed_len"]] for r in data]

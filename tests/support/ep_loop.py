@@ -87,9 +87,10 @@ def run(cfg: dict) -> None:
     opt = build_optimizer(model)
     if cfg["emb_dropout"]:  # the replicated region's masks: one RNG state on every rank, or ("rng_apart") not
         torch.manual_seed(4321 + (rank if fault == "rng_apart" else 0))
-    rec = Recorder(cfg["out"], model, RecordingSpec(build_model="ep_loop:build_dropout_model" if cfg["emb_dropout"] else
-                                                    "ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
-                                                    objective="ep_moe:objective", objective_scope="step", build_kwargs=kw), sharding=sharding)
+    rec = Recorder(cfg["out"], model, RecordingSpec(
+        build_model="ep_loop:build_dropout_model" if cfg["emb_dropout"] else "ep_moe:build_model",
+        build_optimizer="ep_moe:build_optimizer", objective="ep_moe:objective", objective_scope="step",
+        build_kwargs=kw), sharding=sharding)
     B, T = cfg["rows"], cfg["T"]
     for step in range(cfg["steps"]):
         ids = batch_rows(cfg["seed"], step, dp * B, T)[dp_rank * B:(dp_rank + 1) * B]

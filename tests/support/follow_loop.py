@@ -86,9 +86,11 @@ def run(cfg: dict) -> None:
             net.register_comm_hook(None, bf16_wire_hook)
     opt, sched = build_optimizer(model, **kw)
     try:
-        rec = Recorder(cfg["out"], net, RecordingSpec(build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
-                                                      objective="causal_lm", max_grad_norm=1.0, dataset_len=n, build_kwargs=kw,
-                                                      selfcheck=cfg["selfcheck"], stop_on_fail=cfg["stop"], wire=cfg["wire"]))
+        rec = Recorder(cfg["out"], net, RecordingSpec(build_model="loopmodel:build_model",
+                                                      build_optimizer="loopmodel:build_optimizer",
+                                                      objective="causal_lm", max_grad_norm=1.0, dataset_len=n,
+                                                      build_kwargs=kw, selfcheck=cfg["selfcheck"],
+                                                      stop_on_fail=cfg["stop"], wire=cfg["wire"]))
         data = dataset(n, cfg["seed"])
         per_epoch = n // (world * K * B)
         for s in range(cfg["steps"]):

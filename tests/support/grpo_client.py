@@ -161,7 +161,8 @@ def train(run: dict, out: Path) -> None:
     declare = run["declare"] or DEFAULT_DECLARE[run["loss"]]
     callback = TrainerRecorder(out / run["name"], RecordingSpec(build_model=f"{MODULE}:build_model",
                                                                 build_optimizer=f"{MODULE}:build_optimizer",
-                                                                objective=f"{MODULE}:{OBJECTIVES[declare]}", build_kwargs=kw))
+                                                                objective=f"{MODULE}:{OBJECTIVES[declare]}",
+                                                                build_kwargs=kw))
     fault = run["fault"]
 
     class Recorded(GRPOTrainer):

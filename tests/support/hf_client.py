@@ -245,10 +245,10 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
 
     # the gate's line: a bad argument fails here, in one line, before anything is built
     kw = {**({"unused": True} if run["unused"] else {}), **({"moe": True} if run["moe"] else {})}
-    recorder = [TrainerRecorder(out / run["name"], RecordingSpec(build_model=f"{run['build']}:build_model",
-                                                                 build_optimizer=f"{run['build']}:build_optimizer", objective=run["objective"] if run["objective"] != "global" else f"{run['build']}:moe_global_step",
-                                                                 build_kwargs=kw, objective_scope=run["scope"],
-                                                                 selfcheck=run["selfcheck"]))] if record else []
+    recorder = [TrainerRecorder(out / run["name"], RecordingSpec(
+        build_model=f"{run['build']}:build_model", build_optimizer=f"{run['build']}:build_optimizer",
+        objective=run["objective"] if run["objective"] != "global" else f"{run['build']}:moe_global_step",
+        build_kwargs=kw, objective_scope=run["scope"], selfcheck=run["selfcheck"]))] if record else []
     args = TrainingArguments(
         output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
         per_device_train_batch_size=run["bs"], gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,

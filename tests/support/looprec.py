@@ -139,8 +139,10 @@ def one_process(out: Path, *, objective: str = "causal_lm", seed: int = 7, steps
 
     model = build_model(seed=seed)
     opt, sched = build_optimizer(model)
-    rec = Recorder(out, model, RecordingSpec(build_model="loopmodel:build_model", build_optimizer="loopmodel:build_optimizer",
-                                             objective=objective, build_kwargs={"seed": seed}, dataset_len=n if dataset_len is None else dataset_len))
+    rec = Recorder(out, model, RecordingSpec(build_model="loopmodel:build_model",
+                                             build_optimizer="loopmodel:build_optimizer", objective=objective,
+                                             build_kwargs={"seed": seed},
+                                             dataset_len=n if dataset_len is None else dataset_len))
     data = dataset(n, 0)
     order = order or [list(range(4 * s, 4 * s + 4)) for s in range(steps)]
     for s in range(steps):

@@ -97,8 +97,10 @@ def run(cfg: dict) -> None:
     schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[cfg["schedule"]](stage, K, loss_fn=loss_fn,
                                                                                scale_grads=scale)
     opt = build_optimizer(module)
-    rec = Recorder(cfg["out"], module, RecordingSpec(build_model="pp_loop:build_tied_model" if cfg["tied"] else "tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
-                                                     objective="causal_lm", build_kwargs={"seed": cfg["seed"]}), pipeline_stage=stage)
+    rec = Recorder(cfg["out"], module, RecordingSpec(
+        build_model="pp_loop:build_tied_model" if cfg["tied"] else "tp_llama:build_model",
+        build_optimizer="tp_llama:build_optimizer", objective="causal_lm",
+        build_kwargs={"seed": cfg["seed"]}), pipeline_stage=stage)
     for step in range(cfg["steps"]):
         losses: list = []
         for a in range(acc):  # accumulation: each schedule.step() on rows of its own, no zero_grad between

@@ -156,8 +156,9 @@ def run(cfg: dict) -> None:
         model = build_model(seed=cfg["seed"])
         parallelize(model, pd, cfg["out"])
     opt = build_optimizer(model)
-    rec = Recorder(cfg["out"], model, RecordingSpec(build_model="titan_loop:build_model", build_optimizer="titan_loop:build_optimizer",
-                                                    objective="causal_lm", build_kwargs={"seed": cfg["seed"]}))
+    rec = Recorder(cfg["out"], model, RecordingSpec(build_model="titan_loop:build_model",
+                                                    build_optimizer="titan_loop:build_optimizer", objective="causal_lm",
+                                                    build_kwargs={"seed": cfg["seed"]}))
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=VOCAB))
     K, B, T = cfg["micro"], cfg["rows"], cfg["T"]
     for step in range(cfg["steps"]):

@@ -138,8 +138,9 @@ def run(cfg: dict) -> None:
     opt = build_optimizer(model)
     if tp == 1:  # a plain data-parallel run: DDP over every rank
         model = torch.nn.parallel.DistributedDataParallel(model)
-    rec = Recorder(cfg["out"], model, RecordingSpec(build_model="tp_llama:build_model", build_optimizer="tp_llama:build_optimizer",
-                                                    objective="causal_lm", build_kwargs=build, wire=cfg["wire"],
+    rec = Recorder(cfg["out"], model, RecordingSpec(build_model="tp_llama:build_model",
+                                                    build_optimizer="tp_llama:build_optimizer", objective="causal_lm",
+                                                    build_kwargs=build, wire=cfg["wire"],
                                                     max_grad_norm=cfg["max_grad_norm"]))
     K, B, T = cfg["micro"], cfg["rows"], cfg["T"]
     for step in range(cfg["steps"]):

@@ -292,7 +292,8 @@ def train(run: dict, out: Path) -> None:
         objective = f"{MODULE}:{'dpo_sft_objective' if 'sft' in run['dpo'].split('+') else 'dpo_objective'}"
         scope = "step"
     callback = TrainerRecorder(out / run["name"], RecordingSpec(build_model=f"{MODULE}:build_model",
-                                                                build_optimizer=f"{MODULE}:build_optimizer", objective=objective, build_kwargs=kw,
+                                                                build_optimizer=f"{MODULE}:build_optimizer",
+                                                                objective=objective, build_kwargs=kw,
                                                                 objective_scope=scope))
     common = dict(output_dir=str(out / run["name"] / "hf"), use_cpu=True, ddp_backend="gloo",
                   per_device_train_batch_size=2, gradient_accumulation_steps=run["ga"], max_grad_norm=1.0,

@@ -237,12 +237,12 @@ class LoopRecorder:
         if self.fresh and st.step:  # rebuilt from the checkpoint it continues
             kwargs.update(checkpoint=str(Path(run.train.resume_from).resolve()), start=st.step)
         self.run = run
-        self.rec = Recorder(self.out, st.model, RecordingSpec(build_model=BUILD_MODEL, build_optimizer=BUILD_OPTIMIZER,
-                                                              objective=OBJECTIVE, max_grad_norm=run.train.grad_clip, build_kwargs=kwargs,
-                                                              start=st.step,
-                                                              buffer_update=BUFFER_UPDATE if moving_bias(run) else None,
-                                                              wire="bf16" if run.train.dist and run.train.dist_reduce == "bf16" else "fp32",
-                                                              example_corpus=str(loop.resolve_corpus(run)), extra=self.extra))
+        self.rec = Recorder(self.out, st.model, RecordingSpec(
+            build_model=BUILD_MODEL, build_optimizer=BUILD_OPTIMIZER, objective=OBJECTIVE,
+            max_grad_norm=run.train.grad_clip, build_kwargs=kwargs, start=st.step,
+            buffer_update=BUFFER_UPDATE if moving_bias(run) else None,
+            wire="bf16" if run.train.dist and run.train.dist_reduce == "bf16" else "fp32",
+            example_corpus=str(loop.resolve_corpus(run)), extra=self.extra))
         # a resumed segment keeps the evals of the steps before it, not those it runs again
         self.rec.extra["evals"] = [e for e in self.rec.extra.get("evals", []) if e[0] <= st.step]
 

@@ -225,5 +225,6 @@ def test_a_bad_context_parallel_declaration_is_one_clear_line(tmp_path):
                         (dict(order="contiguous"), "context_parallel without torch.distributed initialised")):
         with pytest.raises(DormouseError) as e:
             Recorder(tmp_path / "rec", model, RecordingSpec(build_model="cp_loop:build_model",
-                                                            build_optimizer="cp_loop:build_optimizer", objective="token_mean"), context_parallel=spec)
+                                                            build_optimizer="cp_loop:build_optimizer",
+                                                            objective="token_mean"), context_parallel=spec)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -144,7 +144,8 @@ def test_objective_that_does_not_fit_the_outputs(tmp_path):
     model = build_classifier(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = Recorder(tmp_path / "r", model, RecordingSpec(build_model="loopmodel:build_classifier",
-                                                        build_optimizer="loopmodel:build_optimizer", objective="causal_lm", build_kwargs={}))
+                                                        build_optimizer="loopmodel:build_optimizer",
+                                                        objective="causal_lm", build_kwargs={}))
     batch = collate(dataset(4, 0))
     model(**batch).sum().backward()
     rec.step(loss=0.0, optimizer=opt)

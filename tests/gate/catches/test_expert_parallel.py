@@ -114,8 +114,10 @@ def test_a_balancing_term_over_local_routing_counts_fails_against_the_declared_g
 def _recorder(tmp_path, model, sharding):
     from dormouse.gate import Recorder, RecordingSpec
 
-    return Recorder(tmp_path, model, RecordingSpec(build_model="ep_moe:build_model", build_optimizer="ep_moe:build_optimizer",
-                                                   objective="ep_moe:objective", objective_scope="step", build_kwargs={"seed": 0}),
+    return Recorder(tmp_path, model, RecordingSpec(build_model="ep_moe:build_model",
+                                                   build_optimizer="ep_moe:build_optimizer",
+                                                   objective="ep_moe:objective", objective_scope="step",
+                                                   build_kwargs={"seed": 0}),
                     sharding=sharding)
 
 
@@ -162,7 +164,8 @@ def test_a_declared_sharding_is_refused_with_sketches_or_the_probe(tmp_path):
     for extra in ({"sketch": 64}, {"probe_steps": [1]}):
         with pytest.raises(RecorderError, match="a declared sharding is recorded in full tensors"):
             Recorder(tmp_path, build_model(seed=0), RecordingSpec(build_model="ep_moe:build_model",
-                                                                  build_optimizer="ep_moe:build_optimizer", **extra), sharding={"moe.w*": shard(0, [0], "expert")})
+                                                                  build_optimizer="ep_moe:build_optimizer",
+                                                                  **extra), sharding={"moe.w*": shard(0, [0], "expert")})
 
 
 def test_a_clean_hand_written_tensor_parallel_run_declared_the_same_way_passes(ep):

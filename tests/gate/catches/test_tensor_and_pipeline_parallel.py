@@ -257,7 +257,8 @@ def test_a_pipeline_recording_with_sketches_is_refused_in_one_line(tmp_path):
 
     with pytest.raises(RecorderError, match="a pipeline is recorded in full tensors"):
         Recorder(tmp_path, torch.nn.Linear(2, 2), RecordingSpec(build_model="tp_llama:build_model",
-                                                                build_optimizer="tp_llama:build_optimizer", sketch=64), pipeline_stage=Stage())
+                                                                build_optimizer="tp_llama:build_optimizer",
+                                                                sketch=64), pipeline_stage=Stage())
 
 
 def test_a_keyed_dropout_on_the_column_split_hidden_passes_when_each_tp_rank_keys_its_global_columns(tp):

@@ -29,8 +29,9 @@ from dormouse.gate import Recorder, RecordingSpec
 def train():
     model = build_model(seed=0)
     opt, sched = build_optimizer(model)
-    rec = Recorder({out!r}, model, RecordingSpec(build_model="{name}:build_model", build_optimizer="{name}:build_optimizer",
-                                                 objective="causal_lm", build_kwargs={{"seed": 0}}, dataset_len=8))
+    rec = Recorder({out!r}, model, RecordingSpec(build_model="{name}:build_model",
+                                                 build_optimizer="{name}:build_optimizer", objective="causal_lm",
+                                                 build_kwargs={{"seed": 0}}, dataset_len=8))
     data = dataset(8, 0)
     for s in range(2):
         batch = collate(data[4 * s:4 * s + 4])

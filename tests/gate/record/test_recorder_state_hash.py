@@ -29,7 +29,8 @@ def _record(out, bump: float) -> tuple[str, str]:
     """Two steps of a one-process loop; the buffer moved by `bump` after step 1
     and after the last; returns (step 2's hash, the final hash)."""
     model = WithBias()
-    rec = Recorder(out, model, RecordingSpec(build_model="x.y:build", build_optimizer="x.y:opt", objective="token_mean"))
+    rec = Recorder(out, model, RecordingSpec(build_model="x.y:build", build_optimizer="x.y:opt",
+                                             objective="token_mean"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):
         model(torch.ones(2, 4)).sum().backward()
