@@ -41,12 +41,19 @@ def _spread_bounds(rec: A.RecordingSet, ref: ReferenceSet) -> dict[int, tuple[fl
     k between the one-process forms g and gn, where that exceeds the float32 (or reduced-precision) bound."""
     out, top = {}, 0.0
     for k in rec.tensor_steps():
-        g, gn = ref.tensors(k, A.GRAD), ref.tensors(k, A.GRAD_NORMALISED)
+        gn = ref.tensors(k, A.GRAD_NORMALISED)  # absent where the check made none (judge/forms.py)
+        g = ref.tensors(k, A.GRAD) if gn else {}
         names = sorted(set(g) & set(gn))
         if names:
             top = max(top, rel(gn, g, names))
         out[k] = (max(arithmetic_bound(rec, ref, INDEP_RTOL, k), floor_bound(top, INDEP_RTOL)), top)
     return out
+
+
+def _at(steps: list[int], n: int) -> str:
+    """"step 1 of 3", "steps 1, 9, 17 of 40" (the first six named)."""
+    named = ", ".join(str(k) for k in steps[:6]) + (", ..." if len(steps) > 6 else "")
+    return f"step{'s' if len(steps) != 1 else ''} {named} of {n}"
 
 
 def _words(rec, ref, bounds: dict, k) -> str:
@@ -65,14 +72,20 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     # the step's rows in as few forwards as memory allows (A.GRAD_MERGED) against the micro-batches' sum (A.GRAD)
     gm_worst, gm_k, gm_words, gm_err, gm_over = 0.0, None, None, None, False
     bounds = _spread_bounds(rec, ref)
+    ex_steps, gm_steps, budget = [], [], None
     for k in rec.tensor_steps():
         info, _ = ref.step(k)
         rng = rng or bool(info.get("rng_sensitive"))
+        total += sum(len(c) for c in info.get("counts", []))
+        budget = info.get("extras_budget", budget)
+        if budget is not None and not info.get("ex_micro") and not info.get("merged"):
+            per.append(0.0)  # a step the reference's budget did not take (sample.py): nothing read
+            continue
+        ex_steps.extend([k] if info.get("ex_micro") else [])
         ex = ref.tensors(k, A.SAMPLED)
         g = ref.tensors(k, A.SAMPLED_GRAD) or ref.tensors(k, A.GRAD)  # the sampled micro-batches' own gradient
         x = rel(ex, g, sorted(set(g) & set(ex)))
         sampled += len(info.get("ex_micro") or [])
-        total += sum(len(c) for c in info.get("counts", []))
         per.append(x)
         over = over or x > bounds[k][0]
         merged = info.get("merged") or {}
@@ -82,6 +95,7 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
             gm, full = ref.tensors(k, A.GRAD_MERGED), ref.tensors(k, A.GRAD)
             y = rel(gm, full, sorted(set(gm) & set(full)))
             gm_words = merged.get("words")
+            gm_steps.append(k)
             gm_over = gm_over or y > bounds[k][0]
             if y >= gm_worst:
                 gm_worst, gm_k = y, k
@@ -91,7 +105,9 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     bound = bounds.get(worst_k, (arithmetic_bound(rec, ref, INDEP_RTOL, worst_k), 0.0))[0]
     said = _words(rec, ref, bounds, worst_k)
     ok = not over and not rng and not gm_over and gm_err is None
-    one = (f"{gm_words} give a gradient {gm_worst:.2g} away from the micro-batches' sum (step {gm_k})"
+    n_steps = len(rec.tensor_steps())
+    one = (f"{gm_words} give a gradient {gm_worst:.2g} away from the micro-batches' sum (step {gm_k}"
+           + (f"; merged at {_at(gm_steps, n_steps)}" if budget is not None else "") + ")"
            if gm_k is not None else None)
     if math.isinf(worst):
         ok = False
@@ -111,7 +127,9 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                   + (f"; {one} (what one process at the global batch would train instead)" if one else "")
                   + f"; each row alone {worst:.2g} from its micro-batch's")
     elif ok:
-        reason = (f"the per-example gradients sum to their micro-batch's at every recorded step (worst "
+        where = ("every recorded step" if budget is None else
+                 f"{_at(ex_steps, n_steps)}, the steps a budget of {budget:g} x the gradient's rows took")
+        reason = (f"the per-example gradients sum to their micro-batch's at {where} (worst "
                   f"{worst:.2g}, {said}; {sampled} of {total} micro-batches differentiated row by "
                   "row: every rank's first at the first step, one a step after, rotating) and do not change with "
                   "the RNG state" + (f"; {one}" if one else ""))

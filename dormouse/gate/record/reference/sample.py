@@ -12,9 +12,11 @@ forwards, and the verdict states the steps and rows it took (info
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-EXTRAS_BUDGET = 0.5  # the extras' rows, at most this fraction of the gradient's rows so far (past the first step)
+EXTRAS_BUDGET = math.inf  # the extras' rows, at most this fraction of the gradient's rows so far (past the first step)
 ROW_COST = 1.5  # a micro-batch differentiated row by row, against its own backward
 
 
@@ -39,6 +41,10 @@ class ExtrasBudget:
 
     def __init__(self, budget: float = EXTRAS_BUDGET):
         self.budget, self.rows, self.spent, self.taken = budget, 0.0, 0.0, 0
+
+    def stated(self) -> float | None:
+        """The budget the verdict states (None: every tensor step taken)."""
+        return self.budget if math.isfinite(self.budget) else None
 
     def take(self, mbs: list[tuple[int, int, dict]]) -> int | None:
         rows = [batch_rows(b) for _, _, b in mbs]
