@@ -113,6 +113,10 @@ FLEETS: dict[str, Fleet] = {f.name: f for f in (
           "test_reduced_precision_loops.py", {"steps": 3}),
     Fleet("autocast", "ddp_loop.py", 2, "DDP under bfloat16 autocast and FSDP2 mixed precision, 2 gloo ranks, 3 "
           "micro-batches a step", "test_autocast_loops.py", {"steps": 3}),
+    Fleet("wild", "wild_loop.py", 2, "DDP loops written as others write them (a review's and issue trackers' "
+          "workloads), 2 gloo ranks", "test_loops_we_did_not_write.py", {"seed": 3}, fault_key=None),
+    Fleet("wild_pp", "tp_loop.py", 2, "pipeline (tied weights over 2 stages) and tensor-parallel loops written as "
+          "others write them, 2 gloo ranks", "test_loops_we_did_not_write.py"),
     Fleet("cp", "cp_loop.py", 2, "context parallel: CP 2 on 2 gloo ranks (torch's ring or a plain one)",
           "test_context_parallel.py"),
     Fleet("cp_dp", "cp_loop.py", 4, "context parallel: CP 2 x DP 2 on 4 gloo ranks", "test_context_parallel.py"),
@@ -161,6 +165,7 @@ FIX = "loss_type=ForCausalLM"  # the Trainer counts the shifted labels (see hf_c
 HF_CLEAN = {"gradient": "equals one process", "replay": "bitwise", "loss": "equals the declared objective"}
 TRL_HAND = "the recorded micro-batches' gradient by hand in one process (fieldkit, its own loss code)"
 GRPO_HAND = "the test's own surrogate and normalisation in plain PyTorch on the recorded micro-batches"
+WILD = "one process's gradient on the loop's own rows (the test's own)"
 AC = {"seed": 8, "autocast": True}
 SKETCHED = {**EVERY_CHECK, "gradient": ("sketch k=64", "detected with probability")}
 
@@ -661,6 +666,9 @@ CASES: tuple[Case, ...] = (
     Case("grpo", "grpo", "loss=grpo:steps=1", holds={"gradient": ()}, what="loss_type grpo", confirmation=GRPO_HAND),
     Case("dapo", "grpo", "loss=dapo:steps=1", holds={"gradient": ()}, what="TRL's default, dapo",
          confirmation=GRPO_HAND),
+    Case("grpo_zero", "grpo", "loss=grpo:ga=4:gens=8:seed=5:steps=1", holds={"loss": ()},
+         what="loss_type grpo, 8 generations, accumulation 4: a clean loss near 0 (each group's advantages sum to 0)",
+         confirmation=GRPO_HAND),
     Case("bnpo", "grpo", "loss=bnpo:steps=1", verdict="FAIL", fails={
         "gradient": "mean of per-micro-batch token means", "loss": ()}, may_fail={"clip": ()},
          what="bnpo: normalised over each local batch by design", confirmation=GRPO_HAND),
@@ -719,4 +727,46 @@ CASES: tuple[Case, ...] = (
          confirmation="every micro-batch recorded as computed in bfloat16"),
     Case("fsdp_mp_comp_twice", "autocast", {"seed": 9, "fsdp": True, "fsdp_mp": True}, "comp_twice",
          verdict="FAIL", fails={"gradient": "= W "}),
+    # ---------------------------------------------------------------- wild, wild_pp: loops we did not write
+    Case("aux", "wild", {"model": "aux"}, what="the model keeps self.aux (a graph tensor) after its forward",
+         confirmation=WILD + ", through `gate check`"),
+    Case("labels_inputs", "wild", {"labels": "inputs"}, what="labels = input_ids, padding not masked "
+         "(TrainCheck's pytorch-84803 workload)", confirmation=WILD + "; the rows alone sum to the batch's"),
+    Case("bn_rank0", "wild", {"bn_rank0": True}, holds={"buffers": (
+        "not judged: bn.num_batches_tracked, bn.running_mean, bn.running_var moved", "no buffer_update declares how")},
+         what="BatchNorm statistics from rank 0's rows, broadcast", confirmation="the statistics are rank 0's rows'"),
+    Case("collate_drop", "wild", {"collate_drop": True}, holds={"data": "the rows are taken as given"},
+         what="rank 1's collator drops every row's last token", confirmation="rank 1's recorded rows are one short"),
+    Case("clip_no_norm", "wild", {"clip_no_norm": True, "max_grad_norm": 0.3}, verdict="FAIL", fails={"gradient": (
+        "the clip coefficients of a max_grad_norm of 0.3", "rec.step(grad_norm=norm)")},
+         what="clipped, grad_norm not passed to rec.step"),
+    Case("skip_step", "wild", {"skip_bwd": [2]}, what="step 2: opt.step() with no forward or backward (pytorch "
+         "#115607)", confirmation="the parameters moved as the optimizer alone moves them, through `gate check`"),
+    Case("skip_step_zeros", "wild", {"skip_bwd": [2], "zero_grads": True}, verdict="FAIL",
+         fails={"grad_mask": "step 2"}, what="... on zeroed (not None) gradients"),
+    Case("dropout", "wild", {"dropout": 0.1, "steps": 2}, verdict="FAIL", fails={"independence": "active dropout (drop)"},
+         holds={"probe": ("not judged: one process's gradient of the probed micro-batch at step 1 changes with the "
+                          "RNG state", "each rank drew its own masks")},
+         what="a clean loop with dropout, each rank seeding its own masks"),
+    Case("zero_labels", "wild", {"zero_labels": True, "steps": 2}, verdict="FAIL", fails={"data": (
+        "rank 1's labels are not its input tokens at", "every target is token 0")},
+         what="rank 1 zeroes its device copy's labels", confirmation="rank 1's recorded labels are zeros"),
+    Case("sketch_late", "wild", {"sketch": 64, "loss_x": {"2": 1.5}}, verdict="FAIL",
+         fails={"gradient": "1, 1.5 at steps 1, 2"}, what="sketched, AdamW; every rank's loss x 1.5 at step 2 alone",
+         confirmation="the loop trained in one process by the test: its norm 1.5 x at step 2"),
+    Case("half_fc", "wild", {"grad_x": {"fc.weight": 0.5}, "steps": 2}, verdict="FAIL", fails={"gradient": (
+        "times 0.5 = 1/W = 1/K in tensor fc.weight alone, at every step, and every other tensor agrees")},
+         what="one tensor's gradient halved after the reduce", confirmation=WILD + ": fc.weight's 0.5 x it"),
+    Case("tied", "wild_pp", {"pp": True, "tied": True, "steps": 2}, holds={
+        "ranks": "tied tok_embeddings.weight = output.weight: their copies are equal bitwise"},
+         what="a weight tied over the 2 pipeline stages, its copies' gradients summed"),
+    Case("tied_one_way", "wild_pp", {"pp": True, "tied": True, "steps": 1}, "tied_one_way", verdict="FAIL",
+         fails={"ranks": ("the tied tok_embeddings.weight and output.weight", "differ in their gradients at step 1")},
+         what="... summed one way only", confirmation="the stages' recorded copies differ"),
+    # DeepSpeed #1801's mechanism: the TP-replicated norms' gradients clipped on TP rank 0 alone
+    Case("ds1801", "wild_pp", {"max_grad_norm": 0.05, "steps": 1}, "clip_tp0_norms", verdict="FAIL", fails={"clip": (
+        "at step 1 rank 1's gradient of 5 tensor(s) (layers.0.attention_norm.weight",
+        "the loop clipped those tensors on rank 0 and not on rank 1")},
+         what="DeepSpeed #1801: the TP-replicated norms clipped on TP rank 0 alone",
+         confirmation="the norms' recorded gradients by hand on each rank"),
 )

@@ -11,44 +11,29 @@ import shutil
 import subprocess
 import sys
 
+import casecheck
+import catalogue
 import looprec
 import torch
 import torch.nn.functional as F
-from looprec import failing
 from loopmodel import VOCAB, build_model, dataset
 from pp_loop import RUN as RUN_PP
 from wild_loop import RUN, batches, build_aux_model
 
 from dormouse.gate import artifacts as A
 
-RUNS = {
-    "aux": {"model": "aux"},  # the model keeps self.aux (a graph tensor) after its forward
-    "labels_inputs": {"labels": "inputs"},  # TrainCheck's pytorch-84803 workload: padding not masked
-    "bn_rank0": {"bn_rank0": True},  # BatchNorm statistics from rank 0's rows, broadcast
-    "collate_drop": {"collate_drop": True},  # rank 1's collator drops every row's last token
-    "clip_no_norm": {"clip_no_norm": True, "max_grad_norm": 0.3},  # clipped, grad_norm not passed
-    "skip_step": {"skip_bwd": [2]},  # step 2: opt.step() with no forward or backward (pytorch #115607)
-    "skip_step_zeros": {"skip_bwd": [2], "zero_grads": True},  # ... on zeroed (not None) gradients
-    "dropout": {"dropout": 0.1, "steps": 2},  # a clean loop with dropout, each rank seeding its own masks
-    "zero_labels": {"zero_labels": True, "steps": 2},  # rank 1 zeroes its device copy's labels
-    "sketch_late": {"sketch": 64, "loss_x": {"2": 1.5}},  # sketched; every rank's loss x 1.5 at step 2 alone
-    "half_fc": {"grad_x": {"fc.weight": 0.5}, "steps": 2},  # one tensor's gradient halved after the reduce
-}
 W = 2
-fleet = looprec.launched_fixture("fleet", {n: {"seed": 3, **cfg} for n, cfg in RUNS.items()}, "wild_loop.py", W)
+RUNS = catalogue.runs("wild")  # each row's wild_loop options (seed 3), for this file's one-process computations
+fleet = looprec.launched_fixture("fleet", RUNS, "wild_loop.py", W)
 # pipeline runs (pp_loop.py) and a tensor-parallel one (tp_loop.py) in one launch of tp_loop.py
-PIPELINE = {"tied": {"pp": True, "tied": True, "steps": 2},
-            "tied_one_way": {"pp": True, "tied": True, "fault": "tied_one_way", "steps": 1},
-            # DeepSpeed #1801's mechanism: the TP-replicated norms' gradients clipped on TP rank 0 alone
-            "ds1801": {"fault": "clip_tp0_norms", "max_grad_norm": 0.05, "steps": 1}}
-pipeline = looprec.launched_fixture("pipeline", PIPELINE, "tp_loop.py", W)
+pipeline = looprec.launched_fixture("pipeline", catalogue.runs("wild_pp"), "tp_loop.py", W)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join([str(looprec.SUPPORT), os.environ.get("PYTHONPATH", "")])}
 
 
 def step_rows(name: str, step: int = 1) -> list[dict]:
     """Every rank's micro-batches of `step` as the loop built them (torch's DistributedSampler)."""
-    cfg = {**RUN, "seed": 3, **RUNS[name]}
+    cfg = {**RUN, **RUNS[name]}
     K, B = cfg["micro"], cfg["batch"]
     data = dataset(cfg["n"], cfg["seed"])
     out = []
@@ -77,6 +62,13 @@ def recorded(out, step: int = 1) -> dict:
     return {k: v.double() / c for k, v in looprec.recorded_gradients(out, 0, step).items()}
 
 
+@casecheck.rows("wild", "wild_pp")
+def test_the_verdict_is_the_catalogues(fleet, pipeline, case):
+    """Each loop's verdict and named cause (tests/support/catalogue.py, the "wild" and "wild_pp" rows);
+    the tests below confirm each by this file's own computation."""
+    casecheck.holds((fleet if case.fleet == "wild" else pipeline)[case.id], case)
+
+
 def gate_check(out, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dormouse", "gate", "check", "--out", str(out)], env=ENV,
                           text=True, timeout=300, **({"capture_output": True} | kw))
@@ -99,8 +91,6 @@ def test_labels_equal_to_the_inputs_with_padding_unmasked_pass_as_the_one_proces
     clean run failed independence (0.71). The rows alone at their padded length sum to the batch's
     gradient (this file's arithmetic: the network IS row-independent), the fleet's gradient is the
     one-process one, and the verdict passes."""
-    v = looprec.verdict(fleet["labels_inputs"])
-    assert v.passed, failing(v)
     mbs = step_rows("labels_inputs")
     assert any(bool((mb["attention_mask"] == 0).any()) for mb in mbs)  # padding that the labels make targets
     net = build_model(seed=3)
@@ -148,10 +138,7 @@ def test_batchnorm_statistics_of_one_ranks_rows_are_said_not_judged_never_a_sile
     assert torch.allclose(after["bn.running_var"], var0, atol=1e-6)
     mean_all, _ = moved(mbs)  # what the global batch's rows would have given (a different statistic)
     assert not torch.allclose(after["bn.running_mean"], mean_all, atol=1e-3)
-    v = looprec.verdict(out)
-    c = looprec.checks(v)["buffers"]
-    assert c.reason.startswith("not judged: bn.num_batches_tracked, bn.running_mean, bn.running_var moved"), c.reason
-    assert "no buffer_update declares how" in c.reason
+    # (its row: the buffers line says they were not judged, and why)
 
 
 def test_rows_a_collator_altered_on_one_rank_are_said_taken_as_given(fleet):
@@ -160,7 +147,7 @@ def test_rows_a_collator_altered_on_one_rank_are_said_taken_as_given(fleet):
     are not the dataset's (each one token short); the verdict's data line now says the rows were taken
     as given (a plain loop's Recorder holds no dataset to prove them against)."""
     out = fleet["collate_drop"]
-    cfg = {**RUN, "seed": 3, **RUNS["collate_drop"]}
+    cfg = {**RUN, **RUNS["collate_drop"]}
     data = dataset(cfg["n"], cfg["seed"])
     order = list(torch.utils.data.DistributedSampler(range(cfg["n"]), num_replicas=W, rank=1, shuffle=True,
                                                      seed=cfg["seed"], drop_last=True))
@@ -168,9 +155,7 @@ def test_rows_a_collator_altered_on_one_rank_are_said_taken_as_given(fleet):
     rank1 = [b for r, _, b in recorded if r == 1][0]
     lengths = rank1["attention_mask"].sum(1).tolist()
     assert lengths == [len(data[i]) - 1 for i in order[:cfg["batch"]]]  # each row one token short
-    v = looprec.verdict(out)
-    assert v.passed, failing(v)
-    assert "the rows are taken as given" in looprec.checks(v)["data"].reason
+    # (its row: PASS, the data line saying the rows were taken as given)
 
 
 def test_a_tied_weight_whose_stage_copies_part_fails_at_the_first_step_named(pipeline):
@@ -191,12 +176,7 @@ def test_a_tied_weight_whose_stage_copies_part_fails_at_the_first_step_named(pip
         last = looprec.recorded_gradients(pipeline[name], 1)["output.weight"].double()
         assert looprec.rel(first, want) < 1e-6
         assert (looprec.rel(last, want) < 1e-6) == (name == "tied"), (name, looprec.rel(last, want))
-    clean = looprec.verdict(pipeline["tied"])
-    assert clean.passed, failing(clean)
-    assert "tied tok_embeddings.weight = output.weight: their copies are equal bitwise" in clean.check("ranks").reason
-    v = looprec.verdict(pipeline["tied_one_way"])
-    looprec.fails_for(v, "ranks", "the tied tok_embeddings.weight and output.weight")
-    assert "differ in their gradients at step 1" in v.check("ranks").reason
+    # (their rows: tied passes, its copies equal bitwise; tied_one_way fails the ranks line naming the pair)
 
 
 def test_a_loop_that_clips_without_passing_grad_norm_is_told_to_pass_it(fleet):
@@ -209,9 +189,7 @@ def test_a_loop_that_clips_without_passing_grad_norm_is_told_to_pass_it(fleet):
     norm = sum(float((g ** 2).sum()) for g in want.values()) ** 0.5
     assert norm > 0.3
     assert looprec.worst(looprec.recorded_gradients(out, 0), want, 0.3 / (norm + 1e-6)) < 1e-5
-    v = looprec.verdict(out)
-    looprec.fails_for(v, "gradient", "the clip coefficients of a max_grad_norm of 0.3")
-    assert "rec.step(grad_norm=norm)" in v.check("gradient").reason
+    v = looprec.verdict(out)  # its row: the gradient fails naming the clip and the missing grad_norm
     assert "divided each step's loss sum by" not in v.check("gradient").reason
 
 
@@ -256,8 +234,7 @@ def test_an_optimizer_step_without_any_backward_is_recorded_and_judged(fleet):
     assert r.returncode == 0 and "PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     z2, z3 = zeros.tensors_at(2, "p/"), zeros.tensors_at(3, "p/")
     assert not torch.equal(z2["fc.weight"], z3["fc.weight"])  # weight decay and the moments on zeros
-    v = looprec.verdict(fleet["skip_step_zeros"])
-    looprec.fails_for(v, "grad_mask", "step 2")
+    # (skip_step_zeros's row: grad_mask fails at step 2)
 
 
 def test_a_replica_apart_after_the_last_step_is_named_with_its_rank_and_tensor(fleet, tmp_path):
@@ -290,12 +267,11 @@ def test_a_clean_loop_with_dropout_is_not_judged_by_the_probe_never_blamed_on_th
     a = one_process(net, [mb])
     torch.manual_seed(1)
     assert looprec.worst(one_process(net, [mb]), a) > 1e-3
-    v = looprec.verdict(fleet["dropout"])
+    v = looprec.verdict(fleet["dropout"])  # its row: independence fails, active dropout; the probe not judged
     probe = v.check("probe")
     assert probe.passed and probe.reason.startswith("not judged: one process's gradient of the probed "
                                                     "micro-batch at step 1 changes with the RNG state"), probe.reason
     assert "each rank drew its own masks" in probe.reason and "loss is at fault" not in probe.reason
-    looprec.fails_for(v, "independence", "active dropout (drop)")
 
 
 def test_labels_zeroed_on_one_ranks_device_copy_fail_the_data_named(fleet):
@@ -315,9 +291,7 @@ def test_labels_zeroed_on_one_ranks_device_copy_fail_the_data_named(fleet):
     got = recorded(out)
     assert looprec.worst(got, one_process(net, zeroed)) < 1e-6
     assert looprec.worst(got, one_process(net, clean)) > 1e-2
-    v = looprec.verdict(out)
-    looprec.fails_for(v, "data", "rank 1's labels are not its input tokens at")
-    assert "every target is token 0" in v.check("data").reason
+    # (its row: the data check fails naming rank 1 and its labels)
 
 
 def test_a_sketched_adamw_run_names_the_step_whose_own_gradient_is_wrong(fleet):
@@ -329,7 +303,7 @@ def test_a_sketched_adamw_run_names_the_step_whose_own_gradient_is_wrong(fleet):
     step's scalar 1.5."""
     from loopmodel import build_optimizer
 
-    out, cfg = fleet["sketch_late"], {**RUN, "seed": 3, **RUNS["sketch_late"]}
+    out, cfg = fleet["sketch_late"], {**RUN, **RUNS["sketch_late"]}
     net = build_model(seed=3)
     opt, sched = build_optimizer(net, seed=3, lr=cfg["lr"])
     norms = []
@@ -344,8 +318,7 @@ def test_a_sketched_adamw_run_names_the_step_whose_own_gradient_is_wrong(fleet):
     rec = A.RecordingSet(out)
     logged = [rec.step_meta(0, k)["grad_norm"] for k in (1, 2)]
     assert abs(logged[0] / norms[0] - 1) < 1e-5 and abs(logged[1] / norms[1] - 1.5) < 1e-4, (logged, norms)
-    v = looprec.verdict(out)
-    looprec.fails_for(v, "gradient", "1, 1.5 at steps 1, 2")
+    v = looprec.verdict(out)  # its row: the gradient fails, "1, 1.5 at steps 1, 2"
     assert "a step between" not in v.check("gradient").reason
 
 
@@ -361,9 +334,7 @@ def test_a_factor_on_one_tensors_gradient_alone_is_named_with_the_tensor(fleet):
     assert looprec.rel(got["fc.weight"], 0.5 * want["fc.weight"]) < 1e-6
     assert looprec.worst({n: t for n, t in got.items() if n != "fc.weight"},
                          {n: t for n, t in want.items() if n != "fc.weight"}) < 1e-6
-    v = looprec.verdict(out)
-    looprec.fails_for(v, "gradient", "times 0.5 = 1/W = 1/K in tensor fc.weight alone, at every step, and every "
-                                     "other tensor agrees")
+    # (its row: the gradient fails naming the factor and the tensor)
 
 
 def test_a_replicated_norm_clipped_on_one_tp_rank_fails_the_clip_named(pipeline):
@@ -375,7 +346,7 @@ def test_a_replicated_norm_clipped_on_one_tp_rank_fails_the_clip_named(pipeline)
     from tp_llama import build_model as build_tp
     from tp_loop import RUN as RUN_TP, batch_rows
 
-    cfg = {**RUN_TP, **PIPELINE["ds1801"]}
+    cfg = {**RUN_TP, **catalogue.runs("wild_pp")["ds1801"]}
     ids = batch_rows(cfg["seed"], 0, cfg["micro"] * cfg["rows"], cfg["T"])
     net = build_tp(seed=cfg["seed"])
     F.cross_entropy(net(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
@@ -387,7 +358,5 @@ def test_a_replicated_norm_clipped_on_one_tp_rank_fails_the_clip_named(pipeline)
     assert len(norms) == 5 and coef < 0.1
     for n in norms:
         assert looprec.rel(first[n], coef * g[n]) < 1e-5 and looprec.rel(second[n], g[n]) < 1e-5, n
-    v = looprec.verdict(pipeline["ds1801"])
-    looprec.fails_for(v, "clip", "at step 1 rank 1's gradient of 5 tensor(s) (layers.0.attention_norm.weight")
-    assert "the loop clipped those tensors on rank 0 and not on rank 1" in v.check("clip").reason
+    v = looprec.verdict(pipeline["ds1801"])  # its row: the clip fails naming the ranks and the tensors
     assert "not a missing reduction (see clip)" in v.check("layout").reason
