@@ -77,7 +77,7 @@ def parameter_bytes(out) -> int:
 
     rec = A.RecordingSet(out)
     total = 0
-    for r in range(rec.meta["segments"][0]["world"]):
+    for r in range(rec.recorded.segments[0]["world"]):
         f = LazyTensors([A.init_path(out, r)], "initial state")
         for k in f:
             shape = f.shape(k)
@@ -85,7 +85,7 @@ def parameter_bytes(out) -> int:
             for s in shape:
                 n *= s
             total += n * 4
-        if not rec.meta.get("fsdp"):
+        if not rec.recorded.fsdp:
             break  # every rank holds the whole model
     return total
 

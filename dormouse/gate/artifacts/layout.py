@@ -137,14 +137,27 @@ def reference_step_tensors_path(out: Path, step: int) -> Path:
     return reference_dir(out) / f"step{step:06d}.safetensors"
 
 
+REPLAY_SUFFIX = ".replay.safetensors"  # the replay's own file beside each step's
+
+
 def reference_replay_tensors_path(out: Path, step: int) -> Path:
     """The replay's parameters before `step` ("rp/"), written by the replay's own pass."""
-    return reference_dir(out) / f"step{step:06d}.replay.safetensors"
+    return reference_dir(out) / f"step{step:06d}{REPLAY_SUFFIX}"
 
 
 def reference_scratch_dir(out: Path) -> Path:
     """Where the reference spills one step's micro-batch gradients while it combines them (emptied after)."""
     return reference_dir(out) / ".scratch"
+
+
+def reference_scratch_step_dir(out: Path, step: int) -> Path:
+    """One step's spilled sources (emptied when its file is written)."""
+    return reference_scratch_dir(out) / f"step{step}"
+
+
+def scratch_source_path(scratch: Path, index: int) -> Path:
+    """The `index`-th spilled source of a step's scratch folder."""
+    return Path(scratch) / f"{index}.safetensors"
 
 
 def reference_step_meta_path(out: Path, step: int) -> Path:

@@ -71,7 +71,7 @@ def _recorded(d: Path) -> dict | None:
     """The extra (settings, provenance) of the recording in `d`, None when there is none to read."""
     try:
         rec = RecordingSet(d)
-        return {**rec.extra, "run": rec.run, "world": rec.world_at(rec.steps[-1]), "closed": rec.meta["closed"]}
+        return {**rec.extra, "run": rec.run, "world": rec.world_at(rec.steps[-1]), "closed": rec.recorded.closed}
     except DormouseError:
         return None
 

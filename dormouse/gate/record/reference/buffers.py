@@ -24,7 +24,7 @@ def load_params(model, params: dict[str, torch.Tensor], buffers: dict[str, torch
 
 def buffer_rule(rec: A.RecordingSet):
     """The recording's declared buffer_update rule and its description (None, "" when none)."""
-    path = rec.meta.get("buffer_update")
+    path = rec.spec.buffer_update
     if not path:
         return None, ""
     fn = import_path(path, "buffer_update")
@@ -38,7 +38,7 @@ def updated_buffers(fn, path: str, model, rec: A.RecordingSet, k: int) -> dict[s
     (the recorded state before k) and every rank's micro-batches of k."""
     batches = [b for _, _, b in rec.micro_batches(k)]
     try:
-        out = fn(model, batches, **rec.meta.get("build_kwargs", {}))
+        out = fn(model, batches, **rec.spec.build_kwargs)
     except DormouseError:
         raise
     except Exception as e:

@@ -86,6 +86,6 @@ def backward(model, objective, batch, user, ac=None, scale: float = 1.0, aux_wei
 
 def attrs(model, rec: A.RecordingSet, r: int, step: int, m: int):
     try:
-        return BS.apply_attrs(model, BS.attr_changes_at(rec, r, step, m), rec.meta.get("attrs"))
+        return BS.apply_attrs(model, BS.attr_changes_at(rec, r, step, m), rec.recorded.attrs)
     except DormouseError as e:
         raise ReferenceError(str(e)) from None

@@ -34,7 +34,7 @@ def _no_forward_info(names: list[str], rec: A.RecordingSet) -> dict:
     rank recorded a micro-batch or a gradient): one process computes no gradient either (every parameter
     without one); the replay steps the user's optimizer on that, as the loop did (pytorch #115607's
     Adam step counter lives there)."""
-    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    mgn = float(rec.spec.max_grad_norm)
     return {"loss": None, "loss_sum": 0.0, "count": 0.0, "no_forward": True,
             "loss_alt": {"micro_mean": None, "rank_mean": None, "rank_local": []}, "counts": [],
             "no_grad": list(names), "norm": 0.0, "rng_sensitive": None, "precision_floor": None,
@@ -61,9 +61,9 @@ def step_gradient_parts(model, rec: A.RecordingSet, step: int, user, *, examples
         # an optimizer step with no forward or backward (legal: pytorch #115607's Adam step counter lives there):
         # one process computes no gradient; whatever gradient the fleet holds is judged against that
         return {}, _no_forward_info(names, rec)
-    if rec.meta.get("objective_scope") == "step":  # fn(model, batches) over the whole step, once
+    if rec.spec.objective_scope == "step":  # fn(model, batches) over the whole step, once
         return step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp, alts=examples is not None)
-    spill = Spill(model, A.reference_scratch_dir(rec.out) / f"step{step}")
+    spill = Spill(model, A.reference_scratch_step_dir(rec.out, step))
     try:
         return spilled_gradients(model, rec, step, user, mbs, spill, examples=examples, probe=probe, lowp=lowp,
                                  names=names, shapes=shapes, alt_dtype=alt_dtype)
@@ -75,11 +75,11 @@ def step_gradient_parts(model, rec: A.RecordingSet, step: int, user, *, examples
 def probe_tensors(model, rec, k: int, user) -> dict[str, torch.Tensor]:
     """reference_probe on every DP replica leader's (every rank with micro-batches) first micro-batch
     of step k, at the model's current parameters: {"probe/RANK/" + the reference_probe names}."""
-    objective = rec.meta["objective"]
+    objective = rec.spec.objective
     out: dict[str, torch.Tensor] = {}
     if any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
         return out  # reduced precision: the probe's floors are float32's (the judge says it did not probe)
-    if rec.meta.get("objective_scope") == "step":
+    if rec.spec.objective_scope == "step":
         return out  # an objective over the whole step: no one micro-batch's gradient is the fleet's alone
     mbs = BS.forward_inputs(rec, k)
     aw = O.aux_weight(objective, model, mbs)
@@ -93,5 +93,5 @@ def probe_tensors(model, rec, k: int, user) -> dict[str, torch.Tensor]:
                                         lambda mm, b: objective_sum(objective, mm, b, user, aux_weight=aw)[0])
         finally:
             undo()
-        out.update({f"probe/{r}/{n}": v for n, v in got.items()})
+        out.update({A.probe_prefix(r) + n: v for n, v in got.items()})
     return out

@@ -22,8 +22,8 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
     if not force and is_current(out):
         return A.reference_meta_path(out)
     check_provenance(rec)
-    user = import_path(rec.meta["objective"], "objective") if rec.meta["objective"] not in OBJECTIVES else None
-    for stale in A.reference_dir(out).glob("*.replay.safetensors"):  # another reference's replay: never read
+    user = import_path(rec.spec.objective, "objective") if rec.spec.objective not in OBJECTIVES else None
+    for stale in A.reference_dir(out).glob("*" + A.REPLAY_SUFFIX):  # another reference's replay: never read
         stale.unlink()
     model = rebuild(rec)
     set_modes(model, rec.eval_modules(rec.steps[0]) if rec.steps else [])

@@ -17,20 +17,20 @@ from dormouse.gate.record.reference.error import ReferenceError
 
 def rebuild(rec: A.RecordingSet):
     """The user's model (checked against the recorded initial state), optimizer and scheduler."""
-    meta = rec.meta
-    kw = meta.get("build_kwargs", {})
-    fn = import_path(meta["build_model"], "build_model")
+    spec = rec.spec
+    kw = spec.build_kwargs
+    fn = import_path(spec.build_model, "build_model")
     try:
         model = fn(**kw)
     except Exception as e:
-        raise ReferenceError(f"build_model {meta['build_model']!r}(**{kw}) failed ({type(e).__name__}: {e})")
+        raise ReferenceError(f"build_model {spec.build_model!r}(**{kw}) failed ({type(e).__name__}: {e})")
     if not isinstance(model, torch.nn.Module):
-        raise ReferenceError(f"build_model {meta['build_model']!r} returned a {type(model).__name__}, not a module")
+        raise ReferenceError(f"build_model {spec.build_model!r} returned a {type(model).__name__}, not a module")
     init = rec.init()
     state = model.state_dict()
     if set(state) != set(init):
         extra, missing = sorted(set(state) - set(init)), sorted(set(init) - set(state))
-        raise ReferenceError(f"build_model {meta['build_model']!r} builds other tensors than the recording's "
+        raise ReferenceError(f"build_model {spec.build_model!r} builds other tensors than the recording's "
                              f"(not recorded: {extra[:3]}, not built: {missing[:3]}): it must build the loop's model")
     for n in sorted(init):
         a, b = state[n].detach().cpu(), init[n]
@@ -38,23 +38,23 @@ def rebuild(rec: A.RecordingSet):
             apart = A.ranks_apart_from(rec, state)
             if apart:
                 raise ReferenceError(apart)
-            pattern = (((meta.get("layout") or {}).get("params") or {}).get(n) or {}).get("pattern")
+            pattern = (((rec.recorded.layout or {}).get("params") or {}).get(n) or {}).get("pattern")
             if pattern and a.shape == b.shape and a.dtype == b.dtype:  # assembled by a declared sharding (declared.py)
-                raise ReferenceError(f"build_model {meta['build_model']!r} builds {n} other than the recorded initial "
+                raise ReferenceError(f"build_model {spec.build_model!r} builds {n} other than the recorded initial "
                                      f"one, which the declared sharding {pattern!r} assembled from its ranks' pieces: "
                                      "if every rank built build_model's model, the group's ranks are declared in "
                                      "another order than the pieces concatenate in (or along another dim)")
             # the first differing tensor may have no layout entry (a state_dict key split from a fused
             # parameter, as torchtitan's wqkv into wq, wk, wv): any differing parameter's equal shards tell
             why = next((w for m in sorted(init) if m in state and not torch.equal(state[m].detach().cpu(), init[m])
-                        and (w := equal_shards(meta.get("layout"), m, init[m]))), None)
-            raise ReferenceError(f"build_model {meta['build_model']!r} builds parameters that differ from the "
+                        and (w := equal_shards(rec.recorded.layout, m, init[m]))), None)
+            raise ReferenceError(f"build_model {spec.build_model!r} builds parameters that differ from the "
                                  f"recorded initial ones (first: {n}): " + (why or "seed it as the loop does"))
-    _as_recorded(model, meta)
+    _as_recorded(model, rec.recorded)
     return model
 
 
-def _as_recorded(model, meta: dict) -> None:
+def _as_recorded(model, recorded: A.RecordedRun) -> None:
     """The rebuilt model as the loop ran it, beyond its tensors: the
     parameters the loop froze (requires_grad False) and, for a transformers
     model, the scalar config fields the loop's model had (the Trainer sets
@@ -63,17 +63,16 @@ def _as_recorded(model, meta: dict) -> None:
     Recorder started (batchscope.start_attrs); build_model need not repeat
     what the training script did."""
     try:
-        BS.start_attrs(model, meta.get("attrs"))
+        BS.start_attrs(model, recorded.attrs)
     except DormouseError as e:
         raise ReferenceError(str(e)) from None
-    if "frozen" in meta:
-        frozen = set(meta["frozen"])
-        for n, p in model.named_parameters():
-            p.requires_grad_(n not in frozen)
-    recorded, cfg = meta.get("hf_config"), getattr(model, "config", None)
-    if recorded and cfg is not None and hasattr(cfg, "to_dict"):
+    frozen = set(recorded.frozen)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
+    config, cfg = recorded.hf_config, getattr(model, "config", None)
+    if config and cfg is not None and hasattr(cfg, "to_dict"):
         now = cfg.to_dict()
-        for k, v in recorded.items():
+        for k, v in config.items():
             if k in now and now[k] != v:
                 try:
                     setattr(cfg, k, v)
@@ -82,26 +81,26 @@ def _as_recorded(model, meta: dict) -> None:
 
 
 def build_optimizer(rec: A.RecordingSet, model):
-    meta = rec.meta
-    fn = import_path(meta["build_optimizer"], "build_optimizer")
+    spec = rec.spec
+    fn = import_path(spec.build_optimizer, "build_optimizer")
     try:
-        built = fn(model, **meta.get("build_kwargs", {}))
+        built = fn(model, **spec.build_kwargs)
     except Exception as e:
-        raise ReferenceError(f"build_optimizer {meta['build_optimizer']!r} failed ({type(e).__name__}: {e})")
+        raise ReferenceError(f"build_optimizer {spec.build_optimizer!r} failed ({type(e).__name__}: {e})")
     opt, sched = built if isinstance(built, (tuple, list)) else (built, None)
     if not isinstance(opt, torch.optim.Optimizer):
-        raise ReferenceError(f"build_optimizer {meta['build_optimizer']!r} returned no optimizer")
+        raise ReferenceError(f"build_optimizer {spec.build_optimizer!r} returned no optimizer")
     return opt, sched
 
 
 def check_provenance(rec: A.RecordingSet) -> None:
     """The code that would rebuild the run is the code that recorded it."""
-    prov = rec.meta.get("provenance", {})
+    prov = rec.recorded.provenance
     if prov.get("torch") != torch.__version__:
         raise ReferenceError(f"the recording was made with torch {prov.get('torch')}, this is {torch.__version__}:"
                              " judge it where it was recorded")
-    m = rec.meta
-    now = code_hashes([m["build_model"], m["build_optimizer"], m["objective"]])
+    s = rec.spec
+    now = code_hashes([s.build_model, s.build_optimizer, s.objective])
     for mod, h in prov.get("code", {}).items():
         if now.get(mod) == "" and h:  # not found from here: an import failure, not a change
             try:

@@ -73,7 +73,7 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
     from dormouse.gate.artifacts.tensorfile import write_streamed
 
     opt, sched = build_optimizer(rec, model)
-    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    mgn = float(rec.spec.max_grad_norm)
     scan = FW.scan(model)
     tensor_steps = set(rec.tensor_steps())
     rule, rule_text = buffer_rule(rec)
@@ -81,15 +81,15 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
     lrs = {}
     for k in rec.steps:  # the replay
         lrs[k] = opt.param_groups[0]["lr"]
-        _write_params(A.reference_replay_tensors_path(out, k), model, "rp/")
-        train_step(model, opt, sched, rec.tensors_at(k, "g/"), mgn, clipped=rec.step_meta(0, k).get("clipped", False))
-    _write_params(A.reference_final_path(out), model, "rp/")
+        _write_params(A.reference_replay_tensors_path(out, k), model, A.REPLAY_PARAM)
+        train_step(model, opt, sched, rec.tensors_at(k, A.GRAD), mgn, clipped=rec.step_meta(0, k).get("clipped", False))
+    _write_params(A.reference_final_path(out), model, A.REPLAY_PARAM)
     scheduled = sched is not None
     del opt, sched  # the optimizer's state: not held through the gradients' pass
     _trim()
     done: list[int] = []  # the tensor steps so far (their count picks fact 1's sample)
     for i, k in enumerate(rec.steps):  # the gradients, at the recorded parameters
-        load_params(model, rec.tensors_at(k, "p/"), rec.tensors_at(k, "b/"))
+        load_params(model, rec.tensors_at(k, A.PARAM), rec.tensors_at(k, A.BUFFER))
         set_modes(model, rec.eval_modules(k))
         want = k in tensor_steps
         parts, info = step_gradient_parts(model, rec, k, user, examples=len(done) if want else None,
@@ -98,7 +98,7 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
         if probe.is_probe_step(rec, k):  # the probe's one-process side, at the recorded parameters
             extra.update(probe_tensors(model, rec, k, user))
         if rule is not None:  # after the gradients: the rule may move the buffers (reloaded each step)
-            extra.update({f"bu/{n}": v for n, v in updated_buffers(rule, rec.meta["buffer_update"], model,
+            extra.update({A.BUFFER_AFTER + n: v for n, v in updated_buffers(rule, rec.spec.buffer_update, model,
                                                                    rec, k).items()})
         done.extend([k] if want else [])
         info.update({"step": k, "replay_lr": lrs[k], "mode": "replay", **scan})

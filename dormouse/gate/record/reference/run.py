@@ -31,7 +31,7 @@ def make_run(out, rec: A.RecordingSet, model, user, log) -> Path:
     """The reference of a recording in sketches or at every k-th step: the run trained in one process, its
     nudged twin beside it, each step's (sketched) tensors and figures written as the judge reads them."""
     opt, sched = build_optimizer(rec, model)
-    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    mgn = float(rec.spec.max_grad_norm)
     numel = {n: p.numel() for n, p in model.named_parameters()}
     sketcher = Sketcher(rec.sketch)
     scan = FW.scan(model)
@@ -66,7 +66,7 @@ def make_run(out, rec: A.RecordingSet, model, user, log) -> Path:
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     if rec.sketch:
         final = sketched(final, numel, rec.seed, sketcher)
-    atomic.write_bytes(A.reference_final_path(out), st_save({f"rp/{n}": v for n, v in final.items()}))
+    atomic.write_bytes(A.reference_final_path(out), st_save({A.REPLAY_PARAM + n: v for n, v in final.items()}))
     meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,
             "mode": "run", "steps": rec.steps, "scheduler": sched is not None, "buffer_rule": None, **scan}
     return atomic.write_text(A.reference_meta_path(out), json.dumps(meta, indent=1))
@@ -98,7 +98,7 @@ def _step_tensors(rec: A.RecordingSet, before: dict, ref: dict, numel: dict, ske
         for key, d in (("rp", before), *ref.items()):
             tensors.update({f"{key}/{n}": v for n, v in sketched(d, numel, rec.seed, sketcher).items()})
     else:
-        tensors.update({f"rp/{n}": v for n, v in before.items()})
+        tensors.update({A.REPLAY_PARAM + n: v for n, v in before.items()})
         for key, d in ref.items():
             tensors.update({f"{key}/{n}": v for n, v in d.items()})
     return tensors

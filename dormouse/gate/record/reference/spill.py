@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from dormouse.gate import artifacts as A
+
 
 class Spill:
     """One step's gradients as sums of its sources, without holding them: each
@@ -29,7 +31,7 @@ class Spill:
         from dormouse.gate.artifacts.tensorfile import LazyTensors, write_streamed
 
         held = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-        path = self.dir / f"{len(self.files)}.safetensors"
+        path = A.scratch_source_path(self.dir, len(self.files))
         write_streamed(path, [(n, g.dtype, tuple(g.shape)) for n, g in held], ((n, g.detach()) for n, g in held),
                        durable=False)
         self.files.append(LazyTensors([path], "the reference's scratch"))

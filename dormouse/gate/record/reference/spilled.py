@@ -85,7 +85,7 @@ def spilled_gradients(model, rec, step, user, mbs, spill: Spill, *, examples, pr
 
 
 def _tally(rec, step, base, mbs, lowp, examples) -> _Tally:
-    objective = rec.meta["objective"]
+    objective = rec.spec.objective
     measure = bool(lowp) or any(rec.autocast(r, step, m) is not None or rec.compute_dtype(r, step, m) is not None
                                 for r, m, _ in mbs)
     # "gn", the normalised form: each micro-batch's loss sum / N x W backpropagated (N the step's count, W its
@@ -290,7 +290,7 @@ def _info(t: _Tally, parts: StepParts, rec, base, mbs, lowp, merged, names) -> d
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(t.sample)], "merged": merged,
             "labels": O.labels_source(mbs[0][2]) if builtin else None,
             "router_aux": routeraux.coef(base, mbs[0][2]) if t.aw is not None else None}
-    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    mgn = float(rec.spec.max_grad_norm)
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     # "dot_length": the longest dot product of a backward (judge/bounds.py, grad_rtol)
     dot_length = max([max(p.shape) for p in base.parameters() if p.dim()] +
@@ -298,7 +298,7 @@ def _info(t: _Tally, parts: StepParts, rec, base, mbs, lowp, merged, names) -> d
     info.update(norm_normalised=math.sqrt(total_n) if parts.spill.has("gn") else None, sum_terms=len(mbs),
                 partials=t.partials / t.n_total / norm if norm > 0 else 1.0, dot_length=dot_length,
                 elements=sum(p.numel() for p in base.parameters() if p.requires_grad),
-                split_products=bool(rec.meta.get("layout")))
+                split_products=bool(rec.recorded.layout))
     return info
 
 
@@ -308,7 +308,7 @@ def _global_forward(base, cast_models, rec: A.RecordingSet, step: int, user, mbs
     few forwards as memory allows (batchscope.merge_plan), `add` called with
     the model holding each forward's gradient in p.grad: {"forwards", "rows", "words", "count"}, or
     {"error"} when a merged forward cannot be computed."""
-    objective = rec.meta["objective"]
+    objective = rec.spec.objective
     extras = [json.dumps([rec.autocast(r, step, m), rec.compute_dtype(r, step, m),
                           BS.attr_changes_at(rec, r, step, m)], sort_keys=True, default=str) for r, m, _ in mbs]
     chunks, words = BS.merge_plan([b for _, _, b in mbs], extras)

@@ -23,7 +23,7 @@ def step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, pr
     micro-batches of the step (rank then micro order), differentiated once
     (statistics over the global batch: load balancing over all-reduced
     routing statistics, in-batch negatives gathered from every rank)."""
-    objective = rec.meta["objective"]
+    objective = rec.spec.objective
     names = [n for n, _ in model.named_parameters()]
     _check_one_call(rec, step, mbs)
     ac = rec.autocast(mbs[0][0], step, mbs[0][1])
@@ -59,7 +59,7 @@ def step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, pr
             "no_grad": [n for n in names if n not in g], "norm": norm, "rng_sensitive": rng_sensitive,
             "precision_floor": floor, "precision_floor_tensors": floors, "low_precision_params": lowp,
             "loss_floor": None, "ex_micro": [], "merged": None, "labels": None, "scope": "step"}
-    mgn = float(rec.meta.get("max_grad_norm", 0.0))
+    mgn = float(rec.spec.max_grad_norm)
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
     return {"g": g, "micro_mean": {}, "rank_mean": rank_mean, **({"fwd": fwd} if fwd else {})}, info
 
