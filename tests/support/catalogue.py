@@ -669,6 +669,9 @@ CASES: tuple[Case, ...] = (
     Case("grpo_zero", "grpo", "loss=grpo:ga=4:gens=8:seed=5:steps=1", holds={"loss": ()},
          what="loss_type grpo, 8 generations, accumulation 4: a clean loss near 0 (each group's advantages sum to 0)",
          confirmation=GRPO_HAND),
+    Case("grpo_zero", "grpo", "loss=grpo:ga=4:gens=8:seed=5:steps=1", holds={"loss": ()},
+         what="loss_type grpo, 8 generations, accumulation 4: a clean loss near 0 (each group's advantages sum to 0)",
+         confirmation=GRPO_HAND),
     Case("bnpo", "grpo", "loss=bnpo:steps=1", verdict="FAIL", fails={
         "gradient": "mean of per-micro-batch token means", "loss": ()}, may_fail={"clip": ()},
          what="bnpo: normalised over each local batch by design", confirmation=GRPO_HAND),

@@ -52,6 +52,14 @@ def mesh_named(pairs: list[tuple[float, float, float]], tp: int, dp: int) -> str
     return None
 
 
+def loss_relative(logged: float, info: dict) -> float:
+    """|logged - objective| on the loss's own scale: over |objective|, or over the magnitude of its terms where
+    they cancel (GRPO's advantages sum to zero over each group: a clean run logs a loss near 0, whose float32
+    rounding is relative to its terms, not to itself): the reference's "loss_scale", the sum over the step's
+    micro-batches of |its loss sum|, over the step's count."""
+    return abs(logged - info["loss"]) / max(abs(info["loss"]), info.get("loss_scale") or 0.0, 1e-30)
+
+
 def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Check:
     worst, at, alt_hits, first = 0.0, None, None, None
     reported_any, over, floor = False, False, 0.0
@@ -70,7 +78,7 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
             continue
         reported_any = True
         pairs.append((losses[0], info["loss"], tol))
-        x = scalar_relative(losses[0], info["loss"])
+        x = loss_relative(losses[0], info)
         x = x if math.isfinite(x) else math.inf  # a NaN logged (or a NaN reference): above every bound
         if x > worst:
             worst, at = x, k

@@ -47,6 +47,7 @@ class _Tally:
     present: set = field(default_factory=set)  # the parameters some micro-batch's gradient reaches
     n_total: float = 0.0
     loss_total: float = 0.0
+    loss_abs: float = 0.0  # sum |a micro-batch's loss sum|: the loss's own scale where its terms cancel (GRPO)
     native: float = 0.0  # the loss from the logits in the dtype the forward gives them (the loss floor)
     partials: float = 0.0  # sum ||grad loss_sum|| over the micro-batches (judge/bounds.py, grad_rtol)
     rng_sensitive: bool | None = None
@@ -132,6 +133,7 @@ def _micro_batch(t: _Tally, spill: Spill, model, ac, user, mbs, i: int, probe: b
     t.counts.setdefault(r, []).append(c)
     t.n_total += c
     t.loss_total += ls
+    t.loss_abs += abs(ls)
     if c > 0:
         spill.add("micro_mean", src, 1.0 / c)
         t.micro_means.append(ls / c)
@@ -278,6 +280,7 @@ def _info(t: _Tally, parts: StepParts, rec, base, mbs, lowp, merged, names) -> d
     builtin = t.objective in OBJECTIVES
     world = len(t.ranks)
     info = {"loss": t.loss_total / t.n_total, "loss_sum": t.loss_total, "count": t.n_total,
+            "loss_scale": t.loss_abs / t.n_total,
             "loss_alt": {"micro_mean": sum(t.micro_means) / max(len(t.micro_means), 1),
                          "rank_mean": sum(t.rank_loss[r] / t.rank_n[r] for r in t.rank_loss if t.rank_n[r] > 0) / world,
                          "rank_local": [t.rank_loss[r] / t.rank_n[r] if t.rank_n[r] else None
