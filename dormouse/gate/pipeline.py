@@ -75,6 +75,7 @@ def check_recording(out, *, force: bool = False, log: Log = print, memory: int |
     has available, 0: none): past it the verdict is "not judged: needs N GB"."""
     from dormouse.gate import budget as B
     from dormouse.gate.judge.verdict import Check
+    from dormouse.gate.judge.forms import needs_normalised
     from dormouse.gate.record.reference import make_reference
 
     limit = B.default_budget() if memory is None else int(memory)
@@ -84,7 +85,7 @@ def check_recording(out, *, force: bool = False, log: Log = print, memory: int |
         B.check_fits(out, limit)
         with B.watched(limit):
             try:
-                make_reference(out, force=force, log=log)
+                make_reference(out, force=force, log=log, normalised=needs_normalised)  # gn where g misses
             except Exception:
                 _refuse_if_rewritten(out, before)
                 raise

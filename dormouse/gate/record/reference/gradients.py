@@ -14,18 +14,19 @@ from dormouse.gate.record.reference.error import ReferenceError
 from dormouse.gate.record.reference import forward as FW
 from dormouse.gate.record.reference import objective as O
 from dormouse.gate.record.reference.objective import objective_sum
+from dormouse.gate.record.reference.sample import ExtrasBudget
 from dormouse.gate.record.reference.spill import Spill, StepParts
 from dormouse.gate.record.reference.spilled import spilled_gradients
 from dormouse.gate.record.reference.stepscope import step_scope_gradients
 
 
-def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int | None,
-                   probe: bool) -> tuple[dict, dict]:
+def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int | ExtrasBudget | None,
+                   probe: bool, normalised=True) -> tuple[dict, dict]:
     """The declared objective's gradient over every rank's micro-batches at
     the model's current parameters, with its alternatives and fact 1's
     per-example sum over example_sample(., examples) (None: no per-example
     check; see the module docstring), in memory."""
-    parts, info = step_gradient_parts(model, rec, step, user, examples=examples, probe=probe)
+    parts, info = step_gradient_parts(model, rec, step, user, examples=examples, probe=probe, normalised=normalised)
     return (parts.tensors() if isinstance(parts, StepParts) else parts), info
 
 
@@ -42,11 +43,15 @@ def _no_forward_info(names: list[str], rec: A.RecordingSet) -> dict:
             "merged": None, "labels": None, "router_aux": None, "clip_coef": 1.0 if mgn > 0 else None}
 
 
-def step_gradient_parts(model, rec: A.RecordingSet, step: int, user, *, examples: int | None,
-                        probe: bool, alt_dtype: torch.dtype = torch.float64):
+def step_gradient_parts(model, rec: A.RecordingSet, step: int, user, *, examples: int | ExtrasBudget | None,
+                        probe: bool, alt_dtype: torch.dtype = torch.float64, normalised=True):
     """step_gradients' (outputs, info), the outputs a StepParts that writes
     them tensor by tensor (or a plain dict for objective_scope="step").
-    alt_dtype: the dtype the alternatives that only name causes are written in."""
+    alt_dtype: the dtype the alternatives that only name causes are written in.
+    examples: an ExtrasBudget takes or skips the step's rows alone and merged (sample.py).
+    normalised: whether to make "gn" (the normalised form): True, False, or
+    fn(rec, step, info, g) -> bool, asked once g is made (normalised.py); a
+    step the budget takes gets it then too (independence's float32 spread)."""
     names = [n for n, _ in model.named_parameters()]
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     # reduced-precision parameters (a bfloat16 model): their gradients round as autocast's do
@@ -65,8 +70,8 @@ def step_gradient_parts(model, rec: A.RecordingSet, step: int, user, *, examples
         return step_scope_gradients(model, rec, step, user, mbs, probe=probe, lowp=lowp, alts=examples is not None)
     spill = Spill(model, A.reference_scratch_step_dir(rec.out, step))
     try:
-        return spilled_gradients(model, rec, step, user, mbs, spill, examples=examples, probe=probe, lowp=lowp,
-                                 names=names, shapes=shapes, alt_dtype=alt_dtype)
+        return spilled_gradients(model, rec, step, user, mbs, spill, examples=examples, normalised=normalised,
+                                 probe=probe, lowp=lowp, names=names, shapes=shapes, alt_dtype=alt_dtype)
     except BaseException:
         spill.close()
         raise

@@ -15,8 +15,9 @@ from dormouse.gate.record.reference.run import make_run
 from dormouse.gate.record.reference.staleness import is_current
 
 
-def make_reference(out, *, log=print, force: bool = False) -> Path:
-    """Write <out>/reference/ for the recording in `out` (skipped when current)."""
+def make_reference(out, *, log=print, force: bool = False, normalised=True) -> Path:
+    """Write <out>/reference/ for the recording in `out` (skipped when current). normalised: whether each
+    step gets "gn", or fn(rec, step, info, g) -> bool saying where (gradients.step_gradient_parts)."""
     rec = A.RecordingSet(out)
     rec.validate()
     if not force and is_current(out):
@@ -28,5 +29,5 @@ def make_reference(out, *, log=print, force: bool = False) -> Path:
     model = rebuild(rec)
     set_modes(model, rec.eval_modules(rec.steps[0]) if rec.steps else [])
     if rec.sketch == 0 and rec.every == 1:  # full tensors at every step
-        return make_replayed(out, rec, model, user, log)
-    return make_run(out, rec, model, user, log)
+        return make_replayed(out, rec, model, user, log, normalised=normalised)
+    return make_run(out, rec, model, user, log, normalised=normalised)

@@ -17,6 +17,7 @@ from dormouse.gate.record.reference import forward as FW
 from dormouse.gate.record.reference.forward import set_modes
 from dormouse.gate.record.reference.gradients import probe_tensors, step_gradient_parts
 from dormouse.gate.record.reference.rebuild import build_optimizer
+from dormouse.gate.record.reference.sample import ExtrasBudget
 from dormouse.gate.record.reference.spill import StepParts
 from dormouse.gate.record.reference.staleness import REFERENCE_SCHEMA, staleness_key
 
@@ -59,7 +60,7 @@ def _write_params(path: Path, model, prefix: str) -> None:
     write_streamed(path, [(k, v.dtype, tuple(v.shape)) for k, v in held], iter(held))
 
 
-def make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
+def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -> Path:
     """The reference of a recording in full tensors at every step, in two
     passes over one model, so that its memory is one model, its gradient and
     the optimizer's state (never two models, never a step's alternatives in
@@ -69,7 +70,9 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
     freed, the gradients at each step's recorded parameters
     (step_gradient_parts: spilled micro-batch by micro-batch, combined tensor
     by tensor into the step's file; the alternatives that only name causes in
-    float32), the probe and the buffer rule beside them."""
+    float32), the probe and the buffer rule beside them. The rows alone and
+    merged at the steps an ExtrasBudget takes (sample.py); "gn" as
+    `normalised` says (gradients.step_gradient_parts)."""
     from dormouse.gate.artifacts.tensorfile import write_streamed
 
     opt, sched = build_optimizer(rec, model)
@@ -87,20 +90,19 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log) -> Path:
     scheduled = sched is not None
     del opt, sched  # the optimizer's state: not held through the gradients' pass
     _trim()
-    done: list[int] = []  # the tensor steps so far (their count picks fact 1's sample)
+    budget = ExtrasBudget()  # the tensor steps that get the rows alone and merged (and fact 1's sample)
     for i, k in enumerate(rec.steps):  # the gradients, at the recorded parameters
         load_params(model, rec.tensors_at(k, A.PARAM), rec.tensors_at(k, A.BUFFER))
         set_modes(model, rec.eval_modules(k))
         want = k in tensor_steps
-        parts, info = step_gradient_parts(model, rec, k, user, examples=len(done) if want else None,
-                                          probe=(i == 0), alt_dtype=torch.float32)
+        parts, info = step_gradient_parts(model, rec, k, user, examples=budget if want else None,
+                                          probe=(i == 0), alt_dtype=torch.float32, normalised=normalised)
         extra: dict[str, torch.Tensor] = {}
         if probe.is_probe_step(rec, k):  # the probe's one-process side, at the recorded parameters
             extra.update(probe_tensors(model, rec, k, user))
         if rule is not None:  # after the gradients: the rule may move the buffers (reloaded each step)
             extra.update({A.BUFFER_AFTER + n: v for n, v in updated_buffers(rule, rec.spec.buffer_update, model,
                                                                    rec, k).items()})
-        done.extend([k] if want else [])
         info.update({"step": k, "replay_lr": lrs[k], "mode": "replay", **scan})
         path = A.reference_step_tensors_path(out, k)
         if not want:

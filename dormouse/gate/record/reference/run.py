@@ -24,10 +24,11 @@ from dormouse.gate.record.reference.forward import set_modes
 from dormouse.gate.record.reference.gradients import probe_tensors, step_gradients
 from dormouse.gate.record.reference.rebuild import build_optimizer
 from dormouse.gate.record.reference.replay import sketched, train_step
+from dormouse.gate.record.reference.sample import ExtrasBudget
 from dormouse.gate.record.reference.staleness import REFERENCE_SCHEMA, staleness_key
 
 
-def make_run(out, rec: A.RecordingSet, model, user, log) -> Path:
+def make_run(out, rec: A.RecordingSet, model, user, log, normalised=True) -> Path:
     """The reference of a recording in sketches or at every k-th step: the run trained in one process, its
     nudged twin beside it, each step's (sketched) tensors and figures written as the judge reads them."""
     opt, sched = build_optimizer(rec, model)
@@ -39,7 +40,7 @@ def make_run(out, rec: A.RecordingSet, model, user, log) -> Path:
     nudged = _nudged(model)  # the run's own floor: the same run from an initial state one ulp away
     nopt, nsched = build_optimizer(rec, nudged)
     log(f"reference for {out}: {len(rec.steps)} steps, mode run")
-    done: list[int] = []  # the tensor steps so far (their count picks fact 1's sample)
+    budget = ExtrasBudget()  # the tensor steps that get the rows alone and merged (and fact 1's sample)
     for i, k in enumerate(rec.steps):
         tensors: dict[str, torch.Tensor] = {}
         lr = opt.param_groups[0]["lr"]
@@ -47,11 +48,11 @@ def make_run(out, rec: A.RecordingSet, model, user, log) -> Path:
         want = k in tensor_steps
         for m in (model, nudged):
             set_modes(m, rec.eval_modules(k))
-        ref, info = step_gradients(model, rec, k, user, examples=len(done) if want else None, probe=(i == 0))
+        ref, info = step_gradients(model, rec, k, user, examples=budget if want else None, probe=(i == 0),
+                                   normalised=normalised)
         if probe.is_probe_step(rec, k) and i == 0:  # the probe's one-process side, at the recorded parameters
             # (the run's own reference parts from them after its first step): record/probe.py
             tensors.update(probe_tensors(model, rec, k, user))
-        done.extend([k] if want else [])
         nref, nbefore, info["nudged_loss"] = _nudged_step(nudged, nopt, nsched, rec, k, user, mgn)
         if want:
             ref = {**ref, "ng": nref["g"], "np": nbefore}
@@ -85,7 +86,7 @@ def _nudged(model):
 def _nudged_step(nudged, nopt, nsched, rec: A.RecordingSet, k: int, user, mgn: float):
     """The nudged run's step k: its gradient (no alternatives), its parameters before, its loss; then trained."""
     nbefore = {n: p.detach().clone() for n, p in nudged.named_parameters()}
-    nref, ninfo = step_gradients(nudged, rec, k, user, examples=None, probe=False)
+    nref, ninfo = step_gradients(nudged, rec, k, user, examples=None, probe=False, normalised=False)  # its g only
     train_step(nudged, nopt, nsched, {n: v.float() for n, v in nref["g"].items()}, mgn, clipped=False)
     return nref, nbefore, ninfo["loss"]
 

@@ -23,7 +23,8 @@ from dormouse.gate.record.reference.error import ReferenceError
 from dormouse.gate.record.reference import forward as FW
 from dormouse.gate.record.reference import objective as O
 from dormouse.gate.record.reference.objective import objective_count, objective_of_logits
-from dormouse.gate.record.reference.sample import example_sample
+from dormouse.gate.record.reference import normalised as NZ
+from dormouse.gate.record.reference.sample import ExtrasBudget, example_sample
 from dormouse.gate.record.reference.spill import Spill, StepParts
 
 KEYS = ["g", "gn", "micro_mean", "rank_mean", "wa", "last", "gm", "ex", "exb"]  # every output, in writing order
@@ -51,13 +52,17 @@ class _Tally:
     native: float = 0.0  # the loss from the logits in the dtype the forward gives them (the loss floor)
     partials: float = 0.0  # sum ||grad loss_sum|| over the micro-batches (judge/bounds.py, grad_rtol)
     rng_sensitive: bool | None = None
+    eager_gn: bool = True  # gn beside each micro-batch's g (else after the step's g, where asked: normalised.py)
 
 
 def spilled_gradients(model, rec, step, user, mbs, spill: Spill, *, examples, probe, lowp, names, shapes,
-                      alt_dtype):
+                      alt_dtype, normalised=True):
     """step_gradient_parts over the step's micro-batches one by one, every source spilled."""
     base = model
+    budget = examples.stated() if isinstance(examples, ExtrasBudget) else None
+    examples = examples.take(mbs) if isinstance(examples, ExtrasBudget) else examples  # None: a step it skips
     t = _tally(rec, step, base, mbs, lowp, examples)
+    t.eager_gn = normalised is True
     cast_models: dict[str, torch.nn.Module] = {}  # the model at this step's parameters, cast for the forward
     for i, (r, m, batch) in enumerate(mbs):
         ac, cast = rec.autocast(r, step, m), rec.compute_dtype(r, step, m)
@@ -82,6 +87,11 @@ def spilled_gradients(model, rec, step, user, mbs, spill: Spill, *, examples, pr
     parts = StepParts(spill, names, shapes, _Outputs(spill, rec, t, len(mbs), gm_count), KEYS, {},
                       {k: alt_dtype for k in ALTERNATIVES})
     parts.info = _info(t, parts, rec, base, mbs, lowp, merged, names)
+    if callable(normalised) and t.n_step > 0 and not t.measure and \
+            (examples is not None or normalised(rec, step, parts.info, NZ.FormedG(spill, t.n_total, t.present))):
+        parts.info["norm_normalised"] = NZ.normalised_form(base, rec, step, user, mbs, spill, parts, t.aw,
+                                                           t.w_step / t.n_step)
+    parts.info["extras_budget"] = budget
     return parts, parts.info
 
 
@@ -117,7 +127,8 @@ def _micro_batch(t: _Tally, spill: Spill, model, ac, user, mbs, i: int, probe: b
     spill.add("g", src)
     t.partials += math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()
                                 if p.grad is not None))
-    if t.n_step > 0 and not t.measure:  # the normalised form (float32 steps: reduced precision has its floor)
+    if t.n_step > 0 and not t.measure and t.eager_gn:  # the normalised form (float32 steps: reduced precision
+        # has its floor)
         torch.random.default_generator.manual_seed(0)
         FW.backward(model, objective, batch, user, ac, scale=t.w_step / t.n_step, aux_weight=aw)
         spill.add("gn", spill.put(model)[0], 1.0 / t.w_step)
