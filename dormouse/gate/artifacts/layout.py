@@ -16,7 +16,7 @@ def rank_name(rank: int) -> str:
 
 
 # A recording of any training loop (written by record/recorder.py) and the
-# one-process references made from it (record/reference.py). Layout:
+# one-process references made from it (record/reference/). Layout:
 #   <out>/recording.json                     the run: world, segments, import paths, objective, provenance
 #   <out>/rank{r}/init.safetensors           rank r's initial state (local shards under FSDP2; placements in
 #                                            the file's metadata)
