@@ -202,12 +202,11 @@ def _scan_rows(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> None:
     replaying), the fitted factor c and each alternative weighting's fit, and whether each alternative (and
     the rows merged, "gm") is far from the declared objective's own gradient."""
     s.alt_far = dict.fromkeys(s.alts, False)
-    s.param_tol = param_tolerance(rec, ref) if s.run else {}
+    # the fits name a failure's shape (_fault_shape): formed only where a step fails (each reads every alternative)
+    suspect = not all(row["ok"] for row in s.rows)
+    s.param_tol = param_tolerance(rec, ref) if s.run and suspect else {}
     for row in s.rows:
         k = row["step"]
-        g_ref = ref.tensors(k, A.GRAD)
-        g = fleet_grad(rec, k)
-        names = sorted(set(g) & set(g_ref))
         x = row["error"]
         s.per.append(x)
         if not row["ok"] and s.first_bad is None:
@@ -218,13 +217,18 @@ def _scan_rows(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> None:
         # a constant factor is named from steps at the same parameters (all of them when replaying): each
         # tensor within the replay's own bound on it (a sketched AdamW run's parameters drift past the
         # gradient's bound before any fault, and the fault's own step was taken for a step between)
-        if s.run and not params_agree(rec, ref, k, s.param_tol):
+        if not suspect or s.run and not params_agree(rec, ref, k, s.param_tol):
             continue
+        g_ref = ref.tensors(k, A.GRAD)
+        g = fleet_grad(rec, k)
+        names = sorted(set(g) & set(g_ref))
         s.fits.append(fit(g, g_ref, names))
         s.fitted.append(k)
         for alt in s.alts:
             a = ref.tensors(k, A.alternative(alt))
             an = sorted(set(g) & set(a))
+            if alt == "gm" and not an and ref.info(k).get("merged") is None:
+                continue  # a step the reference's budget did not merge (record/reference/sample.py)
             s.alts[alt].append(fit(g, a, an) if an else (0.0, math.inf))
             # an alternative is named only where it is not the declared objective's own gradient (every
             # rank's own token mean IS the global one when the ranks hold as many tokens)

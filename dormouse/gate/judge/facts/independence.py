@@ -127,12 +127,13 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                   + (f"; {one} (what one process at the global batch would train instead)" if one else "")
                   + f"; each row alone {worst:.2g} from its micro-batch's")
     elif ok:
+        taken = "" if budget is None else " taken"
         where = ("every recorded step" if budget is None else
                  f"{_at(ex_steps, n_steps)}, the steps a budget of {budget:g} x the gradient's rows took")
         reason = (f"the per-example gradients sum to their micro-batch's at {where} (worst "
                   f"{worst:.2g}, {said}; {sampled} of {total} micro-batches differentiated row by "
-                  "row: every rank's first at the first step, one a step after, rotating) and do not change with "
-                  "the RNG state" + (f"; {one}" if one else ""))
+                  f"row: every rank's first at the first step, one at each later step{taken}, rotating) and do not "
+                  "change with the RNG state" + (f"; {one}" if one else ""))
     elif bn:
         reason = (f"BatchNorm ({', '.join(bn)}) computes statistics over the batch: the per-example gradients "
                   f"differ from the batch's by {worst:.2g} (step {worst_k}; {said}), so splitting "

@@ -24,12 +24,14 @@ and fact 1's per-example sum over a SAMPLE S of micro-batches (example_sample):
     exb = sum_{b in S} grad loss_sum(b) / sum count
 equal when the network is a function of each example alone. S is every
 rank's first micro-batch at the first recorded step and one micro-batch at
-each later one, rotating over ranks and micro-batches: per-example gradients
-cost about 1.5x a micro-batch's, and over every micro-batch of every step
-they were half the check's time (a dependence on the batch confined to
-micro-batches outside S is not seen; BatchNorm and dropout show in any).
+each later step the extras' budget takes (sample.py: their rows within 0.5 x
+the gradient's so far), rotating over ranks and micro-batches: per-example
+gradients cost about 1.5x a micro-batch's, and over every micro-batch of
+every step they were half the check's time (a dependence on the batch
+confined to micro-batches outside S is not seen; BatchNorm and dropout show
+in any). The verdict states the steps taken.
 
-One forward for the global batch ("gm", at judged steps): the same objective
+One forward for the global batch ("gm", at the steps the budget takes): the same objective
 over the step's rows merged into as few forwards as memory allows
 (batchscope: every rank's and micro-batch's rows, padded as the recording
 pads), normalised by its own count: equal to g when no row's gradient

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-EXTRAS_BUDGET = math.inf  # the extras' rows, at most this fraction of the gradient's rows so far (past the first step)
+EXTRAS_BUDGET = 0.5  # the extras' rows, at most this fraction of the gradient's rows so far (past the first step)
 ROW_COST = 1.5  # a micro-batch differentiated row by row, against its own backward
 
 
