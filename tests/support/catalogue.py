@@ -751,6 +751,9 @@ CASES: tuple[Case, ...] = (
     Case("half_fc", "wild", {"grad_x": {"fc.weight": 0.5}, "steps": 2}, verdict="FAIL", fails={"gradient": (
         "times 0.5 = 1/W = 1/K in tensor fc.weight alone, at every step, and every other tensor agrees")},
          what="one tensor's gradient halved after the reduce", confirmation=WILD + ": fc.weight's 0.5 x it"),
+    Case("ref", "wild", {"ref": True, "steps": 1}, holds={"gradient": ()},
+         what="a DPO-like objective whose frozen reference is the initial model at the run's seed (build_kwargs)",
+         confirmation="the test's own gradient with the reference at the run's seed, not at another"),
     Case("tied", "wild_pp", {"pp": True, "tied": True, "steps": 2}, holds={
         "ranks": "tied tok_embeddings.weight = output.weight: their copies are equal bitwise"},
          what="a weight tied over the 2 pipeline stages, its copies' gradients summed"),

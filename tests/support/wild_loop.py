@@ -26,6 +26,8 @@ Knobs (RUN keys):
   "sketch"       RecordingSpec(sketch=k): CountSketches of k numbers per tensor, not the full tensors
   "grad_x"       {tensor name: factor}: after the all-reduce, every rank scales those tensors' gradients alone
                  (a tied weight's or a router's gradient averaged once more than the rest: x 0.5)
+  "ref"          the loss is ref_objective's (declared "wild_loop:ref_objective"): a DPO-like term a target
+                 token against a frozen reference, the initial model built with the run's seed
 """
 
 from __future__ import annotations
@@ -46,7 +48,28 @@ from dormouse.gate import Recorder, RecordingSpec  # noqa: E402
 RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 1e-2, "model": "tiny",
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
        "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
-       "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {}}
+       "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {},
+       "ref": False}
+REF_BETA = 0.5
+_REFS: dict = {}
+
+
+def ref_objective(model, batch, *, seed: int = 0, **_):
+    """A DPO-like objective: over each target token, -logsigmoid(REF_BETA (log p(y) - log p_ref(y))), p_ref
+    the frozen initial model built with the run's seed (which reaches it from build_kwargs): (sum, count)."""
+    if seed not in _REFS:
+        with torch.random.fork_rng():
+            _REFS[seed] = build_model(seed=seed).requires_grad_(False)
+    y = batch["labels"][:, 1:]
+    on = y != -100
+
+    def logp(m):  # the forward given the labels too: the Recorder records what the model is given
+        z = m(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels") if k in batch})[:, :-1].float()
+        return torch.log_softmax(z, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+
+    with torch.no_grad():
+        ref = logp(_REFS[seed])
+    return (-F.logsigmoid(REF_BETA * (logp(model) - ref)) * on).sum(), int(on.sum())
 
 
 class AuxLM(TinyLM):
@@ -94,7 +117,8 @@ def run(cfg: dict) -> None:
     net = torch.nn.parallel.DistributedDataParallel(model)
     opt, sched = build_optimizer(model, **kw)
     rec = Recorder(cfg["out"], net, RecordingSpec(build_model=builder, build_optimizer="loopmodel:build_optimizer",
-                                                  objective="causal_lm", max_grad_norm=cfg["max_grad_norm"],
+                                                  objective="wild_loop:ref_objective" if cfg["ref"] else
+                                                  "causal_lm", max_grad_norm=cfg["max_grad_norm"],
                                                   dataset_len=n, build_kwargs=kw, sketch=cfg["sketch"]))
     data = dataset(n, cfg["seed"])
     sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True,
@@ -114,9 +138,12 @@ def run(cfg: dict) -> None:
             for m, mb in enumerate(mbs):
                 ctx = net.no_sync() if m < K - 1 else torch.enable_grad()
                 with ctx:
-                    logits = net(**mb)
-                    loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), mb["labels"][:, 1:].reshape(-1),
-                                               ignore_index=-100, reduction="sum")
+                    if cfg["ref"]:
+                        loss_sum = ref_objective(net, mb, seed=cfg["seed"])[0]
+                    else:
+                        logits = net(**mb)
+                        loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
+                                                   mb["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
                     (loss_sum * world / n_global * cfg["loss_x"].get(str(s + 1), 1.0)).backward()
                 local_sum += loss_sum.detach()
             dist.all_reduce(local_sum)

@@ -4,8 +4,10 @@ clear message, and hashing their code (the recording's provenance)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import inspect
 from pathlib import Path
 
 from dormouse.gate.record.options import RecorderError
@@ -27,6 +29,21 @@ def import_path(path: str, what: str):
             raise RecorderError(f"{what} {path!r} does not load: {mod!r} has no {name!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def objective_fn(path: str, build_kwargs: dict | None):
+    """The user's objective at `path`, given the recording's build_kwargs that it names as keyword
+    parameters (all of them where it takes **kwargs), as build_model is: a DPO objective's frozen reference
+    is the initial model, built with the run's seed. Called as fn(model, batch) (or fn(model, batches))."""
+    fn = import_path(path, "objective")
+    try:
+        params = list(inspect.signature(fn).parameters.values())[2:]  # past (model, batch)
+    except (TypeError, ValueError):  # a builtin or a callable without a signature: called as it is
+        return fn
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    every = any(p.kind is p.VAR_KEYWORD for p in params)
+    kw = {k: v for k, v in (build_kwargs or {}).items() if every or k in named}
+    return functools.partial(fn, **kw) if kw else fn
 
 
 def code_hashes(paths: list[str]) -> dict[str, str]:

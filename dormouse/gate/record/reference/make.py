@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.record.options import OBJECTIVES
-from dormouse.gate.record.userfns import import_path
+from dormouse.gate.record.userfns import objective_fn
 from dormouse.gate.record.reference.forward import set_modes
 from dormouse.gate.record.reference.rebuild import check_provenance, rebuild
 from dormouse.gate.record.reference.replay import make_replayed
@@ -23,7 +23,7 @@ def make_reference(out, *, log=print, force: bool = False, normalised=True) -> P
     if not force and is_current(out):
         return A.reference_meta_path(out)
     check_provenance(rec)
-    user = import_path(rec.spec.objective, "objective") if rec.spec.objective not in OBJECTIVES else None
+    user = objective_fn(rec.spec.objective, rec.spec.build_kwargs) if rec.spec.objective not in OBJECTIVES else None
     for stale in A.reference_dir(out).glob("*" + A.REPLAY_SUFFIX):  # another reference's replay: never read
         stale.unlink()
     model = rebuild(rec)
