@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from dormouse.gate import artifacts as A
 from dormouse.gate.record.reference import forward as FW
 from dormouse.gate.record.reference.spill import Spill, StepParts
 
@@ -29,7 +30,7 @@ class FormedG(Mapping):
     def __getitem__(self, n: str) -> torch.Tensor:
         if n not in self.names:
             raise KeyError(n)
-        return self.spill.value("g", n) / self.n_total
+        return self.spill.value(A.GRAD, n) / self.n_total
 
     def __iter__(self):
         return iter(self.names)
@@ -47,13 +48,13 @@ def normalised_form(model, rec, step: int, user, mbs, spill: Spill, parts: StepP
         try:
             torch.random.default_generator.manual_seed(0)
             FW.backward(model, objective, batch, user, rec.autocast(r, step, m), scale=scale, aux_weight=aw)
-            spill.add("gn", spill.put(model)[0], 1.0 / w)
+            spill.add(A.GRAD_NORMALISED, spill.put(model)[0], 1.0 / w)
         finally:
             model.zero_grad(set_to_none=True)
             undo()
     total = 0.0
     for n in parts.names:
         for rows in parts._ranges(n):
-            v = spill.value("gn", n, rows)
+            v = spill.value(A.GRAD_NORMALISED, n, rows)
             total += float(v.square().sum()) if v is not None else 0.0
     return math.sqrt(total)

@@ -112,7 +112,7 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
         if isinstance(parts, StepParts):
             parts.write(path, extra)
         else:
-            held = [(f"{key}/{n}", v) for key, d in parts.items() for n, v in d.items()] + list(extra.items())
+            held = [(key + n, v) for key, d in parts.items() for n, v in d.items()] + list(extra.items())
             write_streamed(path, [(key, v.dtype, tuple(v.shape)) for key, v in held], iter(held))
         atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
         _trim()

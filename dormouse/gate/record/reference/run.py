@@ -55,12 +55,12 @@ def make_run(out, rec: A.RecordingSet, model, user, log, normalised=True) -> Pat
             tensors.update(probe_tensors(model, rec, k, user))
         nref, nbefore, info["nudged_loss"] = _nudged_step(nudged, nopt, nsched, rec, k, user, mgn)
         if want:
-            ref = {**ref, "ng": nref["g"], "np": nbefore}
+            ref = {**ref, A.NUDGED_GRAD: nref[A.GRAD], A.NUDGED_PARAM: nbefore}
         info.update({"step": k, "replay_lr": lr, "mode": "run", **scan})
         if want:
             tensors.update(_step_tensors(rec, before, ref, numel, sketcher))
         # the step: the declared objective's gradients
-        train_step(model, opt, sched, {n: v.float() for n, v in ref["g"].items()}, mgn, clipped=False)
+        train_step(model, opt, sched, {n: v.float() for n, v in ref[A.GRAD].items()}, mgn, clipped=False)
         atomic.write_bytes(A.reference_step_tensors_path(out, k), st_save({k2: v.contiguous() for k2, v in
                                                                            tensors.items()}))
         atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
@@ -87,7 +87,7 @@ def _nudged_step(nudged, nopt, nsched, rec: A.RecordingSet, k: int, user, mgn: f
     """The nudged run's step k: its gradient (no alternatives), its parameters before, its loss; then trained."""
     nbefore = {n: p.detach().clone() for n, p in nudged.named_parameters()}
     nref, ninfo = step_gradients(nudged, rec, k, user, examples=None, probe=False, normalised=False)  # its g only
-    train_step(nudged, nopt, nsched, {n: v.float() for n, v in nref["g"].items()}, mgn, clipped=False)
+    train_step(nudged, nopt, nsched, {n: v.float() for n, v in nref[A.GRAD].items()}, mgn, clipped=False)
     return nref, nbefore, ninfo["loss"]
 
 
@@ -96,10 +96,10 @@ def _step_tensors(rec: A.RecordingSet, before: dict, ref: dict, numel: dict, ske
     where the recording is."""
     tensors: dict[str, torch.Tensor] = {}
     if rec.sketch:
-        for key, d in (("rp", before), *ref.items()):
-            tensors.update({f"{key}/{n}": v for n, v in sketched(d, numel, rec.seed, sketcher).items()})
+        for key, d in ((A.REPLAY_PARAM, before), *ref.items()):
+            tensors.update({key + n: v for n, v in sketched(d, numel, rec.seed, sketcher).items()})
     else:
         tensors.update({A.REPLAY_PARAM + n: v for n, v in before.items()})
         for key, d in ref.items():
-            tensors.update({f"{key}/{n}": v for n, v in d.items()})
+            tensors.update({key + n: v for n, v in d.items()})
     return tensors

@@ -101,13 +101,14 @@ class StepParts:
             for key, v in self.outputs(n, None).items():
                 out[key][n] = v
         self.spill.close()
-        return {k: v for k, v in out.items() if v or k in ("g", "micro_mean", "rank_mean")}
+        kept = (A.GRAD, A.alternative("micro_mean"), A.alternative("rank_mean"))  # written even when empty
+        return {k: v for k, v in out.items() if v or k in kept}
 
     def write(self, path: Path, extra: dict[str, torch.Tensor]) -> None:
         from dormouse.gate.artifacts.tensorfile import write_streamed
 
         have = self.present()
-        spec = [(f"{key}/{n}", self.dtypes.get(key, torch.float64), tuple(self.shapes[n])) for key, n in have]
+        spec = [(key + n, self.dtypes.get(key, torch.float64), tuple(self.shapes[n])) for key, n in have]
         spec += [(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]
 
         def pieces():
@@ -117,11 +118,11 @@ class StepParts:
                 if ranges == [None]:  # every output of n at once
                     if formed is None or formed[0] != n:
                         formed = (n, self.outputs(n, None))
-                    yield f"{key}/{n}", formed[1].pop(key)
+                    yield key + n, formed[1].pop(key)
                     continue
                 formed = None
                 for rows in ranges:
-                    yield f"{key}/{n}", self.outputs(n, rows, only=key)[key]
+                    yield key + n, self.outputs(n, rows, only=key)[key]
             yield from extra.items()
 
         try:

@@ -27,8 +27,11 @@ from dormouse.gate.record.reference import normalised as NZ
 from dormouse.gate.record.reference.sample import ExtrasBudget, example_sample
 from dormouse.gate.record.reference.spill import Spill, StepParts
 
-KEYS = ["g", "gn", "micro_mean", "rank_mean", "wa", "last", "gm", "ex", "exb"]  # every output, in writing order
-ALTERNATIVES = ("micro_mean", "rank_mean", "wa", "last", "gm", "ex", "exb")  # those that only name causes
+MICRO_MEAN, RANK_MEAN = A.alternative("micro_mean"), A.alternative("rank_mean")
+KEYS = [A.GRAD, A.GRAD_NORMALISED, MICRO_MEAN, RANK_MEAN, A.WIRE_ABS, A.LAST_MICRO, A.GRAD_MERGED, A.SAMPLED,
+        A.SAMPLED_GRAD]  # every output (its tensor-key prefix), in writing order
+# those that only name causes
+ALTERNATIVES = (MICRO_MEAN, RANK_MEAN, A.WIRE_ABS, A.LAST_MICRO, A.GRAD_MERGED, A.SAMPLED, A.SAMPLED_GRAD)
 
 
 @dataclass
@@ -75,7 +78,7 @@ def spilled_gradients(model, rec, step, user, mbs, spill: Spill, *, examples, pr
     merged = None
     if examples is not None:  # a judged step: its rows in as few forwards as memory allows (batchscope)
         merged = _global_forward(base, cast_models, rec, step, user, mbs,
-                                 lambda mm: spill.add("gm", spill.put(mm)[0]), t.aw)
+                                 lambda mm: spill.add(A.GRAD_MERGED, spill.put(mm)[0]), t.aw)
     for m_ in cast_models.values():
         m_.zero_grad(set_to_none=True)
     cast_models.clear()
@@ -124,18 +127,18 @@ def _micro_batch(t: _Tally, spill: Spill, model, ac, user, mbs, i: int, probe: b
     ls, c = FW.backward(model, objective, batch, user, ac, aux_weight=aw)
     src, have = spill.put(model)
     t.present |= have
-    spill.add("g", src)
+    spill.add(A.GRAD, src)
     t.partials += math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()
                                 if p.grad is not None))
     if t.n_step > 0 and not t.measure and t.eager_gn:  # the normalised form (float32 steps: reduced precision
         # has its floor)
         torch.random.default_generator.manual_seed(0)
         FW.backward(model, objective, batch, user, ac, scale=t.w_step / t.n_step, aux_weight=aw)
-        spill.add("gn", spill.put(model)[0], 1.0 / t.w_step)
+        spill.add(A.GRAD_NORMALISED, spill.put(model)[0], 1.0 / t.w_step)
     if t.measure:
         _floor_sources(t, spill, model, ac, user, batch)
     if m == max(mm for rr, mm, _ in mbs if rr == r) and m > 0:  # each rank's last micro-batch (causes)
-        spill.add("last", src)
+        spill.add(A.LAST_MICRO, src)
     if r not in t.ranks:
         t.ranks.append(r)
     spill.add(("rank", r), src)
@@ -146,18 +149,18 @@ def _micro_batch(t: _Tally, spill: Spill, model, ac, user, mbs, i: int, probe: b
     t.loss_total += ls
     t.loss_abs += abs(ls)
     if c > 0:
-        spill.add("micro_mean", src, 1.0 / c)
+        spill.add(MICRO_MEAN, src, 1.0 / c)
         t.micro_means.append(ls / c)
     if probe and t.rng_sensitive is None:  # the same micro-batch under another RNG state
         torch.random.default_generator.manual_seed(1)
         FW.backward(model, objective, batch, user, ac, aux_weight=aw)
         t.rng_sensitive = not spill.same(src, model)
     if i in t.sample:  # fact 1: the micro-batch's rows alone
-        spill.add("exb", src)
+        spill.add(A.SAMPLED_GRAD, src)
         for row in O.rows(batch):
             torch.random.default_generator.manual_seed(0)
             FW.backward(model, objective, row, user, ac, aux_weight=aw)
-            spill.add("ex", spill.put(model)[0])
+            spill.add(A.SAMPLED, spill.put(model)[0])
 
 
 def _floor_sources(t: _Tally, spill: Spill, model, ac, user, batch) -> None:
@@ -189,26 +192,26 @@ class _Outputs:
 
         def held(k):
             return any(n in spill.files[s] for s, _ in spill.terms.get(k, []))
-        if key == "wa":
-            return not self.sketch and held("g")
-        if key == "rank_mean":
+        if key == A.WIRE_ABS:
+            return not self.sketch and held(A.GRAD)
+        if key == RANK_MEAN:
             return any(t.rank_n[r] > 0 and held(("rank", r)) for r in t.ranks)
-        if key == "gm":
-            return bool(self.gm_count) and held("gm")
-        if key in ("ex", "exb"):
-            return bool(t.sample) and (key == "ex" or self.exb) and held(key)
+        if key == A.GRAD_MERGED:
+            return bool(self.gm_count) and held(A.GRAD_MERGED)
+        if key in (A.SAMPLED, A.SAMPLED_GRAD):
+            return bool(t.sample) and (key == A.SAMPLED or self.exb) and held(key)
         return held(key)
 
     def __call__(self, n: str, rows, only: str | None = None) -> dict[str, torch.Tensor]:
         """Every output of tensor n (rows a:b), or only the one named `only`: each source read once."""
         spill, t, gm_count = self.spill, self.t, self.gm_count
         o: dict[str, torch.Tensor] = {}
-        if n not in t.present and not (gm_count and spill.has("gm")):
+        if n not in t.present and not (gm_count and spill.has(A.GRAD_MERGED)):
             return o
         held: dict[int, torch.Tensor] = {}
 
         def val(key):  # spill.value over this tensor's sources, each read (made float64) once
-            if only is not None and key != only and not (only in ("wa", "rank_mean") and isinstance(key, tuple)):
+            if only is not None and key != only and not (only in (A.WIRE_ABS, RANK_MEAN) and isinstance(key, tuple)):
                 return None
             acc = None
             for src, w in spill.terms.get(key, []):
@@ -219,19 +222,20 @@ class _Outputs:
                     acc = (0 if acc is None else acc) + held[src] * w
             return acc
 
-        g = val("g")
+        g = val(A.GRAD)
         if g is not None:
-            o["g"] = g / t.n_total
-        gn = val("gn") if spill.has("gn") else None
+            o[A.GRAD] = g / t.n_total
+        gn = val(A.GRAD_NORMALISED) if spill.has(A.GRAD_NORMALISED) else None
         if gn is not None:
-            o["gn"] = gn
-        mm = val("micro_mean")
+            o[A.GRAD_NORMALISED] = gn
+        mm = val(MICRO_MEAN)
         if mm is not None:
-            o["micro_mean"] = mm / max(len(t.micro_means), 1)
+            o[MICRO_MEAN] = mm / max(len(t.micro_means), 1)
         o.update(self._per_rank(val))
         # the sums normalised by their counts: the last micro-batches', the merged forward's, the rows'
-        for key, count, wanted in (("last", t.n_total, True), ("gm", gm_count, bool(gm_count)),
-                                   ("ex", t.n_total, bool(t.sample)), ("exb", t.n_total, bool(t.sample and self.exb))):
+        for key, count, wanted in ((A.LAST_MICRO, t.n_total, True), (A.GRAD_MERGED, gm_count, bool(gm_count)),
+                                   (A.SAMPLED, t.n_total, bool(t.sample)),
+                                   (A.SAMPLED_GRAD, t.n_total, bool(t.sample and self.exb))):
             v = val(key) if wanted else None
             if v is not None:
                 o[key] = v / count
@@ -249,7 +253,7 @@ class _Outputs:
                 wa = (0 if wa is None else wa) + v.abs() / t.n_total
             if t.rank_n[r] > 0:
                 rm = (0 if rm is None else rm) + v / t.rank_n[r] / len(t.ranks)
-        return {k: v for k, v in (("wa", wa), ("rank_mean", rm)) if v is not None}
+        return {k: v for k, v in ((A.WIRE_ABS, wa), (RANK_MEAN, rm)) if v is not None}
 
 
 def _norms(t: _Tally, parts: StepParts, names: list[str]):
@@ -263,9 +267,9 @@ def _norms(t: _Tally, parts: StepParts, names: list[str]):
             continue
         acc_n, sq_n = 0, 0
         for rows in parts._ranges(n):
-            g = spill.value("g", n, rows) / n_total
+            g = spill.value(A.GRAD, n, rows) / n_total
             acc_n = acc_n + (g * g).sum()
-            gn = spill.value("gn", n, rows) if spill.has("gn") else None
+            gn = spill.value(A.GRAD_NORMALISED, n, rows) if spill.has(A.GRAD_NORMALISED) else None
             total_n += float(gn.square().sum()) if gn is not None else 0.0
             if spill.has("scaled"):
                 s = spill.value("scaled", n, rows)
@@ -274,7 +278,7 @@ def _norms(t: _Tally, parts: StepParts, names: list[str]):
         total = total + acc_n
         if spill.has("scaled"):
             gnorm[n] = float(acc_n.sqrt()) if len(list(parts._ranges(n))) > 1 else \
-                float((spill.value("g", n) / n_total).norm())
+                float((spill.value(A.GRAD, n) / n_total).norm())
         if spill.has("scaled") and any(n in spill.files[s] for s, _ in spill.terms["scaled"]):
             sq[n] = float(sq_n)
     norm = float(torch.sqrt(total)) if isinstance(total, torch.Tensor) else 0.0
@@ -309,7 +313,8 @@ def _info(t: _Tally, parts: StepParts, rec, base, mbs, lowp, merged, names) -> d
     # "dot_length": the longest dot product of a backward (judge/bounds.py, grad_rtol)
     dot_length = max([max(p.shape) for p in base.parameters() if p.dim()] +
                      [int(O.labels(b).numel()) for _, _, b in mbs if builtin] or [1])
-    info.update(norm_normalised=math.sqrt(total_n) if parts.spill.has("gn") else None, sum_terms=len(mbs),
+    has_gn = parts.spill.has(A.GRAD_NORMALISED)
+    info.update(norm_normalised=math.sqrt(total_n) if has_gn else None, sum_terms=len(mbs),
                 partials=t.partials / t.n_total / norm if norm > 0 else 1.0, dot_length=dot_length,
                 elements=sum(p.numel() for p in base.parameters() if p.requires_grad),
                 split_products=bool(rec.recorded.layout))

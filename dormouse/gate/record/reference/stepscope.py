@@ -61,7 +61,8 @@ def step_scope_gradients(model, rec: A.RecordingSet, step: int, user, mbs, *, pr
             "loss_floor": None, "ex_micro": [], "merged": None, "labels": None, "scope": "step"}
     mgn = float(rec.spec.max_grad_norm)
     info["clip_coef"] = clip_coef(mgn, norm) if mgn > 0 else None
-    return {"g": g, "micro_mean": {}, "rank_mean": rank_mean, **({"fwd": fwd} if fwd else {})}, info
+    return {A.GRAD: g, A.alternative("micro_mean"): {}, A.alternative("rank_mean"): rank_mean,
+            **({A.alternative("fwd"): fwd} if fwd else {})}, info
 
 
 def _check_one_call(rec: A.RecordingSet, step: int, mbs) -> None:
