@@ -42,7 +42,7 @@ class FormedG(Mapping):
 def normalised_form(model, rec, step: int, user, mbs, spill: Spill, parts: StepParts, aw, scale: float) -> float:
     """gn's sources spilled beside g's (each micro-batch's backward at loss sum x `scale`, weighted 1 / W, in
     g's order); returns gn's norm (what the clip check compares the loop's with)."""
-    objective, w = rec.meta["objective"], len({r for r, _, _ in mbs})
+    objective, w = rec.spec.objective, len({r for r, _, _ in mbs})
     for r, m, batch in mbs:
         undo = FW.attrs(model, rec, r, step, m)
         try:
