@@ -121,7 +121,8 @@ class RecordingSpec:
                                 '"forward" (each forward\'s own statistics, declared), "step" (objective '
                                 "fn(model, batches) over every rank's micro-batches of the step)", _STR)
     build_kwargs: dict = _opt({}, "JSON-able keyword arguments for build_model and build_optimizer (a configured "
-                              "run)", (dict,))
+                              "run), and for a user objective among those it names (a DPO reference's seed)",
+                              (dict,))
     max_grad_norm: float | None = _opt(None, "the loop's clipping threshold (0 = no clipping); None = the "
                                        "framework callbacks read it from the framework (TrainingArguments."
                                        "max_grad_norm, gradient_clip_val), the Recorder takes 0", _NUM, True)
