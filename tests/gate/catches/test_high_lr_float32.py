@@ -111,3 +111,24 @@ def test_a_norm_near_its_bound_is_another_arithmetic_and_one_far_off_a_local_or_
         path.write_text(json.dumps(meta))
     make_reference(d, log=QUIET)
     fails_for(judge_recording(d), "clip", words)
+
+
+def test_gate_check_makes_the_normalised_form_only_where_the_sum_form_misses_with_the_same_verdicts(high_lr, tmp_path):
+    """`dormouse gate check` (pipeline.check_recording) makes gn, a second backward per micro-batch, only at the
+    steps where the fleet's gradient misses half its bound from the sum form (judge/forms.py) and at the steps the
+    extras' budget takes: the clean run passes and x 1.001 fails as with gn at every step, and some step of the
+    clean run saved its gn."""
+    from dormouse.gate.pipeline import check_recording
+
+    for name in ("clean", "eps"):
+        d = tmp_path / name
+        shutil.copytree(high_lr[name], d, ignore=shutil.ignore_patterns("reference*", "verdict*"))
+        lazy, eager = check_recording(d, log=QUIET), verdict(high_lr[name])
+        assert [(c.name, c.passed) for c in lazy.checks] == [(c.name, c.passed) for c in eager.checks], name
+        if name == "clean":
+            assert lazy.passed and "nearer the form normalised before the backward" in lazy.check("gradient").reason
+            made = [json.loads(A.reference_step_meta_path(d, k).read_text()).get("norm_normalised") is not None
+                    for k in A.RecordingSet(d).steps]
+            assert any(made) and not all(made), made
+        else:
+            fails_for(lazy, "gradient", "the fleet's gradient differs from one process's gradient")
