@@ -153,12 +153,18 @@ def _follow(args) -> int:
 def _check(args) -> int:
     import torch
 
-    from dormouse.gate.pipeline import check_recording
+    from dormouse.gate.pipeline import check_recording, check_sharded, sharded_launch
     from dormouse.gate.show.text import format_verdict
 
     torch.set_num_threads(args.threads)
-    v = check_recording(args.out, force=args.force, log=lambda line: print(line, file=sys.stderr, flush=True),
-                        memory=None if args.memory is None else int(args.memory * (1 << 30)))
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if sharded_launch():  # under torchrun: the reference sharded over the ranks; rank 0 shows the verdict
+        v = check_sharded(args.out, force=args.force, log=log)
+        if v is None:
+            return 0
+    else:
+        v = check_recording(args.out, force=args.force, log=log,
+                            memory=None if args.memory is None else int(args.memory * (1 << 30)))
     status = 0 if v.passed else 1
     try:
         print(format_verdict(v), flush=True)

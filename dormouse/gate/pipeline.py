@@ -98,6 +98,43 @@ def check_recording(out, *, force: bool = False, log: Log = print, memory: int |
     return v
 
 
+def sharded_launch() -> bool:
+    """Whether this process is one rank of several (torchrun's WORLD_SIZE > 1): `gate check` then
+    computes the reference sharded over the ranks (check_sharded)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def check_sharded(out, *, force: bool = False, log: Log = print) -> Verdict | None:
+    """`torchrun --nproc_per_node N -m dormouse gate check --out DIR`: the one-process reference
+    computed with the model sharded by FSDP2 over the launch's ranks (record/reference/sharded.py:
+    the same files, so the judge reads them unchanged), then judged on rank 0 as check_recording
+    judges, with one more line saying how the reference was made; the other ranks get None (and
+    exit quietly). Bad input on any rank ends every rank (rank 0 says it). --memory does not apply:
+    what each rank holds is set by the model and N (sharded.py)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dormouse.gate.judge.verdict import Check
+    from dormouse.gate.record.reference.sharded import make_sharded_reference, sharded_note
+
+    if not dist.is_initialized():  # a peer that failed inside a collective is waited for at most this long
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    rank = dist.get_rank()
+    make_sharded_reference(out, force=force, log=log if rank == 0 else (lambda line: None))
+    dist.barrier()
+    if rank != 0:
+        return None
+    v = judge(out)
+    note = sharded_note(out)
+    if note:
+        v.checks.append(Check("sharded", True, note))
+    write_verdict(v, out)
+    return v
+
+
 def _recording_stamp(out) -> tuple | None:
     """recording.json's modification time and bytes (None when there is none): what a training that
     writes into the recording changes."""

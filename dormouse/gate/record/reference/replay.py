@@ -60,6 +60,24 @@ def _write_params(path: Path, model, prefix: str) -> None:
     write_streamed(path, [(k, v.dtype, tuple(v.shape)) for k, v in held], iter(held))
 
 
+def replay_params(out, rec: A.RecordingSet, model) -> tuple[dict, bool]:
+    """The replay: the user's optimizer (and scheduler) on the recorded gradients from the model's
+    state, the parameters before each step and after the last written as they stand (their own
+    files); the optimizer's state freed after. ({step: its learning rate}, whether it is scheduled)."""
+    opt, sched = build_optimizer(rec, model)
+    mgn = float(rec.spec.max_grad_norm)
+    lrs = {}
+    for k in rec.steps:
+        lrs[k] = opt.param_groups[0]["lr"]
+        _write_params(A.reference_replay_tensors_path(out, k), model, A.REPLAY_PARAM)
+        train_step(model, opt, sched, rec.tensors_at(k, A.GRAD), mgn, clipped=rec.step_meta(0, k).get("clipped", False))
+    _write_params(A.reference_final_path(out), model, A.REPLAY_PARAM)
+    scheduled = sched is not None
+    del opt, sched  # the optimizer's state: not held through the gradients' pass
+    _trim()
+    return lrs, scheduled
+
+
 def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -> Path:
     """The reference of a recording in full tensors at every step, in two
     passes over one model, so that its memory is one model, its gradient and
@@ -75,21 +93,11 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
     `normalised` says (gradients.step_gradient_parts)."""
     from dormouse.gate.artifacts.tensorfile import write_streamed
 
-    opt, sched = build_optimizer(rec, model)
-    mgn = float(rec.spec.max_grad_norm)
     scan = FW.scan(model)
     tensor_steps = set(rec.tensor_steps())
     rule, rule_text = buffer_rule(rec)
     log(f"reference for {out}: {len(rec.steps)} steps, mode replay")
-    lrs = {}
-    for k in rec.steps:  # the replay
-        lrs[k] = opt.param_groups[0]["lr"]
-        _write_params(A.reference_replay_tensors_path(out, k), model, A.REPLAY_PARAM)
-        train_step(model, opt, sched, rec.tensors_at(k, A.GRAD), mgn, clipped=rec.step_meta(0, k).get("clipped", False))
-    _write_params(A.reference_final_path(out), model, A.REPLAY_PARAM)
-    scheduled = sched is not None
-    del opt, sched  # the optimizer's state: not held through the gradients' pass
-    _trim()
+    lrs, scheduled = replay_params(out, rec, model)
     budget = ExtrasBudget()  # the tensor steps that get the rows alone and merged (and fact 1's sample)
     for i, k in enumerate(rec.steps):  # the gradients, at the recorded parameters
         load_params(model, rec.tensors_at(k, A.PARAM), rec.tensors_at(k, A.BUFFER))

@@ -57,6 +57,30 @@ class _Tally:
     rng_sensitive: bool | None = None
     eager_gn: bool = True  # gn beside each micro-batch's g (else after the step's g, where asked: normalised.py)
 
+    def add_micro(self, spill: Spill, mbs, i: int, src: int, have: set, ls: float, c: float, partial: float) -> None:
+        """Micro-batch i's gradient (spilled source src; the parameters it reaches; its norm), loss sum and
+        count, into every sum it joins (the one-process loop, and reference/sharded.py's)."""
+        r, m, _ = mbs[i]
+        self.present |= have
+        spill.add(A.GRAD, src)
+        self.partials += partial
+        if m == max(mm for rr, mm, _ in mbs if rr == r) and m > 0:  # each rank's last micro-batch (causes)
+            spill.add(A.LAST_MICRO, src)
+        if r not in self.ranks:
+            self.ranks.append(r)
+        spill.add(("rank", r), src)
+        self.rank_n[r] = self.rank_n.get(r, 0.0) + c
+        self.rank_loss[r] = self.rank_loss.get(r, 0.0) + ls
+        self.counts.setdefault(r, []).append(c)
+        self.n_total += c
+        self.loss_total += ls
+        self.loss_abs += abs(ls)
+        if c > 0:
+            spill.add(MICRO_MEAN, src, 1.0 / c)
+            self.micro_means.append(ls / c)
+        if i in self.sample:  # fact 1: beside its rows alone
+            spill.add(A.SAMPLED_GRAD, src)
+
 
 def spilled_gradients(model, rec, step, user, mbs, spill: Spill, *, examples, probe, lowp, names, shapes,
                       alt_dtype, normalised=True):
@@ -64,7 +88,7 @@ def spilled_gradients(model, rec, step, user, mbs, spill: Spill, *, examples, pr
     base = model
     budget = examples.stated() if isinstance(examples, ExtrasBudget) else None
     examples = examples.take(mbs) if isinstance(examples, ExtrasBudget) else examples  # None: a step it skips
-    t = _tally(rec, step, base, mbs, lowp, examples)
+    t = tally(rec, step, base, mbs, lowp, examples)
     t.eager_gn = normalised is True
     cast_models: dict[str, torch.nn.Module] = {}  # the model at this step's parameters, cast for the forward
     for i, (r, m, batch) in enumerate(mbs):
@@ -83,13 +107,7 @@ def spilled_gradients(model, rec, step, user, mbs, spill: Spill, *, examples, pr
         m_.zero_grad(set_to_none=True)
     cast_models.clear()
     base.zero_grad(set_to_none=True)
-    if t.n_total <= 0:
-        raise ReferenceError(f"step {step}: the declared objective {t.objective!r} counts no tokens/examples in the "
-                             "recorded micro-batches (every label -100?)")
-    gm_count = merged.get("count") if merged is not None else None
-    parts = StepParts(spill, names, shapes, _Outputs(spill, rec, t, len(mbs), gm_count), KEYS, {},
-                      {k: alt_dtype for k in ALTERNATIVES})
-    parts.info = _info(t, parts, rec, base, mbs, lowp, merged, names)
+    parts = finish(t, spill, rec, step, base, mbs, lowp, merged, names, shapes, alt_dtype)
     if callable(normalised) and t.n_step > 0 and not t.measure and \
             (examples is not None or normalised(rec, step, parts.info, NZ.FormedG(spill, t.n_total, t.present))):
         parts.info["norm_normalised"] = NZ.normalised_form(base, rec, step, user, mbs, spill, parts, t.aw,
@@ -98,7 +116,19 @@ def spilled_gradients(model, rec, step, user, mbs, spill: Spill, *, examples, pr
     return parts, parts.info
 
 
-def _tally(rec, step, base, mbs, lowp, examples) -> _Tally:
+def finish(t: _Tally, spill: Spill, rec, step, base, mbs, lowp, merged, names, shapes, alt_dtype) -> StepParts:
+    """The step's outputs (a StepParts over the spilled sources, its figures in .info) from its tally."""
+    if t.n_total <= 0:
+        raise ReferenceError(f"step {step}: the declared objective {t.objective!r} counts no tokens/examples in the "
+                             "recorded micro-batches (every label -100?)")
+    gm_count = merged.get("count") if merged is not None else None
+    parts = StepParts(spill, names, shapes, _Outputs(spill, rec, t, len(mbs), gm_count), KEYS, {},
+                      {k: alt_dtype for k in ALTERNATIVES})
+    parts.info = _info(t, parts, rec, base, mbs, lowp, merged, names)
+    return parts
+
+
+def tally(rec, step, base, mbs, lowp, examples) -> _Tally:
     objective = rec.spec.objective
     measure = bool(lowp) or any(rec.autocast(r, step, m) is not None or rec.compute_dtype(r, step, m) is not None
                                 for r, m, _ in mbs)
@@ -126,10 +156,8 @@ def _micro_batch(t: _Tally, spill: Spill, model, ac, user, mbs, i: int, probe: b
     torch.random.default_generator.manual_seed(0)
     ls, c = FW.backward(model, objective, batch, user, ac, aux_weight=aw)
     src, have = spill.put(model)
-    t.present |= have
-    spill.add(A.GRAD, src)
-    t.partials += math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()
-                                if p.grad is not None))
+    t.add_micro(spill, mbs, i, src, have, ls, c, math.sqrt(sum(float(p.grad.double().square().sum())
+                                                               for p in model.parameters() if p.grad is not None)))
     if t.n_step > 0 and not t.measure and t.eager_gn:  # the normalised form (float32 steps: reduced precision
         # has its floor)
         torch.random.default_generator.manual_seed(0)
@@ -137,26 +165,11 @@ def _micro_batch(t: _Tally, spill: Spill, model, ac, user, mbs, i: int, probe: b
         spill.add(A.GRAD_NORMALISED, spill.put(model)[0], 1.0 / t.w_step)
     if t.measure:
         _floor_sources(t, spill, model, ac, user, batch)
-    if m == max(mm for rr, mm, _ in mbs if rr == r) and m > 0:  # each rank's last micro-batch (causes)
-        spill.add(A.LAST_MICRO, src)
-    if r not in t.ranks:
-        t.ranks.append(r)
-    spill.add(("rank", r), src)
-    t.rank_n[r] = t.rank_n.get(r, 0.0) + c
-    t.rank_loss[r] = t.rank_loss.get(r, 0.0) + ls
-    t.counts.setdefault(r, []).append(c)
-    t.n_total += c
-    t.loss_total += ls
-    t.loss_abs += abs(ls)
-    if c > 0:
-        spill.add(MICRO_MEAN, src, 1.0 / c)
-        t.micro_means.append(ls / c)
     if probe and t.rng_sensitive is None:  # the same micro-batch under another RNG state
         torch.random.default_generator.manual_seed(1)
         FW.backward(model, objective, batch, user, ac, aux_weight=aw)
         t.rng_sensitive = not spill.same(src, model)
     if i in t.sample:  # fact 1: the micro-batch's rows alone
-        spill.add(A.SAMPLED_GRAD, src)
         for row in O.rows(batch):
             torch.random.default_generator.manual_seed(0)
             FW.backward(model, objective, row, user, ac, aux_weight=aw)
