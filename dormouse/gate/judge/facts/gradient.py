@@ -297,8 +297,9 @@ def _fault_shape(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> dict:
     # first failing step not among them, puts the fault in a step between
     unit = near_one and s.worst_k not in s.fitted
     named = factor_words(rec, cs[0], micro, factor_rtol) if constant else None
-    tensors = None if constant or unit else C.tensor_factor([_parts_at(rec, ref, k) for k in s.fitted], bound,
-                                                            factor_rtol)
+    # a factor exact on some tensors alone: judged in float32 (a reduced-precision floor is no exactness)
+    tensors = None if constant or unit or precision_floor(rec, ref) is not None else \
+        C.tensor_factor([_parts_at(rec, ref, k) for k in s.fitted], bound, factor_rtol)
     # with one micro-batch a rank, the mean of micro-batch means IS each rank's own token mean: named so
     alt_hit = next((alt for alt, fs in sorted(s.alts.items(), key=lambda a: micro == 1 and a[0] == "micro_mean")
                     if fs and all(r <= bound for _, r in fs)
