@@ -5,7 +5,8 @@ stand-in CI keeps small. Random init, the real vocabulary, nothing downloaded.
     SCALE=small torchrun --standalone --nproc_per_node=2 examples/scale/hf_gpt2.py runs/gpt2
     dormouse gate check --out runs/gpt2
 
-SCALE picks the size (tiny ≈ 0.5M with a 256-token vocabulary; mid ≈ 30M: 6 x 384;
+SCALE picks the size (tiny ≈ 0.5M with a 256-token vocabulary; mini ≈ 6.9M: 2 x 128 with the
+real vocabulary; mid ≈ 30M: 6 x 384;
 small = GPT-2 small, 124M: 12 x 768), STEPS the optimizer steps (3), SEQ the
 sequence (128), LR the peak lr (1e-3), SKETCH (0 = full tensors), RECORD=0
 trains without the Recorder (the overhead's baseline), FAULT one of
@@ -29,6 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 SIZES = {  # n_embd, n_layer, n_head, vocab
     "tiny": (64, 2, 2, 256),
+    "mini": (128, 2, 2, 50257),
     "mid": (384, 6, 6, 50257),
     "small": (768, 12, 12, 50257),
     "medium": (1024, 24, 16, 50257),
