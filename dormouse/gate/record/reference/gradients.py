@@ -25,7 +25,7 @@ def step_gradients(model, rec: A.RecordingSet, step: int, user, *, examples: int
     """The declared objective's gradient over every rank's micro-batches at
     the model's current parameters, with its alternatives and fact 1's
     per-example sum over example_sample(., examples) (None: no per-example
-    check; see the module docstring), in memory."""
+    check; see the package docstring), in memory."""
     parts, info = step_gradient_parts(model, rec, step, user, examples=examples, probe=probe, normalised=normalised)
     return (parts.tensors() if isinstance(parts, StepParts) else parts), info
 

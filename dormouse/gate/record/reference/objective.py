@@ -53,7 +53,7 @@ def labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def objective_sum(objective: str, model, batch: dict[str, torch.Tensor], user=None, *, upcast: bool = True,
                   aux_weight: float | None = None):
-    """(loss_sum, count) of one micro-batch under the declared objective (see the module docstring).
+    """(loss_sum, count) of one micro-batch under the declared objective (see the package docstring).
     upcast=False leaves the logits in the dtype the forward gives (a reduced-precision loop's loss).
     A transformers MoE model's own load-balancing term (routeraux) joins a built-in objective's loss
     sum weighted by aux_weight (the step's count; this batch's own count when None)."""
