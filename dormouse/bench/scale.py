@@ -15,7 +15,8 @@ sequence 128, 3 steps), recorded for the gate and checked, at each size:
 Each command runs in its own process tree, its resident memory read from
 /proc every 0.2 s (the peak of each process, and the tree killed past
 --kill-gb: a size the machine cannot hold is reported, not fatal to it).
-Sizes: tiny (about 0.5M parameters, a 256-token vocabulary), mid (6 x 384,
+Sizes: tiny (about 0.5M parameters, a 256-token vocabulary), mini (2 x 128,
+about 6.9M, the real vocabulary), mid (6 x 384,
 about 30M), small (GPT-2 small, 124M), medium (350M) where the machine has
 the memory. Recordings go to a temporary folder, removed size by size.
 """
@@ -218,7 +219,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(ln.replace(" (CPU nan / nan)", "").replace("; CPU nan ×", "") for ln in lines)
 
 
-PARAMS_M = {"tiny": 0.5, "mid": 30, "small": 124, "medium": 355}
+PARAMS_M = {"tiny": 0.5, "mini": 6.9, "mid": 30, "small": 124, "medium": 355}
 
 
 def scale_main(sizes: list[str], *, steps: int, out: Path, docs: Path | None, kill_gb: float | None,
