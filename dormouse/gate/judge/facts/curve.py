@@ -68,13 +68,7 @@ def check_curve(fleet: A.RecordingSet, single: A.RecordingSet, floor: dict, *, m
         return CurveCheck("curve", False, "the single process measured no bf16 wire floor (floor runs whose "
                           "gradients are rounded as the wire rounds): re-run single", wire=wire)
     rel = [abs(f - s) / abs(s) if s else abs(f - s) for s, f in zip(ls, lf)]
-    noise = [0.0] * len(ls)
-    floors: dict[str, list[float]] = {}
-    for run in runs.values():
-        for k, (x, y) in enumerate(zip(run["losses"], ls)):
-            noise[k] = max(noise[k], abs(x - y) / abs(y) if y else abs(x - y))
-        for name, series in run["param_rel"].items():
-            floors[name] = [max(p, q) for p, q in zip(floors.get(name, [0.0] * len(series)), series)]
+    noise, floors = _floor_runs(runs, ls)
     tolerance = curve_tolerance(running_max(noise), multiple)
     if wire == "bf16":
         why = (f"{multiple:g} x the running maximum of {len(runs)} floor runs of the reference: its start nudged "
@@ -100,6 +94,37 @@ def check_curve(fleet: A.RecordingSet, single: A.RecordingSet, floor: dict, *, m
     # replay (every step's update) carry the proof. The bf16 wire rounds
     # gradients, not the map: its floor runs round them the same way.
     judge_tensors = config.get("train", {}).get("ns_dtype") != "bfloat16" and not config.get("model", {}).get("bf16")
+    first_param = _first_param(c, fleet, single, floors, multiple, judge_tensors)
+    if first_param:
+        c.first_divergent_param_step, c.first_divergent_param = first_param[0], first_param[1]
+    flips = _flips(fleet, single)
+    if flips is not None:
+        c.routing_flips = flips.tolist()
+        c.first_flip_step = next((k + 1 for k, n in enumerate(flips.sum(dim=1).tolist()) if n), None)
+    c.summary = _summary(c, bad, first_param, failed)
+    reasons = _curve_reasons(c, rel, tolerance, bad, grad_lim, judge_tensors, first_param)
+    c.passed = not bad and c.grad_step1 <= grad_lim and first_param is None and all(map(math.isfinite, lf))
+    c.reason = "; ".join(reasons) + f"; {c.summary}"
+    return c
+
+
+def _floor_runs(runs: dict, ls: list[float]) -> tuple[list[float], dict[str, list[float]]]:
+    """The floor runs' largest relative loss difference from the reference per step, and each
+    parameter's largest relative divergence per step."""
+    noise = [0.0] * len(ls)
+    floors: dict[str, list[float]] = {}
+    for run in runs.values():
+        for k, (x, y) in enumerate(zip(run["losses"], ls)):
+            noise[k] = max(noise[k], abs(x - y) / abs(y) if y else abs(x - y))
+        for name, series in run["param_rel"].items():
+            floors[name] = [max(p, q) for p, q in zip(floors.get(name, [0.0] * len(series)), series)]
+    return noise, floors
+
+
+def _first_param(c: CurveCheck, fleet: A.RecordingSet, single: A.RecordingSet, floors: dict, multiple: float,
+                 judge_tensors: bool) -> tuple[int, str, float, float] | None:
+    """Every parameter's divergence per step (into c.param_divergence) and, where tensors are judged, the
+    first (step, name, divergence, tolerance) past its own floor's tolerance."""
     first_param = None
     sp, fp = _after(single), _after(fleet)
     for name in sorted(sp):
@@ -112,13 +137,12 @@ def check_curve(fleet: A.RecordingSet, single: A.RecordingSet, floor: dict, *, m
             if not v <= t and (first_param is None or k + 1 < first_param[0]):
                 first_param = (k + 1, name, v, t)
                 break
-    if first_param:
-        c.first_divergent_param_step, c.first_divergent_param = first_param[0], first_param[1]
-    flips = _flips(fleet, single)
-    if flips is not None:
-        c.routing_flips = flips.tolist()
-        c.first_flip_step = next((k + 1 for k, n in enumerate(flips.sum(dim=1).tolist()) if n), None)
-    c.summary = _summary(c, bad, first_param, failed)
+    return first_param
+
+
+def _curve_reasons(c: CurveCheck, rel: list[float], tolerance: list[float], bad: list[int], grad_lim: float,
+                   judge_tensors: bool, first_param) -> list[str]:
+    """The curve's findings in words: the loss against its tolerance, the step-1 gradients, the tensors."""
     top = max(range(len(rel)), key=lambda k: rel[k])
     worst = max(range(len(rel)), key=lambda k: rel[k] / tolerance[k])
     reasons = [f"max per-step relative loss difference {rel[top]:.2e} (step {top + 1}: tolerance "
@@ -137,9 +161,7 @@ def check_curve(fleet: A.RecordingSet, single: A.RecordingSet, floor: dict, *, m
     if first_param:
         reasons.append(f"{first_param[1]} leaves its floor at step {first_param[0]} ({first_param[2]:.1e} > "
                        f"{first_param[3]:.1e})")
-    c.passed = not bad and c.grad_step1 <= grad_lim and first_param is None and all(map(math.isfinite, lf))
-    c.reason = "; ".join(reasons) + f"; {c.summary}"
-    return c
+    return reasons
 
 
 def _flips(fleet: A.RecordingSet, single: A.RecordingSet) -> torch.Tensor | None:
