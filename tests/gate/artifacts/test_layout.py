@@ -41,3 +41,36 @@ def test_a_gate_reference_of_another_schema_is_one_line_saying_re_run(tmp_path):
     gate_reference_path(tmp_path, FLOOR).write_text(json.dumps({"schema": 1}))
     with pytest.raises(DormouseError, match="has schema 1, expected 3: re-run it"):
         GateReferences(tmp_path).meta(FLOOR)
+
+
+def _prefix_literals(path: Path, prefixes: set[str]) -> list[tuple[int, str]]:
+    """The string literals of `path`'s code (docstrings left out; an f-string by its leading text) that are a
+    tensor-key prefix or start with one."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    found = []
+    for n in ast.walk(tree):
+        c = n.values[0] if isinstance(n, ast.JoinedStr) and n.values else n
+        if isinstance(c, ast.Constant) and isinstance(c.value, str) and id(c) not in docs \
+                and any(c.value.startswith(p) for p in prefixes):
+            found.append((c.lineno, c.value))
+    return sorted(set(found))
+
+
+def test_every_tensor_key_prefix_is_typed_in_layout_alone(tmp_path):
+    import dormouse
+    from dormouse.gate.artifacts import layout
+
+    prefixes = {v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str) and v.endswith("/")}
+    assert {"p/", "g/", "b/", "in/", "rp/", "wa/"} <= prefixes
+    package = Path(dormouse.__file__).parent
+    typed = {str(p.relative_to(package)): found for p in sorted(package.rglob("*.py"))
+             if p != Path(layout.__file__) and (found := _prefix_literals(p, prefixes))}
+    assert typed == {}
+    planted = tmp_path / "planted.py"  # the reader sees a literal and an f-string's head, not a docstring
+    planted.write_text('"""g/ in a docstring."""\nA = "g/"\nB = f"in/{1}/x"\n')
+    assert _prefix_literals(planted, prefixes) == [(2, "g/"), (3, "in/")]
