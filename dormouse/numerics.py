@@ -13,9 +13,10 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bfloat16 keeps 8 significand bits: round-to-ne
 FP32_UNIT_ROUNDOFF = 2.0 ** -24  # float32: 24 significand bits
 
 
-def scalar_relative(a: float, b: float) -> float:
-    """|a - b| / |b| of two numbers (a loss against one process's), |b| at least 1e-30."""
-    return abs(a - b) / max(abs(b), 1e-30)
+def scalar_relative(a: float, b: float, scale: float = 0.0) -> float:
+    """|a - b| / |b| of two numbers (a loss against one process's), over `scale` instead where that is
+    larger (the magnitude of terms that cancel in b), and over at least 1e-30."""
+    return abs(a - b) / max(abs(b), scale, 1e-30)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

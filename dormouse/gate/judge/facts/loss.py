@@ -57,7 +57,7 @@ def loss_relative(logged: float, info: dict) -> float:
     they cancel (GRPO's advantages sum to zero over each group: a clean run logs a loss near 0, whose float32
     rounding is relative to its terms, not to itself): the reference's "loss_scale", the sum over the step's
     micro-batches of |its loss sum|, over the step's count."""
-    return abs(logged - info["loss"]) / max(abs(info["loss"]), info.get("loss_scale") or 0.0, 1e-30)
+    return scalar_relative(logged, info["loss"], info.get("loss_scale") or 0.0)
 
 
 def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Check:

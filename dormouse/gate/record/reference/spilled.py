@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dormouse.clip import clip_coef
+from dormouse.numerics import scalar_relative
 from dormouse.gate import artifacts as A
 from dormouse.gate.record import batchscope as BS
 from dormouse.gate.record import routeraux
@@ -316,7 +317,7 @@ def _info(t: _Tally, parts: StepParts, rec, base, mbs, lowp, merged, names) -> d
             "counts": [t.counts[r] for r in sorted(t.counts)], "no_grad": [n for n in names if n not in t.present],
             "norm": norm, "rng_sensitive": t.rng_sensitive, "precision_floor": floor,
             "precision_floor_tensors": floors, "low_precision_params": lowp,
-            "loss_floor": (abs(t.native - t.loss_total) / max(abs(t.loss_total), 1e-30)
+            "loss_floor": (scalar_relative(t.native, t.loss_total)
                            if floor is not None and builtin else None),
             "ex_micro": [[mbs[i][0], mbs[i][1]] for i in sorted(t.sample)], "merged": merged,
             "labels": O.labels_source(mbs[0][2]) if builtin else None,
