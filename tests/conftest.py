@@ -47,6 +47,7 @@ LONGEST_FIRST = (
     "tests/gate/catches/test_trl_peft.py",  # 29
     "tests/gate/catches/test_lightning.py",  # 27
     "tests/gate/catches/test_accelerate.py",  # 25
+    "tests/gate/drivers/test_sharded_check.py",  # 25 CPU s (a 2-rank and a 4-rank launch of gate check)
     "tests/gate/catches/test_expert_parallel.py",  # 30 (one 2-rank launch of 6 recordings)
     "tests/test_distributed.py",  # 20
     "tests/gate/catches/test_named_causes.py",  # 20
