@@ -32,6 +32,7 @@ class Step:
         self.n_step = (sum(O.objective_count(self.objective, b) for _, _, b in mbs)
                        if self.objective in OBJECTIVES else 0.0)
         self.w_step = len({r for r, _, _ in mbs})
+        self.rng_after: dict = {}  # the probe's: the RNG state its first pass left, by job (sharded.py)
 
     def batch(self, job) -> tuple[tuple[int, int], dict]:
         """A job's ((rank, m) it takes its attributes from, its batch): (kind, i, j) is micro-batch i

@@ -118,7 +118,8 @@ def _backward(model, st: L.Step, index: int, job) -> dict:
 def _probed(model, st: L.Step, index: int, job) -> dict:
     """Job `index` of the probe (record/probe.py's reference_probe, one pass): every module's output
     and output gradient on micro-batch i, written to the scratch folder under its rank's probe prefix (the
-    parameters one ulp away: "probe_n"; layout.py's PROBE_* names)."""
+    parameters one ulp away: "probe_n"; layout.py's PROBE_* names). As in one process, the nudged pass
+    starts from the RNG state the first one left (job i of both passes runs on one rank)."""
     from dormouse.gate.artifacts.tensorfile import write_streamed
     from dormouse.gate.record.probe import capture
 
@@ -127,8 +128,12 @@ def _probed(model, st: L.Step, index: int, job) -> dict:
                          else (A.PROBE_REF_OUTPUT, A.PROBE_REF_GRAD))
 
     def fn(batch):
+        if job[0] == "probe_n":
+            torch.random.set_rng_state(st.rng_after.pop(index))
         outs, grads, _ = capture(model, lambda: O.objective_sum(st.objective, model, batch, st.user,
                                                                 aux_weight=st.aw)[0].backward())
+        if job[0] == "probe":
+            st.rng_after[index] = torch.random.get_rng_state()
         fsdp.take_grads(model)
         held = [(A.probe_prefix(r) + outs_at + n, v) for n, v in outs.items()]
         held += [(A.probe_prefix(r) + grads_at + n, v) for n, v in grads.items()]
