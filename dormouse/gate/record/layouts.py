@@ -30,6 +30,7 @@ its global rows) are recorded through layouts of their own, below."""
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
 
@@ -59,7 +60,11 @@ def _fsdp_dim_names(module) -> set[str]:
 
 
 def needs_layout(module, world: int) -> bool:
-    """Whether the model's parameters are laid out beyond FSDP2's 1-D Shard(0)."""
+    """Whether the model's parameters are laid out beyond FSDP2's 1-D Shard(0).
+    Neither FSDP2 nor DTensor imported: no module can be an FSDPModule, no
+    parameter a DTensor (and their import, seconds per rank, is not taken)."""
+    if not {"torch.distributed.fsdp", "torch.distributed.tensor"} & set(sys.modules):
+        return False
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import Shard
 
