@@ -751,6 +751,10 @@ CASES: tuple[Case, ...] = (
     Case("half_fc", "wild", {"grad_x": {"fc.weight": 0.5}, "steps": 2}, verdict="FAIL", fails={"gradient": (
         "times 0.5 = 1/W = 1/K in tensor fc.weight alone, at every step, and every other tensor agrees")},
          what="one tensor's gradient halved after the reduce", confirmation=WILD + ": fc.weight's 0.5 x it"),
+    Case("rec_late", "wild", {"rec_late": True, "steps": 2}, verdict="FAIL", fails={"intact": (
+        "rec.step ran after optimizer.step() (the parameters had already moved", "changed between step 1's first "
+        "forward and rec.step on rank 0", "call rec.step before opt.step()")},
+         what="a clean loop calling rec.step after opt.step()", confirmation="the intact line is the first to fail"),
     Case("ref", "wild", {"ref": True, "steps": 1}, holds={"gradient": ()},
          what="a DPO-like objective whose frozen reference is the initial model at the run's seed (build_kwargs)",
          confirmation="the test's own gradient with the reference at the run's seed, not at another"),

@@ -28,6 +28,7 @@ Knobs (RUN keys):
                  (a tied weight's or a router's gradient averaged once more than the rest: x 0.5)
   "ref"          the loss is ref_objective's (declared "wild_loop:ref_objective"): a DPO-like term a target
                  token against a frozen reference, the initial model built with the run's seed
+  "rec_late"     the loop calls rec.step AFTER opt.step() (a misplaced call; the training itself is right)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
        "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
        "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {},
-       "ref": False}
+       "ref": False, "rec_late": False}
 REF_BETA = 0.5
 _REFS: dict = {}
 
@@ -153,8 +154,11 @@ def run(cfg: dict) -> None:
                     p.grad.mul_(cfg["grad_x"][name])
             if cfg["max_grad_norm"]:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
-        rec.step(loss=reported, optimizer=opt, grad_norm=None if cfg["clip_no_norm"] else norm)
+        if not cfg["rec_late"]:
+            rec.step(loss=reported, optimizer=opt, grad_norm=None if cfg["clip_no_norm"] else norm)
         opt.step()
+        if cfg["rec_late"]:  # misplaced: the parameters have moved already
+            rec.step(loss=reported, optimizer=opt, grad_norm=None if cfg["clip_no_norm"] else norm)
         sched.step()
         opt.zero_grad(set_to_none=not cfg["zero_grads"])
         if cfg["bn_rank0"]:  # rank 0's rows move the statistics, every rank receives them

@@ -126,6 +126,14 @@ class Capture:
         self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs = [], [], [], [], [], []
         return got
 
+    def moved(self) -> list[str]:
+        """The parameters updated in place since the step's first forward (an optimizer.step() before
+        rec.step), by name; forgets the forward's counts. Only a parameter still registered as the same
+        tensor is compared (FSDP2 swaps its registered parameters: nothing to compare there)."""
+        noted, self._versions = getattr(self, "_versions", {}), {}
+        return [n for n, p in self.module.named_parameters()
+                if n in noted and noted[n][0] is p and p._version != noted[n][1]]
+
     def _pre(self, module, args, kwargs):
         # eval-mode forwards and forwards under torch.no_grad()/inference_mode (a metric, a probe
         # loss) are not the step's micro-batches: no gradient can come of them
@@ -150,6 +158,8 @@ class Capture:
         call.update({key: v for key, v in kwargs.items() if type(v) in PLAIN})
         self.calls.append(call or None)
         self.attrs.append(attr_changes(plain_attrs(module), self._attrs0))
+        if not self.batches:  # the step's first forward: each parameter's in-place update count (moved() reads)
+            self._versions = {n: (p, p._version) for n, p in module.named_parameters()}
         self.batches.append(batch)
         if self.arm is not None:  # the probe step's first micro-batch alone
             self.arm(len(self.batches))

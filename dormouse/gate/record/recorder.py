@@ -397,6 +397,8 @@ class Recorder:
         k = self.k
         self._mark(k - 1)  # the step before, where no report came for it
         batches, autocasts, casts, evals, calls, attrs = self.capture.take()
+        # the parameters an optimizer step moved since the step's first forward (a DTensor layout: not compared)
+        moved = self.capture.moved() if not (self.placements or self.layout is not None) else []
         if isinstance(self.layout, layouts.PipelineLayout):  # the forwards a backward reached (layouts.py)
             keep = self.layout.kept(len(batches))
             batches, autocasts, casts, evals, calls, attrs = (
@@ -466,7 +468,8 @@ class Recorder:
                 "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals, "call": calls,
                 "attrs": attrs,
                 "tensors": self._tensor_step(k), "param_hash": param_hash, "grad_hash": grad_hash,
-                "epoch": None if epoch is None else int(epoch), **probed}
+                "epoch": None if epoch is None else int(epoch), **probed,
+                **({"moved_before_step": moved[:8]} if moved else {})}
         found = self._selfcheck(named, len(batches), clip_coef, loss, loss_sum, tokens, tensors, meta)
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
         # by the pre-hook, parameters and gradients by local or the sketches, ids below)

@@ -384,3 +384,14 @@ def test_an_objective_reads_the_runs_seed_from_build_kwargs(fleet):
 
     got = recorded(fleet["ref"])
     assert looprec.worst(got, grad(3)) < 1e-6 and looprec.worst(got, grad(0)) > 1e-3
+
+
+def test_rec_step_after_the_optimizer_step_is_the_first_failing_line(fleet):
+    """A clean loop calling rec.step after opt.step() (issue 37, d15): the parameters moved between the
+    step's first forward and rec.step, and the verdict's first failing line says so (not "edited or damaged
+    after the run; re-record", which re-recording reproduces); a loop calling it before is not flagged."""
+    v = looprec.verdict(fleet["rec_late"])
+    first = next(c for c in v.checks if not c.passed)
+    assert first.name == "intact" and first.reason.startswith("rec.step ran after optimizer.step()"), first
+    assert "moved_before_step" in A.RecordingSet(fleet["rec_late"]).step_meta(1, 2)
+    assert "moved_before_step" not in A.RecordingSet(fleet["aux"]).step_meta(0, 1)

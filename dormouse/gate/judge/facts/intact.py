@@ -49,7 +49,23 @@ def first_mismatch(rec: A.RecordingSet) -> str | None:
     return None
 
 
+def moved_before_step(rec: A.RecordingSet) -> str | None:
+    """The first step and rank whose parameters an in-place update (an optimizer step) moved between the
+    step's first forward and rec.step (the Recorder's "moved_before_step"), or None."""
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            moved = rec.step_meta(r, k).get("moved_before_step")
+            if moved:
+                return (f"rec.step ran after optimizer.step() (the parameters had already moved: {', '.join(moved[:3])}"
+                        f"{', ...' if len(moved) > 3 else ''} changed between step {k}'s first forward and rec.step on "
+                        f"rank {r}): call rec.step before opt.step()")
+    return None
+
+
 def check_intact(rec: A.RecordingSet) -> Check:
+    late = moved_before_step(rec)
+    if late:
+        return Check("intact", False, late)
     bad = first_mismatch(rec)
     if bad:
         return Check("intact", False, bad + ": the recording was edited or damaged after the run (its tensors are "
