@@ -111,7 +111,7 @@ def test_a_rank_whose_tensors_were_edited_with_its_hash_left_fails_intact(record
 
 
 @pytest.mark.parametrize("edit,words", [
-    (lambda d: _edit(d / "recording.json", world=3), "field 'world' is 3 but its last segment ran at world 2"),
+    (lambda d: _edit(d / "recording.json", world=3), "world is 3 but its last segment ran at world 2"),
     (lambda d: shutil.copytree(d / "rank1", d / "rank2"), "holds rank2/ beyond its world 2"),
     (lambda d: _edit(d / "rank0" / "step000002.json", lr="0.01"), "field 'lr' is '0.01', not a number or null"),
     (lambda d: _edit(d / "recording.json", dataset_len="48"), "field 'dataset_len' is '48', not an integer"),
