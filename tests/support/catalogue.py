@@ -596,10 +596,10 @@ CASES: tuple[Case, ...] = (
     Case("flat", "hf", f"flat=1:{FIX}", what="packed sequences (DataCollatorWithFlattening, position_ids)",
          confirmation="without the recorded config the reference attends across sequences and fails"),
     Case("uneven", "hf", f"examples=18:steps=3:{FIX}", verdict="FAIL", fails={"data": (
-        "rows read at steps 1 and 3 are identical", "within epoch 0", "even_batches", "dataloader_drop_last")},
+        "at step 1 and by rank", "at step 3 are identical", "within epoch 0", "even_batches", "dataloader_drop_last")},
          what="18 examples, global batch 8: an uneven end of the epoch"),
     Case("uneven_two", "hf", f"examples=18:steps=6:{FIX}", verdict="FAIL", fails={"data": (
-        "rows read at steps 1 and 3 are identical", "within epoch 0", "even_batches", "dataloader_drop_last")},
+        "at step 1 and by rank", "at step 3 are identical", "within epoch 0", "even_batches", "dataloader_drop_last")},
          what="... over two epochs"),
     Case("uneven_drop", "hf", f"examples=18:steps=4:drop=1:{FIX}", what="dataloader_drop_last=True: two epochs of 16",
          holds={"data": "within any of the loop's epochs (rec.step(epoch=...): 2 epoch(s), 32 reads"}),
@@ -755,6 +755,10 @@ CASES: tuple[Case, ...] = (
         "rec.step ran after optimizer.step() (the parameters had already moved", "changed between step 1's first "
         "forward and rec.step on rank 0", "call rec.step before opt.step()")},
          what="a clean loop calling rec.step after opt.step()", confirmation="the intact line is the first to fail"),
+    Case("overlap", "wild", {"overlap": True, "steps": 2}, verdict="FAIL", fails={"data": (
+        "rows read by rank 1 at step 1 and by rank 0 at step 2 are identical", "the ranks' shards overlap")},
+         may_fail={}, what="hand-written shards that overlap by one example, no example ids",
+         confirmation="no HF/accelerate advice: no Trainer, no epoch end"),
     Case("ref", "wild", {"ref": True, "steps": 1}, holds={"gradient": ()},
          what="a DPO-like objective whose frozen reference is the initial model at the run's seed (build_kwargs)",
          confirmation="the test's own gradient with the reference at the run's seed, not at another"),

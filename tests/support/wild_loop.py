@@ -29,6 +29,8 @@ Knobs (RUN keys):
   "ref"          the loss is ref_objective's (declared "wild_loop:ref_objective"): a DPO-like term a target
                  token against a frozen reference, the initial model built with the run's seed
   "rec_late"     the loop calls rec.step AFTER opt.step() (a misplaced call; the training itself is right)
+  "overlap"      hand-written shards, no sampler and no example ids: rank r reads the window of steps x micro x
+                 batch examples from r x (that - 1), so rank 1's first example is rank 0's last
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
        "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
        "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {},
-       "ref": False, "rec_late": False}
+       "ref": False, "rec_late": False, "overlap": False}
 REF_BETA = 0.5
 _REFS: dict = {}
 
@@ -125,6 +127,9 @@ def run(cfg: dict) -> None:
     sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True,
                                                   seed=cfg["seed"], drop_last=True)
     order = list(sampler)
+    if cfg["overlap"]:  # hand-written windows, one example shared by neighbouring ranks
+        per = cfg["steps"] * K * B
+        order = list(range(rank * (per - 1), rank * (per - 1) + per))
     for s in range(cfg["steps"]):
         norm = None
         if s + 1 in cfg["skip_bwd"]:

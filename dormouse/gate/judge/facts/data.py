@@ -192,9 +192,20 @@ def _twice_in_step(k: int, e: str, q: int, r: int, whole: tuple, groups, exact: 
     return f"at step {k} an example was read by rank {r} twice in one step"
 
 
-def _read_twice(k: int, groups, exact: bool, cur: dict, cur_groups: set, epoch: int, src: str) -> str | None:
+def _again_words(k0: int, r0: int, k: int, r: int, epoch: int, even_batches: bool) -> str:
+    """Rows rank r0 read at step k0 and rank r at step k, identical by their tokens: the HF/accelerate
+    advice where it can be the cause (that client, or the epoch's last step), else the shards'."""
+    why = EVEN_BATCHES if even_batches else ("the ranks' shards overlap or a rank reads a row again within the "
+                                             "epoch (each row must be read once an epoch: disjoint shards)")
+    return (f"rows read by rank {r0} at step {k0} and by rank {r} at step {k} are identical (equal tokens) within "
+            f"epoch {epoch}; {why}; {IDENTICAL}")
+
+
+def _read_twice(k: int, groups, exact: bool, cur: dict, cur_groups: set, epoch: int, src: str,
+                even_batches: bool = False) -> str | None:
     """The first example step k reads twice: by two ranks, by one rank twice, or again within the epoch
-    (`cur`: id -> the step that read it, `cur_groups` the epoch's whole reads; `src` what the epochs are)."""
+    (`cur`: id -> (the step, the rank) that read it, `cur_groups` the epoch's whole reads; `src` what the
+    epochs are; `even_batches`: accelerate's fill can be the cause, named then)."""
     seen: dict[str, int] = {}  # id -> rank, within this step
     step_groups: dict[tuple[str, ...], int] = {}
     for r, ids in groups:
@@ -205,9 +216,8 @@ def _read_twice(k: int, groups, exact: bool, cur: dict, cur_groups: set, epoch: 
                 return _twice_in_step(k, e, seen[e], r, whole, groups, exact, replayed)
             if e in cur:
                 if not replayed:
-                    return (f"rows read at steps {cur[e]} and {k} are identical (equal tokens) within epoch "
-                            f"{epoch}; {EVEN_BATCHES}; {IDENTICAL}")
-                return f"an example was read twice within epoch {epoch} (steps {cur[e]} and {k}, {src})"
+                    return _again_words(*cur[e], k, r, epoch, even_batches)
+                return f"an example was read twice within epoch {epoch} (steps {cur[e][0]} and {k}, {src})"
             seen[e] = r
         step_groups[whole] = r
     return None
@@ -273,7 +283,7 @@ def check_data(rec: A.RecordingSet) -> Check:
     cur: dict[str, int] = {}  # id -> step, within the current epoch
     cur_groups: set[tuple[str, ...]] = set()
     cur_reads, epoch, prev = 0, 0, None
-    for k, ep in zip(rec.steps, epochs):
+    for i, (k, ep) in enumerate(zip(rec.steps, epochs)):
         groups, exact = _reads(rec, k)
         all_exact = all_exact and exact
         same = _identical_ranks(rec, k) if exact else None
@@ -289,12 +299,13 @@ def check_data(rec: A.RecordingSet) -> Check:
             cur, cur_groups, cur_reads = {}, set(), 0
         elif cur_reads and cur_reads + step_n > n:
             cur, cur_groups, cur_reads, epoch = {}, set(), 0, epoch + 1
-        found = _read_twice(k, groups, exact, cur, cur_groups, epoch, src)
+        at_end = (epochs[i + 1:i + 2] != [ep] if given_epochs else bool(n) and cur_reads + 2 * step_n > n)
+        found = _read_twice(k, groups, exact, cur, cur_groups, epoch, src, rec.spec.reports or at_end)
         if found:
             return Check("data", False, found)
         for r, ids in groups:
             for e in ids:
-                cur[e] = k
+                cur[e] = (k, r)
             cur_groups.add(tuple(ids))
         cur_reads += step_n
         if given_epochs and n and cur_reads > n:
