@@ -143,8 +143,11 @@ class RecordingSet:
         self.spec, self.recorded = read_recording(self.meta, recording_path(self.out))
         self.steps = recording_steps(self.meta)
         if not self.steps:
+            world = int((self.meta.get("segments") or [{}])[-1].get("world") or 0)
+            open_ = [r for r in range(world) if not final_meta_path(self.out, r).exists()] or "?"
             raise DormouseError(f"the recording in {self.out} has no finished segment: the loop must call "
-                                "rec.close() (every rank)")
+                                f"rec.close() on every rank; the run ended without it on rank(s) "
+                                f"{', '.join(map(str, open_))} (crashed or exited early?)")
         self.run = self.recorded.run
         self.sketch, self.every, self.seed = self.spec.sketch, self.spec.every, self.spec.seed
         self._metas: dict = {}

@@ -429,7 +429,10 @@ def _fail_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> str:
         k0, off, c = f["stale"]
         named = factor_words(rec, c, s.micro, s.factor_rtol)
         share = "" if abs(c - 1) <= s.factor_rtol else f" times {c:.4g}" + (f" = {named}" if named else "")
-        return (f"the gradients were not zeroed between steps: from step {k0} on, the fleet's gradient of "
+        fail = [r["step"] for r in s.rows if not r["ok"]]  # "from step k0 on" only when every later step fails
+        when = (f"from step {k0} on" if fail == [k for k in rec.tensor_steps() if k >= k0] else
+                f"at step{'s' if len(fail) > 1 else ''} {', '.join(map(str, fail))}")
+        return (f"the gradients were not zeroed between steps: {when}, the fleet's gradient of "
                 f"{len(off)} tensor(s) ({', '.join(off[:3])}{', ...' if len(off) > 3 else ''}) is {WHAT} plus "
                 f"the gradient the loop applied at the step before{share}, and every other tensor agrees "
                 f"({stated}): optimizer.zero_grad() is missing where those tensors live (every rank, or one "

@@ -245,7 +245,9 @@ def check_layout(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
                                      "neither class of parameters is off from one process's gradient by a constant "
                                      "factor while the other agrees" + (", and every TP rank of a replica read its "
                                                                         "leader's rows" if tp > 1 else ""))
-    meshes = "; ".join(" x ".join(f"{nm} {s}" for nm, s in zip(m["names"], m["shape"])) for m in lay["meshes"])
+    ms = list({tuple(zip(m["names"], m["shape"])): 0 for m in lay["meshes"]})  # each mesh once, in order
+    ms = [m for m in ms if not any(set(m) < set(o) for o in ms)]  # a sub-mesh (dp of dp x tp) named by its whole
+    meshes = "; ".join(" x ".join(f"{nm} {s}" for nm, s in m) for m in ms)
     return Check("layout", True, f"DTensor layout read from the parameters (mesh {meshes}; data dimensions "
                                  f"{', '.join(lay['data_dims']) or 'none'}): {dp} data-parallel replica(s) of {tp} "
                                  f"model-parallel rank(s); {n_split} of {len(params)} parameters split over a "
