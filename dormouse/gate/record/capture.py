@@ -9,6 +9,8 @@ The Recorder (record/recorder.py) takes them at each rec.step()."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from dormouse.gate.record.options import LOSS_LABELS, NEUTRAL_ATTRS, OBJECTIVES, PLAIN, RecorderError
@@ -62,7 +64,12 @@ def core_module(model):
 def _eager(fn):
     """fn run as plain Python under torch.compile (the Recorder's hooks copy
     tensors to the CPU and keep lists: nothing for dynamo to trace; a graph
-    break there, not a crash of the run)."""
+    break there, not a crash of the run). Before torch._dynamo is imported
+    nothing can have been compiled: fn as it is (dynamo's import, with sympy
+    and FSDP2, is seconds a process: most of a small run's recording start);
+    Capture.take puts the hooks on again, eager, once it is imported."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return disable(fn) if disable is not None else fn
 
@@ -106,14 +113,19 @@ class Capture:
     def hook(self) -> None:
         """The pre-hooks: the model's own (the batch), then every submodule's (autocast and casts read
         inside the forward: accelerate, and so HF's Trainer with bf16=True, wraps model.forward). They
-        run eagerly under torch.compile (a graph break, in any placement of the compile)."""
-        self._hooks = [self.module.register_forward_pre_hook(_eager(self._pre), with_kwargs=True)]
-        inner = _eager(self._inner)
-        self._hooks += [m.register_forward_pre_hook(inner) for m in self.module.modules() if m is not self.module]
+        run eagerly under torch.compile (a graph break, in any placement of the compile; a compile
+        placed after the Recorder traces them in its first step, take() makes them eager after it)."""
+        self._register()
         # each module's own parameters' stored dtypes (under FSDP2 the sharded ones): a forward that
         # sees another dtype runs on a cast copy
         self._stored = {m: {n: p.dtype for n, p in m._parameters.items() if p is not None}
                         for m in self.module.modules()}
+
+    def _register(self) -> None:
+        self._plain = "torch._dynamo" not in sys.modules  # see _eager
+        self._hooks = [self.module.register_forward_pre_hook(_eager(self._pre), with_kwargs=True)]
+        inner = _eager(self._inner)
+        self._hooks += [m.register_forward_pre_hook(inner) for m in self.module.modules() if m is not self.module]
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -122,6 +134,9 @@ class Capture:
 
     def take(self) -> tuple[list, list, list, list, list, list]:
         """The step's (batches, autocasts, casts, evals, calls, attrs), each per micro-batch; empty after."""
+        if self._hooks and self._plain and "torch._dynamo" in sys.modules:  # torch.compile came after hook()
+            self.remove()
+            self._register()
         got = (self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs)
         self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs = [], [], [], [], [], []
         return got
