@@ -31,7 +31,7 @@ from dormouse.gate.judge.facts.curve import check_curve, first_failure
 from dormouse.gate.judge.facts.data import check_data
 from dormouse.gate.judge.facts.exact import check_exact
 from dormouse.gate.judge.facts.finite import check_finite, first_nonfinite, first_nonfinite_state
-from dormouse.gate.judge.facts.gradient import check_grad_mask, check_gradient
+from dormouse.gate.judge.facts.gradient import ONE_FORWARD, check_grad_mask, check_gradient
 from dormouse.gate.judge.facts.gradref import check_gradref
 from dormouse.gate.judge.facts.independence import check_independence
 from dormouse.gate.judge.facts.intact import check_intact
@@ -129,13 +129,17 @@ def judge_recording(out) -> Verdict:
     found = first_nonfinite(rec) or ()
     finite = check_finite(rec, found)
     checks.append(finite)
-    checks.append(check_independence(rec, ref))
+    independence = check_independence(rec, ref)
     grad = check_gradient(rec, ref)
+    # the fleet is one forward over the whole step (a synchronised BatchNorm, one micro-batch a rank): the
+    # gradient line's declaration advice comes first, the rows' dependence it explains after it
+    one_forward = not grad.passed and ONE_FORWARD in grad.reason
+    checks.extend([] if one_forward else [independence])
     if grad.passed and found and found[2].startswith((A.GRAD, A.SKETCHED_GRAD)):  # a rank's copy the check does not compare
         grad.passed = False
         grad.reason = (f"rank {found[1]}'s gradient at step {found[0]} holds NaN or inf (see finite), which no bound "
                        f"allows; the copy compared: {grad.reason}")
-    checks.append(grad)
+    checks.extend([grad, independence] if one_forward else [grad])
     if rec.spec.wire == "bf16":  # the declared bf16 wire's rounding, unbiased (facts/bias.py)
         checks.append(check_bias_recorded(rec, ref))
     checks.append(check_grad_mask(rec, ref))
@@ -158,6 +162,10 @@ def judge_recording(out) -> Verdict:
     layout = check_layout(rec, ref)  # a tensor-parallel / 2-D recording's own check (judge/facts/layouts.py)
     checks.extend([layout] if layout is not None else [])
     probed = check_probe(rec, ref)  # where the run parts from one process, module by module (judge/facts/probe.py)
+    if probed is not None and not probed.passed and one_forward:  # a module over the step's rows parts by design
+        probed = Check("probe", True, "not judged: the fleet's gradient is the step's rows in one forward (see "
+                                      "gradient), so a module computing over every rank's rows (a synchronised "
+                                      "BatchNorm) departs from one micro-batch's forward by design, not by a fault")
     checks.extend([probed] if probed is not None else [])
     return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"], provenance(rec))
 

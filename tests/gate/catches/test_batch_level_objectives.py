@@ -218,3 +218,15 @@ def test_an_attribute_the_loop_added_is_set_and_one_on_a_submodule_build_model_l
     with pytest.raises(DormouseError, match="'extra.flag'") as e:
         make_reference(bad, log=looprec.QUIET)
     assert "\n" not in str(e.value) and "does not have" in str(e.value)
+
+
+def test_a_fleet_that_is_one_forward_over_the_step_says_declare_the_step_first(recordings):
+    """Statistics over every rank's rows, undeclared (issue 37, d18: a synchronised BatchNorm, one micro-batch a
+    rank): the verdict stays FAIL, its first failing line is the gradient's objective_scope='step' advice (the
+    rows' dependence after it), and the probe does not blame the module that computes over the step by design."""
+    v = looprec.verdict(recordings["moe_global_undeclared"])
+    failing = [c for c in v.checks if not c.passed]
+    assert not v.passed and failing[0].name == "gradient", [c.name for c in failing]
+    assert "declare objective_scope='step'" in failing[0].reason
+    probe = v.check("probe")
+    assert probe is None or probe.passed, probe.reason

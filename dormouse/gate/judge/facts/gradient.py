@@ -337,6 +337,10 @@ def _tensors_reason(rec: A.RecordingSet, s: _Scan, c: float, names: list[str]) -
             "router's gradient summed or averaged once more, or once less, than the other parameters' gradients)")
 
 
+# the gradient line's words where the fleet's gradient is one forward over the whole step (judge/entry.py reads them)
+ONE_FORWARD = "the fleet's gradient is the gradient of the step's rows in one forward"
+
+
 def _alt_reason(rec: A.RecordingSet, s: _Scan, alt_hit: str) -> str:
     """The fleet's gradient is an alternative weighting of the objective (at every step, one factor)."""
     c = s.alts[alt_hit][0][0]
@@ -350,7 +354,7 @@ def _alt_reason(rec: A.RecordingSet, s: _Scan, alt_hit: str) -> str:
                 "micro-batch; declare objective='causal_lm' with objective_scope='forward' if each forward's own "
                 "statistics are the objective, or compute them over the step in the loop")
     if alt_hit == "gm":
-        return ("the fleet's gradient is the gradient of the step's rows in one forward (one process at the global "
+        return (ONE_FORWARD + " (one process at the global "
                 "batch: statistics over every rank's rows, as an all-reduced load-balancing term or negatives "
                 "gathered from every rank give)" + times + ", not the sum of the micro-batches' own the declared "
                 f"objective gives ({off}): declare objective_scope='step' with fn(model, batches) computing the "
