@@ -14,6 +14,9 @@ import casecheck
 import catalogue
 import looprec
 import pytest
+
+# outside CI's time (run them with `pytest -m slow`): DDP loops written from the docs; the docs' DDP quick start and the DDP/FSDP2 loops stay in CI
+pytestmark = pytest.mark.slow
 from looprec import launch
 
 @pytest.fixture(scope="module")

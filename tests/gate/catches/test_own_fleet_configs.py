@@ -12,6 +12,9 @@ import dataclasses
 import casecheck
 import catalogue
 import pytest
+
+# outside CI's time (run them with `pytest -m slow`): the own trainer's other configurations; its default one stays in CI (test_own_fleet_faults.py)
+pytestmark = pytest.mark.slow
 from gatekit import fleets, references
 
 from dormouse.config import RunConfig, TrainConfig, preset

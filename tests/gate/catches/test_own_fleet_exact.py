@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+# outside CI's time (run them with `pytest -m slow`): the exact gate on the own fleet at every step; exact reduce's bitwise parity stays in CI (tests/train/test_exact.py)
+pytestmark = pytest.mark.slow
+
 from dormouse.gate.record import modes
 from dormouse.gate.artifacts import EXACT, GateReferences, RecordingSet
 from dormouse.gate.judge.entry import judge

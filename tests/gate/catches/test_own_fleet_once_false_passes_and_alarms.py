@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import pytest
 
+# outside CI's time (run them with `pytest -m slow`): a past review's own-trainer fleets; the own trainer's faults and clean runs stay in CI (test_own_fleet_faults.py)
+pytestmark = pytest.mark.slow
+
 from dormouse.gate.settings import GateSettings
 from dormouse.gate.judge.entry import judge
 from gatekit import faulty_fleets, references
