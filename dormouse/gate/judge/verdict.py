@@ -29,6 +29,7 @@ class TensorCheck(Check):
     bound: float = 0.0
     per_step: list[float] = field(default_factory=list)  # max over tensors, per step
     first_step: int | None = None  # the first step that failed (None when it passed)
+    shape: str | None = None  # the failure's shape where a check names one (the gradient's alternative weighting)
 
 
 @dataclass

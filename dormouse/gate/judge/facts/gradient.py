@@ -180,6 +180,7 @@ class _Scan:
     micro: int = 1
     stated: str = ""
     param_tol: dict = field(default_factory=dict)  # run mode: param_tolerance, the replay's bound per tensor
+    shape: str | None = None  # the alternative weighting the failing gradient is (its key), where one is
 
 
 WHAT = "one process's gradient of the declared objective"
@@ -337,7 +338,8 @@ def _tensors_reason(rec: A.RecordingSet, s: _Scan, c: float, names: list[str]) -
             "router's gradient summed or averaged once more, or once less, than the other parameters' gradients)")
 
 
-# the gradient line's words where the fleet's gradient is one forward over the whole step (judge/entry.py reads them)
+# the gradient line's words where the fleet's gradient is one forward over the whole step (shape ONE_FORWARD_SHAPE)
+ONE_FORWARD_SHAPE = "gm"
 ONE_FORWARD = "the fleet's gradient is the gradient of the step's rows in one forward"
 
 
@@ -353,7 +355,7 @@ def _alt_reason(rec: A.RecordingSet, s: _Scan, alt_hit: str) -> str:
                 + f", not the declared objective over the whole step ({off}): the fleet computes the statistics per "
                 "micro-batch; declare objective='causal_lm' with objective_scope='forward' if each forward's own "
                 "statistics are the objective, or compute them over the step in the loop")
-    if alt_hit == "gm":
+    if alt_hit == ONE_FORWARD_SHAPE:
         return (ONE_FORWARD + " (one process at the global "
                 "batch: statistics over every rank's rows, as an all-reduced load-balancing term or negatives "
                 "gathered from every rank give)" + times + ", not the sum of the micro-batches' own the declared "
@@ -445,6 +447,7 @@ def _fail_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> str:
         return C.describe_scalars(f["scalars"], step_counts_of(rec, s.fitted), s.factor_rtol,
                                   norms=[ref.info(k).get("norm") for k, _, _ in f["scalars"]]) + f" ({stated})"
     if f["alt_hit"]:
+        s.shape = f["alt_hit"]
         return _alt_reason(rec, s, f["alt_hit"])
     if f["last_apart"]:
         lasts = f["lasts"]
@@ -522,7 +525,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     reason = _with_made_up(rec, ref, s, reason + _recording_notes(rec, ref, s))
     return TensorCheck("gradient", s.ok, reason, worst=s.worst, worst_tensor=s.worst_t, worst_step=s.worst_k,
                        bound=max(s.tbounds), per_step=s.per,
-                       first_step=s.first_bad["step"] if s.first_bad else None)
+                       first_step=s.first_bad["step"] if s.first_bad else None, shape=s.shape)
 
 
 
