@@ -14,6 +14,9 @@ import subprocess
 import sys
 
 import pytest
+
+# outside CI's time (run them with `pytest -m slow`): the own trainer's bf16 model; reduced precision stays in CI (test_reduced_precision_loops.py, test_autocast_loops.py)
+pytestmark = pytest.mark.slow
 import torch
 
 from dormouse.gate.fixtures import base_run
