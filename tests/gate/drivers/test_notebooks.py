@@ -435,11 +435,14 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_fleet_notebook_timeout_kills_every_rank_in_one_sentence(tmp_path):
     out = tmp_path / "out"
     e = failing("02_fleet_launcher.ipynb", tmp_path / "02.ipynb", cwd=tmp_path, out=str(out), steps=100000,
-                timeout_s=3)
-    assert e.ename == "FleetError" and "did not finish within 3 s and was killed" in e.evalue
+                timeout_s=6)
+    assert e.ename == "FleetError" and "did not finish within 6 s and was killed" in e.evalue
     assert e.traceback == [f"FleetError: {e.evalue}"]
     assert _processes_mentioning(str(out)) == []
-    assert not json.loads(A.recording_path(out).read_text())["closed"]  # an unfinished recording, never judged
+    # killed mid-run: a recording begun and never closed, or (a slow start under load) none begun; never judged
+    rec = A.recording_path(out)
+    assert not rec.exists() or not json.loads(rec.read_text())["closed"]
+    assert not any(out.glob("**/verdict*")) if out.exists() else True
 
 
 def test_single_notebook_alone_from_elsewhere_writes_under_the_repository(tmp_path):
