@@ -20,7 +20,8 @@ def rank_name(rank: int) -> str:
 #   <out>/recording.json                     the run: world, segments, import paths, objective, provenance
 #   <out>/rank{r}/init.safetensors           rank r's initial state (local shards under FSDP2; placements in
 #                                            the file's metadata)
-#   <out>/rank{r}/step{k:06d}.safetensors    in/{m}/{key}, p/ g/ b/ (full; b/ persistent buffers) or ps/ gs/ (sketched)
+#   <out>/rank{r}/step{k:06d}.safetensors    in/{m}/{key}, rng/{m}/{device}, p/ g/ b/ (full; b/ persistent buffers)
+#                                            or ps/ gs/ (sketched)
 #   <out>/rank{r}/step{k:06d}.json           lr, loss, clip, no-grad names, param hash, ...
 #   <out>/rank{r}/final.safetensors|.json    the parameters after the last step
 #   <out>/reference/step{k:06d}.safetensors|.json  the references at step k
@@ -38,6 +39,7 @@ BUFFER = "b/"  # the persistent buffers before the step
 SKETCHED_PARAM, SKETCHED_GRAD, SKETCHED_BUFFER = "ps/", "gs/", "bs/"  # a sketched recording's (RecordingSpec(sketch=))
 TP_INPUT = "tp/"  # a TP peer's (or a pipeline stage's, a CP rank's) own inputs, kept apart from its leader's
 PROBE_OUTPUT, PROBE_GRAD = "po/", "pg/"  # the probed modules' outputs and their gradients (record/probe.py)
+RNG_STATE = "rng/"  # rng/{m}/cpu (and rng/{m}/cuda): the RNG state micro-batch m's forward started from (uint8)
 # The one-process reference's (reference/step{k}.safetensors; record/reference):
 GRAD_NORMALISED = "gn/"  # each micro-batch's loss sum / N x W differentiated, summed, / W (HF's, DDP loops')
 GRAD_MERGED = "gm/"  # the step's rows in one forward
@@ -62,6 +64,11 @@ def prefixed(prefix: str, tensors: dict) -> dict:
 def micro_input(m: int, prefix: str = INPUT) -> str:
     """The prefix of micro-batch m's inputs (a TP peer's own: prefix TP_INPUT): in/{m}/{key}."""
     return f"{prefix}{m}/"
+
+
+def rng_key(m: int, device: str) -> str:
+    """The key of the `device` ("cpu", "cuda") RNG state micro-batch m's forward started from: rng/{m}/{device}."""
+    return f"{RNG_STATE}{m}/{device}"
 
 
 def probe_prefix(rank: int) -> str:

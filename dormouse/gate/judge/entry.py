@@ -29,6 +29,7 @@ from dormouse.gate.judge.facts.bias import check_bias_recorded
 from dormouse.gate.judge.facts.clip import check_clip
 from dormouse.gate.judge.facts.curve import check_curve, first_failure
 from dormouse.gate.judge.facts.data import check_data
+from dormouse.gate.judge.facts import draws
 from dormouse.gate.judge.facts.exact import check_exact
 from dormouse.gate.judge.facts.finite import check_finite, first_nonfinite, first_nonfinite_state
 from dormouse.gate.judge.facts.gradient import ONE_FORWARD_SHAPE, check_grad_mask, check_gradient
@@ -167,6 +168,7 @@ def judge_recording(out) -> Verdict:
                                       "gradient), so a module computing over every rank's rows (a synchronised "
                                       "BatchNorm) departs from one micro-batch's forward by design, not by a fault")
     checks.extend([probed] if probed is not None else [])
+    checks = draws.unjudged_on_cuda(rec, ref, checks)  # dropout masks CUDA drew: one process cannot draw them
     return Verdict(str(out), all(c.passed for c in checks), checks, ["one-process reference"], provenance(rec))
 
 

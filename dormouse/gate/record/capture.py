@@ -3,9 +3,10 @@ a forward PRE-hook on the core module (under any DDP and torch.compile
 wrappers) copies each training forward's batch to the CPU, with the autocast
 and the parameters' compute dtype it runs under (read again in pre-hooks on
 the submodules: a wrapper may enter autocast inside the call), the submodules
-in eval mode, its plain non-tensor arguments and the modules' attributes that
-changed since the start. rec.labels() and rec.beside() add to the last one.
-The Recorder (record/recorder.py) takes them at each rec.step()."""
+in eval mode, its plain non-tensor arguments, the modules' attributes that
+changed since the start, and the RNG state the forward starts from (CPU, and
+the device's on CUDA: the reference draws a dropout's masks from it again).
+rec.labels() and rec.beside() add to the last one. The Recorder (record/recorder.py) takes them at each rec.step()."""
 
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ def _autocast_state(device_type: str) -> dict | None:
     if not torch.is_autocast_enabled(device_type):
         return None
     return {"device_type": device_type, "dtype": str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")}
+
+
+def rng_states(device_type: str, device) -> dict[str, torch.Tensor]:
+    """The RNG states a forward starting now draws from: {"cpu": torch.get_rng_state()} (~5 KB), and on
+    CUDA {"cuda": that device's state} too. A copy each (uint8)."""
+    out = {"cpu": torch.get_rng_state()}
+    if device_type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def rng_tensors(rngs: list[dict]) -> dict[str, torch.Tensor]:
+    """Each micro-batch's recorded RNG states as a step's tensors (A.rng_key)."""
+    from dormouse.gate import artifacts as A
+
+    return {A.rng_key(m, dev): t for m, states in enumerate(rngs) for dev, t in (states or {}).items()}
 
 
 def plain_attrs(model) -> dict[str, dict]:
@@ -100,9 +117,12 @@ class Capture:
         # model's plain attributes that differ from the Recorder's start (a flag the loop set), or None
         self.calls: list[dict | None] = []
         self.attrs: list[dict | None] = []
+        # each micro-batch's RNG states at its forward's start (rng_states): the reference restores them
+        self.rngs: list[dict] = []
         self._submodules = [(n, m) for n, m in module.named_modules() if n]
         p = next(module.parameters(), None)
         self.device_type = p.device.type if p is not None else "cpu"
+        self._device = p.device if p is not None else None
         self._attrs0 = plain_attrs(module)  # the modules' plain attributes at the start (recording.json's)
         self._hooks: list = []
 
@@ -132,13 +152,14 @@ class Capture:
             h.remove()
         self._hooks = []
 
-    def take(self) -> tuple[list, list, list, list, list, list]:
-        """The step's (batches, autocasts, casts, evals, calls, attrs), each per micro-batch; empty after."""
+    def take(self) -> tuple[list, list, list, list, list, list, list]:
+        """The step's (batches, autocasts, casts, evals, calls, attrs, rngs), each per micro-batch; empty after."""
         if self._hooks and self._plain and "torch._dynamo" in sys.modules:  # torch.compile came after hook()
             self.remove()
             self._register()
-        got = (self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs)
+        got = (self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs, self.rngs)
         self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs = [], [], [], [], [], []
+        self.rngs = []
         return got
 
     def moved(self) -> list[str]:
@@ -154,6 +175,7 @@ class Capture:
         # loss) are not the step's micro-batches: no gradient can come of them
         if not module.training or not torch.is_grad_enabled():
             return None
+        rng = rng_states(self.device_type, self._device)  # before anything here could draw
         batch = {}
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
@@ -176,6 +198,7 @@ class Capture:
         if not self.batches:  # the step's first forward: each parameter's in-place update count (moved() reads)
             self._versions = {n: (p, p._version) for n, p in module.named_parameters()}
         self.batches.append(batch)
+        self.rngs.append(rng)
         if self.arm is not None:  # the probe step's first micro-batch alone
             self.arm(len(self.batches))
         self.autocasts.append(_autocast_state(self.device_type))

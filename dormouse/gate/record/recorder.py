@@ -90,7 +90,7 @@ from dormouse.digest import fingerprint
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts.spec import RecordedRun, RecordingSpec, read_recording, to_json
 from dormouse.gate.record import declared, layouts, probe
-from dormouse.gate.record.capture import Capture, attr_changes, core_module, plain_attrs  # noqa: F401 (public)
+from dormouse.gate.record.capture import Capture, attr_changes, core_module, plain_attrs, rng_tensors  # noqa: F401
 from dormouse.gate.record.options import RecorderError, check_runtime, effective_spec
 from dormouse.gate.record.pieces import local, placement, shard
 from dormouse.gate.record.provenance import provenance
@@ -396,13 +396,13 @@ class Recorder:
         self.k += 1
         k = self.k
         self._mark(k - 1)  # the step before, where no report came for it
-        batches, autocasts, casts, evals, calls, attrs = self.capture.take()
+        batches, autocasts, casts, evals, calls, attrs, rngs = self.capture.take()
         # the parameters an optimizer step moved since the step's first forward (a DTensor layout: not compared)
         moved = self.capture.moved() if not (self.placements or self.layout is not None) else []
         if isinstance(self.layout, layouts.PipelineLayout):  # the forwards a backward reached (layouts.py)
             keep = self.layout.kept(len(batches))
-            batches, autocasts, casts, evals, calls, attrs = (
-                [x[i] for i in keep] for x in (batches, autocasts, casts, evals, calls, attrs))
+            batches, autocasts, casts, evals, calls, attrs, rngs = (
+                [x[i] for i in keep] for x in (batches, autocasts, casts, evals, calls, attrs, rngs))
         if isinstance(self.layout, layouts.ContextParallelLayout):  # the CP group's global rows (a collective)
             batches = self.layout.assemble(batches)
         if lr is None and optimizer is not None:
@@ -411,7 +411,7 @@ class Recorder:
         if clip_coef is None and grad_norm is not None and self.max_grad_norm > 0:
             clip_coef = clip(self.max_grad_norm, grad_norm)
         clip_coef = _number(clip_coef)
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = rng_tensors(rngs)  # where each forward's random draws began
         for m, b in enumerate(batches):
             for key, t in b.items():
                 tensors[A.micro_input(m) + key] = t

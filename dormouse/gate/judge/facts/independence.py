@@ -31,6 +31,7 @@ import math
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge.bounds import FLOOR_MULTIPLE, INDEP_RTOL, floor_bound
+from dormouse.gate.judge.facts import draws
 from dormouse.gate.judge.precision import arithmetic_bound, bound_words
 from dormouse.gate.judge.metrics import rel
 from dormouse.gate.judge.verdict import TensorCheck
@@ -138,6 +139,13 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
         reason = (f"BatchNorm ({', '.join(bn)}) computes statistics over the batch: the per-example gradients "
                   f"differ from the batch's by {worst:.2g} (step {worst_k}; {said}), so splitting "
                   "the batch over ranks changes the mathematics (SyncBN too: use a per-example norm)")
+    elif rng and draws.replayed(rec, ref):  # gradient, loss and clip judged at the ranks' own masks
+        ok = True
+        reason = ("not judged: the gradient changes with the RNG state (active dropout"
+                  + (f" ({', '.join(drop)})" if drop else " or other unkeyed randomness")
+                  + "): one process drew each micro-batch's masks again from the RNG state its rank's forward "
+                  "started from (gradient, loss and clip judge those), but a row alone or the step's rows in one "
+                  f"forward draw other masks, of their own shape (per-example vs batch {worst:.2g})")
     elif rng or drop:
         reason = ("the gradient changes with the RNG state: active dropout"
                   + (f" ({', '.join(drop)})" if drop else " or other unkeyed randomness")

@@ -18,6 +18,7 @@ from dormouse.gate.record.options import OBJECTIVES
 from dormouse.gate.record.reference import forward as FW
 from dormouse.gate.record.reference import fsdp
 from dormouse.gate.record.reference import objective as O
+from dormouse.gate.record.reference import rngstate as RS
 from dormouse.gate.record.reference.error import ReferenceError
 
 
@@ -51,7 +52,10 @@ def guarded(model, st: Step, job, seed: int, fn):
     backward that keeps the lockstep."""
     (r, m), batch = st.batch(job)
     undo = FW.attrs(model, st.rec, r, st.step, m)
-    torch.random.default_generator.manual_seed(seed)
+    if job[0] in ("g", "gn", "rng"):  # a micro-batch's own forward: the masks its rank drew (or another draw)
+        RS.restore(st.rec, r, st.step, m, other=seed != 0)
+    else:
+        torch.random.default_generator.manual_seed(seed)
     try:
         with _ForwardOutput(model) as seen:
             try:

@@ -18,6 +18,7 @@ import torch
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.record.reference import forward as FW
+from dormouse.gate.record.reference import rngstate as RS
 from dormouse.gate.record.reference.spill import Spill, StepParts
 
 
@@ -46,7 +47,7 @@ def normalised_form(model, rec, step: int, user, mbs, spill: Spill, parts: StepP
     for r, m, batch in mbs:
         undo = FW.attrs(model, rec, r, step, m)
         try:
-            torch.random.default_generator.manual_seed(0)
+            RS.restore(rec, r, step, m)  # the masks its rank drew
             FW.backward(model, objective, batch, user, rec.autocast(r, step, m), scale=scale, aux_weight=aw)
             spill.add(A.GRAD_NORMALISED, spill.put(model)[0], 1.0 / w)
         finally:

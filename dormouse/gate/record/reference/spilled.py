@@ -25,6 +25,7 @@ from dormouse.gate.record.reference import forward as FW
 from dormouse.gate.record.reference import objective as O
 from dormouse.gate.record.reference.objective import objective_count, objective_of_logits
 from dormouse.gate.record.reference import normalised as NZ
+from dormouse.gate.record.reference import rngstate as RS
 from dormouse.gate.record.reference.sample import ExtrasBudget, example_sample
 from dormouse.gate.record.reference.spill import Spill, StepParts
 
@@ -57,6 +58,9 @@ class _Tally:
     partials: float = 0.0  # sum ||grad loss_sum|| over the micro-batches (judge/bounds.py, grad_rtol)
     rng_sensitive: bool | None = None
     eager_gn: bool = True  # gn beside each micro-batch's g (else after the step's g, where asked: normalised.py)
+    # draw(i, other=False): the RNG state micro-batch i's forward started from on its rank (rngstate.py)
+    draw: object = None
+    rng_states: str | None = None  # how the forwards' draws were put back (rngstate.kind)
 
     def add_micro(self, spill: Spill, mbs, i: int, src: int, have: set, ls: float, c: float, partial: float) -> None:
         """Micro-batch i's gradient (spilled source src; the parameters it reaches; its norm), loss sum and
@@ -138,7 +142,9 @@ def tally(rec, step, base, mbs, lowp, examples) -> _Tally:
     # the nearer of g and gn. Built-in objectives (N known before the forwards)
     n_step = sum(objective_count(objective, b) for _, _, b in mbs) if objective in OBJECTIVES else 0.0
     return _Tally(objective, O.aux_weight(objective, base, mbs), measure, n_step, len({r for r, _, _ in mbs}),
-                  example_sample(mbs, examples) if examples is not None else set())
+                  example_sample(mbs, examples) if examples is not None else set(),
+                  draw=lambda i, other=False: RS.restore(rec, mbs[i][0], step, mbs[i][1], other=other),
+                  rng_states=RS.kind(rec, step, mbs))
 
 
 def _cast(base, cast_models: dict, cast: str | None):
@@ -154,20 +160,20 @@ def _micro_batch(t: _Tally, spill: Spill, model, ac, user, mbs, i: int, probe: b
     """Micro-batch i differentiated, its gradient spilled as a source of g and of every output it joins."""
     r, m, batch = mbs[i]
     objective, aw = t.objective, t.aw
-    torch.random.default_generator.manual_seed(0)
+    t.draw(i)  # the masks its rank drew
     ls, c = FW.backward(model, objective, batch, user, ac, aux_weight=aw)
     src, have = spill.put(model)
     t.add_micro(spill, mbs, i, src, have, ls, c, math.sqrt(sum(float(p.grad.double().square().sum())
                                                                for p in model.parameters() if p.grad is not None)))
     if t.n_step > 0 and not t.measure and t.eager_gn:  # the normalised form (float32 steps: reduced precision
         # has its floor)
-        torch.random.default_generator.manual_seed(0)
+        t.draw(i)
         FW.backward(model, objective, batch, user, ac, scale=t.w_step / t.n_step, aux_weight=aw)
         spill.add(A.GRAD_NORMALISED, spill.put(model)[0], 1.0 / t.w_step)
     if t.measure:
-        _floor_sources(t, spill, model, ac, user, batch)
+        _floor_sources(t, spill, model, ac, user, batch, i)
     if probe and t.rng_sensitive is None:  # the same micro-batch under another RNG state
-        torch.random.default_generator.manual_seed(1)
+        t.draw(i, other=True)
         FW.backward(model, objective, batch, user, ac, aux_weight=aw)
         t.rng_sensitive = not spill.same(src, model)
     if i in t.sample:  # fact 1: the micro-batch's rows alone
@@ -177,14 +183,16 @@ def _micro_batch(t: _Tally, spill: Spill, model, ac, user, mbs, i: int, probe: b
             spill.add(A.SAMPLED, spill.put(model)[0])
 
 
-def _floor_sources(t: _Tally, spill: Spill, model, ac, user, batch) -> None:
+def _floor_sources(t: _Tally, spill: Spill, model, ac, user, batch, i: int) -> None:
     """The precision floor's sources: the same gradient through the loss / 3, and (built-in objectives) the
     loss from the logits as the forward gives them, computed outside autocast (where cross_entropy would run
-    in float32)."""
+    in float32). Each from the masks the rank drew."""
+    t.draw(i)
     FW.backward(model, t.objective, batch, user, ac, scale=1 / 3, aux_weight=t.aw)
     spill.add("scaled", spill.put(model)[0], 3.0)
     if t.objective not in OBJECTIVES:
         return
+    t.draw(i)
     with torch.no_grad():
         with FW.autocast(ac):
             out = O.call(model, batch)
@@ -315,7 +323,7 @@ def _info(t: _Tally, parts: StepParts, rec, base, mbs, lowp, merged, names) -> d
                          "rank_local": [t.rank_loss[r] / t.rank_n[r] if t.rank_n[r] else None
                                         for r in sorted(t.rank_loss)]},
             "counts": [t.counts[r] for r in sorted(t.counts)], "no_grad": [n for n in names if n not in t.present],
-            "norm": norm, "rng_sensitive": t.rng_sensitive, "precision_floor": floor,
+            "norm": norm, "rng_sensitive": t.rng_sensitive, "rng_states": t.rng_states, "precision_floor": floor,
             "precision_floor_tensors": floors, "low_precision_params": lowp,
             "loss_floor": (scalar_relative(t.native, t.loss_total)
                            if floor is not None and builtin else None),
