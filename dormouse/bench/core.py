@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", action="store_true",
                    help="the scale page instead (dormouse/bench/scale.py): GPT-2 under transformers' Trainer at "
                         "--sizes, recorded and checked; --out default artifacts/scale.json, --docs writes its section")
-    p.add_argument("--sizes", default="tiny,mid,small", help="with --scale: tiny, mini (6.9M), mid (30M), small (124M), medium")
+    p.add_argument("--sizes", default="tiny,mid,small", help="with --scale: tiny, mini (6.9M), mid (30M), small (124M), medium (GPT-2 sizes under the "
+                        "Trainer); moe (Qwen3-MoE, 133M, the Trainer); llama (an FSDP2 loop, 125M), llama_tiny")
     p.add_argument("--steps", type=int, default=3, help="with --scale: optimizer steps per run")
     p.add_argument("--kill-gb", type=float, default=None,
                    help="with --scale: kill a run whose processes hold more (default 90%% of the memory available)")

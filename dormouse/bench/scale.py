@@ -36,6 +36,8 @@ from pathlib import Path
 from dormouse.bench.paths import repo_root
 
 SCRIPT = Path("examples") / "scale" / "hf_gpt2.py"
+# sizes run by another script of examples/scale: (script, its SCALE)
+OTHER = {"llama": ("llama_fsdp2.py", "small"), "llama_tiny": ("llama_fsdp2.py", "tiny")}
 GB = 1 << 30
 
 
@@ -122,9 +124,9 @@ def _disk_per_step(out: Path, steps: int) -> float:
     return sum(f.stat().st_size for f in files) / max(steps, 1)
 
 
-def _rank_peak(res: dict) -> float:
+def _rank_peak(res: dict, script: str) -> float:
     """The largest training rank's peak RSS (the processes running the script, not torchrun's agent)."""
-    ranks = [v[1] for v in res["peaks"].values() if "hf_gpt2.py" in v[0] and "torch.distributed.run" not in v[0]
+    ranks = [v[1] for v in res["peaks"].values() if script in v[0] and "torch.distributed.run" not in v[0]
              and "torchrun" not in v[0]]
     return max(ranks, default=0)
 
@@ -145,9 +147,10 @@ def _verdict(output: str) -> str:
 def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int, log, partial=None) -> dict:
     root = repo_root()
     cwd = root / SCRIPT.parent
-    base = {**os.environ, "SCALE": size, "STEPS": str(steps), "OMP_NUM_THREADS": "1",
+    script, scale = OTHER.get(size, (SCRIPT.name, size))
+    base = {**os.environ, "SCALE": scale, "STEPS": str(steps), "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT.name]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
     row: dict = {"size": size, "steps": steps}
     # full tensors (and the check) first: the figures a short allocation must not lose
     for mode, extra in (("full", {"SKETCH": "0"}), ("none", {"RECORD": "0"}), ("sketch", {"SKETCH": "256"})):
@@ -155,7 +158,7 @@ def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int,
         log(f"  {size}: training, recorder {mode} ...")
         res = measured(run + [str(out)], env={**base, **extra}, cwd=cwd, kill_bytes=kill_bytes, log=log)
         row[mode] = {"wall_s": res["wall_s"], "cpu_s": res["cpu_s"], "rc": res["rc"], "killed": res["killed"],
-                     "rank_peak_gb": _rank_peak(res) / GB}
+                     "rank_peak_gb": _rank_peak(res, script) / GB}
         if mode != "none" and res["rc"] == 0:
             row[mode]["disk_per_step_gb"] = _disk_per_step(out, steps) / GB
         if res["rc"] != 0:
@@ -219,7 +222,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(ln.replace(" (CPU nan / nan)", "").replace("; CPU nan ×", "") for ln in lines)
 
 
-PARAMS_M = {"tiny": 0.5, "mini": 6.9, "mid": 30, "small": 124, "medium": 355}
+PARAMS_M = {"tiny": 0.5, "mini": 6.9, "mid": 30, "small": 124, "medium": 355, "moe": 133, "llama": 125,
+            "llama_tiny": 0.4}
 
 
 def scale_main(sizes: list[str], *, steps: int, out: Path, docs: Path | None, kill_gb: float | None,

@@ -7,7 +7,8 @@ stand-in CI keeps small. Random init, the real vocabulary, nothing downloaded.
 
 SCALE picks the size (tiny ≈ 0.5M with a 256-token vocabulary; mini ≈ 6.9M: 2 x 128 with the
 real vocabulary; mid ≈ 30M: 6 x 384;
-small = GPT-2 small, 124M: 12 x 768), STEPS the optimizer steps (3), SEQ the
+small = GPT-2 small, 124M: 12 x 768; moe ≈ 133M in total: a Qwen3-MoE of 8 layers x 512, 8 experts
+of 768 a layer, 2 routed a token, its router's auxiliary loss in the objective), STEPS the optimizer steps (3), SEQ the
 sequence (128), LR the peak lr (1e-3), SKETCH (0 = full tensors), RECORD=0
 trains without the Recorder (the overhead's baseline), FAULT one of
   scale1.001  rank 1's synchronised gradient x 1.001 at every step (a hook after the reduce:
@@ -34,6 +35,7 @@ SIZES = {  # n_embd, n_layer, n_head, vocab
     "mid": (384, 6, 6, 50257),
     "small": (768, 12, 12, 50257),
     "medium": (1024, 24, 16, 50257),
+    "moe": (512, 8, 8, 50257),  # Qwen3-MoE (_qwen3_moe): the width, layers, heads and vocabulary
 }
 SCALE = os.environ.get("SCALE", "tiny")
 STEPS = int(os.environ.get("STEPS", "3"))
@@ -47,10 +49,28 @@ def build_model(scale: str = SCALE, seq: int = SEQ, lr: float = LR, steps: int =
     """The same initial model in any process: seeded here (the size reaches `gate check`
     through the Recorder's build_kwargs, not the environment)."""
     torch.manual_seed(0)
+    if scale == "moe":
+        return _qwen3_moe(seq)
     d, n_layer, n_head, vocab = SIZES[scale]
     cfg = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=d, n_layer=n_layer, n_head=n_head,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=1)
     model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def _qwen3_moe(seq: int):
+    """A Qwen3-MoE configuration of ≈ 133M parameters (50,257-token vocabulary, untied): its forward
+    adds router_aux_loss_coef x load_balancing_loss_func over its own router logits to the loss
+    (modeling_qwen3_moe.py, Qwen3MoeForCausalLM.forward)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=50257, hidden_size=512, intermediate_size=1536, moe_intermediate_size=768,
+                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=seq,
+                         output_router_logits=True, router_aux_loss_coef=0.01, tie_word_embeddings=False,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    model = Qwen3MoeForCausalLM(cfg)
     model.loss_type = "ForCausalLM"
     return model
 
@@ -134,7 +154,9 @@ if __name__ == "__main__":
         sys.path.insert(0, here)
         callbacks.append(TrainerRecorder(out, RecordingSpec(
             build_model="hf_gpt2:build_model", build_optimizer="hf_gpt2:build_optimizer", objective="causal_lm",
-            build_kwargs=dict(scale=SCALE, seq=SEQ, lr=LR, steps=STEPS), sketch=int(os.environ.get("SKETCH", "0")))))
+            build_kwargs=dict(scale=SCALE, seq=SEQ, lr=LR, steps=STEPS), sketch=int(os.environ.get("SKETCH", "0")),
+            # the MoE's load-balancing term is each forward's own (routeraux.py): declared, as the Trainer computes it
+            objective_scope="forward" if SCALE == "moe" else "example")))
     # the fault callbacks come first: the Recorder sees the faulty gradient the optimizer applies
     trainer = {"local_norm": LocalNormTrainer, "scale1.001_pre": PreScaleTrainer}.get(fault, Trainer)(
         model=model, args=args, train_dataset=dataset(), optimizers=build_optimizer(model),
