@@ -14,7 +14,7 @@ from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge import causes as C
 from dormouse.gate.judge.bounds import BF16_UNIT_ROUNDOFF, GRAD_RTOL, RUN_MIN_RTOL, ZERO_RTOL, floor_bound
-from dormouse.gate.judge.metrics import factor_name, fit, rel
+from dormouse.gate.judge.metrics import factor_name, fit, parts, rel
 from dormouse.gate.judge.precision import arithmetic_bound
 
 
@@ -55,6 +55,13 @@ def params_agree(rec: A.RecordingSet, ref: ReferenceSet, k: int, tol: dict[int, 
     bound (param_tolerance's tol)."""
     a, b = rec.tensors_at(k, A.SKETCHED_PARAM if rec.sketch else A.PARAM), ref.tensors(k, A.REPLAY_PARAM)
     return per_tensor(a, b, sorted(set(a) & set(b)), tol[k])[3] <= 1.0
+
+
+def parts_at(rec: A.RecordingSet, ref: ReferenceSet, k: int) -> dict:
+    """metrics.parts of the fleet's gradient at step k against one process's, tensor by tensor (what
+    causes.tensor_factor reads)."""
+    g, g_ref = fleet_grad(rec, k), ref.tensors(k, A.GRAD)
+    return parts(g, g_ref, sorted(set(g) & set(g_ref)))
 
 
 def per_tensor(a: dict, b: dict, names, tol: dict[str, float]) -> tuple[float, str | None, float, float]:

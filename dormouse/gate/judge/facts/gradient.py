@@ -53,6 +53,7 @@ from dormouse.gate.judge.gradtools import (
     off_the_bf16_grid,
     param_tolerance,
     params_agree,
+    parts_at,
     per_tensor,
     rank_mean_words,
     replicas,
@@ -300,7 +301,7 @@ def _fault_shape(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> dict:
     named = factor_words(rec, cs[0], micro, factor_rtol) if constant else None
     # a factor exact on some tensors alone: judged in float32 (a reduced-precision floor is no exactness)
     tensors = None if constant or unit or precision_floor(rec, ref) is not None else \
-        C.tensor_factor([_parts_at(rec, ref, k) for k in s.fitted], bound, factor_rtol)
+        C.tensor_factor([parts_at(rec, ref, k) for k in s.fitted], bound, factor_rtol)
     # with one micro-batch a rank, the mean of micro-batch means IS each rank's own token mean: named so
     alt_hit = next((alt for alt, fs in sorted(s.alts.items(), key=lambda a: micro == 1 and a[0] == "micro_mean")
                     if fs and all(r <= bound for _, r in fs)
@@ -319,12 +320,6 @@ def _fault_shape(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> dict:
                 alt_hit=alt_hit, apart=apart,
                 stale=stale, scalars=scalars, per_step=per_step, lasts=lasts,
                 last_apart=C.last_micro_weighted(lasts, bound, FACTOR_AWAY * bound))
-
-
-def _parts_at(rec: A.RecordingSet, ref: ReferenceSet, k: int) -> dict:
-    """metrics.parts of the fleet's gradient at step k against one process's, tensor by tensor."""
-    g, g_ref = fleet_grad(rec, k), ref.tensors(k, A.GRAD)
-    return parts(g, g_ref, sorted(set(g) & set(g_ref)))
 
 
 def _tensors_reason(rec: A.RecordingSet, s: _Scan, c: float, names: list[str]) -> str:
