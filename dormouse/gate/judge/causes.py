@@ -20,6 +20,8 @@ step within the fit's tolerance):
                 rank's count broadcast)
   short step    a step of K_k < K micro-batches still divided by K: c = K_k / K
                 (N' = N K / K_k), 1 at the full steps
+and, where none is, the step before's targets (previous_count: N'_k = N_{k-1} at
+every step whose step before was fitted): the previous step's count kept.
 
 The last micro-batch weighted apart. A loop whose last micro-batch of each
 rank (where gradient accumulation syncs, and where `if last:` branches live)
@@ -160,6 +162,31 @@ def clip_norm_of(fits: list[tuple[int, float, float]], norms: list[float] | None
     return C
 
 
+def previous_count(fits: list[tuple[int, float, float]], implied: list[float], counts: list[dict[str, float]],
+                   rtol: float) -> str | None:
+    """The words when each step's implied count is the targets of the step before (within rtol, at every
+    fitted step whose step before was fitted too, at least one of them with a count of its own other
+    than the step before's): the loop divided by the previous step's global count (kept from the step
+    before, or counted before the step's batches were read); None otherwise."""
+    at = {k: i for i, (k, _, _) in enumerate(fits)}
+    pairs = [(k, i, at[k - 1]) for k, i in at.items() if k - 1 in at]
+    if not pairs or not all(counts[j]["targets"] > 0 and abs(implied[i] / counts[j]["targets"] - 1) <= rtol
+                            for _, i, j in pairs):
+        return None
+    if not any(abs(counts[i]["targets"] / counts[j]["targets"] - 1) > rtol for _, i, j in pairs):
+        return None  # the counts do not change from step to step: nothing tells the previous one apart
+    k, i, j = next(p for p in pairs if abs(counts[p[1]]["targets"] / counts[p[2]]["targets"] - 1) > rtol)
+    first = [(k0, i0) for k0, i0 in at.items() if k0 - 1 not in at]
+    own = [f"step {k0}'s {implied[i0]:.6g}" + (" is its own: there is no step before it"
+                                               if abs(implied[i0] / counts[i0]["targets"] - 1) <= rtol else "")
+           for k0, i0 in first[:2]]
+    return (f": each is the target count of the step before (step {k}'s {implied[i]:.6g} is step {k - 1}'s "
+            f"{counts[j]['targets']:g} targets, where step {k} holds {counts[i]['targets']:g}; {', '.join(own)}): "
+            "the loop divided by the previous step's token count (the global count kept from the step before, or "
+            "counted before this step's batches were read); divide each step's loss sum by its own batches' "
+            "count, all-reduced")
+
+
 def describe_scalars(fits: list[tuple[int, float, float]], counts: list[dict[str, float]] | None,
                      rtol: float, norms: list[float] | None = None) -> str:
     """The sentence for an exact per-step scalar: the scalars, the counts they
@@ -189,6 +216,9 @@ def describe_scalars(fits: list[tuple[int, float, float]], counts: list[dict[str
     named = name_count(implied, counts, rtol)
     if named:
         return words + f": that is {_words(named)}"
+    stale = previous_count(fits, implied, counts, rtol)
+    if stale:
+        return words + stale
     known = ", ".join(sorted(n for n in counts[0] if n != "targets"))
     return words + f"; none of the counts the recording knows matches ({known})"
 

@@ -25,6 +25,7 @@ from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge import causes as C
 from dormouse.gate.judge.bounds import FACTOR_AWAY, FP32_UNIT_ROUNDOFF, GRAD_RTOL, NORM_LANES, grad_rtol, norm_rtol, \
     norm_rtol_of_sizes
+from dormouse.gate.judge.facts.replay_causes import unclipped_step
 from dormouse.gate.judge.gradtools import fleet_grad, never_reduced
 from dormouse.gate.judge.precision import (
     arithmetic_bound,
@@ -121,6 +122,9 @@ def check_clip(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                                         f"({want_c:.6g}): the recording's max_grad_norm is not the one the loop "
                                         "clipped by (edited, or another value given to the Recorder)")
     if not seen:
+        unapplied = unclipped_step(rec, ref)
+        if unapplied:
+            return Check("clip", False, unapplied)
         return Check("clip", True, f"the loop reported no gradient norm: the replay clipped by max_grad_norm "
                                    f"{mgn:g} itself (the replay check covers it)")
     e, t, k = worst

@@ -26,6 +26,7 @@ import torch
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge.facts import replay_causes as RC
 from dormouse.gate.judge.bounds import (
     FLOOR_MULTIPLE,
     sketch_detection,
@@ -75,7 +76,10 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                              f"after the resume at step {first} the loop's lr at step {k} is {lr:.6g} where the "
                              f"uninterrupted scheduler gives {want:.6g}: the resume dropped the lr scheduler's state")
             return Check("replay", False, f"the loop's lr at step {k} is {lr:.6g} where its scheduler, replayed, "
-                                          f"gives {want:.6g}")
+                                          f"gives {want:.6g}" + RC.scheduler_words(rec, ref, 0))
+    apart = RC.rank_lr(rec, ref)
+    if apart:
+        return Check("replay", False, apart)
     if ref.meta.get("mode") == "run":
         tol = param_tolerance(rec, ref)
         worst, at, name, ok = (0.0, 0.0), None, None, True
@@ -101,8 +105,9 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
         if rec.sketch:
             why += "; " + sketch_detection(rec.sketch, max(bounds))[1]
         return Check("replay", ok, why)
-    for k in steps:
-        diff = first_unequal(rec.tensors_at(k, A.PARAM), ref.tensors(k, A.REPLAY_PARAM))
+    for i, k in enumerate(steps):
+        after = rec.tensors_at(k, A.PARAM)
+        diff = first_unequal(after, ref.tensors(k, A.REPLAY_PARAM))
         if diff:
             where = ("the parameters the resume loaded" if k in resumed else
                      f"the fleet's update at step {k - 1}" if k > steps[0] else "the recorded initial state")
@@ -114,13 +119,17 @@ def check_replay(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                          "the parameters and the lr right, so the resume did not restore the optimizer's state "
                          "as saved (Adam's moments and step count dropped at the resume?): load the "
                          "optimizer's state_dict")
+            elif k > steps[0] and k not in resumed:
+                cause = RC.update_words(rec, ref, steps[i - 1], after, ref.tensors(k, A.REPLAY_PARAM))
             return Check("replay", False,
                          f"{where} differs from the replay of the user's optimizer on the recorded gradients: "
                          f"parameters before step {k} differ (first: {diff[0]}, relative {diff[1]:.2g})" + cause)
-    diff = first_unequal(rec.final(A.PARAM), ref.final())
+    final = rec.final(A.PARAM)
+    diff = first_unequal(final, ref.final())
     if diff:
         return Check("replay", False, f"the fleet's update at step {steps[-1]} differs from the replay: final "
-                                      f"parameters differ (first: {diff[0]}, relative {diff[1]:.2g})")
+                                      f"parameters differ (first: {diff[0]}, relative {diff[1]:.2g})"
+                     + RC.update_words(rec, ref, steps[-1], final, ref.final()))
     segs = len(rec.recorded.segments)
     return Check("replay", True, f"the user's optimizer and scheduler, replayed from the initial state on the "
                                  f"recorded gradients, give the recorded parameters bitwise at all {len(steps)} "

@@ -14,6 +14,7 @@ from dormouse.gate.record import probe
 from dormouse.gate.record.sketch import Sketcher, sketch_buckets
 from dormouse.gate.record.reference.buffers import buffer_rule, load_params, updated_buffers
 from dormouse.gate.record.reference import forward as FW
+from dormouse.gate.record.reference import replay_alternatives as RA
 from dormouse.gate.record.reference.forward import set_modes
 from dormouse.gate.record.reference.gradients import probe_tensors, step_gradient_parts
 from dormouse.gate.record.reference.rebuild import build_optimizer
@@ -98,6 +99,7 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
     rule, rule_text = buffer_rule(rec)
     log(f"reference for {out}: {len(rec.steps)} steps, mode replay")
     lrs, scheduled = replay_params(out, rec, model)
+    differs = RA.alternatives(out, rec, model, train_step)  # (step, what its update is) where the replay's is not
     budget = ExtrasBudget()  # the tensor steps that get the rows alone and merged (and fact 1's sample)
     for i, k in enumerate(rec.steps):  # the gradients, at the recorded parameters
         load_params(model, rec.tensors_at(k, A.PARAM), rec.tensors_at(k, A.BUFFER))
@@ -111,7 +113,8 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
         if rule is not None:  # after the gradients: the rule may move the buffers (reloaded each step)
             extra.update({A.BUFFER_AFTER + n: v for n, v in updated_buffers(rule, rec.spec.buffer_update, model,
                                                                    rec, k).items()})
-        info.update({"step": k, "replay_lr": lrs[k], "mode": "replay", **scan})
+        info.update({"step": k, "replay_lr": lrs[k], "mode": "replay", **scan, **(differs[1] if differs and
+                                                                                 differs[0] == k else {})})
         path = A.reference_step_tensors_path(out, k)
         if not want:
             if isinstance(parts, StepParts):
@@ -126,5 +129,5 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
         _trim()
     meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,
             "mode": "replay", "steps": rec.steps, "scheduler": scheduled,
-            "buffer_rule": rule_text if rule is not None else None, **scan}
+            "buffer_rule": rule_text if rule is not None else None, "schedule_lr": RA.schedule(rec, model), **scan}
     return atomic.write_text(A.reference_meta_path(out), json.dumps(meta, indent=1))
