@@ -256,7 +256,8 @@ CASES: tuple[Case, ...] = (
     Case("no_shift", "review", fault="no_shift", verdict="FAIL", fails={"gradient": "not by a constant factor"}),
     Case("double_shift", "review", fault="double_shift", verdict="FAIL", fails={"gradient": "not by a constant factor"}),
     Case("sched_twice", "review", fault="sched_twice", verdict="FAIL",
-         fails={"replay": "the loop's lr at step 2 is 0.009 where its scheduler, replayed, gives 0.00633333"}),
+         fails={"replay": ("the loop's lr at step 2 is 0.009 where its scheduler, replayed, gives 0.00633333",
+                           "the scheduler was stepped 2 times per optimizer step")}),
     Case("wd_wrong", "review", fault="wd_wrong", verdict="FAIL", fails={"replay": "parameters before step 2 differ"}),
     Case("fwd_no_bwd", "review", fault="fwd_no_bwd", verdict="FAIL",
          fails={"gradient": "differs from one process's gradient"}),
@@ -298,6 +299,23 @@ CASES: tuple[Case, ...] = (
          fails={"gradient": ("1, 0.6667 at steps 1, 2", "a short last step still divided by K")},
          confirmation="step 2's gradient recomputed from its recorded rows is 2/3 of the token mean's"),
     Case("short_step_clean", "causes", {"fixed_len": 3, "short_last": True, "micro": 3}),
+    Case("count_previous", "causes", {"count": "previous", "steps": 3}, verdict="FAIL", fails={"gradient": (
+        "a scalar that changes from step to step", "the loop divided by the previous step's token count")},
+         what="each step's loss sum divided by the step before's global count (the first step's its own)",
+         confirmation="the counts the cause names are the loop's own count_of, a step late"),
+    Case("double_step", "causes", fault="double_step", verdict="FAIL", may_fail={}, fails={"replay": (
+        "the fleet's update at step 2 differs", "the replay's optimizer stepped twice on step 2's gradients, bitwise")},
+         confirmation="the test's own AdamW on the recorded gradients, stepped twice at step 2, gives the recorded "
+                      "parameters bitwise"),
+    Case("rank_sched", "causes", fault="rank_sched", verdict="FAIL", may_fail={"ranks": "rank 1's lr"},
+         fails={"replay": ("rank 1's lr at step 2 is", "the lr its scheduler gives at step(s) 3",
+                           "1 step(s) ahead from step 2 on")},
+         confirmation="rank 1's recorded lr is the test's own LambdaLR factor of the third step"),
+    Case("noclip_declared", "causes", {"max_grad_norm": 0.05}, "noclip_declared", verdict="FAIL", may_fail={},
+         fails={"clip": "the declared max_grad_norm 0.05 was not applied: the update at step 1 equals the unclipped",
+                "replay": "the declared max_grad_norm 0.05 was not applied"},
+         confirmation="the test's own AdamW step on the unclipped recorded gradient (its norm above 0.05) gives the "
+                      "recorded parameters bitwise"),
     Case("no_sync_all", "causes", {"no_sync_all": True}, verdict="FAIL",
          fails={"gradient": "the gradients were never all-reduced: at step 1"},
          confirmation="the ranks' recorded gradients differ"),

@@ -24,6 +24,9 @@ hooks below (`loss_of`, `scale_of`, `after_sync`, ...) selected by each run's "f
   loss_rank_mean   the logged loss is a mean of rank means (the gradient is right)
   resume_data      the resume restarts the epoch's data order from its beginning
   rank_lr          rank 1's optimizer has another lr (the ranks drift apart)
+  rank_sched       rank 1's scheduler stepped once more after step 1 (its lr a step ahead from step 2 on)
+  double_step      at step 2 the optimizer stepped twice (the second with no backward, on the same gradients)
+  noclip_declared  the Recorder is told max_grad_norm, the loop never clips (and reports no norm)
 The reviewer's faults (tests/gate/catches/test_ddp_loops_written_from_the_docs.py):
   rank1_eps        rank 1 scales its loss by 1 + eps (cfg "eps")
   bias_x2          after the all-reduce, one small tensor's gradient (ln1.bias) doubled on every rank
@@ -58,7 +61,8 @@ The judge's cause-naming knobs (tests/gate/catches/test_named_causes.py), cfg ke
                    ("loss": the all-reduce spreads it, and the logged loss is NaN)
   "count"          how the loop counts the step's tokens it divides by: "targets" (right), "padding"
                    (every label position, padding counted), "unshifted" (labels != -100 before the shift:
-                   one extra target per row), "rank0" (rank 0's own count x W, broadcast and used by all)
+                   one extra target per row), "rank0" (rank 0's own count x W, broadcast and used by all),
+                   "previous" (the previous step's global count, kept; the first step its own)
   "no_sync_all"    DDP's no_sync on every micro-batch: the gradients are never all-reduced
   "bf16_hook"      a line-for-line copy of torch's bf16_compress_hook (gloo refuses torch's own)
   "rank_seed"      (FSDP2) each rank builds the model from seed + rank: no broadcast, other parameters
@@ -305,6 +309,7 @@ def run(cfg: dict) -> None:
     per_epoch = n // (world * K * B)  # DistributedSampler and DataLoader with drop_last
     sh = shift_of(fault)
     for s in range(start, stop):
+    kept = None  # "previous": the step before's global count
         epoch, j = divmod(s - start if fault == "resume_data" else s, per_epoch)
         idx = order_of(fault, n, world, rank, cfg["seed"], epoch)[j * K * B:(j + 1) * K * B]
         k_s = K - 1 if cfg["short_last"] and s == stop - 1 else K  # the micro-batches this step reads
@@ -334,6 +339,8 @@ def run(cfg: dict) -> None:
             dist.all_reduce(n_global)
         n_global = int(n_global)
         manual = fault == "clip_local"
+        if cfg["count"] == "previous":  # the count of the step before divides this step's loss
+            n_global, kept = kept or n_global, n_global
         c = scale_of(fault, rank, s + 1, cfg["eps"])
         local_sum = torch.zeros(())
         for m, mb in enumerate(mbs):
@@ -375,14 +382,16 @@ def run(cfg: dict) -> None:
         norm = None
         if manual:
             norm = clip_local(model, mgn, cfg["fsdp"], world)
-        elif mgn:
+        elif mgn and fault != "noclip_declared":
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), mgn)
         ids = torch.tensor(idx) + (rank * n if cfg["rank_ids"] else 0)  # rank_ids: distinct whatever was read
         rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=ids if cfg["ids"] else None,
                  epoch=epoch if cfg["epoch"] else None)
         opt.step()
         sched.step()
-        if fault == "sched_twice":
+        if fault == "double_step" and s + 1 == 2:
+            opt.step()  # a second optimizer step, no backward between: on the same gradients
+        if fault == "sched_twice" or (fault == "rank_sched" and rank == 1 and s + 1 == 1):
             sched.step()
         opt.zero_grad(set_to_none=True)
     if cfg["leg"] == 1 and rank == 0:

@@ -161,6 +161,9 @@ def _loop_counts(out: Path, how: str) -> list[int]:
     ("count_padding", "padding counted as tokens"),
     ("count_unshifted", "one extra target per row"),
     ("count_rank0", "rank 0's own target count times W, used by every rank"),
+    if how == "previous":  # the step before's global count, the first step's its own
+        own = _loop_counts(out, "targets")
+        return own[:1] + own[:-1]
     ("count_padding_equal", "padding counted as tokens"),
 ])
 def test_a_wrong_count_is_named_from_its_per_step_scalar(recordings, name, words):
@@ -176,6 +179,7 @@ def test_the_two_padding_runs_pad_ranks_to_one_length_and_to_their_own(recording
     rec = A.RecordingSet(recordings["count_padding_equal"])
     assert {rec.step_tensors(r, 1)["in/0/input_ids"].shape[1] for r in range(2)} == {12}
     rec = A.RecordingSet(recordings["count_padding"])
+    ("count_previous", "the previous step's token count"),
     assert any(len({rec.step_tensors(r, k)["in/0/input_ids"].shape[1] for r in range(2)}) > 1 for k in rec.steps)
 
 
@@ -360,3 +364,76 @@ def test_the_counts_a_cause_is_named_from_read_the_labels_given_to_rec_labels_fi
     assert torch.equal(C.targets_of(batch), labels)
     counts = C.step_counts([(0, C.targets_of(batch))], world=1, micro=1, micro_max=1)
     assert counts["targets"] == 2 == int((labels[:, 1:] != -100).sum())
+
+
+# --------------------------------------------------------------------------- the update the replay names
+
+
+def _own_adamw(out: Path, *, twice_at: int = 0, clip: float = 0.0) -> tuple[list[dict], float]:
+    """This file's own AdamW (torch's, its lr set by hand from loopmodel.lr_factor, the run's lr and weight
+    decay) on rank 0's recorded gradients from the recorded initial parameters, stepped twice at step
+    `twice_at`, clipped by `clip` when given: the parameters after each step; the first step's gradient norm."""
+    from loopmodel import lr_factor
+
+    meta = json.loads((out / "recording.json").read_text())
+    lr = meta["build_kwargs"]["lr"]
+    steps = sorted(int(p.stem[4:]) for p in (out / "rank0").glob("step*.safetensors"))
+    first = load_file(A.step_tensors_path(out, 0, steps[0]))
+    params = {n[2:]: torch.nn.Parameter(v.clone()) for n, v in first.items() if n.startswith("p/")}
+    opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.1)
+    after, norm0 = [], None
+    for i, k in enumerate(steps):
+        g = load_file(A.step_tensors_path(out, 0, k))
+        for n, p in params.items():
+            p.grad = g["g/" + n].clone() if "g/" + n in g else None
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params.values()
+                                                     if p.grad is not None]))
+        norm0 = float(norm) if norm0 is None else norm0
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for p in params.values() if p.grad is not None], clip)
+        opt.param_groups[0]["lr"] = lr * lr_factor(i)
+        opt.step()
+        if k == twice_at:
+            opt.step()
+        after.append({n: p.detach().clone() for n, p in params.items()})
+    return after, norm0
+
+
+def _recorded_after(out: Path, step: int) -> dict:
+    """Rank 0's recorded parameters after `step` (before the next, or the final ones)."""
+    path = A.step_tensors_path(out, 0, step + 1)
+    t = load_file(path if path.exists() else A.final_tensors_path(out, 0))
+    return {n[2:]: v for n, v in t.items() if n.startswith("p/")}
+
+
+def _bitwise(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_an_optimizer_stepped_twice_is_the_recorded_update_by_the_tests_own_adamw(recordings):
+    """double_step (its row: replay names two optimizer steps): this file's own AdamW, stepped twice at step
+    2 on the recorded gradients, gives the recorded final parameters bitwise; stepped once, it does not."""
+    d = recordings["double_step"]
+    assert _bitwise(_own_adamw(d, twice_at=2)[0][-1], _recorded_after(d, 2))
+    assert not _bitwise(_own_adamw(d)[0][-1], _recorded_after(d, 2))
+
+
+def test_a_declared_clip_never_applied_is_the_unclipped_step_by_the_tests_own_adamw(recordings):
+    """noclip_declared (its row: clip and replay name the declared max_grad_norm 0.05 not applied): the
+    recorded gradient's global norm at step 1 exceeds 0.05, and this file's own AdamW step on it unclipped
+    gives the recorded parameters after step 1 bitwise; clipped by 0.05, it does not."""
+    d = recordings["noclip_declared"]
+    after, norm = _own_adamw(d)
+    assert norm > 0.05 and _bitwise(after[0], _recorded_after(d, 1))
+    assert not _bitwise(_own_adamw(d, clip=0.05)[0][0], _recorded_after(d, 1))
+
+
+def test_a_rank_whose_scheduler_stepped_once_more_has_the_third_steps_lr(recordings):
+    """rank_sched (its row: replay names rank 1's lr as its scheduler's at step 3): rank 1's recorded lr at
+    step 2 is this file's own lr x loopmodel.lr_factor of the third step (index 2), rank 0's of the second."""
+    from loopmodel import lr_factor
+
+    d = recordings["rank_sched"]
+    lr = json.loads((d / "recording.json").read_text())["build_kwargs"]["lr"]
+    lrs = [json.loads(A.step_meta_path(d, r, 2).read_text())["lr"] for r in range(2)]
+    assert lrs == [lr * lr_factor(1), lr * lr_factor(2)]
