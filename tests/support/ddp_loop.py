@@ -308,8 +308,8 @@ def run(cfg: dict) -> None:
         data = [r[:cfg["fixed_len"]] for r in data]
     per_epoch = n // (world * K * B)  # DistributedSampler and DataLoader with drop_last
     sh = shift_of(fault)
-    for s in range(start, stop):
     kept = None  # "previous": the step before's global count
+    for s in range(start, stop):
         epoch, j = divmod(s - start if fault == "resume_data" else s, per_epoch)
         idx = order_of(fault, n, world, rank, cfg["seed"], epoch)[j * K * B:(j + 1) * K * B]
         k_s = K - 1 if cfg["short_last"] and s == stop - 1 else K  # the micro-batches this step reads
@@ -338,9 +338,9 @@ def run(cfg: dict) -> None:
         else:
             dist.all_reduce(n_global)
         n_global = int(n_global)
-        manual = fault == "clip_local"
         if cfg["count"] == "previous":  # the count of the step before divides this step's loss
             n_global, kept = kept or n_global, n_global
+        manual = fault == "clip_local"
         c = scale_of(fault, rank, s + 1, cfg["eps"])
         local_sum = torch.zeros(())
         for m, mb in enumerate(mbs):
@@ -388,9 +388,9 @@ def run(cfg: dict) -> None:
         rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=ids if cfg["ids"] else None,
                  epoch=epoch if cfg["epoch"] else None)
         opt.step()
-        sched.step()
         if fault == "double_step" and s + 1 == 2:
             opt.step()  # a second optimizer step, no backward between: on the same gradients
+        sched.step()
         if fault == "sched_twice" or (fault == "rank_sched" and rank == 1 and s + 1 == 1):
             sched.step()
         opt.zero_grad(set_to_none=True)

@@ -147,6 +147,9 @@ def test_an_edited_max_grad_norm_fails_clip_against_the_recorded_coefficients(re
 def _loop_counts(out: Path, how: str) -> list[int]:
     """The count the loop divided each step by, recomputed with the loop's own count_of (rank 0's count x W
     for "rank0")."""
+    if how == "previous":  # the step before's global count, the first step's its own
+        own = _loop_counts(out, "targets")
+        return own[:1] + own[:-1]
     rec = A.RecordingSet(out)
     got = []
     for k in rec.steps:
@@ -161,10 +164,8 @@ def _loop_counts(out: Path, how: str) -> list[int]:
     ("count_padding", "padding counted as tokens"),
     ("count_unshifted", "one extra target per row"),
     ("count_rank0", "rank 0's own target count times W, used by every rank"),
-    if how == "previous":  # the step before's global count, the first step's its own
-        own = _loop_counts(out, "targets")
-        return own[:1] + own[:-1]
     ("count_padding_equal", "padding counted as tokens"),
+    ("count_previous", "the previous step's token count"),
 ])
 def test_a_wrong_count_is_named_from_its_per_step_scalar(recordings, name, words):
     c = looprec.verdict(recordings[name]).check("gradient")  # its row: failed, "a scalar that changes from step to step"
@@ -179,7 +180,6 @@ def test_the_two_padding_runs_pad_ranks_to_one_length_and_to_their_own(recording
     rec = A.RecordingSet(recordings["count_padding_equal"])
     assert {rec.step_tensors(r, 1)["in/0/input_ids"].shape[1] for r in range(2)} == {12}
     rec = A.RecordingSet(recordings["count_padding"])
-    ("count_previous", "the previous step's token count"),
     assert any(len({rec.step_tensors(r, k)["in/0/input_ids"].shape[1] for r in range(2)}) > 1 for k in rec.steps)
 
 
