@@ -184,7 +184,11 @@ CASES: tuple[Case, ...] = (
     Case("same_data", "ddp", fault="same_data", verdict="FAIL", fails={"data": "every rank read the same data"},
          holds={"gradient": ()}, what="every rank reads the same batch: the gradient is right, only data sees it"),
     Case("bn", "ddp", fault="bn", verdict="FAIL", fails={"independence": "BatchNorm (bn)"}),
-    Case("dropout", "ddp", fault="dropout", verdict="FAIL", fails={"independence": "active dropout (drop)"}),
+    Case("dropout", "ddp", fault="dropout", holds={"gradient": "equals one process's gradient", "loss": (), "clip": (),
+         "independence": "not judged: the gradient changes with the RNG state (active dropout (drop))"},
+         what="torch's own dropout, each rank its own RNG: each forward's masks drawn again from its recorded state",
+         confirmation="one process's gradient by hand from each rank's recorded RNG state equals the fleet's; "
+                      "from one seed it does not"),
     Case("bn_frozen", "ddp", {"eval_modules": ["bn"]}, "bn", what="BatchNorm in eval mode (running statistics)",
          confirmation="the same recording without its modes fails independence"),
     Case("dropout_off", "ddp", {"eval_modules": ["drop"]}, "dropout", what="a dropout module in eval mode"),
@@ -248,6 +252,9 @@ CASES: tuple[Case, ...] = (
          confirmation="the recording holds the loop's 3 micro-batches"),
     Case("rank1_eps4", "review", {"eps": 1e-4}, "rank1_eps", verdict="FAIL",  # 1+1e-4 on one rank: 7.5e-5 > 1e-5
          fails={"gradient": "differs from one process's gradient"}),
+    Case("dropout_no_sync", "review", {"dropout": 0.1, "no_sync_all": True, "steps": 2}, verdict="FAIL",
+         fails={"gradient": "the gradients were never all-reduced: at step 1"},
+         what="torch's dropout, no_sync on every micro-batch", confirmation="the ranks' recorded gradients differ"),
     Case("bias_x2", "review", fault="bias_x2", verdict="FAIL", fails={"gradient": "tensor ln1.bias"}),
     Case("row_x2", "review", fault="row_x2", verdict="FAIL", fails={"gradient": "tensor tok.weight"}),
     Case("bias_eps_sketch", "review", {"eps": 1e-4, "sketch": 64}, "bias_eps", verdict="FAIL", fails={"gradient": (
@@ -316,6 +323,10 @@ CASES: tuple[Case, ...] = (
                 "replay": "the declared max_grad_norm 0.05 was not applied"},
          confirmation="the test's own AdamW step on the unclipped recorded gradient (its norm above 0.05) gives the "
                       "recorded parameters bitwise"),
+    Case("dropout_rank1_eps", "causes", {"dropout": 0.1, "eps": 1e-3}, "rank1_eps", verdict="FAIL",
+         fails={"gradient": "differs from one process's gradient"}, what="torch's dropout, rank 1's loss x 1.001",
+         confirmation="the fleet's gradient is off one process's at the ranks' recorded masks by more than the "
+                      "clean dropout run's"),
     Case("no_sync_all", "causes", {"no_sync_all": True}, verdict="FAIL",
          fails={"gradient": "the gradients were never all-reduced: at step 1"},
          confirmation="the ranks' recorded gradients differ"),
@@ -583,8 +594,9 @@ CASES: tuple[Case, ...] = (
          what="HF's default average_tokens_across_devices=True; in-run checks"),
     Case("clean_s1", "hf", f"avg=1:seed=1:eval=2:gc=1:{FIX}", holds=HF_CLEAN,
          what="another seed, an eval every 2 steps, gradient checkpointing"),
-    Case("clean_s2", "hf", f"avg=1:seed=2:unused=1:{FIX}", holds=HF_CLEAN,
-         what="another seed, a parameter the forward never uses"),
+    Case("clean_s2", "hf", f"avg=1:seed=2:unused=1:dropout=0.1:{FIX}", holds={
+        **HF_CLEAN, "independence": "not judged: the gradient changes with the RNG state"},
+         what="another seed, a parameter the forward never uses, GPT-2's dropouts at 0.1"),
     Case("clean_bf16", "hf", f"avg=1:seed=3:bf16=1:{FIX}", holds={"gradient": "autocast floor"},
          what="bf16=True: accelerate's CPU autocast around the forward"),
     Case("stock", "hf", "avg=1", verdict="FAIL", fails={"gradient": (
@@ -756,9 +768,10 @@ CASES: tuple[Case, ...] = (
          "#115607)", confirmation="the parameters moved as the optimizer alone moves them, through `gate check`"),
     Case("skip_step_zeros", "wild", {"skip_bwd": [2], "zero_grads": True}, verdict="FAIL",
          fails={"grad_mask": "step 2"}, what="... on zeroed (not None) gradients"),
-    Case("dropout", "wild", {"dropout": 0.1, "steps": 2}, verdict="FAIL", fails={"independence": "active dropout (drop)"},
-         holds={"probe": ("not judged: one process's gradient of the probed micro-batch at step 1 changes with the "
-                          "RNG state", "each rank drew its own masks")},
+    Case("dropout", "wild", {"dropout": 0.1, "steps": 2}, holds={
+         "independence": "not judged: the gradient changes with the RNG state", "gradient": (),
+         "probe": ("not judged: one process's gradient of the probed micro-batch at step 1 changes with the "
+                   "RNG state", "each rank drew its own masks")},
          what="a clean loop with dropout, each rank seeding its own masks"),
     Case("zero_labels", "wild", {"zero_labels": True, "steps": 2}, verdict="FAIL", fails={"data": (
         "rank 1's labels are not its input tokens at", "every target is token 0")},

@@ -51,6 +51,7 @@ The second reviewer's knobs (tests/gate/catches/test_reduced_precision_loops.py)
 A third review's knob:
   "eval_modules"   submodules the loop puts in eval mode (["bn"]: a frozen BatchNorm; ["drop"]: dropout off)
   "eval_rank"      only this rank applies "eval_modules" (None: every rank)
+  "dropout"        TinyLM's dropout at this p, each rank its own RNG (the fault "dropout" at p 0.1), beside any fault
   "freeze"         parameters the script freezes (requires_grad False) after build_model
   "fsdp_layers"    (with fsdp) qkv, fc and out sharded as modules of their own, reshard_after_forward=False
   "left_pad"       rows padded on the left (attention_mask 0 there); TinyLM's positions are absolute
@@ -107,7 +108,7 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "position_ids": False, "fsdp_layers": False, "left_pad": False,
        "eval_rank": None, "nan": None, "count": "targets", "no_sync_all": False, "bf16_hook": False,
        "rank_seed": False, "rank_ids": False, "wire": "fp32", "pad_to": 0,
-       "fixed_len": 0, "short_last": False}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "fixed_len": 0, "short_last": False, "dropout": 0.0}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -240,7 +241,7 @@ def run(cfg: dict) -> None:
     fault, K, B, n, mgn = cfg["fault"], cfg["micro"], cfg["batch"], cfg["n"], cfg["max_grad_norm"]
     out = Path(cfg["out"])
     kw = {"seed": cfg["seed"] + (rank if cfg["rank_seed"] else 0), "bn": fault == "bn",
-          "dropout": 0.1 if fault == "dropout" else 0.0,
+          "dropout": 0.1 if fault == "dropout" else cfg["dropout"],
           "unused": fault == "unused_zero", "lr": cfg["lr"]}
     builder = "loopmodel:build_model"
     if cfg["model"]:
@@ -294,7 +295,7 @@ def run(cfg: dict) -> None:
             for group, lr in zip(opt.param_groups, sched.get_last_lr()):
                 group["lr"] = lr
         start = ck["step"]
-    if fault == "dropout":
+    if kw["dropout"]:  # each rank its own masks
         torch.manual_seed(1234 + rank)
     if fault == "rank_lr" and rank == 1:
         for group in opt.param_groups:

@@ -30,6 +30,8 @@ optimizer and schedule (`build_optimizer`), on the same generated data
               position_ids restarting at each sequence (a forward keyword the callback is not told of)
   drop=1      dataloader_drop_last=True (the uneven end of an epoch is dropped instead)
   unused=1    the model holds a parameter its forward never uses (build_model(unused=True))
+  dropout=P   GPT-2's dropouts (resid, embd, attn) at p P (build_model(dropout=P)): each micro-batch's masks
+              are drawn from the RNG state the Trainer's forward starts from
   moe=1       the model is a tiny random-init Qwen3-MoE (build_model(moe=True)) with
               output_router_logits=True: its forward adds router_aux_loss_coef x
               transformers' load_balancing_loss_func over that forward's own router
@@ -95,8 +97,9 @@ AUX_COEF = 0.5  # its router_aux_loss_coef: large, so that the load-balancing te
 MODULE = "hf_client"  # this file's module name wherever tests/support is on sys.path (not __main__)
 
 
-def build_model(unused: bool = False, moe: bool = False):
-    """The same random-init GPT-2 in any process: 2 layers, n_embd 32, no dropout;
+def build_model(unused: bool = False, moe: bool = False, dropout: float = 0.0):
+    """The same random-init GPT-2 in any process: 2 layers, n_embd 32, no dropout (`dropout`: GPT-2's
+    resid_pdrop, embd_pdrop and attn_pdrop at that p, torch's own dropout);
     `unused` adds a Linear(4, 4) the forward never calls (`model.extra`).
     moe: a Qwen3-MoE instead (1 layer, hidden 32, EXPERTS experts, top 2,
     output_router_logits=True, router_aux_loss_coef AUX_COEF)."""
@@ -113,7 +116,7 @@ def build_model(unused: bool = False, moe: bool = False):
         model_class = Qwen3MoeForCausalLM
     else:
         cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                          bos_token_id=1, eos_token_id=1, pad_token_id=0)
         model_class = GPT2LMHeadModel
     g = torch.random.get_rng_state()
@@ -127,7 +130,7 @@ def build_model(unused: bool = False, moe: bool = False):
         torch.random.set_rng_state(g)
 
 
-def build_optimizer(model, unused: bool = False, moe: bool = False):
+def build_optimizer(model, unused: bool = False, moe: bool = False, dropout: float = 0.0):
     """AdamW (weight decay 0.01 on matrices, none on biases and LayerNorm, HF's
     split) and a linear warm-up/decay schedule: what every run hands the Trainer."""
     from transformers import get_linear_schedule_with_warmup
@@ -219,7 +222,7 @@ def parse_run(text: str) -> dict:
     run = {"name": name, "avg": True, "seed": 0, "steps": MAX_STEPS, "ga": 2, "eval": 0, "fault": None,
            "loss_type": None, "build": MODULE, "leg": 0, "stop": 2, "gc": 0, "bf16": 0,
            "unused": 0, "examples": EXAMPLES, "drop": 0, "flat": 0, "moe": 0, "bs": 2, "scope": "example",
-           "objective": "causal_lm", "selfcheck": 0}
+           "objective": "causal_lm", "selfcheck": 0, "dropout": 0.0}
     for f in fields:
         k, _, v = f.partition("=")
         if k == "avg":
@@ -229,6 +232,8 @@ def parse_run(text: str) -> dict:
             run[k] = int(v)
         elif k in ("fault", "loss_type", "scope", "objective"):
             run[k] = v
+        elif k == "dropout":
+            run[k] = float(v)
         elif k == "build":
             run[k] = "__main__" if v == "main" else v
         else:
@@ -244,7 +249,8 @@ def train(run: dict, out: Path, record: bool = True) -> dict:
     from dormouse.gate.record.hf import TrainerRecorder
 
     # the gate's line: a bad argument fails here, in one line, before anything is built
-    kw = {**({"unused": True} if run["unused"] else {}), **({"moe": True} if run["moe"] else {})}
+    kw = {**({"unused": True} if run["unused"] else {}), **({"moe": True} if run["moe"] else {}),
+          **({"dropout": run["dropout"]} if run["dropout"] else {})}
     recorder = [TrainerRecorder(out / run["name"], RecordingSpec(
         build_model=f"{run['build']}:build_model", build_optimizer=f"{run['build']}:build_optimizer",
         objective=run["objective"] if run["objective"] != "global" else f"{run['build']}:moe_global_step",

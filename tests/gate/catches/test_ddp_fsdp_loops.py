@@ -46,7 +46,8 @@ def test_submodules_the_loop_runs_in_eval_mode_are_judged_in_eval_mode(recording
     """A frozen BatchNorm (running statistics) or a dropout module in eval mode
     is a function of each example alone: the Recorder records the modes, the
     reference sets them (not model.train()'s all-training), and the loop
-    passes (its catalogue row); the same modules in training mode fail independence (rows bn, dropout)."""
+    passes (its catalogue row); BatchNorm in training mode fails independence (row bn), dropout in training
+    mode is judged at the masks each rank drew (row dropout, below)."""
     module = "bn" if name == "bn_frozen" else "drop"
     rec = A.RecordingSet(recordings[name])
     assert rec.eval_modules(1) == [module]
@@ -57,6 +58,20 @@ def test_submodules_the_loop_runs_in_eval_mode_are_judged_in_eval_mode(recording
                 _edit(A.step_meta_path(dst, r, k), eval_modules=[])
         make_reference(dst, log=QUIET)
         assert not judge_recording(dst).check("independence").passed
+
+
+def test_torch_dropout_is_judged_at_the_masks_each_rank_drew(recordings):
+    """torch's own dropout, each rank its own RNG (row dropout: PASS). The Recorder keeps the RNG state
+    each forward started from; this file's own arithmetic (drawn.py: plain autograd, the global token
+    mean): every rank's micro-batches of step 1, the RNG put back to that state before each forward,
+    give the fleet's gradient (unclipped); from one seed before every forward (the reference's draws
+    before the states were kept) they do not, by far more than any bound."""
+    import drawn
+
+    rec = A.RecordingSet(recordings["dropout"])
+    got = drawn.fleet(recordings["dropout"], rec)
+    assert looprec.worst(got, drawn.one_process(rec, 1, drawn.recorded_state(rec, 1))) < 1e-6
+    assert looprec.worst(got, drawn.one_process(rec, 1, lambda r, m: torch.manual_seed(0))) > 1e-3
 
 
 def test_a_parameter_the_script_froze_is_frozen_in_the_reference(recordings, tmp_path):

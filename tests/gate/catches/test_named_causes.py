@@ -55,6 +55,20 @@ def _edit(path: Path, **fields) -> None:
     path.write_text(json.dumps(meta))
 
 
+def test_a_fault_under_torch_dropout_is_the_fault_at_the_masks_the_ranks_drew(recordings):
+    """dropout_rank1_eps: torch's dropout, each rank its own RNG, rank 1's loss x 1.001 (its row: the gradient
+    fails). This file's own arithmetic (drawn.py, at the RNG states the ranks' forwards started from): the
+    fleet's step-1 gradient is one process's with rank 1's losses x 1.001, and off the right one by more
+    than the gradient's bound, so the failure is the fault, not the masks."""
+    import drawn
+
+    rec = A.RecordingSet(recordings["dropout_rank1_eps"])
+    got = drawn.fleet(recordings["dropout_rank1_eps"], rec)
+    at = drawn.recorded_state(rec, 1)
+    assert looprec.worst(got, drawn.one_process(rec, 1, at, scale=lambda r: 1.001 if r == 1 else 1.0)) < 1e-6
+    assert looprec.worst(got, drawn.one_process(rec, 1, at)) > 1e-4
+
+
 # --------------------------------------------------------------------------- non-finite values
 
 

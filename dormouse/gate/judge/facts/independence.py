@@ -142,7 +142,8 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     elif rng and draws.replayed(rec, ref):  # gradient, loss and clip judged at the ranks' own masks
         ok = True
         reason = ("not judged: the gradient changes with the RNG state (active dropout"
-                  + (f" ({', '.join(drop)})" if drop else " or other unkeyed randomness")
+                  + (f" ({', '.join(drop[:3])}{', ...' if len(drop) > 3 else ''})" if drop else
+                     " or other unkeyed randomness")
                   + "): one process drew each micro-batch's masks again from the RNG state its rank's forward "
                   "started from (gradient, loss and clip judge those), but a row alone or the step's rows in one "
                   f"forward draw other masks, of their own shape (per-example vs batch {worst:.2g})")
