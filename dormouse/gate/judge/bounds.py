@@ -26,6 +26,8 @@ the code under test (docs/gate.md, "The checks", says how each was measured).
 | ZERO_RTOL | 2^-24 | where one process's gradient is exactly zero every way it computes it, the fleet's within this of the tensor's largest element | float32's unit round-off of the largest summand: a zero in exact arithmetic only (a key bias softmax ignores) came out 6.5e-9 (0.11 of it) in a clean loop; 15 clean fleets of dormouse's trainer are exactly 0 there; a made-up fill at 2^-22 (2.4e-7), which AdamW turns into steps of ~lr on never-read embedding rows, fails |
 | PROBE_RTOL | 1e-5 | the least bound a module's output (or output gradient) is held to in the probe | the gradient check's float32 bound; each module's own bound is FLOOR_MULTIPLE x its one-ulp floor |
 | SKETCH_DELTA | 0.05 | the per-tensor, per-step failure probability a sketch's detection bound is stated at | |
+| LR_RTOL | 1e-9 | a rank's recorded lr against the scheduler's (at its own step, or named as another step's) | python floats the same schedule computes alike: equal but for the last bits |
+| LR_RATIO_RTOL | 1e-4 | the update ratios of tensors fitted against the replay's agree (one constant), and the lr one implies names a scheduler step, within this | a fitted ratio is exact to the float32 parameters' rounding over the update's size (~1e-5 at lr 1e-3); a step's lr named only where one step alone is that near |
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ BIAS_FLOOR = {"offset": 2e-3, "scale": 1e-2, "decay": 2e-3}
 SKETCH_DELTA = 0.05
 ZERO_RTOL = FP32_UNIT_ROUNDOFF
 PROBE_RTOL = GRAD_RTOL
+LR_RTOL = 1e-9
+LR_RATIO_RTOL = 1e-4
 
 
 def grad_rtol(info: dict) -> float:

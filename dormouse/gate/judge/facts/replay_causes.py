@@ -23,21 +23,20 @@ import math
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
-from dormouse.gate.judge.bounds import FP32_UNIT_ROUNDOFF
+from dormouse.gate.judge.bounds import FP32_UNIT_ROUNDOFF, LR_RATIO_RTOL, LR_RTOL
 
-LR_RTOL = 1e-9  # two lrs computed alike by the same schedule are equal to this (python floats)
 SHOWN = 4
 
 
-def _same(a: float, b: float) -> bool:
-    return abs(a - b) <= LR_RTOL * max(abs(a), abs(b), 1e-30)
+def _same(a: float, b: float, rtol: float = LR_RTOL) -> bool:
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-30)
 
 
-def schedule_step(ref: ReferenceSet, steps: list[int], lr: float) -> int | None:
-    """The one step whose scheduler lr is `lr` (the reference's schedule_lr, its first entry the
-    recording's first step); None where none is, or several are (a constant stretch of the schedule)."""
+def schedule_step(ref: ReferenceSet, steps: list[int], lr: float, rtol: float = LR_RTOL) -> int | None:
+    """The one step whose scheduler lr is `lr` within rtol (the reference's schedule_lr, its first entry
+    the recording's first step); None where none is, or several are (a constant stretch of the schedule)."""
     table = ref.meta.get("schedule_lr") or []
-    hits = [i for i, x in enumerate(table) if _same(x, lr)]
+    hits = [i for i, x in enumerate(table) if _same(x, lr, rtol)]
     return steps[0] + hits[0] if len(hits) == 1 else None
 
 
@@ -127,14 +126,14 @@ def ratio_words(rec: A.RecordingSet, ref: ReferenceSet, u: int, after, replayed)
     ratios = _tensor_ratios(rec.tensors_at(u, A.PARAM), after, replayed)
     if not ratios or not all(e for _, e in ratios.values()):
         return ""
-    apart = {n: c for n, (c, _) in ratios.items() if abs(c - 1) > 1e-6}
+    apart = {n: c for n, (c, _) in ratios.items() if abs(c - 1) > LR_RATIO_RTOL}
     if not apart:
         return ""
     c = sorted(apart.values())[len(apart) // 2]
-    if any(abs(x / c - 1) > 1e-4 for x in apart.values()):
+    if any(abs(x / c - 1) > LR_RATIO_RTOL for x in apart.values()):
         return ""
     lr = ref.step(u)[0].get("replay_lr")
-    j = schedule_step(ref, rec.steps, c * lr) if lr else None
+    j = schedule_step(ref, rec.steps, c * lr, LR_RATIO_RTOL) if lr else None
     lr_words = (f"an lr {c:.6g} x the scheduler's {lr:.6g}" + (f", the lr the scheduler gives at step {j}"
                                                                  if j is not None and j != u else ""))
     if len(apart) == len(ratios):
