@@ -323,6 +323,11 @@ CASES: tuple[Case, ...] = (
                 "replay": "the declared max_grad_norm 0.05 was not applied"},
          confirmation="the test's own AdamW step on the unclipped recorded gradient (its norm above 0.05) gives the "
                       "recorded parameters bitwise"),
+    Case("sched_before_step", "causes", fault="sched_before_step", verdict="FAIL", may_fail={}, fails={"replay": (
+        "every tensor's update at step 1 is the replay's times", "the lr the scheduler gives at step 2",
+        "the scheduler stepped before optimizer.step()")},
+         confirmation="the test's own AdamW at each next step's lr on the recorded gradients gives the recorded "
+                      "parameters bitwise"),
     Case("dropout_rank1_eps", "causes", {"dropout": 0.1, "eps": 1e-3}, "rank1_eps", verdict="FAIL",
          fails={"gradient": "differs from one process's gradient"}, what="torch's dropout, rank 1's loss x 1.001",
          confirmation="the fleet's gradient is off one process's at the ranks' recorded masks by more than the "

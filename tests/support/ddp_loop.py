@@ -27,6 +27,8 @@ hooks below (`loss_of`, `scale_of`, `after_sync`, ...) selected by each run's "f
   rank_sched       rank 1's scheduler stepped once more after step 1 (its lr a step ahead from step 2 on)
   double_step      at step 2 the optimizer stepped twice (the second with no backward, on the same gradients)
   noclip_declared  the Recorder is told max_grad_norm, the loop never clips (and reports no norm)
+  sched_before_step  the scheduler stepped after rec.step() and before optimizer.step() (each step taken at
+                   the next step's lr)
 The reviewer's faults (tests/gate/catches/test_ddp_loops_written_from_the_docs.py):
   rank1_eps        rank 1 scales its loss by 1 + eps (cfg "eps")
   bias_x2          after the all-reduce, one small tensor's gradient (ln1.bias) doubled on every rank
@@ -388,10 +390,13 @@ def run(cfg: dict) -> None:
         ids = torch.tensor(idx) + (rank * n if cfg["rank_ids"] else 0)  # rank_ids: distinct whatever was read
         rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=ids if cfg["ids"] else None,
                  epoch=epoch if cfg["epoch"] else None)
+        if fault == "sched_before_step":
+            sched.step()
         opt.step()
         if fault == "double_step" and s + 1 == 2:
             opt.step()  # a second optimizer step, no backward between: on the same gradients
-        sched.step()
+        if fault != "sched_before_step":
+            sched.step()
         if fault == "sched_twice" or (fault == "rank_sched" and rank == 1 and s + 1 == 1):
             sched.step()
         opt.zero_grad(set_to_none=True)

@@ -383,10 +383,11 @@ def test_the_counts_a_cause_is_named_from_read_the_labels_given_to_rec_labels_fi
 # --------------------------------------------------------------------------- the update the replay names
 
 
-def _own_adamw(out: Path, *, twice_at: int = 0, clip: float = 0.0) -> tuple[list[dict], float]:
+def _own_adamw(out: Path, *, twice_at: int = 0, clip: float = 0.0, ahead: int = 0) -> tuple[list[dict], float]:
     """This file's own AdamW (torch's, its lr set by hand from loopmodel.lr_factor, the run's lr and weight
     decay) on rank 0's recorded gradients from the recorded initial parameters, stepped twice at step
-    `twice_at`, clipped by `clip` when given: the parameters after each step; the first step's gradient norm."""
+    `twice_at`, clipped by `clip` when given, each step at the lr `ahead` steps on: the parameters after each
+    step; the first step's gradient norm."""
     from loopmodel import lr_factor
 
     meta = json.loads((out / "recording.json").read_text())
@@ -405,7 +406,7 @@ def _own_adamw(out: Path, *, twice_at: int = 0, clip: float = 0.0) -> tuple[list
         norm0 = float(norm) if norm0 is None else norm0
         if clip:
             torch.nn.utils.clip_grad_norm_([p for p in params.values() if p.grad is not None], clip)
-        opt.param_groups[0]["lr"] = lr * lr_factor(i)
+        opt.param_groups[0]["lr"] = lr * lr_factor(i + ahead)
         opt.step()
         if k == twice_at:
             opt.step()
@@ -440,6 +441,15 @@ def test_a_declared_clip_never_applied_is_the_unclipped_step_by_the_tests_own_ad
     after, norm = _own_adamw(d)
     assert norm > 0.05 and _bitwise(after[0], _recorded_after(d, 1))
     assert not _bitwise(_own_adamw(d, clip=0.05)[0][0], _recorded_after(d, 1))
+
+
+def test_a_scheduler_stepped_before_the_optimizer_is_each_update_at_the_next_steps_lr(recordings):
+    """sched_before_step (its row: replay names every tensor's update as the replay's times the ratio of the
+    next step's lr, the scheduler stepped before optimizer.step()): this file's own AdamW at each next step's
+    lr gives the recorded parameters after each step bitwise, at the step's own lr not."""
+    d = recordings["sched_before_step"]
+    assert all(_bitwise(a, _recorded_after(d, k + 1)) for k, a in enumerate(_own_adamw(d, ahead=1)[0]))
+    assert not _bitwise(_own_adamw(d)[0][0], _recorded_after(d, 1))
 
 
 def test_a_rank_whose_scheduler_stepped_once_more_has_the_third_steps_lr(recordings):
