@@ -260,18 +260,52 @@ def test_a_clean_loop_with_dropout_is_not_judged_by_the_probe_never_blamed_on_th
     """A clean DDP loop with dropout, each rank seeding its own masks: the probe said rank 1 backpropagates
     its loss at another scale than rank 0 ("the loss is at fault"), where the two ranks' masks differ. This
     file's one-process gradient of rank 0's first micro-batch differs under two RNG states (the draws); the
-    probe now says it was not judged, and why; independence names the dropout."""
+    probe now says it was not judged, and why. The gradient is judged at the masks each rank drew (its row:
+    PASS): this file's one-process gradient of every rank's step-1 rows, each forward from the RNG state its
+    rank's started from (the Recorder keeps it), is the fleet's."""
+    import drawn
+
+    rec = A.RecordingSet(fleet["dropout"])
+    assert looprec.worst(recorded(fleet["dropout"]), drawn.one_process(rec, 1, drawn.recorded_state(rec, 1))) < 1e-6
     mb = step_rows("dropout")[0]
     net = build_model(seed=3, dropout=0.1)
     torch.manual_seed(0)
     a = one_process(net, [mb])
     torch.manual_seed(1)
     assert looprec.worst(one_process(net, [mb]), a) > 1e-3
-    v = looprec.verdict(fleet["dropout"])  # its row: independence fails, active dropout; the probe not judged
+    v = looprec.verdict(fleet["dropout"])  # its row: PASS, independence and the probe not judged
     probe = v.check("probe")
     assert probe.passed and probe.reason.startswith("not judged: one process's gradient of the probed "
                                                     "micro-batch at step 1 changes with the RNG state"), probe.reason
     assert "each rank drew its own masks" in probe.reason and "loss is at fault" not in probe.reason
+
+
+def test_dropout_masks_drawn_on_cuda_are_said_not_judged_never_a_fail(fleet, tmp_path):
+    """A forward on CUDA draws its dropout masks from CUDA's generator, which the reference (on the CPU) cannot
+    draw again. The dropout loop's recording with a CUDA state beside each micro-batch's CPU one (what the
+    Recorder keeps for a model on CUDA) gets gradient, loss, clip and independence "not judged: dropout masks
+    drawn on cuda", never a FAIL; the same recording without them is judged (its row: the gradient equals
+    one process's)."""
+    from safetensors.torch import load_file, save_file
+
+    from dormouse.gate.judge.entry import judge_recording
+    from dormouse.gate.record.reference import make_reference
+
+    dst = tmp_path / "on_cuda"
+    shutil.copytree(fleet["dropout"], dst, ignore=shutil.ignore_patterns("reference"))
+    rec = A.RecordingSet(dst)
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            t = load_file(A.step_tensors_path(dst, r, k))
+            for m in range(rec.step_meta(r, k)["micro_batches"]):
+                t[A.rng_key(m, "cuda")] = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's seed and offset
+            save_file(t, A.step_tensors_path(dst, r, k))
+    make_reference(dst, log=looprec.QUIET)
+    v = judge_recording(dst)
+    assert v.passed, looprec.failing(v)
+    assert v.check("gradient").reason.startswith("not judged: dropout masks drawn on cuda (")
+    assert all(v.check(n).reason == "not judged: dropout masks drawn on cuda (see gradient)"
+               for n in ("loss", "clip", "independence"))
 
 
 def test_labels_zeroed_on_one_ranks_device_copy_fail_the_data_named(fleet):

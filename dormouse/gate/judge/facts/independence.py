@@ -11,7 +11,10 @@ independence  fact 1: at every recorded step the per-example gradients of a
               (A.GRAD_MERGED, as few merged forwards as memory allows) give the
               micro-batches' gradient within the same bound: else "the rows of
               a forward interact". Declared objective_scope "forward" states
-              that distance and passes; "step" has neither check.
+              that distance and passes; "step" has neither check. Where the
+              reference drew each micro-batch's masks again from its rank's
+              recorded RNG state (judge/facts/draws.py), a gradient that changes
+              with the RNG state is said not judged: a row alone draws others.
               Both comparisons compute the same gradient in another shape (a row
               alone, the rows merged), other dot products: each step is held to
               INDEP_RTOL or, where larger, FLOOR_MULTIPLE x the run's float32

@@ -51,7 +51,9 @@ built-in objectives, weighted by the step's count (routeraux). "last": each
 rank's last micro-batch's share of g (the judge's causes name a last
 micro-batch weighted apart from the others).
 What each forward received beyond its tensors (its non-tensor arguments, the
-model's plain attributes the loop set) is put back as recorded (batchscope).
+model's plain attributes the loop set) is put back as recorded (batchscope),
+and the RNG state it started from on its rank (rngstate.py): torch's dropout
+draws the rank's masks again (a row alone and a merged forward draw their own).
 
 Reduced precision: each micro-batch's forward runs under the autocast the
 recording says it ran under (the Recorder reads it), on the parameters in
