@@ -424,6 +424,11 @@ CASES: tuple[Case, ...] = (
     Case("ep_grad_twice", "ep", {"seed": 1}, "ep_grad_twice", verdict="FAIL",
          fails={"layout": ("1 / the expert-parallel size 2", "remove that division")},
          what="expert gradients divided by the EP size once too often", confirmation=EP_HAND + ": half its"),
+    Case("ep_flat_reduce", "ep", {"seed": 7, "steps": 1}, "ep_flat_reduce", verdict="FAIL", fails={"layout": (
+        "the expert parameters moe.w1, moe.w2", "hold on every rank the sum over the group of every expert's gradient",
+        "reduced over the expert-parallel group like replicated ones", "leave the expert parameters out"),
+        "gradient": ()}, what="the expert gradients all-reduced with the dense ones (each rank its own experts)",
+         confirmation=EP_HAND + ": each rank's experts' gradients are the sum of every rank's experts' there"),
     Case("aux_local", "ep", {"seed": 2}, "aux_local", verdict="FAIL", fails={"gradient": (
         "each rank's over its own micro-batches alone", "not the objective declared over the whole step")},
          holds={"layout": ()}, what="a balancing term over local routing counts, a global one declared",
@@ -435,6 +440,11 @@ CASES: tuple[Case, ...] = (
     Case("tp_no_reduce", "ep", {"tp": True, "seed": 4}, "tp_no_reduce", verdict="FAIL", fails={"layout": (
         "differs between ranks 0 and 1 of TP group [0, 1]", "not reduced over it")},
          what="the input gradient's all-reduce left out", confirmation=EP_HAND + ": the replicated ones differ"),
+    Case("tp_sum_replicated", "ep", {"tp": True, "seed": 8, "steps": 1}, "tp_sum_replicated", verdict="FAIL",
+         fails={"layout": ("parameters replicated over the TP group are one process's times 2 = the TP size 2",
+                           "summed over the TP group instead of averaged"), "gradient": ()},
+         what="hand-written TP: every replicated gradient summed over the TP ranks",
+         confirmation=EP_HAND + ": the replicated ones twice its, the head's its"),
     Case("tp_rng_alike", "ep", {"tp": True, "emb_dropout": 0.1, "seed": 6, "steps": 1}, verdict="FAIL",
          fails={"independence": ()}, holds={"layout": ()}, what="dropout seeded alike on every TP rank",
          confirmation="the ranks' recorded replicated gradients are equal"),
@@ -456,6 +466,11 @@ CASES: tuple[Case, ...] = (
         "norm.weight", "not reduced over it", "the sum of the group's gradients is one process's gradient")},
          what="a sequence-parallel norm's weight gradient not reduced over TP",
          confirmation=PLAIN + ": the ranks' parts sum to it"),
+    Case("sp_norm_avg", "tp", {"seed": 20, "steps": 1}, "sp_norm_avg", verdict="FAIL", fails={"layout": (
+        "replicated (non-sharded) tensors layers.0.attention_norm.weight", "times 0.5 = 1 / the TP size 2",
+        "averaged over the TP group where each rank held only its part"), "gradient": ()},
+         what="the sequence-parallel norms' weight gradients averaged over TP where summed (the final norm right)",
+         confirmation=PLAIN + ": the block norms' half its, every other tensor its"),
     Case("tp_grad_x", "tp", {"seed": 4}, "tp_grad_x", verdict="FAIL", fails={"layout": (
         "times 2 = the TP size 2", "split over a model-parallel"), "gradient": ()},
          what="TP-split gradients too large by the TP size", confirmation=PLAIN + ": the split ones twice it"),

@@ -20,6 +20,9 @@ The gate's lines: the declared sharding and the three `rec.` calls. Faults ("fau
   ep_grad_unscaled the expert gradients are not divided by the EP size: W times one
                    process's while the loss is right (pytorch #160285, Megatron #5956)
   ep_grad_twice    the expert gradients divided by the EP size twice: 1 / W times one process's
+  ep_flat_reduce   the expert gradients all-reduced and averaged over the ranks with the dense ones (one
+                   loop over every parameter): each rank's experts get the sum of every rank's experts'
+                   gradients, different experts mixed
   aux_local        the balancing term's routing counts are this rank's own, not
                    all-reduced (torchtitan #3000): another objective than the declared one
   declare_reversed the run is clean, its declaration names the ranks in the reverse of
@@ -33,6 +36,9 @@ replicated parameters' gradients are already equal on every rank. Its fault:
   rng_apart        with "emb_dropout" > 0 (torch's dropout on the embedding's output, build_dropout_model):
                    each rank seeds the global RNG by its rank, so the TP ranks draw different masks in a
                    region they all hold whole
+  tp_sum_replicated every replicated parameter's gradient summed over the TP ranks after the backward
+                   (as if they were data-parallel ranks): TP times one process's, each rank already
+                   holding the whole gradient
   tp_no_reduce     the head's input gradient is not all-reduced over the TP ranks (a
                    hand-written all-reduce whose backward communicates nothing,
                    flash-attention #1244): each rank's replicated gradients hold
@@ -104,12 +110,16 @@ def run(cfg: dict) -> None:
         loss.backward()
         with torch.no_grad():
             for n, p in model.named_parameters() if not tp else ():
-                if n in EXPERT_PARAMS:  # summed over every rank's tokens by the all_to_all's backward
+                if n in EXPERT_PARAMS and fault != "ep_flat_reduce":  # summed over every rank's tokens by
+                    # the all_to_all's backward
                     if fault != "ep_grad_unscaled":
                         p.grad.div_(world * world if fault == "ep_grad_twice" else world)
                 else:  # dense: data parallel over the same ranks
                     dist.all_reduce(p.grad)
                     p.grad.div_(world)
+            for n, p in model.named_parameters() if tp and fault == "tp_sum_replicated" else ():
+                if not n.startswith("out."):  # replicated: already whole and equal on every TP rank
+                    dist.all_reduce(p.grad)
         logged = loss.detach().clone()
         dist.all_reduce(logged)
         rec.step(loss=logged / world, optimizer=opt)

@@ -15,6 +15,9 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
   clean          as above
   sp_norm_local  the sequence-parallel norms' weights are plain tensors, their
                  gradients never reduced over the TP group (tp_llama's knob)
+  sp_norm_avg    sp_norm_local's plain norms, their gradients then averaged over the TP group where
+                 each rank's part must be summed (an all-reduce with AVG for SUM): 1 / TP times one
+                 process's on those norms alone (the final norm, a DTensor, is reduced right)
   tp_grad_x      after the last backward the loop multiplies every TP-sharded
                  weight's gradient by the TP size (a reduction that sums where it
                  should average; pytorch #160285's doubled expert gradients)
@@ -125,7 +128,8 @@ def run(cfg: dict) -> None:
 
         mp = MixedPrecisionPolicy(**{k: getattr(torch, cfg[k]) for k in ("param_dtype", "reduce_dtype") if cfg[k]})
     if tp > 1:
-        parallelize(model, mesh, loss_parallel=cfg["loss_parallel"], sp_norm_local=fault == "sp_norm_local",
+        parallelize(model, mesh, loss_parallel=cfg["loss_parallel"],
+                    sp_norm_local=fault in ("sp_norm_local", "sp_norm_avg"),
                     dropout_local=fault == "dropout_local", mp_policy=mp)
     if fault == "init_shards":
         torch.manual_seed(cfg["seed"])
@@ -175,6 +179,12 @@ def run(cfg: dict) -> None:
             with torch.no_grad():
                 for p in model.parameters():
                     p.grad.mul_(dp)
+        if fault == "sp_norm_avg":  # the plain norms' parts averaged over the TP group, not summed
+            with torch.no_grad():
+                for p in model.parameters():
+                    if not isinstance(p, DTensor):
+                        dist.all_reduce(p.grad, group=mesh["tp"].get_group())
+                        p.grad.div_(tp)
         if fault == "tp_grad_x":  # the step's TP-sharded gradients summed over the group where averaged
             with torch.no_grad():
                 for p in model.parameters():

@@ -99,6 +99,17 @@ def test_expert_gradients_divided_by_the_ep_size_once_too_often_are_told_to_drop
         assert rel(got[n], 0.5 * want[n]) < 5e-6
 
 
+def test_expert_gradients_all_reduced_with_the_dense_ones_are_named_mixed_over_the_ep_group(ep):
+    """One loop all-reduces every gradient, the experts' too: each rank's two experts get the sum of both
+    ranks' (the gradient line says only "not by a constant factor"; the layout line names the mixing)."""
+    want, got = plain_gradient(ep["ep_flat_reduce"]), recorded(ep["ep_flat_reduce"], 0)
+    for n in EXPERTS:  # independently: each half of the assembled experts is the sum of one process's halves
+        mixed = sum(want[n].chunk(2))
+        assert rel(got[n], want[n]) > 0.1
+        assert all(rel(half, mixed) < 5e-6 for half in got[n].chunk(2))
+    assert max(rel(got[n], want[n]) for n in want if n not in EXPERTS) < 5e-6
+
+
 def test_a_balancing_term_over_local_routing_counts_fails_against_the_declared_global_one(ep):
     # its row: gradient fails naming each rank's own term; layout passes (the experts' gradients are right)
     # independently: the recorded gradient is each rank's term over its own counts, not the global one's
@@ -186,6 +197,14 @@ def test_a_hand_written_all_reduce_left_out_of_the_backward_fails_named(ep):
     want, got = plain_gradient(ep["tp_no_reduce"]), recorded(ep["tp_no_reduce"], 0)
     assert rel(got["out.weight"], want["out.weight"]) < 5e-6
     assert rel(got["norm.weight"], want["norm.weight"]) > 1e-2
+
+
+def test_hand_written_tp_summing_the_replicated_gradients_over_the_tp_ranks_is_named_so(ep):
+    # its row: layout fails, "summed over the TP group instead of averaged"
+    # independently: every replicated gradient is twice one process's, the split head's is one process's
+    want, got = plain_gradient(ep["tp_sum_replicated"]), recorded(ep["tp_sum_replicated"], 0)
+    assert max(rel(got[n], want[n]) for n in ("out.weight", "out.bias")) < 5e-6
+    assert max(rel(got[n], 2 * want[n]) for n in want if not n.startswith("out.")) < 5e-6
 
 
 def test_a_declaration_naming_the_ranks_out_of_order_is_refused_at_the_rebuild_naming_the_sharding(ep):

@@ -92,6 +92,16 @@ def test_a_sequence_parallel_norm_whose_weight_gradient_is_not_reduced_over_tp_f
     assert rel(g0[n], want[n]) > 0.1 and rel(g0[n] + g1[n], want[n]) < 5e-6
 
 
+def test_sequence_parallel_norms_averaged_over_tp_where_summed_are_named_on_those_tensors_alone(tp):
+    """The plain block norms' parts averaged (not summed) over TP: half one process's on those tensors
+    alone, the final norm (a DTensor, reduced by DTensor) right: a factor on a subset of the replicated
+    tensors, which the layout line names."""
+    want, got = plain_gradient(tp["sp_norm_avg"]), recorded(tp["sp_norm_avg"], 0)
+    norms = [n for n in want if ".attention_norm." in n or ".ffn_norm." in n]
+    assert norms and max(rel(got[n], 0.5 * want[n]) for n in norms) < 5e-6
+    assert max(rel(got[n], want[n]) for n in want if n not in norms) < 5e-6
+
+
 def test_tp_split_gradients_too_large_by_the_tp_size_fail_named(tp):
     want, got = plain_gradient(tp["tp_grad_x"]), recorded(tp["tp_grad_x"], 0)
     assert abs(float(got["layers.0.attention.wq.weight"].norm() / want["layers.0.attention.wq.weight"].norm()) - 2) < 1e-4

@@ -17,12 +17,19 @@ layout  passes when, at every recorded step,
           mesh dimension and the replicated ones, is off from one process's
           gradient by a constant factor while the other class agrees (a
           reduction that sums over the TP group where it should average:
-          c = the TP size, named; pytorch #160285's doubled expert gradients).
+          c = the TP size, named; pytorch #160285's doubled expert gradients);
+        - no subset of the replicated parameters alone is off by the TP size
+          or 1 / it while every other tensor agrees (causes.tensor_factor, as
+          the gradient check finds it: a DTensor layout's plain tensors summed
+          over the TP group where every rank held the whole gradient, or a
+          sequence-parallel norm's parts averaged where they must be summed).
 A declared sharding (record/declared.py: plain-tensor shards, Megatron-style
 TP or expert parallel) is judged the same way from its "declared" entry: its
 "tensor" groups are the model-parallel groups above; an "expert" group's
 ranks are data-parallel ranks (each its own rows), and a factor on the expert
-parameters alone is named by the expert-parallel size (pytorch #160285).
+parameters alone is named by the expert-parallel size (pytorch #160285); expert
+gradients reduced over their group like replicated ones (each rank's piece the
+sum, or the mean, of every rank's pieces one process gives) are named so.
 A context-parallel recording (its "context_parallel" entry: the sequence
 dimension, the declared order, the CP size; its groups the CP groups) is
 judged by _check_context_parallel: every CP peer held its shard (in the
@@ -44,7 +51,7 @@ from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge import causes as C
 from dormouse.gate.judge.bounds import FACTOR_AWAY, FACTOR_RTOL, GRAD_RTOL
 from dormouse.gate.judge.cpshards import cp_chunks, cp_join, cp_split
-from dormouse.gate.judge.gradtools import fleet_grad
+from dormouse.gate.judge.gradtools import fleet_grad, parts_at
 from dormouse.gate.judge.precision import arithmetic_bound
 from dormouse.gate.judge.metrics import fit, rel
 
@@ -190,10 +197,88 @@ def _class_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int,
         elif ep:
             what = "dense parameters (replicated: each rank holds all of them)"
             why = "their reduction over the data-parallel ranks applied the wrong number of times"
+        elif cls == "replicated" and kind == "TP" and tp > 1:
+            why = (_replicated_why(cs[0], tp, tol) or (None, why))[1]
         return (f"the gradients of the {n_cls} {what} are one process's times {cs[0]:.4g}"
                 + (f" = {named}" if named else "") + f" at every recorded step, while the {other} ones agree: "
                 + why)
     return None
+
+
+def _replicated_why(c: float, tp: int, tol: float) -> tuple[str, str] | None:
+    """(the factor's name, why) where replicated tensors' gradients are the TP size, or 1 / it, times one
+    process's; None for another c."""
+    if abs(c / tp - 1) <= tol:
+        return (f"the TP size {tp}", "summed over the TP group instead of averaged: every TP rank computes a "
+                "replicated tensor's whole gradient from the same rows, so a sum over the group counts it "
+                f"{tp} times (drop that all-reduce, or divide by the TP size)")
+    if abs(c * tp - 1) <= tol:
+        return (f"1 / the TP size {tp}", "averaged over the TP group where each rank held only its part of the "
+                "gradient and the parts must be summed (a sequence-parallel norm's weight), or divided by the TP "
+                "size with no sum after it")
+    return None
+
+
+def _replicated_factor(rec: A.RecordingSet, ref: ReferenceSet, params: dict, tp: int) -> str | None:
+    """The TP size (or its reciprocal) as a factor on some replicated tensors alone, every other tensor
+    agreeing (causes.tensor_factor, the gradient check's finder), as a sentence; None otherwise. A DTensor
+    layout's Replicate DTensors are reduced by DTensor itself, its plain tensors by the loop: a loop that
+    reduces the plain ones wrongly puts the factor on those alone, not on the whole class."""
+    steps = rec.tensor_steps()
+    if tp < 2 or not steps:
+        return None
+    bound = max(arithmetic_bound(rec, ref, GRAD_RTOL, k) for k in steps)
+    tol = max(FACTOR_RTOL, bound)
+    found = C.tensor_factor([parts_at(rec, ref, k) for k in steps], bound, tol)
+    if found is None or any(params.get(n, {}).get("model_parallel") for n in found[1]):
+        return None
+    c, names = found
+    said = _replicated_why(c, tp, tol)
+    if said is None:
+        return None
+    which = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"the gradients of the {len(names)} replicated (non-sharded) tensors {which} are one process's times "
+            f"{c:.4g} = {said[0]} at every recorded step, while every other tensor agrees (the split ones "
+            f"included): {said[1]}")
+
+
+def _experts_mixed(rec: A.RecordingSet, ref: ReferenceSet, params: dict, decl: dict) -> str | None:
+    """Expert gradients all-reduced over their expert-parallel group as the dense ones are: at every recorded
+    step each rank's piece of every declared expert parameter's gradient is the sum (or the mean) over the
+    group of the pieces one process gives, as a sentence; None otherwise (or no expert parameter)."""
+    experts = {n: decl[v["pattern"]] for n, v in params.items()
+               if v.get("parallel") == "expert" and v.get("pattern") in decl}
+    steps = rec.tensor_steps()
+    if not experts or not steps:
+        return None
+    worst = {"summed": 0.0, "averaged": 0.0}  # each against its step's bound (the ratio); inf: off at a step
+    bounds = []
+    for k in steps:
+        bounds.append(arithmetic_bound(rec, ref, GRAD_RTOL, k))
+        g, g_ref = fleet_grad(rec, k), ref.tensors(k, A.GRAD)
+        summed, averaged = {}, {}
+        for n, d in experts.items():
+            size = len(next((grp for grp in d["groups"] if 0 in grp), d["groups"][0]))  # rank 0's group's
+            if n not in g or n not in g_ref or size < 2 or g_ref[n].shape[d["dim"]] % size:
+                return None
+            summed[n] = torch.cat([sum(g_ref[n].double().chunk(size, d["dim"]))] * size, d["dim"])
+            averaged[n] = summed[n] / size
+        names = sorted(summed)
+        if rel(g, g_ref, names) <= bounds[-1]:
+            return None  # the experts' gradients are right at this step
+        worst["summed"] = max(worst["summed"], rel(g, summed, names) / bounds[-1])
+        worst["averaged"] = max(worst["averaged"], rel(g, averaged, names) / bounds[-1])
+    how = next((h for h in ("summed", "averaged") if worst[h] <= 1), None)
+    if how is None:
+        return None
+    d = next(iter(experts.values()))
+    return (f"the expert parameters {', '.join(sorted(experts))} (declared sharded over the expert-parallel ranks "
+            f"{d['groups'][0]}) hold on every rank the {'sum' if how == 'summed' else 'mean'} over the group of "
+            "every expert's gradient one process gives (at every recorded step, within the gradient's bound: "
+            f"worst {worst[how]:.2g} of it): the expert gradients were reduced over the expert-parallel group "
+            "like replicated ones, which mixes different experts' gradients into each; an expert's gradient "
+            "already holds every rank's tokens (the all_to_all's backward), so leave the expert parameters out "
+            "of the dense parameters' all-reduce (reduce them only over ranks that hold the same experts)")
 
 
 def _check_pipeline(rec: A.RecordingSet, ref: ReferenceSet, lay: dict) -> Check:
@@ -232,7 +317,8 @@ def check_layout(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     ep = max((len(g) for d in decl.values() if d.get("parallel") == "expert" for g in d.get("groups", [])),
              default=None)
     finding = _peer_inputs(rec, groups) or _unreduced(rec, ref, groups, params) or \
-        _class_factor(rec, ref, params, tp, dp, ep)
+        _experts_mixed(rec, ref, params, decl) or _class_factor(rec, ref, params, tp, dp, ep) or \
+        _replicated_factor(rec, ref, params, tp)
     if finding:
         return Check("layout", False, finding)
     n_split = sum(1 for v in params.values() if v.get("model_parallel"))
