@@ -328,6 +328,10 @@ CASES: tuple[Case, ...] = (
         "the scheduler stepped before optimizer.step()")},
          confirmation="the test's own AdamW at each next step's lr on the recorded gradients gives the recorded "
                       "parameters bitwise"),
+    Case("group_lr", "causes", fault="group_lr", verdict="FAIL", may_fail={}, fails={"replay": (
+        "the update at step 1 of 1 tensor(s) (ln1.bias)", "is the replay's times 2, exactly, every other tensor's the "
+        "replay's")}, what="ln1.bias in a param group of its own at twice the lr",
+         confirmation="the test's own AdamW with ln1.bias at twice the lr gives the recorded parameters bitwise"),
     Case("dropout_rank1_eps", "causes", {"dropout": 0.1, "eps": 1e-3}, "rank1_eps", verdict="FAIL",
          fails={"gradient": "differs from one process's gradient"}, what="torch's dropout, rank 1's loss x 1.001",
          confirmation="the fleet's gradient is off one process's at the ranks' recorded masks by more than the "

@@ -29,6 +29,7 @@ hooks below (`loss_of`, `scale_of`, `after_sync`, ...) selected by each run's "f
   noclip_declared  the Recorder is told max_grad_norm, the loop never clips (and reports no norm)
   sched_before_step  the scheduler stepped after rec.step() and before optimizer.step() (each step taken at
                    the next step's lr)
+  group_lr         ln1.bias in a param group of its own at twice the lr (build_optimizer's has one group)
 The reviewer's faults (tests/gate/catches/test_ddp_loops_written_from_the_docs.py):
   rank1_eps        rank 1 scales its loss by 1 + eps (cfg "eps")
   bias_x2          after the all-reduce, one small tensor's gradient (ln1.bias) doubled on every rank
@@ -283,6 +284,13 @@ def run(cfg: dict) -> None:
     if fault == "wd_wrong":
         for group in opt.param_groups:
             group["weight_decay"] *= 1.001
+    if fault == "group_lr":  # the loop's own optimizer: ln1.bias's group at twice the lr
+        from loopmodel import lr_factor
+
+        split = [[p for n, p in model.named_parameters() if (n == "ln1.bias") == own] for own in (False, True)]
+        opt = torch.optim.AdamW([{"params": split[0]}, {"params": split[1], "lr": 2 * cfg["lr"]}], lr=cfg["lr"],
+                                weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     start, stop = 0, cfg["steps"]
     if cfg["leg"] == 1:
         stop = cfg["stop_at"]

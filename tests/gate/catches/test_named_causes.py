@@ -383,11 +383,12 @@ def test_the_counts_a_cause_is_named_from_read_the_labels_given_to_rec_labels_fi
 # --------------------------------------------------------------------------- the update the replay names
 
 
-def _own_adamw(out: Path, *, twice_at: int = 0, clip: float = 0.0, ahead: int = 0) -> tuple[list[dict], float]:
+def _own_adamw(out: Path, *, twice_at: int = 0, clip: float = 0.0, ahead: int = 0,
+               bias_lr: float = 1.0) -> tuple[list[dict], float]:
     """This file's own AdamW (torch's, its lr set by hand from loopmodel.lr_factor, the run's lr and weight
     decay) on rank 0's recorded gradients from the recorded initial parameters, stepped twice at step
-    `twice_at`, clipped by `clip` when given, each step at the lr `ahead` steps on: the parameters after each
-    step; the first step's gradient norm."""
+    `twice_at`, clipped by `clip` when given, each step at the lr `ahead` steps on, ln1.bias at `bias_lr` x
+    it: the parameters after each step; the first step's gradient norm."""
     from loopmodel import lr_factor
 
     meta = json.loads((out / "recording.json").read_text())
@@ -395,7 +396,8 @@ def _own_adamw(out: Path, *, twice_at: int = 0, clip: float = 0.0, ahead: int = 
     steps = sorted(int(p.stem[4:]) for p in (out / "rank0").glob("step*.safetensors"))
     first = load_file(A.step_tensors_path(out, 0, steps[0]))
     params = {n[2:]: torch.nn.Parameter(v.clone()) for n, v in first.items() if n.startswith("p/")}
-    opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.1)
+    groups = [[p for n, p in params.items() if (n == "ln1.bias") == own] for own in (False, True)]
+    opt = torch.optim.AdamW([{"params": groups[0]}, {"params": groups[1]}], lr=lr, weight_decay=0.1)
     after, norm0 = [], None
     for i, k in enumerate(steps):
         g = load_file(A.step_tensors_path(out, 0, k))
@@ -406,7 +408,8 @@ def _own_adamw(out: Path, *, twice_at: int = 0, clip: float = 0.0, ahead: int = 
         norm0 = float(norm) if norm0 is None else norm0
         if clip:
             torch.nn.utils.clip_grad_norm_([p for p in params.values() if p.grad is not None], clip)
-        opt.param_groups[0]["lr"] = lr * lr_factor(i + ahead)
+        for group, x in zip(opt.param_groups, (1.0, bias_lr)):
+            group["lr"] = x * lr * lr_factor(i + ahead)
         opt.step()
         if k == twice_at:
             opt.step()
@@ -449,6 +452,14 @@ def test_a_scheduler_stepped_before_the_optimizer_is_each_update_at_the_next_ste
     lr gives the recorded parameters after each step bitwise, at the step's own lr not."""
     d = recordings["sched_before_step"]
     assert all(_bitwise(a, _recorded_after(d, k + 1)) for k, a in enumerate(_own_adamw(d, ahead=1)[0]))
+    assert not _bitwise(_own_adamw(d)[0][0], _recorded_after(d, 1))
+
+
+def test_a_param_group_at_twice_the_lr_is_named_by_its_tensor_by_the_tests_own_adamw(recordings):
+    """group_lr (its row: replay names ln1.bias's update as the replay's times 2, every other tensor's the
+    replay's): this file's own AdamW with ln1.bias at twice the lr gives the recorded parameters bitwise."""
+    d = recordings["group_lr"]
+    assert _bitwise(_own_adamw(d, bias_lr=2.0)[0][-1], _recorded_after(d, 2))
     assert not _bitwise(_own_adamw(d)[0][0], _recorded_after(d, 1))
 
 
