@@ -58,7 +58,7 @@ def scheduler_words(rec: A.RecordingSet, ref: ReferenceSet, rank: int) -> str:
     shown = (f"at step(s) {', '.join(str(k) for k, _ in off[:SHOWN])}{more} the lr its scheduler gives at step(s) "
              f"{', '.join(str(j) for _, j in off[:SHOWN])}{more}")
     d = {j - k for k, j in off}
-    if len(d) == 1 and all(j == k for k, j in pairs if k < off[0][0]) and (ahead := d.pop()) != 0:
+    if len(d) == 1 and off == pairs[pairs.index(off[0]):] and (ahead := d.pop()) != 0:
         how = (f"{ahead} step(s) ahead from step {off[0][0]} on: the scheduler was stepped {ahead} more time(s) than "
                f"the optimizer before step {off[0][0]}" if ahead > 0 else
                f"{-ahead} step(s) behind from step {off[0][0]} on: the scheduler skipped {-ahead} step(s)")
@@ -104,7 +104,8 @@ def rank_lr(rec: A.RecordingSet, ref: ReferenceSet) -> str | None:
 
 def _tensor_ratios(before, after, replayed) -> dict[str, tuple[float, bool]]:
     """{tensor: (c, exact)} for each tensor the replay moved: the recorded update fitted as c x the replay's,
-    exact where the residual is within the float32 rounding of the parameters' two values."""
+    exact where the residual is within the float32 rounding of the parameters' two values; empty where the
+    fleet moved a tensor the replay did not (no ratio says that)."""
     out = {}
     for n in sorted(replayed):
         if n not in before or n not in after or before[n].shape != replayed[n].shape:
@@ -113,6 +114,8 @@ def _tensor_ratios(before, after, replayed) -> dict[str, tuple[float, bool]]:
         u, v = p1 - p0, r1 - p0
         vv = float((v * v).sum())
         if vv == 0:
+            if bool((u != 0).any()):
+                return {}
             continue
         c = float((u * v).sum()) / vv
         res = float((u - c * v).norm())
