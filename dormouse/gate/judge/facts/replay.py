@@ -5,8 +5,12 @@ Every recording (dormouse's own fleet's too: its routing bias is a declared buff
 replay        fact 4: the user's optimizer and scheduler replayed in one process
               from the initial state on the recorded gradients give the recorded
               parameters BITWISE before every step and after the last, across
-              resumes, and the recorded lr; a resume that reset the scheduler is
-              named. (Sketch / every-k recordings: the one-process run trained
+              resumes, and the recorded lr (every rank's); a resume that reset the
+              scheduler is named, and a differing update or lr by what the
+              numbers prove (replay_causes.py: two optimizer steps, the declared
+              clip not applied, an lr c x the scheduler's on every tensor or on
+              some, the scheduler's lr of another step, a rank's own lr).
+              (Sketch / every-k recordings: the one-process run trained
               on the declared objective instead, within FLOOR_MULTIPLE x its
               own drift from a copy started one ulp away.)
 buffers       (when the loop declared buffer_update: state outside the optimizer
