@@ -280,32 +280,55 @@ def test_a_clean_loop_with_dropout_is_not_judged_by_the_probe_never_blamed_on_th
     assert "each rank drew its own masks" in probe.reason and "loss is at fault" not in probe.reason
 
 
+def _dropout_states_edited(fleet, tmp_path, edit):
+    """The wild dropout loop's recording copied, each step file's tensors given to edit(tensors, micro-batches),
+    referenced and judged."""
+    from safetensors.torch import load_file, save_file
+
+    from dormouse.gate.judge.entry import judge_recording
+    from dormouse.gate.record.reference import make_reference
+
+    dst = tmp_path / "edited"
+    shutil.copytree(fleet["dropout"], dst, ignore=shutil.ignore_patterns("reference"))
+    rec = A.RecordingSet(dst)
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            t = load_file(A.step_tensors_path(dst, r, k))
+            edit(t, rec.step_meta(r, k)["micro_batches"])
+            save_file(t, A.step_tensors_path(dst, r, k))
+    make_reference(dst, log=looprec.QUIET)
+    return judge_recording(dst)
+
+
 def test_dropout_masks_drawn_on_cuda_are_said_not_judged_never_a_fail(fleet, tmp_path):
     """A forward on CUDA draws its dropout masks from CUDA's generator, which the reference (on the CPU) cannot
     draw again. The dropout loop's recording with a CUDA state beside each micro-batch's CPU one (what the
     Recorder keeps for a model on CUDA) gets gradient, loss, clip and independence "not judged: dropout masks
     drawn on cuda", never a FAIL; the same recording without them is judged (its row: the gradient equals
     one process's)."""
-    from safetensors.torch import load_file, save_file
+    def on_cuda(t, micro):
+        for m in range(micro):
+            t[A.rng_key(m, "cuda")] = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's seed and offset
 
-    from dormouse.gate.judge.entry import judge_recording
-    from dormouse.gate.record.reference import make_reference
-
-    dst = tmp_path / "on_cuda"
-    shutil.copytree(fleet["dropout"], dst, ignore=shutil.ignore_patterns("reference"))
-    rec = A.RecordingSet(dst)
-    for k in rec.steps:
-        for r in range(rec.world_at(k)):
-            t = load_file(A.step_tensors_path(dst, r, k))
-            for m in range(rec.step_meta(r, k)["micro_batches"]):
-                t[A.rng_key(m, "cuda")] = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's seed and offset
-            save_file(t, A.step_tensors_path(dst, r, k))
-    make_reference(dst, log=looprec.QUIET)
-    v = judge_recording(dst)
+    v = _dropout_states_edited(fleet, tmp_path, on_cuda)
     assert v.passed, looprec.failing(v)
     assert v.check("gradient").reason.startswith("not judged: dropout masks drawn on cuda (")
     assert all(v.check(n).reason == "not judged: dropout masks drawn on cuda (see gradient)"
                for n in ("loss", "clip", "independence"))
+
+
+def test_a_dropout_recording_without_rng_states_fails_saying_to_record_it_again(fleet, tmp_path):
+    """A recording made before the Recorder kept the RNG states (the states taken out of the dropout loop's):
+    the reference draws from one seed, the gradient fails (this file's arithmetic above: one seed's masks are
+    not the ranks'), and independence says to record it again, in its one line."""
+    def unkept(t, micro):
+        for m in range(micro):
+            del t[A.rng_key(m, "cpu")]
+
+    v = _dropout_states_edited(fleet, tmp_path, unkept)
+    assert not v.passed and not v.check("gradient").passed
+    assert "this recording keeps no RNG states (made before the Recorder kept them): record it again" in \
+        v.check("independence").reason
 
 
 def test_labels_zeroed_on_one_ranks_device_copy_fail_the_data_named(fleet):

@@ -36,6 +36,12 @@ def replayed(rec: A.RecordingSet, ref: ReferenceSet) -> bool:
     return _states(rec, ref) == {"replayed"} and not rec.recorded.layout
 
 
+def unrecorded(rec: A.RecordingSet, ref: ReferenceSet) -> bool:
+    """A recording made before the Recorder kept the RNG states (the reference drew from one seed), where
+    recording it again would have them replayed (no layout, the objective per micro-batch)."""
+    return _states(rec, ref) == {None} and not rec.recorded.layout and rec.spec.objective_scope != "step"
+
+
 def on_cuda(rec: A.RecordingSet, ref: ReferenceSet) -> bool:
     """Whether the gradient changes with the draws and the forwards drew them on CUDA."""
     return "cuda" in _states(rec, ref) and sensitive(rec, ref)

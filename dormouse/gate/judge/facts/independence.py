@@ -155,7 +155,9 @@ def check_independence(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
                   + (f" ({', '.join(drop)})" if drop else " or other unkeyed randomness")
                   + f": its masks are random draws, which no split of the batch draws as one process does, "
                   f"whether or not the ranks share a seed (per-example vs batch {worst:.2g}); switch it off "
-                  "(p = 0 or the module in eval mode) to gate the loop")
+                  "(p = 0 or the module in eval mode) to gate the loop"
+                  + ("; this recording keeps no RNG states (made before the Recorder kept them): record it again "
+                     "to judge it at the masks each rank drew" if rng and draws.unrecorded(rec, ref) else ""))
     else:
         reason = (f"the network is not a function of each example alone: per-example gradients (each row alone, "
                   f"trimmed to its attention_mask) differ from the batch's by {worst:.2g} at step {worst_k} "

@@ -189,9 +189,9 @@ def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     if drawn:  # each rank's masks are its own draws: neither a module's output nor a rank's scale has one value
         return Check("probe", True, (
             f"not judged: one process's gradient of the probed micro-batch at step {drawn[0]} changes with the RNG "
-            "state (dropout or another random draw in the forward): each rank drew its own masks, which one process "
-            "does not repeat, so neither the modules' outputs nor the ranks' loss scales can be compared with one "
-            "process's (see independence)"))
+            "state (dropout or another random draw in the forward): each rank drew its own masks, which the probe's "
+            "one-process passes (at the recorded parameters and one ulp away) do not draw again, so neither the "
+            "modules' outputs nor the ranks' loss scales can be compared with one process's (see independence)"))
     worst_f, worst_b, skipped, n = 0.0, 0.0, set(), 0
     for k in steps:
         scales = {}
