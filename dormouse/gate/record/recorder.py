@@ -31,8 +31,9 @@ forward adds the labels the loop's loss reads and the model is not given.
 The hooks sit on the module under any DDP and torch.compile wrappers and run
 eagerly under torch.compile (a graph break, not a dynamo trace of them).
 
-Per step and rank it writes (names: dormouse.gate.artifacts) the micro-batches,
-the parameters before the step, the gradient on the parameters at rec.step()
+Per step and rank it writes (names: dormouse.gate.artifacts) the micro-batches
+and the RNG state each one's forward started from (a dropout's masks are drawn
+again from it), the parameters before the step, the gradient on the parameters at rec.step()
 (synchronised; before clipping unless the loop says it clipped, by passing
 `clip_coef` or `grad_norm` with max_grad_norm > 0: then the gradient is the
 clipped one the optimizer applies and `clip_coef` says by how much), the lr,
