@@ -250,6 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-gb", type=float, default=None,
                    help="with --scale: kill a run whose processes hold more (default 90%% of the memory available)")
     p.add_argument("--check-threads", type=int, default=2, help="with --scale: gate check's --threads")
+    p.add_argument("--faults", default="", help="with --scale: planted faults to record and check at each size "
+                                                "(scale1.001, scale1.001_pre, no_avg_tokens, local_norm, micro_mean)")
+    p.add_argument("--modes", default="full,none,sketch",
+                   help="with --scale: the clean runs (full: recorded in full tensors and checked; none: unrecorded; "
+                        "sketch: sketched); --modes '' with --faults for the faults alone")
+    p.add_argument("--sharded", type=int, default=0, metavar="N",
+                   help="with --scale: also check the full recording under torchrun over N ranks (the sharded "
+                        "reference, docs/sharded.md): its wall, peak per process and whether its verdict is the same")
     args = p.parse_args(argv)
     if args.scale:
         from dormouse.bench.scale import scale_main
@@ -257,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [x.strip() for x in args.sizes.split(",") if x.strip()]
         return scale_main(sizes, steps=args.steps, out=Path(args.out) if args.out else artifacts_dir() / "scale.json",
                           docs=Path(args.docs) if args.docs else None, kill_gb=args.kill_gb,
-                          threads=args.check_threads)
+                          threads=args.check_threads, faults=tuple(f for f in args.faults.split(",") if f),
+                          modes=tuple(m for m in args.modes.split(",") if m), sharded=args.sharded)
     if args.render:
         res = json.loads(Path(args.render).read_text())
         if args.docs:

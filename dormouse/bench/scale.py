@@ -144,16 +144,63 @@ def _verdict(output: str) -> str:
     return f"{said} ({names}: {failed[0].split(':', 1)[1].strip()[:100]}...)"
 
 
-def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int, log, partial=None) -> dict:
+# the planted faults (examples/scale/hf_gpt2.py's FAULT) and the environment each needs
+FAULT_ENV = {"scale1.001": {}, "scale1.001_pre": {}, "no_avg_tokens": {}, "local_norm": {},
+             "micro_mean": {"ACCUM": "2"}}
+
+
+def _spec(size: str) -> tuple[str, str, dict]:
+    """(script, its SCALE, extra environment) of a --sizes entry: a size, or size@B for B rows per rank-step."""
+    name, _, batch = size.partition("@")
+    script, scale = OTHER.get(name, (SCRIPT.name, name))
+    return script, scale, {"BATCH": batch} if batch else {}
+
+
+def tokens_per_rank_step(size: str) -> int:
+    """Rows per rank-step x the sequence (both scripts' defaults: 2 x 128)."""
+    batch = size.partition("@")[2]
+    return int(batch or 2) * int(os.environ.get("SEQ", "128"))
+
+
+def one_fault(size: str, fault: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int, log) -> dict:
+    """A planted fault at this size, recorded in full tensors and checked: the verdict and its first failing line."""
+    root = repo_root()
+    script, scale, extra = _spec(size)
+    env = {**os.environ, "SCALE": scale, "STEPS": str(steps), "OMP_NUM_THREADS": "1", "SKETCH": "0", "FAULT": fault,
+           **extra, **FAULT_ENV.get(fault, {}),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    out = tmp / f"{size}-{fault}"
+    log(f"  {size}: fault {fault}: training ...")
+    res = measured([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                    str(out)], env=env, cwd=root / SCRIPT.parent, kill_bytes=kill_bytes, log=log)
+    got: dict = {"train_rc": res["rc"], "train_wall_s": res["wall_s"]}
+    if res["rc"] == 0:
+        log(f"  {size}: fault {fault}: gate check ...")
+        chk = measured([sys.executable, "-m", "dormouse", "gate", "check", "--out", str(out), "--threads",
+                        str(threads)], env=env, cwd=root / SCRIPT.parent, kill_bytes=kill_bytes, log=log)
+        fails = [ln.strip() for ln in chk["output"].splitlines() if ln.strip().startswith("[FAIL]")]
+        got.update(check_rc=chk["rc"], check_wall_s=chk["wall_s"], peak_gb=max(
+            (v[1] for v in chk["peaks"].values()), default=0) / GB, verdict=_verdict(chk["output"]), fails=fails)
+    else:
+        got["error"] = res["output"][-600:]
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(Path(str(out) + "-trainer"), ignore_errors=True)
+    return got
+
+
+def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int, log, partial=None,
+             modes: tuple = ("full", "none", "sketch"), sharded: int = 0) -> dict:
     root = repo_root()
     cwd = root / SCRIPT.parent
-    script, scale = OTHER.get(size, (SCRIPT.name, size))
-    base = {**os.environ, "SCALE": scale, "STEPS": str(steps), "OMP_NUM_THREADS": "1",
+    script, scale, extra = _spec(size)
+    base = {**os.environ, "SCALE": scale, "STEPS": str(steps), "OMP_NUM_THREADS": "1", **extra,
             "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
     row: dict = {"size": size, "steps": steps}
     # full tensors (and the check) first: the figures a short allocation must not lose
     for mode, extra in (("full", {"SKETCH": "0"}), ("none", {"RECORD": "0"}), ("sketch", {"SKETCH": "256"})):
+        if mode not in modes:
+            continue
         out = tmp / f"{size}-{mode}"
         log(f"  {size}: training, recorder {mode} ...")
         res = measured(run + [str(out)], env={**base, **extra}, cwd=cwd, kill_bytes=kill_bytes, log=log)
@@ -170,6 +217,16 @@ def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int,
             row["check"] = {"wall_s": chk["wall_s"], "cpu_s": chk["cpu_s"], "rc": chk["rc"], "killed": chk["killed"],
                             "peak_gb": max((v[1] for v in chk["peaks"].values()), default=0) / GB,
                             "verdict": _verdict(chk["output"]), "output": chk["output"][-3000:]}
+            if sharded:
+                log(f"  {size}: gate check sharded over {sharded} ranks ...")
+                shd = measured([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                f"--nproc_per_node={sharded}", "-m", "dormouse", "gate", "check", "--out", str(out)],
+                               env=base, cwd=cwd, kill_bytes=kill_bytes, log=log)
+                row["check_sharded"] = {"ranks": sharded, "wall_s": shd["wall_s"], "cpu_s": shd["cpu_s"],
+                                        "rc": shd["rc"], "killed": shd["killed"], "verdict": _verdict(shd["output"]),
+                                        "peak_gb": max((v[1] for v in shd["peaks"].values()), default=0) / GB,
+                                        "same_verdict": _verdict(shd["output"]) == row["check"]["verdict"],
+                                        "output": shd["output"][-3000:]}
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(Path(str(out) + "-trainer"), ignore_errors=True)
         if partial is not None:
@@ -197,6 +254,12 @@ def ratios(row: dict) -> dict:
     return r
 
 
+def _label(row: dict) -> str:
+    """'small (124M), 256 tokens': the size, its parameters and the tokens per rank-step."""
+    tokens = row.get("tokens_per_rank_step") or tokens_per_rank_step(row["size"])
+    return f"{row['size'].partition('@')[0]} ({row.get('params_m', '?')}M), {tokens} tokens"
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | run unrecorded → sketched → full (s) | recorded / unrecorded, sketched / full | disk per step sketched / "
             "full | one training rank's peak | `gate check` wall (× the full run's wall; CPU × its CPU) | check peak (× a rank's) | "
@@ -210,7 +273,7 @@ def table(rows: list[dict]) -> str:
             return "killed" if x.get("killed") else f"{x['wall_s']:.0f}" if x.get("rc") == 0 else "failed"
 
         lines.append(
-            f"| {row['size']} ({row.get('params_m', '?')}M) | {w(n)} → {w(s)} → {w(f)} | "
+            f"| {_label(row)} | {w(n)} → {w(s)} → {w(f)} | "
             f"{r.get('overhead_sketch', float('nan')):.2f} / {r.get('overhead_full', float('nan')):.2f} (CPU "
             f"{r.get('overhead_sketch_cpu', float('nan')):.2f} / {r.get('overhead_full_cpu', float('nan')):.2f}) | "
             f"{s.get('disk_per_step_gb', float('nan')):.3f} / {f.get('disk_per_step_gb', float('nan')):.2f} GB | "
@@ -222,12 +285,35 @@ def table(rows: list[dict]) -> str:
     return "\n".join(ln.replace(" (CPU nan / nan)", "").replace("; CPU nan ×", "") for ln in lines)
 
 
+FAULT_WORDS = {
+    "scale1.001": "rank 1's synchronised gradient x 1.001 (after the reduce)",
+    "scale1.001_pre": "rank 1's gradient x 1.001 before the all-reduce",
+    "no_avg_tokens": "`average_tokens_across_devices=False`",
+    "local_norm": "clipped by the rank's local norm",
+    "micro_mean": "the mean of micro-batch means (GA 2)",
+}
+
+
+def faults_table(rows: list[dict]) -> str:
+    """One line per (size, planted fault): the verdict, the failing checks and the first one's words."""
+    lines = ["| model | planted fault | verdict | `gate check` wall, peak | the first failing line |", "|---|---|---|---|---|"]
+    for row in rows:
+        for fault, got in row.get("faults", {}).items():
+            first = got.get("fails", [""])[0][len("[FAIL] "):] if got.get("fails") else got.get("error", "")[-200:]
+            first = first.replace("|", "/")
+            lines.append(f"| {_label(row)} | {FAULT_WORDS.get(fault, fault)} | "
+                         f"{got.get('verdict', 'training failed').split(' (')[0]} | "
+                         f"{got.get('check_wall_s', float('nan')):.0f} s, {got.get('peak_gb', float('nan')):.2f} GB | "
+                         f"{first[:400]}{'...' if len(first) > 400 else ''} |")
+    return "\n".join(lines)
+
+
 PARAMS_M = {"tiny": 0.5, "mini": 6.9, "mid": 30, "small": 124, "medium": 355, "moe": 133, "llama": 125,
             "llama_tiny": 0.4}
 
 
 def scale_main(sizes: list[str], *, steps: int, out: Path, docs: Path | None, kill_gb: float | None,
-               threads: int) -> int:
+               threads: int, faults: tuple = (), modes: tuple = ("full", "none", "sketch"), sharded: int = 0) -> int:
     from dormouse import atomic
 
     def log(line: str) -> None:
@@ -246,8 +332,13 @@ def scale_main(sizes: list[str], *, steps: int, out: Path, docs: Path | None, ki
                 atomic.write_text(out, json.dumps({"rows": [*done, row], "partial": True}, indent=1) + "\n")
 
             row = one_size(size, steps=steps, tmp=Path(tmp), kill_bytes=int(kill_gb * GB), threads=threads, log=log,
-                           partial=partial)
-            row["params_m"] = PARAMS_M.get(size, "?")
+                           partial=partial, modes=modes, sharded=sharded)
+            for fault in faults:
+                row.setdefault("faults", {})[fault] = one_fault(size, fault, steps=steps, tmp=Path(tmp),
+                                                                kill_bytes=int(kill_gb * GB), threads=threads, log=log)
+                partial(row)
+            row["params_m"] = PARAMS_M.get(size.partition("@")[0], "?")
+            row["tokens_per_rank_step"] = tokens_per_rank_step(size)
             row.update(ratios(row))
             rows.append(row)
             log(table([row]).splitlines()[-1])
