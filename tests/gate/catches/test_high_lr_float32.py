@@ -26,7 +26,8 @@ from looprec import QUIET, fails_for, launched_fixture, rel, verdict
 
 high_lr = launched_fixture("high_lr", {"clean": {"lr": 1.0, "steps": 12},
                                      "eps": {"lr": 1.0, "steps": 2, "fault": "rank1_eps", "eps": 1e-3},
-                                     "one": {"lr": 1.0, "steps": 1}},
+                                     "one": {"lr": 1.0, "steps": 1},
+                                     "late": {"steps": 3, "fault": "late_x15"}},
                          "ddp_loop.py", 2)
 
 
@@ -132,3 +133,34 @@ def test_gate_check_makes_the_normalised_form_only_where_the_sum_form_misses_wit
             assert any(made) and not all(made), made
         else:
             fails_for(lazy, "gradient", "the fleet's gradient differs from one process's gradient")
+
+
+def test_gate_check_leaves_out_the_fits_where_a_step_passes_and_names_a_late_fault_from_every_steps_fits(
+        high_lr, tmp_path):
+    """The fits that name a failing gradient's cause (the micro-batch means', each rank's own count's, the last
+    micro-batch's) are not written at a step whose fleet gradient is within half its bound of one process's
+    (record/reference/spilled.drop_fits): a clean run's later steps hold the gradient alone. A fault at step 2
+    alone (every rank's loss x 1.5 there) fails where the steps around it pass: `gate check` then makes the
+    reference again with every step's fits, and its verdict is word for word the one of a reference made with
+    them from the start. The test's own arithmetic: at step 2 the fleet is 1.5 x its own normalised form."""
+    from dormouse.gate.pipeline import check_recording
+
+    lines = []
+    for name in ("clean", "late"):
+        d = tmp_path / name
+        shutil.copytree(high_lr[name], d, ignore=shutil.ignore_patterns("reference*", "verdict*"))
+        lazy = check_recording(d, log=lines.append)
+        eager = verdict(high_lr[name])
+        # the clean run's gradient line counts the steps nearer gn among those that made it: the same checks pass
+        words = name == "late"
+        assert [(c.name, c.passed, c.reason if words else "") for c in lazy.checks] == \
+            [(c.name, c.passed, c.reason if words else "") for c in eager.checks], name
+        if name == "clean":
+            ref = A.ReferenceSet(d)
+            dropped = [k for k in A.RecordingSet(d).steps if ref.info(k).get("fits_dropped")]
+            assert dropped and not ref.tensors(dropped[-1], A.alternative("micro_mean")), dropped
+            assert not any("again" in line for line in lines)
+    assert any("the reference again, with the fits" in line for line in lines), lines
+    fails_for(lazy, "gradient", "1.5")
+    got, _, normalised = _own_forms(high_lr["late"], 2)
+    assert rel(got, 1.5 * normalised) <= 1e-6 and rel(got, normalised) > 0.3
