@@ -252,13 +252,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-threads", type=int, default=2, help="with --scale: gate check's --threads")
     p.add_argument("--faults", default="", help="with --scale: planted faults to record and check at each size "
                                                 "(scale1.001, scale1.001_pre, no_avg_tokens, local_norm, micro_mean)")
-    p.add_argument("--modes", default="full,none,sketch",
-                   help="with --scale: the clean runs (full: recorded in full tensors and checked; none: unrecorded; "
-                        "sketch: sketched); --modes '' with --faults for the faults alone")
+    p.add_argument("--modes", default="full,check,none,sketch",
+                   help="with --scale: the clean runs (full: recorded in full tensors, check: and checked; none: "
+                        "unrecorded; sketch: sketched); --modes '' with --faults for the faults alone")
     p.add_argument("--sharded", type=int, default=0, metavar="N",
                    help="with --scale: also check the full recording under torchrun over N ranks (the sharded "
                         "reference, docs/sharded.md): its wall, peak per process and whether its verdict is the same")
     args = p.parse_args(argv)
+    if args.scale and args.render:  # several scale runs' JSON (comma-separated) merged into one page section
+        from dormouse.bench.scale import render_scale
+
+        return render_scale([Path(x) for x in args.render.split(",") if x],
+                            docs=Path(args.docs) if args.docs else None)
     if args.scale:
         from dormouse.bench.scale import scale_main
 

@@ -149,6 +149,21 @@ FAULT_ENV = {"scale1.001": {}, "scale1.001_pre": {}, "no_avg_tokens": {}, "local
              "micro_mean": {"ACCUM": "2"}}
 
 
+def _environ() -> dict:
+    """The children's environment: this one's, with Python writing bytecode as it does by default (a
+    PYTHONDONTWRITEBYTECODE in the caller's environment would make every process compile transformers
+    afresh, some 20 s of each start); warm() writes it once before anything is timed."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def warm(log) -> None:
+    """Import what the runs and the check import once, untimed, so that no timed process compiles it."""
+    log("  warm-up: importing torch, transformers and dormouse's gate once (bytecode written)")
+    subprocess.run([sys.executable, "-c", "import torch, torch.distributed.run, transformers, dormouse.gate.__main__, "
+                    "dormouse.gate.record.hf; from transformers import GPT2LMHeadModel, LlamaForCausalLM, "
+                    "Qwen3MoeForCausalLM, Trainer"], env=_environ(), check=False)
+
+
 def _spec(size: str) -> tuple[str, str, dict]:
     """(script, its SCALE, extra environment) of a --sizes entry: a size, or size@B for B rows per rank-step."""
     name, _, batch = size.partition("@")
@@ -166,7 +181,7 @@ def one_fault(size: str, fault: str, *, steps: int, tmp: Path, kill_bytes: int, 
     """A planted fault at this size, recorded in full tensors and checked: the verdict and its first failing line."""
     root = repo_root()
     script, scale, extra = _spec(size)
-    env = {**os.environ, "SCALE": scale, "STEPS": str(steps), "OMP_NUM_THREADS": "1", "SKETCH": "0", "FAULT": fault,
+    env = {**_environ(), "SCALE": scale, "STEPS": str(steps), "OMP_NUM_THREADS": "1", "SKETCH": "0", "FAULT": fault,
            **extra, **FAULT_ENV.get(fault, {}),
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     out = tmp / f"{size}-{fault}"
@@ -189,11 +204,11 @@ def one_fault(size: str, fault: str, *, steps: int, tmp: Path, kill_bytes: int, 
 
 
 def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int, log, partial=None,
-             modes: tuple = ("full", "none", "sketch"), sharded: int = 0) -> dict:
+             modes: tuple = ("full", "check", "none", "sketch"), sharded: int = 0) -> dict:
     root = repo_root()
     cwd = root / SCRIPT.parent
     script, scale, extra = _spec(size)
-    base = {**os.environ, "SCALE": scale, "STEPS": str(steps), "OMP_NUM_THREADS": "1", **extra,
+    base = {**_environ(), "SCALE": scale, "STEPS": str(steps), "OMP_NUM_THREADS": "1", **extra,
             "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
     row: dict = {"size": size, "steps": steps}
@@ -210,7 +225,7 @@ def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int,
             row[mode]["disk_per_step_gb"] = _disk_per_step(out, steps) / GB
         if res["rc"] != 0:
             row[mode]["error"] = res["output"][-600:]
-        if mode == "full" and res["rc"] == 0:
+        if mode == "full" and res["rc"] == 0 and "check" in modes:
             log(f"  {size}: gate check ...")
             chk = measured([sys.executable, "-m", "dormouse", "gate", "check", "--out", str(out), "--threads",
                             str(threads)], env=base, cwd=cwd, kill_bytes=kill_bytes, log=log)
@@ -313,7 +328,8 @@ PARAMS_M = {"tiny": 0.5, "mini": 6.9, "mid": 30, "small": 124, "medium": 355, "m
 
 
 def scale_main(sizes: list[str], *, steps: int, out: Path, docs: Path | None, kill_gb: float | None,
-               threads: int, faults: tuple = (), modes: tuple = ("full", "none", "sketch"), sharded: int = 0) -> int:
+               threads: int, faults: tuple = (), modes: tuple = ("full", "check", "none", "sketch"),
+               sharded: int = 0) -> int:
     from dormouse import atomic
 
     def log(line: str) -> None:
@@ -324,6 +340,7 @@ def scale_main(sizes: list[str], *, steps: int, out: Path, docs: Path | None, ki
 
         kill_gb = 0.9 * available() / GB
     rows = []
+    warm(log)
     t0 = time.perf_counter()
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dormouse-scale-") as tmp:
@@ -354,15 +371,73 @@ def scale_main(sizes: list[str], *, steps: int, out: Path, docs: Path | None, ki
     return 0
 
 
+def merged(results: list[dict]) -> dict:
+    """Several runs of the scale bench as one: a size's row from the runs that measured it (the clean runs'
+    figures from the last run that has them, its faults from every run), the load of each run."""
+    rows: dict[str, dict] = {}
+    for res in results:
+        for row in res["rows"]:
+            into = rows.setdefault(row["size"], {"size": row["size"]})
+            faults = {**into.get("faults", {}), **row.get("faults", {})}
+            into.update({k: v for k, v in row.items() if v not in ({}, None)})
+            if faults:
+                into["faults"] = faults
+    metas = [r["meta"] for r in results if "meta" in r]
+    return {"rows": list(rows.values()), "meta": {
+        "cpus": metas[-1]["cpus"] if metas else os.cpu_count(), "steps": metas[-1]["steps"] if metas else 3,
+        "check_threads": metas[-1]["check_threads"] if metas else 2,
+        "loads": [(m["loadavg_start"][0], m["loadavg_end"][0]) for m in metas]}}
+
+
+def render_scale(paths: list[Path], *, docs: Path | None) -> int:
+    """`python -m dormouse.bench --scale --render a.json,b.json [--docs docs/benchmarks.md]`."""
+    res = merged([json.loads(p.read_text()) for p in paths])
+    text = page_section(res)
+    if docs is not None:
+        from dormouse.bench.page import SCALE, write_section
+
+        write_section(docs, text, heading=SCALE)
+    print(text)
+    return 0
+
+
+def _sharded_line(rows: list[dict]) -> str:
+    done = [(r, r["check_sharded"]) for r in rows if r.get("check_sharded")]
+    return " ".join(
+        f"{r['size']}: the sharded reference over {c['ranks']} ranks (`torchrun --nproc_per_node {c['ranks']} -m "
+        f"dormouse gate check`) took {c['wall_s']:.0f} s against one process's {r['check']['wall_s']:.0f} s, each "
+        f"process at most {c['peak_gb']:.2f} GB (one process: {r['check']['peak_gb']:.2f} GB), verdict "
+        f"{c['verdict'][:60]}{' (the same)' if c.get('same_verdict') else ' (NOT the same)'}." for r, c in done)
+
+
 def page_section(res: dict) -> str:
     m = res["meta"]
+    loads = m.get("loads") or [(m["loadavg_start"][0], m["loadavg_end"][0])]
+    rows = res["rows"]
+    faults = faults_table(rows) if any(r.get("faults") for r in rows) else ""
     return "\n".join([
         "## At scale", "",
-        f"Generated by `python -m dormouse.bench --scale --docs docs/benchmarks.md` ({m['cpus']} CPUs; 1-minute "
-        f"load average {m['loadavg_start'][0]:.1f} at the start, {m['loadavg_end'][0]:.1f} at the end). "
-        "transformers' `Trainer` on GPT-2 configurations (random init, the real 50,257-token vocabulary but for "
-        f"tiny's 256), 2 CPU ranks, per-device batch 2 × sequence 128 (256 tokens per rank-step), {m['steps']} "
-        "steps; `gate check` on the full-tensor recording with "
-        f"`--threads {m['check_threads']}` (the two cores the ranks trained on). Wall times include each "
-        "process's start (imports, model build); peaks are resident memory read every 0.2 s.", "",
-        table(res["rows"]), ""])
+        f"Generated by `python -m dormouse.bench --scale` ({m['cpus']} CPUs; the runs' 1-minute load averages at "
+        f"their start and end: {', '.join(f'{a:.1f} → {b:.1f}' for a, b in loads)}; several runs merged by "
+        "`--scale --render a.json,b.json --docs docs/benchmarks.md`). Models of real size, random init, 2 CPU "
+        "ranks (gloo, one thread each), sequence 128, per-rank batch 2 unless the row says more tokens, "
+        f"{m['steps']} optimizer steps, AdamW, clipping at 1.0: GPT-2 configurations and a Qwen3-MoE "
+        "(8 experts, 2 routed) under transformers' `Trainer` (examples/scale/hf_gpt2.py; the real 50,257-token "
+        "vocabulary but for tiny's 256), and a Llama-style model trained by a plain FSDP2 loop "
+        "(examples/scale/llama_fsdp2.py, a 32,000-token vocabulary). `gate check` runs on the full-tensor "
+        f"recording with `--threads {m['check_threads']}` (the two cores the ranks trained on). Wall times include "
+        "each process's start (imports, model build); peaks are resident memory read every 0.2 s; CPU seconds "
+        "are every process's user + system time.", "",
+        table(rows), "",
+        "The goals: the check's peak at most 1.5 × one recorded training rank's, its wall time at most 3 × the "
+        "recorded run's; recording at most 1.1 × (sketched) and 1.3 × (full) the unrecorded run's wall time at "
+        "256 tokens a rank-step. Recording costs O(parameters) a step (hashing, sketching, copying, writing) and "
+        "training O(parameters × tokens): its ratio falls as the tokens per rank-step grow (the rows with more "
+        "tokens). The check differentiates every micro-batch at every step (the gradient and the replay are "
+        "judged at every recorded step) and, at the first step, the extras a budget states in the verdict (rows "
+        "alone and merged, the module probe): a 3-step run carries the first step's extras over few steps.",
+        "",
+        *([_sharded_line(rows), ""] if any(r.get("check_sharded") for r in rows) else []),
+        *(["Planted faults, recorded in full tensors at that size and checked (the verdict's first failing line, "
+           "cut at 400 characters):", "", faults, ""] if faults else []),
+    ])

@@ -17,3 +17,33 @@ def test_each_writer_keeps_the_others_sections_in_page_order(tmp_path):
     assert "scale two" in text and "scale one" not in text and "accelerator one" in text
     assert text.index("head two") < text.index(SCALE) < text.index(SECTION)
     assert text.count(SCALE) == 1 and text.count(SECTION) == 1
+
+
+def test_the_scale_section_merges_several_runs_by_size_and_lists_every_planted_fault(tmp_path):
+    """`python -m dormouse.bench --scale --render a.json,b.json`: a size's clean figures and its faults measured
+    in separate runs end in one row and one faults table; a verdict that is not the one-process one is said."""
+    import json
+
+    from dormouse.bench.scale import render_scale
+
+    meta = {"cpus": 2, "loadavg_start": [1.0], "loadavg_end": [2.0], "check_threads": 2, "steps": 3}
+    clean = {"rows": [{"size": "small", "params_m": 124, "none": {"wall_s": 50, "rc": 0, "cpu_s": 90},
+                       "full": {"wall_s": 75, "rc": 0, "cpu_s": 130, "rank_peak_gb": 5.0, "disk_per_step_gb": 2.2},
+                       "check": {"wall_s": 200, "cpu_s": 300, "rc": 0, "peak_gb": 5.1, "verdict": "PASS"},
+                       "check_sharded": {"ranks": 2, "wall_s": 260, "peak_gb": 3.0, "verdict": "FAIL (x)",
+                                         "same_verdict": False}}], "meta": meta}
+    faulty = {"rows": [{"size": "small", "params_m": 124, "faults": {"local_norm": {
+        "verdict": "FAIL (clip: ...)", "check_wall_s": 210, "peak_gb": 5.2,
+        "fails": ["[FAIL] clip: at step 1 the loop clipped by a | local norm"]}}}], "meta": meta}
+    paths = []
+    for name, res in (("a", clean), ("b", faulty)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(res))
+    page = tmp_path / "benchmarks.md"
+    render_scale(paths, docs=page)
+    text = page.read_text()
+    assert text.count("| small (124M), 256 tokens |") == 2  # the clean row and the fault's row
+    assert "200 s (2.67 ×" in text and "5.10 GB (1.02 ×)" in text
+    assert "clipped by its local norm" not in text and "clipped by the rank's local norm | FAIL |" in text
+    assert "clipped by a / local norm" in text  # a table cell never holds a bare |
+    assert "(NOT the same)" in text
