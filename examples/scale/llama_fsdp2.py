@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rows import token_rows
 
 SIZES = {  # hidden, layers, heads, kv heads, mlp, vocab
     "tiny": (64, 2, 4, 2, 128, 256),
@@ -49,20 +50,6 @@ def build_optimizer(model, scale: str = SCALE, seq: int = SEQ, lr: float = LR, s
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps)
 
 
-def rows(n: int, seed: int = 0) -> list[dict]:
-    """Random token rows of lengths SEQ/2..SEQ, right-padded with 0 (labels -100 there)."""
-    vocab = SIZES[SCALE][5]
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(SEQ // 2, SEQ + 1, (1,), generator=g))
-        ids = torch.zeros(SEQ, dtype=torch.long)
-        ids[:length] = torch.randint(1, vocab, (length,), generator=g)
-        mask = (torch.arange(SEQ) < length).long()
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
-    return out
-
-
 def main(out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -75,7 +62,7 @@ def main(out: str) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt, sched = build_optimizer(model)
-    data = rows(world * BATCH * STEPS)
+    data = token_rows(world * BATCH * STEPS, SEQ, SIZES[SCALE][5])
     rec = None
     if os.environ.get("RECORD", "1") != "0":
         from dormouse.gate import Recorder, RecordingSpec
