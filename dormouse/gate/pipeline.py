@@ -92,8 +92,9 @@ def check_recording(out, *, force: bool = False, log: Log = print, memory: int |
             _refuse_if_rewritten(out, before)
             B.return_freed_memory()
             v = judge(out)
-            if _fits_dropped(out, v):  # a failing gradient: its cause is named from every step's fits
-                log("the gradient fails: the reference again, with the fits that name its cause at every step")
+            if _deferred(out, v):  # a failing check: its cause named from every step's fits and the probe
+                log("a check fails: the reference again, with the module probe and the fits that name a failing "
+                    "gradient's cause at every step")
                 make_reference(out, force=True, log=log, normalised=True)
                 _refuse_if_rewritten(out, before)
                 v = judge(out)
@@ -103,16 +104,17 @@ def check_recording(out, *, force: bool = False, log: Log = print, memory: int |
     return v
 
 
-def _fits_dropped(out, v: Verdict) -> bool:
-    """Whether v's gradient check fails on a reference that left out, at a step the fleet passed by half
-    its bound, the fits naming a failure's cause (record/reference/spilled.drop_fits)."""
+def _deferred(out, v: Verdict) -> bool:
+    """Whether a check of v fails on a reference that deferred what names a failure's cause: the module
+    probe (record/reference/replay.py), or, at a step the fleet passed by half its bound, the fits of
+    a failing gradient (record/reference/spilled.drop_fits)."""
     from dormouse.gate.artifacts.run import ReferenceSet
 
-    grad = v.check("gradient")
-    if grad is None or grad.passed:
+    if v.passed:
         return False
     ref = ReferenceSet(out)
-    return any(ref.info(k).get("fits_dropped") for k in ref.meta.get("steps", []))
+    steps = ref.meta.get("steps", [])
+    return bool(ref.meta.get("probe_deferred")) or any(ref.info(k).get("fits_dropped") for k in steps)
 
 
 def sharded_launch() -> bool:

@@ -139,9 +139,10 @@ def test_gate_check_leaves_out_the_fits_where_a_step_passes_and_names_a_late_fau
         high_lr, tmp_path):
     """The fits that name a failing gradient's cause (the micro-batch means', each rank's own count's, the last
     micro-batch's) are not written at a step whose fleet gradient is within half its bound of one process's
-    (record/reference/spilled.drop_fits): a clean run's later steps hold the gradient alone. A fault at step 2
+    (record/reference/spilled.drop_fits), nor is the module probe run (it localises a failure): a clean run's
+    later steps hold the gradient alone. A fault at step 2
     alone (every rank's loss x 1.5 there) fails where the steps around it pass: `gate check` then makes the
-    reference again with every step's fits, and its verdict is word for word the one of a reference made with
+    reference again with every step's fits and the probe, and its verdict is word for word the one of a reference made with
     them from the start. The test's own arithmetic: at step 2 the fleet is 1.5 x its own normalised form."""
     from dormouse.gate.pipeline import check_recording
 
@@ -160,7 +161,8 @@ def test_gate_check_leaves_out_the_fits_where_a_step_passes_and_names_a_late_fau
             dropped = [k for k in A.RecordingSet(d).steps if ref.info(k).get("fits_dropped")]
             assert dropped and not ref.tensors(dropped[-1], A.alternative("micro_mean")), dropped
             assert not any("again" in line for line in lines)
-    assert any("the reference again, with the fits" in line for line in lines), lines
+            assert lazy.check("probe").reason.startswith("not run: every other check passed"), lazy.check("probe")
+    assert any("the reference again, with the module probe and the fits" in line for line in lines), lines
     fails_for(lazy, "gradient", "1.5")
     got, _, normalised = _own_forms(high_lr["late"], 2)
     assert rel(got, 1.5 * normalised) <= 1e-6 and rel(got, normalised) > 0.3

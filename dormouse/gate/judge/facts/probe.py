@@ -178,6 +178,10 @@ def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     steps = [k for k in rec.steps if rec.step_meta(0, k).get("probe_order") is not None]
     if not steps:
         return None
+    if ref.meta.get("probe_deferred"):
+        return Check("probe", True, "not run: every other check passed, and the probe localises a failure (the first "
+                                    "module whose output departs from one process's, or the loss): `gate check` "
+                                    "runs it where a check fails")
     if not any(ref.tensors(k, A.PROBE) for k in steps) and rec.spec.objective_scope == "step":
         return Check("probe", True, "not probed: the objective is declared over the whole step "
                                     "(objective_scope='step'), so no one micro-batch's gradient is the fleet's alone")

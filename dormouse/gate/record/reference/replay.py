@@ -91,7 +91,8 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
     by tensor into the step's file; the alternatives that only name causes in
     float32), the probe and the buffer rule beside them. The rows alone and
     merged at the steps an ExtrasBudget takes (sample.py); "gn" as
-    `normalised` says (gradients.step_gradient_parts)."""
+    `normalised` says (gradients.step_gradient_parts); a callable `normalised`
+    (`gate check`'s first pass) also defers the module probe."""
     from dormouse.gate.artifacts.tensorfile import write_streamed
 
     scan = FW.scan(model)
@@ -101,6 +102,9 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
     lrs, scheduled = replay_params(out, rec, model)
     differs = RA.alternatives(out, rec, model, train_step)  # (step, what its update is) where the replay's is not
     budget = ExtrasBudget()  # the tensor steps that get the rows alone and merged (and fact 1's sample)
+    # the module probe (four forwards and backwards a replica) only localises a failure: `gate check` (a callable
+    # `normalised`) defers it, and makes the reference again with it where a check fails (pipeline.check_recording)
+    deferred = False
     for i, k in enumerate(rec.steps):  # the gradients, at the recorded parameters
         load_params(model, rec.tensors_at(k, A.PARAM), rec.tensors_at(k, A.BUFFER))
         set_modes(model, rec.eval_modules(k))
@@ -108,8 +112,9 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
         parts, info = step_gradient_parts(model, rec, k, user, examples=budget if want else None,
                                           probe=(i == 0), alt_dtype=torch.float32, normalised=normalised)
         extra: dict[str, torch.Tensor] = {}
-        if probe.is_probe_step(rec, k):  # the probe's one-process side, at the recorded parameters
-            extra.update(probe_tensors(model, rec, k, user))
+        deferred = deferred or (probe.is_probe_step(rec, k) and callable(normalised))
+        if probe.is_probe_step(rec, k) and not callable(normalised):  # its one-process side, at the recorded
+            extra.update(probe_tensors(model, rec, k, user))  # parameters (deferred by `gate check`: below)
         if rule is not None:  # after the gradients: the rule may move the buffers (reloaded each step)
             extra.update({A.BUFFER_AFTER + n: v for n, v in updated_buffers(rule, rec.spec.buffer_update, model,
                                                                    rec, k).items()})
@@ -129,5 +134,6 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
         _trim()
     meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,
             "mode": "replay", "steps": rec.steps, "scheduler": scheduled,
-            "buffer_rule": rule_text if rule is not None else None, "schedule_lr": RA.schedule(rec, model), **scan}
+            "buffer_rule": rule_text if rule is not None else None, "schedule_lr": RA.schedule(rec, model),
+            "probe_deferred": deferred, **scan}
     return atomic.write_text(A.reference_meta_path(out), json.dumps(meta, indent=1))
