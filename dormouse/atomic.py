@@ -18,7 +18,10 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def _atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+def _atomic(path: str | os.PathLike, write: Callable[[Path], None], sync: bool = True) -> Path:
+    """write(tmp), then tmp renamed over `path`; sync=False skips the fsync (the
+    rename still never shows a half-written file to a reader or after a killed
+    process; only an operating-system crash can lose what the page cache held)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A unique name in the same directory: two writers (two ranks, or two
@@ -29,8 +32,9 @@ def _atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
     try:
         write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        if sync:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():

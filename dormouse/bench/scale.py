@@ -235,7 +235,8 @@ def one_size(size: str, *, steps: int, tmp: Path, kill_bytes: int, threads: int,
             if sharded:
                 log(f"  {size}: gate check sharded over {sharded} ranks ...")
                 shd = measured([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc_per_node={sharded}", "-m", "dormouse", "gate", "check", "--out", str(out)],
+                                f"--nproc_per_node={sharded}", "-m", "dormouse", "gate", "check", "--out", str(out),
+                                "--force"],  # the reference made again, sharded (not the one-process one's)
                                env=base, cwd=cwd, kill_bytes=kill_bytes, log=log)
                 row["check_sharded"] = {"ranks": sharded, "wall_s": shd["wall_s"], "cpu_s": shd["cpu_s"],
                                         "rc": shd["rc"], "killed": shd["killed"], "verdict": _verdict(shd["output"]),

@@ -106,12 +106,13 @@ class LazyTensors(Mapping):
 
 
 def write_streamed(path, spec: list[tuple[str, torch.dtype, tuple]], pieces: Iterable[tuple[str, torch.Tensor]],
-                   metadata: dict | None = None, *, durable: bool = True) -> Path:
+                   metadata: dict | None = None, *, durable: bool = True, sync: bool = True) -> Path:
     """A safetensors file at `path` (atomically) holding spec's tensors, in
     spec's order, from `pieces`: (key, tensor) in the same order, a tensor
     given whole or as consecutive row ranges (of its first dimension) that
     together make it. Only one piece is in memory at a time. durable=False
-    (scratch) writes in place without the fsync."""
+    (scratch) writes in place without the fsync; sync=False renames without
+    the fsync (atomic.write's sync)."""
     header: dict = {"__metadata__": {k: str(v) for k, v in (metadata or {}).items()}} if metadata else {}
     offset, sizes = 0, {}
     for key, dtype, shape in spec:
@@ -152,7 +153,7 @@ def write_streamed(path, spec: list[tuple[str, torch.dtype, tuple]], pieces: Ite
     if not durable:  # a scratch file: no rename, no fsync
         write(Path(path))
         return Path(path)
-    return atomic._atomic(path, write)
+    return atomic._atomic(path, write, sync=sync)
 
 
 def remove(path) -> None:

@@ -173,14 +173,15 @@ def check_ranks(rec: A.RecordingSet) -> Check:
     if (rec.recorded.layout or {}).get("pipeline"):  # judge/facts/layouts.py: each stage's parameters exist once
         return Check("ranks", True, "pipeline: each rank holds its own stage's parameters (each exists once); "
                                     "merged by name, they are what the other checks judge")
-    for k in rec.tensor_steps():
-        hashes = [rec.step_meta(r, k).get("param_hash") for r in range(rec.world_at(k))]
-        bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
-        if bad:
-            return Check("ranks", False, f"rank {bad[0]}'s parameters or persistent buffers differ from rank 0's "
-                                         f"before step {k}" + _which(rec, k, bad[0]))
-    if not rec.recorded.layout:  # replicas (DDP): every rank's copy, rank by rank
-        for k in rec.steps:
+    tensor_steps = set(rec.tensor_steps())
+    for k in rec.steps:  # step by step: the first place the replicas part (a gradient changed after the reduce at
+        if k in tensor_steps:  # step k is named there, not as the parameters it moves apart before step k + 1)
+            hashes = [rec.step_meta(r, k).get("param_hash") for r in range(rec.world_at(k))]
+            bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
+            if bad:
+                return Check("ranks", False, f"rank {bad[0]}'s parameters or persistent buffers differ from rank 0's "
+                                             f"before step {k}" + _which(rec, k, bad[0]))
+        if not rec.recorded.layout:  # replicas (DDP): every rank's copy, rank by rank
             apart = replica_apart(rec.out, k, [rec.step_meta(r, k) for r in range(rec.world_at(k))])
             if apart:
                 return Check("ranks", False, apart)
