@@ -323,6 +323,14 @@ CASES: tuple[Case, ...] = (
                 "replay": "the declared max_grad_norm 0.05 was not applied"},
          confirmation="the test's own AdamW step on the unclipped recorded gradient (its norm above 0.05) gives the "
                       "recorded parameters bitwise"),
+    Case("clip_tenth", "causes", {"max_grad_norm": 0.5}, "clip_tenth", verdict="FAIL",
+         fails={"gradient": ("times 0.1 at every step = a clip at max_grad_norm 0.05 where 0.5 is declared",
+                             "clipped by another threshold than the declared one")},
+         what="the loop clips at a tenth of the declared max_grad_norm and reports its norm (every step clipped)"),
+    Case("clip_half", "causes", {"max_grad_norm": 0.5}, "clip_half", verdict="FAIL",
+         fails={"gradient": ("times 0.5 = 1/W", "a clip at max_grad_norm 0.25 where 0.5 is declared",
+                             "or, every step clipped, a clip by another threshold")},
+         what="the loop clips at half the declared max_grad_norm (every step clipped): the factor is 1/W too"),
     Case("sched_before_step", "causes", fault="sched_before_step", verdict="FAIL", may_fail={}, fails={"replay": (
         "every tensor's update at step 1 is the replay's times", "the lr the scheduler gives at step 2",
         "the scheduler stepped before optimizer.step()")},

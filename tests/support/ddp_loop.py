@@ -27,6 +27,8 @@ hooks below (`loss_of`, `scale_of`, `after_sync`, ...) selected by each run's "f
   rank_sched       rank 1's scheduler stepped once more after step 1 (its lr a step ahead from step 2 on)
   double_step      at step 2 the optimizer stepped twice (the second with no backward, on the same gradients)
   noclip_declared  the Recorder is told max_grad_norm, the loop never clips (and reports no norm)
+  clip_half        the loop clips at half the declared max_grad_norm (and reports its norm)
+  clip_tenth       the loop clips at a tenth of the declared max_grad_norm (and reports its norm)
   sched_before_step  the scheduler stepped after rec.step() and before optimizer.step() (each step taken at
                    the next step's lr)
   group_lr         ln1.bias in a param group of its own at twice the lr (build_optimizer's has one group)
@@ -393,8 +395,9 @@ def run(cfg: dict) -> None:
         norm = None
         if manual:
             norm = clip_local(model, mgn, cfg["fsdp"], world)
-        elif mgn and fault != "noclip_declared":
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), mgn)
+        elif mgn and fault != "noclip_declared":  # clip_half, clip_tenth: another threshold than the declared one
+            at = mgn / 2 if fault == "clip_half" else mgn / 10 if fault == "clip_tenth" else mgn
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), at)
         ids = torch.tensor(idx) + (rank * n if cfg["rank_ids"] else 0)  # rank_ids: distinct whatever was read
         rec.step(loss=reported, optimizer=opt, grad_norm=norm, example_ids=ids if cfg["ids"] else None,
                  epoch=epoch if cfg["epoch"] else None)

@@ -188,11 +188,12 @@ def previous_count(fits: list[tuple[int, float, float]], implied: list[float], c
 
 
 def describe_scalars(fits: list[tuple[int, float, float]], counts: list[dict[str, float]] | None,
-                     rtol: float, norms: list[float] | None = None) -> str:
+                     rtol: float, norms: list[float] | None = None, declared: float | None = None) -> str:
     """The sentence for an exact per-step scalar: the scalars, the counts they
     imply against the steps' target counts, and the known count that matches;
     or, where the scalars are clip coefficients of one process's gradient norms
-    (`norms`, one a fitted step), the grad_norm the loop did not pass."""
+    (`norms`, one a fitted step), the grad_norm the loop did not pass, or (`declared`: the
+    max_grad_norm of a loop that did pass its norm) the threshold it clipped by instead."""
     show = fits[:SHOWN_STEPS]
     more = f", ... ({len(fits)} steps)" if len(fits) > SHOWN_STEPS else ""
     scal = ", ".join(f"{c:.4g}" for _, c, _ in show)
@@ -200,6 +201,11 @@ def describe_scalars(fits: list[tuple[int, float, float]], counts: list[dict[str
     words = (f"the fleet's gradient is one process's times a scalar that changes from step to step, exact at each "
              f"(residual within the bound): {scal}{more} at steps {steps}")
     clip = clip_norm_of(fits, norms, rtol)
+    if clip is not None and declared is not None:
+        return words + (f"; each scalar is min(1, {clip:.6g} / ||g||), one process's gradient norm at that step: the "
+                        f"loop clipped by a max_grad_norm of {clip:.6g}, not the declared {declared:g} (it passed "
+                        "its gradient norm to rec.step): clip by the declared threshold, or declare the one the "
+                        f"loop clips by, RecordingSpec(max_grad_norm={clip:.6g})")
     if clip is not None:
         return words + (f"; each scalar is min(1, {clip:.6g} / ||g||), one process's gradient norm at that step: the "
                         f"clip coefficients of a max_grad_norm of {clip:.6g}. The loop clipped before rec.step() "

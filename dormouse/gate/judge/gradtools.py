@@ -218,7 +218,18 @@ def factor_words(rec: A.RecordingSet, c: float, micro: int, rtol: float) -> str 
     names = [n for n in (factor_name(c, w, micro, rtol) or "").split(" = ") if n and (w > 1 or "W" not in n)]
     names += [f"the TP size {tp}"] if tp > 1 and abs(c / tp - 1) <= rtol else []
     names += [f"1 / the TP size {tp}"] if tp > 1 and abs(c * tp - 1) <= rtol else []
+    names += [clip_words] if (clip_words := _clipped_by(rec, c)) else []
     return " = ".join(names) or None
+
+
+def _clipped_by(rec: A.RecordingSet, c: float) -> str | None:
+    """A constant factor c < 1 where the declared max_grad_norm clipped every step: the loop may have clipped
+    by c x that threshold (the same factor at every clipped step), named beside the sizes c equals."""
+    mgn = float(rec.spec.max_grad_norm or 0)
+    coefs = [rec.step_meta(0, k).get("clip_coef") for k in rec.steps]
+    if not (mgn > 0 and 0 < c < 1 and coefs and all(x is not None and x < 1 for x in coefs)):
+        return None
+    return f"a clip at max_grad_norm {c * mgn:.6g} where {mgn:g} is declared (every step clipped)"
 
 
 def made_up_gradient(rec: A.RecordingSet, ref: ReferenceSet):

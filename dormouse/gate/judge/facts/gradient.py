@@ -413,9 +413,15 @@ def _fail_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> str:
                 f"parameters equal the one-process run's, but differs by {worst:.2g} at step {worst_k} "
                 f"(tensor {s.worst_t}; {stated}), after the parameters parted: the fault is in a step between "
                 "(see replay)")
+    if f["constant"] and f["named"] and f["named"].startswith("a clip at"):  # no size: the threshold alone
+        return (f"the fleet's gradient is {WHAT} times {f['cs'][0]:.4g} at every step = {f['named']}: the loop "
+                "clipped by another threshold than the declared one (clip by the declared max_grad_norm, or "
+                "declare the one the loop clips by)")
     if f["constant"] and f["named"]:
         return (f"the fleet's gradient is {WHAT} times {f['cs'][0]:.4g} = {f['named']} ({replicas(rec)[1]}, "
-                f"K = {s.micro} micro-batches) at every step: a normalisation applied the wrong number of times")
+                f"K = {s.micro} micro-batches) at every step: a normalisation applied the wrong number of times"
+                + (" (or, every step clipped, a clip by another threshold than the declared one)"
+                   if "a clip at" in f["named"] else ""))
     if f["constant"]:
         return f"the fleet's gradient is {WHAT} times a constant {f['cs'][0]:.4g} at every step"
     if f["tensors"] is not None:
@@ -439,8 +445,10 @@ def _fail_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> str:
                 f"({stated}): optimizer.zero_grad() is missing where those tensors live (every rank, or one "
                 "pipeline stage)")
     if f["per_step"] and not f["alt_hit"]:
+        told = any(rec.step_meta(0, k).get("grad_norm") is not None for k, _, _ in f["scalars"])
         return C.describe_scalars(f["scalars"], step_counts_of(rec, s.fitted), s.factor_rtol,
-                                  norms=[ref.info(k).get("norm") for k, _, _ in f["scalars"]]) + f" ({stated})"
+                                  norms=[ref.info(k).get("norm") for k, _, _ in f["scalars"]],
+                                  declared=float(rec.spec.max_grad_norm) if told else None) + f" ({stated})"
     if f["alt_hit"]:
         s.shape = f["alt_hit"]
         return _alt_reason(rec, s, f["alt_hit"])
