@@ -282,6 +282,8 @@ def table(rows: list[dict]) -> str:
             "verdict |")
     lines = [head, "|" + "---|" * 8]
     for row in rows:
+        if not any(row.get(m) for m in ("none", "sketch", "full")):
+            continue  # a size measured for its planted faults alone (faults_table)
         n, s, f, c, r = row.get("none", {}), row.get("sketch", {}), row.get("full", {}), row.get("check", {}), \
             ratios(row)
 
