@@ -38,6 +38,7 @@ LONGEST_FIRST = (
     "tests/gate/drivers/test_notebooks.py",  # 200 (the session's pipeline run, gate_run)
     "tests/test_cli.py",  # 100
     "tests/gate/catches/test_own_fleet_faults.py",  # 130 (reads gate_run after its own fleets)
+    "tests/gate/catches/test_own_fleet_planted_faults.py",  # 50 (its faulty fleets, split from the file above)
     "tests/gate/catches/test_own_fleet_once_false_passes_and_alarms.py",  # 68
     "tests/train/test_exact.py",  # 57
     "tests/train/test_resume_parity.py",  # 55 (FSDP2 ranks find DTensor imported: warm.PRELOAD)

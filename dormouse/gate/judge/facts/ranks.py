@@ -142,12 +142,26 @@ def replica_apart(out, step: int, metas: list[dict]) -> str | None:
         apart = [n for n in sorted(set(base) | set(mine))
                  if n not in base or n not in mine or not torch.equal(base[n], mine[n])]
         if apart or hashes[r] != hashes[0]:
-            def ratio(n):
+            def factor(n):
                 a, b = mine.get(n), base.get(n)
                 if a is None or b is None or float(b.double().norm()) == 0:
-                    return ""
-                return f" (x{float((a.double() * b.double()).sum() / b.double().norm() ** 2):.6g})"
+                    return None
+                return float((a.double() * b.double()).sum() / b.double().norm() ** 2)
+
+            factors = {n: factor(n) for n in apart}
+
+            def ratio(n):
+                return "" if factors[n] is None else f" (x{factors[n]:.6g})"
+            # the tensors whose ratio is not the one most share first: a tensor left out of the reduce is named
+            # before the others, which the ranks' clip coefficients (each rank clipping by its own norm) move alike
+            known = sorted(c for c in factors.values() if c is not None)
+            common = known[len(known) // 2] if known else None
+            if common is not None:
+                apart.sort(key=lambda n: -abs((factors[n] if factors[n] is not None else 0.0) - common))
+            alike = sum(1 for c in known if common and abs(c / common - 1) <= 1e-6)
             words = ", ".join(n.split("/", 1)[1] + ratio(n) for n in apart[:3]) + (", ..." if len(apart) > 3 else "")
+            if common is not None and alike > len(apart) // 2 and abs(common - 1) > 1e-6 and alike < len(apart):
+                words += f"; {alike} other tensor(s) x{common:.6g} alike (a clip coefficient apart: see clip)"
             return (f"at step {step} rank {r}'s synchronised gradient differs from rank 0's"
                     + (f": {words}" if apart else " by its recorded hash") + " (every replica must hold the same "
                     "reduced gradient: a rank that changed its copy after the reduce, or a recording edited since)")
