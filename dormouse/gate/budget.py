@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import signal
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,6 +121,12 @@ def watched(budget: int, every_s: float = 0.05):
                 _thread.interrupt_main()
                 return
 
+    # interrupt_main does nothing where SIGINT is not handled by Python (ignored under nohup, or by a
+    # launcher's workers): the main thread then handles it for the body's time, as Python does by default
+    old = signal.getsignal(signal.SIGINT)
+    own = threading.current_thread() is threading.main_thread() and old in (signal.SIG_IGN, signal.SIG_DFL, None)
+    if own:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=watch, name="dormouse-memory-budget", daemon=True)
     t.start()
     try:
@@ -131,3 +138,5 @@ def watched(budget: int, every_s: float = 0.05):
     finally:
         done.set()
         t.join()
+        if own:
+            signal.signal(signal.SIGINT, old)

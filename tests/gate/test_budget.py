@@ -11,7 +11,22 @@ import torch
 from dormouse.gate import budget as B
 
 
-def test_a_body_that_grows_past_its_budget_is_stopped_in_one_line():
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])
+def test_a_body_that_grows_past_its_budget_is_stopped_in_one_line(sigint):
+    """Also where SIGINT is ignored (a check under nohup, a launcher's worker), where Python's
+    interrupt_main does nothing unless the watch installs Python's handler for the body's time."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler)
+    try:
+        _grows_past_its_budget()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def _grows_past_its_budget():
     start = B.resident()
     assert start > 0  # /proc/self/statm read
     held = []
