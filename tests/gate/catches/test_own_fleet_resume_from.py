@@ -38,6 +38,9 @@ def resumed(tmp_path_factory):
     return second
 
 
+# outside CI's time (`pytest -m slow`): the gate resumed from a checkpoint in each reduce mode; CI keeps
+# gated fleets resumed from checkpoints of every kind (tests/train/test_resume_parity.py) and the CLI's (test_cli.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_gate_resumed_from_a_checkpoint_passes_in_every_reduce_mode(resumed, case):
     s = resumed[case]

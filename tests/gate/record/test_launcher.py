@@ -85,6 +85,7 @@ def test_a_gate_fleet_has_an_interpreter_per_rank_unless_forked_ranks_are_asked_
         torchrun(["-m", "no_such_module"])
 
 
+@pytest.mark.slow  # outside CI's time (`pytest -m slow`): a past review's finding; CI's fleets all run fresh interpreters
 def test_a_fault_only_separate_interpreters_show_fails_the_default_gate_and_passes_forked_ranks(tmp_path):
     """hash_order (fleet_faults): each rank lays its gradients out for the
     reduce in an order set by Python's string hash, per interpreter. With an
