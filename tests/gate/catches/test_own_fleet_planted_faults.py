@@ -97,28 +97,21 @@ def test_a_fleet_reading_step_k_plus_8s_bytes_fails_gradref(faulty):
     assert not v.passed and not g.passed and "other bytes than the data rule gives at step 1" in g.reason
 
 
-def test_a_batch_dependent_layer_fails_the_independence_check(faulty):
-    v = faulty_gate(faulty, "batch_stats")
-    w = v.check("independence")
-    assert not v.passed and not w.passed, w.reason
+@pytest.mark.parametrize("name, check", [
+    ("batch_stats", "independence"),  # a batch-dependent layer
+    ("seeds", "ranks"),  # ranks whose models start apart after the start check
+    ("capacity_moe", "independence"),  # a capacity-dropping MoE forced past the refusal
+])
+def test_a_fault_in_the_network_or_its_start_fails_its_check(faulty, name, check):
+    v = faulty_gate(faulty, name)
+    c = v.check(check)
+    assert not v.passed and not c.passed, c.reason
 
 
 def test_a_parameter_left_out_of_the_reduce_is_named(faulty):
     v = faulty_gate(faulty, "skip_param")
     assert not v.passed
     assert not v.check("ranks").passed and "head.weight" in v.check("ranks").reason, v.check("ranks").reason
-
-
-def test_ranks_whose_models_start_apart_after_the_start_check_fail_the_ranks_check(faulty):
-    v = faulty_gate(faulty, "seeds")
-    c = v.check("ranks")
-    assert not v.passed and not c.passed, c.reason
-
-
-def test_capacity_dropping_moe_forced_past_the_refusal_fails(faulty):
-    v = faulty_gate(faulty, "capacity_moe")
-    assert not v.passed
-    assert not v.check("independence").passed, v.check("independence").reason
 
 
 def test_a_clean_run_after_faulty_ones_in_the_same_launch_passes_no_fault_leaks(faulty):
