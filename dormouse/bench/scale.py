@@ -314,14 +314,14 @@ FAULT_WORDS = {
 
 def faults_table(rows: list[dict]) -> str:
     """One line per (size, planted fault): the verdict, the failing checks and the first one's words."""
-    lines = ["| model | planted fault | verdict | `gate check` wall, peak | the first failing line |", "|---|---|---|---|---|"]
+    lines = ["| model | planted fault | verdict | `gate check` peak | the first failing line |", "|---|---|---|---|---|"]
     for row in rows:
         for fault, got in row.get("faults", {}).items():
             first = got.get("fails", [""])[0][len("[FAIL] "):] if got.get("fails") else got.get("error", "")[-200:]
             first = first.replace("|", "/")
             lines.append(f"| {_label(row)} | {FAULT_WORDS.get(fault, fault)} | "
                          f"{got.get('verdict', 'training failed').split(' (')[0]} | "
-                         f"{got.get('check_wall_s', float('nan')):.0f} s, {got.get('peak_gb', float('nan')):.2f} GB | "
+                         f"{got.get('peak_gb', float('nan')):.2f} GB | "
                          f"{first[:400]}{'...' if len(first) > 400 else ''} |")
     return "\n".join(lines)
 
@@ -442,5 +442,6 @@ def page_section(res: dict) -> str:
         "",
         *([_sharded_line(rows), ""] if any(r.get("check_sharded") for r in rows) else []),
         *(["Planted faults, recorded in full tensors at that size and checked (the verdict's first failing line, "
-           "cut at 400 characters):", "", faults, ""] if faults else []),
+           "cut at 400 characters; their runs shared the machine with other work, so no times are given):", "",
+           faults, ""] if faults else []),
     ])
