@@ -81,16 +81,10 @@ def build_optimizer(model, scale: str = SCALE, seq: int = SEQ, lr: float = LR, s
 
 
 def dataset(n: int = 512, seed: int = 0) -> list[dict]:
-    vocab = SIZES[SCALE][3]
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(SEQ // 2, SEQ + 1, (1,), generator=g))
-        ids = torch.zeros(SEQ, dtype=torch.long)
-        ids[:length] = torch.randint(1, vocab, (length,), generator=g)
-        mask = (torch.arange(SEQ) < length).long()
-        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
-    return rows
+    """Random token rows of lengths SEQ/2..SEQ (rows.py), right-padded (labels -100 there)."""
+    from rows import token_rows
+
+    return token_rows(n, SEQ, SIZES[SCALE][3], seed)
 
 
 def _faults(model, fault: str):
