@@ -319,7 +319,8 @@ def faults_table(rows: list[dict]) -> str:
         for fault, got in row.get("faults", {}).items():
             first = got.get("fails", [""])[0][len("[FAIL] "):] if got.get("fails") else got.get("error", "")[-200:]
             first = first.replace("|", "/")
-            lines.append(f"| {_label(row)} | {FAULT_WORDS.get(fault, fault)} | "
+            steps = f", {row['steps']} steps" if row.get("steps") else ""
+            lines.append(f"| {_label(row)}{steps} | {FAULT_WORDS.get(fault, fault)} | "
                          f"{got.get('verdict', 'training failed').split(' (')[0]} | "
                          f"{got.get('peak_gb', float('nan')):.2f} GB | "
                          f"{first[:400]}{'...' if len(first) > 400 else ''} |")
