@@ -57,6 +57,12 @@ def params_agree(rec: A.RecordingSet, ref: ReferenceSet, k: int, tol: dict[int, 
     return per_tensor(a, b, sorted(set(a) & set(b)), tol[k])[3] <= 1.0
 
 
+def masks_replayed(rec: A.RecordingSet, ref: ReferenceSet) -> bool:
+    """Every step's forwards drew again from the RNG states their ranks started from (a CPU run, its
+    states recorded, no tensor-parallel or other layout, whose shards draw masks of their own)."""
+    return {ref.info(k).get("rng_states") for k in rec.tensor_steps()} == {"replayed"} and not rec.recorded.layout
+
+
 def parts_at(rec: A.RecordingSet, ref: ReferenceSet, k: int) -> dict:
     """metrics.parts of the fleet's gradient at step k against one process's, tensor by tensor (what
     causes.tensor_factor reads)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
+from dormouse.gate.judge.gradtools import masks_replayed
 from dormouse.gate.judge.verdict import Check
 
 ON_CUDA = ("not judged: dropout masks drawn on cuda (the forward draws from the RNG state, and a forward on "
@@ -31,9 +32,8 @@ def sensitive(rec: A.RecordingSet, ref: ReferenceSet) -> bool:
 
 
 def replayed(rec: A.RecordingSet, ref: ReferenceSet) -> bool:
-    """Every step's forwards drew again from the RNG states their ranks started from (a CPU run, its
-    states recorded, no tensor-parallel or other layout, whose shards draw masks of their own)."""
-    return _states(rec, ref) == {"replayed"} and not rec.recorded.layout
+    """gradtools.masks_replayed: every step's forwards drew again from their ranks' RNG states."""
+    return masks_replayed(rec, ref)
 
 
 def unrecorded(rec: A.RecordingSet, ref: ReferenceSet) -> bool:

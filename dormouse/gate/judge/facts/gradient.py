@@ -44,6 +44,7 @@ from dormouse.gate.judge.bounds import (
     sketch_detection,
 )
 from dormouse.gate.judge.gradtools import (
+    masks_replayed,
     bf16_tensors,
     bf16_wire,
     factor_words,
@@ -396,9 +397,7 @@ def _residual_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan, near_one:
                    "rest ran in float32 (a reduce dtype applied on one mesh dimension only: pytorch #190626, "
                    "FSDP2's all-reduce over TP of the replicated parameters' gradients in their bfloat16)")
     info, _ = ref.step(rec.tensor_steps()[0])
-    # every forward drew its masks again from the state its rank recorded (facts/draws.py's "replayed")
-    replayed = {ref.info(k).get("rng_states") for k in rec.tensor_steps()} == {"replayed"} and not rec.recorded.layout
-    if info.get("rng_sensitive") and replayed:
+    if info.get("rng_sensitive") and masks_replayed(rec, ref):
         reason += ("; one process drew each micro-batch's masks again from the RNG state its rank recorded (the "
                    "difference is not the draws, unless the model draws from a generator of its own, which the "
                    "reference cannot replay)")
