@@ -3,6 +3,7 @@ cores and runs two pytest workers), and the small corpora the loop tests train o
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,11 @@ if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
 import warm  # noqa: E402  (tests/support: warm interpreters for the suite's child processes)
+
+# The fleets' ranks are forked from torchrun's agent: gloo names their device by interface, never by
+# resolving the host's name (a rank forked while an agent thread held glibc's resolver lock waits on it
+# for ever; launcher.FORKED_STANDALONE says the rest). Every child process inherits it.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def pytest_configure(config):

@@ -17,7 +17,7 @@ import torch
 
 from dormouse.__main__ import main
 from dormouse.config import RunConfig
-from dormouse.gate.record.launcher import torchrun
+from dormouse.gate.record.launcher import FORKED_STANDALONE, torchrun
 from inproc import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,8 @@ def _torchrun(*args: str, cwd: Path, nproc: int = 2, env: dict | None = None) ->
 def _torchrun_forked(*entry: str, cwd: Path, env: dict | None = None, launch: tuple[str, ...] = ()) -> subprocess.Popen:
     """The same fleet of 2, its ranks forked from torchrun's agent (launcher.torchrun, as the gate
     launches): where what is tested is the fleet, not the command line."""
-    return _popen(torchrun(list(entry), launch=["--standalone", "--nproc_per_node=2", *launch]), cwd=cwd, env=env)
+    return _popen(torchrun(list(entry), launch=["--standalone", "--nproc_per_node=2", *FORKED_STANDALONE, *launch]),
+                  cwd=cwd, env=env)
 
 
 def _popen(cmd: list[str], *, cwd: Path, env: dict | None) -> subprocess.Popen:

@@ -55,7 +55,8 @@ The second reviewer's knobs (tests/gate/catches/test_reduced_precision_loops.py)
   "ac_micro"       the micro-batches (0-based) autocast is on, every rank and step alike (None: all)
 A third review's knob:
   "eval_modules"   submodules the loop puts in eval mode (["bn"]: a frozen BatchNorm; ["drop"]: dropout off)
-  "eval_rank"      only this rank applies "eval_modules" (None: every rank)
+  "eval_rank"      only this rank applies "eval_modules" (None: every rank); "" is the model (model.eval())
+  "rank1_p"        rank 1 sets its dropout's p to this before the Recorder starts (None: not)
   "dropout"        TinyLM's dropout at this p, each rank its own RNG (the fault "dropout" at p 0.1), beside any fault
   "freeze"         parameters the script freezes (requires_grad False) after build_model
   "fsdp_layers"    (with fsdp) qkv, fc and out sharded as modules of their own, reshard_after_forward=False
@@ -113,7 +114,7 @@ RUN = {"out": "", "fault": "clean", "seed": 0, "steps": 6, "stop_at": 0, "leg": 
        "position_ids": False, "fsdp_layers": False, "left_pad": False,
        "eval_rank": None, "nan": None, "count": "targets", "no_sync_all": False, "bf16_hook": False,
        "rank_seed": False, "rank_ids": False, "wire": "fp32", "pad_to": 0,
-       "fixed_len": 0, "short_last": False, "dropout": 0.0}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
+       "fixed_len": 0, "short_last": False, "dropout": 0.0, "rank1_p": None}  # the forward and the loss under torch.autocast("cpu", torch.bfloat16)
 
 
 def loss_of(fault: str, loss_sum, n_mb, n_local, n_global, world: int, micro: int):
@@ -307,6 +308,8 @@ def run(cfg: dict) -> None:
             for group, lr in zip(opt.param_groups, sched.get_last_lr()):
                 group["lr"] = lr
         start = ck["step"]
+    if cfg["rank1_p"] is not None and rank == 1:  # a module attribute one rank set before the Recorder
+        model.drop.p = cfg["rank1_p"]
     if kw["dropout"]:  # each rank its own masks
         torch.manual_seed(1234 + rank)
     if fault == "rank_lr" and rank == 1:

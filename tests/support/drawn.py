@@ -16,11 +16,14 @@ def recorded_state(rec: A.RecordingSet, step: int):
     return lambda r, m: torch.set_rng_state(rec.step_tensors(r, step)[A.rng_key(m, "cpu")])
 
 
-def one_process(rec: A.RecordingSet, step: int, draw, scale=lambda r: 1.0) -> dict[str, torch.Tensor]:
+def one_process(rec: A.RecordingSet, step: int, draw, scale=lambda r: 1.0,
+                train: bool = True) -> dict[str, torch.Tensor]:
     """Every rank's micro-batches of `step` differentiated in one process at the initial model (float64
-    copies), draw(r, m) called before each forward, rank r's losses times scale(r)."""
+    copies), draw(r, m) called before each forward, rank r's losses times scale(r); the model in eval
+    mode (its dropout off) where not `train`."""
     net = build_model(**rec.spec.build_kwargs)
     assert net.drop is not None and net.drop.p > 0
+    net.train(train)
     mbs = rec.micro_batches(step)
     n = sum(int((b["labels"][:, 1:] != -100).sum()) for _, _, b in mbs)
     for r, m, b in mbs:

@@ -65,6 +65,18 @@ def attr_changes(now: dict, then: dict) -> dict | None:
     return out or None
 
 
+def _tensors(x):
+    """The tensors in a forward's output (a tensor, or tuples, lists and dicts of them: a ModelOutput is a dict)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+
+
 def core_module(model):
     """The module a wrapper runs: under DDP its .module, under torch.compile
     its _orig_mod (in any order: compile(DDP(m)), DDP(compile(m)))."""
@@ -125,6 +137,9 @@ class Capture:
         self._device = p.device if p is not None else None
         self._attrs0 = plain_attrs(module)  # the modules' plain attributes at the start (recording.json's)
         self._hooks: list = []
+        # the step's eval-mode forwards {micro-batch: whether a backward reached its output} (_post)
+        self._backpropagated: dict[int, bool] = {}
+        self._hooked: set[int] = set()
 
     @property
     def attrs0(self) -> dict:
@@ -143,7 +158,8 @@ class Capture:
 
     def _register(self) -> None:
         self._plain = "torch._dynamo" not in sys.modules  # see _eager
-        self._hooks = [self.module.register_forward_pre_hook(_eager(self._pre), with_kwargs=True)]
+        self._hooks = [self.module.register_forward_pre_hook(_eager(self._pre), with_kwargs=True),
+                       self.module.register_forward_hook(_eager(self._post))]
         inner = _eager(self._inner)
         self._hooks += [m.register_forward_pre_hook(inner) for m in self.module.modules() if m is not self.module]
 
@@ -158,8 +174,11 @@ class Capture:
             self.remove()
             self._register()
         got = (self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs, self.rngs)
+        dropped = {m for m, reached in self._backpropagated.items() if not reached}  # eval forwards not backpropagated
+        if dropped:
+            got = tuple([x for m, x in enumerate(xs) if m not in dropped] for xs in got)
         self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs = [], [], [], [], [], []
-        self.rngs = []
+        self.rngs, self._backpropagated, self._hooked = [], {}, set()
         return got
 
     def moved(self) -> list[str]:
@@ -171,9 +190,11 @@ class Capture:
                 if n in noted and noted[n][0] is p and p._version != noted[n][1]]
 
     def _pre(self, module, args, kwargs):
-        # eval-mode forwards and forwards under torch.no_grad()/inference_mode (a metric, a probe
-        # loss) are not the step's micro-batches: no gradient can come of them
-        if not module.training or not torch.is_grad_enabled():
+        # forwards under torch.no_grad()/inference_mode (a metric, a probe loss) are not the step's
+        # micro-batches: no gradient can come of them. A forward with the model in eval mode is one only
+        # where its output is backpropagated: kept provisionally, and dropped at take() unless a gradient
+        # reached its output (_post's hook)
+        if not torch.is_grad_enabled():
             return None
         rng = rng_states(self.device_type, self._device)  # before anything here could draw
         batch = {}
@@ -199,11 +220,31 @@ class Capture:
             self._versions = {n: (p, p._version) for n, p in module.named_parameters()}
         self.batches.append(batch)
         self.rngs.append(rng)
-        if self.arm is not None:  # the probe step's first micro-batch alone
+        if self.arm is not None and module.training:  # the probe step's first micro-batch alone
             self.arm(len(self.batches))
         self.autocasts.append(_autocast_state(self.device_type))
         self.casts.append(None)
-        self.evals.append([n for n, m in self._submodules if not m.training] or None)
+        # "" first where the model itself is in eval mode (reference/forward.set_modes)
+        self.evals.append(([] if module.training else [""]) + [n for n, m in self._submodules if not m.training]
+                          or None)
+        if not module.training:
+            self._backpropagated[len(self.batches) - 1] = False
+        return None
+
+    def _post(self, module, args, output):
+        """After an eval-mode forward with gradients on: a hook on each output tensor that needs a gradient
+        marks its micro-batch backpropagated when the backward reaches it."""
+        m = len(self.batches) - 1
+        if self._backpropagated.get(m) is not False or m in self._hooked:
+            return None
+        self._hooked.add(m)
+
+        def reached(_grad, m=m):
+            self._backpropagated[m] = True
+
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(reached)
         return None
 
     def _inner(self, module, args):

@@ -49,6 +49,13 @@ from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 # CUDA fleets are never forked: CUDA cannot be used in a process forked from
 # one that touched it, and nothing here proves the agent never does.
 FORKED_RANKS = ["--run-path", "--start-method", "fork"]
+# A rank forked while one of the agent's threads is inside glibc's getaddrinfo inherits its resolver
+# lock held, and waits on it for ever at its first name lookup (seen: a rank stuck in TCPStore's
+# connect to "localhost", its peers waiting 30 minutes in gloo's rendezvous). A forked standalone
+# fleet therefore names its rendezvous node by number (the agent never resolves its own name, the
+# ranks' MASTER_ADDR is numeric); the ranks' gloo device is named by interface where the caller sets
+# GLOO_SOCKET_IFNAME (the tests and the bench set "lo"), else gloo resolves the host's name.
+FORKED_STANDALONE = ["--local-addr", "127.0.0.1"]
 
 
 def torchrun(entry: list[str], *, world: int = 2, launch: list[str] | None = None,
@@ -69,7 +76,7 @@ def torchrun(entry: list[str], *, world: int = 2, launch: list[str] | None = Non
             raise FleetError(f"no module named {entry[1]!r} to run on the ranks")
         entry = [spec.origin, *entry[2:]]
     return [sys.executable, "-m", "torch.distributed.run",
-            *(launch or ["--standalone", f"--nproc_per_node={world}"]), *FORKED_RANKS, *entry]
+            *(launch or ["--standalone", f"--nproc_per_node={world}", *FORKED_STANDALONE]), *FORKED_RANKS, *entry]
 
 
 def rank_command(s: GateSettings, *, entry: list[str] | None = None, plan: Path | None = None,

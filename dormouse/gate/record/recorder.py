@@ -11,7 +11,8 @@
 What to record is a RecordingSpec (dormouse.gate.artifacts.spec: every option,
 its default and its check; docs/recording.md). Construction registers a
 forward PRE-hook on the model (on `model.module` under DDP; record/capture.py):
-every forward in training mode appends its batch (positional tensor
+every forward with gradients on in training mode (in eval mode: where a backward reaches its
+output, capture.Capture._post) appends its batch (positional tensor
 arguments as "arg0", "arg1", ..., and the keyword tensors named in `inputs`,
 plus "idx"/"example_id" when the loop passes them) to the current step's
 micro-batch list, detached, on the CPU, with the autocast its forward runs
@@ -161,6 +162,7 @@ class Recorder:
         self.capture = Capture(self.module, self.inputs, self.spec.objective, arm=self._arm)
         self._sketcher = Sketcher(self.sketch_k)
         self.segment = len(segments)
+        self._first = self.k + 1  # this segment's first step: its meta keeps the start's attributes
         params = {n for n, _ in self.module.named_parameters()}
         # persistent buffers (state outside the optimizer, e.g. a routing bias): A.BUFFER at tensor steps
         self._buffers = [n for n in self.module.state_dict() if n not in params]
@@ -468,6 +470,9 @@ class Recorder:
                    else {}),
                 "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals, "call": calls,
                 "attrs": attrs,
+                # this rank's own attributes at the start (per-step "attrs" are changes from them): the ranks
+                # fact compares them, so an attribute one rank set before the Recorder is named
+                **({"attrs_start": self.capture.attrs0} if k == self._first else {}),
                 "tensors": self._tensor_step(k), "param_hash": param_hash, "grad_hash": grad_hash,
                 "epoch": None if epoch is None else int(epoch), **probed,
                 **({"moved_before_step": moved[:8]} if moved else {})}

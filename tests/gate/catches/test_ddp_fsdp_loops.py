@@ -74,6 +74,26 @@ def test_torch_dropout_is_judged_at_the_masks_each_rank_drew(recordings):
     assert looprec.worst(got, drawn.one_process(rec, 1, lambda r, m: torch.manual_seed(0))) > 1e-3
 
 
+def test_a_backpropagated_forward_of_the_model_in_eval_mode_is_a_micro_batch(recordings, tmp_path):
+    """model.eval() before a forward whose loss is backpropagated (row eval_model, dropout 0.1 switched
+    off): the Recorder keeps the forward (its output reached by the backward) with the model's own mode
+    (""). The fleet's gradient is this file's own one-process gradient in eval mode, not the one in
+    training mode at the recorded masks; and judged without its modes the recording fails."""
+    import drawn
+
+    rec = A.RecordingSet(recordings["eval_model"])
+    assert rec.eval_modules(1)[0] == "" and "drop" in rec.eval_modules(1) and rec.step_meta(0, 1)["micro_batches"] == 3
+    got = drawn.fleet(recordings["eval_model"], rec)
+    assert looprec.worst(got, drawn.one_process(rec, 1, lambda r, m: None, train=False)) < 1e-6
+    assert looprec.worst(got, drawn.one_process(rec, 1, drawn.recorded_state(rec, 1))) > 1e-3
+    dst = _copy(recordings, tmp_path, "eval_model")
+    for k in rec.steps:
+        for r in range(rec.world_at(k)):
+            _edit(A.step_meta_path(dst, r, k), eval_modules=[])
+    make_reference(dst, log=QUIET)
+    assert not judge_recording(dst).check("gradient").passed
+
+
 def test_a_parameter_the_script_froze_is_frozen_in_the_reference(recordings, tmp_path):
     """requires_grad is recorded with the initial state: the reference freezes
     what the loop froze, so the loop passes; without that record (a recording

@@ -93,6 +93,32 @@ def _call_split(rec: A.RecordingSet) -> str | None:
 
 
 
+def _start_split(rec: A.RecordingSet) -> str | None:
+    """Where a rank's modules held other plain attributes than rank 0's when
+    its Recorder started (each segment's first step keeps them as
+    "attrs_start"; a step's "attrs" are only the changes from them): an
+    attribute one rank set before recording (a dropout's p, a flag) is a
+    network of its own. The sentence that says so, else None. A pipeline's
+    stages are other modules; elsewhere only the modules both ranks hold are
+    compared."""
+    if (rec.recorded.layout or {}).get("pipeline"):
+        return None
+    for k in rec.steps:
+        starts = [rec.step_meta(r, k).get("attrs_start") for r in range(rec.world_at(k))]
+        if starts[0] is None:
+            continue
+        for r, got in enumerate(starts[1:], 1):
+            for path in sorted(set(starts[0]) & set(got or {})):
+                mine, theirs = starts[0].get(path, {}), (got or {}).get(path, {})
+                for name in sorted(set(mine) | set(theirs)):
+                    if mine.get(name, "absent") != theirs.get(name, "absent"):
+                        where = f"module {path!r}" if path else "the model"
+                        return (f"from step {k} rank {r}'s {where} has {name} = {theirs.get(name, 'absent')!r}, "
+                                f"rank 0's {mine.get(name, 'absent')!r} (set before the Recorder started): the "
+                                "fleet's ranks do not run one network")
+    return None
+
+
 def _which(rec: A.RecordingSet, k: int, r: int) -> str:
     """The tensors rank r holds apart from rank 0's before step k, the one that
     differs most first (the tensor that went apart, not those it dragged
@@ -178,7 +204,7 @@ def _scalars_apart(step: int, metas: list[dict]) -> str | None:
 
 
 def check_ranks(rec: A.RecordingSet) -> Check:
-    split = _precision_split(rec) or _mode_split(rec) or _call_split(rec)
+    split = _precision_split(rec) or _mode_split(rec) or _start_split(rec) or _call_split(rec)
     if split:
         return Check("ranks", False, split)
     if rec.recorded.fsdp:

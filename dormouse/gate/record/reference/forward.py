@@ -35,6 +35,9 @@ def set_modes(model, eval_names: list[str]) -> None:
     model.train()
     named = dict(model.named_modules())
     for n in eval_names:
+        if n == "":  # the model itself (its own flag alone: its submodules' are listed)
+            model.training = False
+            continue
         if n not in named:
             raise ReferenceError(f"the recording ran submodule {n!r} in eval mode, but the rebuilt model has no "
                                  "such submodule: build_model must build the recorded model")
