@@ -25,6 +25,9 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 def pytest_configure(config):
     warm.install(config)
+    import catalogue  # a deselected slow row is not launched either (catalogue.launched)
+
+    catalogue.SKIP_SLOW = "not slow" in (config.getoption("markexpr") or "").replace("  ", " ")
 
 
 def pytest_unconfigure(config):

@@ -17,8 +17,8 @@ def rows(*fleets: str):
     """The parametrisation of a test by the fleets' catalogue rows (`case`), each named by its run (and
     its fleet, when there are several: the test reads that fleet's fixture, named as the fleet)."""
     cases = [c for f in fleets for c in catalogue.of(f)]
-    return pytest.mark.parametrize("case", cases, ids=[f"{c.fleet}-{c.id}" if len(fleets) > 1 else c.id
-                                                       for c in cases])
+    return pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.slow else c for c in cases],
+                                   ids=[f"{c.fleet}-{c.id}" if len(fleets) > 1 else c.id for c in cases])
 
 
 def _reasons(v) -> str:

@@ -8,7 +8,9 @@ None for a clean run), the verdict it must get (PASS, FAIL, or refused: the refe
 recording in one line), the checks that must fail with words their reason holds, the checks that
 may fail besides (None: any) with the words they hold when they do, checks that must pass with
 words of theirs, and the independent confirmation that checks the verdict (a computation of the
-test file's own that shares no code with the gate)."""
+test file's own that shares no code with the gate). A row marked `slow` (a variant whose mechanism
+another row of CI's already holds) is launched and judged only where slow tests run: conftest sets
+SKIP_SLOW under CI's `-m "not slow"`, and `runs`/`argv` leave such a row out."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any, Mapping
 
 Words = tuple[str, ...]
 VERDICTS = ("PASS", "FAIL", "refused")
+SKIP_SLOW = False  # conftest: True when the session deselects slow tests
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Case:
     holds: Mapping[str, Words] = field(default_factory=dict)
     confirmation: str = ""
     what: str = ""
+    slow: bool = False
 
     def __post_init__(self):
         assert self.verdict in VERDICTS, (self.id, self.verdict)
@@ -68,6 +72,11 @@ def of(fleet: str) -> list[Case]:
     return [c for c in CASES if c.fleet == fleet]
 
 
+def launched(fleet: str) -> list[Case]:
+    """The fleet's rows its launch trains in this session (a slow row only where slow tests run)."""
+    return [c for c in of(fleet) if not (c.slow and SKIP_SLOW)]
+
+
 def ids(fleet: str) -> list[str]:
     return [c.id for c in of(fleet)]
 
@@ -80,13 +89,13 @@ def run(c: Case) -> dict:
 
 def runs(fleet: str) -> dict[str, dict]:
     """{id: the client's run dict} of the fleet's rows (looprec.launched's `runs`)."""
-    return {c.id: run(c) for c in of(fleet)}
+    return {c.id: run(c) for c in launched(fleet)}
 
 
 def argv(fleet: str) -> list[str]:
     """The fleet's rows as a framework client's arguments ("id:k=v:..."; a row of legs, one per leg)."""
     f, out = FLEETS[fleet], []
-    for c in of(fleet):
+    for c in launched(fleet):
         legs = c.config if isinstance(c.config, tuple) else (c.config if isinstance(c.config, str) else "",)
         for i, leg in enumerate(legs):
             fault = f"{f.fault_key}={c.fault}" if c.fault and f.fault_key and i == len(legs) - 1 else ""
@@ -174,7 +183,7 @@ CASES: tuple[Case, ...] = (
     Case("clean_resume", "ddp", {"seed": 3, "stop_at": 2, "leg": 1}, holds={**EVERY_CHECK, "replay": "across 1 resume"}),
     Case("fsdp", "ddp", {"seed": 4, "fsdp": True}, holds=EVERY_CHECK),
     Case("sketch", "ddp", {"seed": 5, "sketch": 64, "every": 2, "steps": 5}, holds=SKETCHED),
-    Case("fsdp_sketch", "ddp", {"seed": 6, "fsdp": True, "sketch": 64}, holds=SKETCHED),
+    Case("fsdp_sketch", "ddp", {"seed": 6, "fsdp": True, "sketch": 64}, holds=SKETCHED, slow=True),
     Case("micro_mean", "ddp", fault="micro_mean", verdict="FAIL",
          fails={"gradient": "mean of per-micro-batch token means"}),
     Case("comp_twice", "ddp", fault="comp_twice", verdict="FAIL", fails={"gradient": "= W "}),
@@ -213,7 +222,7 @@ CASES: tuple[Case, ...] = (
          holds=EVERY_CHECK, what="FSDP2 layers kept unsharded, a no-grad probe forward before rec.step"),
     Case("fsdp_unsharded_clip", "ddp", {"fsdp": True, "fsdp_layers": True}, "nograd_log", verdict="FAIL",
          fails={"clip": "the loop clipped by a gradient norm of 0"},
-         what="... and clip_grad_norm_ after the probe: it reads unsharded parameters holding no gradient"),
+         what="... and clip_grad_norm_ after the probe: it reads unsharded parameters holding no gradient", slow=True),
     Case("clip_local", "ddp", fault="clip_local", verdict="FAIL", fails={"clip": "local norm"}),
     Case("unused_zero", "ddp", fault="unused_zero", verdict="FAIL",
          fails={"grad_mask": "spare.bias, spare.weight had a gradient (all zeros)"}),
@@ -223,7 +232,7 @@ CASES: tuple[Case, ...] = (
          fails={"loss": ("the mean of the ranks' own token means", "the logged loss is wrong, not the training")},
          holds={"gradient": (), "replay": ()}),
     Case("sketch_comp_twice", "ddp", {"sketch": 64, "every": 2, "steps": 5}, "comp_twice", verdict="FAIL",
-         fails={"gradient": "= W "}),
+         fails={"gradient": "= W "}, slow=True),
     Case("resume_data", "ddp", {"stop_at": 2, "leg": 1}, "resume_data", verdict="FAIL",
          fails={"data": "an example was read twice within epoch 0 (steps 1 and 3"}),
     # the resume at step 3 with a fresh AdamW(lr=1e-2) under LambdaLR: its lr is 1e-2 x the warm-up's first
@@ -235,14 +244,14 @@ CASES: tuple[Case, ...] = (
     # the lr right, the first update after the resume (step 3) wrong: the moments named
     Case("resume_nomoments", "ddp", {"stop_at": 2, "leg": 1}, "resume_nomoments", verdict="FAIL",
          fails={"replay": "the first update after the resume at step 3 is the first that differs, with the "
-                          "parameters and the lr right, so the resume did not restore the optimizer's state"}),
+                          "parameters and the lr right, so the resume did not restore the optimizer's state"}, slow=True),
     Case("rank_lr", "ddp", fault="rank_lr", verdict="FAIL",  # named at the step it starts, not by what it moves
          fails={"ranks": "at step 1 rank 1's lr is"}),
     Case("fsdp_local_count", "ddp", {"fsdp": True}, "local_count", verdict="FAIL",
-         fails={"gradient": "each rank normalised by its own token count"}),
+         fails={"gradient": "each rank normalised by its own token count"}, slow=True),
     Case("fsdp_clip_local", "ddp", {"fsdp": True}, "clip_local", verdict="FAIL",
          fails={"clip": "each rank its own, where the global gradient's norm is"}),
-    Case("fsdp_comp_twice", "ddp", {"fsdp": True}, "comp_twice", verdict="FAIL", fails={"gradient": "= W "}),
+    Case("fsdp_comp_twice", "ddp", {"fsdp": True}, "comp_twice", verdict="FAIL", fails={"gradient": "= W "}, slow=True),
     # ---------------------------------------------------------------- review: a reviewer's attacks, the same loop
     Case("clean_lowlr_noclip", "review", {"seed": 12, "max_grad_norm": 0, "lr": 1e-3}),
     Case("clean_sketch_every3", "review", {"seed": 13, "sketch": 64, "every": 3, "lr": 3e-2, "steps": 7}),
@@ -250,7 +259,7 @@ CASES: tuple[Case, ...] = (
          what="50 examples, 48 read per epoch (drop_last), 10 steps over 3 epochs"),
     Case("clean_drop_last_epoch", "review", {"seed": 14, "n": 50, "steps": 10, "epoch": True},
          holds={"data": "the loop's epochs (rec.step(epoch=...): 3 epoch(s), 120 reads"},
-         what="... with the loop's own epochs given"),
+         what="... with the loop's own epochs given", slow=True),
     Case("dup_data", "review", fault="dup_data", verdict="FAIL", may_fail={},
          fails={"data": "identical rows: pass example_ids="}, what="a clean loop over a dataset of identical rows"),
     Case("dup_data_ids", "review", {"ids": True}, "dup_data", holds={"data": "identified by the example ids given"},
@@ -258,7 +267,7 @@ CASES: tuple[Case, ...] = (
     Case("nograd_log", "review", fault="nograd_log", what="a train-mode forward under torch.no_grad() (a probe loss)",
          confirmation="the recording holds the loop's 3 micro-batches"),
     Case("rank1_eps4", "review", {"eps": 1e-4}, "rank1_eps", verdict="FAIL",  # 1+1e-4 on one rank: 7.5e-5 > 1e-5
-         fails={"gradient": "differs from one process's gradient"}),
+         fails={"gradient": "differs from one process's gradient"}, slow=True),
     Case("dropout_no_sync", "review", {"dropout": 0.1, "no_sync_all": True, "steps": 2}, verdict="FAIL",
          fails={"gradient": "the gradients were never all-reduced: at step 1"},
          what="torch's dropout, no_sync on every micro-batch", confirmation="the ranks' recorded gradients differ"),
@@ -268,7 +277,7 @@ CASES: tuple[Case, ...] = (
         "in any one tensor is detected", "each tensor's sketch against its own bound", "in tensor ln1.bias")},
          what="ln1.bias's gradient off by 1e-4 under sketches k=64", confirmation="the stated bound is below 1e-4"),
     Case("no_shift", "review", fault="no_shift", verdict="FAIL", fails={"gradient": "not by a constant factor"}),
-    Case("double_shift", "review", fault="double_shift", verdict="FAIL", fails={"gradient": "not by a constant factor"}),
+    Case("double_shift", "review", fault="double_shift", verdict="FAIL", fails={"gradient": "not by a constant factor"}, slow=True),
     Case("sched_twice", "review", fault="sched_twice", verdict="FAIL",
          fails={"replay": ("the loop's lr at step 2 is 0.009 where its scheduler, replayed, gives 0.00633333",
                            "the scheduler was stepped 2 times per optimizer step")}),
@@ -312,7 +321,7 @@ CASES: tuple[Case, ...] = (
     Case("short_step", "causes", {"fixed_len": 3, "short_last": True, "micro": 3}, "micro_mean", verdict="FAIL",
          fails={"gradient": ("1, 0.6667 at steps 1, 2", "a short last step still divided by K")},
          confirmation="step 2's gradient recomputed from its recorded rows is 2/3 of the token mean's"),
-    Case("short_step_clean", "causes", {"fixed_len": 3, "short_last": True, "micro": 3}),
+    Case("short_step_clean", "causes", {"fixed_len": 3, "short_last": True, "micro": 3}, slow=True),
     Case("count_previous", "causes", {"count": "previous", "steps": 3}, verdict="FAIL", fails={"gradient": (
         "a scalar that changes from step to step", "the loop divided by the previous step's token count")},
          what="each step's loss sum divided by the step before's global count (the first step's its own)",
@@ -337,7 +346,7 @@ CASES: tuple[Case, ...] = (
     Case("clip_half", "causes", {"max_grad_norm": 0.5}, "clip_half", verdict="FAIL",
          fails={"gradient": ("times 0.5 = 1/W", "a clip at max_grad_norm 0.25 where 0.5 is declared",
                              "or, every step clipped, a clip by another threshold")},
-         what="the loop clips at half the declared max_grad_norm (every step clipped): the factor is 1/W too"),
+         what="the loop clips at half the declared max_grad_norm (every step clipped): the factor is 1/W too", slow=True),
     Case("sched_before_step", "causes", fault="sched_before_step", verdict="FAIL", may_fail={}, fails={"replay": (
         "every tensor's update at step 1 is the replay's times", "the lr the scheduler gives at step 2",
         "the scheduler stepped before optimizer.step()")},
@@ -386,10 +395,10 @@ CASES: tuple[Case, ...] = (
          "(documented limit), never a false PASS", confirmation="the difference is round-off sized (< 0.05)"),
     Case("amp_comp_twice", "precision", {**AC, "model": {"kind": "amp", "amp": 300.0}}, "comp_twice", verdict="FAIL",
          fails={"gradient": "not judged in reduced precision"},
-         what="a gradient carrying 300 x the bfloat16 round-off, doubled"),
+         what="a gradient carrying 300 x the bfloat16 round-off, doubled", slow=True),
     Case("ac1_eps02", "precision", {**AC, "ac_steps": [1], "eps": 0.02}, "rank1_eps", verdict="FAIL",
          fails={"gradient": "differs"}, what="autocast at step 1 only; rank 1's loss x 1.02 (float32 steps 2, 3)"),
-    Case("every2", "precision", {**AC, "every": 2, "steps": 4}, what="tensors every 2 steps under autocast"),
+    Case("every2", "precision", {**AC, "every": 2, "steps": 4}, what="tensors every 2 steps under autocast", slow=True),
     Case("row_x2", "precision", AC, "row_x2", verdict="FAIL", fails={"gradient": "tok.weight"},
          what="one row of tok.weight's gradient doubled after the all-reduce"),
     Case("ac_micro0", "precision", {**AC, "ac_micro": [0]}, what="autocast on the first micro-batch of every step",
@@ -610,7 +619,7 @@ CASES: tuple[Case, ...] = (
          confirmation=BATCH),
     Case("pair_undeclared", "batch", {"kind": "pair", "micro": 1, "batch": 2, "objective": "batchmodels:contrastive_local"},
          verdict="FAIL", fails={"gradient": "declare objective_scope='step'"},
-         what="... each forward's own negatives declared"),
+         what="... each forward's own negatives declared", slow=True),
     # a bool forward keyword, attributes the loop sets, labels the loss reads and the model is not given
     Case("switch", "batch", {"kind": "switch", "objective": "causal_lm", "flip": True, "attrs": True, "labels": "rec"},
          what="a bool forward keyword, attributes the loop sets, labels given to rec.labels", confirmation=BATCH),
@@ -655,7 +664,7 @@ CASES: tuple[Case, ...] = (
          what="the loss's world-size compensation left out"),
     Case("world_comp_x2", "hf", f"ga=3:{FIX}", "world_comp_x2", verdict="FAIL", fails={
         "gradient": "= W (W = 2 ranks, K = 3 micro-batches)", "loss": ()}, may_fail=WRONG_GRADIENT,
-         what="... applied twice"),
+         what="... applied twice", slow=True),
     Case("logged_rank_means", "hf", FIX, "logged_rank_means", verdict="FAIL", may_fail={},
          fails={"loss": ("mean of the ranks' own token means", "not the training")},
          what="the logged loss a mean of the ranks' token means"),
@@ -789,7 +798,7 @@ CASES: tuple[Case, ...] = (
          what="FSDP2 mixed precision: parameters cast to bfloat16 for the forward",
          confirmation="every micro-batch recorded as computed in bfloat16"),
     Case("fsdp_mp_comp_twice", "autocast", {"seed": 9, "fsdp": True, "fsdp_mp": True}, "comp_twice",
-         verdict="FAIL", fails={"gradient": "= W "}),
+         verdict="FAIL", fails={"gradient": "= W "}, slow=True),
     # ---------------------------------------------------------------- wild, wild_pp: loops we did not write
     Case("aux", "wild", {"model": "aux"}, what="the model keeps self.aux (a graph tensor) after its forward",
          confirmation=WILD + ", through `gate check`"),

@@ -83,6 +83,7 @@ def test_the_seeds_recipe_runs_as_written_and_passes(recipe):
     assert refs.meta(GRADREF)["settings"] == rec.extra["settings"]
 
 
+@pytest.mark.slow  # outside CI's time (a second single at another batch, 12 s); CI keeps the recipe's PASS
 def test_a_single_at_another_global_batch_is_one_fail_naming_both_batches(recipe, tmp_path):
     g, _ = recipe
     other = tmp_path / "g"
