@@ -58,7 +58,7 @@ ALTERNATIVES = ("micro_mean", "rank_mean", "gm", "fwd")
 
 def prefixed(prefix: str, tensors: dict) -> dict:
     """The tensors whose key starts with `prefix`, keyed by the rest of it."""
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return {k[len(prefix):]: tensors[k] for k in tensors if k.startswith(prefix)}  # by key: a lazy mapping reads only these
 
 
 def micro_input(m: int, prefix: str = INPUT) -> str:

@@ -262,7 +262,7 @@ class RecordingSet:
     def _combine(self, pieces, prefix):
         if prefix.endswith("s/"):
             if not self.recorded.fsdp:
-                return {k[len(prefix):]: v for k, v in pieces[0].items() if k.startswith(prefix)}
+                return {k[len(prefix):]: pieces[0][k] for k in pieces[0] if k.startswith(prefix)}
             names = sorted({k[len(prefix):] for p in pieces for k in p if k.startswith(prefix)})
             return {n: sum(p[prefix + n] for p in pieces if prefix + n in p) for n in names}
         return self._assembled(pieces, prefix)
@@ -275,7 +275,8 @@ class RecordingSet:
             n = self.step_meta(r, step).get("micro_batches", 0)
             for m in range(n):
                 pre = micro_input(m)
-                out.append((r, m, {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)}))
+                # by key first: a lazy step's items() would read every tensor of the step to find the inputs
+                out.append((r, m, {k[len(pre):]: t[k] for k in t if k.startswith(pre)}))
         return out
 
     def autocast(self, rank: int, step: int, m: int) -> dict | None:

@@ -19,7 +19,7 @@ def _state_at_step(t: dict) -> dict:
     (a sketched step: the parameter sketches by their names)."""
     full = A.prefixed(A.PARAM, t)
     if full:
-        return {**full, **{k: v for k, v in t.items() if k.startswith(A.BUFFER)}}
+        return {**full, **{k: t[k] for k in t if k.startswith(A.BUFFER)}}
     return A.prefixed(A.SKETCHED_PARAM, t)
 
 

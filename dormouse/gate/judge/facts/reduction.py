@@ -61,7 +61,7 @@ def step_findings(out, step: int, metas: list[dict], info, sharded: bool, wire: 
     pieces = [read_prefixed(A.step_tensors_path(out, r, step), PREFIXES) for r in range(len(metas))]
 
     def part(p, prefix):
-        return {n[len(prefix):]: t for n, t in p.items() if n.startswith(prefix)}
+        return {n[len(prefix):]: p[n] for n in p if n.startswith(prefix)}
 
     loc = [part(p, A.LOCAL_SKETCH) for p in pieces]
     mags = [part(p, A.ABS_SKETCH) for p in pieces]

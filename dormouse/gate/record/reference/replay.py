@@ -58,7 +58,7 @@ def _write_params(path: Path, model, prefix: str) -> None:
     from dormouse.gate.artifacts.tensorfile import write_streamed
 
     held = [(prefix + n, p.detach()) for n, p in model.named_parameters()]
-    write_streamed(path, [(k, v.dtype, tuple(v.shape)) for k, v in held], iter(held))
+    write_streamed(path, [(k, v.dtype, tuple(v.shape)) for k, v in held], iter(held), sync=False)  # see spill.py
 
 
 def replay_params(out, rec: A.RecordingSet, model) -> tuple[dict, bool]:
@@ -129,7 +129,7 @@ def make_replayed(out, rec: A.RecordingSet, model, user, log, normalised=True) -
             parts.write(path, extra)
         else:
             held = [(key + n, v) for key, d in parts.items() for n, v in d.items()] + list(extra.items())
-            write_streamed(path, [(key, v.dtype, tuple(v.shape)) for key, v in held], iter(held))
+            write_streamed(path, [(key, v.dtype, tuple(v.shape)) for key, v in held], iter(held), sync=False)
         atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
         _trim()
     meta = {"schema": REFERENCE_SCHEMA, "kind": "reference", "key": staleness_key(rec), "run": rec.run,

@@ -312,7 +312,7 @@ def _write_step(out, k: int, parts, extra: dict, info: dict) -> None:
     if isinstance(parts, StepParts):
         parts.write(path, extra)
     else:  # a step with no forward: nothing but what the probe holds
-        write_streamed(path, [(n, v.dtype, tuple(v.shape)) for n, v in extra.items()], iter(extra.items()))
+        write_streamed(path, [(n, v.dtype, tuple(v.shape)) for n, v in extra.items()], iter(extra.items()), sync=False)
     atomic.write_text(A.reference_step_meta_path(out, k), json.dumps(info, indent=1))
 
 
