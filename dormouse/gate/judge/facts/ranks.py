@@ -188,6 +188,9 @@ def replica_apart(out, step: int, metas: list[dict]) -> str | None:
             words = ", ".join(n.split("/", 1)[1] + ratio(n) for n in apart[:3]) + (", ..." if len(apart) > 3 else "")
             if common is not None and alike > len(apart) // 2 and abs(common - 1) > 1e-6 and alike < len(apart):
                 words += f"; {alike} other tensor(s) x{common:.6g} alike (a clip coefficient apart: see clip)"
+            elif common is not None and alike == len(apart) > 1 and abs(common - 1) > 1e-6:
+                words += (f"; every one of the {alike} x{common:.6g} alike: one scalar apart (each rank its own clip "
+                          "coefficient: see clip)")
             return (f"at step {step} rank {r}'s synchronised gradient differs from rank 0's"
                     + (f": {words}" if apart else " by its recorded hash") + " (every replica must hold the same "
                     "reduced gradient: a rank that changed its copy after the reduce, or a recording edited since)")
