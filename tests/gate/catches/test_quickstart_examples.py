@@ -3,8 +3,10 @@ example (examples/quickstart/ddp_train.py), copied as it stands into a folder
 of its own, launched there with `torchrun --standalone --nproc_per_node=2
 ddp_train.py`, then `dormouse gate check --out runs/ddp` from the same folder
 through the installed console script (nothing added to PYTHONPATH): it
-passes. Its HF twin (hf_train.py) runs the same way (`RUN_HF_QUICKSTART=1`
-adds it here); the suite's HF Trainer runs are tests/gate/catches/test_hf_trainer.py."""
+passes. The TRL, PEFT and DPO recipes of docs/clients/hf.md (sft_train.py,
+peft_train.py, dpo_train.py) run the same way here, each its own fleet. Their
+HF twin (hf_train.py) runs the same way (`RUN_HF_QUICKSTART=1` adds it here);
+the suite's HF Trainer runs are tests/gate/catches/test_hf_trainer.py."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import importlib.util
 
 import pytest
 
@@ -26,8 +30,10 @@ def _user_env() -> dict:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
-QUICKSTARTS = [("ddp_train.py", "runs/ddp")] + ([("hf_train.py", "runs/hf")] if os.environ.get("RUN_HF_QUICKSTART")
-                                                else [])
+TRL = importlib.util.find_spec("trl") is not None and importlib.util.find_spec("peft") is not None
+QUICKSTARTS = [("ddp_train.py", "runs/ddp")]
+QUICKSTARTS += [(f"{name}_train.py", f"runs/{name}") for name in ("sft", "peft", "dpo")] if TRL else []
+QUICKSTARTS += [("hf_train.py", "runs/hf")] if os.environ.get("RUN_HF_QUICKSTART") else []
 # the accelerate and Lightning recipes of docs/clients/ on two ranks (tests/test_docs.py runs accelerate's
 # in one process and checks both pages' blocks against these files): RUN_ALL_QUICKSTARTS=1
 if os.environ.get("RUN_ALL_QUICKSTARTS"):

@@ -15,6 +15,24 @@ from dormouse.gate.record.userfns import code_hashes, import_path
 from dormouse.gate.record.reference.error import ReferenceError
 
 
+def _wrapped_hint(built: set[str], recorded: set[str]) -> str:
+    """Why the names differ, where at least half the names of one side are the other's under one
+    prefix: the loop's model was wrapped after build_model (PEFT's `peft_config=` does it inside TRL's
+    trainers, as `get_peft_model` does: names under "base_model.model.", the adapted layers renamed)."""
+    for inner, outer, who in ((built, recorded, "the loop"), (recorded, built, "build_model")):
+        under: dict[str, int] = {}
+        for o in outer:
+            for at in (i + 1 for i, c in enumerate(o) if c == "."):
+                if o[at:] in inner:
+                    under[o[:at]] = under.get(o[:at], 0) + 1
+        pre = max(under, key=under.get, default=None)
+        if pre and 2 * under[pre] >= len(inner):
+            peft = (" (PEFT: a trainer's peft_config= wraps the model; wrap it in build_model with "
+                    "get_peft_model and give the trainer the wrapped model)") if pre == "base_model.model." else ""
+            return f"; {who} wrapped the model (its names are the other's under {pre!r}){peft}"
+    return ""
+
+
 def rebuild(rec: A.RecordingSet):
     """The user's model (checked against the recorded initial state), optimizer and scheduler."""
     spec = rec.spec
@@ -31,7 +49,8 @@ def rebuild(rec: A.RecordingSet):
     if set(state) != set(init):
         extra, missing = sorted(set(state) - set(init)), sorted(set(init) - set(state))
         raise ReferenceError(f"build_model {spec.build_model!r} builds other tensors than the recording's "
-                             f"(not recorded: {extra[:3]}, not built: {missing[:3]}): it must build the loop's model")
+                             f"(not recorded: {extra[:3]}, not built: {missing[:3]}): it must build the loop's model"
+                             + _wrapped_hint(set(state), set(init)))
     for n in sorted(init):
         a, b = state[n].detach().cpu(), init[n]
         if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):

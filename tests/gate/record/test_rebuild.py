@@ -1,0 +1,32 @@
+"""The reference's rebuild says why build_model's names are not the recording's where the loop
+wrapped the model after building it (PEFT's peft_config= inside TRL's trainers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dormouse.gate.record.reference.rebuild import _wrapped_hint
+
+
+def _base() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+
+
+def test_a_model_wrapped_by_peft_after_build_model_is_named_with_the_fix():
+    peft = pytest.importorskip("peft")
+    built = set(_base().state_dict())
+    wrapped = peft.get_peft_model(_base(), peft.LoraConfig(r=2, target_modules=["0"]))
+    recorded = set(wrapped.state_dict())
+    assert built.isdisjoint(recorded)  # every name moved, and the wrapped layer's renamed (base_layer)
+    hint = _wrapped_hint(built, recorded)
+    assert "the loop wrapped the model" in hint and "'base_model.model.'" in hint and "get_peft_model" in hint
+    assert "build_model wrapped the model" in _wrapped_hint(recorded, built)
+
+
+def test_names_that_are_simply_other_get_no_hint():
+    other = {"encoder.weight", "decoder.bias", "head.weight"}
+    assert _wrapped_hint(set(_base().state_dict()), other) == ""
+    wrapped = {"module." + n for n in _base().state_dict()}  # DDP's prefix: a wrapper, not PEFT's
+    hint = _wrapped_hint(set(_base().state_dict()), wrapped)
+    assert "'module.'" in hint and "PEFT" not in hint
