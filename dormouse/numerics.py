@@ -13,6 +13,18 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bfloat16 keeps 8 significand bits: round-to-ne
 FP32_UNIT_ROUNDOFF = 2.0 ** -24  # float32: 24 significand bits
 
 
+def same_value(a, b) -> bool:
+    """Two plain values (a module attribute on two ranks, or before and after; dicts and lists of them) the
+    same: equal and of one type, a NaN the same as a NaN (which is never == itself)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+
+
 def scalar_relative(a: float, b: float, scale: float = 0.0) -> float:
     """|a - b| / |b| of two numbers (a loss against one process's), over `scale` instead where that is
     larger (the magnitude of terms that cancel in b), and over at least 1e-30."""

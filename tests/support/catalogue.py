@@ -269,7 +269,7 @@ CASES: tuple[Case, ...] = (
     Case("rank1_eps4", "review", {"eps": 1e-4}, "rank1_eps", verdict="FAIL",  # 1+1e-4 on one rank: 7.5e-5 > 1e-5
          fails={"gradient": "differs from one process's gradient"}, slow=True),
     Case("dropout_no_sync", "review", {"dropout": 0.1, "no_sync_all": True, "steps": 2}, verdict="FAIL",
-         fails={"gradient": "the gradients were never all-reduced: at step 1"},
+         fails={"gradient": "the gradients were not all-reduced over every micro-batch: at step 1"},
          what="torch's dropout, no_sync on every micro-batch", confirmation="the ranks' recorded gradients differ"),
     Case("bias_x2", "review", fault="bias_x2", verdict="FAIL", fails={"gradient": "tensor ln1.bias"}),
     Case("row_x2", "review", fault="row_x2", verdict="FAIL", fails={"gradient": "tensor tok.weight"}),
@@ -361,7 +361,7 @@ CASES: tuple[Case, ...] = (
          confirmation="the fleet's gradient is off one process's at the ranks' recorded masks by more than the "
                       "clean dropout run's"),
     Case("no_sync_all", "causes", {"no_sync_all": True}, verdict="FAIL",
-         fails={"gradient": "the gradients were never all-reduced: at step 1"},
+         fails={"gradient": "the gradients were not all-reduced over every micro-batch: at step 1"},
          confirmation="the ranks' recorded gradients differ"),
     Case("clip_local", "causes", fault="clip_local", verdict="FAIL", fails={"clip": "clipping by a local norm"},
          what="each rank clips by its local norm, then all-reduces"),
@@ -816,6 +816,30 @@ CASES: tuple[Case, ...] = (
          "#115607)", confirmation="the parameters moved as the optimizer alone moves them, through `gate check`"),
     Case("skip_step_zeros", "wild", {"skip_bwd": [2], "zero_grads": True}, verdict="FAIL",
          fails={"grad_mask": "step 2"}, what="... on zeroed (not None) gradients"),
+    Case("skip_step_logged", "wild", {"skip_bwd": [2], "skip_loss": True},
+         holds={"loss": "step(s) 2 ran no forward (an optimizer step alone): the loss logged there is not compared",
+                "clip": ()},
+         what="... logging loss 0.0 there (a number)", confirmation="the command judged it: it crashed before"),
+    Case("skip_step_stale", "wild", {"skip_bwd": [2], "skip_loss": True, "stale_after": [1]}, verdict="FAIL",
+         fails={"gradient": ("at step 2 no rank ran a forward or a backward", "step 1's gradient, applied again"),
+                "grad_mask": "one left from an earlier step"},
+         what="... the gradients not zeroed after step 1: the optimizer applies step 1's again",
+         confirmation="the recorded gradient at step 2 is step 1's"),
+    Case("metric_fwd", "wild", {"metric": "all"}, holds={
+         "data": "6 forward(s) with gradients on whose output no backward reached",
+         "gradient": "equals one process's gradient"},
+         what="every rank runs a train-mode metric forward with gradients on, never backpropagated",
+         confirmation=WILD + " (the metric forwards left out)"),
+    Case("metric_fwd_rank0", "wild", {"metric": 0}, verdict="FAIL", fails={"data": (
+         "rank 0 ran 1 forward(s) with gradients on whose output no backward reached, rank 1 0",
+         "torch.no_grad()")}, what="... on rank 0 alone"),
+    Case("dc_eval", "wild", {"model": "dc"}, holds={"gradient": "equals one process's gradient"},
+         what="model.eval(), the forward returns a dataclass of its logits", confirmation=WILD),
+    Case("nan_attr", "wild", {"nan_attr": True}, holds={"ranks": ()},
+         what="model.best = NaN on every rank before the Recorder", confirmation="NaN is never == NaN"),
+    Case("rank_grad_half", "wild", {"rank_grad_x": 0.5, "max_grad_norm": 0.0}, verdict="FAIL", fails={"ranks": (
+         "rank 1 scaled its whole gradient by 0.5 after the reduce, not by a clip coefficient")},
+         what="rank 1 halves its synchronised gradient, no clipping"),
     Case("dropout", "wild", {"dropout": 0.1, "steps": 2}, holds={
          "independence": "not judged: the gradient changes with the RNG state", "gradient": (),
          "probe": ("not judged: one process's gradient of the probed micro-batch at step 1 changes with the "

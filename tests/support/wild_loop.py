@@ -31,9 +31,21 @@ Knobs (RUN keys):
   "rec_late"     the loop calls rec.step AFTER opt.step() (a misplaced call; the training itself is right)
   "overlap"      hand-written shards, no sampler and no example ids: rank r reads the window of steps x micro x
                  batch examples from r x (that - 1), so rank 1's first example is rank 0's last
+A later review's knobs:
+  "skip_loss"    at a "skip_bwd" step the loop logs rec.step(loss=0.0) (a number, not None)
+  "stale_after"  steps (1-based) after which the loop does not zero the gradients (with "skip_bwd" the step
+                 after: its optimizer steps on the stale gradient)
+  "metric"       "all" or a rank: after each step's backwards, that rank (every rank) runs a train-mode
+                 forward of its first micro-batch with gradients on, for a metric, never backpropagated
+  "nan_attr"     every rank sets model.best = float("nan") before the Recorder starts
+  "rank_grad_x"  rank 1 scales its whole synchronised gradient by this factor (max_grad_norm 0: no clip)
+  "model" "dc"   wild_loop:build_dc_model: TinyLM whose forward returns a dataclass (DCOut.logits), trained
+                 with model.eval() (TinyLM has no dropout: eval changes nothing it computes)
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import sys
 from pathlib import Path
@@ -52,7 +64,8 @@ RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 
        "labels": "masked", "skip_bwd": [], "max_grad_norm": 1.0, "bn_rank0": False,
        "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
        "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {},
-       "ref": False, "rec_late": False, "overlap": False}
+       "ref": False, "rec_late": False, "overlap": False, "skip_loss": False, "stale_after": [], "metric": None,
+       "nan_attr": False, "rank_grad_x": 0.0}
 REF_BETA = 0.5
 _REFS: dict = {}
 
@@ -90,6 +103,27 @@ def build_aux_model(*, seed: int = 0, **_) -> AuxLM:
     return AuxLM()
 
 
+@dataclasses.dataclass
+class DCOut:
+    logits: torch.Tensor
+
+
+class DCLM(TinyLM):
+    """TinyLM whose forward returns a dataclass of its logits (a model's own output class)."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None):
+        return DCOut(super().forward(input_ids, attention_mask, labels, position_ids))
+
+
+def build_dc_model(*, seed: int = 0, **_) -> DCLM:
+    torch.manual_seed(seed)
+    return DCLM()
+
+
+def _logits(out):
+    return out.logits if isinstance(out, DCOut) else out
+
+
 def batches(cfg: dict, data, idx, rank: int = 0):
     cut = 1 if cfg["collate_drop"] and rank == 1 else 0  # rank 1's collator drops each row's last token
     mbs = [collate([data[i][:len(data[i]) - cut] for i in idx[m * cfg["batch"]:(m + 1) * cfg["batch"]]])
@@ -110,11 +144,15 @@ def run(cfg: dict) -> None:
     K, B, n = cfg["micro"], cfg["batch"], cfg["n"]
     kw = {"seed": cfg["seed"], "lr": cfg["lr"], **({"bn": True} if cfg["bn_rank0"] else {}),
           **({"dropout": cfg["dropout"]} if cfg["dropout"] else {})}
-    builders = {"tiny": build_model, "aux": build_aux_model}
+    builders = {"tiny": build_model, "aux": build_aux_model, "dc": build_dc_model}
     builder = {"tiny": "loopmodel:build_model"}.get(cfg["model"], f"wild_loop:{builders[cfg['model']].__name__}")
     model = builders[cfg["model"]](**kw)
     if cfg["bn_rank0"]:
         model.bn.eval()  # frozen statistics in the training forwards
+    if cfg["model"] == "dc":
+        model.eval()
+    if cfg["nan_attr"]:
+        model.best = float("nan")  # a plain attribute the forward never reads, NaN on every rank
     if cfg["dropout"]:
         torch.manual_seed(cfg["seed"] + rank)  # each rank its own masks
     net = torch.nn.parallel.DistributedDataParallel(model)
@@ -133,7 +171,7 @@ def run(cfg: dict) -> None:
     for s in range(cfg["steps"]):
         norm = None
         if s + 1 in cfg["skip_bwd"]:
-            reported = None
+            reported = 0.0 if cfg["skip_loss"] else None
         else:
             idx = order[s * K * B:(s + 1) * K * B]
             mbs = batches(cfg, data, idx, rank)
@@ -147,13 +185,19 @@ def run(cfg: dict) -> None:
                     if cfg["ref"]:
                         loss_sum = ref_objective(net, mb, seed=cfg["seed"])[0]
                     else:
-                        logits = net(**mb)
+                        logits = _logits(net(**mb))
                         loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
                                                    mb["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
                     (loss_sum * world / n_global * cfg["loss_x"].get(str(s + 1), 1.0)).backward()
                 local_sum += loss_sum.detach()
             dist.all_reduce(local_sum)
             reported = local_sum / n_global
+            if cfg["metric"] is not None and cfg["metric"] in ("all", rank):  # gradients on, no backward
+                accuracy = (_logits(model(**mbs[0])).argmax(-1) == mbs[0]["input_ids"]).float().mean()
+                del accuracy
+            if cfg["rank_grad_x"] and rank == 1:
+                for p in model.parameters():
+                    p.grad.mul_(cfg["rank_grad_x"])
             for name, p in model.named_parameters():
                 if name in cfg["grad_x"]:
                     p.grad.mul_(cfg["grad_x"][name])
@@ -165,7 +209,8 @@ def run(cfg: dict) -> None:
         if cfg["rec_late"]:  # misplaced: the parameters have moved already
             rec.step(loss=reported, optimizer=opt, grad_norm=None if cfg["clip_no_norm"] else norm)
         sched.step()
-        opt.zero_grad(set_to_none=not cfg["zero_grads"])
+        if s + 1 not in cfg["stale_after"]:
+            opt.zero_grad(set_to_none=not cfg["zero_grads"])
         if cfg["bn_rank0"]:  # rank 0's rows move the statistics, every rank receives them
             if rank == 0:
                 model.bn.train()

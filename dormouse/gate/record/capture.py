@@ -10,11 +10,14 @@ rec.labels() and rec.beside() add to the last one. The Recorder (record/recorder
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 
 import torch
 
 from dormouse.gate.record.options import LOSS_LABELS, NEUTRAL_ATTRS, OBJECTIVES, PLAIN, RecorderError
+from dormouse.numerics import same_value
 
 
 def _autocast_state(device_type: str) -> dict | None:
@@ -59,22 +62,31 @@ def attr_changes(now: dict, then: dict) -> dict | None:
     out = {}
     for path, d in now.items():
         old = then.get(path, {})
-        diff = {k: v for k, v in d.items() if k not in old or type(old[k]) is not type(v) or old[k] != v}
+        diff = {k: v for k, v in d.items() if k not in old or not same_value(old[k], v)}
         if diff:
             out[path] = diff
     return out or None
 
 
-def _tensors(x):
-    """The tensors in a forward's output (a tensor, or tuples, lists and dicts of them: a ModelOutput is a dict)."""
+def _tensors(x, depth: int = 4):
+    """The tensors in a forward's output: a tensor, or tuples, lists and dicts of them (a ModelOutput is a
+    dict), a dataclass's fields, or an object's attributes (a model's own output class), `depth` levels down."""
     if isinstance(x, torch.Tensor):
         yield x
+    elif depth <= 0:
+        return
     elif isinstance(x, dict):
         for v in x.values():
-            yield from _tensors(v)
+            yield from _tensors(v, depth - 1)
     elif isinstance(x, (tuple, list)):
         for v in x:
-            yield from _tensors(v)
+            yield from _tensors(v, depth - 1)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            yield from _tensors(getattr(x, f.name, None), depth - 1)
+    elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)):
+        for v in vars(x).values():
+            yield from _tensors(v, depth - 1)
 
 
 def core_module(model):
@@ -112,8 +124,11 @@ class Capture:
     arm        None, or arm(n) called after the step's n-th micro-batch was read (the probe's trigger)
     """
 
-    def __init__(self, module, inputs: tuple, objective: str, arm=None):
+    def __init__(self, module, inputs: tuple, objective: str, arm=None, every_forward: bool = True):
         self.module, self.inputs, self.objective, self.arm = module, tuple(inputs), objective, arm
+        # whether a training-mode forward, too, is a micro-batch only where a backward reaches its output
+        # (a pipeline stage's layout tells its own: layouts.PipelineLayout.watch)
+        self.every_forward = every_forward
         self.batches: list[dict[str, torch.Tensor]] = []
         # each micro-batch's autocast ({"device_type", "dtype"} or None), read in the pre-hook:
         # the reference computes the micro-batch under the same one
@@ -137,9 +152,10 @@ class Capture:
         self._device = p.device if p is not None else None
         self._attrs0 = plain_attrs(module)  # the modules' plain attributes at the start (recording.json's)
         self._hooks: list = []
-        # the step's eval-mode forwards {micro-batch: whether a backward reached its output} (_post)
+        # the step's forwards {micro-batch: whether a backward reached its output} (_post)
         self._backpropagated: dict[int, bool] = {}
         self._hooked: set[int] = set()
+        self.unreached = 0  # the last take()'s forwards with gradients on that no backward reached
 
     @property
     def attrs0(self) -> dict:
@@ -169,14 +185,17 @@ class Capture:
         self._hooks = []
 
     def take(self) -> tuple[list, list, list, list, list, list, list]:
-        """The step's (batches, autocasts, casts, evals, calls, attrs, rngs), each per micro-batch; empty after."""
+        """The step's (batches, autocasts, casts, evals, calls, attrs, rngs), each per micro-batch; empty after.
+        A forward with gradients on whose output no backward reached (a metric computed without no_grad)
+        is no micro-batch: dropped, and counted in `unreached`."""
         if self._hooks and self._plain and "torch._dynamo" in sys.modules:  # torch.compile came after hook()
             self.remove()
             self._register()
         got = (self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs, self.rngs)
-        dropped = {m for m, reached in self._backpropagated.items() if not reached}  # eval forwards not backpropagated
+        dropped = {m for m, reached in self._backpropagated.items() if not reached}
         if dropped:
             got = tuple([x for m, x in enumerate(xs) if m not in dropped] for xs in got)
+        self.unreached = len(dropped)
         self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs = [], [], [], [], [], []
         self.rngs, self._backpropagated, self._hooked = [], {}, set()
         return got
@@ -191,9 +210,9 @@ class Capture:
 
     def _pre(self, module, args, kwargs):
         # forwards under torch.no_grad()/inference_mode (a metric, a probe loss) are not the step's
-        # micro-batches: no gradient can come of them. A forward with the model in eval mode is one only
-        # where its output is backpropagated: kept provisionally, and dropped at take() unless a gradient
-        # reached its output (_post's hook)
+        # micro-batches: no gradient can come of them. A forward with gradients on (in training or eval
+        # mode) is one only where its output is backpropagated: kept provisionally, and dropped at take()
+        # unless a gradient reached its output (_post's hook)
         if not torch.is_grad_enabled():
             return None
         rng = rng_states(self.device_type, self._device)  # before anything here could draw
@@ -227,13 +246,14 @@ class Capture:
         # "" first where the model itself is in eval mode (reference/forward.set_modes)
         self.evals.append(([] if module.training else [""]) + [n for n, m in self._submodules if not m.training]
                           or None)
-        if not module.training:
+        if self.every_forward or not module.training:
             self._backpropagated[len(self.batches) - 1] = False
         return None
 
     def _post(self, module, args, output):
-        """After an eval-mode forward with gradients on: a hook on each output tensor that needs a gradient
-        marks its micro-batch backpropagated when the backward reaches it."""
+        """After a forward with gradients on: a hook on each output tensor that needs a gradient marks its
+        micro-batch backpropagated when the backward reaches it. An output with no such tensor to be
+        found is kept as a micro-batch (nothing tells it apart)."""
         m = len(self.batches) - 1
         if self._backpropagated.get(m) is not False or m in self._hooked:
             return None
@@ -242,9 +262,15 @@ class Capture:
         def reached(_grad, m=m):
             self._backpropagated[m] = True
 
-        for t in _tensors(output):
+        found = list(_tensors(output))
+        for t in found:
             if t.requires_grad:
-                t.register_hook(reached)
+                try:
+                    t.register_hook(reached)
+                except RuntimeError:  # a tensor that takes no hook: the forward counts as backpropagated
+                    self._backpropagated[m] = True
+        if not found:  # an output the walk cannot see into
+            self._backpropagated[m] = True
         return None
 
     def _inner(self, module, args):

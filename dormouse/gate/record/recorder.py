@@ -245,6 +245,7 @@ class Recorder:
         self._probe = probe.Probe(self.module) if self._probe_steps else None
         self.capture.hook()
         if isinstance(self.layout, layouts.PipelineLayout):  # a stage's forwards no backward reaches: not data
+            self.capture.every_forward = False  # the stage's watch tells them (its schedule's own forward)
             self.layout.watch(self.module, lambda: len(self.capture.batches))
 
     def _arm(self, n: int) -> None:
@@ -466,6 +467,8 @@ class Recorder:
         meta = {"step": k, "run": self.run, "segment": self.segment, "rank": self.rank, "world": self.world,
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
+                # forwards with gradients on whose output no backward reached (metrics): no micro-batches
+                **({"unreached_forwards": self.capture.unreached} if self.capture.unreached else {}),
                 **(layouts.peer_counts(len(batches)) if self.layout is not None and self.rank != self.layout.leader
                    else {}),
                 "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals, "call": calls,

@@ -452,3 +452,43 @@ def test_rec_step_after_the_optimizer_step_is_the_first_failing_line(fleet):
     assert first.name == "intact" and first.reason.startswith("rec.step ran after optimizer.step()"), first
     assert "moved_before_step" in A.RecordingSet(fleet["rec_late"]).step_meta(1, 2)
     assert "moved_before_step" not in A.RecordingSet(fleet["aux"]).step_meta(0, 1)
+
+
+def test_a_forward_no_backward_reaches_is_no_micro_batch_and_one_on_one_rank_is_named(fleet):
+    """A metric forward in training mode with gradients on, never backpropagated (a later review's
+    false alarm: it was recorded as a micro-batch, and gradient, loss and clip failed). On every rank:
+    the recorded step-1 gradient is this file's one-process gradient of the loop's rows without the
+    metric forwards (its row passes, the data line counts them); on rank 0 alone: the data line fails."""
+    assert looprec.worst(recorded(fleet["metric_fwd"]), one_process(build_model(seed=3),
+                                                                    step_rows("metric_fwd"))) < 1e-6
+    rec = A.RecordingSet(fleet["metric_fwd_rank0"])
+    assert [rec.step_meta(r, 1).get("micro_batches") for r in range(W)] == [RUN["micro"]] * W
+
+
+def test_an_eval_model_returning_a_dataclass_is_recorded(fleet):
+    """model.eval() and a forward returning a dataclass (DCOut.logits): the backward's hook is put on the
+    dataclass's tensor, so the forwards are micro-batches (they were dropped: "recorded no micro-batch",
+    exit 2); the recorded gradient is one process's (TinyLM at the same seed holds the same weights)."""
+    assert looprec.worst(recorded(fleet["dc_eval"]), one_process(build_model(seed=3), step_rows("dc_eval"))) < 1e-6
+
+
+def test_a_stale_gradient_at_a_step_without_backward_is_step_ones_again(fleet):
+    """skip_step_stale: no zero_grad after step 1, no forward or backward at step 2: rank 0's recorded
+    gradient at step 2 is its step-1 gradient, bit for bit (what the gradient line names), and the same
+    loop that zeroes (skip_step_logged) holds none there."""
+    g1 = looprec.recorded_gradients(fleet["skip_step_stale"], 0, 1)
+    g2 = looprec.recorded_gradients(fleet["skip_step_stale"], 0, 2)
+    assert g1 and set(g1) == set(g2) and all(torch.equal(g1[n], g2[n]) for n in g1)
+    assert not looprec.recorded_gradients(fleet["skip_step_logged"], 0, 2)
+
+
+def test_a_rank_scaling_its_gradient_and_a_nan_attribute_are_what_the_rows_say(fleet):
+    """rank_grad_half: rank 1's recorded gradient is rank 0's times 0.5 (no clip: the ranks line names
+    a scaled gradient, not a clip coefficient). nan_attr: both ranks started with best = NaN (equal, though
+    NaN != NaN)."""
+    g0 = looprec.recorded_gradients(fleet["rank_grad_half"], 0, 1)
+    g1 = looprec.recorded_gradients(fleet["rank_grad_half"], 1, 1)
+    assert all(torch.equal(g1[n], g0[n] * 0.5) for n in g0)
+    rec = A.RecordingSet(fleet["nan_attr"])
+    starts = [rec.step_meta(r, 1)["attrs_start"][""]["best"] for r in range(W)]
+    assert all(x != x for x in starts)

@@ -181,7 +181,8 @@ def _identical_words(k: int, same) -> str:
 def _twice_in_step(k: int, e: str, q: int, r: int, whole: tuple, groups, exact: bool, replayed: bool) -> str:
     """Example e, read at step k by rank q and again by rank r (r = q: one rank twice), in words."""
     if not replayed:
-        return f"at step {k} ranks {q} and {r} read identical rows (equal tokens); {IDENTICAL}"
+        who = f"ranks {q} and {r}" if q != r else f"rank {r}"
+        return f"at step {k} {who} read identical rows (equal tokens); {IDENTICAL}"
     if q != r:
         if exact and tuple(dict(groups)[q]) != whole:
             return (f"at step {k} example {e.removeprefix('id:')} was read by ranks {q} and {r}: the ranks' reads "
@@ -221,6 +222,31 @@ def _read_twice(k: int, groups, exact: bool, cur: dict, cur_groups: set, epoch: 
             seen[e] = r
         step_groups[whole] = r
     return None
+
+
+def _unreached(rec: A.RecordingSet) -> tuple[str | None, str]:
+    """The forwards with gradients on whose output no backward reached (the Recorder's
+    "unreached_forwards": not micro-batches): (a failure where the ranks of a step ran other numbers of
+    them, the words that say where they were dropped)."""
+    steps = {}
+    for k in rec.steps:
+        counts = [int(rec.step_meta(r, k).get("unreached_forwards") or 0) for r in range(rec.world_at(k))]
+        if any(counts):
+            steps[k] = counts
+    for k, counts in steps.items():
+        if len(set(counts)) > 1:
+            r = max(range(len(counts)), key=counts.__getitem__)
+            q = min(range(len(counts)), key=counts.__getitem__)
+            return (f"at step {k} rank {r} ran {counts[r]} forward(s) with gradients on whose output no backward "
+                    f"reached, rank {q} {counts[q]}: a micro-batch's loss left out of the backward on one rank "
+                    "(detached, or never added in), or a metric forward on one rank only (compute it under "
+                    "torch.no_grad())"), ""
+    if not steps:
+        return None, ""
+    n = sum(sum(c) for c in steps.values())
+    where = ", ".join(str(k) for k in list(steps)[:5]) + (" ..." if len(steps) > 5 else "")
+    return None, (f"; {n} forward(s) with gradients on whose output no backward reached (metrics computed "
+                  f"without torch.no_grad(), as many on every rank; steps {where}) were not taken as micro-batches")
 
 
 def _passed_words(rec: A.RecordingSet, all_exact: bool, unverified: str, epochs: list, reads: int, n: int) -> str:
@@ -275,6 +301,9 @@ def check_data(rec: A.RecordingSet) -> Check:
     labels = _labels_apart(rec)
     if labels:
         return Check("data", False, labels)
+    apart, metrics = _unreached(rec)
+    if apart:
+        return Check("data", False, apart)
     n = rec.spec.dataset_len
     epochs = [rec.step_meta(0, k).get("epoch") for k in rec.steps]
     given_epochs = all(e is not None for e in epochs)
@@ -311,4 +340,4 @@ def check_data(rec: A.RecordingSet) -> Check:
         if given_epochs and n and cur_reads > n:
             return Check("data", False, f"epoch {ep} read {cur_reads} examples by step {k}, more than dataset_len "
                                         f"{n}")
-    return Check("data", True, _passed_words(rec, all_exact, unverified, epochs, reads, n))
+    return Check("data", True, _passed_words(rec, all_exact, unverified, epochs, reads, n) + metrics)

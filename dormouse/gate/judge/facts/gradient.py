@@ -30,6 +30,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge import causes as C
@@ -64,7 +66,7 @@ from dormouse.gate.judge.gradtools import (
     step_counts_of,
     wire_ratio,
 )
-from dormouse.gate.judge.metrics import fit, fit_c, parts, rel, rel_of
+from dormouse.gate.judge.metrics import fit, fit_c, norm, parts, rel, rel_of
 from dormouse.gate.judge.precision import (
     arithmetic_bound,
     bound_words,
@@ -458,10 +460,11 @@ def _fail_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> str:
         return _tensors_reason(rec, s, *f["tensors"])
     if f["apart"] is not None:
         k0, (far, off) = f["apart"]
-        return (f"the gradients were never all-reduced: at step {k0} the ranks' gradients differ from each other "
-                f"(by {far:.2g}), each its own micro-batches' gradient, and their mean equals {WHAT} (within "
-                f"{off:.2g}; {stated}): no_sync on every micro-batch (or a hand-written all-reduce that never "
-                "ran), so each rank steps on its own gradient and the ranks drift apart")
+        return (f"the gradients were not all-reduced over every micro-batch: at step {k0} the ranks' gradients "
+                f"differ from each other (by {far:.2g}) and their mean equals {WHAT} (within {off:.2g}; {stated}): "
+                "no_sync on every micro-batch, or on the last one (DDP reduces in the backward run outside no_sync, "
+                "which must be the step's last), or a hand-written all-reduce that never ran; each rank steps on "
+                "its own gradient and the ranks drift apart")
     if f["stale"] is not None:
         k0, off, c = f["stale"]
         named = factor_words(rec, c, s.micro, s.factor_rtol)
@@ -472,8 +475,10 @@ def _fail_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> str:
         return (f"the gradients were not zeroed between steps: {when}, the fleet's gradient of "
                 f"{len(off)} tensor(s) ({', '.join(off[:3])}{', ...' if len(off) > 3 else ''}) is {WHAT} plus "
                 f"the gradient the loop applied at the step before{share}, and every other tensor agrees "
-                f"({stated}): optimizer.zero_grad() is missing where those tensors live (every rank, or one "
-                "pipeline stage)")
+                f"({stated}): optimizer.zero_grad() is missing where those tensors live ("
+                + (f"one rank of {W}: its stale gradient enters the ranks' mean once, times 1/{W})"
+                   if (W := rec.world_at(k0)) > 1 and abs(c * W - 1) <= s.factor_rtol * W else
+                   "every rank, or one pipeline stage)"))
     if f["per_step"] and not f["alt_hit"]:
         told = any(rec.step_meta(0, k).get("grad_norm") is not None for k, _, _ in f["scalars"])
         return C.describe_scalars(f["scalars"], step_counts_of(rec, s.fitted), s.factor_rtol,
@@ -537,9 +542,36 @@ def _with_made_up(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan, reason: str)
     return reason
 
 
+def _gradient_without_backward(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck | None:
+    """A step at which no rank ran a forward (an optimizer step alone, where one process computes no
+    gradient) while the fleet's parameters held one: a gradient left from an earlier step, named where it
+    is that step's recorded gradient again (zero_grad missing)."""
+    for k in rec.steps:
+        if not ref.info(k).get("no_forward"):
+            continue
+        held = sorted(set(rec.tensors_at(k, A.SKETCHED_GRAD if rec.sketch else A.GRAD)))
+        if not held:
+            continue
+        g = fleet_grad(rec, k)
+        size = norm(g, held)
+        why = f"at step {k} no rank ran a forward or a backward, yet the parameters held a gradient (norm {size:.6g}) " \
+              "that the optimizer applied, where one process has none"
+        before = [j for j in rec.steps if j < k]
+        if before and rec.step_meta(0, before[-1]).get("tensors", True) and rec.step_meta(0, k).get("tensors", True):
+            prev = fleet_grad(rec, before[-1])
+            if set(prev) == set(g) and all(torch.equal(prev[n].double(), g[n].double()) for n in held):
+                why += (f": step {before[-1]}'s gradient, applied again (the gradients were not zeroed after "
+                        f"step {before[-1]})")
+        return TensorCheck("gradient", False, why, worst=math.inf, worst_step=k, first_step=k)
+    return None
+
+
 def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     """Fact 3 (module docstring): the rows, then the bound stated, then the pass or the failure's shape named,
     then what the recording says the reference followed, then a made-up gradient held exactly."""
+    stale = _gradient_without_backward(rec, ref)
+    if stale is not None:
+        return stale
     run = ref.meta.get("mode") == "run"
     rows = gradient_rows(rec, ref)
     loose = too_loose(rec, ref)
@@ -574,6 +606,10 @@ def check_grad_mask(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                 g = rec.tensors_at(k, A.GRAD)
                 if all(n in g and not g[n].any() for n in extra):
                     zero = " (all zeros)"
+            if info.get("no_forward") and not zero:
+                return Check("grad_mask", False, f"{', '.join(extra)} had a gradient in the fleet at step {k}, which "
+                                                 "ran no forward or backward: one left from an earlier step (see "
+                                                 "gradient)")
             return Check("grad_mask", False,
                          f"{', '.join(extra)} had a gradient{zero} in the fleet at step {k} where one process has "
                          "none: with weight decay or momentum the optimizer moves them (set them to None)")

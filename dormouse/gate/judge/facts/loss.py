@@ -63,6 +63,7 @@ def loss_relative(logged: float, info: dict) -> float:
 def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Check:
     worst, at, alt_hits, first = 0.0, None, None, None
     reported_any, over, floor = False, False, 0.0
+    no_forward = []  # steps whose logged loss has no objective to meet: no micro-batch (an optimizer step alone)
     pairs: list[tuple[float, float, float]] = []  # (logged, objective, bound) at every step that logged one
     # reduced precision: the loss as a loop computing it in the forward's dtype gives it (measured per step)
     lowp = max((f for k in rec.steps if (f := ref.info(k).get("loss_floor")) is not None), default=None)
@@ -75,6 +76,9 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
         tol = floor_bound(max(floor, lowp if info.get("loss_floor") is not None else 0.0), LOSS_RTOL)
         losses = [rec.step_meta(r, k).get("loss") for r in range(rec.world_at(k))]
         if losses[0] is None:
+            continue
+        if info.get("loss") is None:
+            no_forward.append(k)
             continue
         reported_any = True
         pairs.append((losses[0], info["loss"], tol))
@@ -89,8 +93,10 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
                                    ("rank_local", (info["loss_alt"]["rank_local"] or [None])[0]))
                     if v is not None and abs(losses[0] - v) <= tol * abs(v)}
             alt_hits = hits if alt_hits is None else alt_hits & hits
+    apart = (f"; step(s) {', '.join(map(str, no_forward[:5]))} ran no forward (an optimizer step alone): "
+             "the loss logged there is not compared") if no_forward else ""
     if not reported_any:
-        return Check("loss", True, "the loop reported no loss (rec.step(loss=...)): not checked")
+        return Check("loss", True, "the loop reported no loss (rec.step(loss=...)): not checked" + apart)
     if not over:
         tol = floor_bound(max(floor, lowp or 0.0), LOSS_RTOL)
         said = f"bound {tol:.2g}"
@@ -98,8 +104,8 @@ def check_loss(rec: A.RecordingSet, ref: ReferenceSet, training_ok: bool) -> Che
             said += (f" = {FLOOR_MULTIPLE:g} x the {precision_words(rec, ref)} loss floor {lowp:.2g}, the loss "
                      "from logits left in the forward's dtype against it, at the largest; each step its own")
         return TensorCheck("loss", True, f"the logged loss equals the declared objective over the global batch at "
-                                         f"every step (worst {worst:.2g}, {said})", worst=worst, worst_step=at,
-                           bound=tol)
+                                         f"every step (worst {worst:.2g}, {said}){apart}", worst=worst,
+                           worst_step=at, bound=tol)
     desc = {"micro_mean": "the mean of per-micro-batch token means", "rank_mean": rank_mean_words(rec),
             "rank_local": "rank 0's own token mean"}
     named = next((desc[a] for a in ("rank_mean", "micro_mean", "rank_local") if alt_hits and a in alt_hits), None)

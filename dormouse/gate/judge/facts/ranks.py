@@ -16,6 +16,7 @@ import torch
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.metrics import relative
 from dormouse.gate.judge.verdict import Check
+from dormouse.numerics import same_value
 
 
 def _autocast_words(state: tuple) -> str:
@@ -54,7 +55,7 @@ def _mode_split(rec: A.RecordingSet) -> str | None:
             for m in range(rec.step_meta(r, k).get("micro_batches", 0)):
                 got = set(rec.eval_modules(k, r, m))
                 if got != want:
-                    words = lambda s: ", ".join(sorted(s)) or "none"  # noqa: E731
+                    words = lambda s: ", ".join(n or "the model itself" for n in sorted(s)) or "none"  # noqa: E731
                     return (f"at step {k} rank {r}'s micro-batch {m} ran other submodules in eval mode ({words(got)}) "
                             f"than rank 0's first ({words(want)}): the fleet's ranks do not run one network")
     return None
@@ -85,7 +86,7 @@ def _call_split(rec: A.RecordingSet) -> str | None:
             for r, st in enumerate(states):
                 for m, a in enumerate(st):
                     want = states[0][m] if m < len(states[0]) else states[0][-1] if states[0] else a
-                    if a != want:
+                    if not same_value(a, want):
                         return (f"at step {k} rank {r}'s micro-batch {m} ran with other {what} ({a}) than rank 0's "
                                 f"same micro-batch ({want}): the fleet's ranks do not run one network (a branch "
                                 "one rank switches alone)")
@@ -111,8 +112,8 @@ def _start_split(rec: A.RecordingSet) -> str | None:
             for path in sorted(set(starts[0]) & set(got or {})):
                 mine, theirs = starts[0].get(path, {}), (got or {}).get(path, {})
                 for name in sorted(set(mine) | set(theirs)):
-                    if mine.get(name, "absent") != theirs.get(name, "absent"):
-                        where = f"module {path!r}" if path else "the model"
+                    if not same_value(mine.get(name, "absent"), theirs.get(name, "absent")):
+                        where = f"module {path!r}" if path else "model"
                         return (f"from step {k} rank {r}'s {where} has {name} = {theirs.get(name, 'absent')!r}, "
                                 f"rank 0's {mine.get(name, 'absent')!r} (set before the Recorder started): the "
                                 "fleet's ranks do not run one network")
@@ -189,8 +190,13 @@ def replica_apart(out, step: int, metas: list[dict]) -> str | None:
             if common is not None and alike > len(apart) // 2 and abs(common - 1) > 1e-6 and alike < len(apart):
                 words += f"; {alike} other tensor(s) x{common:.6g} alike (a clip coefficient apart: see clip)"
             elif common is not None and alike == len(apart) > 1 and abs(common - 1) > 1e-6:
-                words += (f"; every one of the {alike} x{common:.6g} alike: one scalar apart (each rank its own clip "
-                          "coefficient: see clip)")
+                c0, cr = metas[0].get("clip_coef"), metas[r].get("clip_coef")
+                by_clip = (isinstance(c0, float) and isinstance(cr, float) and c0 > 0 and c0 != cr
+                           and abs(cr / c0 / common - 1) <= 1e-4)
+                words += (f"; every one of the {alike} x{common:.6g} alike: one scalar apart "
+                          + ("(each rank its own clip coefficient: see clip)" if by_clip else
+                             f"(rank {r} scaled its whole gradient by {common:.6g} after the reduce, not by a clip "
+                             "coefficient)"))
             return (f"at step {step} rank {r}'s synchronised gradient differs from rank 0's"
                     + (f": {words}" if apart else " by its recorded hash") + " (every replica must hold the same "
                     "reduced gradient: a rank that changed its copy after the reduce, or a recording edited since)")

@@ -45,8 +45,10 @@ def labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["labels"]
     ids = batch.get("input_ids", batch.get("arg0"))
     if ids is None:
-        raise ReferenceError("the recorded batch has no labels, input_ids or positional tensor: declare "
-                             "objective='pkg.mod:fn' or pass labels to the model")
+        raise ReferenceError("the recorded batch has no labels, input_ids or positional tensor: the Recorder "
+                             "reads the tensors the model's forward gets as positional arguments or keywords (a dict "
+                             "passed as one argument is not read: call model(**batch)); or declare "
+                             "objective='pkg.mod:fn', or pass labels to the model")
     mask = batch.get("attention_mask")
     return ids.masked_fill(mask == 0, -100) if mask is not None else ids
 
