@@ -31,11 +31,11 @@ from dormouse.gate.record.capture import Capture
 m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
 c = Capture(m, ("input",), "token_mean")
 c.hook()
-m(torch.ones(1, 4))
+m(torch.ones(1, 4)).sum().backward()  # a forward is a micro-batch where a backward reaches it
 print(len(c.take()[0]), 'torch._dynamo' in sys.modules, [hasattr(h, '_torchdynamo_orig_callable') for h in m._forward_pre_hooks.values()])
 import torch._dynamo  # a torch.compile after the hooks went on: the next take() puts them on again, eager
 print(len(c.take()[0]), [hasattr(h, '_torchdynamo_orig_callable') for h in m._forward_pre_hooks.values()])
-m(torch.ones(1, 4))
+m(torch.ones(1, 4)).sum().backward()
 print(len(c.take()[0]))
 """
 
