@@ -837,6 +837,10 @@ CASES: tuple[Case, ...] = (
          what="model.eval(), the forward returns a dataclass of its logits", confirmation=WILD),
     Case("nan_attr", "wild", {"nan_attr": True}, holds={"ranks": ()},
          what="model.best = NaN on every rank before the Recorder", confirmation="NaN is never == NaN"),
+    Case("is_main", "wild", {"is_main": True}, holds={"ranks": (
+         "rank 1's model has is_main = False, rank 0's True (set before the Recorder started): not read by what "
+         "the fleet computed",)}, what="model.is_main = (rank == 0), never read by the forward",
+         confirmation=WILD),
     Case("rank_grad_half", "wild", {"rank_grad_x": 0.5, "max_grad_norm": 0.0}, verdict="FAIL", fails={"ranks": (
          "rank 1 scaled its whole gradient by 0.5 after the reduce, not by a clip coefficient")},
          what="rank 1 halves its synchronised gradient, no clipping"),

@@ -38,6 +38,8 @@ A later review's knobs:
   "metric"       "all" or a rank: after each step's backwards, that rank (every rank) runs a train-mode
                  forward of its first micro-batch with gradients on, for a metric, never backpropagated
   "nan_attr"     every rank sets model.best = float("nan") before the Recorder starts
+  "is_main"      every rank sets model.is_main = (rank == 0) before the Recorder starts (the forward never
+                 reads it)
   "rank_grad_x"  rank 1 scales its whole synchronised gradient by this factor (max_grad_norm 0: no clip)
   "model" "dc"   wild_loop:build_dc_model: TinyLM whose forward returns a dataclass (DCOut.logits), trained
                  with model.eval() (TinyLM has no dropout: eval changes nothing it computes)
@@ -65,7 +67,7 @@ RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 
        "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
        "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {},
        "ref": False, "rec_late": False, "overlap": False, "skip_loss": False, "stale_after": [], "metric": None,
-       "nan_attr": False, "rank_grad_x": 0.0}
+       "nan_attr": False, "rank_grad_x": 0.0, "is_main": False}
 REF_BETA = 0.5
 _REFS: dict = {}
 
@@ -153,6 +155,8 @@ def run(cfg: dict) -> None:
         model.eval()
     if cfg["nan_attr"]:
         model.best = float("nan")  # a plain attribute the forward never reads, NaN on every rank
+    if cfg["is_main"]:
+        model.is_main = rank == 0  # a flag the forward never reads, other on each rank
     if cfg["dropout"]:
         torch.manual_seed(cfg["seed"] + rank)  # each rank its own masks
     net = torch.nn.parallel.DistributedDataParallel(model)

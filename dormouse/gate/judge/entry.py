@@ -149,8 +149,9 @@ def judge_recording(out) -> Verdict:
     buffers = check_buffers(rec, ref)
     checks.extend([buffers] if buffers is not None else [])
     checks.append(check_data(rec))
-    checks.append(check_loss(rec, ref, grad.passed and replay.passed))
-    ranks = check_ranks(rec)
+    loss = check_loss(rec, ref, grad.passed and replay.passed)
+    checks.append(loss)
+    ranks = check_ranks(rec, grad.passed and replay.passed and loss.passed)
     if ranks.passed and (rec.recorded.layout or {}).get("pipeline"):  # a tied parameter's copies on its stages
         ranks = check_tied(rec, ref) or ranks
     if ranks.passed and not finite.passed and (where := first_nonfinite_state(rec)):

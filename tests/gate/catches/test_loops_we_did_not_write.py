@@ -492,3 +492,10 @@ def test_a_rank_scaling_its_gradient_and_a_nan_attribute_are_what_the_rows_say(f
     rec = A.RecordingSet(fleet["nan_attr"])
     starts = [rec.step_meta(r, 1)["attrs_start"][""]["best"] for r in range(W)]
     assert all(x != x for x in starts)
+
+
+def test_a_flag_one_rank_set_that_the_forward_never_reads_is_said_not_failed(fleet):
+    """is_main = (rank == 0) on the model: the ranks line says it and passes, because the gradient the
+    reference computed at rank 0's value is the fleet's, and this file's one-process gradient (TinyLM,
+    which never reads the flag) is the fleet's too. Rank 1's dropout p set apart (row rank1_p) still fails."""
+    assert looprec.worst(recorded(fleet["is_main"]), one_process(build_model(seed=3), step_rows("is_main"))) < 1e-6

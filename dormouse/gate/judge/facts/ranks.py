@@ -10,6 +10,7 @@ ranks         every rank's parameters equal before every step and after the
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -212,10 +213,27 @@ def _scalars_apart(step: int, metas: list[dict]) -> str | None:
     return None
 
 
-def check_ranks(rec: A.RecordingSet) -> Check:
-    split = _precision_split(rec) or _mode_split(rec) or _start_split(rec) or _call_split(rec)
+def check_ranks(rec: A.RecordingSet, training_ok: bool = False) -> Check:
+    """Every rank one network, one state. training_ok: the gradient, loss and replay agree with one process,
+    whose reference ran every rank's micro-batches at rank 0's start attributes (rebuild's start_attrs):
+    then an attribute only one rank started with is one the computation does not read, said and not
+    failed (a flag like is_main); without that agreement it is the cause named."""
+    start = _start_split(rec)
+    unread = ""
+    if start and training_ok:
+        said = re.sub(r"^from step \d+ ", "", start.split(" (set before", 1)[0])
+        start, unread = None, (f"; {said} (set before the Recorder started): not read by what the fleet computed "
+                               "(gradient, loss and replay, computed one process's way at rank 0's value, agree)")
+    split = _precision_split(rec) or _mode_split(rec) or start or _call_split(rec)
     if split:
         return Check("ranks", False, split)
+    c = _ranks_state(rec)
+    if unread and c.passed:
+        c.reason += unread
+    return c
+
+
+def _ranks_state(rec: A.RecordingSet) -> Check:
     if rec.recorded.fsdp:
         return Check("ranks", True, "FSDP2: each rank holds its own shard (each parameter exists once); the "
                                     "assembled tensors are what the other checks judge")
