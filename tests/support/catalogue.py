@@ -830,11 +830,23 @@ CASES: tuple[Case, ...] = (
          "gradient": "equals one process's gradient"},
          what="every rank runs a train-mode metric forward with gradients on, never backpropagated",
          confirmation=WILD + " (the metric forwards left out)"),
-    Case("metric_fwd_rank0", "wild", {"metric": 0}, verdict="FAIL", fails={"data": (
-         "rank 0 ran 1 forward(s) with gradients on whose output no backward reached, rank 1 0",
-         "torch.no_grad()")}, what="... on rank 0 alone"),
+    Case("metric_fwd_rank0", "wild", {"metric": 0}, holds={"data": "were not taken as micro-batches",
+         "gradient": "equals one process's gradient"}, what="... on rank 0 alone, over a micro-batch it trained on",
+         confirmation=WILD + " (the metric forward left out)"),
+    Case("detach_r1", "wild", {"detach_r1": True, "metric": 0}, verdict="FAIL", fails={"data": (
+         "rank 1 ran 1 forward(s) with gradients on over rows it did not train on (no backward reached them), "
+         "rank 0 0", "a micro-batch's loss left out of the backward on one rank")},
+         what="rank 1 never backpropagates its first micro-batch; rank 0 runs a metric forward (the counts alike)",
+         confirmation="rank 1 recorded one micro-batch fewer"),
     Case("dc_eval", "wild", {"model": "dc"}, holds={"gradient": "equals one process's gradient"},
          what="model.eval(), the forward returns a dataclass of its logits", confirmation=WILD),
+    Case("slots_out", "wild", {"model": "slots"}, holds={"gradient": "equals one process's gradient"},
+         what="the forward returns an object with __slots__ holding its logits", confirmation=WILD),
+    Case("posmask", "wild", {"posmask": True}, holds={"gradient": "equals one process's gradient"},
+         what="net(input_ids, attention_mask): the mask passed positionally", confirmation=WILD),
+    Case("rank_grad_half_clip", "wild", {"rank_grad_x": 0.5}, verdict="FAIL", fails={"clip": (
+         "each rank its own synchronised gradient's norm, and those gradients differ between ranks",)},
+         what="rank 1 halves its synchronised gradient, then clips"),
     Case("nan_attr", "wild", {"nan_attr": True}, holds={"ranks": ()},
          what="model.best = NaN on every rank before the Recorder", confirmation="NaN is never == NaN"),
     Case("is_main", "wild", {"is_main": True}, holds={"ranks": (

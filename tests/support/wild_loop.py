@@ -38,6 +38,9 @@ A later review's knobs:
   "metric"       "all" or a rank: after each step's backwards, that rank (every rank) runs a train-mode
                  forward of its first micro-batch with gradients on, for a metric, never backpropagated
   "nan_attr"     every rank sets model.best = float("nan") before the Recorder starts
+  "posmask"      the loop passes the attention mask positionally: net(input_ids, attention_mask)
+  "model" "slots" wild_loop:build_slots_model: TinyLM returning an object with __slots__ (no __dict__)
+  "detach_r1"    rank 1 never backpropagates its first micro-batch's loss (the loop still counts its tokens)
   "is_main"      every rank sets model.is_main = (rank == 0) before the Recorder starts (the forward never
                  reads it)
   "rank_grad_x"  rank 1 scales its whole synchronised gradient by this factor (max_grad_norm 0: no clip)
@@ -67,7 +70,8 @@ RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 
        "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
        "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {},
        "ref": False, "rec_late": False, "overlap": False, "skip_loss": False, "stale_after": [], "metric": None,
-       "nan_attr": False, "rank_grad_x": 0.0, "is_main": False}
+       "nan_attr": False, "rank_grad_x": 0.0, "is_main": False,
+       "detach_r1": False, "posmask": False}
 REF_BETA = 0.5
 _REFS: dict = {}
 
@@ -122,8 +126,27 @@ def build_dc_model(*, seed: int = 0, **_) -> DCLM:
     return DCLM()
 
 
+class SlotsOut:
+    __slots__ = ("logits",)
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class SlotsLM(TinyLM):
+    """TinyLM returning an output object with __slots__ (no __dict__ to walk)."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None):
+        return SlotsOut(super().forward(input_ids, attention_mask, labels, position_ids))
+
+
+def build_slots_model(*, seed: int = 0, **_) -> SlotsLM:
+    torch.manual_seed(seed)
+    return SlotsLM()
+
+
 def _logits(out):
-    return out.logits if isinstance(out, DCOut) else out
+    return out.logits if isinstance(out, (DCOut, SlotsOut)) else out
 
 
 def batches(cfg: dict, data, idx, rank: int = 0):
@@ -146,7 +169,7 @@ def run(cfg: dict) -> None:
     K, B, n = cfg["micro"], cfg["batch"], cfg["n"]
     kw = {"seed": cfg["seed"], "lr": cfg["lr"], **({"bn": True} if cfg["bn_rank0"] else {}),
           **({"dropout": cfg["dropout"]} if cfg["dropout"] else {})}
-    builders = {"tiny": build_model, "aux": build_aux_model, "dc": build_dc_model}
+    builders = {"tiny": build_model, "aux": build_aux_model, "dc": build_dc_model, "slots": build_slots_model}
     builder = {"tiny": "loopmodel:build_model"}.get(cfg["model"], f"wild_loop:{builders[cfg['model']].__name__}")
     model = builders[cfg["model"]](**kw)
     if cfg["bn_rank0"]:
@@ -189,10 +212,11 @@ def run(cfg: dict) -> None:
                     if cfg["ref"]:
                         loss_sum = ref_objective(net, mb, seed=cfg["seed"])[0]
                     else:
-                        logits = _logits(net(**mb))
+                        logits = _logits(net(mb["input_ids"], mb["attention_mask"]) if cfg["posmask"] else net(**mb))
                         loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
                                                    mb["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
-                    (loss_sum * world / n_global * cfg["loss_x"].get(str(s + 1), 1.0)).backward()
+                    if not (cfg["detach_r1"] and rank == 1 and m == 0):
+                        (loss_sum * world / n_global * cfg["loss_x"].get(str(s + 1), 1.0)).backward()
                 local_sum += loss_sum.detach()
             dist.all_reduce(local_sum)
             reported = local_sum / n_global

@@ -18,6 +18,13 @@ from dormouse.gate.judge.metrics import factor_name, fit, parts, rel
 from dormouse.gate.judge.precision import arithmetic_bound
 
 
+def rank_grad(rec: A.RecordingSet, r: int, k: int) -> dict[str, torch.Tensor]:
+    """Rank r's recorded (full) gradient at step k over its own clip coefficient, in float64."""
+    m = rec.step_meta(r, k)
+    coef = m["clip_coef"] if m.get("clipped") and m.get("clip_coef") else 1.0
+    return {n: v.double() / coef for n, v in A.prefixed(A.GRAD, rec.step_tensors(r, k)).items()}
+
+
 def fleet_grad(rec: A.RecordingSet, k: int) -> dict[str, torch.Tensor]:
     g = rec.tensors_at(k, A.SKETCHED_GRAD if rec.sketch else A.GRAD)
     m = rec.step_meta(0, k)
@@ -116,11 +123,7 @@ def never_reduced(rec: A.RecordingSet, ref: ReferenceSet, bound: float):
         return None
     for k in rec.tensor_steps():
         w = rec.world_at(k)
-        grads = []
-        for r in range(w):
-            m = rec.step_meta(r, k)
-            coef = m.get("clip_coef") if m.get("clipped") and m.get("clip_coef") else 1.0
-            grads.append({n: v.double() / coef for n, v in A.prefixed(A.GRAD, rec.step_tensors(r, k)).items()})
+        grads = [rank_grad(rec, r, k) for r in range(w)]
         found = C.never_reduced(grads, ref.tensors(k, A.GRAD), rel, bound)
         if found is not None:
             return k, found

@@ -84,9 +84,50 @@ def _tensors(x, depth: int = 4):
     elif dataclasses.is_dataclass(x) and not isinstance(x, type):
         for f in dataclasses.fields(x):
             yield from _tensors(getattr(x, f.name, None), depth - 1)
-    elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)):
-        for v in vars(x).values():
+    elif not isinstance(x, (type, torch.nn.Module, str, bytes, int, float, bool)) and x is not None:
+        for v in list(getattr(x, "__dict__", {}).values()) + [getattr(x, n, None) for n in _slots(type(x))]:
             yield from _tensors(v, depth - 1)
+
+
+def _positional_names(module) -> list[str]:
+    """The names of the forward's parameters that take positional arguments, in order ([] where it takes
+    *args first, or has no signature to read)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        out.append(p.name)
+    return out
+
+
+def _slots(cls) -> list[str]:
+    """The __slots__ names of a class and its bases (an output class without a __dict__)."""
+    return [n for c in cls.__mro__ for n in ((c.__dict__.get("__slots__") or ()) if not isinstance(
+        c.__dict__.get("__slots__"), str) else (c.__dict__["__slots__"],)) if n not in ("__dict__", "__weakref__")]
+
+
+def _rows(batch: dict) -> list[bytes]:
+    """A micro-batch's rows as bytes of its first row-wise tensor (input_ids, arg0, or the first there is)."""
+    t = next((batch[k] for k in ("input_ids", "arg0") if k in batch), next(iter(batch.values()), None))
+    if t is None or not t.dim():
+        return []
+    return [r.contiguous().numpy().tobytes() for r in t.detach().cpu()]
+
+
+def _untrained(batches: list[dict], dropped: set[int]) -> int:
+    """The dropped forwards (no backward reached them) whose rows are not all among the kept micro-batches'
+    rows of the step: rows the rank read and did not train on (a metric forward over a micro-batch it
+    trained on re-reads rows; a loss left out of the backward reads rows of its own)."""
+    if not dropped:
+        return 0
+    kept = {r for m, b in enumerate(batches) if m not in dropped for r in _rows(b)}
+    return sum(1 for m in dropped if not set(_rows(batches[m])) <= kept)
 
 
 def core_module(model):
@@ -156,6 +197,8 @@ class Capture:
         self._backpropagated: dict[int, bool] = {}
         self._hooked: set[int] = set()
         self.unreached = 0  # the last take()'s forwards with gradients on that no backward reached
+        self.untrained = 0  # ... of them, those whose rows no kept micro-batch of the step holds (rows read, not trained)
+        self.first_dropped = False  # whether the step's first forward (the probe's) was one of them
 
     @property
     def attrs0(self) -> dict:
@@ -193,6 +236,8 @@ class Capture:
             self._register()
         got = (self.batches, self.autocasts, self.casts, self.evals, self.calls, self.attrs, self.rngs)
         dropped = {m for m, reached in self._backpropagated.items() if not reached}
+        self.untrained = _untrained(self.batches, dropped)
+        self.first_dropped = 0 in dropped
         if dropped:
             got = tuple([x for m, x in enumerate(xs) if m not in dropped] for xs in got)
         self.unreached = len(dropped)
@@ -217,9 +262,16 @@ class Capture:
             return None
         rng = rng_states(self.device_type, self._device)  # before anything here could draw
         batch = {}
+        last = max((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), default=-1)
+        named = _positional_names(module)
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                batch[f"arg{i}"] = a.detach().cpu().clone()
+                # the last positional tensor, where the forward names it attention_mask or labels (model(x, mask),
+                # checkpoint(model, x, mask)): recorded by that name, so the objective reads it as what it is
+                # (a keyword it becomes for the reference's call, with no positional after it to shift)
+                key = named[i] if i == last and i < len(named) and named[i] in ("attention_mask", "labels") \
+                    and named[i] not in kwargs else f"arg{i}"
+                batch[key] = a.detach().cpu().clone()
         for key in self.inputs:
             v = kwargs.get(key)
             if isinstance(v, torch.Tensor):
@@ -262,15 +314,14 @@ class Capture:
         def reached(_grad, m=m):
             self._backpropagated[m] = True
 
-        found = list(_tensors(output))
-        for t in found:
-            if t.requires_grad:
-                try:
-                    t.register_hook(reached)
-                except RuntimeError:  # a tensor that takes no hook: the forward counts as backpropagated
-                    self._backpropagated[m] = True
-        if not found:  # an output the walk cannot see into
-            self._backpropagated[m] = True
+        needing = [t for t in _tensors(output) if t.requires_grad]
+        for t in needing:
+            try:
+                t.register_hook(reached)
+            except RuntimeError:  # a tensor that takes no hook: the forward counts as backpropagated
+                self._backpropagated[m] = True
+        if not needing:  # no output tensor that a backward could reach (the loss kept on a module, an output
+            self._backpropagated[m] = True  # the walk cannot see into): nothing tells it apart, kept
         return None
 
     def _inner(self, module, args):

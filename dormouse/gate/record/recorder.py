@@ -468,7 +468,8 @@ class Recorder:
                 "lr": _number(lr), "loss": _number(loss), "clip_coef": clip_coef, "grad_norm": grad_norm,
                 "clipped": clip_coef is not None, "no_grad": no_grad, "micro_batches": len(batches),
                 # forwards with gradients on whose output no backward reached (metrics): no micro-batches
-                **({"unreached_forwards": self.capture.unreached} if self.capture.unreached else {}),
+                **({"unreached_forwards": self.capture.unreached, "unreached_untrained": self.capture.untrained,
+                    "probed_forward_dropped": self.capture.first_dropped} if self.capture.unreached else {}),
                 **(layouts.peer_counts(len(batches)) if self.layout is not None and self.rank != self.layout.leader
                    else {}),
                 "autocast": autocasts, "compute_dtype": casts, "eval_modules": evals, "call": calls,

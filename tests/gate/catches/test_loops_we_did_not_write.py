@@ -458,11 +458,15 @@ def test_a_forward_no_backward_reaches_is_no_micro_batch_and_one_on_one_rank_is_
     """A metric forward in training mode with gradients on, never backpropagated (a later review's
     false alarm: it was recorded as a micro-batch, and gradient, loss and clip failed). On every rank:
     the recorded step-1 gradient is this file's one-process gradient of the loop's rows without the
-    metric forwards (its row passes, the data line counts them); on rank 0 alone: the data line fails."""
+    metric forwards (its row passes, the data line counts them); on rank 0 alone, over rows it trained on:
+    passes too. A loss rank 1 leaves out of its backward, beside rank 0's metric (equal counts of dropped
+    forwards), fails the data line: rank 1 read rows it did not train on."""
     assert looprec.worst(recorded(fleet["metric_fwd"]), one_process(build_model(seed=3),
                                                                     step_rows("metric_fwd"))) < 1e-6
     rec = A.RecordingSet(fleet["metric_fwd_rank0"])
     assert [rec.step_meta(r, 1).get("micro_batches") for r in range(W)] == [RUN["micro"]] * W
+    rec = A.RecordingSet(fleet["detach_r1"])  # a later review's false pass: rank 0's metric hid rank 1's loss
+    assert [rec.step_meta(r, 1).get("micro_batches") for r in range(W)] == [RUN["micro"], RUN["micro"] - 1]
 
 
 def test_an_eval_model_returning_a_dataclass_is_recorded(fleet):
@@ -470,6 +474,8 @@ def test_an_eval_model_returning_a_dataclass_is_recorded(fleet):
     dataclass's tensor, so the forwards are micro-batches (they were dropped: "recorded no micro-batch",
     exit 2); the recorded gradient is one process's (TinyLM at the same seed holds the same weights)."""
     assert looprec.worst(recorded(fleet["dc_eval"]), one_process(build_model(seed=3), step_rows("dc_eval"))) < 1e-6
+    for name in ("slots_out", "posmask"):  # an output class with __slots__; the attention mask passed positionally
+        assert looprec.worst(recorded(fleet[name]), one_process(build_model(seed=3), step_rows(name))) < 1e-6
 
 
 def test_a_stale_gradient_at_a_step_without_backward_is_step_ones_again(fleet):

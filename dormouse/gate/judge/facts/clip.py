@@ -93,10 +93,20 @@ def check_clip(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                 return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
                                             "its own gradient's: the gradients were not all-reduced over every "
                                             "micro-batch (see gradient), not a clip by a local norm")
+            if differ and _own_copies(rec, k, norms, tol):
+                return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
+                                            "its own synchronised gradient's norm, and those gradients differ "
+                                            "between ranks (see ranks): the ranks hold other gradients, not a "
+                                            "local-norm clip")
             if differ:
+                idle = all(m.get("clip_coef") == 1.0 for m in metas) and info.get("clip_coef") == 1.0
                 return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {per}, each rank "
                                             f"its own, where the global gradient's norm is {want:.6g}: clipping by "
-                                            f"a local norm ({coefs})")
+                                            f"a local norm ({coefs})" + (
+                                                "; it clipped nothing here (every coefficient 1, one process's "
+                                                "too), so the training still matches one process, but the norm "
+                                                "the loop computes is each rank's own and will clip wrongly once "
+                                                "it passes max_grad_norm" if idle else ""))
             if own is None:
                 return Check("clip", False, f"at step {k} the loop clipped by a gradient norm of {norms[0]:.6g} "
                                             f"where one process's gradient has norm {want:.6g} ({stated}; {coefs}; "
@@ -135,6 +145,23 @@ def check_clip(rec: A.RecordingSet, ref: ReferenceSet) -> Check:
                                + ": the norm's float32 arithmetic and the gradient's, each step its own"
                                + (f"; {bound_words(rec, ref, t, -1.0, k)}" if precision_floor(rec, ref) is not None
                                   else "") + ")")
+
+
+def _own_copies(rec: A.RecordingSet, k: int, norms: list, tol: float) -> bool:
+    """Whether each rank's reported norm is the norm of its own recorded gradient (over its clip
+    coefficient), full tensors only: ranks whose gradients differ, each clipping by its own copy's norm."""
+    if rec.sketch or not rec.step_meta(0, k).get("tensors", True) or rec.recorded.fsdp or rec.recorded.layout:
+        return False  # replicas only: a shard's norm is a local norm
+    from dormouse.gate.judge.gradtools import rank_grad
+
+    for r, x in enumerate(norms):
+        if x is None:
+            return False
+        g = rank_grad(rec, r, k)
+        own = norm(g, sorted(g))
+        if not abs(own - x) <= tol * max(own, 1e-30):
+            return False
+    return True
 
 
 def _clipped_apart(rec: A.RecordingSet, ref: ReferenceSet) -> str | None:

@@ -226,27 +226,32 @@ def _read_twice(k: int, groups, exact: bool, cur: dict, cur_groups: set, epoch: 
 
 def _unreached(rec: A.RecordingSet) -> tuple[str | None, str]:
     """The forwards with gradients on whose output no backward reached (the Recorder's
-    "unreached_forwards": not micro-batches): (a failure where the ranks of a step ran other numbers of
-    them, the words that say where they were dropped)."""
-    steps = {}
+    "unreached_forwards": not micro-batches): (a failure where the ranks of a step left other numbers of
+    rows unread by any backward ("unreached_untrained": a dropped forward whose rows no kept micro-batch of
+    its rank holds), the words that say where forwards were dropped)."""
+    steps, apart = {}, None
     for k in rec.steps:
-        counts = [int(rec.step_meta(r, k).get("unreached_forwards") or 0) for r in range(rec.world_at(k))]
+        metas = [rec.step_meta(r, k) for r in range(rec.world_at(k))]
+        counts = [int(m.get("unreached_forwards") or 0) for m in metas]
+        fresh = [int(m.get("unreached_untrained", m.get("unreached_forwards")) or 0) for m in metas]
         if any(counts):
             steps[k] = counts
-    for k, counts in steps.items():
-        if len(set(counts)) > 1:
-            r = max(range(len(counts)), key=counts.__getitem__)
-            q = min(range(len(counts)), key=counts.__getitem__)
-            return (f"at step {k} rank {r} ran {counts[r]} forward(s) with gradients on whose output no backward "
-                    f"reached, rank {q} {counts[q]}: a micro-batch's loss left out of the backward on one rank "
-                    "(detached, or never added in), or a metric forward on one rank only (compute it under "
-                    "torch.no_grad())"), ""
+        if apart is None and len(set(fresh)) > 1:
+            r = max(range(len(fresh)), key=fresh.__getitem__)
+            q = min(range(len(fresh)), key=fresh.__getitem__)
+            apart = (f"at step {k} rank {r} ran {fresh[r]} forward(s) with gradients on over rows it did not train "
+                     f"on (no backward reached them), rank {q} {fresh[q]}: a micro-batch's loss left out of the "
+                     "backward on one rank (detached, or never added in), or a metric forward over other rows on "
+                     "one rank only (compute it under torch.no_grad())")
+    if apart:
+        return apart, ""
     if not steps:
         return None, ""
     n = sum(sum(c) for c in steps.values())
     where = ", ".join(str(k) for k in list(steps)[:5]) + (" ..." if len(steps) > 5 else "")
     return None, (f"; {n} forward(s) with gradients on whose output no backward reached (metrics computed "
-                  f"without torch.no_grad(), as many on every rank; steps {where}) were not taken as micro-batches")
+                  f"without torch.no_grad(), as many over untrained rows on every rank; steps {where}) were not "
+                  "taken as micro-batches")
 
 
 def _passed_words(rec: A.RecordingSet, all_exact: bool, unverified: str, epochs: list, reads: int, n: int) -> str:

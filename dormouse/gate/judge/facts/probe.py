@@ -189,6 +189,12 @@ def check_probe(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
         return Check("probe", True, "not probed: the probed micro-batches ran in reduced precision (autocast, cast or "
                                     "bfloat16/float16 parameters), or the reference ran past the recorded "
                                     "parameters; the probe's floors are float32's")
+    dropped = [k for k in steps if any(rec.step_meta(r, k).get("probed_forward_dropped")
+                                       for r in range(rec.world_at(k)))]
+    if dropped:  # the probe watched the step's first forward, which was no micro-batch
+        return Check("probe", True, f"not judged: the forward the probe watched at step {dropped[0]} (the step's "
+                                    "first) was no micro-batch (no backward reached its output): its modules' "
+                                    "outputs are another forward's than the micro-batch one process computes")
     drawn = [k for k in steps if ref.info(k).get("rng_sensitive")]
     if drawn:  # each rank's masks are its own draws: neither a module's output nor a rank's scale has one value
         return Check("probe", True, (

@@ -209,7 +209,9 @@ def _scalars_apart(step: int, metas: list[dict]) -> str | None:
         vals = [m.get(key) for m in metas]
         for r, v in enumerate(vals[1:], 1):
             if v != vals[0] and not (isinstance(v, float) and isinstance(vals[0], float) and v != v and vals[0] != vals[0]):
-                return f"at step {step} rank {r}'s {key} is {v!r}, rank 0's {vals[0]!r}: the replicas part"
+                why = ("each rank reports a norm of its own (see clip)" if key == "grad_norm" else
+                       "the replicas part")
+                return f"at step {step} rank {r}'s {key} is {v!r}, rank 0's {vals[0]!r}: {why}"
     return None
 
 
