@@ -114,18 +114,6 @@ class DCOut:
     logits: torch.Tensor
 
 
-class DCLM(TinyLM):
-    """TinyLM whose forward returns a dataclass of its logits (a model's own output class)."""
-
-    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None):
-        return DCOut(super().forward(input_ids, attention_mask, labels, position_ids))
-
-
-def build_dc_model(*, seed: int = 0, **_) -> DCLM:
-    torch.manual_seed(seed)
-    return DCLM()
-
-
 class SlotsOut:
     __slots__ = ("logits",)
 
@@ -133,16 +121,26 @@ class SlotsOut:
         self.logits = logits
 
 
-class SlotsLM(TinyLM):
-    """TinyLM returning an output object with __slots__ (no __dict__ to walk)."""
+class WrappedLM(TinyLM):
+    """TinyLM whose forward returns its logits inside a model's own output class: a dataclass (DCOut), or
+    an object with __slots__ and no __dict__ to walk (SlotsOut)."""
+
+    def __init__(self, out_class):
+        super().__init__()
+        self.out_class = out_class
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None):
-        return SlotsOut(super().forward(input_ids, attention_mask, labels, position_ids))
+        return self.out_class(super().forward(input_ids, attention_mask, labels, position_ids))
 
 
-def build_slots_model(*, seed: int = 0, **_) -> SlotsLM:
+def build_dc_model(*, seed: int = 0, **_) -> WrappedLM:
     torch.manual_seed(seed)
-    return SlotsLM()
+    return WrappedLM(DCOut)
+
+
+def build_slots_model(*, seed: int = 0, **_) -> WrappedLM:
+    torch.manual_seed(seed)
+    return WrappedLM(SlotsOut)
 
 
 def _logits(out):

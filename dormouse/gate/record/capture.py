@@ -11,7 +11,7 @@ rec.labels() and rec.beside() add to the last one. The Recorder (record/recorder
 from __future__ import annotations
 
 import dataclasses
-
+import inspect
 import sys
 
 import torch
@@ -89,13 +89,11 @@ def _tensors(x, depth: int = 4):
             yield from _tensors(v, depth - 1)
 
 
-def _positional_names(module) -> list[str]:
-    """The names of the forward's parameters that take positional arguments, in order ([] where it takes
+def _positional_names(forward) -> list[str]:
+    """The names of a forward's parameters that take positional arguments, in order ([] where it takes
     *args first, or has no signature to read)."""
-    import inspect
-
     try:
-        params = list(inspect.signature(module.forward).parameters.values())
+        params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):
         return []
     out = []
@@ -108,8 +106,11 @@ def _positional_names(module) -> list[str]:
 
 def _slots(cls) -> list[str]:
     """The __slots__ names of a class and its bases (an output class without a __dict__)."""
-    return [n for c in cls.__mro__ for n in ((c.__dict__.get("__slots__") or ()) if not isinstance(
-        c.__dict__.get("__slots__"), str) else (c.__dict__["__slots__"],)) if n not in ("__dict__", "__weakref__")]
+    names = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
 
 
 def _rows(batch: dict) -> list[bytes]:
@@ -165,11 +166,12 @@ class Capture:
     arm        None, or arm(n) called after the step's n-th micro-batch was read (the probe's trigger)
     """
 
-    def __init__(self, module, inputs: tuple, objective: str, arm=None, every_forward: bool = True):
+    def __init__(self, module, inputs: tuple, objective: str, arm=None):
         self.module, self.inputs, self.objective, self.arm = module, tuple(inputs), objective, arm
         # whether a training-mode forward, too, is a micro-batch only where a backward reaches its output
-        # (a pipeline stage's layout tells its own: layouts.PipelineLayout.watch)
-        self.every_forward = every_forward
+        # (False on a pipeline stage, whose layout tells its own: layouts.PipelineLayout.watch)
+        self.every_forward = True
+        self._named: tuple = (None, [])  # (the forward function, its positional parameters' names)
         self.batches: list[dict[str, torch.Tensor]] = []
         # each micro-batch's autocast ({"device_type", "dtype"} or None), read in the pre-hook:
         # the reference computes the micro-batch under the same one
@@ -263,7 +265,7 @@ class Capture:
         rng = rng_states(self.device_type, self._device)  # before anything here could draw
         batch = {}
         last = max((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), default=-1)
-        named = _positional_names(module)
+        named = self._positional(module)
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 # the last positional tensor, where the forward names it attention_mask or labels (model(x, mask),
@@ -301,6 +303,14 @@ class Capture:
         if self.every_forward or not module.training:
             self._backpropagated[len(self.batches) - 1] = False
         return None
+
+    def _positional(self, module) -> list[str]:
+        """_positional_names of the module's forward, read once per forward function (accelerate may wrap
+        the forward after the Recorder started)."""
+        fn = getattr(module.forward, "__func__", module.forward)
+        if self._named[0] is not fn:
+            self._named = (fn, _positional_names(module.forward))
+        return self._named[1]
 
     def _post(self, module, args, output):
         """After a forward with gradients on: a hook on each output tensor that needs a gradient marks its

@@ -26,7 +26,7 @@ from dormouse.gate.judge import causes as C
 from dormouse.gate.judge.bounds import FACTOR_AWAY, FP32_UNIT_ROUNDOFF, GRAD_RTOL, NORM_LANES, grad_rtol, norm_rtol, \
     norm_rtol_of_sizes
 from dormouse.gate.judge.facts.replay_causes import unclipped_step
-from dormouse.gate.judge.gradtools import fleet_grad, never_reduced
+from dormouse.gate.judge.gradtools import fleet_grad, never_reduced, rank_grad
 from dormouse.gate.judge.precision import (
     arithmetic_bound,
     bound_words,
@@ -152,7 +152,6 @@ def _own_copies(rec: A.RecordingSet, k: int, norms: list, tol: float) -> bool:
     coefficient), full tensors only: ranks whose gradients differ, each clipping by its own copy's norm."""
     if rec.sketch or not rec.step_meta(0, k).get("tensors", True) or rec.recorded.fsdp or rec.recorded.layout:
         return False  # replicas only: a shard's norm is a local norm
-    from dormouse.gate.judge.gradtools import rank_grad
 
     for r, x in enumerate(norms):
         if x is None:

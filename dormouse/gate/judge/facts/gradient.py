@@ -549,17 +549,17 @@ def _gradient_without_backward(rec: A.RecordingSet, ref: ReferenceSet) -> Tensor
     for k in rec.steps:
         if not ref.info(k).get("no_forward"):
             continue
-        held = sorted(set(rec.tensors_at(k, A.SKETCHED_GRAD if rec.sketch else A.GRAD)))
-        if not held:
-            continue
         g = fleet_grad(rec, k)
+        if not g:
+            continue
+        held = sorted(g)
         size = norm(g, held)
         why = f"at step {k} no rank ran a forward or a backward, yet the parameters held a gradient (norm {size:.6g}) " \
               "that the optimizer applied, where one process has none"
         before = [j for j in rec.steps if j < k]
         if before and rec.step_meta(0, before[-1]).get("tensors", True) and rec.step_meta(0, k).get("tensors", True):
             prev = fleet_grad(rec, before[-1])
-            if set(prev) == set(g) and all(torch.equal(prev[n].double(), g[n].double()) for n in held):
+            if set(prev) == set(g) and all(torch.equal(prev[n], g[n]) for n in held):
                 why += (f": step {before[-1]}'s gradient, applied again (the gradients were not zeroed after "
                         f"step {before[-1]})")
         return TensorCheck("gradient", False, why, worst=math.inf, worst_step=k, first_step=k)

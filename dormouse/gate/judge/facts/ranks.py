@@ -10,7 +10,6 @@ ranks         every rank's parameters equal before every step and after the
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -95,14 +94,14 @@ def _call_split(rec: A.RecordingSet) -> str | None:
 
 
 
-def _start_split(rec: A.RecordingSet) -> str | None:
+def _start_split(rec: A.RecordingSet) -> tuple[int, str] | None:
     """Where a rank's modules held other plain attributes than rank 0's when
     its Recorder started (each segment's first step keeps them as
     "attrs_start"; a step's "attrs" are only the changes from them): an
     attribute one rank set before recording (a dropout's p, a flag) is a
-    network of its own. The sentence that says so, else None. A pipeline's
-    stages are other modules; elsewhere only the modules both ranks hold are
-    compared."""
+    network of its own. (the step, the words "rank r's module m has name =
+    value, rank 0's value"), else None. A pipeline's stages are other
+    modules; elsewhere only the modules both ranks hold are compared."""
     if (rec.recorded.layout or {}).get("pipeline"):
         return None
     for k in rec.steps:
@@ -115,9 +114,8 @@ def _start_split(rec: A.RecordingSet) -> str | None:
                 for name in sorted(set(mine) | set(theirs)):
                     if not same_value(mine.get(name, "absent"), theirs.get(name, "absent")):
                         where = f"module {path!r}" if path else "model"
-                        return (f"from step {k} rank {r}'s {where} has {name} = {theirs.get(name, 'absent')!r}, "
-                                f"rank 0's {mine.get(name, 'absent')!r} (set before the Recorder started): the "
-                                "fleet's ranks do not run one network")
+                        return k, (f"rank {r}'s {where} has {name} = {theirs.get(name, 'absent')!r}, rank 0's "
+                                   f"{mine.get(name, 'absent')!r} (set before the Recorder started)")
     return None
 
 
@@ -220,12 +218,13 @@ def check_ranks(rec: A.RecordingSet, training_ok: bool = False) -> Check:
     whose reference ran every rank's micro-batches at rank 0's start attributes (rebuild's start_attrs):
     then an attribute only one rank started with is one the computation does not read, said and not
     failed (a flag like is_main); without that agreement it is the cause named."""
-    start = _start_split(rec)
-    unread = ""
-    if start and training_ok:
-        said = re.sub(r"^from step \d+ ", "", start.split(" (set before", 1)[0])
-        start, unread = None, (f"; {said} (set before the Recorder started): not read by what the fleet computed "
-                               "(gradient, loss and replay, computed one process's way at rank 0's value, agree)")
+    apart = _start_split(rec)
+    start = unread = ""
+    if apart and training_ok:
+        unread = (f"; {apart[1]}: not read by what the fleet computed (gradient, loss and replay, computed one "
+                  "process's way at rank 0's value, agree)")
+    elif apart:
+        start = f"from step {apart[0]} {apart[1]}: the fleet's ranks do not run one network"
     split = _precision_split(rec) or _mode_split(rec) or start or _call_split(rec)
     if split:
         return Check("ranks", False, split)
