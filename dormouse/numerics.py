@@ -15,14 +15,16 @@ FP32_UNIT_ROUNDOFF = 2.0 ** -24  # float32: 24 significand bits
 
 def same_value(a, b) -> bool:
     """Two plain values (a module attribute on two ranks, or before and after; dicts and lists of them) the
-    same: equal and of one type, a NaN the same as a NaN (which is never == itself)."""
-    if type(a) is not type(b):
+    same: equal and of one type (an int and a float the same number), a NaN the same as a NaN (which is
+    never == itself)."""
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+    if type(a) is not type(b) and not numbers:  # 1 and 1.0 are one number; True and 1 are not one value
         return False
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+    return a == b or (numbers and math.isnan(a) and math.isnan(b))
 
 
 def scalar_relative(a: float, b: float, scale: float = 0.0) -> float:

@@ -206,7 +206,7 @@ def _scalars_apart(step: int, metas: list[dict]) -> str | None:
     for key in SAME_ON_EVERY_RANK:
         vals = [m.get(key) for m in metas]
         for r, v in enumerate(vals[1:], 1):
-            if v != vals[0] and not (isinstance(v, float) and isinstance(vals[0], float) and v != v and vals[0] != vals[0]):
+            if not same_value(v, vals[0]):
                 why = ("each rank reports a norm of its own (see clip)" if key == "grad_norm" else
                        "the replicas part")
                 return f"at step {step} rank {r}'s {key} is {v!r}, rank 0's {vals[0]!r}: {why}"
