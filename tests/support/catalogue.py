@@ -826,7 +826,7 @@ CASES: tuple[Case, ...] = (
          what="... the gradients not zeroed after step 1: the optimizer applies step 1's again",
          confirmation="the recorded gradient at step 2 is step 1's"),
     Case("metric_fwd", "wild", {"metric": "all"}, holds={
-         "data": "6 forward(s) with gradients on whose output no backward reached",
+         "data": "6 forward(s) with gradients on over rows the rank trained on, whose output no backward reached",
          "gradient": "equals one process's gradient"},
          what="every rank runs a train-mode metric forward with gradients on, never backpropagated",
          confirmation=WILD + " (the metric forwards left out)"),
@@ -834,9 +834,17 @@ CASES: tuple[Case, ...] = (
          "gradient": "equals one process's gradient"}, what="... on rank 0 alone, over a micro-batch it trained on",
          confirmation=WILD + " (the metric forward left out)"),
     Case("detach_r1", "wild", {"detach_r1": True, "metric": 0}, verdict="FAIL", fails={"data": (
-         "rank 1 ran 1 forward(s) with gradients on over rows it did not train on (no backward reached them), "
-         "rank 0 0", "a micro-batch's loss left out of the backward on one rank")},
+         "rank 1 ran 1 forward(s) with gradients on over rows it did not train on (no backward reached them)",
+         "a micro-batch's loss left out of the backward")},
          what="rank 1 never backpropagates its first micro-batch; rank 0 runs a metric forward (the counts alike)",
+         confirmation="rank 1 recorded one micro-batch fewer"),
+    Case("metric_sliced", "wild", {"metric": 0, "metric_rows": "sliced"}, holds={
+         "data": "over rows the rank trained on", "gradient": "equals one process's gradient"},
+         what="rank 0's metric over the first 6 positions of a micro-batch it trained on",
+         confirmation=WILD + " (the metric forward left out)"),
+    Case("val_metric_detach_r1", "wild", {"detach_r1": True, "metric": 0, "metric_rows": "other"}, verdict="FAIL",
+         fails={"data": ("forward(s) with gradients on over rows it did not train on", "torch.no_grad()")},
+         what="rank 0's metric over validation rows beside rank 1's left-out loss (their counts alike)",
          confirmation="rank 1 recorded one micro-batch fewer"),
     Case("dc_eval", "wild", {"model": "dc"}, holds={"gradient": "equals one process's gradient"},
          what="model.eval(), the forward returns a dataclass of its logits", confirmation=WILD),

@@ -37,6 +37,8 @@ A later review's knobs:
                  after: its optimizer steps on the stale gradient)
   "metric"       "all" or a rank: after each step's backwards, that rank (every rank) runs a train-mode
                  forward of its first micro-batch with gradients on, for a metric, never backpropagated
+  "metric_rows"  the metric's rows: "trained" (the first micro-batch), "sliced" (its first 6 positions),
+                 "other" (the dataset's last rows, which the step does not train on: a validation metric)
   "nan_attr"     every rank sets model.best = float("nan") before the Recorder starts
   "posmask"      the loop passes the attention mask positionally: net(input_ids, attention_mask)
   "model" "slots" wild_loop:build_slots_model: TinyLM returning an object with __slots__ (no __dict__)
@@ -71,7 +73,7 @@ RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 
        "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {},
        "ref": False, "rec_late": False, "overlap": False, "skip_loss": False, "stale_after": [], "metric": None,
        "nan_attr": False, "rank_grad_x": 0.0, "is_main": False,
-       "detach_r1": False, "posmask": False}
+       "detach_r1": False, "posmask": False, "metric_rows": "trained"}
 REF_BETA = 0.5
 _REFS: dict = {}
 
@@ -219,7 +221,9 @@ def run(cfg: dict) -> None:
             dist.all_reduce(local_sum)
             reported = local_sum / n_global
             if cfg["metric"] is not None and cfg["metric"] in ("all", rank):  # gradients on, no backward
-                accuracy = (_logits(model(**mbs[0])).argmax(-1) == mbs[0]["input_ids"]).float().mean()
+                seen = {"trained": mbs[0], "sliced": {k: v[:, :6] for k, v in mbs[0].items()},
+                        "other": collate([data[len(data) - 1 - i] for i in range(B)])}[cfg["metric_rows"]]
+                accuracy = (_logits(model(**seen)).argmax(-1) == seen["input_ids"]).float().mean()
                 del accuracy
             if cfg["rank_grad_x"] and rank == 1:
                 for p in model.parameters():

@@ -122,13 +122,14 @@ def _rows(batch: dict) -> list[bytes]:
 
 
 def _untrained(batches: list[dict], dropped: set[int]) -> int:
-    """The dropped forwards (no backward reached them) whose rows are not all among the kept micro-batches'
-    rows of the step: rows the rank read and did not train on (a metric forward over a micro-batch it
-    trained on re-reads rows; a loss left out of the backward reads rows of its own)."""
+    """The dropped forwards (no backward reached them) holding a row that no kept micro-batch of the step
+    holds, whole or as its start: rows the rank read and did not train on (a metric forward over rows it
+    trained on, or over their first positions, re-reads them; a loss left out of the backward, or a metric
+    over other rows, reads rows of its own)."""
     if not dropped:
         return 0
-    kept = {r for m, b in enumerate(batches) if m not in dropped for r in _rows(b)}
-    return sum(1 for m in dropped if not set(_rows(batches[m])) <= kept)
+    kept = [r for m, b in enumerate(batches) if m not in dropped for r in _rows(b)]
+    return sum(1 for m in dropped if not all(any(k.startswith(r) for k in kept) for r in _rows(batches[m])))
 
 
 def core_module(model):

@@ -226,32 +226,30 @@ def _read_twice(k: int, groups, exact: bool, cur: dict, cur_groups: set, epoch: 
 
 def _unreached(rec: A.RecordingSet) -> tuple[str | None, str]:
     """The forwards with gradients on whose output no backward reached (the Recorder's
-    "unreached_forwards": not micro-batches): (a failure where the ranks of a step left other numbers of
-    rows unread by any backward ("unreached_untrained": a dropped forward whose rows no kept micro-batch of
-    its rank holds), the words that say where forwards were dropped)."""
-    steps, apart = {}, None
+    "unreached_forwards": not micro-batches): (a failure where one of them held rows its rank did not
+    train on ("unreached_untrained"): a loss left out of the backward, or a metric over other rows, which
+    the recording cannot tell apart, and whose counts on two ranks may cancel; the words that say where
+    forwards over trained rows were dropped)."""
+    steps = {}
     for k in rec.steps:
         metas = [rec.step_meta(r, k) for r in range(rec.world_at(k))]
         counts = [int(m.get("unreached_forwards") or 0) for m in metas]
         fresh = [int(m.get("unreached_untrained", m.get("unreached_forwards")) or 0) for m in metas]
+        if any(fresh):
+            r = max(range(len(fresh)), key=fresh.__getitem__)
+            return (f"at step {k} rank {r} ran {fresh[r]} forward(s) with gradients on over rows it did not train "
+                    "on (no backward reached them): a micro-batch's loss left out of the backward (detached, or "
+                    "never added in), or a metric over other rows computed with gradients on, which the recording "
+                    "cannot tell apart (compute a metric under torch.no_grad())"), ""
         if any(counts):
             steps[k] = counts
-        if apart is None and len(set(fresh)) > 1:
-            r = max(range(len(fresh)), key=fresh.__getitem__)
-            q = min(range(len(fresh)), key=fresh.__getitem__)
-            apart = (f"at step {k} rank {r} ran {fresh[r]} forward(s) with gradients on over rows it did not train "
-                     f"on (no backward reached them), rank {q} {fresh[q]}: a micro-batch's loss left out of the "
-                     "backward on one rank (detached, or never added in), or a metric forward over other rows on "
-                     "one rank only (compute it under torch.no_grad())")
-    if apart:
-        return apart, ""
     if not steps:
         return None, ""
     n = sum(sum(c) for c in steps.values())
     where = ", ".join(str(k) for k in list(steps)[:5]) + (" ..." if len(steps) > 5 else "")
-    return None, (f"; {n} forward(s) with gradients on whose output no backward reached (metrics computed "
-                  f"without torch.no_grad(), as many over untrained rows on every rank; steps {where}) were not "
-                  "taken as micro-batches")
+    return None, (f"; {n} forward(s) with gradients on over rows the rank trained on, whose output no backward "
+                  f"reached (metrics computed without torch.no_grad(); steps {where}), were not taken as "
+                  "micro-batches")
 
 
 def _passed_words(rec: A.RecordingSet, all_exact: bool, unverified: str, epochs: list, reads: int, n: int) -> str:
