@@ -9,8 +9,10 @@ Each configuration is a run of one of the real clients in tests/support
 (Lightning: lightning_client.py; a hand-written accelerate loop:
 accelerate_loop.py; the HF Trainer, TRL's SFTTrainer and DPOTrainer and PEFT
 LoRA: trl_client.py), trained by a real torchrun fleet of 2 gloo ranks on CPU
-(random-init models, generated data, nothing downloaded; one launch per
-client), recorded, and judged by `dormouse gate check`'s reference and judge.
+(random-init models, generated data, nothing downloaded), launched as a user
+launches one (`torchrun --standalone --nproc_per_node=2`, a fresh interpreter
+a rank, one launch a configuration; `--launch client`: one a client),
+recorded, and judged by `dormouse gate check`'s reference and judge.
 
 The confirmation is computed here, apart from the gate: the one-process
 gradient at the first and the last recorded step (the last from the
@@ -172,37 +174,41 @@ ISSUES = {
 }
 
 
-def launch_plan(client: str, runs: list[tuple[str, dict, str]], out: Path, log) -> None:
+# The launch users use: `torchrun --standalone --nproc_per_node=2 script.py`, one fresh interpreter a
+# rank (never forked: forked ranks share the agent's string-hash secret, launcher.py), one launch a
+# configuration ("each", the report's). "client" runs a client's configurations one after another in
+# one launch (the same ranks' code path, one interpreter start a client: the tests' slice).
+LAUNCHES = ("each", "client")
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
+       "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def run_torchrun(client: str, entry: list[str], count: int, log) -> None:
     from dormouse.gate.record.launcher import torchrun
 
+    env = {**os.environ, **ENV,
+           "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.time()
+    done = subprocess.run(torchrun(entry, world=2, forked=False), env=env, capture_output=True, text=True,
+                          timeout=1800)
+    log(f"{client}: {count} run(s) trained in {time.time() - t0:.0f} s (exit {done.returncode})")
+    if done.returncode != 0:
+        raise SystemExit(f"sweep: the {client} launch failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+
+
+def launch_plan(client: str, runs: list[tuple[str, dict, str]], out: Path, log, each: bool) -> None:
     script, _ = PLANS[client]
-    plan = [{**run, "out": str(out / client / name)} for name, run, _ in runs]
     (out / client).mkdir(parents=True, exist_ok=True)
-    path = out / client / "plan.json"
-    path.write_text(json.dumps(plan))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    t0 = time.time()
-    done = subprocess.run(torchrun([str(SUPPORT / script), "--plan", str(path)], world=2), env=env,
-                          capture_output=True, text=True, timeout=1800)
-    log(f"{client}: {len(runs)} runs trained in {time.time() - t0:.0f} s (exit {done.returncode})")
-    if done.returncode != 0:
-        raise SystemExit(f"sweep: the {client} launch failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    for group in ([[r] for r in runs] if each else [runs]):
+        path = out / client / f"plan-{group[0][0]}.json"
+        path.write_text(json.dumps([{**run, "out": str(out / client / name)} for name, run, _ in group]))
+        run_torchrun(client, [str(SUPPORT / script), "--plan", str(path)], len(group), log)
 
 
-def launch(client: str, specs: list[str], out: Path, log) -> None:
-    from dormouse.gate.record.launcher import torchrun
-
+def launch(client: str, specs: list[str], out: Path, log, each: bool) -> None:
     script, _ = CONFIGS[client]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = torchrun([str(SUPPORT / script), "--out", str(out / client), *specs], world=2)
-    t0 = time.time()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    log(f"{client}: {len(specs)} runs trained in {time.time() - t0:.0f} s (exit {done.returncode})")
-    if done.returncode != 0:
-        raise SystemExit(f"sweep: the {client} launch failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    for group in ([[s] for s in specs] if each else [specs]):
+        run_torchrun(client, [str(SUPPORT / script), "--out", str(out / client), *group], len(group), log)
 
 
 # --------------------------------------------------------------------------- the sweep's own loss code
@@ -425,7 +431,7 @@ def versions() -> dict:
     return out
 
 
-def report(rows: list[dict], path: Path, seconds: float) -> None:
+def report(rows: list[dict], path: Path, seconds: float, launch: str = "each") -> None:
     n = len(rows)
     confirmed = sum(r["confirmed"] for r in rows)
     passes = sum(r["gate"]["passed"] for r in rows)
@@ -434,7 +440,10 @@ def report(rows: list[dict], path: Path, seconds: float) -> None:
         "# Field report: which trainer configurations train what one process trains",
         "",
         f"Generated by `python examples/field/sweep.py` ({seconds:.0f} s on {os.cpu_count()} CPU cores). "
-        f"{n} configurations, each a real 2-rank gloo fleet on CPU (random-init models, generated "
+        f"{n} configurations, each a real 2-rank gloo fleet on CPU, launched as users launch one ("
+        "`torchrun --standalone --nproc_per_node=2 script.py`: a fresh interpreter a rank, "
+        + ("one launch a configuration" if launch == "each" else "one launch a client, its configurations "
+           "one after another in it") + ") (random-init models, generated "
         "variable-length data, right-padded unless the row says otherwise; 4 optimizer steps for the "
         "framework clients unless the row says otherwise, 2 for GRPO and the pipeline and expert-parallel "
         f"loops), recorded and judged by the gate; {passes} PASS, {n - passes} FAIL; {confirmed} of "
@@ -726,6 +735,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/field"), help="where the recordings go")
     p.add_argument("--report", type=Path, default=ROOT / "docs" / "field-report.md")
     p.add_argument("--only", default="", help="client:name,... (the run's name, before its first ':')")
+    p.add_argument("--launch", choices=LAUNCHES, default="each",
+                   help="each: one torchrun launch a configuration, as a user runs one (the report's); client: "
+                        "one launch a client, its configurations one after another")
     a = p.parse_args(argv)
     only = {x.strip() for x in a.only.split(",") if x.strip()}
     t0 = time.time()
@@ -735,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [(s, w) for s, w in configs if not only or f"{client}:{s.split(':')[0]}" in only]
         if not chosen:
             continue
-        launch(client, [s for s, _ in chosen], a.out, log)
+        launch(client, [s for s, _ in chosen], a.out, log, a.launch == "each")
         for spec, what in chosen:
             d = a.out / client / spec.split(":")[0]
             g, c = gate(d), confirm(d)
@@ -748,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [r for r in runs if not only or f"{client}:{r[0]}" in only]
         if not chosen:
             continue
-        launch_plan(client, chosen, a.out, log)
+        launch_plan(client, chosen, a.out, log, a.launch == "each")
         for name, run, what in chosen:
             d = a.out / client / name
             g, c = gate(d), confirm(d)
@@ -761,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'confirmed' if confirmed else 'NOT CONFIRMED'}")
     if not rows:
         raise SystemExit(f"sweep: --only {a.only!r} names no configuration (client:name, e.g. lightning:clean)")
-    report(rows, a.report, time.time() - t0)
+    report(rows, a.report, time.time() - t0, a.launch)
     (a.report.with_suffix(".json")).write_text(json.dumps(rows, indent=1, default=str))
     log(f"{sum(r['confirmed'] for r in rows)} of {len(rows)} verdicts confirmed; report: {a.report}")
     return 0 if all(r["confirmed"] for r in rows) else 1

@@ -44,7 +44,7 @@ def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("field")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, str(SWEEP), "--out", str(out), "--report", str(out / "report.md"),
-           "--only", ",".join(f"accelerate:{r}" for r in CONFIGS)]
+           "--only", ",".join(f"accelerate:{r}" for r in CONFIGS), "--launch", "client"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
