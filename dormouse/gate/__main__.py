@@ -101,6 +101,18 @@ def _argv(argv: list[str]) -> list[str]:
     return out
 
 
+def huge_pages() -> None:
+    """Ask torch's CPU allocator for transparent huge pages (its THP_MEM_ALLOC_ENABLE, read at its first
+    allocation: a no-op once torch has allocated, or where the user set it). The check allocates and frees
+    gradient-sized tensors step after step, each a fresh mapping (budget.return_freed_memory), and at
+    size its time went to the kernel's page faults: at a 125M-parameter model, 44 million faults and 70%
+    of its CPU time in the kernel; with 2 MB pages 8 million (`python -m dormouse.bench --scale`
+    measures the check's wall)."""
+    import os
+
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def check_main(argv: list[str]) -> int:
     """`dormouse gate check --out DIR`: reference (if missing or stale), judge, show."""
     p = OneLineParser(prog="dormouse gate check", description="judge a recording of your own training loop")
@@ -127,6 +139,7 @@ def check_main(argv: list[str]) -> int:
 
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
+    huge_pages()
     if not args.follow and (args.start != 1 or args.every != 1):
         p.error("--from and --every go with --follow")
     return command_status("gate check", lambda: _follow(args) if args.follow else _check(args), traceback=True)

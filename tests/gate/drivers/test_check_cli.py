@@ -124,3 +124,16 @@ def test_a_check_past_its_memory_budget_is_not_judged_and_says_what_it_needs(scr
     params = sum(p.numel() for p in build_model(seed=0).parameters()) * 4
     assert need >= 6 * params / (1 << 30) * 0.99 and "the budget is 0.01 GB" in line, line
     assert out.splitlines()[0].rstrip().endswith("FAIL"), out
+
+
+def test_the_check_asks_torch_for_huge_pages_unless_the_user_chose(monkeypatch):
+    """`gate check` sets torch's THP_MEM_ALLOC_ENABLE before its first allocation (its time at size went
+    to page faults); a value the user set stands."""
+    from dormouse.gate.__main__ import huge_pages
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    huge_pages()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    huge_pages()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
