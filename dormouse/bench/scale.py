@@ -319,7 +319,8 @@ def faults_table(rows: list[dict]) -> str:
         for fault, got in row.get("faults", {}).items():
             first = got.get("fails", [""])[0][len("[FAIL] "):] if got.get("fails") else got.get("error", "")[-200:]
             first = first.replace("|", "/")
-            steps = f", {row['steps']} steps" if row.get("steps") else ""
+            n = got.get("steps", row.get("steps"))  # a merged row's faults keep their own run's steps
+            steps = f", {n} steps" if n else ""
             lines.append(f"| {_label(row)}{steps} | {FAULT_WORDS.get(fault, fault)} | "
                          f"{got.get('verdict', 'training failed').split(' (')[0]} | "
                          f"{got.get('peak_gb', float('nan')):.2f} GB | "
@@ -382,7 +383,8 @@ def merged(results: list[dict]) -> dict:
     for res in results:
         for row in res["rows"]:
             into = rows.setdefault(row["size"], {"size": row["size"]})
-            faults = {**into.get("faults", {}), **row.get("faults", {})}
+            faults = {**into.get("faults", {}), **{f: {"steps": row.get("steps"), **got}
+                                                    for f, got in row.get("faults", {}).items()}}
             into.update({k: v for k, v in row.items() if v not in ({}, None)})
             if faults:
                 into["faults"] = faults
@@ -439,7 +441,14 @@ def page_section(res: dict) -> str:
         "training O(parameters × tokens): its ratio falls as the tokens per rank-step grow (the rows with more "
         "tokens). The check differentiates every micro-batch at every step (the gradient and the replay are "
         "judged at every recorded step) and, at the first step, the extras a budget states in the verdict (rows "
-        "alone and merged, the module probe): a 3-step run carries the first step's extras over few steps.",
+        "alone and merged, the module probe): a 3-step run carries the first step's extras over few steps. "
+        "At this size the check's time goes as much to the kernel as to arithmetic: each gradient-sized tensor "
+        "it allocates is a fresh mapping whose pages the kernel faults in and zeroes, and the reference it "
+        "writes (a float64 gradient a step, and the alternatives that name a cause at the first) is copied "
+        "into the page cache. `gate check` therefore asks torch's allocator for transparent huge pages "
+        "(`THP_MEM_ALLOC_ENABLE=1`, unless set): on the Llama row's recording that took the page faults from "
+        "44 to 8 million and the check from 289 to 202 s on one machine (one thread each, the same "
+        "recording).",
         "",
         *([_sharded_line(rows), ""] if any(r.get("check_sharded") for r in rows) else []),
         *(["Planted faults, recorded in full tensors at that size and checked (the verdict's first failing line, "

@@ -47,3 +47,18 @@ def test_the_scale_section_merges_several_runs_by_size_and_lists_every_planted_f
     assert "clipped by its local norm" not in text and "clipped by the rank's local norm | FAIL |" in text
     assert "clipped by a / local norm" in text  # a table cell never holds a bare |
     assert "(NOT the same)" in text
+
+
+def test_merged_scale_runs_keep_each_planted_faults_own_steps():
+    """A size's clean figures come from the last run that measured them, its faults from every run: a
+    fault recorded over 2 steps stays "2 steps" on the page when a later 3-step run re-measures the size."""
+    from dormouse.bench.scale import faults_table, merged
+
+    fault = {"verdict": "FAIL (x)", "fails": ["[FAIL] gradient: off"], "peak_gb": 5.0}
+    old = {"rows": [{"size": "small", "steps": 2, "faults": {"micro_mean": fault}}]}
+    new = {"rows": [{"size": "small", "steps": 3, "full": {"wall_s": 60.0}}],
+           "meta": {"cpus": 2, "steps": 3, "check_threads": 2, "loadavg_start": [1, 1, 1], "loadavg_end": [1, 1, 1]}}
+    rows = merged([old, new])["rows"]
+    assert rows[0]["steps"] == 3 and rows[0]["full"] == {"wall_s": 60.0}
+    line = faults_table(rows).splitlines()[-1]
+    assert ", 2 steps |" in line and "gradient: off" in line
