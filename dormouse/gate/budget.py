@@ -26,23 +26,38 @@ DEFAULT_SHARE = 0.8  # of the memory available when the check starts
 PARAMETER_COPIES = 6
 
 
+# torch's CPU allocator on transparent huge pages when this is "1" in its environment before its first
+# allocation (c10's alloc_cpu: 2 MB-aligned blocks of 2 MB or more, madvise(MADV_HUGEPAGE)); `gate check`
+# sets it (gate/__main__.huge_pages)
+HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
+
+
 class NotJudged(DormouseError):
     """The check cannot be made within its memory budget."""
 
 
 def return_freed_memory() -> None:
-    """Ask the C allocator (glibc's, where it is the one) to give every freed
-    block of 1 MB or more back to the system at once (mmap for each, not the
-    heap): the check frees gradient-sized tensors step after step, and glibc
-    keeps those below its dynamic threshold (up to 32 MB) in a heap that
-    only grows, so the resident memory rose to twice what the check held at
-    GPT-2 small. Then trims what the heap already holds free. A no-op
-    elsewhere."""
+    """Give the heap's free memory back to the system (glibc's malloc_trim; a
+    no-op elsewhere), between the check's passes and its steps. Where torch's
+    allocator is not on huge pages (HUGE_PAGES unset: torch was imported
+    before `gate check` could set it, as in a notebook), first send every block
+    of 1 MB or more to a mapping of its own (M_MMAP_THRESHOLD): glibc keeps
+    freed blocks below its dynamic threshold (up to 32 MB) in a heap that only
+    grows, and the check's resident memory rose to twice what it held at
+    GPT-2 small. On huge pages that is not so, and a mapping a block costs
+    its time: each gradient-sized tensor the check allocates is then a fresh
+    mapping that the kernel faults in and zeroes, 28% of the check's samples
+    at a 125M Llama recording. Without the threshold (2 CPU threads, the same
+    recordings): that Llama check 160 s -> 78 s, peak 4.81 -> 4.87 GB; GPT-2
+    small 176 s -> 104 s, peak 4.53 -> 5.38 GB (one recorded rank: 5.08 GB)."""
+    import os
+
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        if os.environ.get(HUGE_PAGES) != "1":
+            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
