@@ -112,7 +112,8 @@ def huge_pages() -> None:
 
     from dormouse.gate.budget import HUGE_PAGES
 
-    os.environ.setdefault(HUGE_PAGES, "1")
+    if "torch" not in sys.modules:  # afterwards it would not take, and return_freed_memory reads it as taken
+        os.environ.setdefault(HUGE_PAGES, "1")
 
 
 def check_main(argv: list[str]) -> int:

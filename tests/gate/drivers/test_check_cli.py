@@ -128,10 +128,14 @@ def test_a_check_past_its_memory_budget_is_not_judged_and_says_what_it_needs(scr
 
 def test_the_check_asks_torch_for_huge_pages_unless_the_user_chose(monkeypatch):
     """`gate check` sets torch's THP_MEM_ALLOC_ENABLE before its first allocation (its time at size went
-    to page faults); a value the user set stands."""
+    to page faults), never once torch is imported (it would not take, and the heap's rule reads it as
+    taken); a value the user set stands."""
     from dormouse.gate.__main__ import huge_pages
 
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    huge_pages()  # torch is imported in this process: too late to take
+    assert "THP_MEM_ALLOC_ENABLE" not in os.environ
+    monkeypatch.delitem(sys.modules, "torch")
     huge_pages()
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
