@@ -288,6 +288,8 @@ def table(rows: list[dict]) -> str:
             ratios(row)
 
         def w(x):
+            if not x:
+                return "—"  # not measured in this run (--modes)
             return "killed" if x.get("killed") else f"{x['wall_s']:.0f}" if x.get("rc") == 0 else "failed"
 
         lines.append(
@@ -300,7 +302,8 @@ def table(rows: list[dict]) -> str:
                f"{r.get('check_cpu_ratio', float('nan')):.2f} ×) | "
                f"{c['peak_gb']:.2f} GB ({r.get('check_memory_ratio', float('nan')):.2f} ×) | {c['verdict'][:90]} |"
                if c else "— | — | — |"))
-    return "\n".join(ln.replace(" (CPU nan / nan)", "").replace("; CPU nan ×", "") for ln in lines)
+    return "\n".join(ln.replace(" (CPU nan / nan)", "").replace("; CPU nan ×", "").replace("nan / nan", "—")
+                     .replace("nan / ", "— / ") for ln in lines)
 
 
 FAULT_WORDS = {

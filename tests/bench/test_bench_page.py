@@ -62,3 +62,15 @@ def test_merged_scale_runs_keep_each_planted_faults_own_steps():
     assert rows[0]["steps"] == 3 and rows[0]["full"] == {"wall_s": 60.0}
     line = faults_table(rows).splitlines()[-1]
     assert ", 2 steps |" in line and "gradient: off" in line
+
+
+def test_a_scale_row_measured_in_full_alone_shows_its_other_runs_as_not_measured():
+    """A run with --modes full,check has no unrecorded or sketched run: the page says "—", not "failed"."""
+    from dormouse.bench.scale import table
+
+    row = {"size": "mid", "steps": 3, "full": {"wall_s": 17.0, "rc": 0, "disk_per_step_gb": 0.64, "rank_peak_gb": 1.7},
+           "check": {"wall_s": 32.0, "cpu_s": 40.0, "peak_gb": 1.65, "verdict": "PASS"}}
+    line = table([row]).splitlines()[-1]
+    assert "— → — → 17" in line and "failed" not in line and "nan" not in line
+    row["none"] = {"wall_s": 10.0, "rc": 1}
+    assert "failed → — → 17" in table([row]).splitlines()[-1]
