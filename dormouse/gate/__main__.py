@@ -106,8 +106,8 @@ def huge_pages() -> None:
     allocation: a no-op once torch has allocated, or where the user set it). The check allocates and frees
     gradient-sized tensors step after step, and at size its time went to the kernel: at a 125M Llama
     recording 44 million page faults and 70% of its CPU time; on huge pages, with the heap's freed blocks
-    reused (budget.return_freed_memory), 2 million, and the check 289 s -> 78 s (`python -m dormouse.bench
-    --scale` measures it against the run)."""
+    reused (budget.return_freed_memory), 2 million, and the check 160 s -> 78 s with 2 threads (289 s with
+    one, before either; `python -m dormouse.bench --scale` measures it against the run)."""
     import os
 
     from dormouse.gate.budget import HUGE_PAGES

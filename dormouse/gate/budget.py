@@ -40,7 +40,8 @@ def return_freed_memory() -> None:
     """Give the heap's free memory back to the system (glibc's malloc_trim; a
     no-op elsewhere), between the check's passes and its steps. Where torch's
     allocator is not on huge pages (HUGE_PAGES unset: torch was imported
-    before `gate check` could set it, as in a notebook), first send every block
+    before `gate check` could set it, as in a notebook; or the kernel's
+    transparent huge pages are off), first send every block
     of 1 MB or more to a mapping of its own (M_MMAP_THRESHOLD): glibc keeps
     freed blocks below its dynamic threshold (up to 32 MB) in a heap that only
     grows, and the check's resident memory rose to twice what it held at
@@ -56,11 +57,20 @@ def return_freed_memory() -> None:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        if os.environ.get(HUGE_PAGES) != "1":
+        if os.environ.get(HUGE_PAGES) != "1" or not _kernel_huge_pages():
             libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _kernel_huge_pages() -> bool:
+    """Whether the kernel grants transparent huge pages to a region that asks (its mode is not "never";
+    the rule above was measured with them)."""
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
 
 
 def available() -> int:
