@@ -118,7 +118,7 @@ def format_table(res: dict) -> str:
         row("exact_vs_ring", "null", d.get("exact_error", ""))
     pl = d.get("pipeline", {})
     row("pipeline_verdict_s", _fmt(res.get("pipeline_verdict_s"), ".1f"),
-        f"tiny `dormouse pipeline`: verdict printed (goal <= 30 s); whole run "
+        f"tiny `dormouse pipeline`: verdict printed (goal <= 10 s); whole run "
         f"{_fmt(res.get('pipeline_wall_s'), '.1f')} s, exit {pl.get('pipeline_exit')}" if pl else "")
     for k, v in (res.get("pipeline_parts_s") or {}).items():
         row(f"  {k}", _fmt(v, ".1f"), "alone, in one process (the fleet: its torchrun launches)")
