@@ -825,6 +825,10 @@ CASES: tuple[Case, ...] = (
                 "grad_mask": "one left from an earlier step"},
          what="... the gradients not zeroed after step 1: the optimizer applies step 1's again",
          confirmation="the recorded gradient at step 2 is step 1's"),
+    Case("opt_copy", "wild", {"opt_copy": True}, verdict="FAIL", fails={"replay": (
+         "no tensor moved where the replay's optimizer moves every one", "does not hold the model's parameters")},
+         what="the optimizer built over another instance of the model", confirmation="the recorded parameters "
+         "never move (the command crashed: a zero ratio)"),
     Case("metric_fwd", "wild", {"metric": "all"}, holds={
          "data": "6 forward(s) with gradients on over rows the rank trained on, whose output no backward reached",
          "gradient": "equals one process's gradient"},

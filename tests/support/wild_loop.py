@@ -46,6 +46,8 @@ A later review's knobs:
   "is_main"      every rank sets model.is_main = (rank == 0) before the Recorder starts (the forward never
                  reads it)
   "rank_grad_x"  rank 1 scales its whole synchronised gradient by this factor (max_grad_norm 0: no clip)
+  "opt_copy"     the optimizer is built over another instance of the model (its zero_grad and step reach
+                 that instance alone: the model never moves, its gradients accumulate)
   "model" "dc"   wild_loop:build_dc_model: TinyLM whose forward returns a dataclass (DCOut.logits), trained
                  with model.eval() (TinyLM has no dropout: eval changes nothing it computes)
 """
@@ -72,7 +74,7 @@ RUN = {"out": "", "seed": 0, "steps": 3, "micro": 2, "batch": 2, "n": 48, "lr": 
        "collate_drop": False, "clip_no_norm": False, "zero_grads": False,
        "dropout": 0.0, "zero_labels": False, "loss_x": {}, "sketch": 0, "grad_x": {},
        "ref": False, "rec_late": False, "overlap": False, "skip_loss": False, "stale_after": [], "metric": None,
-       "nan_attr": False, "rank_grad_x": 0.0, "is_main": False,
+       "nan_attr": False, "rank_grad_x": 0.0, "is_main": False, "opt_copy": False,
        "detach_r1": False, "posmask": False, "metric_rows": "trained"}
 REF_BETA = 0.5
 _REFS: dict = {}
@@ -183,7 +185,7 @@ def run(cfg: dict) -> None:
     if cfg["dropout"]:
         torch.manual_seed(cfg["seed"] + rank)  # each rank its own masks
     net = torch.nn.parallel.DistributedDataParallel(model)
-    opt, sched = build_optimizer(model, **kw)
+    opt, sched = build_optimizer(builders[cfg["model"]](**kw) if cfg["opt_copy"] else model, **kw)
     rec = Recorder(cfg["out"], net, RecordingSpec(build_model=builder, build_optimizer="loopmodel:build_optimizer",
                                                   objective="wild_loop:ref_objective" if cfg["ref"] else
                                                   "causal_lm", max_grad_norm=cfg["max_grad_norm"],

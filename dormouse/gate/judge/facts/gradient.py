@@ -475,7 +475,8 @@ def _fail_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> str:
         return (f"the gradients were not zeroed between steps: {when}, the fleet's gradient of "
                 f"{len(off)} tensor(s) ({', '.join(off[:3])}{', ...' if len(off) > 3 else ''}) is {WHAT} plus "
                 f"the gradient the loop applied at the step before{share}, and every other tensor agrees "
-                f"({stated}): optimizer.zero_grad() is missing where those tensors live ("
+                f"({stated}): optimizer.zero_grad() is missing where those tensors live, or the optimizer whose "
+                "zero_grad() the loop calls does not hold them (see replay) ("
                 + (f"one rank of {W}: its stale gradient enters the ranks' mean once, times 1/{W})"
                    if (W := rec.world_at(k0)) > 1 and abs(c * W - 1) <= s.factor_rtol * W else
                    "every rank, or one pipeline stage)"))

@@ -133,6 +133,8 @@ def ratio_words(rec: A.RecordingSet, ref: ReferenceSet, u: int, after, replayed)
     if not apart:
         return ""
     c = sorted(apart.values())[len(apart) // 2]
+    if c == 0:
+        return _unmoved_words(u, sorted(n for n, x in apart.items() if x == 0), len(ratios))
     if any(abs(x / c - 1) > LR_RATIO_RTOL for x in apart.values()):
         return ""
     lr = ref.step(u)[0].get("replay_lr")
@@ -151,6 +153,20 @@ def ratio_words(rec: A.RecordingSet, ref: ReferenceSet, u: int, after, replayed)
             f"{', ...' if len(names) > SHOWN else ''}){who} is the replay's times {c:.6g}, exactly, every other "
             f"tensor's the replay's ({lr_words} on those tensors alone): the optimizer (or the param group, or the "
             "rank) stepping them has another lr")
+
+
+def _unmoved_words(u: int, names: list[str], moved_by_replay: int) -> str:
+    """Tensors the replay moves and the recorded step left exactly where they were."""
+    shown = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
+    if len(names) == moved_by_replay:
+        what = f"no tensor moved where the replay's optimizer moves every one ({shown})"
+        held = "the model's parameters"
+    else:
+        what = f"{len(names)} tensor(s) the replay's optimizer moves stayed exactly where they were ({shown})"
+        held = "those parameters"
+    return (f": at step {u} {what}: the optimizer the loop steps does not hold {held} (an optimizer built over "
+            "another instance or a copy of the model, or before the model was moved or wrapped into new tensors), "
+            "or their gradients never reached it; build the optimizer over the parameters the loop trains")
 
 
 def update_words(rec: A.RecordingSet, ref: ReferenceSet, u: int, after, replayed) -> str:
