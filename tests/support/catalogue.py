@@ -899,6 +899,15 @@ CASES: tuple[Case, ...] = (
     Case("tied_one_way", "wild_pp", {"pp": True, "tied": True, "steps": 1}, "tied_one_way", verdict="FAIL",
          fails={"ranks": ("the tied tok_embeddings.weight and output.weight", "differ in their gradients at step 1")},
          what="... summed one way only", confirmation="the stages' recorded copies differ"),
+    Case("tied_shared", "wild_pp", {"pp": True, "tied": "shared", "steps": 2}, holds={
+        "ranks": "tied tok_embeddings.weight on the stages of ranks 0, 1: their copies are equal bitwise",
+        "layout": "held under one name by several stages"},
+         what="the embedding reused as the output under its one name on both stages, its copies' gradients summed",
+         confirmation="the last stage's recorded gradient is the test's one-process gradient"),
+    Case("tied_shared_one_way", "wild_pp", {"pp": True, "tied": "shared", "steps": 1}, "tied_one_way",
+         verdict="FAIL", fails={"ranks": ("the copies of tok_embeddings.weight on the stages of ranks 0 and 1",
+                                          "differ in their gradients at step 1")},
+         what="... summed one way only", confirmation="the stages' recorded copies differ"),
     # DeepSpeed #1801's mechanism: the TP-replicated norms' gradients clipped on TP rank 0 alone
     Case("ds1801", "wild_pp", {"max_grad_norm": 0.05, "steps": 1}, "clip_tp0_norms", verdict="FAIL", fails={"clip": (
         "at step 1 rank 1's gradient of 5 tensor(s) (layers.0.attention_norm.weight",

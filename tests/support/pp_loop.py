@@ -17,7 +17,10 @@ Faults ("fault"):
                top of scale_grads (the gradient too small by that number)
   stale        the last stage never zeroes its gradients: each step's adds to the
                last one's, which scale_grads divides by the micro-batches again
-  tied_one_way (with "tied": the output tied to the embedding, build_tied_model) the tied weight's
+  tied         True: the output tied to the embedding (build_tied_model: two names, one parameter);
+               "shared": the output projection is the embedding's weight under its one name on both
+               stages (build_shared_model)
+  tied_one_way (with "tied") the tied weight's
                gradients reduced to the first stage only: the last stage's copy never receives the
                first stage's part
 
@@ -60,11 +63,43 @@ def build_tied_model(seed: int = 0, **kw):
     return model
 
 
+def build_shared_model(seed: int = 0, **kw):
+    """tp_llama's model whose output projection IS the input embedding, with no output module: each stage
+    that uses the weight keeps it under its one name, tok_embeddings.weight (the review's pipeline)."""
+    from dormouse.bench.tp_llama import TinyLlama, build_model
+
+    class SharedTiedLlama(TinyLlama):
+        role = "whole"  # a stage's: "first" (embeds, no head) or "last" (its input an activation)
+
+        def forward(self, input_ids):
+            h = input_ids if self.role == "last" else self.tok_embeddings(input_ids)
+            for layer in self.layers.values():
+                h = layer(h)
+            return h if self.role == "first" else F.linear(self.norm(h), self.tok_embeddings.weight)
+
+    model = build_model(seed=seed, **kw)
+    model.__class__, model.output = SharedTiedLlama, None
+    return model
+
+
+def shared_stage(model, rank: int, world: int):
+    """Stage `rank` of build_shared_model's model: its layers, the embedding on the first stage and the
+    last (as the output projection), the final norm on the last."""
+    n = len(model.layers)
+    for i in [i for i in range(n) if not rank * n // world <= i < (rank + 1) * n // world]:
+        del model.layers[str(i)]
+    model.role = "first" if rank == 0 else "last"
+    if rank != world - 1:
+        model.norm = None
+    return model
+
+
 def sync_tied(module, rank: int, world: int, fault: str) -> None:
     """The tied weight's two copies (the embedding on the first stage, the output on the last) each get
     the sum of both stages' gradients (an all-reduce over the two stages); "tied_one_way": a reduce to
     the first stage only, the last stage's copy keeping its own part."""
-    part = module.tok_embeddings if rank == 0 else module.output if rank == world - 1 else None
+    part = module.tok_embeddings if rank == 0 or module.output is None else module.output if rank == world - 1 \
+        else None
     g = part.weight.grad if part is not None else torch.zeros(())
     if fault == "tied_one_way":
         dist.reduce(g, dst=0)
@@ -82,7 +117,11 @@ def run(cfg: dict) -> None:
     cfg = {**RUN, **cfg}
     rank, world = dist.get_rank(), dist.get_world_size()
     K = cfg["micro"]
-    module = pipeline_stage_module((build_tied_model if cfg["tied"] else build_model)(seed=cfg["seed"]), rank, world)
+    if cfg["tied"] == "shared":
+        module = shared_stage(build_shared_model(seed=cfg["seed"]), rank, world)
+    else:
+        module = pipeline_stage_module((build_tied_model if cfg["tied"] else build_model)(seed=cfg["seed"]), rank,
+                                       world)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
 
     acc, scale = cfg["accum"], cfg["scale"] and cfg["fault"] != "sum_loss"
@@ -98,7 +137,8 @@ def run(cfg: dict) -> None:
                                                                                scale_grads=scale)
     opt = build_optimizer(module)
     rec = Recorder(cfg["out"], module, RecordingSpec(
-        build_model="pp_loop:build_tied_model" if cfg["tied"] else "tp_llama:build_model",
+        build_model={True: "pp_loop:build_tied_model", "shared": "pp_loop:build_shared_model"}.get(
+            cfg["tied"], "tp_llama:build_model"),
         build_optimizer="tp_llama:build_optimizer", objective="causal_lm",
         build_kwargs={"seed": cfg["seed"]}), pipeline_stage=stage)
     for step in range(cfg["steps"]):

@@ -179,6 +179,29 @@ def test_a_tied_weight_whose_stage_copies_part_fails_at_the_first_step_named(pip
     # (their rows: tied passes, its copies equal bitwise; tied_one_way fails the ranks line naming the pair)
 
 
+def test_a_weight_both_stages_hold_under_one_name_is_judged_copy_by_copy(pipeline):
+    """The embedding reused as the output projection under its one name, tok_embeddings.weight, on both
+    stages (a review's pipeline: the layout line failed it, "stages must each hold their own"). This
+    file's one-process gradient (tp_llama's blocks, the head written here as F.linear on the embedding)
+    is both clean copies', and only the first stage's where the sum reached stage 0 alone."""
+    from tp_loop import batch_rows
+
+    from dormouse.bench.tp_llama import build_model
+
+    ids = batch_rows(0, 0, RUN_PP["rows"], RUN_PP["T"])
+    net = build_model(seed=0)
+    h = net.tok_embeddings(ids)
+    for layer in net.layers.values():
+        h = layer(h)
+    logits = F.linear(net.norm(h), net.tok_embeddings.weight)
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    want = net.tok_embeddings.weight.grad.double()
+    for name in ("tied_shared", "tied_shared_one_way"):
+        first, last = (looprec.recorded_gradients(pipeline[name], r)["tok_embeddings.weight"].double() for r in (0, 1))
+        assert looprec.rel(first, want) < 1e-6
+        assert (looprec.rel(last, want) < 1e-6) == (name == "tied_shared"), (name, looprec.rel(last, want))
+
+
 def test_a_loop_that_clips_without_passing_grad_norm_is_told_to_pass_it(fleet):
     """The loop clips by 0.3 before rec.step and passes no grad_norm: the recorded gradient is the
     clipped one, read as unclipped. The per-step scalars are exactly the clip coefficients (this file's

@@ -47,6 +47,7 @@ import torch
 
 from dormouse.gate import artifacts as A
 from dormouse.gate.judge.verdict import Check
+from dormouse.gate.judge.facts.tied import shared_copies
 from dormouse.gate.artifacts import ReferenceSet
 from dormouse.gate.judge import causes as C
 from dormouse.gate.judge.bounds import FACTOR_AWAY, FACTOR_RTOL, GRAD_RTOL
@@ -284,22 +285,20 @@ def _experts_mixed(rec: A.RecordingSet, ref: ReferenceSet, params: dict, decl: d
 def _check_pipeline(rec: A.RecordingSet, ref: ReferenceSet, lay: dict) -> Check:
     """A pipeline's stages: every parameter of the whole model recorded by exactly one stage."""
     per = lay.get("stage_params", [])
-    seen: dict[str, int] = {}
-    for r, names in enumerate(per):
-        for n in names:
-            if n in seen:
-                return Check("layout", False, f"parameter {n} is recorded by the stages of ranks {seen[n]} and {r}: "
-                                              "a pipeline's stages must each hold their own parameters")
-            seen[n] = r
+    seen = {n: r for r in reversed(range(len(per))) for n in per[r]}
+    shared = shared_copies(lay)
     k = rec.tensor_steps()[0]
     missing = sorted(set(ref.tensors(k, A.GRAD)) - set(seen))
     if missing:
         return Check("layout", False, f"no stage records {', '.join(missing[:3])}, which the whole model has: "
                                       "pass each stage's module to its rank's Recorder")
     pp = lay["pipeline"]
+    copies = "; ".join(f"{n} by the stages of ranks {', '.join(map(str, rs))}" for n, rs in shared.items())
     return Check("layout", True, f"pipeline of {pp['stages']} stages (stage of each rank: {pp['stage_of_rank']}): "
-                                 f"the {len(seen)} parameters recorded by their stages and merged by name; stage 0's "
-                                 "forwards are the micro-batches (the others' inputs are activations)")
+                                 f"the {len(seen)} parameters recorded by their stages and merged by name"
+                                 + (f" (held under one name by several stages, each copy compared with the first "
+                                    f"holder's: see ranks: {copies})" if shared else "")
+                                 + "; stage 0's forwards are the micro-batches (the others' inputs are activations)")
 
 
 def check_layout(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:

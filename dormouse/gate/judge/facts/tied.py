@@ -30,10 +30,56 @@ def tied_groups(rec: A.RecordingSet, ref: ReferenceSet) -> list[list[str]]:
     return [[n for n in g if n in init] for g in ref.meta.get("tied") or [] if sum(n in init for n in g) > 1]
 
 
+def shared_copies(layout: dict) -> dict[str, list[int]]:
+    """{name: the ranks whose stages record it} for each parameter several stages record under one name (a
+    tie kept as one name on each stage that uses it: an input embedding reused as the output projection)."""
+    holders: dict[str, list[int]] = {}
+    for r, names in enumerate(layout.get("stage_params") or []):
+        for n in names:
+            holders.setdefault(n, []).append(r)
+    return {n: rs for n, rs in sorted(holders.items()) if len(rs) > 1}
+
+
+def _shared_apart(rec: A.RecordingSet, shared: dict[str, list[int]]) -> Check | None:
+    """Each copy of a parameter several stages record under one name, rank by rank against its first
+    holder's, bitwise: parameters and gradients before and at every step, parameters after the last."""
+    def pieces(k):
+        return {r: rec.step_tensors(r, k) for r in sorted({r for rs in shared.values() for r in rs})}
+
+    for k in rec.steps:
+        t = pieces(k)
+        for prefix, what in ((A.PARAM, "parameters before"), (A.GRAD, "gradients at")):
+            for n, (first, *others) in shared.items():
+                for r in others:
+                    a, b = t[r].get(prefix + n), t[first].get(prefix + n)
+                    if (a is None) != (b is None):
+                        return Check("ranks", False, f"{n}, recorded by the stages of ranks {first} and {r}, has a "
+                                                     f"gradient at step {k} on one of them alone: every copy of a "
+                                                     "parameter several stages hold must receive the same gradient")
+                    if a is not None and (d := _apart(a, b)) is not None:
+                        return Check("ranks", False, f"the copies of {n} on the stages of ranks {first} and {r} "
+                                                     f"differ in their {what} step {k} by {d:.3g}: every copy must "
+                                                     "receive the sum of every stage's gradient part (an all-reduce "
+                                                     "over the stages that hold it), and take the same step")
+    final = {r: A.read_tensors(A.final_tensors_path(rec.out, r), "final tensors")[0]
+             for r in sorted({r for rs in shared.values() for r in rs})}
+    for n, (first, *others) in shared.items():
+        for r in others:
+            a, b = final[r].get(A.PARAM + n), final[first].get(A.PARAM + n)
+            if a is not None and b is not None and (d := _apart(a, b)) is not None:
+                return Check("ranks", False, f"the copies of {n} on the stages of ranks {first} and {r} differ after "
+                                             f"the last step by {d:.3g}: every copy must receive the sum of every "
+                                             "stage's gradient part")
+    return None
+
+
 def check_tied(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
     """None when the model ties no parameters the recording holds twice; else the copies compared."""
     groups = tied_groups(rec, ref)
-    if not groups:
+    shared = shared_copies(rec.recorded.layout or {})
+    if shared and (apart := _shared_apart(rec, shared)):
+        return apart
+    if not groups and not shared:
         return None
     for k in rec.steps:
         for prefix, what in ((A.PARAM, "parameters before"), (A.GRAD, "gradients at")):
@@ -53,7 +99,9 @@ def check_tied(rec: A.RecordingSet, ref: ReferenceSet) -> Check | None:
             if g[0] in final and n in final and (d := _apart(final[n], final[g[0]])) is not None:
                 return Check("ranks", False, f"the tied {g[0]} and {n} differ after the last step by {d:.3g}: "
                                              "every copy must receive the sum of every stage's gradient part")
-    shown = "; ".join(" = ".join(g) for g in groups)
+    ties = [" = ".join(g) for g in groups] + [f"{n} on the stages of ranks {', '.join(map(str, rs))}"
+                                               for n, rs in shared.items()]
     return Check("ranks", True, f"pipeline: each rank holds its own stage's parameters (each exists once, but the "
-                                f"tied {shown}: their copies are equal bitwise, parameters and gradients, at every "
-                                "step and after the last); merged by name, they are what the other checks judge")
+                                f"tied {'; '.join(ties)}: their copies are equal bitwise, parameters and gradients, "
+                                "at every step and after the last); merged by name, they are what the other checks "
+                                "judge")

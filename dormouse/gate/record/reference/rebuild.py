@@ -8,6 +8,7 @@ import importlib
 import torch
 
 from dormouse.errors import DormouseError
+from dormouse.numerics import same_value
 from dormouse.gate import artifacts as A
 from dormouse.gate.record import batchscope as BS
 from dormouse.gate.record.layouts import equal_shards
@@ -69,11 +70,31 @@ def rebuild(rec: A.RecordingSet):
                         and (w := equal_shards(rec.recorded.layout, m, init[m]))), None)
             raise ReferenceError(f"build_model {spec.build_model!r} builds parameters that differ from the "
                                  f"recorded initial ones (first: {n}): " + (why or "seed it as the loop does"))
-    _as_recorded(model, rec.recorded)
+    _as_recorded(model, rec.recorded, _start_attrs(rec))
     return model
 
 
-def _as_recorded(model, recorded: A.RecordedRun) -> None:
+def _start_attrs(rec: A.RecordingSet) -> dict | None:
+    """The plain attributes the rebuilt model starts with: rank 0's where the ranks run one model; a
+    pipeline's stages are other modules of it, so there each stage's, less those two stages hold with
+    other values (a stage's own role: the whole model is neither stage)."""
+    if not (rec.recorded.layout or {}).get("pipeline"):
+        return rec.recorded.attrs
+    k = rec.steps[0]
+    starts = [rec.step_meta(r, k).get("attrs_start") or {} for r in range(rec.world_at(k))]
+    merged: dict = {}
+    apart: set = set()
+    for got in starts:
+        for path, d in got.items():
+            for name, v in d.items():
+                mine = merged.setdefault(path, {})
+                if name in mine and not same_value(mine[name], v):
+                    apart.add((path, name))
+                mine.setdefault(name, v)
+    return {path: {n: v for n, v in d.items() if (path, n) not in apart} for path, d in merged.items()}
+
+
+def _as_recorded(model, recorded: A.RecordedRun, attrs: dict | None) -> None:
     """The rebuilt model as the loop ran it, beyond its tensors: the
     parameters the loop froze (requires_grad False) and, for a transformers
     model, the scalar config fields the loop's model had (the Trainer sets
@@ -82,7 +103,7 @@ def _as_recorded(model, recorded: A.RecordedRun) -> None:
     Recorder started (batchscope.start_attrs); build_model need not repeat
     what the training script did."""
     try:
-        BS.start_attrs(model, recorded.attrs)
+        BS.start_attrs(model, attrs)
     except DormouseError as e:
         raise ReferenceError(str(e)) from None
     frozen = set(recorded.frozen)
