@@ -908,6 +908,10 @@ CASES: tuple[Case, ...] = (
          verdict="FAIL", fails={"ranks": ("the copies of tok_embeddings.weight on the stages of ranks 0 and 1",
                                           "differ in their gradients at step 1")},
          what="... summed one way only", confirmation="the stages' recorded copies differ"),
+    Case("norms_x_rank1", "wild_pp", {"steps": 1}, "norms_x_rank1", verdict="FAIL", fails={"layout": (
+        "rank 0 holds one process's gradient", "its copy one process's times 1.001",
+        "then changed on rank 1 alone")}, what="the TP-replicated norms' gradients summed, then scaled on rank 1",
+         confirmation="rank 0's recorded norms' gradient is the test's one-process gradient, rank 1's 1.001 x it"),
     # DeepSpeed #1801's mechanism: the TP-replicated norms' gradients clipped on TP rank 0 alone
     Case("ds1801", "wild_pp", {"max_grad_norm": 0.05, "steps": 1}, "clip_tp0_norms", verdict="FAIL", fails={"clip": (
         "at step 1 rank 1's gradient of 5 tensor(s) (layers.0.attention_norm.weight",

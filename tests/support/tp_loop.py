@@ -47,6 +47,9 @@ The gate's lines are the three `rec.` calls. Faults ("fault"):
                  (the TP-replicated parameters': the sequence-parallel norms') are all-reduced
                  in bfloat16 by the loop, every other reduction float32 (pytorch #190626's
                  TP-dimension reduce in bf16, in a float32 run; TP alone, no FSDP2)
+  norms_x_rank1  sp_norm_local's plain norms, their gradients summed over the TP group (right), then TP
+                 rank 1 scales its copies by 1.001 (a review's loop: the reduce happened; one rank changed
+                 its copy after it)
   clip_tp0_norms with "max_grad_norm": the loop clips every gradient by the global norm, but on TP ranks
                  other than 0 the TP-replicated parameters' (the sequence-parallel norms') gradients keep
                  their unclipped values (DeepSpeed #1801's mechanism: the replicated LayerNorm clipped on
@@ -129,7 +132,7 @@ def run(cfg: dict) -> None:
         mp = MixedPrecisionPolicy(**{k: getattr(torch, cfg[k]) for k in ("param_dtype", "reduce_dtype") if cfg[k]})
     if tp > 1:
         parallelize(model, mesh, loss_parallel=cfg["loss_parallel"],
-                    sp_norm_local=fault in ("sp_norm_local", "sp_norm_avg"),
+                    sp_norm_local=fault in ("sp_norm_local", "sp_norm_avg", "norms_x_rank1"),
                     dropout_local=fault == "dropout_local", mp_policy=mp)
     if fault == "init_shards":
         torch.manual_seed(cfg["seed"])
@@ -185,6 +188,12 @@ def run(cfg: dict) -> None:
                     if not isinstance(p, DTensor):
                         dist.all_reduce(p.grad, group=mesh["tp"].get_group())
                         p.grad.div_(tp)
+        if fault == "norms_x_rank1":  # the plain norms' parts summed over the TP group, then rank 1's scaled
+            with torch.no_grad():
+                for p in model.parameters():
+                    if not isinstance(p, DTensor):
+                        dist.all_reduce(p.grad, group=mesh["tp"].get_group())
+                        p.grad.mul_(1.001 if tp_rank == 1 else 1.0)
         if fault == "tp_grad_x":  # the step's TP-sharded gradients summed over the group where averaged
             with torch.no_grad():
                 for p in model.parameters():

@@ -442,6 +442,28 @@ def test_a_replicated_norm_clipped_on_one_tp_rank_fails_the_clip_named(pipeline)
     assert "not a missing reduction (see clip)" in v.check("layout").reason
 
 
+def test_a_replicated_gradient_changed_on_one_tp_rank_after_the_reduce_is_named_so(pipeline):
+    """A review's TP loop: the plain norms' gradient parts summed over the TP group (right), then TP rank
+    1 scales its copies by 1.001. The layout line said "not reduced over it" while the ranks line said
+    every rank's synchronised gradient agreed. This file's one-process gradient: rank 0's recorded norms'
+    gradients are it, rank 1's are 1.001 times it (the row: the layout line says so)."""
+    from tp_llama import build_model as build_tp
+    from tp_loop import RUN as RUN_TP, batch_rows
+
+    cfg = {**RUN_TP, **catalogue.runs("wild_pp")["norms_x_rank1"]}
+    ids = batch_rows(cfg["seed"], 0, cfg["micro"] * cfg["rows"], cfg["T"])
+    net = build_tp(seed=cfg["seed"])
+    F.cross_entropy(net(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    rec = A.RecordingSet(pipeline["norms_x_rank1"])
+    first, second = (A.prefixed(A.GRAD, rec.step_tensors(r, 1)) for r in (0, 1))
+    norms = [n for n, p in net.named_parameters() if "attention_norm" in n or "ffn_norm" in n]
+    assert norms
+    for n in norms:
+        want = dict(net.named_parameters())[n].grad.double()
+        assert looprec.rel(first[n], want) < 1e-5 and looprec.rel(second[n], 1.001 * want) < 1e-5, n
+    assert "compared in the layout line" in looprec.verdict(pipeline["norms_x_rank1"]).check("ranks").reason
+
+
 def test_an_objective_reads_the_runs_seed_from_build_kwargs(fleet):
     """A DPO-like objective (each target token against a frozen reference: the initial model, built with
     the run's seed): a step objective could not receive the seed (build_kwargs reached build_model only),

@@ -84,6 +84,25 @@ def _peer_inputs(rec: A.RecordingSet, groups: list[list[int]]) -> str | None:
     return None
 
 
+def _changed_after_reduce(n: str, group: list[int], grads: list[dict], g_ref: dict, bound: float) -> str | None:
+    """Where some ranks of the group hold one process's gradient of `n` and the others not: the reduce
+    happened, and the others changed their copy after it (by one factor, where one fits exactly)."""
+    if n not in g_ref:
+        return None
+    want = g_ref[n].double()
+    right = [r for r, g in zip(group, grads) if n in g and rel({n: g[n]}, {n: want}, [n]) <= bound]
+    wrong = [r for r, g in zip(group, grads) if n in g and r not in right]
+    if not right or not wrong:
+        return None
+    got = grads[group.index(wrong[0])][n].double()
+    c = float((got * want).sum() / (want * want).sum()) if float((want * want).sum()) else 0.0
+    factor = f", its copy one process's times {c:.6g}" if rel({n: got}, {n: c * want}, [n]) <= bound else ""
+    return (f"rank{'s' if len(right) > 1 else ''} {', '.join(map(str, right))} hold{'' if len(right) > 1 else 's'} "
+            f"one process's gradient (within the bound {bound:g}) and rank {wrong[0]}'s differs from it{factor}: the "
+            f"gradient was reduced over the group, then changed on rank {', '.join(map(str, wrong))} alone (a "
+            "scaling, a clip or an edit after the reduce): every rank of the group must step on the same gradient")
+
+
 def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], params: dict,
                kind: str = "TP") -> str | None:
     """The first gradient that differs between the ranks of a TP (or CP) group, as a sentence; None when none
@@ -125,9 +144,16 @@ def _unreduced(rec: A.RecordingSet, ref: ReferenceSet, groups: list[list[int]], 
                     return (f"at step {k} the gradient of {n} ({held}) differs between ranks {group[0]} and {r} of TP "
                             f"group {group} by {x:.2g}: one is the other over the clip coefficient {coef:.4g}, "
                             "clipped on one rank of the group only, not a missing reduction (see clip)")
+                changed = _changed_after_reduce(n, group, grads, g_ref, bound) if summed > bound else None
+                if changed:
+                    return (f"at step {k} the gradient of {n} ({held}) differs between ranks {group[0]} and {r} of TP "
+                            f"group {group} by {x:.2g}: {changed}")
+                what = ("a parameter split over the group whose gradient each rank holds whole (Replicate), "
+                        "which the group's ranks must hold alike" if any("Shard" in p for p in pl.get("placements", []))
+                        else "a parameter replicated over the group")
                 return (f"at step {k} the gradient of {n} ({held}) differs between ranks {group[0]} and {r} of TP "
-                        f"group {group} by {x:.2g}: a parameter replicated over the group whose gradient was not "
-                        f"reduced over it (a sequence-parallel norm's weight, for one){said}")
+                        f"group {group} by {x:.2g}: {what} whose gradient was not reduced over it (a "
+                        f"sequence-parallel norm's weight, for one){said}")
     return None
 
 

@@ -259,6 +259,10 @@ def _ranks_state(rec: A.RecordingSet) -> Check:
     if bad:
         return Check("ranks", False, f"rank {bad[0]}'s parameters or persistent buffers differ from rank 0's after "
                                      f"the last step (step {rec.steps[-1]})" + _which_final(rec, w and bad[0]))
+    if rec.recorded.layout:  # a model-parallel group's ranks hold parts: their gradients are the layout line's
+        return Check("ranks", True, "every rank's parameters and persistent buffers are equal before every "
+                                    "recorded step and after the last (by hash); the gradients the ranks of a "
+                                    "model-parallel group hold are compared in the layout line")
     return Check("ranks", True, "every rank's parameters and persistent buffers are equal before every "
                                 "recorded step and after the last, and every rank's synchronised gradient and clip "
                                 "at every step")
