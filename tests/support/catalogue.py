@@ -423,6 +423,11 @@ CASES: tuple[Case, ...] = (
                   "each scale is 1 / its shard's own token count")},
          what="the loss averaged over the CP ranks' shard means",
          confirmation=BY_HAND + ": the fleet's is the mean of the shards' token means"),
+    Case("cp_avg", "cp", {"seed": 9, "steps": 1}, "cp_avg", verdict="FAIL", fails={
+        "gradient": ("times 0.5 = 1 / the CP size 2", "2 context-parallel ranks"),
+        "layout": "every gradient is one process's times 0.5 = 1 / the CP size 2"},
+         what="the shards' gradient parts averaged over the CP group where they must be summed (a review's loop: "
+         "the gradient line said 'the TP size')", confirmation=BY_HAND + ": the fleet's is half of it"),
     Case("no_cp_reduce", "cp", {"seed": 5, "steps": 1}, "no_cp_reduce", verdict="FAIL", fails={"layout": (
         "it was not all-reduced over the CP group", "the sum of the group's gradients is one process's gradient")},
          confirmation=BY_HAND + ": the group's gradients sum to it"),

@@ -31,6 +31,8 @@ Faults ("fault"):
                 the ranks: the mean of the shards' means, not the token mean (shards hold unequal counts)
   no_cp_reduce  the gradients are all-reduced over the DP group only (none at CP x DP 1): each CP rank
                 keeps the gradient of its own shard
+  cp_avg        the gradients all-reduced with an average over the ranks where the CP shards' parts
+                must be summed (each rank's loss divided by the whole sequence's tokens): 1 / CP
   positions     every shard's positions start at 0 (rotary offsets not shifted per shard)
   lb_order      load balanced, plain ring: the gathered keys taken in rank order as the sequence's order
                 (their positions for the causal mask), not put back at their load-balanced places
@@ -271,6 +273,9 @@ def run(cfg: dict) -> None:
         grads = [p.grad for p in model.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if fault == "loss_avg":
+            dist.all_reduce(flat)
+            flat /= world
+        elif fault == "cp_avg":
             dist.all_reduce(flat)
             flat /= world
         elif fault == "no_cp_reduce":

@@ -208,7 +208,8 @@ def replicas(rec: A.RecordingSet) -> tuple[int, str]:
         world = rec.world_at(rec.steps[0])
         return world, f"W = {world} ranks"
     n, size = len(lay["groups"]), max(len(g) for g in lay["groups"])
-    each = f"{size} pipeline stages" if lay.get("pipeline") else f"{size} model-parallel ranks"
+    each = (f"{size} pipeline stages" if lay.get("pipeline") else
+            f"{size} context-parallel ranks" if lay.get("context_parallel") else f"{size} model-parallel ranks")
     return n, f"W = {n} data-parallel replica(s) of {each}"
 
 
@@ -219,14 +220,15 @@ def rank_mean_words(rec: A.RecordingSet) -> str:
 
 
 def factor_words(rec: A.RecordingSet, c: float, micro: int, rtol: float) -> str | None:
-    """factor_name over W = the data-parallel replicas (replicas), then the TP size where the layout
-    has a model-parallel dimension and c is it or its reciprocal."""
+    """factor_name over W = the data-parallel replicas (replicas), then the TP (or CP) size where the
+    layout has a model-parallel (or context-parallel) dimension and c is it or its reciprocal."""
     lay = rec.recorded.layout or {}
     tp = max((len(g) for g in lay.get("groups", [])), default=1) if not lay.get("pipeline") else 1
     w = replicas(rec)[0]
     names = [n for n in (factor_name(c, w, micro, rtol) or "").split(" = ") if n and (w > 1 or "W" not in n)]
-    names += [f"the TP size {tp}"] if tp > 1 and abs(c / tp - 1) <= rtol else []
-    names += [f"1 / the TP size {tp}"] if tp > 1 and abs(c * tp - 1) <= rtol else []
+    group = "CP" if lay.get("context_parallel") else "TP"
+    names += [f"the {group} size {tp}"] if tp > 1 and abs(c / tp - 1) <= rtol else []
+    names += [f"1 / the {group} size {tp}"] if tp > 1 and abs(c * tp - 1) <= rtol else []
     names += [clip_words] if (clip_words := _clipped_by(rec, c)) else []
     return " = ".join(names) or None
 

@@ -152,6 +152,13 @@ def test_gradients_not_all_reduced_over_the_cp_group_fail_named(cp):
     assert worst(g0, want) > 0.1 and worst({n: g0[n] + g1[n] for n in g0}, want) < BOUND
 
 
+def test_gradients_averaged_over_the_cp_group_are_half_of_one_process(cp):
+    """The shards' parts averaged where they must be summed: every rank's gradient is one process's times 1/2
+    (its row: the gradient line names 1 / the CP size, not the TP size)."""
+    want = one_process(RUN["cp_avg"], 2)
+    assert worst(recorded(cp["cp_avg"], 0), {n: g * 0.5 for n, g in want.items()}) < BOUND
+
+
 def test_positions_not_shifted_per_shard_fail_named_though_the_gradient_matches_its_rows(cp):
     """One process fed the recorded positions computes the fleet's gradient (the gradient check passes): only
     the positions say that every shard was encoded as the sequence's start."""
