@@ -913,6 +913,14 @@ CASES: tuple[Case, ...] = (
          verdict="FAIL", fails={"ranks": ("the copies of tok_embeddings.weight on the stages of ranks 0 and 1",
                                           "differ in their gradients at step 1")},
          what="... summed one way only", confirmation="the stages' recorded copies differ"),
+    Case("pp_accum", "wild_pp", {"pp": True, "accum": 2, "steps": 1}, verdict="FAIL", fails={"gradient": (
+        "the pipeline schedule divided rank 0's accumulated gradients 2 times (by 2, 2",
+        "torchtitan #1733", "scale_grads=False")},
+         what="2 schedule.step() calls a step, scale_grads left on (torch's default)",
+         confirmation="the recorded gradient is the test's 1/4 x the first call's + 1/2 x the second's"),
+    Case("pp_accum_fixed", "wild_pp", {"pp": True, "accum": 2, "scale": False, "steps": 1},
+         what="... with scale_grads=False and the loss divided by micro-batches x calls",
+         confirmation="the recorded gradient is the test's one-process gradient over both calls' rows"),
     Case("norms_x_rank1", "wild_pp", {"steps": 1}, "norms_x_rank1", verdict="FAIL", fails={"layout": (
         "rank 0 holds one process's gradient", "its copy one process's times 1.001",
         "then changed on rank 1 alone")}, what="the TP-replicated norms' gradients summed, then scaled on rank 1",

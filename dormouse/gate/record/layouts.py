@@ -160,6 +160,31 @@ class PipelineLayout:
         self.rank = rank
         self.stages = stages
         self.backed: set[int] = set()
+        self.scalings: list[float] = []
+        self._count_scalings(stage)
+
+    def _count_scalings(self, stage) -> None:
+        """Each division of the stage's accumulated gradients by a schedule's step (torch 2.13's
+        PipelineStage.scale_grads, called once per schedule.step() with its micro-batch count where the
+        schedule's scale_grads is on): two in one optimizer step divide the first call's gradients twice
+        (torchtitan #1733). The stage's own method is called as it is; counting never stops the run."""
+        original = getattr(stage, "scale_grads", None)
+        if not callable(original):
+            return
+
+        def scale_grads(grad_scale_factor, *args, **kwargs):
+            try:
+                self.scalings.append(float(grad_scale_factor))
+            except (TypeError, ValueError):
+                pass
+            return original(grad_scale_factor, *args, **kwargs)
+
+        stage.scale_grads = scale_grads
+
+    def take_scalings(self) -> list[float]:
+        """The step's scale_grads factors (those other than 1: a factor of 1 divides nothing), and none kept."""
+        got, self.scalings = [f for f in self.scalings if f != 1], []
+        return got
 
     def watch(self, module, count) -> None:
         """A forward hook marking each recorded forward (count(): the recorded forwards so far, this one

@@ -403,8 +403,10 @@ class Recorder:
         batches, autocasts, casts, evals, calls, attrs, rngs = self.capture.take()
         # the parameters an optimizer step moved since the step's first forward (a DTensor layout: not compared)
         moved = self.capture.moved() if not (self.placements or self.layout is not None) else []
+        scalings = []
         if isinstance(self.layout, layouts.PipelineLayout):  # the forwards a backward reached (layouts.py)
             keep = self.layout.kept(len(batches))
+            scalings = self.layout.take_scalings()
             batches, autocasts, casts, evals, calls, attrs, rngs = (
                 [x[i] for i in keep] for x in (batches, autocasts, casts, evals, calls, attrs, rngs))
         if isinstance(self.layout, layouts.ContextParallelLayout):  # the CP group's global rows (a collective)
@@ -479,7 +481,8 @@ class Recorder:
                 **({"attrs_start": self.capture.attrs0} if k == self._first else {}),
                 "tensors": self._tensor_step(k), "param_hash": param_hash, "grad_hash": grad_hash,
                 "epoch": None if epoch is None else int(epoch), **probed,
-                **({"moved_before_step": moved[:8]} if moved else {})}
+                **({"moved_before_step": moved[:8]} if moved else {}),
+                **({"grad_scalings": scalings} if scalings else {})}
         found = self._selfcheck(named, len(batches), clip_coef, loss, loss_sum, tokens, tensors, meta)
         # serialised on the writer's thread: every tensor here is the Recorder's own copy (inputs cloned
         # by the pre-hook, parameters and gradients by local or the sketches, ids below)

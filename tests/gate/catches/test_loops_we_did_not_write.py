@@ -442,6 +442,28 @@ def test_a_replicated_norm_clipped_on_one_tp_rank_fails_the_clip_named(pipeline)
     assert "not a missing reduction (see clip)" in v.check("layout").reason
 
 
+def test_a_pipeline_accumulating_over_schedule_calls_with_scale_grads_weighs_the_first_call_less(pipeline):
+    """torchtitan #1733 in torch's own schedules: 2 schedule.step() calls a step, each dividing the gradients
+    already accumulated by its 2 micro-batches. This file's one-process gradients of each call's rows
+    (token means, g1 and g2): the recorded gradient is g1 / 4 + g2 / 2, not (g1 + g2) / 2, which
+    scale_grads=False with the loss divided by micro-batches x calls records (the rows' verdicts)."""
+    from tp_loop import batch_rows
+
+    from dormouse.bench.tp_llama import build_model
+
+    def grad(call):
+        net = build_model(seed=0)
+        ids = batch_rows(0, call, RUN_PP["rows"], RUN_PP["T"])
+        F.cross_entropy(net(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        return {n: p.grad.double() for n, p in net.named_parameters()}
+
+    g1, g2 = grad(0), grad(1)
+    for name, want in (("pp_accum", {n: g1[n] / 4 + g2[n] / 2 for n in g1}),
+                       ("pp_accum_fixed", {n: (g1[n] + g2[n]) / 2 for n in g1})):
+        got = {**looprec.recorded_gradients(pipeline[name], 0), **looprec.recorded_gradients(pipeline[name], 1)}
+        assert set(got) == set(want) and looprec.worst(got, want) < 1e-5, name
+
+
 def test_a_replicated_gradient_changed_on_one_tp_rank_after_the_reduce_is_named_so(pipeline):
     """A review's TP loop: the plain norms' gradient parts summed over the TP group (right), then TP rank
     1 scales its copies by 1.001. The layout line said "not reduced over it" while the ranks line said

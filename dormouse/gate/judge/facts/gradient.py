@@ -433,8 +433,30 @@ def _residual_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan, near_one:
     return reason
 
 
+def _rescaled_words(rec: A.RecordingSet) -> str | None:
+    """A pipeline step whose schedule divided the stage's accumulated gradients more than once (each
+    schedule.step() with scale_grads on: torchtitan #1733), as the failing gradient's cause; None where
+    no step did."""
+    if not (rec.recorded.layout or {}).get("pipeline"):
+        return None
+    for k in rec.tensor_steps():
+        for r in range(rec.world_at(k)):
+            got = rec.step_meta(r, k).get("grad_scalings") or []
+            if len(got) > 1:
+                return (f"at step {k} the pipeline schedule divided rank {r}'s accumulated gradients {len(got)} "
+                        f"times (by {', '.join(f'{x:g}' for x in got)}: PipelineStage.scale_grads, once per "
+                        "schedule.step() call, the schedule's scale_grads=True, torch's default): each call divides "
+                        "the gradients the calls before it accumulated again, so the first call's micro-batches "
+                        "weigh less than the last's (torchtitan #1733); build the schedule with "
+                        "scale_grads=False and divide each loss by the micro-batches times the calls a step")
+    return None
+
+
 def _fail_reason(rec: A.RecordingSet, ref: ReferenceSet, s: _Scan) -> str:
     """The failing gradient's words: the first of its shapes (_fault_shape) that holds, named."""
+    if (rescaled := _rescaled_words(rec)) is not None:
+        return f"the fleet's gradient differs from {WHAT} by {s.worst:.2g} at step {s.worst_k} ({s.stated}): " \
+            + rescaled
     f = _fault_shape(rec, ref, s)
     worst, worst_k, stated, first_bad = s.worst, s.worst_k, s.stated, s.first_bad
     if first_bad is not None and math.isinf(first_bad["error"]):
