@@ -914,7 +914,7 @@ CASES: tuple[Case, ...] = (
                                           "differ in their gradients at step 1")},
          what="... summed one way only", confirmation="the stages' recorded copies differ"),
     Case("pp_accum", "wild_pp", {"pp": True, "accum": 2, "steps": 1}, verdict="FAIL", fails={"gradient": (
-        "the pipeline schedule divided rank 0's accumulated gradients 2 times (by 2, 2",
+        "the pipeline schedule divided ranks 0, 1' stages' accumulated gradients 2 times (by 2, 2",
         "torchtitan #1733", "scale_grads=False")},
          what="2 schedule.step() calls a step, scale_grads left on (torch's default)",
          confirmation="the recorded gradient is the test's 1/4 x the first call's + 1/2 x the second's"),

@@ -440,10 +440,12 @@ def _rescaled_words(rec: A.RecordingSet) -> str | None:
     if not (rec.recorded.layout or {}).get("pipeline"):
         return None
     for k in rec.tensor_steps():
-        for r in range(rec.world_at(k)):
-            got = rec.step_meta(r, k).get("grad_scalings") or []
-            if len(got) > 1:
-                return (f"at step {k} the pipeline schedule divided rank {r}'s accumulated gradients {len(got)} "
+        each = {r: rec.step_meta(r, k).get("grad_scalings") or [] for r in range(rec.world_at(k))}
+        ranks = [r for r, got in each.items() if len(got) > 1]
+        if ranks:
+            got = each[ranks[0]]
+            who = f"rank {ranks[0]}'s" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}' stages'"
+            return (f"at step {k} the pipeline schedule divided {who} accumulated gradients {len(got)} "
                         f"times (by {', '.join(f'{x:g}' for x in got)}: PipelineStage.scale_grads, once per "
                         "schedule.step() call, the schedule's scale_grads=True, torch's default): each call divides "
                         "the gradients the calls before it accumulated again, so the first call's micro-batches "

@@ -164,9 +164,11 @@ def _unmoved_words(u: int, names: list[str], moved_by_replay: int) -> str:
     else:
         what = f"{len(names)} tensor(s) the replay's optimizer moves stayed exactly where they were ({shown})"
         held = "those parameters"
-    return (f": at step {u} {what}: the optimizer the loop steps does not hold {held} (an optimizer built over "
-            "another instance or a copy of the model, or before the model was moved or wrapped into new tensors), "
-            "or their gradients never reached it; build the optimizer over the parameters the loop trains")
+    some = "" if held == "the model's parameters" else "an optimizer built over some of the parameters alone (a " \
+        "param group left out), or "
+    return (f": at step {u} {what}: the optimizer the loop steps does not hold {held} ({some}an optimizer built "
+            "over another instance or a copy of the model, or before the model was moved or wrapped into new "
+            "tensors), or their gradients never reached it; build the optimizer over the parameters the loop trains")
 
 
 def update_words(rec: A.RecordingSet, ref: ReferenceSet, u: int, after, replayed) -> str:
