@@ -18,7 +18,7 @@ from dormouse.gate.record.modes import deterministic_kernels
 from dormouse.gate.settings import GateSettings
 from dormouse.model.flops import step_flops
 
-GATE_STEPS = 5  # the gates' steps in the dry run (a device's run takes the gate's default): the same code, cheaper
+GATE_STEPS = 3  # the gates' steps in the dry run (a device's run takes the gate's default): the same code, cheaper
 
 
 def test_the_device_check_dry_run_measures_both_dtypes_passes_both_gates_and_owns_its_section(
