@@ -445,12 +445,12 @@ def _rescaled_words(rec: A.RecordingSet) -> str | None:
         if ranks:
             got = each[ranks[0]]
             who = f"rank {ranks[0]}'s" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}' stages'"
-            return (f"at step {k} the pipeline schedule divided {who} accumulated gradients {len(got)} "
-                        f"times (by {', '.join(f'{x:g}' for x in got)}: PipelineStage.scale_grads, once per "
-                        "schedule.step() call, the schedule's scale_grads=True, torch's default): each call divides "
-                        "the gradients the calls before it accumulated again, so the first call's micro-batches "
-                        "weigh less than the last's (torchtitan #1733); build the schedule with "
-                        "scale_grads=False and divide each loss by the micro-batches times the calls a step")
+            return (f"at step {k} the pipeline schedule divided {who} accumulated gradients {len(got)} times (by "
+                    f"{', '.join(f'{x:g}' for x in got)}: PipelineStage.scale_grads, once per schedule.step() call, "
+                    "the schedule's scale_grads=True, torch's default): each call divides the gradients the calls "
+                    "before it accumulated again, so the first call's micro-batches weigh less than the last's "
+                    "(torchtitan #1733); build the schedule with scale_grads=False and divide each loss by the "
+                    "micro-batches times the calls a step")
     return None
 
 

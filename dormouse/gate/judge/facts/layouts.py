@@ -309,7 +309,8 @@ def _experts_mixed(rec: A.RecordingSet, ref: ReferenceSet, params: dict, decl: d
 
 
 def _check_pipeline(rec: A.RecordingSet, ref: ReferenceSet, lay: dict) -> Check:
-    """A pipeline's stages: every parameter of the whole model recorded by exactly one stage."""
+    """A pipeline's stages: every parameter of the whole model recorded by a stage (by several where they
+    keep copies of one under its name, a tie: tied.py compares the copies)."""
     per = lay.get("stage_params", [])
     seen = {n: r for r in reversed(range(len(per))) for n in per[r]}
     shared = shared_copies(lay)

@@ -159,13 +159,12 @@ def _unmoved_words(u: int, names: list[str], moved_by_replay: int) -> str:
     """Tensors the replay moves and the recorded step left exactly where they were."""
     shown = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
     if len(names) == moved_by_replay:
-        what = f"no tensor moved where the replay's optimizer moves every one ({shown})"
-        held = "the model's parameters"
+        what, held, some = f"no tensor moved where the replay's optimizer moves every one ({shown})", \
+            "the model's parameters", ""
     else:
-        what = f"{len(names)} tensor(s) the replay's optimizer moves stayed exactly where they were ({shown})"
-        held = "those parameters"
-    some = "" if held == "the model's parameters" else "an optimizer built over some of the parameters alone (a " \
-        "param group left out), or "
+        what, held = f"{len(names)} tensor(s) the replay's optimizer moves stayed exactly where they were ({shown})", \
+            "those parameters"
+        some = "an optimizer built over some of the parameters alone (a param group left out), or "
     return (f": at step {u} {what}: the optimizer the loop steps does not hold {held} ({some}an optimizer built "
             "over another instance or a copy of the model, or before the model was moved or wrapped into new "
             "tensors), or their gradients never reached it; build the optimizer over the parameters the loop trains")

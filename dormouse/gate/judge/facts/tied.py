@@ -4,7 +4,9 @@ gradient parts summed over the stages that hold a copy, the same step on each). 
 the ties it finds in the rebuilt model (its meta's "tied"); every copy is then compared with the
 first, bitwise, before every step and after the last, gradients as well as parameters: a stage that
 never receives another's part of the gradient parts from its twin, whatever the other checks (which
-judge the first name) say."""
+judge the first name) say. A weight the stages keep under ONE name (the embedding reused
+as the output projection on the last stage) is the same tie: each holder's copy is compared with the
+first holder's, rank by rank (the layout's stage_params say who holds it)."""
 
 from __future__ import annotations
 
@@ -43,26 +45,23 @@ def shared_copies(layout: dict) -> dict[str, list[int]]:
 def _shared_apart(rec: A.RecordingSet, shared: dict[str, list[int]]) -> Check | None:
     """Each copy of a parameter several stages record under one name, rank by rank against its first
     holder's, bitwise: parameters and gradients before and at every step, parameters after the last."""
-    def pieces(k):
-        return {r: rec.step_tensors(r, k) for r in sorted({r for rs in shared.values() for r in rs})}
-
+    holders = sorted({r for rs in shared.values() for r in rs})
     for k in rec.steps:
-        t = pieces(k)
+        t = {r: rec.step_tensors(r, k) for r in holders}
         for prefix, what in ((A.PARAM, "parameters before"), (A.GRAD, "gradients at")):
             for n, (first, *others) in shared.items():
                 for r in others:
                     a, b = t[r].get(prefix + n), t[first].get(prefix + n)
                     if (a is None) != (b is None):
-                        return Check("ranks", False, f"{n}, recorded by the stages of ranks {first} and {r}, has a "
-                                                     f"gradient at step {k} on one of them alone: every copy of a "
+                        return Check("ranks", False, f"{n}, recorded by the stages of ranks {first} and {r}, has "
+                                                     f"{what} step {k} on one of them alone: every copy of a "
                                                      "parameter several stages hold must receive the same gradient")
                     if a is not None and (d := _apart(a, b)) is not None:
                         return Check("ranks", False, f"the copies of {n} on the stages of ranks {first} and {r} "
                                                      f"differ in their {what} step {k} by {d:.3g}: every copy must "
                                                      "receive the sum of every stage's gradient part (an all-reduce "
                                                      "over the stages that hold it), and take the same step")
-    final = {r: A.read_tensors(A.final_tensors_path(rec.out, r), "final tensors")[0]
-             for r in sorted({r for rs in shared.values() for r in rs})}
+    final = {r: A.read_tensors(A.final_tensors_path(rec.out, r), "final tensors")[0] for r in holders}
     for n, (first, *others) in shared.items():
         for r in others:
             a, b = final[r].get(A.PARAM + n), final[first].get(A.PARAM + n)
