@@ -4,8 +4,8 @@ of its own, launched there with `torchrun --standalone --nproc_per_node=2
 ddp_train.py`, then `dormouse gate check --out runs/ddp` from the same folder
 through the installed console script (nothing added to PYTHONPATH): it
 passes. The TRL, PEFT and DPO recipes of docs/clients/hf.md (sft_train.py,
-peft_train.py, dpo_train.py) run the same way here, each its own fleet (PEFT's
-and DPO's marked slow: `pytest -m slow`). Their
+peft_train.py, dpo_train.py) run the same way here, each its own fleet (marked
+slow: `pytest -m slow`). Their
 HF twin (hf_train.py) runs the same way (`RUN_HF_QUICKSTART=1` adds it here);
 the suite's HF Trainer runs are tests/gate/catches/test_hf_trainer.py."""
 
@@ -33,10 +33,11 @@ def _user_env() -> dict:
 
 TRL = importlib.util.find_spec("trl") is not None and importlib.util.find_spec("peft") is not None
 QUICKSTARTS = [("ddp_train.py", "runs/ddp")]
-# PEFT's and DPO's scripts are slow (outside CI's time): CI's trl rows hold LoRA and DPO with hand-computed
-# gradients, and tests/test_docs.py holds the page's excerpts to these files; `pytest -m slow` runs them
-QUICKSTARTS += [("sft_train.py", "runs/sft")] + [pytest.param(f"{name}_train.py", f"runs/{name}", marks=pytest.mark.slow)
-                                                for name in ("peft", "dpo")] if TRL else []
+# The TRL scripts are slow (outside CI's time, which a slow hour of a 2-core machine pressed to 8 minutes):
+# CI's trl rows hold SFT, LoRA and DPO with the real trainers and hand-computed gradients, and
+# tests/test_docs.py holds the page's excerpts to these files; `pytest -m slow` runs them
+QUICKSTARTS += [pytest.param(f"{name}_train.py", f"runs/{name}", marks=pytest.mark.slow)
+                for name in ("sft", "peft", "dpo")] if TRL else []
 QUICKSTARTS += [("hf_train.py", "runs/hf")] if os.environ.get("RUN_HF_QUICKSTART") else []
 # the accelerate and Lightning recipes of docs/clients/ on two ranks (tests/test_docs.py runs accelerate's
 # in one process and checks both pages' blocks against these files): RUN_ALL_QUICKSTARTS=1
