@@ -272,7 +272,8 @@ TRAINERS_DATA = {"FleetPlan", "plan", "parse_capacity", "rank_byte_offset", "spa
 
 def test_gradref_reads_the_bytes_by_its_own_arithmetic_not_the_trainers_plan():
     path = MODULES["dormouse.gate.record.modes.gradref"]
-    assert not {d for d in GRAPH["dormouse.gate.record.modes.gradref"] if d.startswith("dormouse.train.data")}
+    assert not {d for d in GRAPH["dormouse.gate.record.modes.gradref"]
+                if d.startswith(("dormouse.train.data", "dormouse.train.plan"))}
     tree = ast.parse(path.read_text())
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert set(GRADREF) <= set(funcs)
@@ -282,3 +283,23 @@ def test_gradref_reads_the_bytes_by_its_own_arithmetic_not_the_trainers_plan():
         names |= {n.attr for n in ast.walk(funcs[name]) if isinstance(n, ast.Attribute)}
         used[name] = sorted(names & TRAINERS_DATA)
     assert used == {name: [] for name in GRADREF}
+
+
+def test_the_pipeline_validates_and_launches_its_fleet_before_anything_imports_torch(tmp_path):
+    """The fleet's agents import torch while the pipeline's own process does (its start-up off the
+    verdict's path): settings, their plan and refusals, the launch's command and the fresh out dir's
+    status come from modules that import no torch (train/plan.py, the artifacts' names, produce)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (f"import sys\nfrom dormouse.gate.pipeline import check\nfrom dormouse.gate.record import produce\n"
+            f"from dormouse.gate.record.launcher import torchrun_command\n"
+            f"s = check(out={str(tmp_path / 'g')!r}, resume_world=1)\n"
+            f"cmds = [torchrun_command(s, leg=leg) for leg in (1, 2)]\n"
+            f"assert produce.status('fleet', s) == 'fleet missing', produce.status('fleet', s)\n"
+            f"print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    env = {**os.environ, "DORMOUSE_TEST_WARM": "0"}  # a fresh interpreter, not the suite's warm one (torch in it)
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.strip() == "[]", got.stdout[:300]

@@ -242,6 +242,9 @@ def _run(mode: str, args) -> int:
     if mode == "rank":
         import os
 
+        from dormouse.gate.record.launcher import hold_for_go
+
+        hold_for_go()  # a launch started before the one it follows ended: wait for that one to succeed
         prefix = f"[rank{os.environ.get('RANK', '?')}] "
         log = lambda line: print(prefix + line, flush=True)  # noqa: E731
         if args.plan:

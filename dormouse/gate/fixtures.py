@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dormouse import atomic
 from dormouse.config import RunConfig, TrainConfig, preset
 from dormouse.errors import ConfigError
-from dormouse.model import DormouseModel
-from dormouse.train.data import FleetPlan
+from dormouse.train.plan import FleetPlan
+
+if TYPE_CHECKING:
+    from dormouse.model import DormouseModel
 
 TINY = preset("tiny")  # THE gate fixture's network (config.PRESETS["tiny"])
 SEQ = 64  # window length of the fixture (and of a preset, capped by its max_seq_len)
@@ -85,6 +86,8 @@ def corpus_bytes(span: int) -> bytes:
     n = max(CORPUS_MIN_BYTES, int(3 * span / (1 - EVAL_FRAC)) + 101)
     if n % span == 0:
         n += 1
+    import torch
+
     g = torch.Generator().manual_seed(CORPUS_SEED)
     return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy().tobytes()
 
@@ -127,6 +130,10 @@ def build(run: RunConfig) -> DormouseModel:
     train.seed (the settings' seed), same order, and cast to bfloat16 when the
     configuration trains in it (model.bf16): every mode builds and casts its
     model itself, the fleet's ranks included."""
+    import torch
+
+    from dormouse.model import DormouseModel
+
     torch.manual_seed(run.train.seed)
     model = DormouseModel(run.model)
     return model.to(torch.bfloat16) if run.model.bf16 else model

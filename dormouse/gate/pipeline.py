@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from dormouse.errors import EXIT_CRASHED, EXIT_FAILED, DormouseError, OneLineParser, command_status
-from dormouse.gate.judge.entry import judge
 from dormouse.gate.judge.verdict import Verdict
 from dormouse.gate.show.text import VERDICT_FILE, format_verdict, write_verdict
 from dormouse.gate.record.produce import SETS, Log, ensure_all, locked, status
@@ -54,6 +53,8 @@ def verdict(s: GateSettings) -> Verdict:
         if changed:
             raise DormouseError(f"the artifacts changed while the verdict was being taken ({changed}): "
                                 "run 04 again (or give each concurrent run its own out)")
+        from dormouse.gate.judge.entry import judge
+
         return judge(s.out_dir, s)
 
 
@@ -74,6 +75,7 @@ def check_recording(out, *, force: bool = False, log: Log = print, memory: int |
     memory: the budget in bytes (gate/budget.py; None: 80% of what the machine
     has available, 0: none): past it the verdict is "not judged: needs N GB"."""
     from dormouse.gate import budget as B
+    from dormouse.gate.judge.entry import judge
     from dormouse.gate.judge.verdict import Check
     from dormouse.gate.judge.forms import needs_normalised
     from dormouse.gate.record.reference import make_reference
@@ -136,6 +138,7 @@ def check_sharded(out, *, force: bool = False, log: Log = print) -> Verdict | No
 
     import torch.distributed as dist
 
+    from dormouse.gate.judge.entry import judge
     from dormouse.gate.judge.verdict import Check
     from dormouse.gate.record.reference.sharded import make_sharded_reference, sharded_note
 

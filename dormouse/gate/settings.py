@@ -268,10 +268,11 @@ def _planned(make):
 
 
 def refuse_fleet(run, world: int) -> None:
-    """The trainer's refusals of a fleet (dormouse.train.distributed.refuse_incompatible)."""
-    from dormouse.train.distributed import refuse_incompatible
+    """The trainer's refusals of a fleet that its settings decide (dormouse.train.plan.refuse_config,
+    which distributed.refuse_incompatible applies too): no torch, so a fleet is launched before it."""
+    from dormouse.train.plan import refuse_config
 
-    refuse_incompatible(run, world_size=world)
+    refuse_config(run, world)
 
 
 _NOT_FLAGS = ("timeout_s", "produce")

@@ -2,7 +2,7 @@
 network one process would train at the global batch.
 
 Rank r computes the mean loss L_r and gradient g_r over its own t_r tokens (its
-slice of the step's span, as the fleet's FleetPlan in data.py says; made once
+slice of the step's span, as the fleet's FleetPlan in plan.py says; made once
 by refuse_incompatible and held by the synchroniser). The fleet applies
 
     g = (t_0 g_0 + ... + t_{W-1} g_{W-1}) / (t_0 + ... + t_{W-1})
@@ -59,6 +59,7 @@ import torch.distributed as dist
 from dormouse.config import RunConfig, TrainConfig
 from dormouse.errors import FleetError
 from dormouse.train.data import FleetPlan, RankShape, rank_byte_offset
+from dormouse.train.plan import refuse_config
 from dormouse.train.hooks import Hooks, LocalGrads
 from dormouse.train.exact import flat_grads, put_grads, split_stats, stats_row, tree_sum
 from dormouse.train.loop import build_model, clip_grad_norm, train
@@ -78,16 +79,10 @@ def parse_capacity(capacity: str, *, world_size: int, cfg: TrainConfig, max_seq_
 def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> FleetPlan:
     """Refuse, before any collective, every configuration under which the fleet
     would train a different network than one process; returns the fleet's plan
-    (FleetPlan.of_run: a malformed profile or micro-batch is refused there)."""
-    m, t = run.model, run.train
-    if not t.dist:
-        raise FleetError("train.dist is False: set it to True for a fleet run (train_dist)")
-    if m.moe_on and m.moe_capacity > 0:
-        raise FleetError(
-            f"model.moe_capacity = {m.moe_capacity}: a capacity-dropping MoE drops assignments "
-            "by a rule that depends on which windows share a batch, so a fleet's split batch "
-            "is a different network. Use moe_capacity = 0 (dropless) for data-parallel runs"
-        )
+    (plan.refuse_config: the run's settings, and a malformed profile or
+    micro-batch; here, a pre-built model that is not the run's)."""
+    m = run.model
+    plan = refuse_config(run, world_size)
     if model is not None:
         if m.bf16 and any(p.dtype != torch.bfloat16 for p in model.parameters() if p.is_floating_point()):
             raise FleetError(
@@ -104,24 +99,6 @@ def refuse_incompatible(run: RunConfig, *, world_size: int, model=None) -> Fleet
             )
         if any(hasattr(p, "placements") for p in model.parameters()):
             raise FleetError("the pre-built model is already sharded: pass the plain model; train_dist shards it")
-    plan = FleetPlan.of_run(run, world_size)
-    # (at world 1 a shard is the whole tensor: FleetSync tree-sums the slices itself)
-    if t.dist_reduce == "exact" and t.dist_shard == "fsdp" and world_size > 1 and max(plan.counts) > 1:
-        raise FleetError(
-            f"train.dist_reduce = 'exact' with dist_shard = 'fsdp' and micro_batch = {t.micro_batch} gives a "
-            "rank several slices, which FSDP2 adds with += before its reduce-scatter, off the fixed slice "
-            "tree: use micro_batch = 0 (one slice per rank), or dist_shard = 'none' for micro-batches"
-        )
-    # Every FSDP2 forward and backward is a collective (all-gather, reduce-scatter) of all ranks:
-    # a rank with more slices than another waits for it in a gather that never comes.
-    if t.dist_shard == "fsdp" and world_size > 1 and len(set(plan.counts)) > 1:
-        counts = ", ".join(f"rank {r} {c}" for r, c in enumerate(plan.counts))
-        raise FleetError(
-            f"dist_shard = 'fsdp' with micro_batch = {t.micro_batch} gives the ranks different numbers of "
-            f"slices ({counts}), and every FSDP2 forward and backward is a collective of all ranks: use "
-            "micro_batch = 0 (one slice per rank), a micro-batch that cuts every rank's batch into as many "
-            "slices, or dist_shard = 'none'"
-        )
     return plan
 
 

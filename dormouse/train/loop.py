@@ -1,7 +1,7 @@
 """train(): THE training loop, for one process and for every rank of a fleet.
 
 The global batch of a step is cut into slices, as the synchroniser's
-FleetPlan (`sync.plan`, data.py) says: each process's windows in
+FleetPlan (`sync.plan`, plan.py) says: each process's windows in
 micro-batches of train.micro_batch windows (0 = all of them in one slice),
 numbered in rank order, so rank r's slices follow every slice of the ranks
 before it. One step, for the slices this process computes (all of them

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dormouse import atomic
 from dormouse.errors import PEER_LOST, FleetError
-from dormouse.gate.artifacts import RecordingSet
+from dormouse.gate import artifacts as A
 from dormouse.gate.settings import VALIDATED_FLAG, GateSettings
 
 # Two ways to start a fleet's ranks, both torchrun's own CLI, elastic agent,
@@ -100,7 +100,7 @@ def torchrun_command(s: GateSettings, *, entry: list[str] | None = None, plan: P
 
 def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry: list[str] | None = None,
                  torchrun_args: list[str] | None = None, env: dict | None = None,
-                 fork_ranks: bool = False) -> RecordingSet:
+                 fork_ranks: bool = False) -> A.RecordingSet:
     """Run the fleet for settings `s`; returns its recording.
 
     entry: what each rank runs instead of dormouse.gate's entry point (tests pass a
@@ -114,7 +114,7 @@ def launch_fleet(s: GateSettings, *, timeout_s: float = 300, stream=print, entry
 
 def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=print,
                 entry: list[str] | None = None, torchrun_args: list[str] | None = None,
-                env: dict | None = None, fork_ranks: bool = False) -> list[RecordingSet]:
+                env: dict | None = None, fork_ranks: bool = False) -> list[A.RecordingSet]:
     """Several fleet runs in as few torchrun launches as their world sizes
     allow: the runs of one launch run one after another in the same process
     group (the same code path as one run per launch); returns each run's
@@ -134,17 +134,31 @@ def launch_plan(plan: list[GateSettings], *, timeout_s: float = 300, stream=prin
     for s in plan:
         s.out_dir.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(plan[0].threads), **(env or {})}
-    for legs, runs in launches(plan):
-        plan_file = None
-        if len(runs) > 1:
-            plan_file = runs[0].out_dir / f"plan_leg{max(legs)}.json"
-            atomic.write_text(plan_file, json.dumps([{"leg": leg, "settings": dataclasses.asdict(s)}
-                                                     for leg, s in zip(legs, runs)], indent=1))
-        cmd = torchrun_command(runs[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args, leg=legs[0],
-                               fork_ranks=fork_ranks)
-        stream(f"$ {' '.join(cmd)}")
-        _run_streaming(cmd, env=full_env, timeout_s=timeout_s, stream=stream)
-    return [RecordingSet(s.out_dir) for s in plan]
+    started: list[_Launch] = []
+    try:
+        for i, (legs, runs) in enumerate(launches(plan)):
+            plan_file = None
+            if len(runs) > 1:
+                plan_file = runs[0].out_dir / f"plan_leg{max(legs)}.json"
+                atomic.write_text(plan_file, json.dumps([{"leg": leg, "settings": dataclasses.asdict(s)}
+                                                         for leg, s in zip(legs, runs)], indent=1))
+            cmd = torchrun_command(runs[0], entry=entry, plan=plan_file, torchrun_args=torchrun_args,
+                                   leg=legs[0], fork_ranks=fork_ranks)
+            # Each launch after the first starts while the one before it runs, its ranks held (hold_for_go)
+            # until that one has succeeded: its agent's `import torch` and its ranks' start-up are then off
+            # the fleet's path (a forked second leg: about 3 s of a tiny fleet's 8).
+            go = None if i == 0 else runs[0].out_dir / f".launch{i}-{os.getpid()}-{time.monotonic_ns()}.go"
+            launch_env = full_env if go is None else {**full_env, HOLD_ENV: str(go),
+                                                      HOLD_S_ENV: f"{timeout_s * 2 + 60:.0f}"}
+            started.append(_Launch(cmd, launch_env, go))
+            if i > 0:
+                _follow(started[-2], timeout_s=timeout_s, stream=stream)
+                started[-1].release()
+        _follow(started[-1], timeout_s=timeout_s, stream=stream)
+    finally:
+        for launch in started:
+            launch.close()
+    return [A.RecordingSet(s.out_dir) for s in plan]  # (run.py, and torch, imported now: after the launches)
 
 
 def launches(plan: list[GateSettings]) -> list[tuple[list[int], list[GateSettings]]]:
@@ -164,18 +178,59 @@ def launches(plan: list[GateSettings]) -> list[tuple[list[int], list[GateSetting
             for _, runs in sorted(groups.items(), key=lambda kv: kv[0][0])]
 
 
-def _run_streaming(cmd: list[str], *, env: dict, timeout_s: float, stream) -> list[str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True, bufsize=1)
-    lines: list[str] = []
-    q: queue.Queue = queue.Queue()
+HOLD_ENV, HOLD_S_ENV = "DORMOUSE_HOLD", "DORMOUSE_HOLD_S"  # a held launch's go-file, and how long its ranks wait
 
-    def pump():
-        for line in proc.stdout:
-            q.put(line.rstrip("\n"))
-        q.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
+class _Launch:
+    """One torchrun launch, a subprocess in a session of its own (killed as a group), its output
+    pumped into a queue from the start (a held launch's output waits there until it is followed).
+    `go`: the file whose creation releases its held ranks (None: not held)."""
+
+    def __init__(self, cmd: list[str], env: dict, go: Path | None = None):
+        self.cmd, self.go, self.lines = cmd, go, queue.Queue()
+        if go is not None:
+            go.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, start_new_session=True, bufsize=1)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def release(self) -> None:
+        if self.go is not None:
+            atomic.write_text(self.go, "")
+
+    def close(self) -> None:
+        """Kill whatever of the launch still runs (a held launch whose predecessor failed), drop its go-file."""
+        if self.proc.poll() is None:
+            _kill_group(self.proc)
+        if self.go is not None:
+            self.go.unlink(missing_ok=True)
+
+
+def hold_for_go() -> None:
+    """A rank of a held launch (HOLD_ENV set by launch_plan) waits here until the launch before its own
+    has succeeded and the launcher created the go-file; a launcher that died without either (the go-file
+    never comes) is waited for HOLD_S_ENV seconds, then the rank ends with one line."""
+    go = os.environ.get(HOLD_ENV)
+    if not go:
+        return
+    deadline = time.monotonic() + float(os.environ.get(HOLD_S_ENV, "3600"))
+    while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            raise FleetError(f"this launch was held until the launch before it ended, and no word came in "
+                             f"{os.environ.get(HOLD_S_ENV)} s (the launcher is gone): run the fleet again")
+        time.sleep(0.01)
+
+
+def _follow(launch: _Launch, *, timeout_s: float, stream) -> list[str]:
+    """Stream a launch's output until it ends (its command first); FleetError when it fails or runs past
+    timeout_s from now (its whole group killed), or on an interrupt."""
+    stream(f"$ {' '.join(launch.cmd)}")
+    proc, q, lines = launch.proc, launch.lines, []
     deadline = time.monotonic() + timeout_s
     try:
         done = False

@@ -21,8 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from dormouse.errors import DormouseError
 from dormouse.gate import artifacts as A
 from dormouse.gate.artifacts import (
@@ -30,12 +28,9 @@ from dormouse.gate.artifacts import (
     GRADREF,
     ONE_PROCESS,
     SINGLE,
-    GateReferences,
-    RecordingSet,
     references,
     source_hash,
 )
-from dormouse.gate.record import modes
 from dormouse.gate.record.launcher import launch_fleet
 from dormouse.gate.settings import GateSettings
 
@@ -69,8 +64,10 @@ def locked(directory: Path, *sets: str):
 
 def _recorded(d: Path) -> dict | None:
     """The extra (settings, provenance) of the recording in `d`, None when there is none to read."""
+    if not A.recording_path(d).exists():  # a fresh out dir's fleet is launched before anything imports torch
+        return None
     try:
-        rec = RecordingSet(d)
+        rec = A.RecordingSet(d)
         return {**rec.extra, "run": rec.run, "world": rec.world_at(rec.steps[-1]), "closed": rec.recorded.closed}
     except DormouseError:
         return None
@@ -78,7 +75,7 @@ def _recorded(d: Path) -> dict | None:
 
 def _gate_json(d: Path, name: str) -> dict | None:
     try:
-        return GateReferences(d).meta(name)
+        return A.GateReferences(d).meta(name)
     except DormouseError:
         return None
 
@@ -158,6 +155,8 @@ def _members(set_name: str, s: GateSettings) -> list[Path]:
 
 @contextmanager
 def _threads(n: int):
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -178,6 +177,8 @@ def _drop_fleet(d: Path) -> None:
 def run_single(s: GateSettings, *, force: bool = True, log: Log = print) -> str:
     """01: the single process at the global batch (and its floors, and the exact reference)."""
     def make():
+        from dormouse.gate.record import modes
+
         with _threads(s.threads):
             modes.run_single(s, log=log)
 
@@ -196,6 +197,8 @@ def run_fleet(s: GateSettings, *, force: bool = True, stream: Log = print) -> st
 def run_references(s: GateSettings, *, force: bool = True, log: Log = print) -> dict[str, str]:
     """03: gradref and the recording's one-process reference, from the fleet's recording."""
     def gradref():
+        from dormouse.gate.record import modes
+
         with _threads(s.threads):
             modes.run_gradref(s, log=log)
 
@@ -251,10 +254,10 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
     run_references(s, force=False, log=log)
 
 
-def fleet_recording(s: GateSettings) -> RecordingSet:
+def fleet_recording(s: GateSettings) -> A.RecordingSet:
     """The fleet's recording, checked complete under the fleet's lock, so no
     producer replaces it while it is shown."""
     with locked(s.out_dir, FLEET):
-        rec = RecordingSet(s.out_dir)
+        rec = A.RecordingSet(s.out_dir)
         rec.validate()
     return rec

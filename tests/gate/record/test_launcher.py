@@ -1,6 +1,6 @@
 """The launcher's plan: which runs share a torchrun launch (launcher.launches),
 and the plan file that tells each rank every run's leg (modes.load_plan).
-Pure functions: the launches themselves run in every gate test."""
+Pure functions, and a launch held behind another: the launches themselves run in every gate test."""
 
 from __future__ import annotations
 
@@ -103,3 +103,62 @@ def test_a_fault_only_separate_interpreters_show_fails_the_default_gate_and_pass
     v = judged(fresh)
     assert not v.passed and not v.check("gradient").passed and not v.check("ranks").passed
     assert judged(forked).passed  # the limit of forked ranks
+
+
+def test_a_second_launch_starts_during_the_first_held_and_dies_with_it_when_the_first_fails(tmp_path):
+    """launch_plan starts a fleet's second launch while its first runs, its ranks held (hold_for_go):
+    here the first leg's ranks wait until a second-leg rank has started, then fail. The plan fails
+    naming the first leg, the held rank never passed its hold, and no process of either launch is left."""
+    import os
+    import time
+
+    from dormouse.errors import FleetError
+    from dormouse.gate.record.launcher import HOLD_ENV, launch_plan
+
+    s = _gs(tmp_path, "a", steps=2)  # world 2, resumed at 1 rank: two launches
+    started, released = tmp_path / "leg2_started", tmp_path / "leg2_released"
+    script = tmp_path / "legs.py"
+    script.write_text(f"""
+import os, sys, time
+from pathlib import Path
+if "--leg=2" in sys.argv:
+    Path({str(started)!r}).write_text(f"{{os.getpid()}} {{os.environ.get({HOLD_ENV!r}, '')}}")
+    from dormouse.gate.record.launcher import hold_for_go
+    hold_for_go()
+    Path({str(released)!r}).write_text("")
+    sys.exit(0)
+deadline = time.monotonic() + 120
+while not Path({str(started)!r}).exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("error: leg 1 fails on purpose", flush=True)
+sys.exit(3)
+""")
+    with pytest.raises(FleetError, match="leg 1 fails on purpose"):
+        launch_plan([s], entry=[str(script)], fork_ranks=True, timeout_s=120)
+    assert started.exists(), "the second launch was not started during the first, held"
+    pid, go = started.read_text().split(" ", 1)
+    assert go, "the second launch's ranks were not told to hold"
+    time.sleep(0.5)
+    assert not released.exists() and not os.path.exists(go)
+    try:
+        os.kill(int(pid), 0)
+        alive = open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        alive = False
+    assert not alive, "the held rank outlived the plan"
+
+
+def test_a_held_rank_waits_for_its_go_file_and_ends_in_one_line_when_none_comes(tmp_path, monkeypatch):
+    from dormouse.errors import FleetError
+    from dormouse.gate.record.launcher import HOLD_ENV, HOLD_S_ENV, hold_for_go
+
+    go = tmp_path / "go"
+    monkeypatch.setenv(HOLD_ENV, str(go))
+    monkeypatch.setenv(HOLD_S_ENV, "0.3")
+    with pytest.raises(FleetError, match="no word came in 0.3 s"):
+        hold_for_go()
+    go.write_text("")
+    hold_for_go()  # released at once
+    monkeypatch.delenv(HOLD_ENV)
+    go.unlink()
+    hold_for_go()  # not a held launch
