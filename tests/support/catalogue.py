@@ -360,6 +360,11 @@ CASES: tuple[Case, ...] = (
          fails={"gradient": "differs from one process's gradient"}, what="torch's dropout, rank 1's loss x 1.001",
          confirmation="the fleet's gradient is off one process's at the ranks' recorded masks by more than the "
                       "clean dropout run's"),
+    Case("rank1_growing", "causes", {"eps": 1e-3, "steps": 4}, "rank1_growing", verdict="FAIL",
+         fails={"gradient": ("at step 4", "it first fails at step 2")},
+         what="rank 1's loss x (1 + 0.001 (k - 1)) at step k: right at step 1, worst at the last",
+         confirmation="the test's own one-process gradient at each step's recorded parameters: within 1e-6 at "
+                      "step 1, off from step 2, most at step 4"),
     Case("no_sync_all", "causes", {"no_sync_all": True}, verdict="FAIL",
          fails={"gradient": "the gradients were not all-reduced over every micro-batch: at step 1"},
          confirmation="the ranks' recorded gradients differ"),

@@ -43,6 +43,7 @@ The reviewer's faults (tests/gate/catches/test_ddp_loops_written_from_the_docs.p
   wd_wrong         the loop's optimizer has weight decay x1.001 (build_optimizer's not)
   fwd_no_bwd       the last micro-batch is forwarded but its loss is never backpropagated
   late_x15         at step 2 only, every rank scales its loss by 1.5 (non-tensor step when every > 1)
+  rank1_growing    rank 1 scales its loss by 1 + eps (k - 1) at step k: right at step 1, worse every step after
   dup_data         a clean loop over a dataset with duplicate rows (data[2j+1] == data[2j])
   nograd_log       a clean loop that also runs a no_grad forward in train mode to log a probe loss
   rank1_fp32       (with autocast) rank 1 runs its forward without the autocast the others run under
@@ -152,6 +153,8 @@ def scale_of(fault: str, rank: int, step: int, eps: float) -> float:
         return 1.0 + eps
     if fault == "late_x15" and step == 2:
         return 1.5
+    if fault == "rank1_growing" and rank == 1:
+        return 1.0 + eps * (step - 1)
     return 1.0
 
 

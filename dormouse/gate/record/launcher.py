@@ -7,6 +7,9 @@ output line to `stream` as it arrives (into a notebook cell, say), and on
 timeout or interrupt kills the whole group (agent and ranks), so no rank
 outlives the call. On success it returns the ranks' artifact metadata;
 on failure it raises FleetError with the failing rank and the output's tail.
+A plan of several launches (a stop-and-resume's two legs) starts each launch
+while the one before it runs, its ranks held at their start until that one
+has succeeded (`hold_for_go`), and kills it when that one fails.
 """
 
 from __future__ import annotations
@@ -224,6 +227,8 @@ def hold_for_go() -> None:
             raise FleetError(f"this launch was held until the launch before it ended, and no word came in "
                              f"{os.environ.get(HOLD_S_ENV)} s (the launcher is gone): run the fleet again")
         time.sleep(0.01)
+    for name in (HOLD_ENV, HOLD_S_ENV):  # released: nothing this rank starts is held by it
+        os.environ.pop(name, None)
 
 
 def _follow(launch: _Launch, *, timeout_s: float, stream) -> list[str]:

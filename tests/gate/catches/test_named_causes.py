@@ -473,3 +473,35 @@ def test_a_rank_whose_scheduler_stepped_once_more_has_the_third_steps_lr(recordi
     lr = json.loads((d / "recording.json").read_text())["build_kwargs"]["lr"]
     lrs = [json.loads(A.step_meta_path(d, r, 2).read_text())["lr"] for r in range(2)]
     assert lrs == [lr * lr_factor(1), lr * lr_factor(2)]
+
+
+def test_a_growing_fault_is_found_from_its_first_step_not_only_its_worst(recordings):
+    """rank1_growing: rank 1's loss x (1 + 0.001 (k - 1)) at step k. This file's own one-process gradient
+    (plain autograd on TinyLM at each step's recorded parameters, every rank's micro-batches, the global
+    token mean) against the fleet's recorded one: right at step 1, off from step 2, most at the last; the
+    gradient line names the worst step and where it first fails."""
+    import torch.nn.functional as F
+    from loopmodel import VOCAB, build_model
+
+    out = recordings["rank1_growing"]
+    rec = A.RecordingSet(out)
+    off = {}
+    for k in rec.steps:
+        net = build_model(**rec.spec.build_kwargs).double()
+        params, _ = A.read_tensors(A.step_tensors_path(out, 0, k), "step tensors")
+        net.load_state_dict({n[2:]: v.double() for n, v in params.items() if n.startswith(A.PARAM)}, strict=False)
+        mbs = rec.micro_batches(k)
+        n = sum(int((b["labels"][:, 1:] != -100).sum()) for _, _, b in mbs)
+        for _, _, b in mbs:
+            z = net(b["input_ids"])[:, :-1]
+            (F.cross_entropy(z.reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1), ignore_index=-100,
+                             reduction="sum") / n).backward()
+        want = {name: p.grad for name, p in net.named_parameters()}
+        meta = rec.step_meta(0, k)
+        got = {name: v.double() / (meta["clip_coef"] if meta["clipped"] else 1.0)
+               for name, v in looprec.recorded_gradients(out, 0, k).items()}
+        off[k] = looprec.worst(got, want)
+    assert off[1] < 1e-6 and min(off[k] for k in rec.steps[1:]) > 1e-4, off
+    assert max(off, key=off.get) == rec.steps[-1] == 4, off
+    c = looprec.verdict(out).check("gradient")
+    assert c.worst_step == 4 and c.first_step == 2 and "it first fails at step 2" in c.reason, c.reason

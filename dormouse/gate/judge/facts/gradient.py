@@ -591,6 +591,19 @@ def _gradient_without_backward(rec: A.RecordingSet, ref: ReferenceSet) -> Tensor
     return None
 
 
+def _first_failing(s: _Scan) -> str:
+    """Where the failure begins, when the words above name a later step (the worst): a fault that grows, or
+    that a resume or a schedule brings in, is found from its first step."""
+    first = s.first_bad
+    if first is None or first["step"] == s.worst_k:
+        return ""
+    err, bound = ((first.get("error"), first.get("bound")) if first.get("bound") is not None else
+                  (first.get("tensor_error"), first.get("tensor_bound")))  # run mode: the tensor's own bound
+    if err is None or bound is None or math.isinf(err):
+        return ""
+    return f"; it first fails at step {first['step']} (off by {err:.2g} against its bound {bound:.2g})"
+
+
 def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     """Fact 3 (module docstring): the rows, then the bound stated, then the pass or the failure's shape named,
     then what the recording says the reference followed, then a made-up gradient held exactly."""
@@ -611,7 +624,7 @@ def check_gradient(rec: A.RecordingSet, ref: ReferenceSet) -> TensorCheck:
     elif s.ok:
         reason = _pass_reason(rec, s)
     else:
-        reason = _fail_reason(rec, ref, s)
+        reason = _fail_reason(rec, ref, s) + _first_failing(s)
     reason = _with_made_up(rec, ref, s, reason + _recording_notes(rec, ref, s))
     return TensorCheck("gradient", s.ok, reason, worst=s.worst, worst_tensor=s.worst_t, worst_step=s.worst_k,
                        bound=max(s.tbounds), per_step=s.per,
