@@ -38,10 +38,10 @@ dict}; a run continued from a checkpoint of another run and recorded afresh
     build_model      loop.build_model(run): seeded by train.seed, the same init
                      (with a checkpoint: its weights, read whole)
     build_optimizer  MixOptimizer (Muon for hidden matrices, AdamW for the rest;
-                     loop.make_optimizer) behind torch.optim.Optimizer's
-                     interface (with a checkpoint: its state), and the loop's lr
-                     schedule as an LRScheduler: lr of step k (0-based) =
-                     lr_at(k, run), counting from `start`
+                     loop.make_optimizer) behind an optimizer's interface
+                     (step, zero_grad, param_groups; with a checkpoint: its
+                     state), and the loop's lr schedule: lr of step k (0-based)
+                     = lr_at(k, run), counting from `start`
     objective        next_byte: the model's loss, a token mean of next-byte
                      cross-entropy over the GLOBAL batch, declared as
                      loss_sum(b) = sum_{i,t} CE(z_{i,t}, y_{i,t}), count(b) = |y|,
@@ -133,14 +133,16 @@ def build_model(run: dict, checkpoint: str | None = None, **_) -> torch.nn.Modul
     return load_model_weights(Path(checkpoint), build=lambda r: _built(_run(run)))[0]
 
 
-class MixAsTorch(torch.optim.Optimizer):
-    """loop.make_optimizer's MixOptimizer behind torch.optim.Optimizer: one
-    param group whose "lr" an LRScheduler sets; step() hands it to
-    MixOptimizer.set_lr and steps (the very update the loop applies)."""
+class MixAsOptimizer:
+    """loop.make_optimizer's MixOptimizer behind the interface the replay steps (rebuild.build_optimizer):
+    one param group whose "lr" the schedule sets; step() hands it to MixOptimizer.set_lr and steps (the
+    very update the loop applies). Not a torch.optim.Optimizer: constructing one imports torch._dynamo
+    (torch/_compile.py's _disable_dynamo, on add_param_group), seconds of CPU on the verdict's path, for an
+    interface nothing here uses."""
 
     def __init__(self, model: torch.nn.Module, run: RunConfig):
         self.mix = loop.make_optimizer(model, run)
-        super().__init__(list(model.parameters()), {"lr": run.train.lr})
+        self.param_groups = [{"params": list(model.parameters()), "lr": run.train.lr}]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -157,23 +159,26 @@ class MixAsTorch(torch.optim.Optimizer):
         self.mix.load_state_dict(state_dict)
 
 
-class LoopSchedule(torch.optim.lr_scheduler.LRScheduler):
-    """The loop's schedule: the lr of step k (0-based) is lr_at(k, run), the
-    first step being `start` (the steps a checkpoint had done)."""
+class LoopSchedule:
+    """The loop's schedule: the lr of step k (0-based) is lr_at(k, run), the first step being `start` (the
+    steps a checkpoint had done). Set on the optimizer's group at construction and at every step(), as an
+    LRScheduler sets it (its first step() is its construction's)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, run: RunConfig, start: int = 0):
-        self.run, self.start = run, start
-        super().__init__(optimizer)
+    def __init__(self, optimizer: MixAsOptimizer, run: RunConfig, start: int = 0):
+        self.optimizer, self.run, self.start, self.last_epoch = optimizer, run, start, -1
+        self.step()
 
-    def get_lr(self):
-        return [loop.lr_at(self.start + self.last_epoch, self.run) for _ in self.optimizer.param_groups]
+    def step(self) -> None:
+        self.last_epoch += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = loop.lr_at(self.start + self.last_epoch, self.run)
 
 
 def build_optimizer(model: torch.nn.Module, run: dict, checkpoint: str | None = None, start: int = 0, **_):
     """(optimizer, scheduler) as the loop steps them, for `model` (with a
     checkpoint: its optimizer state, and the schedule from step `start`)."""
     run = _run(run)
-    opt = MixAsTorch(model, run)
+    opt = MixAsOptimizer(model, run)
     if checkpoint is not None:
         from dormouse.train.checkpoint import load_checkpoint
 

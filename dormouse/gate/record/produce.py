@@ -216,13 +216,6 @@ def run_references(s: GateSettings, *, force: bool = True, log: Log = print) -> 
                 for n, make in ((GRADREF, gradref), (REFERENCE, reference))}
 
 
-def _import_while_waiting() -> None:
-    """What the references import on first use, imported while the fleet still runs (its second leg
-    holds one core): torch.optim.Optimizer's first construction imports torch._dynamo (torch/_compile.py's
-    _disable_dynamo), 2 s of CPU that the replay would otherwise spend after the fleet."""
-    import torch._dynamo  # noqa: F401
-
-
 def ensure_all(s: GateSettings, *, log: Log = print) -> None:
     """04: every set the verdict needs, produced only where missing or stale."""
     if s.plan.global_batch is None:
@@ -248,8 +241,6 @@ def ensure_all(s: GateSettings, *, log: Log = print) -> None:
         with ThreadPoolExecutor(max_workers=1) as pool:
             fleet = pool.submit(run_fleet, s, force=False, stream=said)
             run_single(s, force=False, log=said)
-            if not fleet.done():
-                _import_while_waiting()
             fleet.result()
     run_references(s, force=False, log=log)
 

@@ -30,3 +30,25 @@ def test_names_that_are_simply_other_get_no_hint():
     wrapped = {"module." + n for n in _base().state_dict()}  # DDP's prefix: a wrapper, not PEFT's
     hint = _wrapped_hint(set(_base().state_dict()), wrapped)
     assert "'module.'" in hint and "PEFT" not in hint
+
+
+def test_an_optimizer_is_what_the_replay_steps_not_only_torchs_base_class():
+    """rebuild.is_optimizer: step(), zero_grad() and a param_groups list with an lr, as torch's optimizers
+    and dormouse's own loop's (MixAsOptimizer, not a torch.optim.Optimizer) have; a model is not one."""
+    import dataclasses
+
+    from dormouse.config import RunConfig, TrainConfig, preset
+    from dormouse.gate.record.dormouse_loop import LoopSchedule, MixAsOptimizer
+    from dormouse.gate.record.reference.rebuild import is_optimizer
+    from dormouse.train import loop
+
+    net = _base()
+    assert is_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3))
+    assert not is_optimizer(net) and not is_optimizer(type("StepOnly", (), {"step": lambda self: None})())
+    run = RunConfig(model=preset("tiny"), train=dataclasses.replace(TrainConfig(), steps=8, warmup=2))
+    model = loop.build_model(run)
+    opt = MixAsOptimizer(model, run)
+    assert is_optimizer(opt) and not isinstance(opt, torch.optim.Optimizer)
+    sched = LoopSchedule(opt, run, start=3)  # the lr of steps 3, 4, 5 (0-based) as the loop's schedule gives
+    got = [opt.param_groups[0]["lr"]] + [sched.step() or opt.param_groups[0]["lr"] for _ in range(2)]
+    assert got == [loop.lr_at(k, run) for k in (3, 4, 5)]

@@ -120,6 +120,14 @@ def _as_recorded(model, recorded: A.RecordedRun, attrs: dict | None) -> None:
                     pass
 
 
+def is_optimizer(opt) -> bool:
+    """What the replay steps: step(), zero_grad(set_to_none=True), param_groups[0]["lr"] read (a
+    torch.optim.Optimizer has them all; an optimizer of one's own may, without torch's base class)."""
+    return callable(getattr(opt, "step", None)) and callable(getattr(opt, "zero_grad", None)) and \
+        isinstance(getattr(opt, "param_groups", None), list) and bool(opt.param_groups) and \
+        isinstance(opt.param_groups[0], dict) and "lr" in opt.param_groups[0]
+
+
 def build_optimizer(rec: A.RecordingSet, model):
     spec = rec.spec
     fn = import_path(spec.build_optimizer, "build_optimizer")
@@ -128,8 +136,10 @@ def build_optimizer(rec: A.RecordingSet, model):
     except Exception as e:
         raise ReferenceError(f"build_optimizer {spec.build_optimizer!r} failed ({type(e).__name__}: {e})")
     opt, sched = built if isinstance(built, (tuple, list)) else (built, None)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise ReferenceError(f"build_optimizer {spec.build_optimizer!r} returned no optimizer")
+    if not is_optimizer(opt):
+        raise ReferenceError(f"build_optimizer {spec.build_optimizer!r} returned no optimizer (an object with "
+                             f"step(), zero_grad() and a param_groups list, as torch.optim.Optimizer has; it "
+                             f"returned a {type(opt).__name__})")
     return opt, sched
 
 
