@@ -114,7 +114,8 @@ class RecordingSpec:
     build_model: str = _opt(_MISSING, '"pkg.mod:fn": fn(**build_kwargs) returns the same initial model in a '
                             "fresh process", _STR)
     build_optimizer: str = _opt(_MISSING, '"pkg.mod:fn": fn(model, **build_kwargs) returns the optimizer, or '
-                                "(optimizer, lr_scheduler)", _STR)
+                                "(optimizer, lr_scheduler); an optimizer is what the replay steps: step(), "
+                                "zero_grad() and a param_groups list holding the lr, as torch's have", _STR)
     objective: str = _opt("causal_lm", 'causal_lm | token_mean | example_mean | "pkg.mod:fn" with fn(model, batch) '
                           "-> (loss_sum, count)", _STR)
     objective_scope: str = _opt("example", 'what the objective is a function of: "example" (each row alone), '
