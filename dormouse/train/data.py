@@ -28,15 +28,13 @@ An optional held-out tail (`eval_frac`) is never trained on.
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dormouse.config import DATA_ORDERS, RunConfig, TrainConfig
-from dormouse.errors import DataError, PlanError
+from dormouse.config import DATA_ORDERS, TrainConfig
+from dormouse.errors import DataError
 from dormouse.train.plan import PROFILE_SYNTAX, FleetPlan, RankShape, rank_byte_offset, span_bytes  # noqa: F401
 
 
