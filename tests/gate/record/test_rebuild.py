@@ -52,3 +52,33 @@ def test_an_optimizer_is_what_the_replay_steps_not_only_torchs_base_class():
     sched = LoopSchedule(opt, run, start=3)  # the lr of steps 3, 4, 5 (0-based) as the loop's schedule gives
     got = [opt.param_groups[0]["lr"]] + [sched.step() or opt.param_groups[0]["lr"] for _ in range(2)]
     assert got == [loop.lr_at(k, run) for k in (3, 4, 5)]
+
+
+def test_the_replay_steps_an_optimizer_of_ones_own_whose_zero_grad_takes_no_argument():
+    """A review's crash: a hand-written SGD whose zero_grad(self) takes no keyword passed is_optimizer, then
+    the replay called zero_grad(set_to_none=True). One replayed step is now p - lr g, as computed here."""
+    from dormouse.gate.record.reference.rebuild import is_optimizer
+    from dormouse.gate.record.reference.replay import train_step
+
+    class PlainSGD:
+        def __init__(self, params, lr):
+            self.param_groups = [{"params": list(params), "lr": lr}]
+
+        @torch.no_grad()
+        def step(self):
+            for p in self.param_groups[0]["params"]:
+                if p.grad is not None:
+                    p -= self.param_groups[0]["lr"] * p.grad
+
+        def zero_grad(self):
+            for p in self.param_groups[0]["params"]:
+                p.grad = None
+
+    net = _base()
+    opt = PlainSGD(net.parameters(), 0.5)
+    assert is_optimizer(opt)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    grads = {n: torch.full_like(p, 0.25) for n, p in net.named_parameters()}
+    train_step(net, opt, None, dict(grads), 0.0, clipped=False)
+    for n, p in net.named_parameters():
+        assert torch.equal(p.detach(), before[n] - 0.5 * grads[n]) and p.grad is None

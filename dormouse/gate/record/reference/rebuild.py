@@ -121,7 +121,7 @@ def _as_recorded(model, recorded: A.RecordedRun, attrs: dict | None) -> None:
 
 
 def is_optimizer(opt) -> bool:
-    """What the replay steps: step(), zero_grad(set_to_none=True), param_groups[0]["lr"] read (a
+    """What the replay steps: step(), zero_grad(), param_groups[0]["lr"] read (a
     torch.optim.Optimizer has them all; an optimizer of one's own may, without torch's base class)."""
     return callable(getattr(opt, "step", None)) and callable(getattr(opt, "zero_grad", None)) and \
         isinstance(getattr(opt, "param_groups", None), list) and bool(opt.param_groups) and \

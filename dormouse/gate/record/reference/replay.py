@@ -40,7 +40,7 @@ def train_step(model, opt, sched, grads: dict, mgn: float, *, clipped: bool) -> 
     opt.step()
     if sched is not None:
         sched.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()  # (torch's default sets to None; an optimizer of one's own may take no argument)
 
 
 def _trim() -> None:
